@@ -1,0 +1,14 @@
+# fsdp_libtorch: the CPU half of LibTorch (torch_cpu + c10, with the C++ API headers).
+# The wheel's `torch` target also drags in CUDA runtime libraries; the CPU library does not need
+# them, so it links the CPU libraries directly and the CUDA path lives in fsdp::cuda.
+add_library(fsdp_libtorch INTERFACE)
+target_include_directories(fsdp_libtorch SYSTEM INTERFACE
+  $<TARGET_PROPERTY:torch,INTERFACE_INCLUDE_DIRECTORIES>)
+target_link_libraries(fsdp_libtorch INTERFACE torch_cpu c10)
+
+# fmt: LibTorch's include directory carries fmt 12 headers, which shadow Debian's libfmt 9
+# headers on the include path; linking Debian's libfmt.so against them would mismatch. So code
+# that formats uses LibTorch's copy header-only.
+add_library(fsdp_fmt INTERFACE)
+target_compile_definitions(fsdp_fmt INTERFACE FMT_HEADER_ONLY)
+target_link_libraries(fsdp_fmt INTERFACE fsdp_libtorch)

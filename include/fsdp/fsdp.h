@@ -1,0 +1,10 @@
+// fsdp-cpp: Fully Sharded Data Parallel training for LibTorch.
+//
+// The one header to include. See README.md for the change a model needs (call sharded
+// modules through fsdp::forward) and docs/design.md for how a unit lives through a step.
+#pragma once
+
+#include <fsdp/comm_stats.h>
+#include <fsdp/fully_shard.h>
+#include <fsdp/memory.h>
+#include <fsdp/process_group.h>

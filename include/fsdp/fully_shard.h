@@ -1,0 +1,163 @@
+// The entry point: make a module one FSDP unit, and run its forward through fsdp-cpp.
+//
+// fully_shard(module, options) shards every parameter of `module` that no inner unit owns
+// across the process group. The module keeps its parameter objects; at rest each holds only
+// this rank's rows, so model->parameters() yields the shards and an optimizer built on them
+// updates shards. C++ modules have no forward hooks, so wherever the model calls a sharded
+// module's forward, it calls fsdp::forward(module, args...) instead: that gathers the unit's
+// parameters, runs forward, frees them, and hooks autograd so that backward gathers them again
+// and reduce-scatters their gradients. On a module that was never sharded, fsdp::forward is
+// a plain forward call, so the same model code runs with and without FSDP.
+//
+// Apply bottom-up: blocks first, then the root (the whole model), whose unit takes what is
+// left (embeddings, final norm, head).
+#pragma once
+
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+#include <array>
+#include <memory>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <fsdp/process_group.h>
+
+namespace fsdp {
+
+struct FullyShardOptions {
+  explicit FullyShardOptions(std::shared_ptr<ProcessGroup> group) : group_(std::move(group)) {}
+
+  /// The ranks the parameters are sharded over.
+  TORCH_ARG(std::shared_ptr<ProcessGroup>, group);
+  /// Free the unsharded parameters after forward and gather them again for backward (the
+  /// memory-saving default, ZeRO-3). The outermost unit of a forward (the root) never
+  /// reshards after forward: its backward starts right away.
+  TORCH_ARG(bool, reshard_after_forward) = true;
+  /// Broadcast group rank 0's parameters and buffers before sharding, so every rank starts
+  /// from the same values whatever its random seed.
+  TORCH_ARG(bool, sync_module_states) = true;
+};
+
+/// Makes `module` one FSDP unit over `options.group()`.
+void fully_shard(const std::shared_ptr<torch::nn::Module>& module,
+                 const FullyShardOptions& options);
+template <typename M>
+void fully_shard(const torch::nn::ModuleHolder<M>& module, const FullyShardOptions& options) {
+  fully_shard(std::static_pointer_cast<torch::nn::Module>(module.ptr()), options);
+}
+
+/// True if fully_shard() was applied to `module`.
+bool is_sharded(const torch::nn::Module& module);
+
+namespace detail {
+class ParamGroup;
+/// The unit of `module`, or nullptr.
+std::shared_ptr<ParamGroup> find_unit(const torch::nn::Module& module);
+/// Gathers the unit's parameters; returns the tensor arguments, wrapped so that autograd
+/// tells the unit when its backward is done.
+std::vector<torch::Tensor> pre_forward(ParamGroup& unit, std::vector<torch::Tensor> args);
+/// Frees the unit's parameters (unless it is the root of this forward) and hooks the outputs
+/// so that backward gathers them again.
+void post_forward(ParamGroup& unit, const std::vector<torch::Tensor>& outputs);
+/// The module's forward threw: reshard and return the unit to idle so training can go on.
+void abort_forward(ParamGroup& unit) noexcept;
+
+template <typename T>
+inline constexpr bool is_tensor_v = std::is_same_v<std::decay_t<T>, torch::Tensor>;
+
+template <typename M>
+decltype(auto) module_impl(M& m) {
+  if constexpr (requires { m.ptr(); }) {
+    return *m.ptr();  // ModuleHolder
+  } else if constexpr (requires { *m; }) {
+    return *m;  // shared_ptr / pointer
+  } else {
+    return (m);
+  }
+}
+
+template <typename... Args>
+constexpr std::array<int, sizeof...(Args)> tensor_slots() {
+  std::array<int, sizeof...(Args)> slots{};
+  int next = 0, i = 0;
+  ((slots[i++] = is_tensor_v<Args> ? next++ : -1), ...);
+  return slots;
+}
+
+inline void collect_tensors(const torch::Tensor& t, std::vector<torch::Tensor>& out) {
+  if (t.defined()) out.push_back(t);
+}
+inline void collect_tensors(const std::vector<torch::Tensor>& ts, std::vector<torch::Tensor>& out) {
+  for (const auto& t : ts) collect_tensors(t, out);
+}
+template <typename... Ts>
+void collect_tensors(const std::tuple<Ts...>& tup, std::vector<torch::Tensor>& out) {
+  std::apply([&](const auto&... e) { (collect_tensors(e, out), ...); }, tup);
+}
+template <typename A, typename B>
+void collect_tensors(const std::pair<A, B>& p, std::vector<torch::Tensor>& out) {
+  collect_tensors(p.first, out);
+  collect_tensors(p.second, out);
+}
+template <typename T>
+void collect_tensors(const T&, std::vector<torch::Tensor>&) {}  // not a tensor: nothing to hook
+
+template <typename Impl, typename Tuple, size_t... I>
+decltype(auto) call_forward(Impl& impl, Tuple& args, std::vector<torch::Tensor>& wrapped,
+                            std::index_sequence<I...>) {
+  constexpr auto slots = tensor_slots<std::tuple_element_t<I, Tuple>...>();
+  auto pick = [&]<size_t J>(std::integral_constant<size_t, J>) -> decltype(auto) {
+    if constexpr (is_tensor_v<std::tuple_element_t<J, Tuple>>) {
+      return static_cast<const torch::Tensor&>(wrapped[slots[J]]);
+    } else {
+      return std::forward<std::tuple_element_t<J, Tuple>>(std::get<J>(args));
+    }
+  };
+  return impl.forward(pick(std::integral_constant<size_t, I>{})...);
+}
+}  // namespace detail
+
+/// Calls module->forward(args...) as an FSDP unit: parameters are gathered before and freed
+/// after, and backward is hooked. Tensor arguments are passed through an autograd identity so
+/// the unit learns when its backward has finished; other arguments are passed unchanged.
+/// `module` may be a ModuleHolder (Linear, or your TORCH_MODULE), a shared_ptr, or a module.
+template <typename M, typename... Args>
+decltype(auto) forward(M&& module, Args&&... args) {
+  auto& impl = detail::module_impl(module);
+  auto unit = detail::find_unit(impl);
+  if (!unit) return impl.forward(std::forward<Args>(args)...);
+
+  std::vector<torch::Tensor> tensors;
+  (
+      [&] {
+        if constexpr (detail::is_tensor_v<Args>) tensors.push_back(args);
+      }(),
+      ...);
+  auto wrapped = detail::pre_forward(*unit, std::move(tensors));
+  auto arg_tuple = std::forward_as_tuple(std::forward<Args>(args)...);
+  using Result = decltype(detail::call_forward(impl, arg_tuple, wrapped,
+                                               std::index_sequence_for<Args...>{}));
+  try {
+    if constexpr (std::is_void_v<Result>) {
+      detail::call_forward(impl, arg_tuple, wrapped, std::index_sequence_for<Args...>{});
+      detail::post_forward(*unit, {});
+    } else {
+      Result result =
+          detail::call_forward(impl, arg_tuple, wrapped, std::index_sequence_for<Args...>{});
+      std::vector<torch::Tensor> outputs;
+      detail::collect_tensors(result, outputs);
+      detail::post_forward(*unit, outputs);
+      return result;
+    }
+  } catch (...) {
+    detail::abort_forward(*unit);
+    throw;
+  }
+}
+
+}  // namespace fsdp

@@ -1,0 +1,118 @@
+// Process groups: who this process is, how many there are, and the c10d backend they talk through.
+//
+// Ranks come from the launcher's environment (torchrun, SLURM, or our own launchers), the
+// rendezvous is a c10d TCPStore, and collectives run on a c10d backend: Gloo for CPU tensors,
+// NCCL for CUDA tensors (link fsdp::cuda to register it). Every blocking step has a timeout, so
+// a rank that never arrives or dies makes the others fail with a message instead of hanging.
+#pragma once
+
+#include <torch/arg.h>
+
+#include <c10/core/DeviceType.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fsdp/comm_stats.h>
+
+namespace c10d {
+class Backend;
+class Store;
+}  // namespace c10d
+
+namespace fsdp {
+
+/// Where this process sits in the job, read from the environment.
+struct LaunchEnv {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  /// torchrun (and our test launcher) host the TCPStore in the agent process: no rank serves it.
+  bool agent_store = false;
+  /// Key prefix the agent store expects (torchrun: "/worker/attempt_<restart count>").
+  std::string store_prefix;
+  /// "torchrun", "slurm" or "single": which variables were used.
+  std::string source = "single";
+};
+
+/// Reads RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun), or
+/// SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID/SLURM_NTASKS_PER_NODE/SLURM_LAUNCH_NODE_IPADDR, or
+/// defaults to a single process. A malformed value throws, naming the variable.
+LaunchEnv launch_env_from_environment();
+
+struct ProcessGroupOptions {
+  /// "gloo" (CPU tensors) or "nccl" (CUDA tensors; needs fsdp::cuda linked in).
+  TORCH_ARG(std::string, backend) = "gloo";
+  /// Bounds the rendezvous and every collective: a missing or dead rank fails the others
+  /// after this long.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
+  /// Host name or address Gloo binds to; empty: MASTER_ADDR when it is a loopback address,
+  /// else this machine's host name.
+  TORCH_ARG(std::string, gloo_hostname) = "";
+  /// Gloo worker threads per group (each runs one collective at a time).
+  TORCH_ARG(int, gloo_threads) = 2;
+};
+
+/// A group of ranks and the c10d backend its collectives run on. Create with
+/// init_process_group(); subgroups with new_group(). Thread-compatible, not thread-safe.
+class ProcessGroup {
+ public:
+  ProcessGroup(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::Backend> backend,
+               int rank, int size, std::vector<int> global_ranks, ProcessGroupOptions options);
+  ~ProcessGroup();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  /// Global rank of each member, in group-rank order.
+  const std::vector<int>& global_ranks() const { return global_ranks_; }
+  const std::string& backend_name() const { return options_.backend(); }
+  /// kCPU for Gloo, kCUDA for NCCL: where tensors handed to collectives must live.
+  c10::DeviceType device_type() const;
+  std::chrono::milliseconds timeout() const { return options_.timeout(); }
+  c10d::Backend& backend() const { return *backend_; }
+  const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
+
+  /// Counters of every collective issued through fsdp-cpp on this group.
+  CommStats& comm_stats() { return stats_; }
+  const CommStats& comm_stats() const { return stats_; }
+
+  /// A group over `ranks` (group ranks of this group, ascending). Every member of this group
+  /// must call it with the same arguments, in the same order; non-members get nullptr.
+  std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks);
+
+  /// Blocks until every rank of the group arrives (bounded by timeout()).
+  void barrier();
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<c10d::Backend> backend_;
+  int rank_;
+  int size_;
+  std::vector<int> global_ranks_;
+  ProcessGroupOptions options_;
+  CommStats stats_;
+  int subgroups_created_ = 0;
+};
+
+/// Joins the job described by `env` and returns the world group. Fails with one clear
+/// message (which ranks did not arrive, which address could not be reached) after
+/// options.timeout().
+std::shared_ptr<ProcessGroup> init_process_group(const LaunchEnv& env,
+                                                 const ProcessGroupOptions& options = {});
+/// Same, with the environment read by launch_env_from_environment().
+std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& options = {});
+
+/// Creates a backend for a named c10d backend; fsdp::cuda registers "nccl".
+using BackendFactory = std::function<c10::intrusive_ptr<c10d::Backend>(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    const ProcessGroupOptions& options)>;
+void register_backend(const std::string& name, BackendFactory factory);
+
+}  // namespace fsdp

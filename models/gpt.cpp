@@ -1,0 +1,134 @@
+// GPT-2 style model; see gpt.h.
+#include "gpt.h"
+
+#include <fsdp/fully_shard.h>
+
+#include <stdexcept>
+
+namespace fsdp_models {
+
+int64_t GPTConfig::num_params() const {
+  const int64_t c = n_embd;
+  const int64_t per_block = 2 * 2 * c + (c * 3 * c + (attn_bias ? 3 * c : 0)) + (c * c + c) +
+                            (c * 4 * c + 4 * c) + (4 * c * c + c);
+  int64_t n = vocab_size * c + block_size * c + n_layer * per_block + 2 * c;
+  if (!tie_embeddings) n += vocab_size * c;
+  return n;
+}
+
+GPTConfig GPTConfig::preset(const std::string& name) {
+  GPTConfig c;
+  if (name == "gpt2-test") {  // sizes that 2, 3 and 4 ranks do not divide
+    c.vocab_size = 67, c.block_size = 16, c.n_layer = 2, c.n_head = 2, c.n_embd = 22;
+  } else if (name == "gpt2-tiny") {
+    c.vocab_size = 512, c.block_size = 128, c.n_layer = 4, c.n_head = 4, c.n_embd = 128;
+  } else if (name == "gpt2-small") {
+    c.vocab_size = 2048, c.block_size = 256, c.n_layer = 6, c.n_head = 6, c.n_embd = 384;
+  } else if (name == "gpt2-124m") {
+    c.vocab_size = 50257, c.block_size = 1024, c.n_layer = 12, c.n_head = 12, c.n_embd = 768;
+  } else if (name == "gpt2-350m") {
+    c.vocab_size = 50257, c.block_size = 1024, c.n_layer = 24, c.n_head = 16, c.n_embd = 1024;
+  } else if (name == "gpt2-1.5b") {
+    c.vocab_size = 50257, c.block_size = 1024, c.n_layer = 48, c.n_head = 25, c.n_embd = 1600;
+  } else {
+    throw std::invalid_argument("unknown GPT preset '" + name +
+                                "' (known: gpt2-test, gpt2-tiny, gpt2-small, gpt2-124m, "
+                                "gpt2-350m, gpt2-1.5b)");
+  }
+  return c;
+}
+
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& cfg) : n_head_(cfg.n_head) {
+  TORCH_CHECK(cfg.n_embd % cfg.n_head == 0, "n_embd (", cfg.n_embd, ") must be a multiple of n_head (",
+              cfg.n_head, ")");
+  c_attn_ = register_module(
+      "c_attn",
+      torch::nn::Linear(torch::nn::LinearOptions(cfg.n_embd, 3 * cfg.n_embd).bias(cfg.attn_bias)));
+  c_proj_ = register_module("c_proj", torch::nn::Linear(cfg.n_embd, cfg.n_embd));
+}
+
+torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
+  const auto b = x.size(0), t = x.size(1), c = x.size(2);
+  auto qkv = c_attn_(x).split(c, /*dim=*/2);  // 3 x (B, T, C)
+  auto heads = [&](const torch::Tensor& y) {
+    return y.view({b, t, n_head_, c / n_head_}).transpose(1, 2);  // (B, H, T, D)
+  };
+  auto y = at::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]),
+                                            /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                            /*is_causal=*/true);
+  return c_proj_(y.transpose(1, 2).contiguous().view({b, t, c}));
+}
+
+MLPImpl::MLPImpl(const GPTConfig& cfg) {
+  c_fc_ = register_module("c_fc", torch::nn::Linear(cfg.n_embd, 4 * cfg.n_embd));
+  c_proj_ = register_module("c_proj", torch::nn::Linear(4 * cfg.n_embd, cfg.n_embd));
+}
+
+torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
+  return c_proj_(torch::gelu(c_fc_(x), "tanh"));
+}
+
+BlockImpl::BlockImpl(const GPTConfig& cfg) {
+  ln_1 = register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({cfg.n_embd})));
+  attn = register_module("attn", CausalSelfAttention(cfg));
+  ln_2 = register_module("ln_2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({cfg.n_embd})));
+  mlp = register_module("mlp", MLP(cfg));
+}
+
+torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
+  auto h = x + attn(ln_1(x));
+  return h + mlp(ln_2(h));
+}
+
+GPTImpl::GPTImpl(const GPTConfig& cfg) : cfg_(cfg) {
+  wte = register_module("wte", torch::nn::Embedding(cfg.vocab_size, cfg.n_embd));
+  wpe = register_module("wpe", torch::nn::Embedding(cfg.block_size, cfg.n_embd));
+  for (int64_t i = 0; i < cfg.n_layer; ++i) {
+    blocks.push_back(register_module("h" + std::to_string(i), Block(cfg)));
+  }
+  ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({cfg.n_embd})));
+  if (!cfg.tie_embeddings) {
+    lm_head = register_module("lm_head",
+                              torch::nn::Linear(torch::nn::LinearOptions(cfg.n_embd, cfg.vocab_size).bias(false)));
+  }
+  // GPT-2 initialisation: N(0, 0.02) weights, zero biases, residual projections scaled down.
+  torch::NoGradGuard no_grad;
+  for (auto& item : named_parameters()) {
+    const auto& name = item.key();
+    auto& p = item.value();
+    if (name.ends_with(".bias")) {
+      p.zero_();
+    } else if (name.find("ln_") != std::string::npos) {
+      p.fill_(1.0);
+    } else if (name.ends_with("c_proj.weight")) {
+      p.normal_(0.0, cfg.init_std / std::sqrt(2.0 * cfg.n_layer));
+    } else {
+      p.normal_(0.0, cfg.init_std);
+    }
+  }
+}
+
+torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
+  const auto t = idx.size(1);
+  TORCH_CHECK(t <= cfg_.block_size, "sequence of ", t, " tokens exceeds block_size ", cfg_.block_size);
+  auto pos = torch::arange(t, idx.options().dtype(torch::kLong));
+  auto x = wte(idx) + wpe(pos);  // (B, T, C)
+  for (auto& block : blocks) x = fsdp::forward(block, x);
+  x = ln_f(x);
+  // Tied head: the embedding matrix, used inside the same (root) unit as the embedding.
+  return cfg_.tie_embeddings ? torch::nn::functional::linear(x, wte->weight) : lm_head(x);
+}
+
+torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                              targets.reshape({-1}));
+}
+
+}  // namespace fsdp_models
+
+namespace fsdp_models {
+void parallelize_gpt(GPT& model, const fsdp::FullyShardOptions& options) {
+  for (auto& block : model->blocks) fsdp::fully_shard(block, options);
+  fsdp::fully_shard(model, options);
+}
+}  // namespace fsdp_models

@@ -1,0 +1,96 @@
+// GPT-2 style language model (learned positions, LayerNorm, GELU MLP, tied embeddings).
+//
+// Single-device model code: the only FSDP-specific line is that blocks are called through
+// fsdp::forward, which is a plain forward call when the model is not sharded. Parallelism is
+// applied from outside by parallelize_gpt() (models/parallelize.h).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <string>
+
+namespace fsdp_models {
+
+struct GPTConfig {
+  int64_t vocab_size = 256;
+  int64_t block_size = 64;  // longest sequence
+  int64_t n_layer = 2;
+  int64_t n_head = 2;
+  int64_t n_embd = 64;
+  bool tie_embeddings = true;
+  /// Bias on the q/k/v projection (GPT-2 has one). Its key part has an identically zero
+  /// gradient (softmax ignores a constant added to every key), so under Adam it drifts on
+  /// rounding noise; exact-equivalence tests turn it off.
+  bool attn_bias = true;
+  double init_std = 0.02;
+
+  int64_t num_params() const;
+  /// Tiny models for tests and demos; real GPT-2 shapes for the planner.
+  static GPTConfig preset(const std::string& name);
+};
+
+class CausalSelfAttentionImpl : public torch::nn::Module {
+ public:
+  explicit CausalSelfAttentionImpl(const GPTConfig& cfg);
+  torch::Tensor forward(const torch::Tensor& x);  // (B, T, C) -> (B, T, C)
+
+ private:
+  int64_t n_head_;
+  torch::nn::Linear c_attn_{nullptr}, c_proj_{nullptr};
+};
+TORCH_MODULE(CausalSelfAttention);
+
+class MLPImpl : public torch::nn::Module {
+ public:
+  explicit MLPImpl(const GPTConfig& cfg);
+  torch::Tensor forward(const torch::Tensor& x);
+
+ private:
+  torch::nn::Linear c_fc_{nullptr}, c_proj_{nullptr};
+};
+TORCH_MODULE(MLP);
+
+class BlockImpl : public torch::nn::Module {
+ public:
+  explicit BlockImpl(const GPTConfig& cfg);
+  torch::Tensor forward(const torch::Tensor& x);
+
+  torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
+  CausalSelfAttention attn{nullptr};
+  MLP mlp{nullptr};
+};
+TORCH_MODULE(Block);
+
+class GPTImpl : public torch::nn::Module {
+ public:
+  explicit GPTImpl(const GPTConfig& cfg);
+  /// idx: (B, T) token ids -> logits (B, T, vocab).
+  torch::Tensor forward(const torch::Tensor& idx);
+
+  const GPTConfig& config() const { return cfg_; }
+
+  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  std::vector<Block> blocks;
+  torch::nn::LayerNorm ln_f{nullptr};
+  torch::nn::Linear lm_head{nullptr};  // only when embeddings are not tied
+
+ private:
+  GPTConfig cfg_;
+};
+TORCH_MODULE(GPT);
+
+/// Mean next-token cross-entropy of logits (B, T, V) against targets (B, T).
+torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets);
+
+}  // namespace fsdp_models
+
+namespace fsdp {
+struct FullyShardOptions;
+}
+
+namespace fsdp_models {
+/// Applies FSDP to a GPT the recommended way: one unit per block, then the root unit
+/// (embeddings, final norm and the tied head together, so the tied weight lives in one unit).
+void parallelize_gpt(GPT& model, const fsdp::FullyShardOptions& options);
+}  // namespace fsdp_models

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Installs what a fresh machine lacks and configures + builds the project.
+# Idempotent and quick when everything is already there: Debian packages are only installed
+# when missing, and the torch wheel's virtual environment and ccache live in a cache outside
+# the clone (FSDP_CACHE, default ~/.cache/fsdp-cpp) keyed by the torch version in .torch-version.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+TORCH_VERSION="$(tr -d '[:space:]' < "$ROOT/.torch-version")"
+CACHE="${FSDP_CACHE:-$HOME/.cache/fsdp-cpp}"
+VENV="$CACHE/torch-$TORCH_VERSION"
+BUILD="${FSDP_BUILD_DIR:-$ROOT/build}"
+
+APT_PACKAGES=(build-essential cmake ninja-build ccache python3-venv pkg-config
+  libgloo-dev libgtest-dev libgmock-dev libbenchmark-dev
+  libcli11-dev libtomlplusplus-dev nlohmann-json3-dev libspdlog-dev libfmt-dev
+  libsentencepiece-dev sentencepiece bible-kjv)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if [ ! -f "$VENV/.complete" ]; then
+  echo "setup: installing torch==$TORCH_VERSION into $VENV (once per version)"
+  rm -rf "$VENV"
+  mkdir -p "$CACHE"
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q --disable-pip-version-check "torch==$TORCH_VERSION"
+  touch "$VENV/.complete"
+fi
+TORCH_CMAKE_PREFIX="$("$VENV/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null)"
+
+export CCACHE_DIR="$CACHE/ccache"
+export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-5G}"
+# Release builds by default; FSDP_BUILD_TYPE=Debug for a debugger session.
+if [ ! -f "$BUILD/build.ninja" ]; then
+  cmake -S "$ROOT" -B "$BUILD" -G Ninja \
+    -DCMAKE_BUILD_TYPE="${FSDP_BUILD_TYPE:-Release}" \
+    -DCMAKE_PREFIX_PATH="$TORCH_CMAKE_PREFIX" \
+    -DCMAKE_CXX_COMPILER_LAUNCHER=ccache \
+    -DCMAKE_EXPORT_COMPILE_COMMANDS=ON >/dev/null
+fi
+# Two cores: parallel compile of LibTorch-heavy files needs ~1.5 GB each, which fits.
+cmake --build "$BUILD" -j "${FSDP_JOBS:-2}"

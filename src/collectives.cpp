@@ -1,0 +1,199 @@
+// Implementation notes for collectives.h: the per-backend algorithm choices and the
+// accounting of bytes. "sent_bytes" is what the algorithm puts on the wire from this rank.
+#include "collectives.h"
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <chrono>
+
+namespace fsdp::detail {
+namespace {
+
+bool is_gloo(const ProcessGroup& g) { return g.backend_name() == "gloo"; }
+
+void check_contiguous(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.is_contiguous(), "fsdp collectives: ", what, " must be contiguous");
+}
+
+}  // namespace
+
+torch::Tensor as_bytes(const torch::Tensor& t) {
+  check_contiguous(t, "tensor viewed as bytes");
+  // view(dtype) needs a last dimension to scale; a 1-d reshape of a contiguous tensor is free.
+  return t.reshape({-1}).view(torch::kUInt8);
+}
+
+CollectiveWork::CollectiveWork(ProcessGroup& group, CollectiveCounter& counter, const char* what,
+                               c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish)
+    : group_(group),
+      counter_(counter),
+      what_(what),
+      work_(std::move(work)),
+      finish_(std::move(finish)) {}
+
+CollectiveWork::~CollectiveWork() {
+  if (!waited_) {
+    try {
+      wait();
+    } catch (const std::exception&) {
+      // Destructors must not throw; the failure was the caller's to observe via wait().
+    }
+  }
+}
+
+bool CollectiveWork::is_completed() const { return waited_ || !work_ || work_->isCompleted(); }
+
+void CollectiveWork::wait() {
+  if (waited_) return;
+  waited_ = true;
+  auto start = std::chrono::steady_clock::now();
+  try {
+    if (work_) work_->wait();
+    if (finish_) finish_();
+  } catch (const std::exception& e) {
+    counter_.wait_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    TORCH_CHECK(false, "[rank ", group_.global_ranks().at(group_.rank()), "] ", what_,
+                " over ", group_.size(), " ranks failed (timeout ", group_.timeout().count(),
+                " ms; a peer may have died): ", e.what());
+  }
+  counter_.wait_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+std::unique_ptr<CollectiveWork> all_gather(ProcessGroup& group,
+                                           const std::vector<torch::Tensor>& inputs,
+                                           const std::vector<torch::Tensor>& outputs) {
+  TORCH_CHECK(!inputs.empty() && inputs.size() == outputs.size(),
+              "fsdp all_gather: need one output per input");
+  const int n = group.size();
+  int64_t in_bytes = 0;
+  std::vector<torch::Tensor> in_bytes_views, out_bytes_views;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    auto in = as_bytes(inputs[i]);
+    auto out = as_bytes(outputs[i]);
+    TORCH_CHECK(out.numel() == in.numel() * n, "fsdp all_gather: output ", i, " holds ",
+                out.numel(), " bytes, expected ", in.numel() * n);
+    in_bytes += in.numel();
+    in_bytes_views.push_back(std::move(in));
+    out_bytes_views.push_back(std::move(out));
+  }
+  auto& counter = group.comm_stats().all_gather;
+  counter.calls += 1;
+  counter.bytes += in_bytes * n;
+  counter.sent_bytes += in_bytes * (n - 1);
+
+  c10d::Backend& backend = group.backend();
+  if (is_gloo(group)) {
+    // Gloo unflattens its own receive buffer straight into these views, so each parameter's
+    // unsharded storage is written exactly once.
+    std::vector<std::vector<torch::Tensor>> output_lists(n);
+    for (int r = 0; r < n; ++r) {
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        const int64_t b = in_bytes_views[i].numel();
+        output_lists[r].push_back(out_bytes_views[i].narrow(0, r * b, b));
+      }
+    }
+    auto work = backend.allgather_coalesced(output_lists, in_bytes_views);
+    return std::make_unique<CollectiveWork>(group, counter, "all-gather", std::move(work),
+                                            nullptr);
+  }
+  // Backends with a native flat all-gather (NCCL): gather into one buffer, then copy out. The
+  // copy is enqueued by the waiting thread on the current stream, after the collective.
+  auto flat_in = torch::cat(in_bytes_views);
+  auto flat_out = torch::empty({in_bytes * n}, flat_in.options());
+  auto work = backend.all_gather_single(flat_out, flat_in);
+  auto finish = [flat_out, out_bytes_views, in_bytes, n]() {
+    auto rows = flat_out.view({n, in_bytes});
+    int64_t offset = 0;
+    for (const auto& out : out_bytes_views) {
+      const int64_t b = out.numel() / n;
+      out.view({n, b}).copy_(rows.narrow(1, offset, b));
+      offset += b;
+    }
+  };
+  return std::make_unique<CollectiveWork>(group, counter, "all-gather", std::move(work),
+                                          std::move(finish));
+}
+
+std::unique_ptr<CollectiveWork> reduce_scatter(ProcessGroup& group, const torch::Tensor& input,
+                                               const torch::Tensor& output, ReduceOp op) {
+  check_contiguous(input, "reduce-scatter input");
+  check_contiguous(output, "reduce-scatter output");
+  const int n = group.size();
+  const int64_t s = output.numel();
+  TORCH_CHECK(input.numel() == s * n, "fsdp reduce_scatter: input has ", input.numel(),
+              " elements, expected ", s * n);
+  auto& counter = group.comm_stats().reduce_scatter;
+  counter.calls += 1;
+  counter.bytes += input.numel() * input.element_size();
+  counter.sent_bytes += s * (n - 1) * input.element_size();
+
+  c10d::Backend& backend = group.backend();
+  if (is_gloo(group)) {
+    // Each rank receives the N copies of its own block, then sums them locally in rank order
+    // (the same order on every run, so results are reproducible).
+    auto received = torch::empty_like(input);
+    torch::Tensor in = input;
+    std::vector<int64_t> equal_splits;
+    auto work = backend.all_to_all_single(received, in, equal_splits, equal_splits);
+    auto finish = [received, output, n, s, op]() {
+      torch::NoGradGuard no_grad;
+      auto blocks = received.view({n, s});
+      torch::sum_out(const_cast<torch::Tensor&>(output), blocks, /*dim=*/{0});
+      if (op == ReduceOp::kAvg) output.div_(n);
+    };
+    return std::make_unique<CollectiveWork>(group, counter, "reduce-scatter", std::move(work),
+                                            std::move(finish));
+  }
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = op == ReduceOp::kAvg ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+  torch::Tensor out = output, in = input;
+  auto work = backend.reduce_scatter_single(out, in, opts);
+  return std::make_unique<CollectiveWork>(group, counter, "reduce-scatter", std::move(work),
+                                          nullptr);
+}
+
+std::unique_ptr<CollectiveWork> all_reduce(ProcessGroup& group, const torch::Tensor& tensor,
+                                           ReduceOp op) {
+  check_contiguous(tensor, "all-reduce tensor");
+  const int n = group.size();
+  auto& counter = group.comm_stats().all_reduce;
+  const int64_t bytes = tensor.numel() * tensor.element_size();
+  counter.calls += 1;
+  counter.bytes += bytes;
+  counter.sent_bytes += 2 * bytes * (n - 1) / n;
+  std::vector<torch::Tensor> tensors{tensor};
+  c10d::AllreduceOptions opts;
+  const bool native_avg = !is_gloo(group);
+  opts.reduceOp =
+      op == ReduceOp::kAvg && native_avg ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+  auto work = group.backend().allreduce(tensors, opts);
+  std::function<void()> finish;
+  if (op == ReduceOp::kAvg && !native_avg) {
+    finish = [tensor, n]() {
+      torch::NoGradGuard no_grad;
+      tensor.div_(n);
+    };
+  }
+  return std::make_unique<CollectiveWork>(group, counter, "all-reduce", std::move(work),
+                                          std::move(finish));
+}
+
+std::unique_ptr<CollectiveWork> broadcast(ProcessGroup& group, const torch::Tensor& tensor,
+                                          int root) {
+  check_contiguous(tensor, "broadcast tensor");
+  auto& counter = group.comm_stats().broadcast;
+  const int64_t bytes = tensor.numel() * tensor.element_size();
+  counter.calls += 1;
+  counter.bytes += bytes;
+  counter.sent_bytes += group.rank() == root ? bytes : 0;
+  std::vector<torch::Tensor> tensors{tensor};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  auto work = group.backend().broadcast(tensors, opts);
+  return std::make_unique<CollectiveWork>(group, counter, "broadcast", std::move(work), nullptr);
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,81 @@
+// The collectives of FSDP, each on the best primitive its backend has.
+//
+// All traffic fsdp-cpp generates goes through this file, which is why the communication
+// counters (CommStats) are exact. Functions are stateless: they take the group and buffers,
+// issue one c10d call, and return a CollectiveWork to wait on.
+//
+// Choices per backend (see docs/design.md, "Collectives"):
+//  - all_gather, Gloo: allgather_coalesced straight into per-parameter output views: one
+//    collective per unit, and the only copy is Gloo's own unflatten (no copy-out of ours).
+//    NCCL: all_gather_single into one flat buffer, then a copy-out on the same stream.
+//  - reduce_scatter, Gloo: all_to_all_single plus a local sum. Gloo's reduce-scatter is an
+//    all-reduce in disguise (2(N-1)/N of the data per rank); the all-to-all moves (N-1)/N.
+//    NCCL: reduce_scatter_single with ReduceOp::AVG.
+#pragma once
+
+#include <torch/types.h>
+
+#include <c10/util/intrusive_ptr.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include <fsdp/process_group.h>
+
+namespace c10d {
+class Work;
+}
+
+namespace fsdp::detail {
+
+enum class ReduceOp { kSum, kAvg };
+
+/// A collective in flight. wait() blocks until the result is in place, including any local
+/// step the algorithm needs after the transfer (the sum of an all-to-all reduce-scatter, the
+/// copy-out of a flat all-gather), adds the blocked time to the group's CommStats, and turns
+/// a backend failure (timeout, dead peer) into an error naming the rank and the collective.
+/// Destroying an unwaited CollectiveWork waits for it first: buffers must outlive transfers.
+class CollectiveWork {
+ public:
+  CollectiveWork(ProcessGroup& group, CollectiveCounter& counter, const char* what,
+                 c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish);
+  ~CollectiveWork();
+  CollectiveWork(const CollectiveWork&) = delete;
+  CollectiveWork& operator=(const CollectiveWork&) = delete;
+
+  void wait();
+  bool is_completed() const;
+
+ private:
+  ProcessGroup& group_;
+  CollectiveCounter& counter_;
+  const char* what_;
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::function<void()> finish_;
+  bool waited_ = false;
+};
+
+/// inputs[i]: this rank's piece i (contiguous, any dtype). outputs[i]: contiguous, N times
+/// inputs[i]'s bytes, filled rank-major: bytes [r * b_i, (r + 1) * b_i) come from rank r.
+std::unique_ptr<CollectiveWork> all_gather(ProcessGroup& group,
+                                           const std::vector<torch::Tensor>& inputs,
+                                           const std::vector<torch::Tensor>& outputs);
+
+/// input: contiguous, N * S elements, rank-major (the r-th block of S is destined for rank r).
+/// output: contiguous, S elements, receives the sum (or mean) over ranks of this rank's block.
+std::unique_ptr<CollectiveWork> reduce_scatter(ProcessGroup& group, const torch::Tensor& input,
+                                               const torch::Tensor& output, ReduceOp op);
+
+/// In place, every rank ends with the same sum (or mean).
+std::unique_ptr<CollectiveWork> all_reduce(ProcessGroup& group, const torch::Tensor& tensor,
+                                           ReduceOp op);
+
+/// In place, from group rank `root` to all.
+std::unique_ptr<CollectiveWork> broadcast(ProcessGroup& group, const torch::Tensor& tensor,
+                                          int root);
+
+/// Flat byte view of a contiguous tensor (what moves over the wire).
+torch::Tensor as_bytes(const torch::Tensor& t);
+
+}  // namespace fsdp::detail

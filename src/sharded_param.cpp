@@ -1,0 +1,140 @@
+// See sharded_param.h, Note [FSDP tensors].
+#include "sharded_param.h"
+
+#include <torch/torch.h>
+
+namespace fsdp::detail {
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// A tensor over the same memory as `v` that autograd does not consider a view: optimizers
+// call grad.detach_() in zero_grad(), which autograd refuses on views. Holding the storage
+// keeps the shared buffer (the reduce-scatter output) alive as long as any grad uses it.
+torch::Tensor alias_as_base(const torch::Tensor& v) {
+  c10::Storage storage = v.storage();
+  return torch::from_blob(
+      v.data_ptr(), v.sizes(), v.strides(), [storage](void*) {}, v.options());
+}
+
+}  // namespace
+
+ShardedParam::ShardedParam(std::string fqn, torch::Tensor param, int rank, int world_size)
+    : fqn_(std::move(fqn)), param_(std::move(param)), rank_(rank), world_size_(world_size) {
+  TORCH_CHECK(param_.layout() == torch::kStrided, "fully_shard: parameter '", fqn_,
+              "' is not a dense tensor");
+  torch::NoGradGuard no_grad;
+  auto full = param_.detach();
+  shape_ = full.sizes().vec();
+  // A 0-d parameter is sharded as a single row.
+  rows_ = full.dim() == 0 ? 1 : full.size(0);
+  row_numel_ = rows_ == 0 ? 0 : full.numel() / rows_;
+  if (full.dim() > 0 && rows_ == 0) row_numel_ = 1;
+  chunk_rows_ = ceil_div(rows_, world_size_);
+  local_rows_ = std::clamp<int64_t>(rows_ - rank_ * chunk_rows_, 0, chunk_rows_);
+
+  std::vector<int64_t> row_shape = full.dim() == 0 ? std::vector<int64_t>{} : shape_;
+  if (!row_shape.empty()) row_shape.erase(row_shape.begin());
+  std::vector<int64_t> shard_shape{chunk_rows_};
+  shard_shape.insert(shard_shape.end(), row_shape.begin(), row_shape.end());
+  std::vector<int64_t> padded_full_shape{chunk_rows_ * world_size_};
+  padded_full_shape.insert(padded_full_shape.end(), row_shape.begin(), row_shape.end());
+
+  padded_shard_ = torch::zeros(shard_shape, full.options());
+  auto rows_view = full.dim() == 0 ? full.reshape({1}) : full;
+  if (local_rows_ > 0) {
+    padded_shard_.narrow(0, 0, local_rows_)
+        .copy_(rows_view.narrow(0, rank_ * chunk_rows_, local_rows_).reshape(
+            padded_shard_.narrow(0, 0, local_rows_).sizes()));
+  }
+  sharded_view_ = padded_shard_.narrow(0, 0, local_rows_);
+
+  padded_unsharded_ = torch::empty(padded_full_shape, full.options());
+  unsharded_ = padded_unsharded_.narrow(0, 0, rows_).view(shape_);
+  free_unsharded();
+  to_sharded();
+}
+
+size_t ShardedParam::unsharded_storage_bytes() const {
+  return padded_unsharded_.storage().nbytes();
+}
+
+void ShardedParam::alloc_unsharded() {
+  auto storage = padded_unsharded_.storage();
+  const size_t nbytes = padded_unsharded_.numel() * padded_unsharded_.element_size();
+  if (storage.nbytes() == nbytes) return;
+  // Same StorageImpl, new bytes: every view made in forward sees what the next gather writes.
+  storage.set_data_ptr_noswap(storage.allocator()->allocate(nbytes));
+  storage.set_nbytes(nbytes);
+}
+
+void ShardedParam::free_unsharded() {
+  auto storage = padded_unsharded_.storage();
+  storage.set_data_ptr_noswap(at::DataPtr(nullptr, padded_unsharded_.device()));
+  storage.set_nbytes(0);
+}
+
+void ShardedParam::to_unsharded() {
+  TORCH_INTERNAL_ASSERT(unsharded_allocated(), "param '", fqn_, "' used before its gather");
+  param_.set_data(unsharded_);
+}
+
+void ShardedParam::to_sharded() { param_.set_data(sharded_view_); }
+
+void ShardedParam::stash_sharded_grad() {
+  if (!param_.requires_grad()) return;
+  if (param_.grad().defined() && param_.grad().sizes() == sharded_view_.sizes()) {
+    stashed_grad_ = param_.grad();
+    param_.mutable_grad() = torch::Tensor();
+  }
+}
+
+torch::Tensor ShardedParam::take_unsharded_grad() {
+  if (!param_.requires_grad()) return {};
+  auto g = param_.grad();
+  if (!g.defined()) return {};
+  TORCH_CHECK(g.sizes() == unsharded_.sizes(), "fsdp: parameter '", fqn_,
+              "' has a gradient of shape ", g.sizes(), " during backward, expected ",
+              unsharded_.sizes(), " (was it used outside its unit's fsdp::forward?)");
+  param_.mutable_grad() = torch::Tensor();
+  return g;
+}
+
+void ShardedParam::copy_grad_into(const torch::Tensor& g, const torch::Tensor& dst) const {
+  // dst: [N, chunk_rows, row_numel]. Rank r's block gets rows [r * chunk, (r + 1) * chunk).
+  if (!g.defined()) {
+    dst.zero_();
+    return;
+  }
+  auto rows = g.reshape({rows_, row_numel_});
+  for (int r = 0; r < world_size_; ++r) {
+    const int64_t start = r * chunk_rows_;
+    const int64_t n = std::clamp<int64_t>(rows_ - start, 0, chunk_rows_);
+    auto block = dst.select(0, r);
+    if (n > 0) block.narrow(0, 0, n).copy_(rows.narrow(0, start, n));
+    if (n < chunk_rows_) block.narrow(0, n, chunk_rows_ - n).zero_();
+  }
+}
+
+void ShardedParam::set_sharded_grad(const torch::Tensor& shard) {
+  auto g = alias_as_base(shard.view(padded_shard_.sizes()).narrow(0, 0, local_rows_));
+  if (stashed_grad_.defined()) {
+    stashed_grad_.add_(g);
+    param_.mutable_grad() = std::move(stashed_grad_);
+  } else {
+    param_.mutable_grad() = g;
+  }
+  stashed_grad_ = torch::Tensor();
+}
+
+void ShardedParam::restore_sharded_grad() {
+  if (stashed_grad_.defined()) param_.mutable_grad() = std::move(stashed_grad_);
+  stashed_grad_ = torch::Tensor();
+}
+
+torch::Tensor ShardedParam::shard_of(const torch::Tensor& full) const {
+  auto rows = full.dim() == 0 ? full.reshape({1}) : full;
+  return rows.narrow(0, std::min(rank_ * chunk_rows_, rows_), local_rows_);
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,89 @@
+// One parameter's life under FSDP: sharded at rest, unsharded around compute.
+//
+// Note [FSDP tensors] (the vocabulary used everywhere in src/):
+//  - param: the module's own parameter tensor. Its TensorImpl never changes identity, so the
+//    module, model->parameters() and the optimizer all hold the same object; set_data() swaps
+//    what it points at: the sharded view at rest, the unsharded tensor around compute.
+//  - padded shard: this rank's rows of dim 0, in a buffer of ceil(d0 / N) rows; rows past
+//    the parameter's end are padding and never reach the math.
+//  - sharded view: the first local_rows rows of the padded shard. What the optimizer updates.
+//  - unsharded: the full parameter, a view of the first d0 rows of a padded buffer of
+//    N * ceil(d0 / N) rows. Its StorageImpl lives as long as the parameter; only its bytes are
+//    freed and re-allocated, so tensors that autograd saved in forward (views of the param)
+//    see the re-gathered data in backward. Writing into it never bumps the param's version
+//    counter, because set_data() keeps the param's own counter.
+//  - sharded grad: the grad of the sharded view, accumulated across backward passes.
+//
+// Dim-0 sharding (as FSDP2), not a flat parameter (as FSDP1): see docs/design.md.
+#pragma once
+
+#include <torch/types.h>
+
+#include <string>
+
+namespace fsdp::detail {
+
+class ShardedParam {
+ public:
+  /// Takes over `param` (full data on every rank): keeps this rank's rows, frees the rest.
+  ShardedParam(std::string fqn, torch::Tensor param, int rank, int world_size);
+
+  const std::string& fqn() const { return fqn_; }
+  const torch::Tensor& param() const { return param_; }
+  bool requires_grad() const { return param_.requires_grad(); }
+  torch::ScalarType dtype() const { return padded_shard_.scalar_type(); }
+
+  int64_t rows() const { return rows_; }             // d0 (1 for a 0-d parameter)
+  int64_t chunk_rows() const { return chunk_rows_; }  // ceil(d0 / N)
+  int64_t local_rows() const { return local_rows_; }  // this rank's real rows
+  int64_t row_numel() const { return row_numel_; }    // elements per row
+  int64_t padded_shard_numel() const { return chunk_rows_ * row_numel_; }
+  int64_t numel() const { return rows_ * row_numel_; }
+
+  /// All-gather input: the padded shard (contiguous).
+  const torch::Tensor& padded_shard() const { return padded_shard_; }
+  /// All-gather output: the padded unsharded buffer, N * padded_shard_numel elements. Only
+  /// valid between alloc_unsharded() and free_unsharded().
+  const torch::Tensor& padded_unsharded() const { return padded_unsharded_; }
+
+  void alloc_unsharded();
+  void free_unsharded();
+  bool unsharded_allocated() const { return unsharded_storage_bytes() > 0; }
+  size_t unsharded_storage_bytes() const;
+
+  /// Points the param at the unsharded tensor (requires alloc_unsharded()).
+  void to_unsharded();
+  /// Points the param at its sharded view.
+  void to_sharded();
+
+  /// Moves the param's sharded grad aside so that autograd can accumulate the unsharded grad.
+  void stash_sharded_grad();
+  /// The unsharded grad autograd produced since stash_sharded_grad(), or undefined.
+  torch::Tensor take_unsharded_grad();
+  /// Copies the unsharded grad `g` (or zeros if undefined) into `dst`, a [N, chunk_rows,
+  /// row_numel]-shaped view of the reduce-scatter input, padding rows zeroed.
+  void copy_grad_into(const torch::Tensor& g, const torch::Tensor& dst) const;
+  /// Installs the reduced shard grad (`shard`: padded_shard_numel elements) as the param's
+  /// grad, adding the stashed one if any (gradient accumulation across steps).
+  void set_sharded_grad(const torch::Tensor& shard);
+  /// Restores the stashed sharded grad unchanged (a backward that produced nothing for us).
+  void restore_sharded_grad();
+
+  /// This rank's rows of a full tensor shaped like the parameter.
+  torch::Tensor shard_of(const torch::Tensor& full) const;
+
+ private:
+  std::string fqn_;
+  torch::Tensor param_;
+  std::vector<int64_t> shape_;  // original shape
+  int rank_;
+  int world_size_;
+  int64_t rows_, chunk_rows_, local_rows_, row_numel_;
+  torch::Tensor padded_shard_;       // [chunk_rows, *rest]
+  torch::Tensor sharded_view_;       // [local_rows, *rest], view of padded_shard_
+  torch::Tensor padded_unsharded_;   // [N * chunk_rows, *rest]
+  torch::Tensor unsharded_;          // original shape, view of padded_unsharded_
+  torch::Tensor stashed_grad_;
+};
+
+}  // namespace fsdp::detail

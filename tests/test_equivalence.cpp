@@ -1,0 +1,135 @@
+// Sharding must be invisible to the math: N ranks with FSDP end where one process without it
+// ends, given the same initial parameters and the same global batch.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <fsdp/fsdp.h>
+
+#include "gpt.h"
+#include "harness/multiprocess.h"
+
+namespace {
+
+using fsdp_models::GPT;
+using fsdp_models::GPTConfig;
+
+constexpr int kSteps = 5;
+// AdamW normalises each gradient by its own magnitude, so an element whose gradient is
+// rounding noise (a sum that cancels to ~0) moves by a noise-driven amount, and no two
+// summation orders agree on it. lr 1e-3 (a usual value) keeps such elements inside 1e-6;
+// the key bias, whose gradient is exactly zero in exact arithmetic, is turned off.
+constexpr double kAdamLr = 1e-3;
+// SGD is not scale-invariant: it catches a gradient that is summed instead of averaged,
+// which AdamW would hide.
+constexpr double kSgdLr = 0.5;
+constexpr int64_t kGlobalBatch = 12;  // divisible by 1, 2, 3 and 4 ranks
+
+torch::Tensor batch_tokens(const GPTConfig& cfg, int step) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
+  return torch::randint(cfg.vocab_size, {kGlobalBatch, cfg.block_size + 1}, gen,
+                        torch::TensorOptions().dtype(torch::kLong));
+}
+
+// Rows [r * chunk, r * chunk + local) of a full tensor: what rank r should hold.
+torch::Tensor expected_shard(const torch::Tensor& full, int rank, int world) {
+  auto rows = full.dim() == 0 ? full.reshape({1}) : full;
+  const int64_t d0 = rows.size(0);
+  const int64_t chunk = (d0 + world - 1) / world;
+  const int64_t start = std::min<int64_t>(rank * chunk, d0);
+  const int64_t local = std::clamp<int64_t>(d0 - rank * chunk, 0, chunk);
+  return rows.narrow(0, start, local);
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& kind,
+                                                       std::vector<torch::Tensor> params) {
+  if (kind == "adamw") {
+    return std::make_unique<torch::optim::AdamW>(
+        std::move(params), torch::optim::AdamWOptions(kAdamLr).weight_decay(0.1));
+  }
+  return std::make_unique<torch::optim::SGD>(std::move(params),
+                                             torch::optim::SGDOptions(kSgdLr).momentum(0.9));
+}
+
+GPTConfig test_config() {
+  auto cfg = GPTConfig::preset("gpt2-test");
+  cfg.attn_bias = false;
+  return cfg;
+}
+
+// Trains on rows [first, first + count) of each global batch; returns the per-step losses.
+std::vector<double> train(GPT& model, torch::optim::Optimizer& opt, const GPTConfig& cfg,
+                          int64_t first, int64_t count) {
+  std::vector<double> losses;
+  for (int step = 0; step < kSteps; ++step) {
+    auto tokens = batch_tokens(cfg, step).narrow(0, first, count);
+    auto x = tokens.narrow(1, 0, cfg.block_size), y = tokens.narrow(1, 1, cfg.block_size);
+    opt.zero_grad();
+    auto loss = fsdp_models::lm_loss(fsdp::forward(model, x), y);
+    loss.backward();
+    opt.step();
+    losses.push_back(loss.item<double>());
+  }
+  return losses;
+}
+
+int check_equivalence(const std::string& optimizer) {
+  auto pg = fsdp::init_process_group();
+  const int rank = pg->rank(), world = pg->size();
+  auto cfg = test_config();
+
+  torch::manual_seed(1234);
+  GPT reference(cfg);
+  // Other ranks start from different values: sync_module_states must make them rank 0's.
+  torch::manual_seed(1234 + 7 * rank);
+  GPT model(cfg);
+  fsdp_models::parallelize_gpt(model, fsdp::FullyShardOptions(pg));
+
+  const int64_t local = kGlobalBatch / world;
+  auto opt = make_optimizer(optimizer, model->parameters());
+  auto losses = train(model, *opt, cfg, rank * local, local);
+  auto ref_opt = make_optimizer(optimizer, reference->parameters());
+  auto ref_losses = train(reference, *ref_opt, cfg, 0, kGlobalBatch);
+
+  auto ref_params = reference->named_parameters();
+  double max_diff = 0;
+  for (const auto& item : model->named_parameters()) {
+    auto want = expected_shard(ref_params[item.key()], rank, world);
+    WORKER_CHECK(item.value().sizes() == want.sizes())
+        << item.key() << " shard " << item.value().sizes() << " vs " << want.sizes();
+    WORKER_EXPECT_CLOSE(item.value(), want, 1e-5, 1e-6);
+    if (want.numel() > 0) {
+      max_diff = std::max(max_diff, (item.value() - want).abs().max().item<double>());
+    }
+  }
+  // The mean of the ranks' losses is the loss of the global batch.
+  std::vector<torch::Tensor> mean{torch::tensor(losses, torch::kDouble)};
+  pg->backend().allreduce(mean)->wait();
+  for (int step = 0; step < kSteps; ++step) {
+    const double got = mean[0][step].item<double>() / world;
+    WORKER_CHECK(std::abs(got - ref_losses[step]) <= 1e-5 * std::abs(ref_losses[step]))
+        << "step " << step << " loss " << got << " vs reference " << ref_losses[step];
+  }
+  std::printf("[rank %d/%d] PARAMS OK after %d %s steps: max |fsdp - reference| = %.3g, "
+              "loss %.6f -> %.6f\n",
+              rank, world, kSteps, optimizer.c_str(), max_diff, ref_losses.front(),
+              ref_losses.back());
+  return 0;
+}
+
+FSDP_WORKER(gpt_equivalence_adamw) { return check_equivalence("adamw"); }
+FSDP_WORKER(gpt_equivalence_sgd) { return check_equivalence("sgd"); }
+
+class Equivalence : public ::testing::TestWithParam<int> {};
+
+TEST_P(Equivalence, AdamWMatchesSingleProcess) {
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("gpt_equivalence_adamw", GetParam()));
+}
+
+TEST_P(Equivalence, SgdMomentumMatchesSingleProcess) {
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("gpt_equivalence_sgd", GetParam()));
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, Equivalence, ::testing::Values(1, 2, 3, 4),
+                         [](const auto& info) { return "world" + std::to_string(info.param); });
+
+}  // namespace
