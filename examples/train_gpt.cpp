@@ -15,6 +15,7 @@
 #include <iterator>
 
 #include <fsdp/fsdp.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "gpt.h"
 

@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <chrono>
+#include <thread>
 
 namespace fsdp::detail {
 namespace {
@@ -51,6 +52,17 @@ void CollectiveWork::wait() {
   try {
     if (work_) work_->wait();
     if (finish_) finish_();
+    if (work_ && is_gloo(group_)) {
+      // Gloo's worker thread drops its reference to the work (and so to the buffers the work
+      // holds) just after marking it complete. Waiting for that moment, a few microseconds,
+      // makes buffers die when wait() returns instead of at a racy instant after: memory
+      // accounting is then deterministic, and a freed buffer is not counted into the next peak.
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(5);
+      while (work_.use_count() > 1 && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::yield();
+      }
+    }
+    work_.reset();
   } catch (const std::exception& e) {
     counter_.wait_seconds +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

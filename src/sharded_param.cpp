@@ -1,6 +1,7 @@
 // See sharded_param.h, Note [FSDP tensors].
 #include "sharded_param.h"
 
+#include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
 namespace fsdp::detail {
@@ -15,6 +16,18 @@ torch::Tensor alias_as_base(const torch::Tensor& v) {
   c10::Storage storage = v.storage();
   return torch::from_blob(
       v.data_ptr(), v.sizes(), v.strides(), [storage](void*) {}, v.options());
+}
+
+// Autograd caches a parameter's AccumulateGrad node, with the parameter's shape at creation.
+// A node made while the parameter was sharded (say, by a clone() under grad mode between
+// steps) would reject the full-shape grads of the next backward, and vice versa; dropping the
+// cache at every swap makes the next use create a node of the current shape. Graphs already
+// built keep their own node.
+void forget_grad_accumulator(const torch::Tensor& p) {
+  if (auto* meta = torch::autograd::impl::get_autograd_meta(p)) {
+    std::lock_guard<std::mutex> lock(meta->mutex_);
+    meta->grad_accumulator_.reset();
+  }
 }
 
 }  // namespace
@@ -77,9 +90,13 @@ void ShardedParam::free_unsharded() {
 void ShardedParam::to_unsharded() {
   TORCH_INTERNAL_ASSERT(unsharded_allocated(), "param '", fqn_, "' used before its gather");
   param_.set_data(unsharded_);
+  forget_grad_accumulator(param_);
 }
 
-void ShardedParam::to_sharded() { param_.set_data(sharded_view_); }
+void ShardedParam::to_sharded() {
+  param_.set_data(sharded_view_);
+  forget_grad_accumulator(param_);
+}
 
 void ShardedParam::stash_sharded_grad() {
   if (!param_.requires_grad()) return;

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <fsdp/fsdp.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "gpt.h"
 #include "harness/multiprocess.h"

@@ -8,6 +8,7 @@
 #include "gpt.h"
 #include "harness/multiprocess.h"
 #include "param_group.h"
+#include "registry.h"
 
 namespace {
 
