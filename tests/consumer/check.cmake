@@ -1,0 +1,18 @@
+# Installs the build tree into a scratch prefix, then configures, builds and runs the consumer
+# project against it. Run by CTest (tests/CMakeLists.txt) with BUILD_DIR, SOURCE_DIR, WORK_DIR,
+# TORCH_PREFIX and LAUNCHER defined.
+file(REMOVE_RECURSE "${WORK_DIR}")
+function(run)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "failed (${rc}): ${ARGN}\n${out}")
+  endif()
+  message(STATUS "${out}")
+endfunction()
+run(${CMAKE_COMMAND} --install "${BUILD_DIR}" --prefix "${WORK_DIR}/prefix")
+# The environment form of the search path: a ';' list would be split into separate arguments.
+set(ENV{CMAKE_PREFIX_PATH} "${WORK_DIR}/prefix:${TORCH_PREFIX}")
+run(${CMAKE_COMMAND} -S "${SOURCE_DIR}" -B "${WORK_DIR}/build" -G Ninja
+    -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER_LAUNCHER=${LAUNCHER})
+run(${CMAKE_COMMAND} --build "${WORK_DIR}/build")
+run("${WORK_DIR}/build/consumer")
