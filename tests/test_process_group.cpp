@@ -181,6 +181,9 @@ struct BadEnvCase {
   std::string must_mention;
 };
 
+// Names the case by what its error must mention (GoogleTest otherwise prints raw bytes).
+void PrintTo(const BadEnvCase& c, std::ostream* os) { *os << c.must_mention; }
+
 class LaunchEnvErrors : public ::testing::TestWithParam<BadEnvCase> {};
 
 TEST_P(LaunchEnvErrors, NameTheVariableOnOneLine) {

@@ -36,7 +36,9 @@ struct LaunchEnv {
   int master_port = 29500;
   /// torchrun (and our test launcher) host the TCPStore in the agent process: no rank serves it.
   bool agent_store = false;
-  /// Key prefix the agent store expects (torchrun: "/worker/attempt_<restart count>").
+  /// Our key prefix in a store that outlives restarts (torchrun's agent store): derived from
+  /// TORCHELASTIC_RESTART_COUNT as "/worker/attempt_<n>", so a restarted job never sees the
+  /// keys of an earlier attempt.
   std::string store_prefix;
   /// "torchrun", "slurm" or "single": which variables were used.
   std::string source = "single";
