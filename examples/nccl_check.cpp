@@ -24,7 +24,7 @@ int main() {
   loss.backward();
   opt.step();
   torch::cuda::synchronize();
-  std::printf("nccl_check: rank %d one step on %s, loss %.4f\n", pg->rank(),
-              device.str().c_str(), loss.item<double>());
+  std::printf("nccl_check: rank %d one step on %s, loss %.4f\n", pg->rank(), device.str().c_str(),
+              loss.item<double>());
   return 0;
 }

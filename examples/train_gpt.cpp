@@ -7,8 +7,8 @@
 // code is: init_process_group, parallelize_gpt, and fsdp::forward on the model.
 #include <torch/torch.h>
 
-#include <CLI/CLI.hpp>
 #include <fmt/core.h>
+#include <CLI/CLI.hpp>
 
 #include <chrono>
 #include <fstream>
@@ -23,9 +23,12 @@ namespace {
 
 torch::Tensor load_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error("cannot read text file '" + path + "'");
-  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (bytes.size() < 10000) throw std::runtime_error("text file '" + path + "' is too short");
+  if (!in)
+    throw std::runtime_error("cannot read text file '" + path + "'");
+  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)),
+                             std::istreambuf_iterator<char>());
+  if (bytes.size() < 10000)
+    throw std::runtime_error("text file '" + path + "' is too short");
   return torch::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, torch::kUInt8)
       .to(torch::kLong);
 }
@@ -86,9 +89,9 @@ int main(int argc, char** argv) {
       double total = 0;
       for (int i = 0; i < 4; ++i) {
         auto tok = sample(held_out, batch, seq, eval_gen);
-        total += fsdp_models::lm_loss(fsdp::forward(model, tok.narrow(1, 0, seq)),
-                                      tok.narrow(1, 1, seq))
-                     .item<double>();
+        total +=
+            fsdp_models::lm_loss(fsdp::forward(model, tok.narrow(1, 0, seq)), tok.narrow(1, 1, seq))
+                .item<double>();
       }
       return mean_over_ranks(*pg, total / 4);
     };
@@ -97,14 +100,15 @@ int main(int argc, char** argv) {
                  preset, cfg.num_params() / 1e6, pg->size(), batch, seq);
     }
     const double initial_eval = evaluate();
-    if (rank == 0) fmt::print("step    0 | eval loss {:.4f}\n", initial_eval);
+    if (rank == 0)
+      fmt::print("step    0 | eval loss {:.4f}\n", initial_eval);
     double last_eval = initial_eval;
     for (int step = 1; step <= steps; ++step) {
       auto t0 = std::chrono::steady_clock::now();
       auto tok = sample(train, batch, seq, gen);
       opt.zero_grad();
-      auto loss = fsdp_models::lm_loss(fsdp::forward(model, tok.narrow(1, 0, seq)),
-                                       tok.narrow(1, 1, seq));
+      auto loss =
+          fsdp_models::lm_loss(fsdp::forward(model, tok.narrow(1, 0, seq)), tok.narrow(1, 1, seq));
       loss.backward();
       opt.step();
       const double dt =
@@ -117,7 +121,8 @@ int main(int argc, char** argv) {
       }
       if (step % eval_every == 0 || step == steps) {
         last_eval = evaluate();
-        if (rank == 0) fmt::print("step {:4d} | eval loss {:.4f}\n", step, last_eval);
+        if (rank == 0)
+          fmt::print("step {:4d} | eval loss {:.4f}\n", step, last_eval);
       }
     }
     if (rank == 0) {

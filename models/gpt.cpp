@@ -12,7 +12,8 @@ int64_t GPTConfig::num_params() const {
   const int64_t per_block = 2 * 2 * c + (c * 3 * c + (attn_bias ? 3 * c : 0)) + (c * c + c) +
                             (c * 4 * c + 4 * c) + (4 * c * c + c);
   int64_t n = vocab_size * c + block_size * c + n_layer * per_block + 2 * c;
-  if (!tie_embeddings) n += vocab_size * c;
+  if (!tie_embeddings)
+    n += vocab_size * c;
   return n;
 }
 
@@ -39,8 +40,8 @@ GPTConfig GPTConfig::preset(const std::string& name) {
 }
 
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& cfg) : n_head_(cfg.n_head) {
-  TORCH_CHECK(cfg.n_embd % cfg.n_head == 0, "n_embd (", cfg.n_embd, ") must be a multiple of n_head (",
-              cfg.n_head, ")");
+  TORCH_CHECK(cfg.n_embd % cfg.n_head == 0, "n_embd (", cfg.n_embd,
+              ") must be a multiple of n_head (", cfg.n_head, ")");
   c_attn_ = register_module(
       "c_attn",
       torch::nn::Linear(torch::nn::LinearOptions(cfg.n_embd, 3 * cfg.n_embd).bias(cfg.attn_bias)));
@@ -88,8 +89,9 @@ GPTImpl::GPTImpl(const GPTConfig& cfg) : cfg_(cfg) {
   }
   ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({cfg.n_embd})));
   if (!cfg.tie_embeddings) {
-    lm_head = register_module("lm_head",
-                              torch::nn::Linear(torch::nn::LinearOptions(cfg.n_embd, cfg.vocab_size).bias(false)));
+    lm_head = register_module(
+        "lm_head",
+        torch::nn::Linear(torch::nn::LinearOptions(cfg.n_embd, cfg.vocab_size).bias(false)));
   }
   // GPT-2 initialisation: N(0, 0.02) weights, zero biases, residual projections scaled down.
   torch::NoGradGuard no_grad;
@@ -110,10 +112,12 @@ GPTImpl::GPTImpl(const GPTConfig& cfg) : cfg_(cfg) {
 
 torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
   const auto t = idx.size(1);
-  TORCH_CHECK(t <= cfg_.block_size, "sequence of ", t, " tokens exceeds block_size ", cfg_.block_size);
+  TORCH_CHECK(t <= cfg_.block_size, "sequence of ", t, " tokens exceeds block_size ",
+              cfg_.block_size);
   auto pos = torch::arange(t, idx.options().dtype(torch::kLong));
   auto x = wte(idx) + wpe(pos);  // (B, T, C)
-  for (auto& block : blocks) x = fsdp::forward(block, x);
+  for (auto& block : blocks)
+    x = fsdp::forward(block, x);
   x = ln_f(x);
   // Tied head: the embedding matrix, used inside the same (root) unit as the embedding.
   return cfg_.tie_embeddings ? torch::nn::functional::linear(x, wte->weight) : lm_head(x);
@@ -128,7 +132,8 @@ torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets)
 
 namespace fsdp_models {
 void parallelize_gpt(GPT& model, const fsdp::FullyShardOptions& options) {
-  for (auto& block : model->blocks) fsdp::fully_shard(block, options);
+  for (auto& block : model->blocks)
+    fsdp::fully_shard(block, options);
   fsdp::fully_shard(model, options);
 }
 }  // namespace fsdp_models

@@ -11,7 +11,9 @@
 namespace fsdp::detail {
 namespace {
 
-bool is_gloo(const ProcessGroup& g) { return g.backend_name() == "gloo"; }
+bool is_gloo(const ProcessGroup& g) {
+  return g.backend_name() == "gloo";
+}
 
 void check_contiguous(const torch::Tensor& t, const char* what) {
   TORCH_CHECK(t.is_contiguous(), "fsdp collectives: ", what, " must be contiguous");
@@ -43,15 +45,20 @@ CollectiveWork::~CollectiveWork() {
   }
 }
 
-bool CollectiveWork::is_completed() const { return waited_ || !work_ || work_->isCompleted(); }
+bool CollectiveWork::is_completed() const {
+  return waited_ || !work_ || work_->isCompleted();
+}
 
 void CollectiveWork::wait() {
-  if (waited_) return;
+  if (waited_)
+    return;
   waited_ = true;
   auto start = std::chrono::steady_clock::now();
   try {
-    if (work_) work_->wait();
-    if (finish_) finish_();
+    if (work_)
+      work_->wait();
+    if (finish_)
+      finish_();
     if (work_ && is_gloo(group_)) {
       // Gloo's worker thread drops its reference to the work (and so to the buffers the work
       // holds) just after marking it complete. Waiting for that moment, a few microseconds,
@@ -66,8 +73,8 @@ void CollectiveWork::wait() {
   } catch (const std::exception& e) {
     counter_.wait_seconds +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    TORCH_CHECK(false, "[rank ", group_.global_ranks().at(group_.rank()), "] ", what_,
-                " over ", group_.size(), " ranks failed (timeout ", group_.timeout().count(),
+    TORCH_CHECK(false, "[rank ", group_.global_ranks().at(group_.rank()), "] ", what_, " over ",
+                group_.size(), " ranks failed (timeout ", group_.timeout().count(),
                 " ms; a peer may have died): ", e.what());
   }
   counter_.wait_seconds +=
@@ -108,8 +115,7 @@ std::unique_ptr<CollectiveWork> all_gather(ProcessGroup& group,
       }
     }
     auto work = backend.allgather_coalesced(output_lists, in_bytes_views);
-    return std::make_unique<CollectiveWork>(group, counter, "all-gather", std::move(work),
-                                            nullptr);
+    return std::make_unique<CollectiveWork>(group, counter, "all-gather", std::move(work), nullptr);
   }
   // Backends with a native flat all-gather (NCCL): gather into one buffer, then copy out. The
   // copy is enqueued by the waiting thread on the current stream, after the collective.
@@ -154,7 +160,8 @@ std::unique_ptr<CollectiveWork> reduce_scatter(ProcessGroup& group, const torch:
       torch::NoGradGuard no_grad;
       auto blocks = received.view({n, s});
       torch::sum_out(const_cast<torch::Tensor&>(output), blocks, /*dim=*/{0});
-      if (op == ReduceOp::kAvg) output.div_(n);
+      if (op == ReduceOp::kAvg)
+        output.div_(n);
     };
     return std::make_unique<CollectiveWork>(group, counter, "reduce-scatter", std::move(work),
                                             std::move(finish));
@@ -179,8 +186,7 @@ std::unique_ptr<CollectiveWork> all_reduce(ProcessGroup& group, const torch::Ten
   std::vector<torch::Tensor> tensors{tensor};
   c10d::AllreduceOptions opts;
   const bool native_avg = !is_gloo(group);
-  opts.reduceOp =
-      op == ReduceOp::kAvg && native_avg ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+  opts.reduceOp = op == ReduceOp::kAvg && native_avg ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
   auto work = group.backend().allreduce(tensors, opts);
   std::function<void()> finish;
   if (op == ReduceOp::kAvg && !native_avg) {

@@ -37,12 +37,14 @@ thread_local int t_forward_depth = 0;
 void broadcast_from_rank0(ProcessGroup& group, const std::vector<torch::Tensor>& tensors) {
   std::map<torch::ScalarType, std::vector<torch::Tensor>> by_dtype;
   for (const auto& t : tensors) {
-    if (t.numel() > 0) by_dtype[t.scalar_type()].push_back(t);
+    if (t.numel() > 0)
+      by_dtype[t.scalar_type()].push_back(t);
   }
   torch::NoGradGuard no_grad;
   for (auto& [dtype, ts] : by_dtype) {
     std::vector<torch::Tensor> flat;
-    for (const auto& t : ts) flat.push_back(t.detach().reshape({-1}));
+    for (const auto& t : ts)
+      flat.push_back(t.detach().reshape({-1}));
     auto buffer = torch::cat(flat);
     broadcast(group, buffer, /*root=*/0)->wait();
     int64_t offset = 0;
@@ -59,14 +61,16 @@ std::vector<std::shared_ptr<ParamGroup>> live_units() {
   std::lock_guard<std::mutex> lock(g_mutex);
   prune_locked();
   std::vector<std::shared_ptr<ParamGroup>> out;
-  for (const auto& e : g_entries) out.push_back(e.unit);
+  for (const auto& e : g_entries)
+    out.push_back(e.unit);
   return out;
 }
 
 int64_t unit_id(const ParamGroup& unit) {
   std::lock_guard<std::mutex> lock(g_mutex);
   for (const auto& e : g_entries) {
-    if (e.unit.get() == &unit) return e.id;
+    if (e.unit.get() == &unit)
+      return e.id;
   }
   TORCH_INTERNAL_ASSERT(false, "fsdp unit '", unit.name(), "' is not registered");
 }
@@ -74,7 +78,8 @@ int64_t unit_id(const ParamGroup& unit) {
 std::shared_ptr<ParamGroup> unit_by_id(int64_t id) {
   std::lock_guard<std::mutex> lock(g_mutex);
   for (const auto& e : g_entries) {
-    if (e.id == id && !e.module.expired()) return e.unit;
+    if (e.id == id && !e.module.expired())
+      return e.unit;
   }
   return nullptr;
 }
@@ -82,12 +87,15 @@ std::shared_ptr<ParamGroup> unit_by_id(int64_t id) {
 std::shared_ptr<ParamGroup> find_unit(const torch::nn::Module& module) {
   std::lock_guard<std::mutex> lock(g_mutex);
   for (const auto& e : g_entries) {
-    if (e.key == &module && !e.module.expired()) return e.unit;
+    if (e.key == &module && !e.module.expired())
+      return e.unit;
   }
   return nullptr;
 }
 
-bool in_unit_forward() { return t_forward_depth > 0; }
+bool in_unit_forward() {
+  return t_forward_depth > 0;
+}
 
 std::vector<torch::Tensor> pre_forward(ParamGroup& unit, std::vector<torch::Tensor> args) {
   const bool is_root_call = t_forward_depth == 0;
@@ -126,13 +134,15 @@ void fully_shard(const std::shared_ptr<torch::nn::Module>& module,
   // Parameters already owned by inner units stay theirs; shared (tied) parameters are taken once.
   std::unordered_set<const c10::TensorImpl*> taken;
   for (const auto& unit : detail::live_units()) {
-    for (const auto& p : unit->params()) taken.insert(p.param().unsafeGetTensorImpl());
+    for (const auto& p : unit->params())
+      taken.insert(p.param().unsafeGetTensorImpl());
   }
   std::vector<std::pair<std::string, torch::Tensor>> params;
   std::vector<torch::Tensor> to_sync;
   for (const auto& item : module->named_parameters(/*recurse=*/true)) {
     const auto* impl = item.value().unsafeGetTensorImpl();
-    if (!taken.insert(impl).second) continue;
+    if (!taken.insert(impl).second)
+      continue;
     TORCH_CHECK(item.value().device().type() == group.device_type(), "fully_shard: parameter '",
                 item.key(), "' is on ", item.value().device(), " but the process group's backend '",
                 group.backend_name(), "' needs ", c10::DeviceTypeName(group.device_type()),
@@ -142,7 +152,8 @@ void fully_shard(const std::shared_ptr<torch::nn::Module>& module,
   }
   if (options.sync_module_states() && group.size() > 1) {
     // Buffers are not sharded, but they must agree too (e.g. a causal mask, running stats).
-    for (const auto& b : module->buffers(/*recurse=*/true)) to_sync.push_back(b);
+    for (const auto& b : module->buffers(/*recurse=*/true))
+      to_sync.push_back(b);
     detail::broadcast_from_rank0(group, to_sync);
   }
 
@@ -153,6 +164,8 @@ void fully_shard(const std::shared_ptr<torch::nn::Module>& module,
   detail::g_entries.push_back({module.get(), module, std::move(unit), detail::g_next_id++});
 }
 
-bool is_sharded(const torch::nn::Module& module) { return detail::find_unit(module) != nullptr; }
+bool is_sharded(const torch::nn::Module& module) {
+  return detail::find_unit(module) != nullptr;
+}
 
 }  // namespace fsdp

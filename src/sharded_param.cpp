@@ -7,7 +7,9 @@
 namespace fsdp::detail {
 namespace {
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
 
 // A tensor over the same memory as `v` that autograd does not consider a view: optimizers
 // call grad.detach_() in zero_grad(), which autograd refuses on views. Holding the storage
@@ -42,12 +44,14 @@ ShardedParam::ShardedParam(std::string fqn, torch::Tensor param, int rank, int w
   // A 0-d parameter is sharded as a single row.
   rows_ = full.dim() == 0 ? 1 : full.size(0);
   row_numel_ = rows_ == 0 ? 0 : full.numel() / rows_;
-  if (full.dim() > 0 && rows_ == 0) row_numel_ = 1;
+  if (full.dim() > 0 && rows_ == 0)
+    row_numel_ = 1;
   chunk_rows_ = ceil_div(rows_, world_size_);
   local_rows_ = std::clamp<int64_t>(rows_ - rank_ * chunk_rows_, 0, chunk_rows_);
 
   std::vector<int64_t> row_shape = full.dim() == 0 ? std::vector<int64_t>{} : shape_;
-  if (!row_shape.empty()) row_shape.erase(row_shape.begin());
+  if (!row_shape.empty())
+    row_shape.erase(row_shape.begin());
   std::vector<int64_t> shard_shape{chunk_rows_};
   shard_shape.insert(shard_shape.end(), row_shape.begin(), row_shape.end());
   std::vector<int64_t> padded_full_shape{chunk_rows_ * world_size_};
@@ -57,8 +61,8 @@ ShardedParam::ShardedParam(std::string fqn, torch::Tensor param, int rank, int w
   auto rows_view = full.dim() == 0 ? full.reshape({1}) : full;
   if (local_rows_ > 0) {
     padded_shard_.narrow(0, 0, local_rows_)
-        .copy_(rows_view.narrow(0, rank_ * chunk_rows_, local_rows_).reshape(
-            padded_shard_.narrow(0, 0, local_rows_).sizes()));
+        .copy_(rows_view.narrow(0, rank_ * chunk_rows_, local_rows_)
+                   .reshape(padded_shard_.narrow(0, 0, local_rows_).sizes()));
   }
   sharded_view_ = padded_shard_.narrow(0, 0, local_rows_);
 
@@ -75,7 +79,8 @@ size_t ShardedParam::unsharded_storage_bytes() const {
 void ShardedParam::alloc_unsharded() {
   auto storage = padded_unsharded_.storage();
   const size_t nbytes = padded_unsharded_.numel() * padded_unsharded_.element_size();
-  if (storage.nbytes() == nbytes) return;
+  if (storage.nbytes() == nbytes)
+    return;
   // Same StorageImpl, new bytes: every view made in forward sees what the next gather writes.
   storage.set_data_ptr_noswap(storage.allocator()->allocate(nbytes));
   storage.set_nbytes(nbytes);
@@ -99,7 +104,8 @@ void ShardedParam::to_sharded() {
 }
 
 void ShardedParam::stash_sharded_grad() {
-  if (!param_.requires_grad()) return;
+  if (!param_.requires_grad())
+    return;
   if (param_.grad().defined() && param_.grad().sizes() == sharded_view_.sizes()) {
     stashed_grad_ = param_.grad();
     param_.mutable_grad() = torch::Tensor();
@@ -107,9 +113,11 @@ void ShardedParam::stash_sharded_grad() {
 }
 
 torch::Tensor ShardedParam::take_unsharded_grad() {
-  if (!param_.requires_grad()) return {};
+  if (!param_.requires_grad())
+    return {};
   auto g = param_.grad();
-  if (!g.defined()) return {};
+  if (!g.defined())
+    return {};
   TORCH_CHECK(g.sizes() == unsharded_.sizes(), "fsdp: parameter '", fqn_,
               "' has a gradient of shape ", g.sizes(), " during backward, expected ",
               unsharded_.sizes(), " (was it used outside its unit's fsdp::forward?)");
@@ -128,8 +136,10 @@ void ShardedParam::copy_grad_into(const torch::Tensor& g, const torch::Tensor& d
     const int64_t start = r * chunk_rows_;
     const int64_t n = std::clamp<int64_t>(rows_ - start, 0, chunk_rows_);
     auto block = dst.select(0, r);
-    if (n > 0) block.narrow(0, 0, n).copy_(rows.narrow(0, start, n));
-    if (n < chunk_rows_) block.narrow(0, n, chunk_rows_ - n).zero_();
+    if (n > 0)
+      block.narrow(0, 0, n).copy_(rows.narrow(0, start, n));
+    if (n < chunk_rows_)
+      block.narrow(0, n, chunk_rows_ - n).zero_();
   }
 }
 
@@ -145,7 +155,8 @@ void ShardedParam::set_sharded_grad(const torch::Tensor& shard) {
 }
 
 void ShardedParam::restore_sharded_grad() {
-  if (stashed_grad_.defined()) param_.mutable_grad() = std::move(stashed_grad_);
+  if (stashed_grad_.defined())
+    param_.mutable_grad() = std::move(stashed_grad_);
   stashed_grad_ = torch::Tensor();
 }
 

@@ -33,7 +33,7 @@ class ShardedParam {
   bool requires_grad() const { return param_.requires_grad(); }
   torch::ScalarType dtype() const { return padded_shard_.scalar_type(); }
 
-  int64_t rows() const { return rows_; }             // d0 (1 for a 0-d parameter)
+  int64_t rows() const { return rows_; }              // d0 (1 for a 0-d parameter)
   int64_t chunk_rows() const { return chunk_rows_; }  // ceil(d0 / N)
   int64_t local_rows() const { return local_rows_; }  // this rank's real rows
   int64_t row_numel() const { return row_numel_; }    // elements per row
@@ -79,10 +79,10 @@ class ShardedParam {
   int rank_;
   int world_size_;
   int64_t rows_, chunk_rows_, local_rows_, row_numel_;
-  torch::Tensor padded_shard_;       // [chunk_rows, *rest]
-  torch::Tensor sharded_view_;       // [local_rows, *rest], view of padded_shard_
-  torch::Tensor padded_unsharded_;   // [N * chunk_rows, *rest]
-  torch::Tensor unsharded_;          // original shape, view of padded_unsharded_
+  torch::Tensor padded_shard_;      // [chunk_rows, *rest]
+  torch::Tensor sharded_view_;      // [local_rows, *rest], view of padded_shard_
+  torch::Tensor padded_unsharded_;  // [N * chunk_rows, *rest]
+  torch::Tensor unsharded_;         // original shape, view of padded_unsharded_
   torch::Tensor stashed_grad_;
 };
 

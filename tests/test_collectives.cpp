@@ -54,7 +54,8 @@ FSDP_WORKER(collectives_reduce_scatter) {
     return torch::randn({n * s}, gen);
   };
   torch::Tensor expect_sum = torch::zeros({s});
-  for (int r = 0; r < n; ++r) expect_sum += input_of(r).narrow(0, rank * s, s);
+  for (int r = 0; r < n; ++r)
+    expect_sum += input_of(r).narrow(0, rank * s, s);
 
   auto out = torch::empty({s});
   fsdp::detail::reduce_scatter(*pg, input_of(rank), out, ReduceOp::kSum)->wait();

@@ -42,7 +42,7 @@ torch::Tensor expected_shard(const torch::Tensor& full, int rank, int world) {
 }
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& kind,
-                                                       std::vector<torch::Tensor> params) {
+                                                        std::vector<torch::Tensor> params) {
   if (kind == "adamw") {
     return std::make_unique<torch::optim::AdamW>(
         std::move(params), torch::optim::AdamWOptions(kAdamLr).weight_decay(0.1));
@@ -110,15 +110,19 @@ int check_equivalence(const std::string& optimizer) {
     WORKER_CHECK(std::abs(got - ref_losses[step]) <= 1e-5 * std::abs(ref_losses[step]))
         << "step " << step << " loss " << got << " vs reference " << ref_losses[step];
   }
-  std::printf("[rank %d/%d] PARAMS OK after %d %s steps: max |fsdp - reference| = %.3g, "
-              "loss %.6f -> %.6f\n",
-              rank, world, kSteps, optimizer.c_str(), max_diff, ref_losses.front(),
-              ref_losses.back());
+  std::printf(
+      "[rank %d/%d] PARAMS OK after %d %s steps: max |fsdp - reference| = %.3g, "
+      "loss %.6f -> %.6f\n",
+      rank, world, kSteps, optimizer.c_str(), max_diff, ref_losses.front(), ref_losses.back());
   return 0;
 }
 
-FSDP_WORKER(gpt_equivalence_adamw) { return check_equivalence("adamw"); }
-FSDP_WORKER(gpt_equivalence_sgd) { return check_equivalence("sgd"); }
+FSDP_WORKER(gpt_equivalence_adamw) {
+  return check_equivalence("adamw");
+}
+FSDP_WORKER(gpt_equivalence_sgd) {
+  return check_equivalence("sgd");
+}
 
 class Equivalence : public ::testing::TestWithParam<int> {};
 

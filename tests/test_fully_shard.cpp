@@ -15,7 +15,9 @@ namespace {
 using fsdp_models::GPT;
 using fsdp_models::GPTConfig;
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
 
 // Bytes of this parameter's padded shard on each of `world` ranks, computed from its full shape.
 int64_t padded_shard_bytes(const torch::Tensor& full, int world) {
@@ -48,11 +50,13 @@ FSDP_WORKER(frozen_params) {
   GPT model(cfg);
   // Frozen next to trainable parameters, inside one unit (block 0) and in the root (wpe).
   std::vector<std::string> frozen{"h0.attn.c_attn.weight", "h0.ln_1.bias", "wpe.weight"};
-  for (const auto& name : frozen) model->named_parameters()[name].set_requires_grad(false);
+  for (const auto& name : frozen)
+    model->named_parameters()[name].set_requires_grad(false);
   fsdp_models::parallelize_gpt(model, fsdp::FullyShardOptions(pg));
 
   std::map<std::string, torch::Tensor> before;
-  for (const auto& item : model->named_parameters()) before[item.key()] = item.value().clone();
+  for (const auto& item : model->named_parameters())
+    before[item.key()] = item.value().clone();
   // AdamW over all parameters: frozen ones must never get a grad, hence no state either.
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
   for (int step = 0; step < 3; ++step) {
@@ -62,8 +66,7 @@ FSDP_WORKER(frozen_params) {
   int changed = 0;
   for (const auto& item : params) {
     const auto& p = item.value();
-    const bool is_frozen =
-        std::find(frozen.begin(), frozen.end(), item.key()) != frozen.end();
+    const bool is_frozen = std::find(frozen.begin(), frozen.end(), item.key()) != frozen.end();
     if (is_frozen) {
       WORKER_CHECK(torch::equal(p, before[item.key()])) << item.key() << " changed while frozen";
       WORKER_CHECK(!p.grad().defined()) << item.key() << " has a grad while frozen";
@@ -75,9 +78,10 @@ FSDP_WORKER(frozen_params) {
     }
   }
   WORKER_CHECK(changed > 0) << "no trainable parameter moved";
-  std::printf("[rank %d] FROZEN OK: 3 frozen params bit-identical, no grad, no state; %d trainable "
-              "shards moved\n",
-              rank, changed);
+  std::printf(
+      "[rank %d] FROZEN OK: 3 frozen params bit-identical, no grad, no state; %d trainable "
+      "shards moved\n",
+      rank, changed);
   return 0;
 }
 
@@ -95,8 +99,10 @@ FSDP_WORKER(comm_count) {
   // Analytic: each block gathers twice (forward, backward), the root once (it stays gathered
   // from forward into backward); every unit reduce-scatters once.
   int64_t block_bytes = 0, all_bytes = 0;
-  for (const auto& p : full->blocks[0]->parameters()) block_bytes += padded_shard_bytes(p, n);
-  for (const auto& p : full->parameters()) all_bytes += padded_shard_bytes(p, n);
+  for (const auto& p : full->blocks[0]->parameters())
+    block_bytes += padded_shard_bytes(p, n);
+  for (const auto& p : full->parameters())
+    all_bytes += padded_shard_bytes(p, n);
   const int64_t root_bytes = all_bytes - cfg.n_layer * block_bytes;
   const int64_t units = cfg.n_layer + 1;
   const int64_t ag_calls = 2 * cfg.n_layer + 1;
@@ -112,15 +118,17 @@ FSDP_WORKER(comm_count) {
     WORKER_CHECK(s.all_reduce.calls == 0 && s.broadcast.calls == 0) << s.to_string();
     WORKER_CHECK(s.all_gather.bytes == ag_bytes) << s.all_gather.bytes << " vs " << ag_bytes;
     WORKER_CHECK(s.all_gather.sent_bytes == ag_bytes / n * (n - 1)) << s.all_gather.sent_bytes;
-    WORKER_CHECK(s.reduce_scatter.bytes == rs_bytes) << s.reduce_scatter.bytes << " vs " << rs_bytes;
+    WORKER_CHECK(s.reduce_scatter.bytes == rs_bytes)
+        << s.reduce_scatter.bytes << " vs " << rs_bytes;
     WORKER_CHECK(s.reduce_scatter.sent_bytes == rs_bytes / n * (n - 1))
         << s.reduce_scatter.sent_bytes;
     if (step == 1) {
-      std::printf("[rank %d] COMM OK per step: %lld all-gathers (%lld B), %lld reduce-scatters "
-                  "(%lld B), sent %lld + %lld B\n",
-                  rank, (long long)s.all_gather.calls, (long long)s.all_gather.bytes,
-                  (long long)s.reduce_scatter.calls, (long long)s.reduce_scatter.bytes,
-                  (long long)s.all_gather.sent_bytes, (long long)s.reduce_scatter.sent_bytes);
+      std::printf(
+          "[rank %d] COMM OK per step: %lld all-gathers (%lld B), %lld reduce-scatters "
+          "(%lld B), sent %lld + %lld B\n",
+          rank, (long long)s.all_gather.calls, (long long)s.all_gather.bytes,
+          (long long)s.reduce_scatter.calls, (long long)s.reduce_scatter.bytes,
+          (long long)s.all_gather.sent_bytes, (long long)s.reduce_scatter.sent_bytes);
     }
   }
   return 0;
@@ -155,7 +163,8 @@ torch::Tensor ProbeBlockImpl::forward(const torch::Tensor& x) {
 }
 
 struct ProbeChainImpl : torch::nn::Module {
-  explicit ProbeChainImpl(int64_t d, int n) : head(register_module("head", torch::nn::Linear(d, 5))) {
+  explicit ProbeChainImpl(int64_t d, int n)
+      : head(register_module("head", torch::nn::Linear(d, 5))) {
     for (int i = 0; i < n; ++i) {
       blocks.push_back(register_module("b" + std::to_string(i), ProbeBlock(d)));
       blocks.back()->seen = &seen;
@@ -163,7 +172,8 @@ struct ProbeChainImpl : torch::nn::Module {
   }
   torch::Tensor forward(const torch::Tensor& x) {
     auto h = x;
-    for (auto& b : blocks) h = fsdp::forward(b, h);
+    for (auto& b : blocks)
+      h = fsdp::forward(b, h);
     return head(h);
   }
   std::vector<ProbeBlock> blocks;
@@ -176,14 +186,16 @@ FSDP_WORKER(release_after_unit) {
   auto pg = fsdp::init_process_group();
   torch::manual_seed(1);
   ProbeChain chain(13, 4);
-  for (auto& b : chain->blocks) fsdp::fully_shard(b, fsdp::FullyShardOptions(pg));
+  for (auto& b : chain->blocks)
+    fsdp::fully_shard(b, fsdp::FullyShardOptions(pg));
   fsdp::fully_shard(chain, fsdp::FullyShardOptions(pg));
 
   auto x = torch::randn({3, 13});
   auto loss = fsdp::forward(chain, x).pow(2).sum();
   // Inside each block's forward: the root and that block, nothing else.
-  WORKER_CHECK(chain->seen == std::vector<int>(4, 2)) << "units gathered during forward: "
-                                                      << c10::IntArrayRef(std::vector<int64_t>(chain->seen.begin(), chain->seen.end()));
+  WORKER_CHECK(chain->seen == std::vector<int>(4, 2))
+      << "units gathered during forward: "
+      << c10::IntArrayRef(std::vector<int64_t>(chain->seen.begin(), chain->seen.end()));
   // After forward only the root stays gathered (its backward comes next).
   WORKER_CHECK(units_holding_unsharded_storage() == 1) << units_holding_unsharded_storage();
   loss.backward();
@@ -200,7 +212,8 @@ FSDP_WORKER(release_after_unit) {
     WORKER_CHECK(units_holding_unsharded_storage() == 0) << "after a no-grad forward";
   }
   // A unit whose output needs no grad still reshards, and backward through the others works.
-  for (auto& p : chain->blocks[0]->parameters()) p.set_requires_grad(false);
+  for (auto& p : chain->blocks[0]->parameters())
+    p.set_requires_grad(false);
   auto loss2 = fsdp::forward(chain, x.detach()).sum();
   loss2.backward();
   WORKER_CHECK(units_holding_unsharded_storage() == 0) << "after a partly frozen step";
@@ -224,7 +237,8 @@ FSDP_WORKER(memory_accounting) {
   {
     torch::manual_seed(0);
     GPT plain(cfg);
-    for (const auto& p : plain->parameters()) full_param_bytes += p.numel() * p.element_size();
+    for (const auto& p : plain->parameters())
+      full_param_bytes += p.numel() * p.element_size();
     const int64_t before = fsdp::memory::current_bytes();
     fsdp::memory::reset_peak();
     auto loss = fsdp_models::lm_loss(plain->forward(tokens.narrow(1, 0, cfg.block_size)),
@@ -270,17 +284,18 @@ FSDP_WORKER(memory_accounting) {
   // Peak: persistent + the root gathered with its grads + two block-sized units in flight
   // (a gathered block and the all-gather's receive buffer, or grads and the reduce-scatter
   // buffers) + activations. Slack: 10% + 64 KiB for allocator-visible temporaries.
-  const int64_t bound =
-      steady + 2 * root_unsharded + 3 * largest_block + activation_bytes;
+  const int64_t bound = steady + 2 * root_unsharded + 3 * largest_block + activation_bytes;
   const int64_t slack = bound / 10 + 65536;
-  WORKER_CHECK(peak <= bound + slack) << "peak " << peak << " B > bound " << bound << " + " << slack;
+  WORKER_CHECK(peak <= bound + slack)
+      << "peak " << peak << " B > bound " << bound << " + " << slack;
   // And the peak is far below what an unsharded model needs (params + grads + Adam state).
   WORKER_CHECK(n == 1 || peak < full_state) << "peak " << peak << " vs unsharded " << full_state;
-  std::printf("[rank %d/%d] MEMORY OK: persistent %lld B (unsharded state %lld B, ratio %.3f), "
-              "peak %lld B <= bound %lld B (root %lld, block %lld, activations %lld)\n",
-              rank, n, (long long)steady, (long long)full_state, double(steady) / full_state,
-              (long long)peak, (long long)bound, (long long)root_unsharded,
-              (long long)largest_block, (long long)activation_bytes);
+  std::printf(
+      "[rank %d/%d] MEMORY OK: persistent %lld B (unsharded state %lld B, ratio %.3f), "
+      "peak %lld B <= bound %lld B (root %lld, block %lld, activations %lld)\n",
+      rank, n, (long long)steady, (long long)full_state, double(steady) / full_state,
+      (long long)peak, (long long)bound, (long long)root_unsharded, (long long)largest_block,
+      (long long)activation_bytes);
   return 0;
 }
 

@@ -182,7 +182,9 @@ struct BadEnvCase {
 };
 
 // Names the case by what its error must mention (GoogleTest otherwise prints raw bytes).
-void PrintTo(const BadEnvCase& c, std::ostream* os) { *os << c.must_mention; }
+void PrintTo(const BadEnvCase& c, std::ostream* os) {
+  *os << c.must_mention;
+}
 
 class LaunchEnvErrors : public ::testing::TestWithParam<BadEnvCase> {};
 

@@ -90,10 +90,12 @@ constexpr std::array<int, sizeof...(Args)> tensor_slots() {
 }
 
 inline void collect_tensors(const torch::Tensor& t, std::vector<torch::Tensor>& out) {
-  if (t.defined()) out.push_back(t);
+  if (t.defined())
+    out.push_back(t);
 }
 inline void collect_tensors(const std::vector<torch::Tensor>& ts, std::vector<torch::Tensor>& out) {
-  for (const auto& t : ts) collect_tensors(t, out);
+  for (const auto& t : ts)
+    collect_tensors(t, out);
 }
 template <typename... Ts>
 void collect_tensors(const std::tuple<Ts...>& tup, std::vector<torch::Tensor>& out) {
@@ -130,18 +132,20 @@ template <typename M, typename... Args>
 decltype(auto) forward(M&& module, Args&&... args) {
   auto& impl = detail::module_impl(module);
   auto unit = detail::find_unit(impl);
-  if (!unit) return impl.forward(std::forward<Args>(args)...);
+  if (!unit)
+    return impl.forward(std::forward<Args>(args)...);
 
   std::vector<torch::Tensor> tensors;
   (
       [&] {
-        if constexpr (detail::is_tensor_v<Args>) tensors.push_back(args);
+        if constexpr (detail::is_tensor_v<Args>)
+          tensors.push_back(args);
       }(),
       ...);
   auto wrapped = detail::pre_forward(*unit, std::move(tensors));
   auto arg_tuple = std::forward_as_tuple(std::forward<Args>(args)...);
-  using Result = decltype(detail::call_forward(impl, arg_tuple, wrapped,
-                                               std::index_sequence_for<Args...>{}));
+  using Result =
+      decltype(detail::call_forward(impl, arg_tuple, wrapped, std::index_sequence_for<Args...>{}));
   try {
     if constexpr (std::is_void_v<Result>) {
       detail::call_forward(impl, arg_tuple, wrapped, std::index_sequence_for<Args...>{});

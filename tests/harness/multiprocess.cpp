@@ -246,7 +246,8 @@ std::string RunResult::evidence() const {
     std::istringstream lines(out);
     std::string line;
     while (std::getline(lines, line)) {
-      if (line.find(" OK") != std::string::npos) os << "  " << line << "\n";
+      if (line.find(" OK") != std::string::npos)
+        os << "  " << line << "\n";
     }
   }
   return os.str();
