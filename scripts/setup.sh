@@ -37,6 +37,9 @@ fi
 TORCH_CMAKE_PREFIX="$("$VENV/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null)"
 
 export CCACHE_DIR="$CACHE/ccache"
+# Paths relative to the clone, so that a fresh clone elsewhere (CI) hits the same cache entries.
+export CCACHE_BASEDIR="$ROOT"
+export CCACHE_NOHASHDIR=1
 export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-5G}"
 # Release builds by default; FSDP_BUILD_TYPE=Debug for a debugger session.
 if [ ! -f "$BUILD/build.ninja" ]; then
