@@ -124,6 +124,45 @@ FSDP_WORKER(gpt_equivalence_sgd) {
   return check_equivalence("sgd");
 }
 
+// The global gradient norm of the shards equals the single-process norm, and clipping scales
+// every shard as clipping the whole model would.
+FSDP_WORKER(clip_grad_norm) {
+  auto pg = fsdp::init_process_group();
+  const int rank = pg->rank(), world = pg->size();
+  auto cfg = test_config();
+  torch::manual_seed(99);
+  GPT reference(cfg);
+  torch::manual_seed(99);
+  GPT model(cfg);
+  fsdp_models::parallelize_gpt(model, fsdp::FullyShardOptions(pg));
+  const int64_t local = kGlobalBatch / world;
+  auto tokens = batch_tokens(cfg, 0);
+  auto mine = tokens.narrow(0, rank * local, local);
+  fsdp_models::lm_loss(fsdp::forward(model, mine.narrow(1, 0, cfg.block_size)),
+                       mine.narrow(1, 1, cfg.block_size))
+      .backward();
+  fsdp_models::lm_loss(reference->forward(tokens.narrow(1, 0, cfg.block_size)),
+                       tokens.narrow(1, 1, cfg.block_size))
+      .backward();
+  const double max_norm = 0.05;
+  const double norm = fsdp::clip_grad_norm_(model->parameters(), max_norm, *pg);
+  const double ref_norm = torch::nn::utils::clip_grad_norm_(reference->parameters(), max_norm);
+  WORKER_CHECK(std::abs(norm - ref_norm) <= 1e-5 * ref_norm) << norm << " vs " << ref_norm;
+  WORKER_CHECK(ref_norm > max_norm) << "the test must actually clip: norm " << ref_norm;
+  auto ref_params = reference->named_parameters();
+  for (const auto& item : model->named_parameters()) {
+    auto want = expected_shard(ref_params[item.key()].grad(), rank, world);
+    WORKER_EXPECT_CLOSE(item.value().grad(), want, 1e-5, 1e-7);
+  }
+  std::printf("[rank %d/%d] CLIP OK: global norm %.6f (reference %.6f), clipped to %.2f\n", rank,
+              world, norm, ref_norm, max_norm);
+  return 0;
+}
+
+TEST(ClipGradNorm, GlobalNormAndClippedGradsMatchSingleProcess) {
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("clip_grad_norm", 3));
+}
+
 class Equivalence : public ::testing::TestWithParam<int> {};
 
 TEST_P(Equivalence, AdamWMatchesSingleProcess) {

@@ -4,6 +4,7 @@
 // modules through fsdp::forward) and docs/design.md for how a unit lives through a step.
 #pragma once
 
+#include <fsdp/clip_grad.h>
 #include <fsdp/comm_stats.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/memory.h>

@@ -1,0 +1,39 @@
+// See clip_grad.h: one all-reduce of a single double per call.
+#include <fsdp/clip_grad.h>
+
+#include <torch/torch.h>
+
+#include <cmath>
+
+#include "collectives.h"
+
+namespace fsdp {
+
+double clip_grad_norm_(const std::vector<torch::Tensor>& params, double max_norm,
+                       ProcessGroup& group) {
+  torch::NoGradGuard no_grad;
+  // Accumulate in double: the sum over a large model of fp32 squares loses digits otherwise.
+  auto sq = torch::zeros({1}, torch::TensorOptions().dtype(torch::kDouble));
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : params) {
+    const auto& g = p.grad();
+    if (!g.defined() || g.numel() == 0)
+      continue;
+    grads.push_back(g);
+    sq += g.to(torch::kDouble).square().sum();
+  }
+  if (sq.device().type() != group.device_type())
+    sq = sq.to(group.device_type());
+  detail::all_reduce(group, sq, detail::ReduceOp::kSum)->wait();
+  const double norm = std::sqrt(sq.item<double>());
+  // A non-finite norm is returned for the caller to act on (skip the step, stop); scaling by
+  // NaN would only spread it.
+  const double coef = max_norm / (norm + 1e-6);
+  if (std::isfinite(norm) && coef < 1.0) {
+    for (auto& g : grads)
+      g.mul_(coef);
+  }
+  return norm;
+}
+
+}  // namespace fsdp

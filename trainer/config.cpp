@@ -1,0 +1,379 @@
+// The option table and everything generated from it (see config.h).
+#include "config.h"
+
+#include <toml++/toml.h>
+
+#include <algorithm>
+#include <charconv>
+#include <filesystem>
+#include <functional>
+#include <sstream>
+
+namespace fsdp_trainer {
+namespace {
+
+// How one option reads from TOML or text and prints itself; `Get` returns a reference to its
+// field, so the table below is the only place that knows the struct layout.
+struct Option {
+  OptionInfo info;
+  std::function<void(Config&, const toml::node&)> from_toml;   // throws std::string on type error
+  std::function<void(Config&, const std::string&)> from_text;  // same
+  std::function<std::string(const Config&)> to_text;
+};
+
+template <typename T>
+std::string type_name() {
+  if constexpr (std::is_same_v<T, bool>)
+    return "boolean";
+  if constexpr (std::is_same_v<T, int64_t>)
+    return "integer";
+  if constexpr (std::is_same_v<T, double>)
+    return "float";
+  return "string";
+}
+
+template <typename T>
+std::string format_value(const T& v) {
+  if constexpr (std::is_same_v<T, bool>) {
+    return v ? "true" : "false";
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    std::ostringstream os;
+    os << toml::value<std::string>(v);
+    return os.str();
+  } else if constexpr (std::is_same_v<T, double>) {
+    std::ostringstream os;
+    os << toml::value<double>(v);
+    return os.str();
+  } else {
+    return std::to_string(v);
+  }
+}
+
+template <typename T>
+T parse_text(const std::string& s) {
+  if constexpr (std::is_same_v<T, bool>) {
+    if (s == "true")
+      return true;
+    if (s == "false")
+      return false;
+    throw std::string("must be true or false, got '" + s + "'");
+  } else if constexpr (std::is_same_v<T, int64_t>) {
+    int64_t v = 0;
+    auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+    if (ec != std::errc() || end != s.data() + s.size()) {
+      throw std::string("must be an integer, got '" + s + "'");
+    }
+    return v;
+  } else if constexpr (std::is_same_v<T, double>) {
+    char* end = nullptr;
+    const double v = std::strtod(s.c_str(), &end);
+    if (s.empty() || end != s.c_str() + s.size()) {
+      throw std::string("must be a number, got '" + s + "'");
+    }
+    return v;
+  } else {
+    return s;
+  }
+}
+
+template <typename T>
+T parse_toml(const toml::node& n) {
+  if constexpr (std::is_same_v<T, bool>) {
+    if (auto v = n.value_exact<bool>())
+      return *v;
+  } else if constexpr (std::is_same_v<T, int64_t>) {
+    if (auto v = n.value_exact<int64_t>())
+      return *v;
+  } else if constexpr (std::is_same_v<T, double>) {
+    if (n.is_floating_point() || n.is_integer())
+      return *n.value<double>();
+  } else {
+    if (auto v = n.value_exact<std::string>())
+      return *v;
+  }
+  std::ostringstream got;
+  got << n.type();
+  throw std::string(
+      "must be " + std::string(type_name<T>() == "integer" ? "an integer" : "a " + type_name<T>()) +
+      ", got " + got.str());
+}
+
+template <typename Get>
+Option opt(std::string key, Get get, std::string doc, std::vector<std::string> choices = {}) {
+  using T = std::remove_reference_t<decltype(get(std::declval<Config&>()))>;
+  Option o;
+  Config defaults;
+  o.info = {std::move(key), type_name<T>(), format_value<T>(get(defaults)), std::move(choices),
+            std::move(doc)};
+  const auto allowed = o.info.choices;
+  auto check_choice = [allowed](const T& v) {
+    if constexpr (std::is_same_v<T, std::string>) {
+      if (!allowed.empty() && std::find(allowed.begin(), allowed.end(), v) == allowed.end()) {
+        std::string list;
+        for (const auto& c : allowed)
+          list += (list.empty() ? "" : ", ") + c;
+        throw std::string("must be one of " + list + ", got '" + v + "'");
+      }
+    }
+  };
+  o.from_toml = [get, check_choice](Config& c, const toml::node& n) {
+    T v = parse_toml<T>(n);
+    check_choice(v);
+    get(c) = v;
+  };
+  o.from_text = [get, check_choice](Config& c, const std::string& s) {
+    T v = parse_text<T>(s);
+    check_choice(v);
+    get(c) = v;
+  };
+  o.to_text = [get](const Config& c) { return format_value<T>(get(const_cast<Config&>(c))); };
+  return o;
+}
+
+#define FIELD(path)         \
+  [](Config & c) -> auto& { \
+    return c.path;          \
+  }
+
+const std::vector<Option>& options() {
+  static const std::vector<Option> table = {
+      opt("model.arch", FIELD(model.arch), "Model family.", {"gpt", "llama"}),
+      opt("model.preset", FIELD(model.preset),
+          "Size preset of the family (gpt: gpt2-test, gpt2-tiny, gpt2-small, gpt2-124m, "
+          "gpt2-350m, gpt2-1.5b; llama: llama-test, llama-tiny, llama-1b, llama-7b, llama-13b)."),
+      opt("model.n_layer", FIELD(model.n_layer), "Override the preset's block count (0: keep)."),
+      opt("model.n_embd", FIELD(model.n_embd), "Override the preset's width (0: keep)."),
+      opt("model.n_head", FIELD(model.n_head), "Override the preset's head count (0: keep)."),
+      opt("data.corpus", FIELD(data.corpus),
+          "Training text: \"kjv\" (Debian's bible-kjv), \"fortunes\" (Debian's fortunes), or a "
+          "path to a UTF-8 text file."),
+      opt("data.dir", FIELD(data.dir),
+          "Where the tokenizer and token files are prepared (once; reused while the options "
+          "match)."),
+      opt("data.vocab_size", FIELD(data.vocab_size),
+          "SentencePiece vocabulary size; the model's vocabulary follows it."),
+      opt("data.held_out_fraction", FIELD(data.held_out_fraction),
+          "Fraction of the token stream kept for evaluation (its end)."),
+      opt("training.steps", FIELD(training.steps), "Optimizer steps."),
+      opt("training.batch_size", FIELD(training.batch_size), "Sequences per rank per step."),
+      opt("training.seq_len", FIELD(training.seq_len),
+          "Tokens per sequence (the model's context)."),
+      opt("training.lr", FIELD(training.lr), "Peak learning rate (AdamW)."),
+      opt("training.min_lr", FIELD(training.min_lr),
+          "Learning rate at the end of the cosine decay."),
+      opt("training.warmup_steps", FIELD(training.warmup_steps), "Linear warm-up steps."),
+      opt("training.weight_decay", FIELD(training.weight_decay), "AdamW weight decay."),
+      opt("training.beta1", FIELD(training.beta1), "AdamW beta1."),
+      opt("training.beta2", FIELD(training.beta2), "AdamW beta2."),
+      opt("training.grad_clip", FIELD(training.grad_clip),
+          "Clip the global gradient norm to this (0: no clipping)."),
+      opt("training.seed", FIELD(training.seed), "Seed of initialisation and data order."),
+      opt("training.eval_every", FIELD(training.eval_every),
+          "Steps between held-out evaluations (0: only at the start and the end)."),
+      opt("training.eval_batches", FIELD(training.eval_batches),
+          "Held-out batches per rank per evaluation."),
+      opt("training.threads", FIELD(training.threads), "Intra-op threads per rank."),
+      opt("fsdp.reshard_after_forward", FIELD(fsdp.reshard_after_forward),
+          "Free each block's gathered parameters after its forward and gather them again for "
+          "backward (FULL_SHARD)."),
+      opt("fsdp.sync_module_states", FIELD(fsdp.sync_module_states),
+          "Broadcast rank 0's initial parameters to all ranks before sharding."),
+      opt("fsdp.timeout_s", FIELD(fsdp.timeout_s),
+          "Seconds before a missing or dead rank fails the others (rendezvous and collectives)."),
+      opt("logging.run_dir", FIELD(logging.run_dir),
+          "Output directory: metrics.jsonl, config.toml, breakdown.txt, plot.png, sample.txt."),
+      opt("logging.progress", FIELD(logging.progress),
+          "Rank 0's progress display: a live bar (terminals), lines, or none; auto picks.",
+          {"auto", "bar", "lines", "none"}),
+      opt("logging.log_every", FIELD(logging.log_every),
+          "Steps between progress lines when not drawing a bar."),
+      opt("logging.plot", FIELD(logging.plot),
+          "Draw plot.png (loss, throughput, memory) at the end (needs gnuplot)."),
+      opt("generate.tokens", FIELD(generate.tokens),
+          "Tokens to sample from the trained model at the end (0: none)."),
+      opt("generate.temperature", FIELD(generate.temperature), "Sampling temperature."),
+      opt("generate.top_k", FIELD(generate.top_k), "Sample among the k likeliest tokens (0: all)."),
+      opt("generate.prompt", FIELD(generate.prompt), "Text the sample continues."),
+  };
+  return table;
+}
+
+#undef FIELD
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j)
+    prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] != b[j - 1])});
+    }
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+std::string suggestion(const std::string& key) {
+  std::string best;
+  size_t best_d = 4;
+  for (const auto& o : options()) {
+    const size_t d = edit_distance(key, o.info.key);
+    if (d < best_d)
+      best_d = d, best = o.info.key;
+  }
+  return best.empty() ? "" : " (did you mean '" + best + "'?)";
+}
+
+const Option* find_option(const std::string& key) {
+  for (const auto& o : options()) {
+    if (o.info.key == key)
+      return &o;
+  }
+  return nullptr;
+}
+
+std::string where(const std::string& path, const toml::node& n) {
+  return path + ":" + std::to_string(n.source().begin.line);
+}
+
+}  // namespace
+
+std::vector<OptionInfo> option_table() {
+  std::vector<OptionInfo> out;
+  for (const auto& o : options())
+    out.push_back(o.info);
+  return out;
+}
+
+Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  Config config;
+  if (!path.empty()) {
+    toml::table doc;
+    try {
+      doc = toml::parse_file(path);
+    } catch (const toml::parse_error& e) {
+      const auto& src = e.source();
+      if (src.begin.line == 0)
+        throw ConfigError("cannot read config file '" + path + "'");
+      throw ConfigError(path + ":" + std::to_string(src.begin.line) + ": " +
+                        std::string(e.description()));
+    }
+    for (const auto& [section, node] : doc) {
+      const std::string section_name(section.str());
+      const auto* table = node.as_table();
+      if (!table) {
+        throw ConfigError(where(path, node) + ": '" + section_name + "' must be a section ([" +
+                          section_name + "]) of known keys" + suggestion(section_name));
+      }
+      for (const auto& [key, value] : *table) {
+        const std::string full = section_name + "." + std::string(key.str());
+        const Option* o = find_option(full);
+        if (!o)
+          throw ConfigError(where(path, value) + ": unknown key '" + full + "'" + suggestion(full));
+        try {
+          o->from_toml(config, value);
+        } catch (const std::string& msg) {
+          throw ConfigError(where(path, value) + ": '" + full + "' " + msg);
+        }
+      }
+    }
+  }
+  for (const auto& item : overrides) {
+    const auto eq = item.find('=');
+    if (eq == std::string::npos) {
+      throw ConfigError("override '--" + item + "' must look like --section.key=value");
+    }
+    const std::string key = item.substr(0, eq);
+    const Option* o = find_option(key);
+    if (!o)
+      throw ConfigError("unknown key '" + key + "' in override '--" + item + "'" + suggestion(key));
+    try {
+      o->from_text(config, item.substr(eq + 1));
+    } catch (const std::string& msg) {
+      throw ConfigError("override --" + item + ": '" + key + "' " + msg);
+    }
+  }
+  validate(config);
+  return config;
+}
+
+void validate(const Config& c) {
+  auto require = [](bool ok, const std::string& key, const std::string& what) {
+    if (!ok)
+      throw ConfigError("'" + key + "' " + what);
+  };
+  require(c.model.n_layer >= 0, "model.n_layer", "must be >= 0");
+  require(c.model.n_embd >= 0, "model.n_embd", "must be >= 0");
+  require(c.model.n_head >= 0, "model.n_head", "must be >= 0");
+  require(c.data.vocab_size >= 300 && c.data.vocab_size <= (1 << 20), "data.vocab_size",
+          "must be between 300 and 1048576 (byte fallback needs 256 byte pieces), got " +
+              std::to_string(c.data.vocab_size));
+  require(c.data.held_out_fraction > 0 && c.data.held_out_fraction < 0.5, "data.held_out_fraction",
+          "must be in (0, 0.5)");
+  require(!c.data.dir.empty(), "data.dir", "must not be empty");
+  require(c.data.corpus == "kjv" || c.data.corpus == "fortunes" ||
+              std::filesystem::is_regular_file(c.data.corpus),
+          "data.corpus",
+          "names no corpus: '" + c.data.corpus +
+              "' is neither kjv, fortunes nor an existing text file");
+  require(c.training.steps >= 1, "training.steps", "must be >= 1");
+  require(c.training.batch_size >= 1, "training.batch_size", "must be >= 1");
+  require(c.training.seq_len >= 2, "training.seq_len", "must be >= 2");
+  require(c.training.lr > 0, "training.lr", "must be > 0");
+  require(c.training.min_lr >= 0 && c.training.min_lr <= c.training.lr, "training.min_lr",
+          "must be between 0 and training.lr");
+  require(c.training.warmup_steps >= 0, "training.warmup_steps", "must be >= 0");
+  require(c.training.weight_decay >= 0, "training.weight_decay", "must be >= 0");
+  require(c.training.beta1 >= 0 && c.training.beta1 < 1, "training.beta1", "must be in [0, 1)");
+  require(c.training.beta2 >= 0 && c.training.beta2 < 1, "training.beta2", "must be in [0, 1)");
+  require(c.training.grad_clip >= 0, "training.grad_clip", "must be >= 0");
+  require(c.training.eval_every >= 0, "training.eval_every", "must be >= 0");
+  require(c.training.eval_batches >= 1, "training.eval_batches", "must be >= 1");
+  require(c.training.threads >= 1, "training.threads", "must be >= 1");
+  require(c.fsdp.timeout_s > 0, "fsdp.timeout_s", "must be > 0");
+  require(!c.logging.run_dir.empty(), "logging.run_dir", "must not be empty");
+  require(c.logging.log_every >= 1, "logging.log_every", "must be >= 1");
+  require(c.generate.tokens >= 0, "generate.tokens", "must be >= 0");
+  require(c.generate.temperature > 0, "generate.temperature", "must be > 0");
+  require(c.generate.top_k >= 0, "generate.top_k", "must be >= 0");
+}
+
+std::string to_toml(const Config& config) {
+  std::ostringstream os;
+  std::string section;
+  for (const auto& o : options()) {
+    const auto dot = o.info.key.find('.');
+    const std::string s = o.info.key.substr(0, dot);
+    if (s != section) {
+      os << (section.empty() ? "" : "\n") << "[" << s << "]\n";
+      section = s;
+    }
+    os << o.info.key.substr(dot + 1) << " = " << o.to_text(config) << "\n";
+  }
+  return os.str();
+}
+
+std::string reference_markdown() {
+  std::ostringstream os;
+  std::string section;
+  for (const auto& o : options()) {
+    const std::string s = o.info.key.substr(0, o.info.key.find('.'));
+    if (s != section) {
+      os << (section.empty() ? "" : "\n") << "### [" << s << "]\n\n"
+         << "| key | type | default | meaning |\n| --- | --- | --- | --- |\n";
+      section = s;
+    }
+    std::string type = o.info.type;
+    if (!o.info.choices.empty()) {
+      type.clear();
+      for (const auto& c : o.info.choices)
+        type += (type.empty() ? "" : " \\| ") + ("`" + c + "`");
+    }
+    os << "| `" << o.info.key << "` | " << type << " | `" << o.info.default_value << "` | "
+       << o.info.doc << " |\n";
+  }
+  return os.str();
+}
+
+}  // namespace fsdp_trainer

@@ -1,0 +1,108 @@
+// fsdp-train's configuration: one TOML file, overridable key by key from the command line.
+//
+// Every option is declared once, in config.cpp's option table, with its type, default and
+// documentation; parsing, validation, `--print-config` and the reference in docs/trainer.md
+// are all generated from that table, so they cannot drift apart. Errors are ConfigError: one
+// line naming the key (and file and line), and fsdp-train exits with code 2.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace fsdp_trainer {
+
+/// A problem with the user's input (config file, override, corpus): exit code 2.
+class ConfigError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct ModelConfig {
+  std::string arch = "gpt";
+  std::string preset = "gpt2-tiny";
+  int64_t n_layer = 0;  // 0: the preset's
+  int64_t n_embd = 0;
+  int64_t n_head = 0;
+};
+
+struct DataConfig {
+  std::string corpus = "kjv";
+  std::string dir = "data/kjv";
+  int64_t vocab_size = 2048;
+  double held_out_fraction = 0.02;
+};
+
+struct TrainingConfig {
+  int64_t steps = 300;
+  int64_t batch_size = 8;
+  int64_t seq_len = 128;
+  double lr = 3e-3;
+  double min_lr = 3e-4;
+  int64_t warmup_steps = 20;
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double grad_clip = 1.0;
+  int64_t seed = 0;
+  int64_t eval_every = 50;
+  int64_t eval_batches = 4;
+  int64_t threads = 1;
+};
+
+struct FsdpConfig {
+  bool reshard_after_forward = true;
+  bool sync_module_states = true;
+  double timeout_s = 300;
+};
+
+struct LoggingConfig {
+  std::string run_dir = "runs/default";
+  std::string progress = "auto";
+  int64_t log_every = 10;
+  bool plot = true;
+};
+
+struct GenerateConfig {
+  int64_t tokens = 200;
+  double temperature = 0.8;
+  int64_t top_k = 40;
+  std::string prompt = "And God said";
+};
+
+struct Config {
+  ModelConfig model;
+  DataConfig data;
+  TrainingConfig training;
+  FsdpConfig fsdp;
+  LoggingConfig logging;
+  GenerateConfig generate;
+};
+
+/// One option of the table: its dotted key, TOML type name, allowed values and documentation.
+struct OptionInfo {
+  std::string key;
+  std::string type;  // "integer", "float", "boolean", "string"
+  std::string default_value;
+  std::vector<std::string> choices;  // empty: any value of the type
+  std::string doc;
+};
+
+/// Every option, in the order of the reference.
+std::vector<OptionInfo> option_table();
+
+/// Reads `path` (if not empty) and applies `overrides` ("section.key=value", the leading "--"
+/// already stripped), then validates. Throws ConfigError.
+Config load_config(const std::string& path, const std::vector<std::string>& overrides);
+
+/// Checks the values together (ranges, choices, combinations). Throws ConfigError.
+void validate(const Config& config);
+
+/// The configuration as a TOML document (what --print-config shows; it parses back).
+std::string to_toml(const Config& config);
+
+/// The option reference as Markdown (docs/trainer.md embeds it verbatim).
+std::string reference_markdown();
+
+}  // namespace fsdp_trainer

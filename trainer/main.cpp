@@ -1,0 +1,102 @@
+// fsdp-train: train a GPT or Llama model with FSDP from one TOML file.
+//
+//   fsdp-train [--nproc N] [CONFIG.toml] [--section.key=value ...]
+//   torchrun --no-python --nproc-per-node N fsdp-train CONFIG.toml   (the same run)
+//
+// Exit codes: 0 done, 2 bad input (config, override, corpus), 1 anything else.
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include <fsdp/memory.h>
+
+#include "config.h"
+#include "launcher.h"
+#include "trainer.h"
+
+namespace {
+
+std::string rank_prefix() {
+  const char* rank = std::getenv("RANK");
+  return rank ? std::string("[rank ") + rank + "] " : "";
+}
+
+std::string first_line(const std::string& s) {
+  return s.substr(0, s.find('\n'));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  fsdp_trainer::die_with_launcher();
+  fsdp::memory::install_tracking_allocator();
+
+  CLI::App app{"fsdp-train: Fully Sharded Data Parallel training of GPT and Llama models"};
+  app.allow_extras();
+  std::string config_path;
+  int nproc = 0;
+  bool print_config = false, print_reference = false;
+  app.add_option("config", config_path, "TOML configuration file (defaults apply without one)");
+  app.add_option("--nproc", nproc, "Start this many local ranks (like torchrun --nproc-per-node)")
+      ->check(CLI::Range(1, 1024));
+  app.add_flag("--print-config", print_config, "Print the resolved configuration and exit");
+  app.add_flag("--config-reference", print_reference, "Print the option reference (Markdown)");
+  app.footer("Any option can be overridden: --training.steps=200 --model.preset=gpt2-small");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "fsdp-train: %s\n", first_line(e.what()).c_str());
+    return 2;
+  }
+  if (print_reference) {
+    std::fputs(fsdp_trainer::reference_markdown().c_str(), stdout);
+    return 0;
+  }
+  std::vector<std::string> overrides;
+  for (const auto& extra : app.remaining()) {
+    if (extra.rfind("--", 0) != 0) {
+      std::fprintf(stderr,
+                   "fsdp-train: unexpected argument '%s' (overrides look like "
+                   "--section.key=value)\n",
+                   extra.c_str());
+      return 2;
+    }
+    overrides.push_back(extra.substr(2));
+  }
+
+  try {
+    // Validate before starting any rank: a bad config fails once, immediately.
+    const auto config = fsdp_trainer::load_config(config_path, overrides);
+    if (print_config) {
+      std::fputs(fsdp_trainer::to_toml(config).c_str(), stdout);
+      return 0;
+    }
+    if (nproc > 0 && std::getenv("RANK") == nullptr) {
+      std::vector<std::string> args;
+      for (int i = 1; i < argc; ++i) {
+        const std::string a = argv[i];
+        if (a == "--nproc") {
+          ++i;
+        } else if (a.rfind("--nproc=", 0) != 0) {
+          args.push_back(a);
+        }
+      }
+      return fsdp_trainer::launch_local(nproc, args, static_cast<int>(config.training.threads));
+    }
+    fsdp_trainer::Trainer trainer(config);
+    trainer.train();
+    trainer.generate();
+    return 0;
+  } catch (const fsdp_trainer::ConfigError& e) {
+    std::fprintf(stderr, "%sfsdp-train: config error: %s\n", rank_prefix().c_str(), e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%sfsdp-train: %s\n", rank_prefix().c_str(), first_line(e.what()).c_str());
+    return 1;
+  }
+}

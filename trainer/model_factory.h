@@ -1,0 +1,32 @@
+// Builds the configured model (GPT or Llama), applies FSDP to it, and says how big it is.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <fsdp/fully_shard.h>
+
+#include "config.h"
+
+namespace fsdp_trainer {
+
+struct TrainModel {
+  std::shared_ptr<torch::nn::Module> module;
+  /// idx (B, T) -> logits (B, T, vocab), through fsdp::forward.
+  std::function<torch::Tensor(const torch::Tensor&)> forward;
+  int64_t num_params = 0;
+  int64_t n_layer = 0;
+  int64_t n_embd = 0;
+  std::string description;  // "gpt gpt2-tiny: 4 layers, width 128, 0.85M parameters"
+};
+
+/// The model of config.model with `vocab_size` tokens and config.training.seq_len context,
+/// initialised from config.training.seed (the same values on any number of ranks), sharded with
+/// `options`. Throws ConfigError for an unknown preset or shapes that do not fit.
+TrainModel build_model(const Config& config, int64_t vocab_size,
+                       const fsdp::FullyShardOptions& options);
+
+}  // namespace fsdp_trainer

@@ -1,0 +1,279 @@
+// See trainer.h. Per-step timing: forward and backward are wall times of those calls; the
+// all-gather and reduce-scatter waits are the blocked time the collectives layer recorded in
+// the process group's CommStats during the step (the part of communication not hidden).
+#include "trainer.h"
+
+#include <fmt/core.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include <fsdp/clip_grad.h>
+#include <fsdp/memory.h>
+
+#include "plot.h"
+
+namespace fsdp_trainer {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// Writes `text` to `path` atomically: a reader sees the old file or the new one, never half.
+void write_file_atomically(const std::filesystem::path& path, const std::string& text) {
+  const auto tmp = path.string() + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out << text;
+    if (!out.flush())
+      throw std::runtime_error("cannot write '" + tmp + "'");
+  }
+  std::filesystem::rename(tmp, path);
+}
+
+}  // namespace
+
+Trainer::Trainer(Config config) : config_(std::move(config)) {
+  const auto& t = config_.training;
+  torch::set_num_threads(static_cast<int>(t.threads));
+  pg_ = fsdp::init_process_group(fsdp::ProcessGroupOptions().timeout(
+      std::chrono::milliseconds(static_cast<int64_t>(config_.fsdp.timeout_s * 1000))));
+  const int rank = pg_->rank(), world = pg_->size();
+
+  PrepareOptions prep;
+  prep.corpus = config_.data.corpus;
+  prep.out_dir = config_.data.dir;
+  prep.vocab_size = static_cast<int>(config_.data.vocab_size);
+  prep.held_out_fraction = config_.data.held_out_fraction;
+  prep.seed = static_cast<uint64_t>(t.seed);
+  if (rank == 0)
+    std::printf("fsdp-train: preparing data in %s ...\n", prep.out_dir.c_str());
+  std::fflush(stdout);
+  data_ = prepare_data(prep, rank, [this] { pg_->barrier(); });
+  tokenizer_.load(data_.tokenizer_path);
+  train_file_ = std::make_unique<TokenFile>(data_.train_path);
+  val_file_ = std::make_unique<TokenFile>(data_.val_path);
+  sampler_ = std::make_unique<DistributedSampler>(*train_file_, t.batch_size, t.seq_len, rank,
+                                                  world, static_cast<uint64_t>(t.seed));
+  eval_set_ = eval_batches(*val_file_, t.batch_size, t.seq_len, rank, world, t.eval_batches);
+
+  fsdp::FullyShardOptions fsdp_options(pg_);
+  fsdp_options.reshard_after_forward(config_.fsdp.reshard_after_forward)
+      .sync_module_states(config_.fsdp.sync_module_states);
+  model_ = build_model(config_, data_.vocab_size, fsdp_options);
+
+  // Weight decay on matrices only (as GPT-2/nanoGPT): not on norms and biases.
+  std::vector<torch::Tensor> decay, no_decay;
+  for (const auto& p : model_.module->parameters()) {
+    if (!p.requires_grad())
+      continue;
+    params_.push_back(p);
+    (p.dim() >= 2 ? decay : no_decay).push_back(p);
+  }
+  auto adamw =
+      torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).weight_decay(t.weight_decay);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(adamw));
+  groups.emplace_back(no_decay,
+                      std::make_unique<torch::optim::AdamWOptions>(adamw.weight_decay(0.0)));
+  optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups));
+
+  flops_per_token_ =
+      gpt_flops_per_token(model_.num_params, model_.n_layer, model_.n_embd, t.seq_len);
+  peak_flops_per_rank_ = cpu_peak_flops(static_cast<int>(t.threads));
+
+  if (rank == 0) {
+    std::filesystem::create_directories(config_.logging.run_dir);
+    write_file_atomically(std::filesystem::path(config_.logging.run_dir) / "config.toml",
+                          to_toml(config_));
+    // A fresh run replaces the metrics of an earlier one in the same directory.
+    std::filesystem::remove(std::filesystem::path(config_.logging.run_dir) / "metrics.jsonl");
+    metrics_ = std::make_unique<MetricsWriter>(
+        (std::filesystem::path(config_.logging.run_dir) / "metrics.jsonl").string());
+    progress_ =
+        std::make_unique<Progress>(config_.logging.progress, t.steps, config_.logging.log_every);
+    progress_->message(fmt::format(
+        "fsdp-train: {} on {} rank(s) | data: {} train / {} held-out tokens, vocab {} | "
+        "{} x {} tokens per rank per step",
+        model_.description, world, data_.train_tokens, data_.val_tokens, data_.vocab_size,
+        t.batch_size, t.seq_len));
+  }
+}
+
+Trainer::~Trainer() = default;
+
+double Trainer::learning_rate(int64_t step) const {
+  // Linear warm-up to lr, then cosine decay to min_lr at the last step.
+  const auto& t = config_.training;
+  if (step <= t.warmup_steps)
+    return t.lr * static_cast<double>(step) / std::max<int64_t>(1, t.warmup_steps);
+  const double progress =
+      static_cast<double>(step - t.warmup_steps) / std::max<int64_t>(1, t.steps - t.warmup_steps);
+  return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + std::cos(M_PI * std::min(1.0, progress)));
+}
+
+double Trainer::mean_over_ranks(double v) {
+  // Metric reductions go around the collectives layer: they are bookkeeping, not FSDP traffic,
+  // and must not show up in the communication counters.
+  std::vector<torch::Tensor> t{torch::tensor({v}, torch::kDouble)};
+  pg_->backend().allreduce(t)->wait();
+  return t[0].item<double>() / pg_->size();
+}
+
+int64_t Trainer::max_over_ranks(int64_t v) {
+  std::vector<torch::Tensor> t{torch::tensor({v}, torch::kLong)};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::MAX;
+  pg_->backend().allreduce(t, opts)->wait();
+  return t[0].item<int64_t>();
+}
+
+double Trainer::evaluate() {
+  torch::NoGradGuard no_grad;
+  double total = 0;
+  for (const auto& batch : eval_set_) {
+    const auto t = batch.size(1) - 1;
+    auto logits = model_.forward(batch.narrow(1, 0, t));
+    total += torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                                  batch.narrow(1, 1, t).reshape({-1}))
+                 .item<double>();
+  }
+  return mean_over_ranks(total / static_cast<double>(eval_set_.size()));
+}
+
+StepMetrics Trainer::train_step(int64_t step) {
+  const auto& t = config_.training;
+  StepMetrics m;
+  m.step = step;
+  m.lr = learning_rate(step);
+  for (auto& group : optimizer_->param_groups()) {
+    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(m.lr);
+  }
+  const fsdp::CommStats before = pg_->comm_stats();
+  fsdp::memory::reset_peak();
+  const auto start = Clock::now();
+
+  auto batch = sampler_->next();
+  optimizer_->zero_grad();
+  auto t0 = Clock::now();
+  auto logits = model_.forward(batch.narrow(1, 0, t.seq_len));
+  auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                                   batch.narrow(1, 1, t.seq_len).reshape({-1}));
+  m.time_forward_s = seconds_since(t0);
+  const double ag_wait_forward = (pg_->comm_stats() - before).all_gather.wait_seconds;
+  t0 = Clock::now();
+  loss.backward();
+  m.time_backward_s = seconds_since(t0);
+  t0 = Clock::now();
+  if (t.grad_clip > 0)
+    m.grad_norm = fsdp::clip_grad_norm_(params_, t.grad_clip, *pg_);
+  optimizer_->step();
+  m.time_optimizer_s = seconds_since(t0);
+  m.step_time_s = seconds_since(start);
+
+  const auto delta = pg_->comm_stats() - before;
+  m.time_allgather_wait_s = delta.all_gather.wait_seconds;
+  m.time_allgather_wait_forward_s = ag_wait_forward;
+  m.time_reducescatter_wait_s = delta.reduce_scatter.wait_seconds;
+  m.allgather_bytes = delta.all_gather.bytes;
+  m.reducescatter_bytes = delta.reduce_scatter.bytes;
+  m.allreduce_bytes = delta.all_reduce.bytes;
+  m.loss = mean_over_ranks(loss.item<double>());
+  m.peak_bytes = max_over_ranks(fsdp::memory::peak_bytes());
+  m.tokens = t.batch_size * t.seq_len * pg_->size();
+  m.tokens_per_second = m.tokens / m.step_time_s;
+  m.mfu = model_flops_utilization(flops_per_token_, m.tokens_per_second,
+                                  peak_flops_per_rank_ * pg_->size());
+  return m;
+}
+
+void Trainer::train() {
+  const auto& t = config_.training;
+  const double initial_eval = evaluate();
+  if (progress_)
+    progress_->message(fmt::format("step 0: held-out loss {:.4f}", initial_eval));
+  const auto start = Clock::now();
+  for (int64_t step = 1; step <= t.steps; ++step) {
+    auto m = train_step(step);
+    const bool eval_now = step == t.steps || (t.eval_every > 0 && step % t.eval_every == 0);
+    if (eval_now)
+      m.eval_loss = evaluate();
+    history_.push_back(m);
+    if (pg_->rank() != 0)
+      continue;
+    metrics_->append(m);
+    const double elapsed = seconds_since(start);
+    progress_->update({step, m.loss, m.tokens_per_second, m.mfu, m.peak_bytes,
+                       elapsed / step * static_cast<double>(t.steps - step)});
+    if (eval_now) {
+      progress_->message(
+          fmt::format("step {}: held-out loss {:.4f} (train {:.4f})", step, *m.eval_loss, m.loss));
+    }
+    if (!std::isfinite(m.loss))
+      throw std::runtime_error(fmt::format("loss is {} at step {}", m.loss, step));
+  }
+  if (pg_->rank() == 0) {
+    progress_->finish();
+    std::printf("held-out loss: %.4f -> %.4f\n", initial_eval, *history_.back().eval_loss);
+    write_outputs();
+  }
+}
+
+void Trainer::write_outputs() {
+  const std::filesystem::path dir(config_.logging.run_dir);
+  const std::string table = breakdown_table(history_);
+  std::printf("\n%s\n", table.c_str());
+  write_file_atomically(dir / "breakdown.txt", table);
+  if (config_.logging.plot) {
+    write_plot(history_, (dir / "plot.png").string(),
+               fmt::format("fsdp-train: {} on {} rank(s)", model_.description, pg_->size()));
+  }
+  std::printf("run directory: %s (metrics.jsonl, breakdown.txt%s, config.toml)\n", dir.c_str(),
+              config_.logging.plot ? ", plot.png" : "");
+}
+
+std::string Trainer::generate() {
+  const auto& g = config_.generate;
+  if (g.tokens == 0)
+    return "";
+  torch::NoGradGuard no_grad;
+  // Every rank samples with the same generator, so all run the same forwards (they must: each
+  // forward gathers parameters from all of them).
+  auto gen =
+      at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config_.training.seed) + 1);
+  std::vector<int> ids = tokenizer_.encode(g.prompt);
+  if (ids.empty())
+    ids.push_back(tokenizer_.bos_id() >= 0 ? tokenizer_.bos_id() : 0);
+  const size_t prompt_len = ids.size();
+  const int64_t ctx = config_.training.seq_len;
+  for (int64_t i = 0; i < g.tokens; ++i) {
+    const int64_t n = std::min<int64_t>(ctx, static_cast<int64_t>(ids.size()));
+    auto input =
+        torch::tensor(std::vector<int64_t>(ids.end() - n, ids.end()), torch::kLong).unsqueeze(0);
+    auto logits = model_.forward(input).select(1, n - 1).squeeze(0) / g.temperature;
+    if (g.top_k > 0 && g.top_k < logits.size(0)) {
+      auto kth = std::get<0>(logits.topk(g.top_k)).min();
+      logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
+    }
+    auto probs = torch::softmax(logits, 0);
+    ids.push_back(static_cast<int>(probs.multinomial(1, false, gen).item<int64_t>()));
+  }
+  const std::string text = tokenizer_.decode(std::vector<int>(ids.begin(), ids.end()));
+  if (pg_->rank() == 0) {
+    write_file_atomically(std::filesystem::path(config_.logging.run_dir) / "sample.txt",
+                          text + "\n");
+    std::printf(
+        "\nsample (%lld tokens after a %zu-token prompt, temperature %.2f, top-k %lld):\n%s\n",
+        static_cast<long long>(g.tokens), prompt_len, g.temperature,
+        static_cast<long long>(g.top_k), text.c_str());
+  }
+  return text;
+}
+
+}  // namespace fsdp_trainer

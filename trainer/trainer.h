@@ -1,0 +1,65 @@
+// The training loop of fsdp-train: build, train, report, sample, close.
+//
+// Like torchtitan's Trainer, the entry point only parses the config and calls these; each
+// component (data, model, metrics, progress) has its own file.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fsdp/process_group.h>
+
+#include "config.h"
+#include "data.h"
+#include "metrics.h"
+#include "model_factory.h"
+#include "progress.h"
+#include "tokenizer.h"
+
+namespace fsdp_trainer {
+
+class Trainer {
+ public:
+  /// Joins the job, prepares the data (rank 0; the others wait), builds and shards the model.
+  explicit Trainer(Config config);
+  ~Trainer();
+
+  /// Runs config.training.steps steps, evaluating and logging as configured; writes the run
+  /// directory's outputs at the end (rank 0).
+  void train();
+  /// Samples config.generate.tokens tokens after the prompt (all ranks take part; rank 0's text
+  /// is returned and written to sample.txt).
+  std::string generate();
+
+  const std::vector<StepMetrics>& history() const { return history_; }
+  int rank() const { return pg_->rank(); }
+
+ private:
+  StepMetrics train_step(int64_t step);
+  double evaluate();
+  double learning_rate(int64_t step) const;
+  double mean_over_ranks(double v);
+  int64_t max_over_ranks(int64_t v);
+  void write_outputs();
+
+  Config config_;
+  std::shared_ptr<fsdp::ProcessGroup> pg_;
+  PreparedData data_;
+  Tokenizer tokenizer_;
+  std::unique_ptr<TokenFile> train_file_, val_file_;
+  std::unique_ptr<DistributedSampler> sampler_;
+  std::vector<torch::Tensor> eval_set_;
+  TrainModel model_;
+  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::vector<torch::Tensor> params_;
+  std::unique_ptr<MetricsWriter> metrics_;
+  std::unique_ptr<Progress> progress_;
+  std::vector<StepMetrics> history_;
+  double flops_per_token_ = 0;
+  double peak_flops_per_rank_ = 0;
+};
+
+}  // namespace fsdp_trainer
