@@ -33,9 +33,13 @@ constexpr const char* kBibleDataDir = "/usr/lib";
 constexpr const char* kBibleRange = "Gen1:1-Rev22:21";
 constexpr const char* kFortuneDir = "/usr/share/games/fortunes";
 
-[[noreturn]] void fail(const std::string& message) { throw std::runtime_error(message); }
+[[noreturn]] void fail(const std::string& message) {
+  throw std::runtime_error(message);
+}
 
-std::string errno_text(int err) { return std::strerror(err); }
+std::string errno_text(int err) {
+  return std::strerror(err);
+}
 
 // ---- UTF-8 ------------------------------------------------------------------------------------
 
@@ -58,18 +62,24 @@ size_t first_invalid_utf8(std::string_view s) {
       len = 2;
     } else if (c >= 0xE0 && c <= 0xEF) {
       len = 3;
-      if (c == 0xE0) lo = 0xA0;  // overlong
-      if (c == 0xED) hi = 0x9F;  // surrogates
+      if (c == 0xE0)
+        lo = 0xA0;  // overlong
+      if (c == 0xED)
+        hi = 0x9F;  // surrogates
     } else if (c >= 0xF0 && c <= 0xF4) {
       len = 4;
-      if (c == 0xF0) lo = 0x90;  // overlong
-      if (c == 0xF4) hi = 0x8F;  // above U+10FFFF
+      if (c == 0xF0)
+        lo = 0x90;  // overlong
+      if (c == 0xF4)
+        hi = 0x8F;  // above U+10FFFF
     } else {
       return i;
     }
-    if (i + len > n || p[i + 1] < lo || p[i + 1] > hi) return i;
+    if (i + len > n || p[i + 1] < lo || p[i + 1] > hi)
+      return i;
     for (int k = 2; k < len; ++k)
-      if ((p[i + k] & 0xC0) != 0x80) return i;
+      if ((p[i + k] & 0xC0) != 0x80)
+        return i;
     i += len;
   }
   return std::string_view::npos;
@@ -77,7 +87,8 @@ size_t first_invalid_utf8(std::string_view s) {
 
 void check_utf8(std::string_view text, const std::string& what) {
   const size_t bad = first_invalid_utf8(text);
-  if (bad == std::string_view::npos) return;
+  if (bad == std::string_view::npos)
+    return;
   char byte[8];
   std::snprintf(byte, sizeof byte, "0x%02x", static_cast<unsigned char>(text[bad]));
   fail(what + ": not UTF-8 text: invalid byte " + byte + " at offset " + std::to_string(bad));
@@ -92,10 +103,12 @@ std::string find_in_path(const std::string& program) {
   size_t start = 0;
   while (start <= dirs.size()) {
     size_t end = dirs.find(':', start);
-    if (end == std::string::npos) end = dirs.size();
+    if (end == std::string::npos)
+      end = dirs.size();
     if (end > start) {
       std::string candidate = dirs.substr(start, end - start) + "/" + program;
-      if (::access(candidate.c_str(), X_OK) == 0) return candidate;
+      if (::access(candidate.c_str(), X_OK) == 0)
+        return candidate;
     }
     start = end + 1;
   }
@@ -103,15 +116,18 @@ std::string find_in_path(const std::string& program) {
 }
 
 // Runs `argv` without a shell (stdin from /dev/null) and returns its stdout and exit status.
-std::string run_capture(const std::vector<std::string>& argv, int* status, const std::string& what) {
+std::string run_capture(const std::vector<std::string>& argv, int* status,
+                        const std::string& what) {
   int fds[2];
-  if (::pipe2(fds, O_CLOEXEC) != 0) fail(what + ": pipe failed: " + errno_text(errno));
+  if (::pipe2(fds, O_CLOEXEC) != 0)
+    fail(what + ": pipe failed: " + errno_text(errno));
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
   posix_spawn_file_actions_adddup2(&actions, fds[1], 1);
   std::vector<char*> args;
-  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  for (const auto& a : argv)
+    args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
   pid_t pid = 0;
   const int err = posix_spawn(&pid, argv[0].c_str(), &actions, nullptr, args.data(), environ);
@@ -141,7 +157,8 @@ std::string load_kjv() {
   const std::string what = "corpus 'kjv'";
   const std::string hint = "apt-get install bible-kjv bible-kjv-text";
   const std::string bible = find_in_path("bible");
-  if (bible.empty()) fail(what + " needs Debian's bible-kjv (no `bible` program): " + hint);
+  if (bible.empty())
+    fail(what + " needs Debian's bible-kjv (no `bible` program): " + hint);
   const std::string data = std::string(kBibleDataDir) + "/bible.data";
   if (::access(data.c_str(), R_OK) != 0)
     fail(what + " needs Debian's bible-kjv-text (" + data + " is missing): " + hint);
@@ -160,8 +177,8 @@ std::string load_kjv() {
 // ---- Fortunes ---------------------------------------------------------------------------------
 
 bool ends_with(const std::string& s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(),
-                                                suffix) == 0;
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 // Appends each entry of one fortune file, followed by "\n%\n". Entries lose their leading and
@@ -180,9 +197,11 @@ void append_fortunes(const std::string& file_text, std::string& out) {
   };
   while (pos < file_text.size()) {
     size_t end = file_text.find('\n', pos);
-    if (end == std::string::npos) end = file_text.size();
+    if (end == std::string::npos)
+      end = file_text.size();
     std::string_view line(file_text.data() + pos, end - pos);
-    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    if (!line.empty() && line.back() == '\r')
+      line.remove_suffix(1);
     if (line == "%") {
       flush();
     } else {
@@ -198,7 +217,8 @@ std::string load_fortunes() {
   const std::string what = "corpus 'fortunes'";
   const std::string needs = what + " needs Debian's fortunes: apt-get install fortunes";
   std::error_code ec;
-  if (!fs::is_directory(kFortuneDir, ec)) fail(needs + " (" + kFortuneDir + " is missing)");
+  if (!fs::is_directory(kFortuneDir, ec))
+    fail(needs + " (" + kFortuneDir + " is missing)");
   // Sorted, so the corpus (and every token file built from it) is the same on every machine.
   std::vector<fs::path> files;
   for (const auto& e : fs::directory_iterator(kFortuneDir, ec)) {
@@ -207,10 +227,12 @@ std::string load_fortunes() {
     // languages or the offensive set.
     if (name.empty() || name[0] == '.' || ends_with(name, ".dat") || ends_with(name, ".u8"))
       continue;
-    if (e.is_symlink(ec) || !e.is_regular_file(ec)) continue;
+    if (e.is_symlink(ec) || !e.is_regular_file(ec))
+      continue;
     files.push_back(e.path());
   }
-  if (ec) fail(what + ": cannot list " + kFortuneDir + ": " + ec.message());
+  if (ec)
+    fail(what + ": cannot list " + kFortuneDir + ": " + ec.message());
   std::sort(files.begin(), files.end());
   std::string out;
   for (const auto& f : files) {
@@ -218,7 +240,8 @@ std::string load_fortunes() {
     check_utf8(text, what + ": " + f.string());
     append_fortunes(text, out);
   }
-  if (out.empty()) fail(needs + " (no fortune files in " + kFortuneDir + ")");
+  if (out.empty())
+    fail(needs + " (no fortune files in " + kFortuneDir + ")");
   return out;
 }
 
@@ -227,25 +250,32 @@ std::string load_fortunes() {
 // ---- Public -----------------------------------------------------------------------------------
 
 std::string load_corpus(const std::string& spec) {
-  if (spec == "kjv") return load_kjv();
-  if (spec == "fortunes") return load_fortunes();
+  if (spec == "kjv")
+    return load_kjv();
+  if (spec == "fortunes")
+    return load_fortunes();
   const std::string what = "corpus '" + spec + "'";
   const std::string kinds = " (a corpus is 'kjv', 'fortunes' or a path to a UTF-8 text file)";
-  if (::access(spec.c_str(), R_OK) != 0) fail(what + ": cannot read: " + errno_text(errno) + kinds);
+  if (::access(spec.c_str(), R_OK) != 0)
+    fail(what + ": cannot read: " + errno_text(errno) + kinds);
   std::error_code ec;
-  if (fs::is_directory(spec, ec)) fail(what + ": is a directory" + kinds);
+  if (fs::is_directory(spec, ec))
+    fail(what + ": is a directory" + kinds);
   const std::string text = read_file(spec);
-  if (text.empty()) fail(what + ": the file is empty");
+  if (text.empty())
+    fail(what + ": the file is empty");
   check_utf8(text, what);
   return text;
 }
 
 std::string read_file(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail(path + ": cannot read: " + errno_text(errno));
+  if (fd < 0)
+    fail(path + ": cannot read: " + errno_text(errno));
   std::string out;
   struct stat st {};
-  if (::fstat(fd, &st) == 0 && st.st_size > 0) out.reserve(static_cast<size_t>(st.st_size));
+  if (::fstat(fd, &st) == 0 && st.st_size > 0)
+    out.reserve(static_cast<size_t>(st.st_size));
   char buf[1 << 16];
   for (;;) {
     const ssize_t got = ::read(fd, buf, sizeof buf);
@@ -277,12 +307,14 @@ void write_file_atomic(const std::string& path, std::string_view bytes) {
     fail(path + ": cannot write: " + step + ": " + errno_text(err));
   };
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) fail(path + ": cannot write: creating " + tmp.string() + ": " + errno_text(errno));
+  if (fd < 0)
+    fail(path + ": cannot write: creating " + tmp.string() + ": " + errno_text(errno));
   size_t done = 0;
   while (done < bytes.size()) {
     const ssize_t put = ::write(fd, bytes.data() + done, bytes.size() - done);
     if (put < 0) {
-      if (errno == EINTR) continue;
+      if (errno == EINTR)
+        continue;
       const int err = errno;
       ::close(fd);
       error("write", err);
@@ -294,8 +326,10 @@ void write_file_atomic(const std::string& path, std::string_view bytes) {
     ::close(fd);
     error("fsync", err);
   }
-  if (::close(fd) != 0) error("close", errno);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) error("rename", errno);
+  if (::close(fd) != 0)
+    error("close", errno);
+  if (::rename(tmp.c_str(), path.c_str()) != 0)
+    error("rename", errno);
   // The rename is durable only once the directory entry is.
   const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd >= 0) {

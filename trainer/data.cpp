@@ -46,10 +46,12 @@ constexpr const char* kValFile = "val.bin";
 constexpr const char* kMetaFile = "meta.json";
 
 // Header field offsets (data.h has the table).
-constexpr size_t kOffMagic = 0, kOffVersion = 8, kOffDtype = 12, kOffCount = 16,
-                 kOffChecksum = 24, kOffVocab = 32, kOffHeaderChecksum = 56;
+constexpr size_t kOffMagic = 0, kOffVersion = 8, kOffDtype = 12, kOffCount = 16, kOffChecksum = 24,
+                 kOffVocab = 32, kOffHeaderChecksum = 56;
 
-[[noreturn]] void fail(const std::string& message) { throw std::runtime_error(message); }
+[[noreturn]] void fail(const std::string& message) {
+  throw std::runtime_error(message);
+}
 
 std::string hex64(uint64_t v) {
   char buf[24];
@@ -57,7 +59,9 @@ std::string hex64(uint64_t v) {
   return buf;
 }
 
-uint64_t xxh64(const void* data, size_t n) { return XXH64(data, n, 0); }
+uint64_t xxh64(const void* data, size_t n) {
+  return XXH64(data, n, 0);
+}
 
 template <typename T>
 T load(const unsigned char* p) {
@@ -87,13 +91,16 @@ uint64_t uniform_below(std::mt19937_64& gen, uint64_t n) {
   const uint64_t threshold = (0 - n) % n;  // 2^64 mod n
   for (;;) {
     const uint64_t r = gen();
-    if (r >= threshold) return r % n;
+    if (r >= threshold)
+      return r % n;
   }
 }
 
 // ---- meta.json helpers ------------------------------------------------------------------------
 
-std::string join(const std::string& dir, const char* name) { return (fs::path(dir) / name).string(); }
+std::string join(const std::string& dir, const char* name) {
+  return (fs::path(dir) / name).string();
+}
 
 json options_json(const PrepareOptions& o) {
   return {{"corpus", o.corpus},
@@ -103,8 +110,10 @@ json options_json(const PrepareOptions& o) {
 }
 
 void validate(const PrepareOptions& o) {
-  if (o.out_dir.empty()) fail("PrepareOptions.out_dir is empty: give the data directory");
-  if (o.corpus.empty()) fail("PrepareOptions.corpus is empty: 'kjv', 'fortunes' or a text file");
+  if (o.out_dir.empty())
+    fail("PrepareOptions.out_dir is empty: give the data directory");
+  if (o.corpus.empty())
+    fail("PrepareOptions.corpus is empty: 'kjv', 'fortunes' or a text file");
   if (o.vocab_size < 260 || o.vocab_size > (1 << 24))
     fail("PrepareOptions.vocab_size = " + std::to_string(o.vocab_size) +
          ": must be in [260, 16777216] (3 special ids and 256 byte pieces come first)");
@@ -119,7 +128,8 @@ const json& field(const json& meta, const std::string& meta_path, const std::str
   size_t start = 0;
   while (start <= key.size()) {
     size_t end = key.find('.', start);
-    if (end == std::string::npos) end = key.size();
+    if (end == std::string::npos)
+      end = key.size();
     const std::string part = key.substr(start, end - start);
     if (!node->is_object() || !node->contains(part))
       fail(meta_path + ": missing key '" + key + "' (delete the directory to prepare again)");
@@ -142,8 +152,9 @@ T get(const json& meta, const std::string& meta_path, const std::string& key) {
 json read_meta(const std::string& meta_path) {
   std::error_code ec;
   if (!fs::exists(meta_path, ec))
-    fail(meta_path + ": missing: the data directory is not prepared (prepare_data writes it; in "
-                     "a distributed job rank 0 does, did it fail?)");
+    fail(meta_path +
+         ": missing: the data directory is not prepared (prepare_data writes it; in "
+         "a distributed job rank 0 does, did it fail?)");
   const std::string text = read_file(meta_path);
   json meta = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (meta.is_discarded() || !meta.is_object())
@@ -162,8 +173,8 @@ int64_t verify_split(const json& meta, const std::string& meta_path, const std::
     fail(path + ": holds " + std::to_string(file.size()) + " tokens, " + meta_path + " says " +
          std::to_string(tokens));
   if (hex64(file.info().checksum) != checksum)
-    fail(path + ": checksum " + hex64(file.info().checksum) + " differs from " + meta_path +
-         "'s " + checksum + " (files from different preparations)");
+    fail(path + ": checksum " + hex64(file.info().checksum) + " differs from " + meta_path + "'s " +
+         checksum + " (files from different preparations)");
   return tokens;
 }
 
@@ -180,8 +191,7 @@ PreparedData verify_prepared(const PrepareOptions& options, json* meta_out) {
   for (const auto& [key, value] : want.items()) {
     const json& have = field(meta, d.meta_path, "options." + key);
     if (have != value)
-      fail(d.meta_path + ": options." + key + " is " + have.dump() + ", requested " +
-           value.dump());
+      fail(d.meta_path + ": options." + key + " is " + have.dump() + ", requested " + value.dump());
   }
   d.tokenizer_path = join(options.out_dir, kTokenizerFile);
   const std::string model = read_file(d.tokenizer_path);
@@ -197,7 +207,8 @@ PreparedData verify_prepared(const PrepareOptions& options, json* meta_out) {
   d.train_tokens = verify_split(meta, d.meta_path, options.out_dir, "train");
   d.val_tokens = verify_split(meta, d.meta_path, options.out_dir, "val");
   d.reused = true;
-  if (meta_out) *meta_out = meta;
+  if (meta_out)
+    *meta_out = meta;
   return d;
 }
 
@@ -207,7 +218,8 @@ class DirLock {
  public:
   explicit DirLock(const std::string& dir) {
     fd_ = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd_ < 0) fail(dir + ": cannot open the data directory: " + std::strerror(errno));
+    if (fd_ < 0)
+      fail(dir + ": cannot open the data directory: " + std::strerror(errno));
     while (::flock(fd_, LOCK_EX) != 0) {
       if (errno != EINTR) {
         const int err = errno;
@@ -263,9 +275,13 @@ TokenFileInfo write_token_file(const std::string& path, std::span<const int> tok
   return info;
 }
 
-TokenFile::~TokenFile() { close(); }
+TokenFile::~TokenFile() {
+  close();
+}
 
-TokenFile::TokenFile(TokenFile&& other) noexcept { *this = std::move(other); }
+TokenFile::TokenFile(TokenFile&& other) noexcept {
+  *this = std::move(other);
+}
 
 TokenFile& TokenFile::operator=(TokenFile&& other) noexcept {
   if (this != &other) {
@@ -280,7 +296,8 @@ TokenFile& TokenFile::operator=(TokenFile&& other) noexcept {
 }
 
 void TokenFile::close() {
-  if (map_) ::munmap(map_, map_bytes_);
+  if (map_)
+    ::munmap(map_, map_bytes_);
   map_ = nullptr;
   map_bytes_ = 0;
   tokens_ = nullptr;
@@ -291,7 +308,8 @@ void TokenFile::open(const std::string& path, bool verify_checksum) {
   close();
   path_ = path;
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail(path + ": cannot open: " + std::strerror(errno));
+  if (fd < 0)
+    fail(path + ": cannot open: " + std::strerror(errno));
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
     const int err = errno;
@@ -307,7 +325,8 @@ void TokenFile::open(const std::string& path, bool verify_checksum) {
   void* map = ::mmap(nullptr, static_cast<size_t>(file_bytes), PROT_READ, MAP_SHARED, fd, 0);
   const int map_err = errno;
   ::close(fd);  // the mapping keeps the file
-  if (map == MAP_FAILED) fail(path + ": cannot mmap: " + std::strerror(map_err));
+  if (map == MAP_FAILED)
+    fail(path + ": cannot mmap: " + std::strerror(map_err));
   map_ = map;
   map_bytes_ = static_cast<size_t>(file_bytes);
   const auto* p = static_cast<const unsigned char*>(map);
@@ -317,17 +336,19 @@ void TokenFile::open(const std::string& path, bool verify_checksum) {
     if (std::memcmp(p + kOffMagic, kTokenFileMagic, 8) != 0) {
       std::string magic(reinterpret_cast<const char*>(p), 8);
       for (char& c : magic)
-        if (c < 32 || c > 126) c = '?';
-      fail(path + ": not a token file: magic is \"" + magic + "\", expected \"" +
-           kTokenFileMagic + "\"");
+        if (c < 32 || c > 126)
+          c = '?';
+      fail(path + ": not a token file: magic is \"" + magic + "\", expected \"" + kTokenFileMagic +
+           "\"");
     }
     const auto version = load<uint32_t>(p + kOffVersion);
     if (version != kTokenFileVersion)
       fail(path + ": format version " + std::to_string(version) + ", this build reads version " +
            std::to_string(kTokenFileVersion));
     if (load<uint64_t>(p + kOffHeaderChecksum) != xxh64(p, kOffHeaderChecksum))
-      fail(path + ": corrupt header: its checksum does not match (delete the file and prepare "
-                  "again)");
+      fail(path +
+           ": corrupt header: its checksum does not match (delete the file and prepare "
+           "again)");
     const auto dtype = load<uint32_t>(p + kOffDtype);
     if (dtype != 2 && dtype != 4)
       fail(path + ": bad dtype code " + std::to_string(dtype) +
@@ -361,7 +382,8 @@ void TokenFile::open(const std::string& path, bool verify_checksum) {
 }
 
 void TokenFile::check_range(int64_t offset, int64_t len) const {
-  if (!is_open()) fail("TokenFile: used before open()");
+  if (!is_open())
+    fail("TokenFile: used before open()");
   if (offset < 0 || len < 0 || offset > info_.tokens - len)
     fail(path_ + ": window [" + std::to_string(offset) + ", " + std::to_string(offset + len) +
          ") is outside the " + std::to_string(info_.tokens) + " tokens");
@@ -377,10 +399,12 @@ void TokenFile::read(int64_t offset, int64_t len, int64_t* out) const {
   check_range(offset, len);
   if (info_.bytes_per_token == 2) {
     const unsigned char* src = tokens_ + 2 * offset;
-    for (int64_t i = 0; i < len; ++i) out[i] = load<uint16_t>(src + 2 * i);
+    for (int64_t i = 0; i < len; ++i)
+      out[i] = load<uint16_t>(src + 2 * i);
   } else {
     const unsigned char* src = tokens_ + 4 * offset;
-    for (int64_t i = 0; i < len; ++i) out[i] = load<uint32_t>(src + 4 * i);
+    for (int64_t i = 0; i < len; ++i)
+      out[i] = load<uint32_t>(src + 4 * i);
   }
 }
 
@@ -402,7 +426,8 @@ PreparedData prepare_data(const PrepareOptions& options) {
   validate(options);
   std::error_code ec;
   fs::create_directories(options.out_dir, ec);
-  if (ec) fail(options.out_dir + ": cannot create the data directory: " + ec.message());
+  if (ec)
+    fail(options.out_dir + ": cannot create the data directory: " + ec.message());
   DirLock lock(options.out_dir);
 
   const std::string text = load_corpus(options.corpus);
@@ -441,15 +466,15 @@ PreparedData prepare_data(const PrepareOptions& options) {
 
   const std::vector<int> ids = tok.encode(text);
   const auto n = static_cast<int64_t>(ids.size());
-  const auto n_val = static_cast<int64_t>(std::llround(static_cast<double>(n) *
-                                                       options.held_out_fraction));
+  const auto n_val =
+      static_cast<int64_t>(std::llround(static_cast<double>(n) * options.held_out_fraction));
   d.train_tokens = n - n_val;
   d.val_tokens = n_val;
   const std::span<const int> all(ids);
   const TokenFileInfo train =
       write_token_file(d.train_path, all.first(static_cast<size_t>(d.train_tokens)), d.vocab_size);
   const TokenFileInfo val =
-      write_token_file(d.val_path, all.first(static_cast<size_t>(d.val_tokens)), d.vocab_size);
+      write_token_file(d.val_path, all.last(static_cast<size_t>(d.val_tokens)), d.vocab_size);
 
   auto split_json = [](const TokenFileInfo& info, const char* file) {
     return json{{"file", file},
@@ -511,9 +536,12 @@ DistributedSampler::DistributedSampler(const TokenFile& data, int64_t batch_per_
       rank_(rank),
       world_(world_size),
       seed_(seed) {
-  if (!data.is_open()) fail("DistributedSampler: the TokenFile is not open");
-  if (batch_per_rank < 1) fail("DistributedSampler: batch_per_rank must be >= 1");
-  if (seq_len < 1) fail("DistributedSampler: seq_len must be >= 1");
+  if (!data.is_open())
+    fail("DistributedSampler: the TokenFile is not open");
+  if (batch_per_rank < 1)
+    fail("DistributedSampler: batch_per_rank must be >= 1");
+  if (seq_len < 1)
+    fail("DistributedSampler: seq_len must be >= 1");
   if (world_size < 1 || rank < 0 || rank >= world_size)
     fail("DistributedSampler: rank " + std::to_string(rank) + " is outside world_size " +
          std::to_string(world_size));
@@ -542,7 +570,8 @@ void DistributedSampler::start_epoch(int64_t epoch) {
 }
 
 void DistributedSampler::roll_over_if_done() {
-  if (position_ + global_batch() > windows_in_epoch()) start_epoch(epoch_ + 1);
+  if (position_ + global_batch() > windows_in_epoch())
+    start_epoch(epoch_ + 1);
 }
 
 std::vector<int64_t> DistributedSampler::peek_offsets() {
@@ -559,15 +588,16 @@ torch::Tensor DistributedSampler::next() {
   const int64_t w = seq_len_ + 1;
   auto out = torch::empty({batch_, w}, torch::kLong);  // (B, T+1)
   int64_t* dst = out.data_ptr<int64_t>();
-  for (int64_t b = 0; b < batch_; ++b) data_.read(offsets[b], w, dst + b * w);
+  for (int64_t b = 0; b < batch_; ++b)
+    data_.read(offsets[b], w, dst + b * w);
   position_ += global_batch();
   return out;
 }
 
 void DistributedSampler::load_state(const SamplerState& state) {
   if (state.epoch < 0 || state.position < 0)
-    fail("DistributedSampler::load_state: epoch " + std::to_string(state.epoch) +
-         " and position " + std::to_string(state.position) + " must be >= 0");
+    fail("DistributedSampler::load_state: epoch " + std::to_string(state.epoch) + " and position " +
+         std::to_string(state.position) + " must be >= 0");
   seed_ = state.seed;
   start_epoch(state.epoch);
   if (state.position > windows_in_epoch())
@@ -580,8 +610,10 @@ void DistributedSampler::load_state(const SamplerState& state) {
 
 std::vector<torch::Tensor> eval_batches(const TokenFile& data, int64_t batch, int64_t seq_len,
                                         int rank, int world_size, int64_t max_batches) {
-  if (!data.is_open()) fail("eval_batches: the TokenFile is not open");
-  if (batch < 1 || seq_len < 1) fail("eval_batches: batch and seq_len must be >= 1");
+  if (!data.is_open())
+    fail("eval_batches: the TokenFile is not open");
+  if (batch < 1 || seq_len < 1)
+    fail("eval_batches: batch and seq_len must be >= 1");
   if (world_size < 1 || rank < 0 || rank >= world_size)
     fail("eval_batches: rank " + std::to_string(rank) + " is outside world_size " +
          std::to_string(world_size));
@@ -597,14 +629,16 @@ std::vector<torch::Tensor> eval_batches(const TokenFile& data, int64_t batch, in
            " tokens, fewer than one per rank (world_size " + std::to_string(world_size) +
            "): use a smaller seq_len or a larger held_out_fraction");
   }
-  if (max_batches > 0) batches = std::min(batches, max_batches);
+  if (max_batches > 0)
+    batches = std::min(batches, max_batches);
   std::vector<torch::Tensor> out;
   out.reserve(static_cast<size_t>(batches));
   for (int64_t i = 0; i < batches; ++i) {
     auto t = torch::empty({per_rank, w}, torch::kLong);  // (B, T+1)
     int64_t* dst = t.data_ptr<int64_t>();
     const int64_t first = (i * world_size + rank) * per_rank;
-    for (int64_t b = 0; b < per_rank; ++b) data.read((first + b) * w, w, dst + b * w);
+    for (int64_t b = 0; b < per_rank; ++b)
+      data.read((first + b) * w, w, dst + b * w);
     out.push_back(std::move(t));
   }
   return out;

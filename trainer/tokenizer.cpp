@@ -32,7 +32,9 @@ constexpr size_t kMaxChunkBytes = 4096;
 // Training text budget: BPE training time grows with it (~0.5 s per MB here).
 constexpr size_t kMaxTrainingBytes = 8u << 20;
 
-[[noreturn]] void fail(const std::string& message) { throw std::runtime_error(message); }
+[[noreturn]] void fail(const std::string& message) {
+  throw std::runtime_error(message);
+}
 
 uint64_t splitmix64(uint64_t& state) {
   uint64_t z = (state += 0x9E3779B97F4A7C15ull);
@@ -53,11 +55,13 @@ void for_each_chunk(std::string_view text, Fn&& fn) {
     while (end - pos > kMaxChunkBytes) {
       size_t cut = pos + kMaxChunkBytes;
       size_t space = cut;
-      while (space > pos + 1 && !(text[space] == ' ' && text[space - 1] != ' ')) --space;
+      while (space > pos + 1 && !(text[space] == ' ' && text[space - 1] != ' '))
+        --space;
       if (space > pos + 1) {
         cut = space;
       } else {
-        while (cut > pos + 1 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
+        while (cut > pos + 1 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80)
+          --cut;
       }
       fn(text.substr(pos, cut - pos));
       pos = cut;
@@ -78,9 +82,12 @@ class ChunkIterator : public sentencepiece::SentenceIterator {
                             : static_cast<double>(kMaxTrainingBytes) / text.size();
     uint64_t rng = seed ^ 0x5A17C0DEull;
     for_each_chunk(text, [&](std::string_view chunk) {
-      if (!chunk.empty() && chunk.back() == '\n') chunk.remove_suffix(1);
-      if (chunk.empty()) return;
-      if (keep < 1.0 && static_cast<double>(splitmix64(rng) >> 11) * 0x1.0p-53 >= keep) return;
+      if (!chunk.empty() && chunk.back() == '\n')
+        chunk.remove_suffix(1);
+      if (chunk.empty())
+        return;
+      if (keep < 1.0 && static_cast<double>(splitmix64(rng) >> 11) * 0x1.0p-53 >= keep)
+        return;
       chunks_.emplace_back(chunk);
     });
   }
@@ -100,23 +107,29 @@ class ChunkIterator : public sentencepiece::SentenceIterator {
 // ---- Tokenizer --------------------------------------------------------------------------------
 
 Tokenizer::Tokenizer() = default;
-Tokenizer::Tokenizer(const std::string& path) { load(path); }
+Tokenizer::Tokenizer(const std::string& path) {
+  load(path);
+}
 Tokenizer::~Tokenizer() = default;
 Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
 Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
 
-void Tokenizer::load(const std::string& path) { load_from_bytes(read_file(path), path); }
+void Tokenizer::load(const std::string& path) {
+  load_from_bytes(read_file(path), path);
+}
 
 void Tokenizer::load_from_bytes(std::string_view serialized, const std::string& name) {
   auto sp = std::make_unique<sentencepiece::SentencePieceProcessor>();
   const auto status = sp->LoadFromSerializedProto(serialized);
-  if (!status.ok()) fail(name + ": not a tokenizer model: " + status.ToString());
+  if (!status.ok())
+    fail(name + ": not a tokenizer model: " + status.ToString());
   sp_ = std::move(sp);
   path_ = name;
 }
 
 const sentencepiece::SentencePieceProcessor& Tokenizer::sp() const {
-  if (!sp_) fail("Tokenizer: used before load()");
+  if (!sp_)
+    fail("Tokenizer: used before load()");
   return *sp_;
 }
 
@@ -126,7 +139,8 @@ std::vector<int> Tokenizer::encode(std::string_view text) const {
   ids.reserve(text.size() / 3);
   for_each_chunk(text, [&](std::string_view chunk) {
     const auto status = sp.Encode(chunk, &piece);
-    if (!status.ok()) fail(path_ + ": encoding failed: " + status.ToString());
+    if (!status.ok())
+      fail(path_ + ": encoding failed: " + status.ToString());
     ids.insert(ids.end(), piece.begin(), piece.end());
   });
   return ids;
@@ -141,14 +155,23 @@ std::string Tokenizer::decode(const std::vector<int>& ids) const {
            std::to_string(i) + ": the vocabulary has " + std::to_string(n) + " ids");
   std::string out;
   const auto status = sp.Decode(ids, &out);
-  if (!status.ok()) fail(path_ + ": decoding failed: " + status.ToString());
+  if (!status.ok())
+    fail(path_ + ": decoding failed: " + status.ToString());
   return out;
 }
 
-int Tokenizer::vocab_size() const { return sp().GetPieceSize(); }
-int Tokenizer::bos_id() const { return sp().bos_id(); }
-int Tokenizer::eos_id() const { return sp().eos_id(); }
-int Tokenizer::unk_id() const { return sp().unk_id(); }
+int Tokenizer::vocab_size() const {
+  return sp().GetPieceSize();
+}
+int Tokenizer::bos_id() const {
+  return sp().bos_id();
+}
+int Tokenizer::eos_id() const {
+  return sp().eos_id();
+}
+int Tokenizer::unk_id() const {
+  return sp().unk_id();
+}
 std::string Tokenizer::serialized() const {
   const auto bytes = sp().serialized_model_proto();
   return std::string(bytes.data(), bytes.size());
@@ -158,13 +181,16 @@ std::string Tokenizer::serialized() const {
 
 Tokenizer train_tokenizer(const std::string& text, int vocab_size, const std::string& model_prefix,
                           uint64_t seed) {
-  const std::string what = "tokenizer training (vocab_size " + std::to_string(vocab_size) +
-                           " on " + std::to_string(text.size()) + " bytes)";
+  const std::string what = "tokenizer training (vocab_size " + std::to_string(vocab_size) + " on " +
+                           std::to_string(text.size()) + " bytes)";
   // 3 special ids + 256 byte pieces are reserved before any learned piece.
-  if (vocab_size < 260) fail(what + " failed: vocab_size must be at least 260 (3 special ids "
-                                    "and 256 byte pieces come first)");
+  if (vocab_size < 260)
+    fail(what +
+         " failed: vocab_size must be at least 260 (3 special ids "
+         "and 256 byte pieces come first)");
   ChunkIterator sentences(text, seed);
-  if (sentences.count() == 0) fail(what + " failed: the text has no non-empty line");
+  if (sentences.count() == 0)
+    fail(what + " failed: the text has no non-empty line");
 
   const std::unordered_map<std::string, std::string> args = {
       {"model_type", "bpe"},
@@ -193,11 +219,14 @@ Tokenizer train_tokenizer(const std::string& text, int vocab_size, const std::st
   std::string model;
   const auto status = sentencepiece::SentencePieceTrainer::Train(args, &sentences, &model);
   sentencepiece::logging::SetMinLogLevel(old_level);
-  if (!status.ok()) fail(what + " failed: " + status.ToString());
+  if (!status.ok())
+    fail(what + " failed: " + status.ToString());
 
   Tokenizer tok;
-  tok.load_from_bytes(model, model_prefix.empty() ? "<trained tokenizer>" : model_prefix + ".model");
-  if (!model_prefix.empty()) write_file_atomic(model_prefix + ".model", model);
+  tok.load_from_bytes(model,
+                      model_prefix.empty() ? "<trained tokenizer>" : model_prefix + ".model");
+  if (!model_prefix.empty())
+    write_file_atomic(model_prefix + ".model", model);
   return tok;
 }
 
