@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The two commands README promises, each installing and building what it needs first:
-#   scripts/run.sh demo [example flags]   train a small GPT on 2 ranks (FULL_SHARD)
+#   scripts/run.sh demo [--key=value ...]  fsdp-train: a small GPT on 2 ranks (FULL_SHARD)
 #   scripts/run.sh test [ctest flags]     run every test
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -14,15 +14,10 @@ shift || true
 
 case "$cmd" in
   demo)
-    text="$ROOT/data/kjv.txt"
-    if [ ! -s "$text" ]; then
-      # The King James Bible from Debian's bible-kjv: ~4.3 MB of real text, no download.
-      mkdir -p "$ROOT/data"
-      bible -p /usr/lib "Gen1:1-Rev22:21" > "$text.tmp"
-      mv "$text.tmp" "$text"
-    fi
-    OMP_NUM_THREADS=1 exec "$VENV/bin/torchrun" --standalone --no-python --nproc-per-node 2 \
-      "$BUILD/examples/train_gpt" --text "$text" "$@"
+    # fsdp-train on 2 local ranks: prepares the King James Bible (Debian's bible-kjv) on first
+    # run, trains a small GPT for a few minutes, writes runs/demo/ and prints a sample.
+    cd "$ROOT"
+    exec "$BUILD/trainer/fsdp-train" --nproc 2 configs/demo.toml "$@"
     ;;
   test)
     cd "$BUILD"
