@@ -3,6 +3,7 @@
 
 #include <fsdp/fully_shard.h>
 
+#include <cmath>
 #include <stdexcept>
 
 namespace fsdp_models {
@@ -39,13 +40,34 @@ GPTConfig GPTConfig::preset(const std::string& name) {
   return c;
 }
 
-CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& cfg) : n_head_(cfg.n_head) {
+InitScheme gpt_init_scheme(const GPTConfig& cfg) {
+  const double std = cfg.init_std;
+  // Each residual branch adds to the stream, 2 per layer: scale them so the sum stays O(1).
+  const double residual_std = cfg.init_std / std::sqrt(2.0 * cfg.n_layer);
+  return [=](const std::string& fqn) -> InitRule {
+    const auto dot = fqn.rfind('.');
+    const std::string owner = dot == std::string::npos ? "" : fqn.substr(0, dot);
+    const std::string leaf = dot == std::string::npos ? fqn : fqn.substr(dot + 1);
+    const std::string layer = owner.substr(owner.rfind('.') + 1);  // npos + 1 == 0: all of it
+    if (leaf == "bias")
+      return InitRule::constant(0.0);
+    if (leaf == "weight" && layer.starts_with("ln_"))
+      return InitRule::constant(1.0);
+    if (leaf == "weight" && layer == "c_proj")
+      return InitRule::normal(residual_std);
+    if (leaf == "weight" && (layer == "wte" || layer == "wpe" || layer == "c_attn" ||
+                             layer == "c_fc" || layer == "lm_head"))
+      return InitRule::normal(std);
+    TORCH_CHECK(false, "gpt_init_scheme: no rule for parameter '", fqn, "'");
+  };
+}
+
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& cfg, const ModelInit& init)
+    : n_head_(cfg.n_head) {
   TORCH_CHECK(cfg.n_embd % cfg.n_head == 0, "n_embd (", cfg.n_embd,
               ") must be a multiple of n_head (", cfg.n_head, ")");
-  c_attn_ = register_module(
-      "c_attn",
-      torch::nn::Linear(torch::nn::LinearOptions(cfg.n_embd, 3 * cfg.n_embd).bias(cfg.attn_bias)));
-  c_proj_ = register_module("c_proj", torch::nn::Linear(cfg.n_embd, cfg.n_embd));
+  c_attn_ = register_module("c_attn", Linear(cfg.n_embd, 3 * cfg.n_embd, cfg.attn_bias, init));
+  c_proj_ = register_module("c_proj", Linear(cfg.n_embd, cfg.n_embd, /*bias=*/true, init));
 }
 
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
@@ -60,20 +82,20 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   return c_proj_(y.transpose(1, 2).contiguous().view({b, t, c}));
 }
 
-MLPImpl::MLPImpl(const GPTConfig& cfg) {
-  c_fc_ = register_module("c_fc", torch::nn::Linear(cfg.n_embd, 4 * cfg.n_embd));
-  c_proj_ = register_module("c_proj", torch::nn::Linear(4 * cfg.n_embd, cfg.n_embd));
+MLPImpl::MLPImpl(const GPTConfig& cfg, const ModelInit& init) {
+  c_fc_ = register_module("c_fc", Linear(cfg.n_embd, 4 * cfg.n_embd, /*bias=*/true, init));
+  c_proj_ = register_module("c_proj", Linear(4 * cfg.n_embd, cfg.n_embd, /*bias=*/true, init));
 }
 
 torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
-  return c_proj_(torch::gelu(c_fc_(x), "tanh"));
+  return c_proj_(torch::gelu(c_fc_(x), "tanh"));  // (B, T, 4C) inside
 }
 
-BlockImpl::BlockImpl(const GPTConfig& cfg) {
-  ln_1 = register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({cfg.n_embd})));
-  attn = register_module("attn", CausalSelfAttention(cfg));
-  ln_2 = register_module("ln_2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({cfg.n_embd})));
-  mlp = register_module("mlp", MLP(cfg));
+BlockImpl::BlockImpl(const GPTConfig& cfg, const ModelInit& init) {
+  ln_1 = register_module("ln_1", LayerNorm(cfg.n_embd, init));
+  attn = register_module("attn", CausalSelfAttention(cfg, init));
+  ln_2 = register_module("ln_2", LayerNorm(cfg.n_embd, init));
+  mlp = register_module("mlp", MLP(cfg, init));
 }
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
@@ -81,33 +103,25 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
   return h + mlp(ln_2(h));
 }
 
-GPTImpl::GPTImpl(const GPTConfig& cfg) : cfg_(cfg) {
-  wte = register_module("wte", torch::nn::Embedding(cfg.vocab_size, cfg.n_embd));
-  wpe = register_module("wpe", torch::nn::Embedding(cfg.block_size, cfg.n_embd));
+GPTImpl::GPTImpl(const GPTConfig& cfg, const ModelInit& init) : cfg_(cfg) {
+  wte = register_module("wte", Embedding(cfg.vocab_size, cfg.n_embd, init));
+  wpe = register_module("wpe", Embedding(cfg.block_size, cfg.n_embd, init));
   for (int64_t i = 0; i < cfg.n_layer; ++i) {
-    blocks.push_back(register_module("h" + std::to_string(i), Block(cfg)));
+    // Appending, not "h" + std::to_string(i): GCC 12 reports a false -Wrestrict on the latter.
+    std::string name = "h";
+    name.append(std::to_string(i));
+    blocks.push_back(register_module(name, Block(cfg, init)));
   }
-  ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({cfg.n_embd})));
+  ln_f = register_module("ln_f", LayerNorm(cfg.n_embd, init));
   if (!cfg.tie_embeddings) {
-    lm_head = register_module(
-        "lm_head",
-        torch::nn::Linear(torch::nn::LinearOptions(cfg.n_embd, cfg.vocab_size).bias(false)));
+    lm_head = register_module("lm_head", Linear(cfg.n_embd, cfg.vocab_size, /*bias=*/false, init));
   }
-  // GPT-2 initialisation: N(0, 0.02) weights, zero biases, residual projections scaled down.
-  torch::NoGradGuard no_grad;
-  for (auto& item : named_parameters()) {
-    const auto& name = item.key();
-    auto& p = item.value();
-    if (name.ends_with(".bias")) {
-      p.zero_();
-    } else if (name.find("ln_") != std::string::npos) {
-      p.fill_(1.0);
-    } else if (name.ends_with("c_proj.weight")) {
-      p.normal_(0.0, cfg.init_std / std::sqrt(2.0 * cfg.n_layer));
-    } else {
-      p.normal_(0.0, cfg.init_std);
-    }
-  }
+  if (init.device() != torch::kMeta)
+    init_weights(init.resolve_seed());
+}
+
+void GPTImpl::init_weights(uint64_t seed) {
+  fsdp_models::init_weights(*this, gpt_init_scheme(cfg_), seed);
 }
 
 torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {

@@ -2,13 +2,18 @@
 //
 // Single-device model code: the only FSDP-specific line is that blocks are called through
 // fsdp::forward, which is a plain forward call when the model is not sharded. Parallelism is
-// applied from outside by parallelize_gpt() (models/parallelize.h).
+// applied from outside by parallelize_gpt(). Built from the deferred-init layers of layers.h:
+// GPT(cfg, ModelInit().device(torch::kMeta)) allocates nothing, and the initial values are a
+// function of (seed, parameter name) only (gpt_init_scheme()).
 #pragma once
 
 #include <torch/torch.h>
 
 #include <cstdint>
 #include <string>
+#include <vector>
+
+#include "layers.h"
 
 namespace fsdp_models {
 
@@ -30,33 +35,37 @@ struct GPTConfig {
   static GPTConfig preset(const std::string& name);
 };
 
+/// GPT-2's initialisation: N(0, init_std) weights, zero biases, LayerNorm weights 1, and the
+/// residual projections (attn.c_proj, mlp.c_proj) N(0, init_std / sqrt(2 n_layer)).
+InitScheme gpt_init_scheme(const GPTConfig& cfg);
+
 class CausalSelfAttentionImpl : public torch::nn::Module {
  public:
-  explicit CausalSelfAttentionImpl(const GPTConfig& cfg);
+  CausalSelfAttentionImpl(const GPTConfig& cfg, const ModelInit& init);
   torch::Tensor forward(const torch::Tensor& x);  // (B, T, C) -> (B, T, C)
 
  private:
   int64_t n_head_;
-  torch::nn::Linear c_attn_{nullptr}, c_proj_{nullptr};
+  Linear c_attn_{nullptr}, c_proj_{nullptr};
 };
 TORCH_MODULE(CausalSelfAttention);
 
 class MLPImpl : public torch::nn::Module {
  public:
-  explicit MLPImpl(const GPTConfig& cfg);
-  torch::Tensor forward(const torch::Tensor& x);
+  MLPImpl(const GPTConfig& cfg, const ModelInit& init);
+  torch::Tensor forward(const torch::Tensor& x);  // (B, T, C) -> (B, T, C)
 
  private:
-  torch::nn::Linear c_fc_{nullptr}, c_proj_{nullptr};
+  Linear c_fc_{nullptr}, c_proj_{nullptr};
 };
 TORCH_MODULE(MLP);
 
 class BlockImpl : public torch::nn::Module {
  public:
-  explicit BlockImpl(const GPTConfig& cfg);
-  torch::Tensor forward(const torch::Tensor& x);
+  BlockImpl(const GPTConfig& cfg, const ModelInit& init);
+  torch::Tensor forward(const torch::Tensor& x);  // (B, T, C) -> (B, T, C)
 
-  torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
+  LayerNorm ln_1{nullptr}, ln_2{nullptr};
   CausalSelfAttention attn{nullptr};
   MLP mlp{nullptr};
 };
@@ -64,16 +73,21 @@ TORCH_MODULE(Block);
 
 class GPTImpl : public torch::nn::Module {
  public:
-  explicit GPTImpl(const GPTConfig& cfg);
+  /// Builds the model with `init`'s device and dtype and, unless on the meta device,
+  /// initialises it with init_weights(init.resolve_seed()).
+  explicit GPTImpl(const GPTConfig& cfg, const ModelInit& init = {});
   /// idx: (B, T) token ids -> logits (B, T, vocab).
   torch::Tensor forward(const torch::Tensor& idx);
 
   const GPTConfig& config() const { return cfg_; }
+  int64_t num_params() const { return cfg_.num_params(); }
+  /// Re-initialises every parameter: the values depend only on `seed` and the names.
+  void init_weights(uint64_t seed);
 
-  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  Embedding wte{nullptr}, wpe{nullptr};
   std::vector<Block> blocks;
-  torch::nn::LayerNorm ln_f{nullptr};
-  torch::nn::Linear lm_head{nullptr};  // only when embeddings are not tied
+  LayerNorm ln_f{nullptr};
+  Linear lm_head{nullptr};  // only when embeddings are not tied
 
  private:
   GPTConfig cfg_;

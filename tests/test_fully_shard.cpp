@@ -166,7 +166,7 @@ struct ProbeChainImpl : torch::nn::Module {
   explicit ProbeChainImpl(int64_t d, int n)
       : head(register_module("head", torch::nn::Linear(d, 5))) {
     for (int i = 0; i < n; ++i) {
-      blocks.push_back(register_module("b" + std::to_string(i), ProbeBlock(d)));
+      blocks.push_back(register_module(std::string("b").append(std::to_string(i)), ProbeBlock(d)));
       blocks.back()->seen = &seen;
     }
   }

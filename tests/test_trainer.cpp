@@ -28,18 +28,24 @@ struct CommandResult {
 CommandResult run(const std::string& command) {
   CommandResult r;
   FILE* pipe = popen((command + " 2>&1").c_str(), "r");
-  if (!pipe) return r;
+  if (!pipe)
+    return r;
   std::array<char, 4096> buf{};
-  while (fgets(buf.data(), buf.size(), pipe)) r.output += buf.data();
+  while (fgets(buf.data(), buf.size(), pipe))
+    r.output += buf.data();
   const int status = pclose(pipe);
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   return r;
 }
 
-std::string train_cmd() { return FSDP_TRAIN_PATH; }
+std::string train_cmd() {
+  return FSDP_TRAIN_PATH;
+}
 
 // One data directory for every run of this file: prepared once, reused (prepare is idempotent).
-std::string data_dir() { return (fs::path(FSDP_TEST_WORK_DIR) / "data-kjv-512").string(); }
+std::string data_dir() {
+  return (fs::path(FSDP_TEST_WORK_DIR) / "data-kjv-512").string();
+}
 
 std::string write_config(const std::string& name, const std::string& body) {
   const auto path = fs::path(FSDP_TEST_WORK_DIR) / (name + ".toml");
@@ -51,8 +57,8 @@ std::string write_config(const std::string& name, const std::string& body) {
 // A config small enough for a few seconds per run on two cores.
 std::string tiny_config(const std::string& run_dir, const std::string& arch = "gpt",
                         const std::string& preset = "gpt2-test") {
-  return "[model]\narch = \"" + arch + "\"\npreset = \"" + preset +
-         "\"\n[data]\ndir = \"" + data_dir() +
+  return "[model]\narch = \"" + arch + "\"\npreset = \"" + preset + "\"\n[data]\ndir = \"" +
+         data_dir() +
          "\"\nvocab_size = 512\n[training]\nsteps = 6\nbatch_size = 2\nseq_len = 16\n"
          "eval_every = 3\neval_batches = 2\nwarmup_steps = 2\n[logging]\nrun_dir = \"" +
          run_dir + "\"\nprogress = \"lines\"\nlog_every = 1\n[generate]\ntokens = 8\n";
@@ -69,7 +75,8 @@ TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
   };
   std::vector<Case> cases = {
       {ok + "[training]\n", "", "training"},  // a repeated section is a TOML error
-      {"[training]\nstepz = 3\n", "", "unknown key 'training.stepz' (did you mean 'training.steps'?)"},
+      {"[training]\nstepz = 3\n", "",
+       "unknown key 'training.stepz' (did you mean 'training.steps'?)"},
       {"[training]\nsteps = \"ten\"\n", "", "'training.steps' must be an integer, got string"},
       {"[logging]\nprogress = \"fancy\"\n", "", "'logging.progress' must be one of auto, bar"},
       {"[model]\narch = \"rnn\"\n", "", "'model.arch' must be one of gpt, llama"},
@@ -78,13 +85,15 @@ TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
       {"", "--training.steps=abc", "'training.steps' must be an integer, got 'abc'"},
       {"", "--training.nope=1", "unknown key 'training.nope'"},
       {"", "--training.steps", "must look like --section.key=value"},
-      {"", "--model.preset=gpt2-huge --training.steps=1", "'model.preset' = 'gpt2-huge' is not a gpt preset"},
+      {"", "--model.preset=gpt2-huge --training.steps=1",
+       "'model.preset' = 'gpt2-huge' is not a gpt preset"},
       {"model = 3\n", "", "'model' must be a section"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     const auto& c = cases[i];
     std::string cmd = train_cmd();
-    if (!c.config.empty()) cmd += " " + write_config("bad" + std::to_string(i), c.config);
+    if (!c.config.empty())
+      cmd += " " + write_config("bad" + std::to_string(i), c.config);
     cmd += " " + c.args + " --data.dir=" + data_dir() + " --data.vocab_size=512";
     if (c.must_mention.find("preset") != std::string::npos) {
       cmd += " --logging.run_dir=" + (fs::path(FSDP_TEST_WORK_DIR) / "bad-preset").string();
@@ -92,7 +101,8 @@ TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
     const CommandResult r = run(cmd);
     EXPECT_EQ(r.code, 2) << "case " << i << ": " << cmd << "\n" << r.output;
     EXPECT_NE(r.output.find(c.must_mention), std::string::npos)
-        << "case " << i << " should mention \"" << c.must_mention << "\":\n" << r.output;
+        << "case " << i << " should mention \"" << c.must_mention << "\":\n"
+        << r.output;
     EXPECT_NE(r.output.find("error"), std::string::npos) << r.output;
     // The preset error comes from a rank after data preparation; the rest before any rank starts.
     if (c.must_mention.find("preset") == std::string::npos) {
@@ -106,8 +116,9 @@ TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
 }
 
 TEST(TrainerConfig, PrintConfigRoundTripsAndOverridesApply) {
-  const CommandResult r = run(train_cmd() + " --print-config --training.steps=42 --model.arch=llama "
-                                  "--model.preset=llama-tiny --training.lr=0.5");
+  const CommandResult r = run(train_cmd() +
+                              " --print-config --training.steps=42 --model.arch=llama "
+                              "--model.preset=llama-tiny --training.lr=0.5");
   ASSERT_EQ(r.code, 0) << r.output;
   const auto path = write_config("printed", r.output);
   const auto c = fsdp_trainer::load_config(path, {});
@@ -143,7 +154,8 @@ std::vector<fsdp_trainer::StepMetrics> train_and_read(const std::string& name,
   const auto config = write_config(name, tiny_config(run_dir, arch, preset));
   const CommandResult r = run(launch + " " + config + " " + extra);
   EXPECT_EQ(r.code, 0) << launch << " " << config << "\n" << r.output;
-  if (r.code != 0) return {};
+  if (r.code != 0)
+    return {};
   EXPECT_TRUE(fs::exists(fs::path(run_dir) / "config.toml"));
   EXPECT_TRUE(fs::exists(fs::path(run_dir) / "breakdown.txt"));
   EXPECT_TRUE(fs::exists(fs::path(run_dir) / "sample.txt"));
@@ -187,11 +199,12 @@ TEST(TrainerRun, LlamaRuns) {
 
 TEST(TrainerRun, TorchrunAndNprocGiveIdenticalLosses) {
   const std::string torchrun = FSDP_TORCHRUN_PATH;
-  if (!fs::exists(torchrun)) GTEST_SKIP() << "torchrun not found at " << torchrun;
+  if (!fs::exists(torchrun))
+    GTEST_SKIP() << "torchrun not found at " << torchrun;
   auto ours = train_and_read("launch-nproc", train_cmd() + " --nproc 2");
-  auto theirs = train_and_read(
-      "launch-torchrun",
-      "OMP_NUM_THREADS=1 " + torchrun + " --standalone --no-python --nproc-per-node 2 " + train_cmd());
+  auto theirs = train_and_read("launch-torchrun",
+                               "OMP_NUM_THREADS=1 " + torchrun +
+                                   " --standalone --no-python --nproc-per-node 2 " + train_cmd());
   ASSERT_EQ(ours.size(), theirs.size());
   for (size_t i = 0; i < ours.size(); ++i) {
     EXPECT_EQ(ours[i].loss, theirs[i].loss) << "step " << ours[i].step;

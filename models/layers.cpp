@@ -1,0 +1,186 @@
+// Deferred-init layers and initialisation by name; see layers.h.
+#include "layers.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+#include <numbers>
+
+namespace fsdp_models {
+
+// ---- Counter-based random numbers ---------------------------------------------------------
+//
+// Element i of a parameter is a function of (key, i) only, where key mixes the seed with a hash
+// of the parameter's name. A stateful generator (mt19937) would make element i depend on every
+// draw before it, so a shard could only be produced by generating the whole parameter.
+
+namespace {
+
+// FNV-1a: a fixed, platform-independent hash (std::hash<std::string> is neither).
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 0x100000001b3ULL;
+  }
+  return h;
+}
+
+// splitmix64's finaliser: a bijection on 64 bits whose output bits all depend on all inputs.
+uint64_t mix64(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// A standard normal for element `index`, attempt `attempt` (truncation resamples), by
+// Box-Muller on the two 32-bit halves of one hash.
+double standard_normal(uint64_t key, uint64_t index, uint64_t attempt) {
+  const uint64_t h = mix64(mix64(key ^ mix64(index)) + attempt);
+  const double u1 = (static_cast<double>(h >> 32) + 0.5) * 0x1p-32;  // (0, 1): log is finite
+  const double u2 = static_cast<double>(h & 0xffffffffULL) * 0x1p-32;
+  return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
+}
+
+// out[j] = value of element first + j, for a contiguous float32 CPU buffer.
+void fill_normal(float* out, int64_t n, uint64_t key, uint64_t first, const InitRule& rule) {
+  // Resampling stops after this many draws and clamps: reached only for bounds below ~0.1 std.
+  constexpr uint64_t kMaxAttempts = 64;
+  at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const uint64_t index = first + static_cast<uint64_t>(j);
+      double x = rule.std * standard_normal(key, index, 0);
+      for (uint64_t a = 1; rule.bound > 0 && std::abs(x) > rule.bound && a < kMaxAttempts; ++a)
+        x = rule.std * standard_normal(key, index, a);
+      if (rule.bound > 0)
+        x = std::clamp(x, -rule.bound, rule.bound);
+      out[j] = static_cast<float>(x);
+    }
+  });
+}
+
+}  // namespace
+
+uint64_t ModelInit::resolve_seed() const {
+  if (seed_)
+    return *seed_;
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get<at::CPUGeneratorImpl>()->random64();
+}
+
+void init_parameter(const std::string& fqn, const torch::Tensor& t, const InitScheme& scheme,
+                    uint64_t seed, int64_t first_row) {
+  TORCH_CHECK(first_row >= 0, "init_parameter('", fqn, "'): first_row ", first_row, " is negative");
+  TORCH_CHECK(first_row == 0 || t.dim() > 0, "init_parameter('", fqn,
+              "'): a 0-dim tensor has no rows, first_row must be 0");
+  const InitRule rule = scheme(fqn);
+  torch::NoGradGuard no_grad;
+  if (t.is_meta())
+    return;
+  if (rule.kind == InitRule::Kind::kConstant) {
+    t.fill_(rule.value);
+    return;
+  }
+  TORCH_CHECK(rule.std >= 0 && rule.bound >= 0, "init scheme for '", fqn,
+              "': std and bound must be >= 0, got ", rule.std, " and ", rule.bound);
+  const int64_t row_numel = t.dim() == 0 ? 1 : (t.size(0) == 0 ? 0 : t.numel() / t.size(0));
+  const uint64_t key = mix64(seed ^ mix64(fnv1a(fqn)));
+  // Fill in place when t already is a contiguous float32 CPU tensor, else through a buffer.
+  const bool in_place =
+      t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.is_contiguous();
+  torch::Tensor buffer = in_place ? t : torch::empty(t.sizes(), torch::kFloat);
+  fill_normal(buffer.data_ptr<float>(), t.numel(), key,
+              static_cast<uint64_t>(first_row * row_numel), rule);
+  if (!in_place)
+    t.copy_(buffer);
+}
+
+void init_weights(torch::nn::Module& model, const InitScheme& scheme, uint64_t seed) {
+  for (auto& item : model.named_parameters(/*recurse=*/true))
+    init_parameter(item.key(), item.value(), scheme, seed);
+}
+
+// ---- Re-creating parameters ---------------------------------------------------------------
+
+void DeferredModule::add_parameter(const std::string& name, torch::IntArrayRef sizes,
+                                   const ModelInit& init, torch::Tensor& slot) {
+  slot = register_parameter(name, torch::empty(sizes, init.options()));
+  slots_.emplace_back(name, &slot);
+}
+
+void DeferredModule::reset_to_empty(const torch::TensorOptions& options) {
+  // set_data() cannot move a parameter off the meta device (incompatible tensor types), so the
+  // parameter objects are replaced, here and in the module's registry.
+  for (auto& [name, slot] : slots_) {
+    auto fresh = torch::empty(slot->sizes(), options.requires_grad(false));
+    fresh.set_requires_grad(slot->requires_grad());
+    parameters_[name] = fresh;
+    *slot = fresh;
+  }
+}
+
+void to_empty(torch::nn::Module& model, const torch::TensorOptions& options) {
+  model.apply([&](torch::nn::Module& m) {
+    if (auto* layer = dynamic_cast<DeferredModule*>(&m)) {
+      layer->reset_to_empty(options);
+    } else {
+      for (const auto& item : m.named_parameters(/*recurse=*/false)) {
+        TORCH_CHECK(false, "to_empty: parameter '", item.key(), "' of ", m.name(),
+                    " is not owned by a fsdp_models layer (Linear, Embedding, LayerNorm, "
+                    "RMSNorm), so it cannot be re-created; build it from those layers");
+      }
+    }
+  });
+}
+
+// ---- Layers -------------------------------------------------------------------------------
+
+LinearImpl::LinearImpl(int64_t in_features, int64_t out_features, bool with_bias,
+                       const ModelInit& init) {
+  add_parameter("weight", {out_features, in_features}, init, weight);
+  if (with_bias)
+    add_parameter("bias", {out_features}, init, bias);
+}
+
+torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
+  return torch::nn::functional::linear(x, weight, bias);
+}
+
+EmbeddingImpl::EmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim, const ModelInit& init) {
+  add_parameter("weight", {num_embeddings, embedding_dim}, init, weight);
+}
+
+torch::Tensor EmbeddingImpl::forward(const torch::Tensor& idx) {
+  return torch::embedding(weight, idx);
+}
+
+LayerNormImpl::LayerNormImpl(int64_t dim, const ModelInit& init, double eps)
+    : dim_(dim), eps_(eps) {
+  add_parameter("weight", {dim}, init, weight);
+  add_parameter("bias", {dim}, init, bias);
+}
+
+torch::Tensor LayerNormImpl::forward(const torch::Tensor& x) {
+  return torch::layer_norm(x, {dim_}, weight, bias, eps_);
+}
+
+RMSNormImpl::RMSNormImpl(int64_t dim, const ModelInit& init, double eps) : dim_(dim), eps_(eps) {
+  add_parameter("weight", {dim}, init, weight);
+}
+
+torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+  TORCH_CHECK(x.size(-1) == dim_, "RMSNorm: last dimension of the input is ", x.size(-1),
+              ", expected ", dim_);
+  // As Meta's reference: normalise in float32 (bf16 squares lose too much), scale in x's dtype.
+  auto xf = x.to(torch::kFloat);
+  auto normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps_);
+  return normed.to(x.scalar_type()) * weight;
+}
+
+}  // namespace fsdp_models

@@ -1,0 +1,164 @@
+// Layers for the model zoo that can be built without memory, and initialisation by name.
+//
+// torch::nn::Linear, Embedding and LayerNorm allocate and initialise on the CPU in their
+// constructors, so a 7B model cannot even be constructed on a small machine. The layers here
+// create their parameters with the options of a ModelInit (device may be torch::kMeta: then
+// nothing is allocated), keep torch::nn's parameter names ("weight", "bias"), and do not
+// initialise anything: that is init_parameter()'s job.
+//
+// Initialisation is a pure function of (seed, parameter name, element index): every element is
+// drawn from a counter-based generator keyed by the seed and a hash of the fully-qualified name.
+// So the values do not depend on construction order, device, dtype (values are drawn in float32
+// and cast) or on how the parameter is split: a deferred-init path can materialise any row range
+// of any parameter, one at a time, on any number of ranks, and get the same numbers.
+#pragma once
+
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace fsdp_models {
+
+// ---- Construction options -----------------------------------------------------------------
+
+/// Where and in what dtype a model's parameters are created, and how the constructor
+/// initialises them.
+///
+///   GPT cpu(cfg);                                               // float32 on CPU, initialised
+///   Llama big(cfg, ModelInit().device(torch::kMeta));           // shapes only, no memory
+///   Llama bf(cfg, ModelInit().dtype(torch::kBFloat16).seed(7)); // same values whatever the order
+struct ModelInit {
+  /// torch::kMeta builds shapes only: nothing is allocated and nothing is initialised.
+  TORCH_ARG(torch::Device, device) = torch::kCPU;
+  TORCH_ARG(torch::Dtype, dtype) = torch::kFloat32;
+  /// Seed of the constructor's init_weights(). Unset: one number is drawn from LibTorch's
+  /// global generator, so torch::manual_seed() decides the values as it does for torch::nn.
+  TORCH_ARG(std::optional<uint64_t>, seed) = std::nullopt;
+
+ public:  // TORCH_ARG leaves the section private
+  torch::TensorOptions options() const {
+    return torch::TensorOptions().device(device_).dtype(dtype_);
+  }
+  /// seed() if set, else a draw from the global generator.
+  uint64_t resolve_seed() const;
+};
+
+// ---- Initialisation by name ---------------------------------------------------------------
+
+/// How one parameter is filled.
+struct InitRule {
+  enum class Kind { kConstant, kNormal };
+  Kind kind = Kind::kNormal;
+  double value = 0;  // kConstant
+  double std = 0;    // kNormal: N(0, std^2)
+  double bound = 0;  // kNormal: resample until |x| <= bound (truncated normal); 0 = no bound
+
+  static InitRule constant(double v) { return {Kind::kConstant, v, 0, 0}; }
+  static InitRule normal(double std) { return {Kind::kNormal, 0, std, 0}; }
+  static InitRule truncated_normal(double std, double bound) {
+    return {Kind::kNormal, 0, std, bound};
+  }
+};
+
+/// A model family's rule for each parameter, by fully-qualified name relative to the model
+/// ("h0.attn.c_proj.weight"). Throws for a name it does not know, so a new parameter cannot
+/// silently go uninitialised.
+using InitScheme = std::function<InitRule(const std::string& fqn)>;
+
+/// Fills `t` with the values of parameter `fqn` under `scheme` and `seed`. `t` may be the whole
+/// parameter, or rows [first_row, first_row + t.size(0)) of it (a dim-0 shard, unpadded): the
+/// values are the same as those rows of the whole. Any device and dtype; a meta tensor is left
+/// alone. Cost: ~45 ns per random element per intra-op thread (scalar float64 Box-Muller, about
+/// 10x torch's normal_), i.e. ~1 min of one core for 1B parameters, divided by the ranks when
+/// each fills only its shard.
+void init_parameter(const std::string& fqn, const torch::Tensor& t, const InitScheme& scheme,
+                    uint64_t seed, int64_t first_row = 0);
+
+/// init_parameter() for every parameter of `model`, named relative to it.
+void init_weights(torch::nn::Module& model, const InitScheme& scheme, uint64_t seed);
+
+/// Replaces every parameter of the layers below under `model` (typically on torch::kMeta)
+/// with an uninitialised tensor of the same shape and `options`, keeping requires_grad. The
+/// parameters are new tensor objects: call it before fully_shard() and before building an
+/// optimizer. Throws, naming it, if a parameter is not owned by one of these layers.
+void to_empty(torch::nn::Module& model, const torch::TensorOptions& options);
+
+// ---- Layers -------------------------------------------------------------------------------
+
+/// Base of the layers below: parameters created from a ModelInit, re-creatable by to_empty().
+class DeferredModule : public torch::nn::Module {
+ public:
+  /// Re-creates this module's own parameters with `options` (see to_empty()).
+  void reset_to_empty(const torch::TensorOptions& options);
+
+ protected:
+  /// Registers an uninitialised parameter `name` of shape `sizes` and binds `slot` to it.
+  void add_parameter(const std::string& name, torch::IntArrayRef sizes, const ModelInit& init,
+                     torch::Tensor& slot);
+
+ private:
+  // The member that mirrors each registered parameter, to re-point after reset_to_empty().
+  // Modules live behind shared_ptrs and are never moved, so the addresses stay valid.
+  std::vector<std::pair<std::string, torch::Tensor*>> slots_;
+};
+
+/// y = x W^T + b, as torch::nn::Linear.
+class LinearImpl : public DeferredModule {
+ public:
+  LinearImpl(int64_t in_features, int64_t out_features, bool bias, const ModelInit& init);
+  torch::Tensor forward(const torch::Tensor& x);  // (..., in) -> (..., out)
+
+  torch::Tensor weight;  // (out, in)
+  torch::Tensor bias;    // (out), undefined without bias
+};
+TORCH_MODULE(Linear);
+
+/// A lookup table, as torch::nn::Embedding (no padding index, no max norm).
+class EmbeddingImpl : public DeferredModule {
+ public:
+  EmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim, const ModelInit& init);
+  torch::Tensor forward(const torch::Tensor& idx);  // (...) int64 -> (..., dim)
+
+  torch::Tensor weight;  // (num, dim)
+};
+TORCH_MODULE(Embedding);
+
+/// LayerNorm over the last dimension with weight and bias, as torch::nn::LayerNorm({dim}).
+class LayerNormImpl : public DeferredModule {
+ public:
+  LayerNormImpl(int64_t dim, const ModelInit& init, double eps = 1e-5);
+  torch::Tensor forward(const torch::Tensor& x);  // (..., dim) -> (..., dim)
+
+  torch::Tensor weight;  // (dim)
+  torch::Tensor bias;    // (dim)
+
+ private:
+  int64_t dim_;
+  double eps_;
+};
+TORCH_MODULE(LayerNorm);
+
+/// x / sqrt(mean(x^2) + eps) * weight over the last dimension (Llama's norm), normalised in
+/// float32 whatever the input dtype.
+class RMSNormImpl : public DeferredModule {
+ public:
+  RMSNormImpl(int64_t dim, const ModelInit& init, double eps = 1e-5);
+  torch::Tensor forward(const torch::Tensor& x);  // (..., dim) -> (..., dim)
+
+  torch::Tensor weight;  // (dim)
+
+ private:
+  int64_t dim_;
+  double eps_;
+};
+TORCH_MODULE(RMSNorm);
+
+}  // namespace fsdp_models
