@@ -1,6 +1,8 @@
 // Deferred-init layers and initialisation by name; see layers.h.
 #include "layers.h"
 
+#include <unordered_map>
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
@@ -114,21 +116,26 @@ void DeferredModule::add_parameter(const std::string& name, torch::IntArrayRef s
   slots_.emplace_back(name, &slot);
 }
 
-void DeferredModule::reset_to_empty(const torch::TensorOptions& options) {
+void DeferredModule::reset_to_empty(const torch::TensorOptions& options, bool hollow) {
   // set_data() cannot move a parameter off the meta device (incompatible tensor types), so the
   // parameter objects are replaced, here and in the module's registry.
   for (auto& [name, slot] : slots_) {
-    auto fresh = torch::empty(slot->sizes(), options.requires_grad(false));
+    const auto sizes = slot->sizes().vec();
+    auto fresh = hollow ? torch::empty_strided(sizes, std::vector<int64_t>(sizes.size(), 0),
+                                               options.requires_grad(false))
+                        : torch::empty(sizes, options.requires_grad(false));
     fresh.set_requires_grad(slot->requires_grad());
     parameters_[name] = fresh;
     *slot = fresh;
   }
 }
 
-void to_empty(torch::nn::Module& model, const torch::TensorOptions& options) {
+namespace {
+void replace_parameters(torch::nn::Module& model, const torch::TensorOptions& options,
+                        bool hollow) {
   model.apply([&](torch::nn::Module& m) {
     if (auto* layer = dynamic_cast<DeferredModule*>(&m)) {
-      layer->reset_to_empty(options);
+      layer->reset_to_empty(options, hollow);
     } else {
       for (const auto& item : m.named_parameters(/*recurse=*/false)) {
         TORCH_CHECK(false, "to_empty: parameter '", item.key(), "' of ", m.name(),
@@ -137,6 +144,30 @@ void to_empty(torch::nn::Module& model, const torch::TensorOptions& options) {
       }
     }
   });
+}
+}  // namespace
+
+void to_empty(torch::nn::Module& model, const torch::TensorOptions& options) {
+  replace_parameters(model, options, /*hollow=*/false);
+}
+
+void to_hollow(torch::nn::Module& model, const torch::TensorOptions& options) {
+  replace_parameters(model, options, /*hollow=*/true);
+}
+
+std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)> shard_initializer(
+    torch::nn::Module& model, InitScheme scheme, uint64_t seed) {
+  auto names = std::make_shared<std::unordered_map<const c10::TensorImpl*, std::string>>();
+  for (const auto& item : model.named_parameters()) {
+    names->emplace(item.value().unsafeGetTensorImpl(), item.key());
+  }
+  return [names, scheme = std::move(scheme), seed](const torch::Tensor& param,
+                                                   const torch::Tensor& shard, int64_t first_row) {
+    auto it = names->find(param.unsafeGetTensorImpl());
+    TORCH_CHECK(it != names->end(), "shard_initializer: a parameter of shape ", param.sizes(),
+                " is not one of the model's (build the initializer after to_hollow())");
+    init_parameter(it->second, shard, scheme, seed, first_row);
+  };
 }
 
 // ---- Layers -------------------------------------------------------------------------------

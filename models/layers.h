@@ -91,13 +91,26 @@ void init_weights(torch::nn::Module& model, const InitScheme& scheme, uint64_t s
 /// optimizer. Throws, naming it, if a parameter is not owned by one of these layers.
 void to_empty(torch::nn::Module& model, const torch::TensorOptions& options);
 
+/// Like to_empty(), but each parameter becomes a placeholder of its full shape backed by one
+/// element (all strides 0), so nothing of the model's size is allocated. Meant for fully_shard
+/// with FullyShardOptions::param_init (see shard_initializer()): each rank then allocates and
+/// fills only its own shard, and the full model never exists in any process.
+void to_hollow(torch::nn::Module& model, const torch::TensorOptions& options);
+
+/// A FullyShardOptions::param_init that fills each shard with init_parameter() under `scheme`
+/// and `seed`, naming parameters relative to `model` (as init_weights() does). Build it after
+/// to_hollow() and before fully_shard(): it recognises parameters by object.
+std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)> shard_initializer(
+    torch::nn::Module& model, InitScheme scheme, uint64_t seed);
+
 // ---- Layers -------------------------------------------------------------------------------
 
 /// Base of the layers below: parameters created from a ModelInit, re-creatable by to_empty().
 class DeferredModule : public torch::nn::Module {
  public:
-  /// Re-creates this module's own parameters with `options` (see to_empty()).
-  void reset_to_empty(const torch::TensorOptions& options);
+  /// Re-creates this module's own parameters with `options` (see to_empty()); `hollow`: as
+  /// one-element placeholders of the full shape (see to_hollow()).
+  void reset_to_empty(const torch::TensorOptions& options, bool hollow = false);
 
  protected:
   /// Registers an uninitialised parameter `name` of shape `sizes` and binds `slot` to it.

@@ -148,7 +148,9 @@ void fully_shard(const std::shared_ptr<torch::nn::Module>& module,
                 group.backend_name(), "' needs ", c10::DeviceTypeName(group.device_type()),
                 " tensors");
     params.emplace_back(item.key(), item.value());
-    to_sync.push_back(item.value());
+    // Parameters that param_init fills are the same on every rank by construction.
+    if (!options.param_init())
+      to_sync.push_back(item.value());
   }
   if (options.sync_module_states() && group.size() > 1) {
     // Buffers are not sharded, but they must agree too (e.g. a causal mask, running stats).

@@ -55,8 +55,9 @@ ParamGroup::ParamGroup(std::string name, std::vector<std::pair<std::string, torc
     : name_(std::move(name)), options_(std::move(options)) {
   const int rank = group().rank(), size = group().size();
   params_.reserve(params.size());
-  for (auto& [fqn, p] : params)
-    params_.emplace_back(fqn, std::move(p), rank, size);
+  for (auto& [fqn, p] : params) {
+    params_.emplace_back(fqn, std::move(p), rank, size, options_.param_init());
+  }
 }
 
 void ParamGroup::fail(const std::string& msg) const {

@@ -34,7 +34,9 @@ void forget_grad_accumulator(const torch::Tensor& p) {
 
 }  // namespace
 
-ShardedParam::ShardedParam(std::string fqn, torch::Tensor param, int rank, int world_size)
+ShardedParam::ShardedParam(
+    std::string fqn, torch::Tensor param, int rank, int world_size,
+    const std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)>& init)
     : fqn_(std::move(fqn)), param_(std::move(param)), rank_(rank), world_size_(world_size) {
   TORCH_CHECK(param_.layout() == torch::kStrided, "fully_shard: parameter '", fqn_,
               "' is not a dense tensor");
@@ -58,13 +60,15 @@ ShardedParam::ShardedParam(std::string fqn, torch::Tensor param, int rank, int w
   padded_full_shape.insert(padded_full_shape.end(), row_shape.begin(), row_shape.end());
 
   padded_shard_ = torch::zeros(shard_shape, full.options());
-  auto rows_view = full.dim() == 0 ? full.reshape({1}) : full;
-  if (local_rows_ > 0) {
-    padded_shard_.narrow(0, 0, local_rows_)
-        .copy_(rows_view.narrow(0, rank_ * chunk_rows_, local_rows_)
-                   .reshape(padded_shard_.narrow(0, 0, local_rows_).sizes()));
-  }
   sharded_view_ = padded_shard_.narrow(0, 0, local_rows_);
+  if (init) {
+    // Deferred initialisation: `full` may be a placeholder; only this rank's rows are made.
+    init(param_, sharded_view_, std::min(rank_ * chunk_rows_, rows_));
+  } else if (local_rows_ > 0) {
+    auto rows_view = full.dim() == 0 ? full.reshape({1}) : full;
+    sharded_view_.copy_(
+        rows_view.narrow(0, rank_ * chunk_rows_, local_rows_).reshape(sharded_view_.sizes()));
+  }
 
   padded_unsharded_ = torch::empty(padded_full_shape, full.options());
   unsharded_ = padded_unsharded_.narrow(0, 0, rows_).view(shape_);

@@ -19,6 +19,7 @@
 
 #include <torch/types.h>
 
+#include <functional>
 #include <string>
 
 namespace fsdp::detail {
@@ -26,7 +27,10 @@ namespace fsdp::detail {
 class ShardedParam {
  public:
   /// Takes over `param` (full data on every rank): keeps this rank's rows, frees the rest.
-  ShardedParam(std::string fqn, torch::Tensor param, int rank, int world_size);
+  /// With `init`, the shard is computed by init instead and `param`'s data is never read.
+  ShardedParam(std::string fqn, torch::Tensor param, int rank, int world_size,
+               const std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)>&
+                   init = nullptr);
 
   const std::string& fqn() const { return fqn_; }
   const torch::Tensor& param() const { return param_; }

@@ -19,6 +19,7 @@
 #include <torch/types.h>
 
 #include <array>
+#include <functional>
 #include <memory>
 #include <tuple>
 #include <type_traits>
@@ -39,8 +40,19 @@ struct FullyShardOptions {
   /// reshards after forward: its backward starts right away.
   TORCH_ARG(bool, reshard_after_forward) = true;
   /// Broadcast group rank 0's parameters and buffers before sharding, so every rank starts
-  /// from the same values whatever its random seed.
+  /// from the same values whatever its random seed. Parameters filled by param_init are not
+  /// broadcast (param_init must give every rank the same values); buffers still are.
   TORCH_ARG(bool, sync_module_states) = true;
+
+  /// Deferred initialisation: fills this rank's shard of a parameter directly, so the full
+  /// parameter never exists in memory. Called once per parameter with the module's parameter
+  /// object (shape only: it may be a placeholder without real storage, e.g.
+  /// fsdp_models::to_hollow()), the shard to fill (rows [first_row, first_row + shard.size(0))
+  /// of the parameter, unpadded; possibly empty) and first_row. Must be deterministic: every
+  /// rank computes its own rows.
+  using ParamInit = std::function<void(const torch::Tensor& param, const torch::Tensor& shard,
+                                       int64_t first_row)>;
+  TORCH_ARG(ParamInit, param_init) = nullptr;
 };
 
 /// Makes `module` one FSDP unit over `options.group()`.
