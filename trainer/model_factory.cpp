@@ -24,7 +24,13 @@ TrainModel build_model(const Config& config, int64_t vocab_size,
                        const fsdp::FullyShardOptions& options) {
   const auto& m = config.model;
   TrainModel out;
-  auto init = fsdp_models::ModelInit().seed(static_cast<uint64_t>(config.training.seed));
+  // Deferred initialisation: the model is built on the meta device, its parameters become
+  // one-element placeholders, and each rank fills only its own shard (by parameter name, so
+  // the values are those of an eager build on any number of ranks). A preset far larger than
+  // one process's memory can therefore be sharded as long as its shards fit.
+  const auto seed = static_cast<uint64_t>(config.training.seed);
+  auto init = fsdp_models::ModelInit().device(torch::kMeta).seed(seed);
+  const auto placeholder = torch::TensorOptions().dtype(torch::kFloat32);
   if (m.arch == "gpt") {
     auto cfg = preset_or_config_error<fsdp_models::GPTConfig>("gpt", m.preset);
     if (m.n_layer > 0)
@@ -42,7 +48,11 @@ TrainModel build_model(const Config& config, int64_t vocab_size,
                       cfg.n_embd, cfg.n_head));
     }
     fsdp_models::GPT model(cfg, init);
-    fsdp_models::parallelize_gpt(model, options);
+    fsdp_models::to_hollow(*model, placeholder);
+    auto sharded = options;
+    sharded.param_init(
+        fsdp_models::shard_initializer(*model, fsdp_models::gpt_init_scheme(cfg), seed));
+    fsdp_models::parallelize_gpt(model, sharded);
     out.module = model.ptr();
     out.forward = [model](const torch::Tensor& idx) mutable { return fsdp::forward(model, idx); };
     out.num_params = cfg.num_params();
@@ -64,7 +74,11 @@ TrainModel build_model(const Config& config, int64_t vocab_size,
       throw ConfigError(std::string("llama shapes do not fit: ") + e.what());
     }
     fsdp_models::Llama model(cfg, init);
-    fsdp_models::parallelize_llama(model, options);
+    fsdp_models::to_hollow(*model, placeholder);
+    auto sharded = options;
+    sharded.param_init(
+        fsdp_models::shard_initializer(*model, fsdp_models::llama_init_scheme(cfg), seed));
+    fsdp_models::parallelize_llama(model, sharded);
     out.module = model.ptr();
     out.forward = [model](const torch::Tensor& idx) mutable { return fsdp::forward(model, idx); };
     out.num_params = cfg.num_params();
