@@ -17,6 +17,7 @@
 
 #include "gpt.h"
 #include "harness/multiprocess.h"
+#include "harness/sharding.h"
 #include "layers.h"
 #include "llama.h"
 
@@ -415,15 +416,7 @@ torch::Tensor batch_tokens(const LlamaConfig& cfg, int step) {
   return random_tokens(cfg.vocab_size, kGlobalBatch, cfg.max_seq_len + 1, 2000 + step);
 }
 
-// Rows [r * chunk, r * chunk + local) of a full tensor: what rank r should hold.
-torch::Tensor expected_shard(const torch::Tensor& full, int rank, int world) {
-  auto rows = full.dim() == 0 ? full.reshape({1}) : full;
-  const int64_t d0 = rows.size(0);
-  const int64_t chunk = (d0 + world - 1) / world;
-  const int64_t start = std::min<int64_t>(rank * chunk, d0);
-  const int64_t local = std::clamp<int64_t>(d0 - rank * chunk, 0, chunk);
-  return rows.narrow(0, start, local);
-}
+using fsdp::test::expected_shard;
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& kind,
                                                         std::vector<torch::Tensor> params) {
