@@ -18,19 +18,30 @@ C preset_or_config_error(const std::string& arch, const std::string& name) {
   }
 }
 
+// Deferred initialisation, for either family: the model is built on the meta device, its
+// parameters become one-element placeholders, and each rank fills only its own shard (by
+// parameter name, so the values are those of an eager build on any number of ranks). A preset
+// far larger than one process's memory can therefore be sharded as long as its shards fit.
+template <typename Model, typename Cfg, typename Parallelize>
+void build_sharded(TrainModel& out, const Cfg& cfg, fsdp_models::InitScheme scheme, uint64_t seed,
+                   const fsdp::FullyShardOptions& options, Parallelize parallelize) {
+  Model model(cfg, fsdp_models::ModelInit().device(torch::kMeta).seed(seed));
+  fsdp_models::to_hollow(*model, torch::TensorOptions().dtype(torch::kFloat32));
+  auto sharded = options;
+  sharded.param_init(fsdp_models::shard_initializer(*model, std::move(scheme), seed));
+  parallelize(model, sharded);
+  out.module = model.ptr();
+  out.forward = [model](const torch::Tensor& idx) mutable { return fsdp::forward(model, idx); };
+  out.num_params = cfg.num_params();
+}
+
 }  // namespace
 
 TrainModel build_model(const Config& config, int64_t vocab_size,
                        const fsdp::FullyShardOptions& options) {
   const auto& m = config.model;
   TrainModel out;
-  // Deferred initialisation: the model is built on the meta device, its parameters become
-  // one-element placeholders, and each rank fills only its own shard (by parameter name, so
-  // the values are those of an eager build on any number of ranks). A preset far larger than
-  // one process's memory can therefore be sharded as long as its shards fit.
   const auto seed = static_cast<uint64_t>(config.training.seed);
-  auto init = fsdp_models::ModelInit().device(torch::kMeta).seed(seed);
-  const auto placeholder = torch::TensorOptions().dtype(torch::kFloat32);
   if (m.arch == "gpt") {
     auto cfg = preset_or_config_error<fsdp_models::GPTConfig>("gpt", m.preset);
     if (m.n_layer > 0)
@@ -47,15 +58,8 @@ TrainModel build_model(const Config& config, int64_t vocab_size,
                       "('model.n_embd', 'model.n_head')",
                       cfg.n_embd, cfg.n_head));
     }
-    fsdp_models::GPT model(cfg, init);
-    fsdp_models::to_hollow(*model, placeholder);
-    auto sharded = options;
-    sharded.param_init(
-        fsdp_models::shard_initializer(*model, fsdp_models::gpt_init_scheme(cfg), seed));
-    fsdp_models::parallelize_gpt(model, sharded);
-    out.module = model.ptr();
-    out.forward = [model](const torch::Tensor& idx) mutable { return fsdp::forward(model, idx); };
-    out.num_params = cfg.num_params();
+    build_sharded<fsdp_models::GPT>(out, cfg, fsdp_models::gpt_init_scheme(cfg), seed, options,
+                                    fsdp_models::parallelize_gpt);
     out.n_layer = cfg.n_layer;
     out.n_embd = cfg.n_embd;
   } else {
@@ -73,15 +77,8 @@ TrainModel build_model(const Config& config, int64_t vocab_size,
     } catch (const std::exception& e) {
       throw ConfigError(std::string("llama shapes do not fit: ") + e.what());
     }
-    fsdp_models::Llama model(cfg, init);
-    fsdp_models::to_hollow(*model, placeholder);
-    auto sharded = options;
-    sharded.param_init(
-        fsdp_models::shard_initializer(*model, fsdp_models::llama_init_scheme(cfg), seed));
-    fsdp_models::parallelize_llama(model, sharded);
-    out.module = model.ptr();
-    out.forward = [model](const torch::Tensor& idx) mutable { return fsdp::forward(model, idx); };
-    out.num_params = cfg.num_params();
+    build_sharded<fsdp_models::Llama>(out, cfg, fsdp_models::llama_init_scheme(cfg), seed, options,
+                                      fsdp_models::parallelize_llama);
     out.n_layer = cfg.n_layers;
     out.n_embd = cfg.dim;
   }
