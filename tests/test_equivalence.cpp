@@ -70,7 +70,7 @@ std::vector<double> train(GPT& model, torch::optim::Optimizer& opt, const GPTCon
   return losses;
 }
 
-int check_equivalence(const std::string& optimizer) {
+int check_equivalence(const std::string& optimizer, bool reshard_after_forward = true) {
   auto pg = fsdp::init_process_group();
   const int rank = pg->rank(), world = pg->size();
   auto cfg = test_config();
@@ -83,10 +83,12 @@ int check_equivalence(const std::string& optimizer) {
   // Other ranks start from different values: sync_module_states must make them rank 0's.
   torch::manual_seed(seed + 7 * rank);
   GPT model(cfg);
-  fsdp_models::parallelize_gpt(model, fsdp::FullyShardOptions(pg));
+  fsdp_models::parallelize_gpt(
+      model, fsdp::FullyShardOptions(pg).reshard_after_forward(reshard_after_forward));
 
   const int64_t local = kGlobalBatch / world;
   auto opt = make_optimizer(optimizer, model->parameters());
+  pg->comm_stats().reset();
   auto losses = train(model, *opt, cfg, rank * local, local);
   auto ref_opt = make_optimizer(optimizer, reference->parameters());
   auto ref_losses = train(reference, *ref_opt, cfg, 0, kGlobalBatch);
@@ -102,6 +104,14 @@ int check_equivalence(const std::string& optimizer) {
       max_diff = std::max(max_diff, (item.value() - want).abs().max().item<double>());
     }
   }
+  // Without resharding after forward, blocks stay gathered into backward: one all-gather per
+  // unit per step instead of two for the blocks.
+  const int64_t units = cfg.n_layer + 1;
+  const int64_t gathers_per_step = reshard_after_forward ? 2 * cfg.n_layer + 1 : units;
+  WORKER_CHECK(pg->comm_stats().all_gather.calls == kSteps * gathers_per_step)
+      << pg->comm_stats().all_gather.calls << " all-gathers in " << kSteps << " steps";
+  WORKER_CHECK(pg->comm_stats().reduce_scatter.calls == kSteps * units)
+      << pg->comm_stats().reduce_scatter.calls << " reduce-scatters in " << kSteps << " steps";
   // The mean of the ranks' losses is the loss of the global batch.
   std::vector<torch::Tensor> mean{torch::tensor(losses, torch::kDouble)};
   pg->backend().allreduce(mean)->wait();
@@ -167,6 +177,16 @@ class Equivalence : public ::testing::TestWithParam<int> {};
 
 TEST_P(Equivalence, AdamWMatchesSingleProcess) {
   EXPECT_WORKERS_OK(fsdp::test::run_workers("gpt_equivalence_adamw", GetParam()));
+}
+
+// reshard_after_forward(false): parameters stay gathered from forward into backward
+// (ZeRO-2-like memory for parameters), with the same math.
+FSDP_WORKER(gpt_equivalence_keep_gathered) {
+  return check_equivalence("adamw", false);
+}
+
+TEST(EquivalenceKeepGathered, AdamWMatchesSingleProcessWorld3) {
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("gpt_equivalence_keep_gathered", 3));
 }
 
 TEST_P(Equivalence, SgdMomentumMatchesSingleProcess) {
