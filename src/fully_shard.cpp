@@ -166,6 +166,15 @@ void fully_shard(const std::shared_ptr<torch::nn::Module>& module,
   detail::g_entries.push_back({module.get(), module, std::move(unit), detail::g_next_id++});
 }
 
+void set_requires_gradient_sync(torch::nn::Module& module, bool sync) {
+  if (auto unit = detail::find_unit(module))
+    unit->set_requires_gradient_sync(sync);
+  for (const auto& child : module.modules(/*include_self=*/false)) {
+    if (auto unit = detail::find_unit(*child))
+      unit->set_requires_gradient_sync(sync);
+  }
+}
+
 bool is_sharded(const torch::nn::Module& module) {
   return detail::find_unit(module) != nullptr;
 }

@@ -194,6 +194,11 @@ void ParamGroup::post_backward() {
     if (p.requires_grad())
       trainable.push_back(&p);
   }
+  if (!requires_gradient_sync_) {
+    for (auto* p : trainable)
+      p->keep_unsharded_grad();
+    trainable.clear();
+  }
   if (!trainable.empty()) {
     // Reduce-scatter input, rank-major: [N][param 0 chunk | param 1 chunk | ...]. Every rank
     // communicates, even for parameters that received no gradient (zeros), so that all ranks

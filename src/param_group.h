@@ -57,6 +57,10 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   /// grad, the root) is finished here, then the unit is resharded.
   void finish_backward();
 
+  /// false: backward keeps unsharded grads locally instead of reduce-scattering them
+  /// (accumulation without communication); the next backward with true sends the sum.
+  void set_requires_gradient_sync(bool sync) { requires_gradient_sync_ = sync; }
+
   /// Gathers the unit's parameters (one all-gather for the whole unit).
   void unshard();
   /// Frees the unsharded parameters.
@@ -78,6 +82,7 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   // Set by a forward under grad mode; cleared once the backward's post-backward ran.
   bool backward_pending_ = false;
   bool pre_backward_done_ = false;
+  bool requires_gradient_sync_ = true;
 };
 
 /// Whether a forward of some unit is running on this thread (the outermost one is the root).

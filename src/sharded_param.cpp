@@ -120,13 +120,27 @@ torch::Tensor ShardedParam::take_unsharded_grad() {
   if (!param_.requires_grad())
     return {};
   auto g = param_.grad();
-  if (!g.defined())
-    return {};
-  TORCH_CHECK(g.sizes() == unsharded_.sizes(), "fsdp: parameter '", fqn_,
-              "' has a gradient of shape ", g.sizes(), " during backward, expected ",
-              unsharded_.sizes(), " (was it used outside its unit's fsdp::forward?)");
-  param_.mutable_grad() = torch::Tensor();
+  if (g.defined()) {
+    TORCH_CHECK(g.sizes() == unsharded_.sizes(), "fsdp: parameter '", fqn_,
+                "' has a gradient of shape ", g.sizes(), " during backward, expected ",
+                unsharded_.sizes(), " (was it used outside its unit's fsdp::forward?)");
+    param_.mutable_grad() = torch::Tensor();
+  }
+  if (kept_grad_.defined()) {
+    if (g.defined())
+      kept_grad_.add_(g);
+    g = std::move(kept_grad_);
+    kept_grad_ = torch::Tensor();
+  }
   return g;
+}
+
+void ShardedParam::keep_unsharded_grad() {
+  auto g = take_unsharded_grad();
+  // Own the memory: autograd may hand us a buffer it could reuse.
+  if (g.defined())
+    kept_grad_ = g.is_contiguous() ? g : g.contiguous();
+  restore_sharded_grad();
 }
 
 void ShardedParam::copy_grad_into(const torch::Tensor& g, const torch::Tensor& dst) const {

@@ -62,8 +62,14 @@ class ShardedParam {
 
   /// Moves the param's sharded grad aside so that autograd can accumulate the unsharded grad.
   void stash_sharded_grad();
-  /// The unsharded grad autograd produced since stash_sharded_grad(), or undefined.
+  /// The unsharded grad autograd produced since stash_sharded_grad(), plus whatever
+  /// keep_unsharded_grad() accumulated before, or undefined.
   torch::Tensor take_unsharded_grad();
+  /// Gradient accumulation without communication: adds the unsharded grad of this backward to
+  /// a local full-size accumulator (held until a syncing backward takes it) and puts the
+  /// stashed sharded grad back.
+  void keep_unsharded_grad();
+  bool has_kept_grad() const { return kept_grad_.defined(); }
   /// Copies the unsharded grad `g` (or zeros if undefined) into `dst`, a [N, chunk_rows,
   /// row_numel]-shaped view of the reduce-scatter input, padding rows zeroed.
   void copy_grad_into(const torch::Tensor& g, const torch::Tensor& dst) const;
@@ -88,6 +94,7 @@ class ShardedParam {
   torch::Tensor padded_unsharded_;  // [N * chunk_rows, *rest]
   torch::Tensor unsharded_;         // original shape, view of padded_unsharded_
   torch::Tensor stashed_grad_;
+  torch::Tensor kept_grad_;  // unsharded, accumulated across non-syncing backwards
 };
 
 }  // namespace fsdp::detail

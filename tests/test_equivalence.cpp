@@ -179,6 +179,81 @@ TEST_P(Equivalence, AdamWMatchesSingleProcess) {
   EXPECT_WORKERS_OK(fsdp::test::run_workers("gpt_equivalence_adamw", GetParam()));
 }
 
+// Gradient accumulation over kMicro micro-batches per rank, with a reduce-scatter after every
+// micro-batch (sync) or only after the last (no_sync): both must equal one step on the whole
+// global batch, and the traffic must be what each mode promises.
+int check_accumulation(const std::string& optimizer, bool no_sync) {
+  constexpr int kMicro = 2;
+  auto pg = fsdp::init_process_group();
+  const int rank = pg->rank(), world = pg->size();
+  auto cfg = test_config();
+  torch::manual_seed(4321);
+  GPT reference(cfg);
+  torch::manual_seed(4321);
+  GPT model(cfg);
+  fsdp_models::parallelize_gpt(model, fsdp::FullyShardOptions(pg));
+  auto opt = make_optimizer(optimizer, model->parameters());
+  const int64_t local = kGlobalBatch / world, micro = local / kMicro;
+  pg->comm_stats().reset();
+  for (int step = 0; step < kSteps; ++step) {
+    auto tokens = batch_tokens(cfg, step).narrow(0, rank * local, local);
+    opt->zero_grad();
+    for (int m = 0; m < kMicro; ++m) {
+      if (no_sync)
+        fsdp::set_requires_gradient_sync(*model, m == kMicro - 1);
+      auto mb = tokens.narrow(0, m * micro, micro);
+      // Each micro-batch's mean loss, scaled so that the sum is the mean over the rank's batch.
+      auto loss = fsdp_models::lm_loss(fsdp::forward(model, mb.narrow(1, 0, cfg.block_size)),
+                                       mb.narrow(1, 1, cfg.block_size)) /
+                  kMicro;
+      loss.backward();
+    }
+    opt->step();
+  }
+  auto ref_opt = make_optimizer(optimizer, reference->parameters());
+  train(reference, *ref_opt, cfg, 0, kGlobalBatch);
+
+  const int64_t units = cfg.n_layer + 1;
+  const int64_t rs_per_step = no_sync ? units : kMicro * units;
+  WORKER_CHECK(pg->comm_stats().reduce_scatter.calls == kSteps * rs_per_step)
+      << pg->comm_stats().reduce_scatter.calls << " reduce-scatters in " << kSteps << " steps of "
+      << kMicro << " micro-batches";
+  auto ref_params = reference->named_parameters();
+  double max_diff = 0;
+  for (const auto& item : model->named_parameters()) {
+    auto want = expected_shard(ref_params[item.key()], rank, world);
+    WORKER_EXPECT_CLOSE(item.value(), want, 1e-5, 1e-6);
+    if (want.numel() > 0) {
+      max_diff = std::max(max_diff, (item.value() - want).abs().max().item<double>());
+    }
+  }
+  std::printf(
+      "[rank %d/%d] ACCUMULATION OK (%s, %s): %d micro-batches = one batch, max |fsdp - "
+      "reference| = %.3g, %lld reduce-scatters per step\n",
+      rank, world, optimizer.c_str(), no_sync ? "no_sync" : "sync every micro-batch", kMicro,
+      max_diff, static_cast<long long>(rs_per_step));
+  return 0;
+}
+
+FSDP_WORKER(accumulation_sync_sgd) {
+  return check_accumulation("sgd", false);
+}
+FSDP_WORKER(accumulation_no_sync_sgd) {
+  return check_accumulation("sgd", true);
+}
+FSDP_WORKER(accumulation_no_sync_adamw) {
+  return check_accumulation("adamw", true);
+}
+
+TEST(GradientAccumulation, SyncEveryMicroBatchMatchesOneBigBatch) {
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("accumulation_sync_sgd", 3));
+}
+
+TEST(GradientAccumulation, NoSyncMatchesOneBigBatchWithOneReduceScatter) {
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("accumulation_no_sync_sgd", 3));
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("accumulation_no_sync_adamw", 2));
+}
+
 // reshard_after_forward(false): parameters stay gathered from forward into backward
 // (ZeRO-2-like memory for parameters), with the same math.
 FSDP_WORKER(gpt_equivalence_keep_gathered) {

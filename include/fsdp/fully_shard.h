@@ -66,6 +66,14 @@ void fully_shard(const torch::nn::ModuleHolder<M>& module, const FullyShardOptio
 /// True if fully_shard() was applied to `module`.
 bool is_sharded(const torch::nn::Module& module);
 
+/// Gradient accumulation without communication (DDP's no_sync, FSDP2's
+/// set_requires_gradient_sync): with `sync` false, the backward passes of every unit under
+/// `module` keep their unsharded gradients locally (one full-size gradient per unit per rank)
+/// instead of reduce-scattering them; the first backward after setting it back to true
+/// reduce-scatters the sum. With the default (true) every backward reduce-scatters and the
+/// shards' grads accumulate: less memory, more traffic. Both give the gradient of the sum.
+void set_requires_gradient_sync(torch::nn::Module& module, bool sync);
+
 namespace detail {
 class ParamGroup;
 /// The unit of `module`, or nullptr.
