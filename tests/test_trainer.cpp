@@ -192,6 +192,25 @@ TEST(TrainerRun, NprocTwoWritesEveryMetric) {
   expect_sane(m);
 }
 
+// Accumulation through the config: 2 micro-batches reduce-scatter twice per step, or once with
+// no_sync; the same sequences, so the losses agree closely (summation order differs).
+TEST(TrainerRun, MicroBatchesSyncAndNoSync) {
+  auto sync =
+      train_and_read("accum-sync", train_cmd() + " --nproc 2", "--training.micro_batches=2");
+  auto no_sync = train_and_read("accum-nosync", train_cmd() + " --nproc 2",
+                                "--training.micro_batches=2 --fsdp.sync_every_micro_batch=false");
+  auto plain = train_and_read("accum-plain", train_cmd() + " --nproc 2");
+  ASSERT_EQ(sync.size(), 6u);
+  ASSERT_EQ(no_sync.size(), 6u);
+  ASSERT_EQ(plain.size(), 6u);
+  for (size_t i = 0; i < sync.size(); ++i) {
+    EXPECT_EQ(sync[i].reducescatter_bytes, 2 * plain[i].reducescatter_bytes);
+    EXPECT_EQ(no_sync[i].reducescatter_bytes, plain[i].reducescatter_bytes);
+    EXPECT_NEAR(sync[i].loss, plain[i].loss, 1e-4 * plain[i].loss) << "step " << i + 1;
+    EXPECT_NEAR(no_sync[i].loss, plain[i].loss, 1e-4 * plain[i].loss) << "step " << i + 1;
+  }
+}
+
 TEST(TrainerRun, LlamaRuns) {
   auto m = train_and_read("llama-nproc2", train_cmd() + " --nproc 2", "", "llama", "llama-test");
   expect_sane(m);

@@ -156,6 +156,9 @@ const std::vector<Option>& options() {
           "Fraction of the token stream kept for evaluation (its end)."),
       opt("training.steps", FIELD(training.steps), "Optimizer steps."),
       opt("training.batch_size", FIELD(training.batch_size), "Sequences per rank per step."),
+      opt("training.micro_batches", FIELD(training.micro_batches),
+          "Gradient accumulation: split each rank's batch into this many forward/backward "
+          "passes before one optimizer step (divides training.batch_size)."),
       opt("training.seq_len", FIELD(training.seq_len),
           "Tokens per sequence (the model's context)."),
       opt("training.lr", FIELD(training.lr), "Peak learning rate (AdamW)."),
@@ -178,6 +181,10 @@ const std::vector<Option>& options() {
           "backward (FULL_SHARD)."),
       opt("fsdp.sync_module_states", FIELD(fsdp.sync_module_states),
           "Broadcast rank 0's initial parameters to all ranks before sharding."),
+      opt("fsdp.sync_every_micro_batch", FIELD(fsdp.sync_every_micro_batch),
+          "With training.micro_batches > 1: reduce-scatter after every micro-batch (less "
+          "memory) or only after the last one (no_sync: one full-size gradient per unit kept "
+          "locally, 1/micro_batches of the traffic)."),
       opt("fsdp.timeout_s", FIELD(fsdp.timeout_s),
           "Seconds before a missing or dead rank fails the others (rendezvous and collectives)."),
       opt("logging.run_dir", FIELD(logging.run_dir),
@@ -319,6 +326,10 @@ void validate(const Config& c) {
               "' is neither kjv, fortunes nor an existing text file");
   require(c.training.steps >= 1, "training.steps", "must be >= 1");
   require(c.training.batch_size >= 1, "training.batch_size", "must be >= 1");
+  require(c.training.micro_batches >= 1 && c.training.batch_size % c.training.micro_batches == 0,
+          "training.micro_batches",
+          "must be >= 1 and divide training.batch_size (" + std::to_string(c.training.batch_size) +
+              "), got " + std::to_string(c.training.micro_batches));
   require(c.training.seq_len >= 2, "training.seq_len", "must be >= 2");
   require(c.training.lr > 0, "training.lr", "must be > 0");
   require(c.training.min_lr >= 0 && c.training.min_lr <= c.training.lr, "training.min_lr",

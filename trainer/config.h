@@ -37,6 +37,7 @@ struct DataConfig {
 struct TrainingConfig {
   int64_t steps = 300;
   int64_t batch_size = 8;
+  int64_t micro_batches = 1;
   int64_t seq_len = 128;
   double lr = 3e-3;
   double min_lr = 3e-4;
@@ -54,6 +55,7 @@ struct TrainingConfig {
 struct FsdpConfig {
   bool reshard_after_forward = true;
   bool sync_module_states = true;
+  bool sync_every_micro_batch = true;
   double timeout_s = 300;
 };
 

@@ -12,6 +12,7 @@
 #include <fstream>
 
 #include <fsdp/clip_grad.h>
+#include <fsdp/fully_shard.h>
 #include <fsdp/memory.h>
 
 #include "plot.h"
@@ -161,16 +162,28 @@ StepMetrics Trainer::train_step(int64_t step) {
 
   auto batch = sampler_->next();
   optimizer_->zero_grad();
+  // Gradient accumulation: micro-batch losses are scaled so that their sum is the batch mean.
+  const int64_t micro = t.micro_batches, rows = t.batch_size / micro;
+  double loss_sum = 0, ag_wait_forward = 0;
+  for (int64_t i = 0; i < micro; ++i) {
+    if (micro > 1 && !config_.fsdp.sync_every_micro_batch) {
+      fsdp::set_requires_gradient_sync(*model_.module, i == micro - 1);
+    }
+    auto mb = batch.narrow(0, i * rows, rows);
+    const fsdp::CommStats before_forward = pg_->comm_stats();
+    auto t0 = Clock::now();
+    auto logits = model_.forward(mb.narrow(1, 0, t.seq_len));
+    auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                                     mb.narrow(1, 1, t.seq_len).reshape({-1})) /
+                static_cast<double>(micro);
+    m.time_forward_s += seconds_since(t0);
+    ag_wait_forward += (pg_->comm_stats() - before_forward).all_gather.wait_seconds;
+    t0 = Clock::now();
+    loss.backward();
+    m.time_backward_s += seconds_since(t0);
+    loss_sum += loss.item<double>();
+  }
   auto t0 = Clock::now();
-  auto logits = model_.forward(batch.narrow(1, 0, t.seq_len));
-  auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                                   batch.narrow(1, 1, t.seq_len).reshape({-1}));
-  m.time_forward_s = seconds_since(t0);
-  const double ag_wait_forward = (pg_->comm_stats() - before).all_gather.wait_seconds;
-  t0 = Clock::now();
-  loss.backward();
-  m.time_backward_s = seconds_since(t0);
-  t0 = Clock::now();
   if (t.grad_clip > 0)
     m.grad_norm = fsdp::clip_grad_norm_(params_, t.grad_clip, *pg_);
   optimizer_->step();
@@ -184,7 +197,7 @@ StepMetrics Trainer::train_step(int64_t step) {
   m.allgather_bytes = delta.all_gather.bytes;
   m.reducescatter_bytes = delta.reduce_scatter.bytes;
   m.allreduce_bytes = delta.all_reduce.bytes;
-  m.loss = mean_over_ranks(loss.item<double>());
+  m.loss = mean_over_ranks(loss_sum);
   m.peak_bytes = max_over_ranks(fsdp::memory::peak_bytes());
   m.tokens = t.batch_size * t.seq_len * pg_->size();
   m.tokens_per_second = m.tokens / m.step_time_s;
