@@ -6,6 +6,8 @@
 #include <cmath>
 
 #include "collectives.h"
+#include "param_group.h"
+#include "registry.h"
 
 namespace fsdp {
 
@@ -20,7 +22,13 @@ double clip_grad_norm_(const std::vector<torch::Tensor>& params, double max_norm
     if (!g.defined() || g.numel() == 0)
       continue;
     grads.push_back(g);
-    sq += g.to(torch::kDouble).square().sum();
+    // An element held by R ranks (replicated: kNoShard, kHybridShard, or no unit at all)
+    // would be counted R times by the sum over ranks; weigh it 1/R. The weights are exact
+    // for power-of-two R and within an ulp of double otherwise.
+    auto unit = detail::unit_of_param(p.unsafeGetTensorImpl());
+    const int holders = group.size() / (unit ? unit->shard_size() : 1);
+    auto term = g.to(torch::kDouble).square().sum();
+    sq += holders > 1 ? term / holders : term;
   }
   if (sq.device().type() != group.device_type())
     sq = sq.to(group.device_type());

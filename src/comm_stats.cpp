@@ -63,6 +63,14 @@ CommStats CommStats::operator-(const CommStats& o) const {
   return d;
 }
 
+CommStats& CommStats::operator+=(const CommStats& o) {
+  all_gather += o.all_gather;
+  reduce_scatter += o.reduce_scatter;
+  all_reduce += o.all_reduce;
+  broadcast += o.broadcast;
+  return *this;
+}
+
 std::string CommStats::to_string() const {
   std::string s;
   s += line("all_gather", all_gather);

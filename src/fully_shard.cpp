@@ -9,6 +9,7 @@
 
 #include "collectives.h"
 #include "param_group.h"
+#include "prefetch.h"
 #include "registry.h"
 
 namespace fsdp {
@@ -118,8 +119,113 @@ void abort_forward(ParamGroup& unit) noexcept {
   if (unit.training_state() == TrainingState::kForward) {
     --t_forward_depth;
     unit.abandon_forward();
+    if (t_forward_depth == 0) {
+      try {
+        prefetch::end_forward();
+      } catch (...) {
+        // Freeing prefetched units waits for their gathers; a failure there was reported by
+        // the collective that failed first.
+      }
+    }
   }
 }
+
+std::shared_ptr<ParamGroup> unit_of_param(const c10::TensorImpl* param) {
+  for (auto& unit : live_units()) {
+    for (const auto& p : unit->params()) {
+      if (p.param().unsafeGetTensorImpl() == param)
+        return unit;
+    }
+  }
+  return nullptr;
+}
+
+namespace {
+
+std::vector<std::shared_ptr<ParamGroup>> units_under(const torch::nn::Module& module) {
+  std::vector<std::shared_ptr<ParamGroup>> out;
+  if (auto unit = find_unit(module))
+    out.push_back(std::move(unit));
+  for (const auto& child : module.modules(/*include_self=*/false)) {
+    if (auto unit = find_unit(*child))
+      out.push_back(std::move(unit));
+  }
+  return out;
+}
+
+std::vector<ProcessGroup*> groups_under(const torch::nn::Module& module) {
+  std::vector<ProcessGroup*> out;
+  auto add = [&](const std::shared_ptr<ProcessGroup>& g) {
+    if (g && std::find(out.begin(), out.end(), g.get()) == out.end())
+      out.push_back(g.get());
+  };
+  for (const auto& unit : units_under(module)) {
+    add(unit->options().group());
+    add(unit->groups().shard);
+    add(unit->groups().replicate);
+    add(unit->groups().post_forward);
+  }
+  return out;
+}
+
+std::vector<std::weak_ptr<ParamGroup>> units_of(
+    const std::vector<std::shared_ptr<torch::nn::Module>>& modules, const char* what) {
+  std::vector<std::weak_ptr<ParamGroup>> out;
+  for (const auto& m : modules) {
+    TORCH_CHECK(m, what, ": null module in the list");
+    auto unit = find_unit(*m);
+    TORCH_CHECK(unit, what, ": module '", m->name(),
+                "' is not an FSDP unit (call fully_shard on it)");
+    out.push_back(unit);
+  }
+  return out;
+}
+
+// The process groups of a unit, from its strategy. Subgroups are created collectively (every
+// rank applies fully_shard in the same order) and cached by the parent group.
+UnitGroups resolve_groups(const FullyShardOptions& options) {
+  auto& group = options.group();
+  const int n = group->size();
+  const int me = group->global_ranks().at(group->rank());
+  UnitGroups g;
+  switch (options.strategy()) {
+    case ShardingStrategy::kFullShard:
+    case ShardingStrategy::kShardGradOp:
+      g.shard = group;
+      break;
+    case ShardingStrategy::kNoShard:
+      g.replicate = group;
+      break;
+    case ShardingStrategy::kHybridShard: {
+      const int s = options.hybrid_shard_size();
+      TORCH_CHECK(s >= 1 && n % s == 0, "[rank ", me, "] fully_shard: hybrid_shard_size ", s,
+                  " must be at least 1 and divide the group's ", n, " ranks");
+      if (s == n) {
+        g.shard = group;  // one block: plain full sharding
+      } else if (s == 1) {
+        g.replicate = group;  // blocks of one: plain replication
+      } else {
+        g.shard = group->block_group(s);
+        g.replicate = group->strided_group(s);
+      }
+      break;
+    }
+  }
+  const int k = options.reshard_after_forward_size();
+  const bool reshards = options.reshard_after_forward() &&
+                        options.strategy() != ShardingStrategy::kShardGradOp &&
+                        options.strategy() != ShardingStrategy::kNoShard;
+  if (k > 1 && reshards && g.shard) {
+    const int shard_n = g.shard->size();
+    TORCH_CHECK(shard_n % k == 0, "[rank ", me, "] fully_shard: reshard_after_forward_size ", k,
+                " must divide the shard group's ", shard_n, " ranks");
+    if (k < shard_n)
+      g.post_forward = g.shard->block_group(k);
+  }
+  return g;
+}
+
+}  // namespace
 
 }  // namespace detail
 
@@ -160,23 +266,76 @@ void fully_shard(const std::shared_ptr<torch::nn::Module>& module,
   }
 
   std::string name = module->name();
-  auto unit = std::make_shared<detail::ParamGroup>(name, std::move(params), options);
+  auto unit = std::make_shared<detail::ParamGroup>(name, std::move(params), options,
+                                                   detail::resolve_groups(options));
   std::lock_guard<std::mutex> lock(detail::g_mutex);
   detail::prune_locked();
   detail::g_entries.push_back({module.get(), module, std::move(unit), detail::g_next_id++});
 }
 
 void set_requires_gradient_sync(torch::nn::Module& module, bool sync) {
-  if (auto unit = detail::find_unit(module))
+  for (auto& unit : detail::units_under(module))
     unit->set_requires_gradient_sync(sync);
-  for (const auto& child : module.modules(/*include_self=*/false)) {
-    if (auto unit = detail::find_unit(*child))
-      unit->set_requires_gradient_sync(sync);
-  }
 }
 
 bool is_sharded(const torch::nn::Module& module) {
   return detail::find_unit(module) != nullptr;
+}
+
+void set_modules_to_forward_prefetch(
+    const torch::nn::Module& module,
+    const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
+  auto unit = detail::find_unit(module);
+  TORCH_CHECK(unit, "set_modules_to_forward_prefetch: module '", module.name(),
+              "' is not an FSDP unit");
+  unit->forward_prefetch_list = detail::units_of(modules, "set_modules_to_forward_prefetch");
+}
+
+void set_modules_to_backward_prefetch(
+    const torch::nn::Module& module,
+    const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
+  auto unit = detail::find_unit(module);
+  TORCH_CHECK(unit, "set_modules_to_backward_prefetch: module '", module.name(),
+              "' is not an FSDP unit");
+  unit->backward_prefetch_list = detail::units_of(modules, "set_modules_to_backward_prefetch");
+}
+
+CommStats comm_stats(const torch::nn::Module& module) {
+  CommStats total;
+  for (auto* g : detail::groups_under(module))
+    total += g->comm_stats();
+  return total;
+}
+
+void reset_comm_stats(const torch::nn::Module& module) {
+  for (auto* g : detail::groups_under(module))
+    g->comm_stats().reset();
+}
+
+const char* to_string(ShardingStrategy s) {
+  switch (s) {
+    case ShardingStrategy::kFullShard:
+      return "full_shard";
+    case ShardingStrategy::kShardGradOp:
+      return "shard_grad_op";
+    case ShardingStrategy::kNoShard:
+      return "no_shard";
+    case ShardingStrategy::kHybridShard:
+      return "hybrid_shard";
+  }
+  return "?";
+}
+
+const char* to_string(BackwardPrefetch p) {
+  switch (p) {
+    case BackwardPrefetch::kNone:
+      return "none";
+    case BackwardPrefetch::kBackwardPre:
+      return "backward_pre";
+    case BackwardPrefetch::kBackwardPost:
+      return "backward_post";
+  }
+  return "?";
 }
 
 }  // namespace fsdp

@@ -4,6 +4,7 @@
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/engine.h>
 
+#include "prefetch.h"
 #include "registry.h"
 
 namespace fsdp::detail {
@@ -37,23 +38,47 @@ struct PostBackward : public torch::autograd::Function<PostBackward> {
 // One end-of-backward callback per backward pass, queued by the first pre-backward hook.
 thread_local bool t_callback_queued = false;
 
+void end_of_backward() {
+  t_callback_queued = false;
+  auto units = live_units();
+  // Units whose hooks did not finish (the root, units whose inputs needed no grad): same
+  // order on every rank (creation order), so their collectives match.
+  for (auto& unit : units)
+    unit->finish_backward();
+  for (auto& unit : units)
+    unit->finish_reduce();
+  prefetch::end_backward();
+  for (auto& unit : units)
+    unit->reset_after_backward();
+}
+
 void queue_end_of_backward() {
   if (t_callback_queued)
     return;
   t_callback_queued = true;
-  torch::autograd::Engine::get_default_engine().queue_callback([] {
-    t_callback_queued = false;
-    for (auto& unit : live_units())
-      unit->finish_backward();
-  });
+  torch::autograd::Engine::get_default_engine().queue_callback(end_of_backward);
+}
+
+// Reduce-scatters issued but not yet waited, oldest first. Each post_backward completes the
+// earlier ones before issuing its own, so at most one unit's reduce-scatter buffers are alive
+// while the next unit computes (FSDP2 does the same).
+thread_local std::vector<std::weak_ptr<ParamGroup>> t_reducing;
+
+void finish_earlier_reduce_scatters() {
+  for (auto& w : t_reducing) {
+    if (auto unit = w.lock())
+      unit->finish_reduce_scatter();
+  }
+  t_reducing.clear();
 }
 
 }  // namespace
 
 ParamGroup::ParamGroup(std::string name, std::vector<std::pair<std::string, torch::Tensor>> params,
-                       FullyShardOptions options)
-    : name_(std::move(name)), options_(std::move(options)) {
-  const int rank = group().rank(), size = group().size();
+                       FullyShardOptions options, UnitGroups groups)
+    : name_(std::move(name)), options_(std::move(options)), groups_(std::move(groups)) {
+  const int rank = groups_.shard ? groups_.shard->rank() : 0;
+  const int size = shard_size();
   params_.reserve(params.size());
   for (auto& [fqn, p] : params) {
     params_.emplace_back(fqn, std::move(p), rank, size, options_.param_init());
@@ -66,9 +91,10 @@ void ParamGroup::fail(const std::string& msg) const {
 }
 
 void ParamGroup::check_state(ShardedState expected, const char* where) const {
+  static const char* const kNames[] = {"SHARDED", "GATHERING", "UNSHARDED"};
   if (sharded_state_ != expected) {
     fail(std::string(where) + ": unexpected sharded state " +
-         (sharded_state_ == ShardedState::kSharded ? "SHARDED" : "UNSHARDED"));
+         kNames[static_cast<int>(sharded_state_)]);
   }
 }
 
@@ -80,48 +106,99 @@ int64_t ParamGroup::sharded_bytes() const {
 }
 
 int64_t ParamGroup::unsharded_bytes() const {
-  return sharded_bytes() * group().size();
+  return sharded_bytes() * shard_size();
 }
 
-void ParamGroup::unshard() {
-  if (sharded_state_ == ShardedState::kUnsharded)
+void ParamGroup::issue_unshard(bool counted) {
+  if (sharded_state_ != ShardedState::kSharded)
     return;
-  if (!params_.empty()) {
-    std::vector<torch::Tensor> inputs, outputs;
-    for (auto& p : params_) {
-      p.alloc_unsharded();
-      inputs.push_back(p.padded_shard());
-      outputs.push_back(p.padded_unsharded());
-    }
-    all_gather(group(), inputs, outputs)->wait();
-    for (auto& p : params_)
-      p.to_unsharded();
+  std::vector<torch::Tensor> inputs, outputs;
+  for (auto& p : params_) {
+    p.alloc_unsharded();
+    inputs.push_back(block_shards_ ? p.block_shard() : p.padded_shard());
+    outputs.push_back(p.padded_unsharded());
   }
+  if (counted) {
+    counted_ = true;
+    prefetch::acquire_slot();
+  }
+  sharded_state_ = ShardedState::kGathering;
+  if (shard_size() > 1 && !params_.empty()) {
+    // After a reshard to a block, backward gathers the blocks inside the (smaller) block group.
+    auto& over = block_shards_ ? *groups_.post_forward : *groups_.shard;
+    gather_ = all_gather(over, inputs, outputs);
+  }
+}
+
+void ParamGroup::wait_unshard() {
+  if (sharded_state_ != ShardedState::kGathering)
+    return;
+  if (gather_) {
+    gather_->wait();
+    gather_.reset();
+  }
+  if (block_shards_) {
+    for (auto& p : params_)
+      p.drop_block_shard();
+    block_shards_ = false;
+  }
+  for (auto& p : params_)
+    p.to_unsharded();
   sharded_state_ = ShardedState::kUnsharded;
+}
+
+void ParamGroup::release_slot() {
+  if (counted_) {
+    counted_ = false;
+    prefetch::release_slot();
+  }
 }
 
 void ParamGroup::reshard() {
   if (sharded_state_ == ShardedState::kSharded)
     return;
+  // The transfer writes into the unsharded buffers: it must land before they are freed.
+  wait_unshard();
   for (auto& p : params_) {
     p.to_sharded();
     p.free_unsharded();
   }
   sharded_state_ = ShardedState::kSharded;
+  release_slot();
+}
+
+void ParamGroup::reset_after_backward() {
+  if (backward_pending_)
+    return;  // its backward has not run (yet): it keeps what the backward will need
+  held_ = false;
+  reshard();
+  if (block_shards_) {
+    for (auto& p : params_)
+      p.drop_block_shard();
+    block_shards_ = false;
+  }
 }
 
 std::vector<torch::Tensor> ParamGroup::pre_forward(std::vector<torch::Tensor> inputs,
                                                    bool is_root_call) {
   // A new iteration: if the last backward died halfway (an exception), its callback never ran.
-  if (is_root_call)
+  if (is_root_call) {
     t_callback_queued = false;
+    prefetch::begin_forward(*this);
+  }
   if (training_state_ != TrainingState::kIdle) {
     fail(
         "forward entered again before the previous one finished (recursive fsdp::forward of "
         "the same unit is not supported)");
   }
   training_state_ = TrainingState::kForward;
-  unshard();
+  prefetch::record_forward(*this);
+  prefetch::claim(*this);
+  // The root stays gathered through the whole forward: it is not part of the pipeline.
+  unshard(/*counted=*/!is_root_call && !held_);
+  for (auto& next : prefetch::forward_targets(*this))
+    prefetch::request(*next);
+
   const bool grad_mode = torch::GradMode::is_enabled();
   bool trainable = false;
   for (const auto& p : params_)
@@ -141,10 +218,22 @@ std::vector<torch::Tensor> ParamGroup::pre_forward(std::vector<torch::Tensor> in
 
 void ParamGroup::post_forward(const std::vector<torch::Tensor>& outputs, bool is_root_call) {
   const bool grad_mode = torch::GradMode::is_enabled();
+  const bool reshard_after =
+      options_.reshard_after_forward() && options_.strategy() != ShardingStrategy::kShardGradOp;
   // The root's backward starts right after forward: resharding it would only gather it again.
-  const bool keep = grad_mode && (is_root_call || !options_.reshard_after_forward());
-  if (!keep)
+  const bool keep = grad_mode && backward_pending_ && (is_root_call || !reshard_after);
+  if (keep) {
+    held_ = true;
+    release_slot();  // held memory is the strategy's, not the prefetch pipeline's
+  } else if (grad_mode && backward_pending_ && groups_.post_forward) {
+    wait_unshard();
+    for (auto& p : params_)
+      p.keep_block_shard(groups_.post_forward->size(), groups_.post_forward->rank());
     reshard();
+    block_shards_ = true;
+  } else {
+    reshard();
+  }
   if (grad_mode && backward_pending_) {
     std::weak_ptr<ParamGroup> weak = weak_from_this();
     for (const auto& out : outputs) {
@@ -159,10 +248,13 @@ void ParamGroup::post_forward(const std::vector<torch::Tensor>& outputs, bool is
     }
   }
   training_state_ = TrainingState::kIdle;
+  if (is_root_call)
+    prefetch::end_forward();
 }
 
 void ParamGroup::abandon_forward() noexcept {
   reshard();
+  held_ = false;
   backward_pending_ = false;
   pre_backward_done_ = false;
   training_state_ = TrainingState::kIdle;
@@ -176,7 +268,12 @@ void ParamGroup::pre_backward() {
   training_state_ = TrainingState::kPreBackward;
   for (auto& p : params_)
     p.stash_sharded_grad();
-  unshard();
+  prefetch::claim(*this);
+  unshard(/*counted=*/!held_);
+  if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPre || backward_prefetch_list) {
+    for (auto& next : prefetch::backward_targets(*this))
+      prefetch::request(*next);
+  }
 }
 
 void ParamGroup::post_backward() {
@@ -200,10 +297,11 @@ void ParamGroup::post_backward() {
     trainable.clear();
   }
   if (!trainable.empty()) {
+    finish_earlier_reduce_scatters();
     // Reduce-scatter input, rank-major: [N][param 0 chunk | param 1 chunk | ...]. Every rank
     // communicates, even for parameters that received no gradient (zeros), so that all ranks
     // issue the same collectives.
-    const int n = group().size();
+    const int n = shard_size();
     int64_t s = 0;
     for (auto* p : trainable)
       s += p->padded_shard_numel();
@@ -213,11 +311,12 @@ void ParamGroup::post_backward() {
         fail("trainable parameters of one unit must share a dtype");
     }
     auto opts = trainable.front()->padded_shard().options();
-    torch::Tensor output;
+    PendingReduce pending;
+    pending.params = trainable;
     {
       torch::NoGradGuard no_grad;
-      auto input = torch::empty({n * s}, opts);
-      auto rows = input.view({n, s});
+      pending.input = torch::empty({n * s}, opts);
+      auto rows = pending.input.view({n, s});
       int64_t offset = 0;
       for (auto* p : trainable) {
         const int64_t len = p->padded_shard_numel();
@@ -228,27 +327,79 @@ void ParamGroup::post_backward() {
       }
       // The unsharded parameters are done with: free them before the collective's buffers
       // are allocated, so a unit never holds params, grads and both buffers at once.
+      held_ = false;
       reshard();
-      output = torch::empty({s}, opts);
-      reduce_scatter(group(), input, output, ReduceOp::kAvg)->wait();
+      if (n > 1) {
+        pending.output = torch::empty({s}, opts);
+        pending.reduce_scatter =
+            reduce_scatter(*groups_.shard, pending.input, pending.output, ReduceOp::kAvg);
+      } else {
+        pending.output = std::move(pending.input);  // nothing to scatter: the grads are ours
+      }
     }
-    int64_t offset = 0;
-    for (auto* p : trainable) {
-      const int64_t len = p->padded_shard_numel();
-      p->set_sharded_grad(output.narrow(0, offset, len));
-      offset += len;
-    }
+    reduce_ = std::move(pending);
+    if (n == 1)
+      issue_all_reduce();  // no reduce-scatter to wait for: overlap it with what follows
+    else
+      t_reducing.push_back(weak_from_this());
   }
+  held_ = false;
   reshard();
+  if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPost && !backward_prefetch_list) {
+    for (auto& next : prefetch::backward_targets(*this))
+      prefetch::request(*next);
+  }
   pre_backward_done_ = false;
   training_state_ = TrainingState::kIdle;
+}
+
+void ParamGroup::issue_all_reduce() {
+  if (!reduce_ || reduce_->all_reduce_issued)
+    return;
+  reduce_->all_reduce_issued = true;
+  if (!groups_.replicate || groups_.replicate->size() == 1)
+    return;
+  // Buckets bound the size of one collective (and of the backend's staging buffers).
+  const auto& out = reduce_->output;
+  const int64_t per_bucket = std::max<int64_t>(
+      1, options_.all_reduce_bucket_bytes() / static_cast<int64_t>(out.element_size()));
+  for (int64_t start = 0; start < out.numel(); start += per_bucket) {
+    const int64_t len = std::min(per_bucket, out.numel() - start);
+    reduce_->all_reduces.push_back(
+        all_reduce(*groups_.replicate, out.narrow(0, start, len), ReduceOp::kAvg));
+  }
+}
+
+void ParamGroup::finish_reduce_scatter() {
+  if (!reduce_)
+    return;
+  if (reduce_->reduce_scatter) {
+    reduce_->reduce_scatter->wait();
+    reduce_->reduce_scatter.reset();
+    reduce_->input = torch::Tensor();
+  }
+  issue_all_reduce();
+}
+
+void ParamGroup::finish_reduce() {
+  if (!reduce_)
+    return;
+  finish_reduce_scatter();
+  for (auto& w : reduce_->all_reduces)
+    w->wait();
+  int64_t offset = 0;
+  for (auto* p : reduce_->params) {
+    const int64_t len = p->padded_shard_numel();
+    p->set_sharded_grad(reduce_->output.narrow(0, offset, len));
+    offset += len;
+  }
+  reduce_.reset();
 }
 
 void ParamGroup::finish_backward() {
   if (backward_pending_ && pre_backward_done_) {
     post_backward();
-  } else if (sharded_state_ == ShardedState::kUnsharded &&
-             training_state_ == TrainingState::kPreBackward) {
+  } else if (training_state_ == TrainingState::kPreBackward) {
     reshard();
     training_state_ = TrainingState::kIdle;
   }

@@ -15,6 +15,7 @@
 
 #include <netdb.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -22,11 +23,13 @@
 #include <atomic>
 #include <cerrno>
 #include <charconv>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
@@ -425,6 +428,12 @@ std::shared_ptr<ProcessGroup> init_process_group(const LaunchEnv& env,
                                                  const ProcessGroupOptions& options) {
   // Resolve the backend first: a typo should fail before anything waits on other ranks.
   BackendFactory factory = find_backend(options.backend());
+  // A write to the socket of a peer that died raises SIGPIPE, whose default action kills this
+  // rank silently; ignored, the write fails and the collective reports which peer is gone.
+  // Only the default is replaced: an application's own handler stays.
+  struct sigaction current {};
+  if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL)
+    std::signal(SIGPIPE, SIG_IGN);
   ProcessGroupOptions opts = options;
   if (opts.gloo_hostname().empty() && is_loopback(env.master_addr)) {
     opts.gloo_hostname(env.master_addr);
@@ -527,6 +536,51 @@ std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ra
   }
   return std::make_shared<ProcessGroup>(store, backend, sub_rank, sub_size, std::move(members),
                                         options_);
+}
+
+namespace {
+void check_block_size(int block_size, int size, int me, const char* what) {
+  if (block_size < 1 || size % block_size != 0) {
+    throw std::invalid_argument("[rank " + std::to_string(me) + "] " + what + ": " +
+                                std::to_string(block_size) + " does not divide the group's " +
+                                std::to_string(size) + " ranks");
+  }
+}
+}  // namespace
+
+std::shared_ptr<ProcessGroup> ProcessGroup::block_group(int block_size) {
+  const int me = global_ranks_[static_cast<size_t>(rank_)];
+  check_block_size(block_size, size_, me, "block_group");
+  if (block_size == size_)
+    return shared_from_this();
+  auto& cached = splits_[{block_size, false}];
+  if (!cached) {
+    for (int first = 0; first < size_; first += block_size) {
+      std::vector<int> ranks(static_cast<size_t>(block_size));
+      std::iota(ranks.begin(), ranks.end(), first);
+      if (auto g = new_group(ranks))
+        cached = std::move(g);
+    }
+  }
+  return cached;
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::strided_group(int block_size) {
+  const int me = global_ranks_[static_cast<size_t>(rank_)];
+  check_block_size(block_size, size_, me, "strided_group");
+  if (block_size == 1)
+    return shared_from_this();
+  auto& cached = splits_[{block_size, true}];
+  if (!cached) {
+    for (int offset = 0; offset < block_size; ++offset) {
+      std::vector<int> ranks;
+      for (int r = offset; r < size_; r += block_size)
+        ranks.push_back(r);
+      if (auto g = new_group(ranks))
+        cached = std::move(g);
+    }
+  }
+  return cached;
 }
 
 void ProcessGroup::barrier() {

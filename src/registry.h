@@ -6,6 +6,9 @@
 #include <memory>
 #include <vector>
 
+namespace c10 {
+struct TensorImpl;
+}
 namespace torch::nn {
 class Module;
 }
@@ -19,5 +22,7 @@ std::vector<std::shared_ptr<ParamGroup>> live_units();
 /// Stable id of a unit (for autograd nodes, which can only save plain values).
 int64_t unit_id(const ParamGroup& unit);
 std::shared_ptr<ParamGroup> unit_by_id(int64_t id);
+/// The unit that owns `param` (by TensorImpl), or nullptr.
+std::shared_ptr<ParamGroup> unit_of_param(const c10::TensorImpl* param);
 
 }  // namespace fsdp::detail

@@ -70,7 +70,12 @@ ShardedParam::ShardedParam(
         rows_view.narrow(0, rank_ * chunk_rows_, local_rows_).reshape(sharded_view_.sizes()));
   }
 
-  padded_unsharded_ = torch::empty(padded_full_shape, full.options());
+  if (world_size_ == 1) {
+    // Unsharded (kNoShard, or a group of one): the shard is the parameter; no second copy.
+    padded_unsharded_ = padded_shard_;
+  } else {
+    padded_unsharded_ = torch::empty(padded_full_shape, full.options());
+  }
   unsharded_ = padded_unsharded_.narrow(0, 0, rows_).view(shape_);
   free_unsharded();
   to_sharded();
@@ -81,6 +86,8 @@ size_t ShardedParam::unsharded_storage_bytes() const {
 }
 
 void ShardedParam::alloc_unsharded() {
+  if (world_size_ == 1)
+    return;
   auto storage = padded_unsharded_.storage();
   const size_t nbytes = padded_unsharded_.numel() * padded_unsharded_.element_size();
   if (storage.nbytes() == nbytes)
@@ -91,13 +98,16 @@ void ShardedParam::alloc_unsharded() {
 }
 
 void ShardedParam::free_unsharded() {
+  if (world_size_ == 1)
+    return;
   auto storage = padded_unsharded_.storage();
   storage.set_data_ptr_noswap(at::DataPtr(nullptr, padded_unsharded_.device()));
   storage.set_nbytes(0);
 }
 
 void ShardedParam::to_unsharded() {
-  TORCH_INTERNAL_ASSERT(unsharded_allocated(), "param '", fqn_, "' used before its gather");
+  TORCH_INTERNAL_ASSERT(unsharded_allocated() || padded_unsharded_.numel() == 0, "param '", fqn_,
+                        "' used before its gather");
   param_.set_data(unsharded_);
   forget_grad_accumulator(param_);
 }
@@ -176,6 +186,13 @@ void ShardedParam::restore_sharded_grad() {
   if (stashed_grad_.defined())
     param_.mutable_grad() = std::move(stashed_grad_);
   stashed_grad_ = torch::Tensor();
+}
+
+void ShardedParam::keep_block_shard(int blocks, int index) {
+  TORCH_INTERNAL_ASSERT(world_size_ % blocks == 0);
+  torch::NoGradGuard no_grad;
+  const int64_t block_rows = chunk_rows_ * world_size_ / blocks;
+  block_shard_ = padded_unsharded_.narrow(0, index * block_rows, block_rows).clone();
 }
 
 torch::Tensor ShardedParam::shard_of(const torch::Tensor& full) const {

@@ -47,7 +47,8 @@ class ShardedParam {
   /// All-gather input: the padded shard (contiguous).
   const torch::Tensor& padded_shard() const { return padded_shard_; }
   /// All-gather output: the padded unsharded buffer, N * padded_shard_numel elements. Only
-  /// valid between alloc_unsharded() and free_unsharded().
+  /// valid between alloc_unsharded() and free_unsharded(). With a world of one rank it IS
+  /// the padded shard (nothing to gather, nothing to free).
   const torch::Tensor& padded_unsharded() const { return padded_unsharded_; }
 
   void alloc_unsharded();
@@ -79,6 +80,14 @@ class ShardedParam {
   /// Restores the stashed sharded grad unchanged (a backward that produced nothing for us).
   void restore_sharded_grad();
 
+  /// Reshard after forward to a smaller group: keeps block `index` of `blocks` equal row
+  /// blocks of the padded unsharded buffer (requires it gathered), so that an all-gather
+  /// over the `blocks` ranks of this rank's block rebuilds it. blocks divides the world size.
+  void keep_block_shard(int blocks, int index);
+  /// The kept block (contiguous), or undefined.
+  const torch::Tensor& block_shard() const { return block_shard_; }
+  void drop_block_shard() { block_shard_ = torch::Tensor(); }
+
   /// This rank's rows of a full tensor shaped like the parameter.
   torch::Tensor shard_of(const torch::Tensor& full) const;
 
@@ -94,7 +103,8 @@ class ShardedParam {
   torch::Tensor padded_unsharded_;  // [N * chunk_rows, *rest]
   torch::Tensor unsharded_;         // original shape, view of padded_unsharded_
   torch::Tensor stashed_grad_;
-  torch::Tensor kept_grad_;  // unsharded, accumulated across non-syncing backwards
+  torch::Tensor kept_grad_;    // unsharded, accumulated across non-syncing backwards
+  torch::Tensor block_shard_;  // reshard-after-forward to a smaller group
 };
 
 }  // namespace fsdp::detail

@@ -281,10 +281,12 @@ FSDP_WORKER(memory_accounting) {
       << "persistent x N = " << steady * n << " B vs unsharded state " << full_state
       << " B + padding " << 4 * padding_bytes << " B";
   WORKER_CHECK(steady2 == steady) << "memory grew across steps: " << steady << " -> " << steady2;
-  // Peak: persistent + the root gathered with its grads + two block-sized units in flight
-  // (a gathered block and the all-gather's receive buffer, or grads and the reduce-scatter
-  // buffers) + activations. Slack: 10% + 64 KiB for allocator-visible temporaries.
-  const int64_t bound = steady + 2 * root_unsharded + 3 * largest_block + activation_bytes;
+  // Peak: persistent + the root gathered with its grads + activations + six block-sized
+  // buffers: the running block's parameters and unsharded grads, the next block prefetched
+  // and Gloo's receive buffer for it, and the previous block's reduce-scatter input and
+  // receive buffer (completed while this block computes). Slack: 10% + 64 KiB for
+  // allocator-visible temporaries.
+  const int64_t bound = steady + 2 * root_unsharded + 6 * largest_block + activation_bytes;
   const int64_t slack = bound / 10 + 65536;
   WORKER_CHECK(peak <= bound + slack)
       << "peak " << peak << " B > bound " << bound << " + " << slack;

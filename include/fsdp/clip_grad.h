@@ -15,8 +15,9 @@ namespace fsdp {
 
 /// Scales the grads of `params` (this rank's shards, e.g. model->parameters()) so the global
 /// L2 norm is at most `max_norm`, and returns the global norm before clipping. Every rank of
-/// `group` must call it. Every parameter must be sharded over `group` (each element held by
-/// exactly one rank), as under fully_shard.
+/// `group` must call it, and `group` must be the group the units were given (their shard and
+/// replicate groups span it). Elements held by several ranks (kNoShard, kHybridShard, and
+/// parameters of no unit, which every rank holds whole) are counted once.
 double clip_grad_norm_(const std::vector<torch::Tensor>& params, double max_norm,
                        ProcessGroup& group);
 

@@ -33,6 +33,7 @@ struct CommStats {
 
   void reset() { *this = CommStats{}; }
   CommStats operator-(const CommStats& o) const;
+  CommStats& operator+=(const CommStats& o);
   std::string to_string() const;
 };
 

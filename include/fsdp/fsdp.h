@@ -9,3 +9,4 @@
 #include <fsdp/fully_shard.h>
 #include <fsdp/memory.h>
 #include <fsdp/process_group.h>
+#include <fsdp/step_profiler.h>

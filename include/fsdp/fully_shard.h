@@ -30,19 +30,76 @@
 
 namespace fsdp {
 
+/// Where a unit sits between ZeRO-3 and DDP: what is sharded, what is replicated.
+enum class ShardingStrategy {
+  /// Parameters, gradients and optimizer state sharded over the group (ZeRO-3). With
+  /// reshard_after_forward(false) it behaves as kShardGradOp.
+  kFullShard,
+  /// As kFullShard, but the parameters stay gathered from forward until the unit's backward
+  /// is done (ZeRO-2): one all-gather per step instead of two, a unit's full parameters held
+  /// between its forward and its backward.
+  kShardGradOp,
+  /// Nothing sharded: every rank holds the whole unit, gradients are all-reduced in buckets
+  /// of all_reduce_bucket_bytes (DDP semantics; LibTorch's C++ frontend has no DDP).
+  kNoShard,
+  /// Sharded inside blocks of hybrid_shard_size consecutive ranks (e.g. one node),
+  /// replicated across blocks: gradients are reduce-scattered inside the block, then
+  /// all-reduced across blocks. reshard_after_forward applies as for kFullShard.
+  kHybridShard,
+};
+
+/// When backward gathers the next unit (the next in reverse forward order) ahead of need.
+enum class BackwardPrefetch {
+  kNone,
+  /// When the current unit's backward starts: its all-gather overlaps the current unit's
+  /// gradient computation. Most overlap; two units' parameters and one unit's gradients live
+  /// at once.
+  kBackwardPre,
+  /// After the current unit's gradients are computed and its reduce-scatter issued: overlaps
+  /// only with that reduce-scatter. Less overlap, one unit less of memory.
+  kBackwardPost,
+};
+
+const char* to_string(ShardingStrategy s);
+const char* to_string(BackwardPrefetch p);
+
 struct FullyShardOptions {
   explicit FullyShardOptions(std::shared_ptr<ProcessGroup> group) : group_(std::move(group)) {}
 
-  /// The ranks the parameters are sharded over.
+  /// The ranks the unit spans (sharded over, replicated over, or both: see strategy).
   TORCH_ARG(std::shared_ptr<ProcessGroup>, group);
+  TORCH_ARG(ShardingStrategy, strategy) = ShardingStrategy::kFullShard;
+  /// kHybridShard: ranks per shard block; must divide the group size. Blocks are consecutive
+  /// ranks, so with torchrun's rank order a block of LOCAL_WORLD_SIZE ranks is one node.
+  TORCH_ARG(int, hybrid_shard_size) = 0;
   /// Free the unsharded parameters after forward and gather them again for backward (the
   /// memory-saving default, ZeRO-3). The outermost unit of a forward (the root) never
   /// reshards after forward: its backward starts right away.
   TORCH_ARG(bool, reshard_after_forward) = true;
+  /// With reshard_after_forward and a value k > 1: after forward, keep the parameters
+  /// sharded over blocks of k consecutive ranks (one node, say) instead of over the whole
+  /// shard group, so backward's all-gather stays inside the block (FSDP2's integer
+  /// reshard_after_forward, ZeRO++ hpZ). Costs (shard size / k) x this rank's shard bytes
+  /// per unit between its forward and its backward. k must divide the shard group size.
+  TORCH_ARG(int, reshard_after_forward_size) = 0;
   /// Broadcast group rank 0's parameters and buffers before sharding, so every rank starts
   /// from the same values whatever its random seed. Parameters filled by param_init are not
   /// broadcast (param_init must give every rank the same values); buffers still are.
   TORCH_ARG(bool, sync_module_states) = true;
+
+  /// Issue the all-gather of the unit that ran next in the previous forward when this unit's
+  /// forward starts, so it proceeds (on the backend's threads) while this unit computes.
+  /// The order is recorded on every forward; the first one runs without prefetch.
+  TORCH_ARG(bool, forward_prefetch) = true;
+  TORCH_ARG(BackwardPrefetch, backward_prefetch) = BackwardPrefetch::kBackwardPre;
+  /// Rate limiter: at most this many units gathered for the compute pipeline at once (the
+  /// running unit and its prefetches; the root and units kept gathered from forward into
+  /// backward do not count). A prefetch beyond it waits until a unit is freed. The root's
+  /// value applies to the whole step. 1 disables prefetch; the FSDP paper uses 2.
+  TORCH_ARG(int, max_inflight_all_gathers) = 2;
+  /// kNoShard and the cross-block all-reduce of kHybridShard: gradients are all-reduced in
+  /// buckets of at most this many bytes (one bucket per unit when the unit is smaller).
+  TORCH_ARG(int64_t, all_reduce_bucket_bytes) = int64_t{25} << 20;
 
   /// Deferred initialisation: fills this rank's shard of a parameter directly, so the full
   /// parameter never exists in memory. Called once per parameter with the module's parameter
@@ -65,6 +122,24 @@ void fully_shard(const torch::nn::ModuleHolder<M>& module, const FullyShardOptio
 
 /// True if fully_shard() was applied to `module`.
 bool is_sharded(const torch::nn::Module& module);
+
+/// Explicit prefetch (overrides the recorded order for this unit): when `module`'s forward
+/// starts, the units of `modules` are gathered ahead, in this order, through the rate
+/// limiter. Every module must be a unit. An empty list turns forward prefetch off for it.
+void set_modules_to_forward_prefetch(
+    const torch::nn::Module& module,
+    const std::vector<std::shared_ptr<torch::nn::Module>>& modules);
+/// Same for backward: gathered when `module`'s backward starts (kBackwardPre) or after its
+/// reduce-scatter is issued (kBackwardPost).
+void set_modules_to_backward_prefetch(
+    const torch::nn::Module& module,
+    const std::vector<std::shared_ptr<torch::nn::Module>>& modules);
+
+/// Counters of every collective the units under `module` issued, summed over the distinct
+/// process groups they use (hybrid blocks, reshard-after-forward blocks included).
+CommStats comm_stats(const torch::nn::Module& module);
+/// Resets those counters.
+void reset_comm_stats(const torch::nn::Module& module);
 
 /// Gradient accumulation without communication (DDP's no_sync, FSDP2's
 /// set_requires_gradient_sync): with `sync` false, the backward passes of every unit under

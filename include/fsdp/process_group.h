@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -64,7 +65,7 @@ struct ProcessGroupOptions {
 
 /// A group of ranks and the c10d backend its collectives run on. Create with
 /// init_process_group(); subgroups with new_group(). Thread-compatible, not thread-safe.
-class ProcessGroup {
+class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
  public:
   ProcessGroup(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::Backend> backend,
                int rank, int size, std::vector<int> global_ranks, ProcessGroupOptions options);
@@ -89,6 +90,17 @@ class ProcessGroup {
   /// must call it with the same arguments, in the same order; non-members get nullptr.
   std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks);
 
+  /// The subgroup of `block_size` consecutive ranks that holds this rank: ranks
+  /// [r / block_size * block_size, ... + block_size). With ranks placed node by node, one
+  /// block is one node when block_size is the ranks per node. Collective the first time
+  /// (every rank creates every block, in the same order); cached after. block_size must
+  /// divide size(); block_size == size() returns this group itself.
+  std::shared_ptr<ProcessGroup> block_group(int block_size);
+  /// The subgroup of the ranks at the same position in every block of `block_size`: ranks
+  /// {r % block_size, r % block_size + block_size, ...}. Same rules as block_group();
+  /// block_size == size() gives a group of one rank (this one).
+  std::shared_ptr<ProcessGroup> strided_group(int block_size);
+
   /// Blocks until every rank of the group arrives (bounded by timeout()).
   void barrier();
 
@@ -101,6 +113,7 @@ class ProcessGroup {
   ProcessGroupOptions options_;
   CommStats stats_;
   int subgroups_created_ = 0;
+  std::map<std::pair<int, bool>, std::shared_ptr<ProcessGroup>> splits_;
 };
 
 /// Joins the job described by `env` and returns the world group. Fails with one clear
