@@ -45,6 +45,8 @@ struct Spec {
   int explicit_ahead = 0;  // > 0: explicit prefetch lists of this many units ahead
   std::string optimizer = "adamw";
   int n_layer = 3;
+  int micro_batches = 1;  // gradient accumulation over this many micro-batches per step
+  bool no_sync = false;   // ...communicating only on the last one
 
   const UnitSpec& unit(size_t i) const { return units.size() == 1 ? units[0] : units.at(i); }
 };
@@ -207,15 +209,46 @@ int check_spec(const Spec& spec) {
   for (auto& g : all_groups(pg))
     g->comm_stats().reset();
   fsdp::detail::prefetch::reset_high_water();
-  std::vector<double> losses;
+  fsdp::StepProfiler profiler(model.ptr());
+  const int micro = spec.micro_batches;
   for (int step = 0; step < kSteps; ++step) {
     auto tokens = batch_tokens(cfg, step).narrow(0, rank * local, local);
+    profiler.begin_step();
     opt->zero_grad();
-    auto loss = fsdp_models::lm_loss(fsdp::forward(model, tokens.narrow(1, 0, cfg.block_size)),
-                                     tokens.narrow(1, 1, cfg.block_size));
-    loss.backward();
-    opt->step();
-    losses.push_back(loss.item<double>());
+    for (int m = 0; m < micro; ++m) {
+      if (spec.no_sync)
+        fsdp::set_requires_gradient_sync(*model, m == micro - 1);
+      auto mb = tokens.narrow(0, m * (local / micro), local / micro);
+      torch::Tensor loss;
+      {
+        auto scope = profiler.forward();
+        loss = fsdp_models::lm_loss(fsdp::forward(model, mb.narrow(1, 0, cfg.block_size)),
+                                    mb.narrow(1, 1, cfg.block_size)) /
+               micro;
+      }
+      auto scope = profiler.backward();
+      loss.backward();
+    }
+    {
+      auto scope = profiler.optimizer();
+      opt->step();
+    }
+    const fsdp::StepBreakdown b = profiler.end_step();
+    // The breakdown's rows partition the step, and its counters are the step's collectives
+    // on every group of the model (checked in total against the per-group counts below).
+    const double rows = b.forward_s + b.backward_s + b.all_gather_wait_s + b.reduce_wait_s +
+                        b.optimizer_s + b.other_s;
+    WORKER_CHECK(std::abs(rows - b.step_s) <= 1e-6 + 1e-3 * b.step_s)
+        << "breakdown rows sum to " << rows << " s, the step took " << b.step_s << " s";
+    WORKER_CHECK(b.all_gather_wait_forward_s <= b.all_gather_wait_s && b.reduce_wait_s >= 0)
+        << b.to_string();
+    const fsdp::CommStats total = fsdp::comm_stats(*model);
+    WORKER_CHECK(b.comm.all_gather.calls * (step + 1) == total.all_gather.calls &&
+                 b.comm.reduce_scatter.bytes * (step + 1) == total.reduce_scatter.bytes &&
+                 b.comm.all_reduce.bytes * (step + 1) == total.all_reduce.bytes)
+        << "step " << step << " breakdown counters:\n"
+        << b.comm.to_string() << "\nmodel totals:\n"
+        << total.to_string();
   }
   auto ref_opt = make_optimizer(spec.optimizer, reference->parameters());
   for (int step = 0; step < kSteps; ++step) {
@@ -257,9 +290,15 @@ int check_spec(const Spec& spec) {
           << " calls / " << c.bytes << " B in " << kSteps << " steps, expected " << kSteps * w.calls
           << " / " << kSteps * w.bytes;
     };
-    check("all-gather", got.all_gather, want.all_gather);
-    check("reduce-scatter", got.reduce_scatter, want.reduce_scatter);
-    check("all-reduce", got.all_reduce, want.all_reduce);
+    // Every micro-batch gathers; gradients travel every micro-batch, or once with no_sync.
+    const int grad_syncs = spec.no_sync ? 1 : spec.micro_batches;
+    auto times = [](fsdp::CollectiveCounter c, int k) {
+      c.calls *= k, c.bytes *= k;
+      return c;
+    };
+    check("all-gather", got.all_gather, times(want.all_gather, spec.micro_batches));
+    check("reduce-scatter", got.reduce_scatter, times(want.reduce_scatter, grad_syncs));
+    check("all-reduce", got.all_reduce, times(want.all_reduce, grad_syncs));
   }
   // (3) The rate limiter held: never more units in the gather pipeline than allowed.
   const int high_water = fsdp::detail::prefetch::slots_high_water();
@@ -321,6 +360,14 @@ FSDP_WORKER(strategy_equivalence) {
     s.units = {full_to(2)};
   } else if (which == "hybrid_reshard_to") {
     s.units = {hybrid(4, 2)};
+  } else if (which == "no_shard_accumulate") {
+    s.units = {no_shard()}, s.micro_batches = 2;
+  } else if (which == "no_shard_no_sync") {
+    s.units = {no_shard()}, s.micro_batches = 2, s.no_sync = true;
+  } else if (which == "hybrid_accumulate") {
+    s.units = {hybrid(2)}, s.micro_batches = 3;
+  } else if (which == "hybrid_no_sync") {
+    s.units = {hybrid(2)}, s.micro_batches = 3, s.no_sync = true;
   } else if (which == "mixed3") {
     s.units = {no_shard(), full(), sgo(), full()};
   } else if (which == "mixed4") {
@@ -367,6 +414,17 @@ TEST(Strategies, ReshardAfterForwardToBlockOf2) {
 }
 TEST(Strategies, HybridOfOneBlockReshardingToBlocksOf2) {
   EXPECT_WORKERS_OK(run_spec("hybrid_reshard_to", 4));
+}
+// Both accumulation modes under the replicated strategies (FULL_SHARD's are in
+// test_equivalence.cpp): equal to one step on the whole batch, with gradient traffic every
+// micro-batch or once per step.
+TEST(Strategies, NoShardAccumulationBothModes) {
+  EXPECT_WORKERS_OK(run_spec("no_shard_accumulate", 3, "sgd"));
+  EXPECT_WORKERS_OK(run_spec("no_shard_no_sync", 3, "sgd"));
+}
+TEST(Strategies, HybridAccumulationBothModes) {
+  EXPECT_WORKERS_OK(run_spec("hybrid_accumulate", 4, "sgd"));
+  EXPECT_WORKERS_OK(run_spec("hybrid_no_sync", 4, "sgd"));
 }
 TEST(Strategies, MixedStrategiesAcrossUnits) {
   EXPECT_WORKERS_OK(run_spec("mixed3", 3));
