@@ -288,7 +288,7 @@ TEST_F(MetricsTest, BreakdownKnownInputsGiveKnownNumbers) {
   const std::array<const char*, 7> names = {"Forward pass",
                                             "Backward pass",
                                             "All-gather wait (not hidden)",
-                                            "Reduce-scatter wait (not hidden)",
+                                            "Gradient reduce wait (not hidden)",
                                             "Optimizer step",
                                             "Other",
                                             "Total"};
@@ -312,7 +312,7 @@ TEST_F(MetricsTest, BreakdownKnownInputsGiveKnownNumbers) {
             std::string::npos);
   EXPECT_NE(table.find("Forward pass                          0.37500     25.0%"),
             std::string::npos);
-  EXPECT_NE(table.find("Reduce-scatter wait (not hidden)      0.12000      8.0%"),
+  EXPECT_NE(table.find("Gradient reduce wait (not hidden)     0.12000      8.0%"),
             std::string::npos);
   EXPECT_NE(table.find("Total                                 1.50000    100.0%"),
             std::string::npos);

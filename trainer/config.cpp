@@ -176,9 +176,48 @@ const std::vector<Option>& options() {
       opt("training.eval_batches", FIELD(training.eval_batches),
           "Held-out batches per rank per evaluation."),
       opt("training.threads", FIELD(training.threads), "Intra-op threads per rank."),
+      opt("fsdp.strategy", FIELD(fsdp.strategy),
+          "What each rank holds: full_shard shards parameters, gradients and optimizer state "
+          "(least memory; per block and step 2 all-gathers and 1 reduce-scatter), shard_grad_op "
+          "keeps a block's parameters gathered from its forward to its backward (1 all-gather, "
+          "a block's full parameters held longer), no_shard replicates everything like DDP (the "
+          "whole model, gradients and optimizer state on every rank; one all-reduce of the "
+          "gradients), hybrid_shard shards inside groups of fsdp.hybrid_shard_size ranks and "
+          "replicates across the groups (all-gathers and reduce-scatters stay inside a group, "
+          "plus an all-reduce of the gradient shard across groups).",
+          {"full_shard", "shard_grad_op", "no_shard", "hybrid_shard"}),
+      opt("fsdp.hybrid_shard_size", FIELD(fsdp.hybrid_shard_size),
+          "hybrid_shard: ranks per shard group, consecutive ranks (0: the ranks per node, "
+          "LOCAL_WORLD_SIZE); must divide the world size, and each rank holds world size / "
+          "this times the parameter, gradient and optimizer memory of full_shard in exchange "
+          "for keeping all-gathers and reduce-scatters inside the group."),
       opt("fsdp.reshard_after_forward", FIELD(fsdp.reshard_after_forward),
-          "Free each block's gathered parameters after its forward and gather them again for "
-          "backward (FULL_SHARD)."),
+          "full_shard and hybrid_shard: free each block's gathered parameters after its "
+          "forward and gather them again for backward; false saves that second all-gather but "
+          "holds every block's full parameters from its forward to its backward (as "
+          "shard_grad_op)."),
+      opt("fsdp.reshard_after_forward_size", FIELD(fsdp.reshard_after_forward_size),
+          "With reshard_after_forward: after forward keep each block's parameters sharded over "
+          "groups of this many consecutive ranks (e.g. one node) instead of all shard ranks, so "
+          "backward's all-gather stays inside the group, at the cost of holding 1/this of each "
+          "block's parameters from its forward to its backward (0: off; must divide the shard "
+          "group size)."),
+      opt("fsdp.forward_prefetch", FIELD(fsdp.forward_prefetch),
+          "Start gathering the next block's parameters when a block's forward starts, so the "
+          "all-gather overlaps compute (costs one more block's full parameters in memory)."),
+      opt("fsdp.backward_prefetch", FIELD(fsdp.backward_prefetch),
+          "When backward gathers the next block: backward_pre as the current block's backward "
+          "starts (most overlap; two blocks' parameters and one block's gradients live at "
+          "once), backward_post once its reduce-scatter is issued (less overlap, one block "
+          "less memory), or none (no overlap, least memory).",
+          {"none", "backward_pre", "backward_post"}),
+      opt("fsdp.max_inflight_all_gathers", FIELD(fsdp.max_inflight_all_gathers),
+          "At most this many blocks gathered for compute at once (the running one plus its "
+          "prefetches): each one more costs a block's full parameters in memory, and 1 turns "
+          "prefetch off."),
+      opt("fsdp.all_reduce_bucket_mb", FIELD(fsdp.all_reduce_bucket_mb),
+          "no_shard and hybrid_shard: gradients are all-reduced in buckets of at most this "
+          "many MiB (fewer, larger all-reduces for more temporary bucket memory)."),
       opt("fsdp.sync_module_states", FIELD(fsdp.sync_module_states),
           "Broadcast rank 0's initial parameters to all ranks before sharding."),
       opt("fsdp.sync_every_micro_batch", FIELD(fsdp.sync_every_micro_batch),
@@ -342,12 +381,56 @@ void validate(const Config& c) {
   require(c.training.eval_every >= 0, "training.eval_every", "must be >= 0");
   require(c.training.eval_batches >= 1, "training.eval_batches", "must be >= 1");
   require(c.training.threads >= 1, "training.threads", "must be >= 1");
+  require(c.fsdp.hybrid_shard_size >= 0, "fsdp.hybrid_shard_size",
+          "must be >= 0 (0: the ranks per node), got " + std::to_string(c.fsdp.hybrid_shard_size));
+  require(c.fsdp.reshard_after_forward_size >= 0, "fsdp.reshard_after_forward_size",
+          "must be >= 0 (0: off), got " + std::to_string(c.fsdp.reshard_after_forward_size));
+  require(c.fsdp.max_inflight_all_gathers >= 1, "fsdp.max_inflight_all_gathers",
+          "must be >= 1, got " + std::to_string(c.fsdp.max_inflight_all_gathers));
+  require(c.fsdp.all_reduce_bucket_mb > 0 && c.fsdp.all_reduce_bucket_mb <= (1 << 20),
+          "fsdp.all_reduce_bucket_mb", "must be > 0 and at most 1048576 (1 TiB)");
   require(c.fsdp.timeout_s > 0, "fsdp.timeout_s", "must be > 0");
   require(!c.logging.run_dir.empty(), "logging.run_dir", "must not be empty");
   require(c.logging.log_every >= 1, "logging.log_every", "must be >= 1");
   require(c.generate.tokens >= 0, "generate.tokens", "must be >= 0");
   require(c.generate.temperature > 0, "generate.temperature", "must be > 0");
   require(c.generate.top_k >= 0, "generate.top_k", "must be >= 0");
+}
+
+int64_t resolved_hybrid_shard_size(const Config& c, int local_world_size) {
+  return c.fsdp.hybrid_shard_size > 0 ? c.fsdp.hybrid_shard_size : local_world_size;
+}
+
+void validate_world(const Config& c, int world_size, int local_world_size) {
+  const std::string world = std::to_string(world_size) + " rank" + (world_size == 1 ? "" : "s");
+  // The ranks a unit shards over: the world, or one group of hybrid_shard.
+  int64_t shard_ranks = world_size;
+  const int64_t h = resolved_hybrid_shard_size(c, local_world_size);
+  if (c.fsdp.hybrid_shard_size > 0 && world_size % h != 0) {
+    throw ConfigError("'fsdp.hybrid_shard_size' = " + std::to_string(h) +
+                      " must divide the world size (" + world + ")");
+  }
+  if (c.fsdp.strategy == "hybrid_shard") {
+    if (h < 1 || world_size % h != 0) {
+      throw ConfigError(
+          "'fsdp.hybrid_shard_size' = 0 means the ranks per node (LOCAL_WORLD_SIZE "
+          "= " +
+          std::to_string(local_world_size) + "), which does not divide the world size (" + world +
+          "); set it explicitly");
+    }
+    shard_ranks = h;
+  }
+  const int64_t k = c.fsdp.reshard_after_forward_size;
+  const bool reshards = c.fsdp.reshard_after_forward &&
+                        (c.fsdp.strategy == "full_shard" || c.fsdp.strategy == "hybrid_shard");
+  if (k > 1 && reshards && shard_ranks % k != 0) {
+    throw ConfigError(
+        "'fsdp.reshard_after_forward_size' = " + std::to_string(k) + " must divide the " +
+        std::to_string(shard_ranks) +
+        " ranks a block is "
+        "sharded over" +
+        (c.fsdp.strategy == "hybrid_shard" ? " (fsdp.hybrid_shard_size)" : " (the world size)"));
+  }
 }
 
 std::string to_toml(const Config& config) {

@@ -53,7 +53,14 @@ struct TrainingConfig {
 };
 
 struct FsdpConfig {
+  std::string strategy = "full_shard";  // full_shard, shard_grad_op, no_shard, hybrid_shard
+  int64_t hybrid_shard_size = 0;        // 0: ranks per node (LOCAL_WORLD_SIZE)
   bool reshard_after_forward = true;
+  int64_t reshard_after_forward_size = 0;  // 0: off
+  bool forward_prefetch = true;
+  std::string backward_prefetch = "backward_pre";  // none, backward_pre, backward_post
+  int64_t max_inflight_all_gathers = 2;
+  double all_reduce_bucket_mb = 25;
   bool sync_module_states = true;
   bool sync_every_micro_batch = true;
   double timeout_s = 300;
@@ -100,6 +107,13 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
 
 /// Checks the values together (ranges, choices, combinations). Throws ConfigError.
 void validate(const Config& config);
+
+/// fsdp.hybrid_shard_size with 0 resolved to `local_world_size` (the ranks per node).
+int64_t resolved_hybrid_shard_size(const Config& config, int local_world_size);
+
+/// The checks that need the job's shape (fsdp.hybrid_shard_size and
+/// fsdp.reshard_after_forward_size must divide the ranks they split). Throws ConfigError.
+void validate_world(const Config& config, int world_size, int local_world_size);
 
 /// The configuration as a TOML document (what --print-config shows; it parses back).
 std::string to_toml(const Config& config);

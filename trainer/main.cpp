@@ -12,6 +12,7 @@
 #include <vector>
 
 #include <fsdp/memory.h>
+#include <fsdp/process_group.h>
 
 #include "config.h"
 #include "launcher.h"
@@ -77,6 +78,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (nproc > 0 && std::getenv("RANK") == nullptr) {
+      fsdp_trainer::validate_world(config, nproc, nproc);
       std::vector<std::string> args;
       for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
@@ -87,6 +89,16 @@ int main(int argc, char** argv) {
         }
       }
       return fsdp_trainer::launch_local(nproc, args, static_cast<int>(config.training.threads));
+    }
+    // Started by a launcher (or alone): check the job's shape before joining it. Every rank
+    // fails the same way; rank 0 says why.
+    const fsdp::LaunchEnv env = fsdp::launch_env_from_environment();
+    try {
+      fsdp_trainer::validate_world(config, env.world_size, env.local_world_size);
+    } catch (const fsdp_trainer::ConfigError&) {
+      if (env.rank != 0)
+        return 2;
+      throw;
     }
     fsdp_trainer::Trainer trainer(config);
     trainer.train();

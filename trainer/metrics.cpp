@@ -346,7 +346,7 @@ Breakdown compute_breakdown(const std::vector<StepMetrics>& steps, int64_t skip_
   row("Forward pass", fwd_compute);
   row("Backward pass", bwd_compute);
   row("All-gather wait (not hidden)", ag);
-  row("Reduce-scatter wait (not hidden)", rs);
+  row("Gradient reduce wait (not hidden)", rs);  // reduce-scatter + all-reduce
   row("Optimizer step", opt);
   row("Other", other);
   row("Total", total);

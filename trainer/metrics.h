@@ -5,13 +5,14 @@
 // (sums for tokens, max for memory, rank 0's timings). The JSON field names are a contract with
 // the metrics schema and the plotting tools: rename nothing without changing both.
 //
-// Note [Waits inside phases]: our collectives are waited synchronously where they are issued,
-// so the exposed (not hidden) all-gather wait happens inside forward (gathering each unit before
-// it runs) and inside backward (gathering it again), and the reduce-scatter wait inside backward
-// (each unit's gradients, right after its backward). time_forward_s and time_backward_s are wall
-// times of those phases, so they INCLUDE these waits. The breakdown subtracts them again, using
-// time_allgather_wait_forward_s to split the all-gather wait between the two phases, so that
-// its rows are disjoint and add up to the step time.
+// Note [Waits inside phases]: the exposed (not hidden by prefetch or overlap) all-gather wait
+// happens inside forward (gathering each unit before it runs) and inside backward (gathering it
+// again), and the gradient-reduction wait (reduce-scatter, and the all-reduce of no_shard and
+// hybrid_shard) inside backward. time_forward_s and time_backward_s are wall times of those
+// phases, so they INCLUDE these waits. The trainer measures them with fsdp::StepProfiler, whose
+// StepBreakdown excludes the waits, and adds them back. The breakdown subtracts them again,
+// using time_allgather_wait_forward_s to split the all-gather wait between the two phases, so
+// that its rows are disjoint and add up to the step time.
 #pragma once
 
 #include <cstdint>
@@ -42,20 +43,23 @@ struct StepMetrics {
   double step_time_s = 0;
   /// Forward pass including the all-gather waits inside it (Note [Waits inside phases]).
   double time_forward_s = 0;
-  /// Backward pass including the all-gather and reduce-scatter waits inside it.
+  /// Backward pass including the all-gather and gradient-reduction waits inside it.
   double time_backward_s = 0;
   /// All exposed all-gather wait of the step, in forward and in backward.
   double time_allgather_wait_s = 0;
   /// The part of time_allgather_wait_s spent inside forward (the comm_stats delta across the
   /// forward call); the rest was spent inside backward.
   double time_allgather_wait_forward_s = 0;
-  /// Exposed reduce-scatter wait, all of it inside backward.
+  /// Exposed gradient-reduction wait (StepBreakdown::reduce_wait_s): reduce-scatter, plus the
+  /// gradient all-reduce of no_shard and hybrid_shard; all of it counted inside backward.
   double time_reducescatter_wait_s = 0;
   /// optimizer.step() (and gradient clipping if any).
   double time_optimizer_s = 0;
   /// Tracked tensor bytes at their high-water mark during the step, max over ranks.
   int64_t peak_bytes = 0;
-  /// Collective buffer bytes this step (CollectiveCounter::bytes deltas) on rank 0.
+  /// Collective buffer bytes this step (CollectiveCounter::bytes deltas) on rank 0, summed
+  /// over every process group of the model's units (hybrid_shard's subgroups included).
+  /// allreduce_bytes also counts gradient clipping's norm all-reduce.
   int64_t allgather_bytes = 0;
   int64_t reducescatter_bytes = 0;
   int64_t allreduce_bytes = 0;
@@ -107,7 +111,7 @@ struct BreakdownRow {
 };
 
 /// Means over the steps after the warm-up. Rows, in order: Forward pass, Backward pass,
-/// All-gather wait (not hidden), Reduce-scatter wait (not hidden), Optimizer step, Other, and
+/// All-gather wait (not hidden), Gradient reduce wait (not hidden), Optimizer step, Other, and
 /// Total. Forward and backward exclude the waits inside them (Note [Waits inside phases]), and
 /// Other = step time - forward - backward - optimizer (clamped at 0), so the first six rows sum
 /// to Total (100%) whenever the phases fit inside the step.

@@ -1,6 +1,7 @@
-// See trainer.h. Per-step timing: forward and backward are wall times of those calls; the
-// all-gather and reduce-scatter waits are the blocked time the collectives layer recorded in
-// the process group's CommStats during the step (the part of communication not hidden).
+// See trainer.h. Per-step timing comes from fsdp::StepProfiler: scopes around forward,
+// backward and the optimizer; the waits are the time this thread blocked on the collectives of
+// the model's process groups (the part of communication not hidden), and the byte counters
+// cover every group the units use (hybrid_shard's subgroups included).
 #include "trainer.h"
 
 #include <fmt/core.h>
@@ -14,6 +15,7 @@
 #include <fsdp/clip_grad.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/memory.h>
+#include <fsdp/step_profiler.h>
 
 #include "plot.h"
 
@@ -38,6 +40,24 @@ void write_file_atomically(const std::filesystem::path& path, const std::string&
   std::filesystem::rename(tmp, path);
 }
 
+fsdp::ShardingStrategy sharding_strategy(const std::string& name) {
+  if (name == "shard_grad_op")
+    return fsdp::ShardingStrategy::kShardGradOp;
+  if (name == "no_shard")
+    return fsdp::ShardingStrategy::kNoShard;
+  if (name == "hybrid_shard")
+    return fsdp::ShardingStrategy::kHybridShard;
+  return fsdp::ShardingStrategy::kFullShard;  // the option table allows nothing else
+}
+
+fsdp::BackwardPrefetch backward_prefetch(const std::string& name) {
+  if (name == "none")
+    return fsdp::BackwardPrefetch::kNone;
+  if (name == "backward_post")
+    return fsdp::BackwardPrefetch::kBackwardPost;
+  return fsdp::BackwardPrefetch::kBackwardPre;
+}
+
 }  // namespace
 
 Trainer::Trainer(Config config) : config_(std::move(config)) {
@@ -46,6 +66,8 @@ Trainer::Trainer(Config config) : config_(std::move(config)) {
   pg_ = fsdp::init_process_group(fsdp::ProcessGroupOptions().timeout(
       std::chrono::milliseconds(static_cast<int64_t>(config_.fsdp.timeout_s * 1000))));
   const int rank = pg_->rank(), world = pg_->size();
+  const int local_world = fsdp::launch_env_from_environment().local_world_size;
+  validate_world(config_, world, local_world);  // main() checked already; never hang on it
 
   PrepareOptions prep;
   prep.corpus = config_.data.corpus;
@@ -64,10 +86,21 @@ Trainer::Trainer(Config config) : config_(std::move(config)) {
                                                   world, static_cast<uint64_t>(t.seed));
   eval_set_ = eval_batches(*val_file_, t.batch_size, t.seq_len, rank, world, t.eval_batches);
 
+  const auto& f = config_.fsdp;
+  const int64_t hybrid_size = resolved_hybrid_shard_size(config_, local_world);
   fsdp::FullyShardOptions fsdp_options(pg_);
-  fsdp_options.reshard_after_forward(config_.fsdp.reshard_after_forward)
-      .sync_module_states(config_.fsdp.sync_module_states);
+  fsdp_options.strategy(sharding_strategy(f.strategy))
+      .hybrid_shard_size(static_cast<int>(hybrid_size))
+      .reshard_after_forward(f.reshard_after_forward)
+      .reshard_after_forward_size(static_cast<int>(f.reshard_after_forward_size))
+      .forward_prefetch(f.forward_prefetch)
+      .backward_prefetch(backward_prefetch(f.backward_prefetch))
+      .max_inflight_all_gathers(static_cast<int>(f.max_inflight_all_gathers))
+      .all_reduce_bucket_bytes(
+          std::max<int64_t>(1, std::llround(f.all_reduce_bucket_mb * (1 << 20))))
+      .sync_module_states(f.sync_module_states);
   model_ = build_model(config_, data_.vocab_size, fsdp_options);
+  profiler_ = std::make_unique<fsdp::StepProfiler>(model_.module);
 
   // Weight decay on matrices only (as GPT-2/nanoGPT): not on norms and biases.
   std::vector<torch::Tensor> decay, no_decay;
@@ -104,6 +137,21 @@ Trainer::Trainer(Config config) : config_(std::move(config)) {
         "{} x {} tokens per rank per step",
         model_.description, world, data_.train_tokens, data_.val_tokens, data_.vocab_size,
         t.batch_size, t.seq_len));
+    std::string sharding = f.strategy;
+    if (f.strategy == "hybrid_shard") {
+      sharding += fmt::format(" (sharded in groups of {} ranks, replicated {}x)", hybrid_size,
+                              world / hybrid_size);
+    } else if (f.strategy == "full_shard" && !f.reshard_after_forward) {
+      sharding += " (reshard_after_forward off)";
+    }
+    if (f.reshard_after_forward_size > 1 && f.reshard_after_forward &&
+        (f.strategy == "full_shard" || f.strategy == "hybrid_shard")) {
+      sharding +=
+          fmt::format(", resharded over {} ranks after forward", f.reshard_after_forward_size);
+    }
+    progress_->message(fmt::format(
+        "fsdp: {} | prefetch: forward {}, backward {}, at most {} all-gathers in flight", sharding,
+        f.forward_prefetch ? "on" : "off", f.backward_prefetch, f.max_inflight_all_gathers));
   }
 }
 
@@ -156,47 +204,56 @@ StepMetrics Trainer::train_step(int64_t step) {
   for (auto& group : optimizer_->param_groups()) {
     static_cast<torch::optim::AdamWOptions&>(group.options()).lr(m.lr);
   }
-  const fsdp::CommStats before = pg_->comm_stats();
   fsdp::memory::reset_peak();
-  const auto start = Clock::now();
+  profiler_->begin_step();
 
   auto batch = sampler_->next();
   optimizer_->zero_grad();
   // Gradient accumulation: micro-batch losses are scaled so that their sum is the batch mean.
   const int64_t micro = t.micro_batches, rows = t.batch_size / micro;
-  double loss_sum = 0, ag_wait_forward = 0;
+  double loss_sum = 0;
   for (int64_t i = 0; i < micro; ++i) {
     if (micro > 1 && !config_.fsdp.sync_every_micro_batch) {
       fsdp::set_requires_gradient_sync(*model_.module, i == micro - 1);
     }
     auto mb = batch.narrow(0, i * rows, rows);
-    const fsdp::CommStats before_forward = pg_->comm_stats();
-    auto t0 = Clock::now();
-    auto logits = model_.forward(mb.narrow(1, 0, t.seq_len));
-    auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                                     mb.narrow(1, 1, t.seq_len).reshape({-1})) /
-                static_cast<double>(micro);
-    m.time_forward_s += seconds_since(t0);
-    ag_wait_forward += (pg_->comm_stats() - before_forward).all_gather.wait_seconds;
-    t0 = Clock::now();
-    loss.backward();
-    m.time_backward_s += seconds_since(t0);
+    torch::Tensor loss;
+    {
+      auto scope = profiler_->forward();
+      auto logits = model_.forward(mb.narrow(1, 0, t.seq_len));
+      loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                                  mb.narrow(1, 1, t.seq_len).reshape({-1})) /
+             static_cast<double>(micro);
+    }
+    {
+      auto scope = profiler_->backward();
+      loss.backward();
+    }
     loss_sum += loss.item<double>();
   }
-  auto t0 = Clock::now();
-  if (t.grad_clip > 0)
-    m.grad_norm = fsdp::clip_grad_norm_(params_, t.grad_clip, *pg_);
-  optimizer_->step();
-  m.time_optimizer_s = seconds_since(t0);
-  m.step_time_s = seconds_since(start);
+  {
+    auto scope = profiler_->optimizer();
+    if (t.grad_clip > 0)
+      m.grad_norm = fsdp::clip_grad_norm_(params_, t.grad_clip, *pg_);
+    optimizer_->step();
+  }
+  const fsdp::StepBreakdown b = profiler_->end_step();
 
-  const auto delta = pg_->comm_stats() - before;
-  m.time_allgather_wait_s = delta.all_gather.wait_seconds;
-  m.time_allgather_wait_forward_s = ag_wait_forward;
-  m.time_reducescatter_wait_s = delta.reduce_scatter.wait_seconds;
-  m.allgather_bytes = delta.all_gather.bytes;
-  m.reducescatter_bytes = delta.reduce_scatter.bytes;
-  m.allreduce_bytes = delta.all_reduce.bytes;
+  // StepMetrics' phase times include the waits inside them (Note [Waits inside phases] in
+  // metrics.h); the profiler's exclude them. A gradient-reduction wait inside forward
+  // (normally none) is counted in backward: the breakdown subtracts the same total from the
+  // two phases, so its rows stay disjoint and sum to the step time.
+  m.step_time_s = b.step_s;
+  m.time_forward_s = b.forward_s + b.all_gather_wait_forward_s;
+  m.time_backward_s =
+      b.backward_s + (b.all_gather_wait_s - b.all_gather_wait_forward_s) + b.reduce_wait_s;
+  m.time_allgather_wait_s = b.all_gather_wait_s;
+  m.time_allgather_wait_forward_s = b.all_gather_wait_forward_s;
+  m.time_reducescatter_wait_s = b.reduce_wait_s;
+  m.time_optimizer_s = b.optimizer_s;
+  m.allgather_bytes = b.comm.all_gather.bytes;
+  m.reducescatter_bytes = b.comm.reduce_scatter.bytes;
+  m.allreduce_bytes = b.comm.all_reduce.bytes;
   m.loss = mean_over_ranks(loss_sum);
   m.peak_bytes = max_over_ranks(fsdp::memory::peak_bytes());
   m.tokens = t.batch_size * t.seq_len * pg_->size();

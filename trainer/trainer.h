@@ -11,6 +11,7 @@
 #include <vector>
 
 #include <fsdp/process_group.h>
+#include <fsdp/step_profiler.h>
 
 #include "config.h"
 #include "data.h"
@@ -53,6 +54,7 @@ class Trainer {
   std::unique_ptr<DistributedSampler> sampler_;
   std::vector<torch::Tensor> eval_set_;
   TrainModel model_;
+  std::unique_ptr<fsdp::StepProfiler> profiler_;
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   std::vector<torch::Tensor> params_;
   std::unique_ptr<MetricsWriter> metrics_;
