@@ -167,7 +167,7 @@ std::vector<int64_t> param_shard_sizes(int64_t shard_numel, int num_params) {
 }
 
 std::vector<Result> bench_all_gather(fsdp::ProcessGroup& pg, int64_t shard_numel, int num_params,
-                                     int warmup, int reps) {
+                                     const std::vector<double>& bucket_mib, int warmup, int reps) {
   const int n = pg.size(), rank = pg.rank();
   const auto sizes = param_shard_sizes(shard_numel, num_params);
   // The unit's unsharded buffers are allocated before the measured scope: both methods must
@@ -214,7 +214,19 @@ std::vector<Result> bench_all_gather(fsdp::ProcessGroup& pg, int64_t shard_numel
                 }
               },
               check};
-  return measure(pg, {ours, flat}, warmup, reps);
+  std::vector<Method> methods{ours, flat};
+  // Ours cut into buckets: Gloo stages each bucket in flat buffers of its own, so the
+  // temporaries shrink to a few buckets; whether the smaller transfers also run faster is what
+  // this row shows.
+  const char letter[] = {'c', 'd', 'e', 'f'};
+  for (size_t k = 0; k < bucket_mib.size() && k < std::size(letter); ++k) {
+    const auto bytes = static_cast<int64_t>(bucket_mib[k] * kMiB);
+    methods.push_back(
+        {fmt::format("{}) fsdp all_gather, {:g} MiB buckets", letter[k], bucket_mib[k]), nullptr,
+         poison, [&, bytes] { fsdp::detail::all_gather(pg, shards, gathered, bytes)->wait(); },
+         check});
+  }
+  return measure(pg, methods, warmup, reps);
 }
 
 // Gloo may lack a native reduce-scatter in some torch versions; find out once, on a tiny buffer,
@@ -326,12 +338,14 @@ std::string load_average() {
 int main(int argc, char** argv) {
   CLI::App app{"Time fsdp-cpp's collectives against the alternatives (one rank; use torchrun)"};
   std::vector<double> sizes_mib{1, 4, 16, 64};
+  std::vector<double> bucket_mib{1, 4};
   int reps = 0, warmup = 2, num_params = 8;
   double rep_budget_mib = 1024;
   std::string ops = "all";
   app.add_option("--sizes-mib", sizes_mib, "unsharded unit sizes S_total, MiB of fp32");
   app.add_option("--reps", reps, "timed repetitions per method; 0: rep-budget / size, in [5, 40]");
   app.add_option("--rep-budget-mib", rep_budget_mib, "MiB per method that sets reps when --reps 0");
+  app.add_option("--bucket-mib", bucket_mib, "all-gather bucket sizes to compare (up to 4)");
   app.add_option("--warmup", warmup, "untimed repetitions before timing");
   app.add_option("--params", num_params, "parameters per unit (all-gather)")
       ->check(CLI::Range(1, 1000));
@@ -365,7 +379,7 @@ int main(int argc, char** argv) {
       const int r =
           reps > 0 ? reps : std::clamp(static_cast<int>(std::lround(rep_budget_mib / mib)), 5, 40);
       if (ops != "reduce-scatter") {
-        auto results = bench_all_gather(*pg, shard_numel, num_params, warmup, r);
+        auto results = bench_all_gather(*pg, shard_numel, num_params, bucket_mib, warmup, r);
         if (pg->rank() == 0) {
           print_rows("all-gather", mib, unit_bytes, results);
         }

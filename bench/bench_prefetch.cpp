@@ -36,6 +36,7 @@ struct Setting {
   bool forward_prefetch;
   fsdp::BackwardPrefetch backward_prefetch;
   fsdp::ShardingStrategy strategy = fsdp::ShardingStrategy::kFullShard;
+  int64_t all_gather_bucket_bytes = fsdp::FullyShardOptions(nullptr).all_gather_bucket_bytes();
 };
 
 struct Run {
@@ -87,7 +88,8 @@ int main(int argc, char** argv) {
   CLI::App app{"Exposed communication and tokens/s with prefetch off vs on (use torchrun)"};
   int n_layer = 6, n_embd = 512, n_head = 8, vocab = 2048, seq = 128, batch = 1;
   int steps = 4, rounds = 5, warmup = 2;
-  bool with_post = true, with_sgo = false;
+  bool with_post = true, with_sgo = false, with_unbucketed = false;
+  int gloo_lanes = fsdp::ProcessGroupOptions().gloo_lanes();
   app.add_option("--n-layer", n_layer, "transformer blocks (one FSDP unit each)");
   app.add_option("--n-embd", n_embd, "model width: sets the bytes of a unit (12 x width^2 x 4)");
   app.add_option("--n-head", n_head, "attention heads");
@@ -99,12 +101,15 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup, "untimed steps per setting before the first round");
   app.add_option("--with-post", with_post, "include backward prefetch after the reduce-scatter");
   app.add_option("--with-sgo", with_sgo, "include shard_grad_op (no re-gather in backward)");
+  app.add_option("--with-unbucketed", with_unbucketed,
+                 "include prefetch with one all-gather call per unit (all_gather_bucket_bytes 0)");
+  app.add_option("--gloo-lanes", gloo_lanes, "Gloo contexts (one worker thread each) per group");
   CLI11_PARSE(app, argc, argv);
 
   try {
     fsdp::memory::install_tracking_allocator();
     torch::set_num_threads(1);  // one core per rank, as in training
-    auto pg = fsdp::init_process_group();
+    auto pg = fsdp::init_process_group(fsdp::ProcessGroupOptions().gloo_lanes(gloo_lanes));
     const int rank = pg->rank(), n = pg->size();
 
     fsdp_models::GPTConfig cfg;
@@ -121,6 +126,10 @@ int main(int argc, char** argv) {
       settings.push_back({"shard_grad_op + fwd", true, fsdp::BackwardPrefetch::kBackwardPre,
                           fsdp::ShardingStrategy::kShardGradOp});
     }
+    if (with_unbucketed) {
+      settings.push_back({"fwd + bwd pre, 1 call", true, fsdp::BackwardPrefetch::kBackwardPre,
+                          fsdp::ShardingStrategy::kFullShard, 0});
+    }
     std::vector<Run> runs;
     for (const auto& s : settings) {
       Run r;
@@ -130,7 +139,8 @@ int main(int argc, char** argv) {
       fsdp::FullyShardOptions opts(pg);
       opts.strategy(s.strategy)
           .forward_prefetch(s.forward_prefetch)
-          .backward_prefetch(s.backward_prefetch);
+          .backward_prefetch(s.backward_prefetch)
+          .all_gather_bucket_bytes(s.all_gather_bucket_bytes);
       fsdp_models::parallelize_gpt(r.model, opts);
       r.opt = std::make_unique<torch::optim::AdamW>(r.model->parameters(),
                                                     torch::optim::AdamWOptions(1e-4));
@@ -141,11 +151,13 @@ int main(int argc, char** argv) {
     if (rank == 0) {
       fmt::print(
           "fsdp-cpp prefetch: {} ranks on {}, torch {}.{}.{}, GPT {} blocks x width {} ({:.1f} "
-          "MiB per block unsharded), {} x {} tokens per rank per step, {} hardware threads; "
+          "MiB per block unsharded), {} x {} tokens per rank per step, {} hardware threads, {} "
+          "Gloo "
+          "lane(s); "
           "load average at start: {}\n",
           n, pg->backend_name(), TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH,
           n_layer, n_embd, block_params * 4 / kMiB, batch, seq, std::thread::hardware_concurrency(),
-          load_average());
+          gloo_lanes, load_average());
     }
 
     auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + rank);

@@ -29,11 +29,20 @@ torch::Tensor as_bytes(const torch::Tensor& t) {
 
 CollectiveWork::CollectiveWork(ProcessGroup& group, CollectiveCounter& counter, const char* what,
                                c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish)
+    : CollectiveWork(group, counter, what,
+                     std::vector<c10::intrusive_ptr<c10d::Work>>{std::move(work)},
+                     std::move(finish)) {}
+
+CollectiveWork::CollectiveWork(ProcessGroup& group, CollectiveCounter& counter, const char* what,
+                               std::vector<c10::intrusive_ptr<c10d::Work>> works,
+                               std::function<void()> finish)
     : group_(group),
       counter_(counter),
       what_(what),
-      work_(std::move(work)),
-      finish_(std::move(finish)) {}
+      works_(std::move(works)),
+      finish_(std::move(finish)) {
+  std::erase_if(works_, [](const auto& w) { return !w; });
+}
 
 CollectiveWork::~CollectiveWork() {
   if (!waited_) {
@@ -46,7 +55,13 @@ CollectiveWork::~CollectiveWork() {
 }
 
 bool CollectiveWork::is_completed() const {
-  return waited_ || !work_ || work_->isCompleted();
+  if (waited_)
+    return true;
+  for (const auto& w : works_) {
+    if (!w->isCompleted())
+      return false;
+  }
+  return true;
 }
 
 void CollectiveWork::wait() {
@@ -55,21 +70,23 @@ void CollectiveWork::wait() {
   waited_ = true;
   auto start = std::chrono::steady_clock::now();
   try {
-    if (work_)
-      work_->wait();
+    for (auto& w : works_)
+      w->wait();
     if (finish_)
       finish_();
-    if (work_ && is_gloo(group_)) {
+    if (is_gloo(group_)) {
       // Gloo's worker thread drops its reference to the work (and so to the buffers the work
       // holds) just after marking it complete. Waiting for that moment, a few microseconds,
       // makes buffers die when wait() returns instead of at a racy instant after: memory
       // accounting is then deterministic, and a freed buffer is not counted into the next peak.
       const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(5);
-      while (work_.use_count() > 1 && std::chrono::steady_clock::now() < deadline) {
-        std::this_thread::yield();
+      for (auto& w : works_) {
+        while (w.use_count() > 1 && std::chrono::steady_clock::now() < deadline) {
+          std::this_thread::yield();
+        }
       }
     }
-    work_.reset();
+    works_.clear();
   } catch (const std::exception& e) {
     counter_.wait_seconds +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -83,7 +100,8 @@ void CollectiveWork::wait() {
 
 std::unique_ptr<CollectiveWork> all_gather(ProcessGroup& group,
                                            const std::vector<torch::Tensor>& inputs,
-                                           const std::vector<torch::Tensor>& outputs) {
+                                           const std::vector<torch::Tensor>& outputs,
+                                           int64_t bucket_bytes) {
   TORCH_CHECK(!inputs.empty() && inputs.size() == outputs.size(),
               "fsdp all_gather: need one output per input");
   const int n = group.size();
@@ -103,25 +121,48 @@ std::unique_ptr<CollectiveWork> all_gather(ProcessGroup& group,
   counter.bytes += in_bytes * n;
   counter.sent_bytes += in_bytes * (n - 1);
 
-  c10d::Backend& backend = group.backend();
   if (is_gloo(group)) {
     // Gloo unflattens its own receive buffer straight into these views, so each parameter's
-    // unsharded storage is written exactly once.
-    std::vector<std::vector<torch::Tensor>> output_lists(n);
-    for (int r = 0; r < n; ++r) {
-      for (size_t i = 0; i < inputs.size(); ++i) {
-        const int64_t b = in_bytes_views[i].numel();
-        output_lists[r].push_back(out_bytes_views[i].narrow(0, r * b, b));
+    // unsharded storage is written exactly once. Buckets are byte ranges of this rank's
+    // pieces: piece i's bytes [a, a + len) land at [r * b_i + a, ...) of output i for rank r,
+    // contiguous on both sides, so a bucket may end in the middle of a parameter.
+    const int64_t per_bucket = bucket_bytes > 0 ? std::max<int64_t>(1, bucket_bytes / n) : in_bytes;
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    std::vector<torch::Tensor> bucket_in;
+    std::vector<std::vector<torch::Tensor>> bucket_out(n);
+    int64_t filled = 0;
+    auto flush = [&] {
+      if (bucket_in.empty())
+        return;
+      // Buckets take the lanes in turn, so consecutive buckets move at the same time.
+      works.push_back(group.next_lane().allgather_coalesced(bucket_out, bucket_in));
+      bucket_in.clear();
+      for (auto& l : bucket_out)
+        l.clear();
+      filled = 0;
+    };
+    for (size_t i = 0; i < in_bytes_views.size(); ++i) {
+      const int64_t b = in_bytes_views[i].numel();
+      for (int64_t a = 0; a < b;) {
+        const int64_t len = std::min(b - a, per_bucket - filled);
+        bucket_in.push_back(in_bytes_views[i].narrow(0, a, len));
+        for (int r = 0; r < n; ++r)
+          bucket_out[r].push_back(out_bytes_views[i].narrow(0, r * b + a, len));
+        a += len;
+        filled += len;
+        if (filled == per_bucket)
+          flush();
       }
     }
-    auto work = backend.allgather_coalesced(output_lists, in_bytes_views);
-    return std::make_unique<CollectiveWork>(group, counter, "all-gather", std::move(work), nullptr);
+    flush();
+    return std::make_unique<CollectiveWork>(group, counter, "all-gather", std::move(works),
+                                            nullptr);
   }
   // Backends with a native flat all-gather (NCCL): gather into one buffer, then copy out. The
   // copy is enqueued by the waiting thread on the current stream, after the collective.
   auto flat_in = torch::cat(in_bytes_views);
   auto flat_out = torch::empty({in_bytes * n}, flat_in.options());
-  auto work = backend.all_gather_single(flat_out, flat_in);
+  auto work = group.next_lane().all_gather_single(flat_out, flat_in);
   auto finish = [flat_out, out_bytes_views, in_bytes, n]() {
     auto rows = flat_out.view({n, in_bytes});
     int64_t offset = 0;
@@ -148,7 +189,7 @@ std::unique_ptr<CollectiveWork> reduce_scatter(ProcessGroup& group, const torch:
   counter.bytes += input.numel() * input.element_size();
   counter.sent_bytes += s * (n - 1) * input.element_size();
 
-  c10d::Backend& backend = group.backend();
+  c10d::Backend& backend = group.next_lane();
   if (is_gloo(group)) {
     // Each rank receives the N copies of its own block, then sums them locally in rank order
     // (the same order on every run, so results are reproducible).
@@ -187,7 +228,7 @@ std::unique_ptr<CollectiveWork> all_reduce(ProcessGroup& group, const torch::Ten
   c10d::AllreduceOptions opts;
   const bool native_avg = !is_gloo(group);
   opts.reduceOp = op == ReduceOp::kAvg && native_avg ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
-  auto work = group.backend().allreduce(tensors, opts);
+  auto work = group.next_lane().allreduce(tensors, opts);
   std::function<void()> finish;
   if (op == ReduceOp::kAvg && !native_avg) {
     finish = [tensor, n]() {
@@ -210,7 +251,7 @@ std::unique_ptr<CollectiveWork> broadcast(ProcessGroup& group, const torch::Tens
   std::vector<torch::Tensor> tensors{tensor};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
-  auto work = group.backend().broadcast(tensors, opts);
+  auto work = group.next_lane().broadcast(tensors, opts);
   return std::make_unique<CollectiveWork>(group, counter, "broadcast", std::move(work), nullptr);
 }
 

@@ -40,6 +40,9 @@ class CollectiveWork {
  public:
   CollectiveWork(ProcessGroup& group, CollectiveCounter& counter, const char* what,
                  c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish);
+  /// One logical collective carried out as several backend calls (a bucketed all-gather).
+  CollectiveWork(ProcessGroup& group, CollectiveCounter& counter, const char* what,
+                 std::vector<c10::intrusive_ptr<c10d::Work>> works, std::function<void()> finish);
   ~CollectiveWork();
   CollectiveWork(const CollectiveWork&) = delete;
   CollectiveWork& operator=(const CollectiveWork&) = delete;
@@ -51,16 +54,23 @@ class CollectiveWork {
   ProcessGroup& group_;
   CollectiveCounter& counter_;
   const char* what_;
-  c10::intrusive_ptr<c10d::Work> work_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
   std::function<void()> finish_;
   bool waited_ = false;
 };
 
 /// inputs[i]: this rank's piece i (contiguous, any dtype). outputs[i]: contiguous, N times
 /// inputs[i]'s bytes, filled rank-major: bytes [r * b_i, (r + 1) * b_i) come from rank r.
+/// bucket_bytes > 0 (Gloo): the gather is carried out as several backend calls of at most
+/// that many output bytes each, cutting pieces where needed, spread over the group's lanes.
+/// Gloo stages every call in flat buffers of its own (the call's input and output), so
+/// buckets bound that transient memory to about one bucket per lane instead of (1 + 1/N) x
+/// the whole unit. It counts as one collective in CommStats. NCCL ignores it: its flat buffer
+/// is the gather itself.
 std::unique_ptr<CollectiveWork> all_gather(ProcessGroup& group,
                                            const std::vector<torch::Tensor>& inputs,
-                                           const std::vector<torch::Tensor>& outputs);
+                                           const std::vector<torch::Tensor>& outputs,
+                                           int64_t bucket_bytes = 0);
 
 /// input: contiguous, N * S elements, rank-major (the r-th block of S is destined for rank r).
 /// output: contiguous, S elements, receives the sum (or mean) over ranks of this rank's block.

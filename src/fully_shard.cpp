@@ -235,6 +235,15 @@ void fully_shard(const std::shared_ptr<torch::nn::Module>& module,
   TORCH_CHECK(options.group(), "fully_shard: FullyShardOptions has no process group");
   TORCH_CHECK(!is_sharded(*module), "fully_shard: module '", module->name(),
               "' is already sharded");
+  TORCH_CHECK(options.max_inflight_all_gathers() >= 1,
+              "fully_shard: max_inflight_all_gathers must be at least 1, got ",
+              options.max_inflight_all_gathers());
+  TORCH_CHECK(options.all_gather_bucket_bytes() >= 0,
+              "fully_shard: all_gather_bucket_bytes must be >= 0 (0: one call per unit), got ",
+              options.all_gather_bucket_bytes());
+  TORCH_CHECK(options.all_reduce_bucket_bytes() >= 1,
+              "fully_shard: all_reduce_bucket_bytes must be at least 1, got ",
+              options.all_reduce_bucket_bytes());
   auto& group = *options.group();
 
   // Parameters already owned by inner units stay theirs; shared (tied) parameters are taken once.

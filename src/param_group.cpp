@@ -126,7 +126,7 @@ void ParamGroup::issue_unshard(bool counted) {
   if (shard_size() > 1 && !params_.empty()) {
     // After a reshard to a block, backward gathers the blocks inside the (smaller) block group.
     auto& over = block_shards_ ? *groups_.post_forward : *groups_.shard;
-    gather_ = all_gather(over, inputs, outputs);
+    gather_ = all_gather(over, inputs, outputs, options_.all_gather_bucket_bytes());
   }
 }
 

@@ -171,8 +171,24 @@ c10::intrusive_ptr<c10d::Backend> make_gloo(const c10::intrusive_ptr<c10d::Store
   // The context timeout bounds every collective, so a dead or silent peer fails it.
   auto opts = c10d::ProcessGroupGloo::Options::create(options.timeout());
   opts->devices.push_back(gloo_device(options.gloo_hostname()));
-  opts->threads = options.gloo_threads();
+  opts->threads = 1;  // one collective at a time per context: see gloo_lanes
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+}
+
+// The group's backends: gloo_lanes independent Gloo contexts (each over its own prefix of the
+// store), or the one backend of any other kind.
+std::vector<c10::intrusive_ptr<c10d::Backend>> make_lanes(
+    const BackendFactory& factory, const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    const ProcessGroupOptions& options) {
+  const int n = options.backend() == "gloo" ? std::max(1, options.gloo_lanes()) : 1;
+  std::vector<c10::intrusive_ptr<c10d::Backend>> lanes;
+  for (int i = 0; i < n; ++i) {
+    c10::intrusive_ptr<c10d::Store> lane_store = store;
+    if (i > 0)
+      lane_store = c10::make_intrusive<c10d::PrefixStore>("lane" + std::to_string(i), store);
+    lanes.push_back(factory(lane_store, rank, size, options));
+  }
+  return lanes;
 }
 
 struct Registry {
@@ -459,15 +475,16 @@ std::shared_ptr<ProcessGroup> init_process_group(const LaunchEnv& env,
                "rendezvous at " + env.master_addr + ":" + std::to_string(env.master_port), server);
   }
   auto backend_store = c10::make_intrusive<c10d::PrefixStore>("fsdp/world", store);
-  c10::intrusive_ptr<c10d::Backend> backend;
+  std::vector<c10::intrusive_ptr<c10d::Backend>> lanes;
   try {
-    backend = factory(backend_store, env.rank, env.world_size, opts);
+    lanes = make_lanes(factory, backend_store, env.rank, env.world_size, opts);
   } catch (const std::exception& e) {
     throw std::runtime_error("[rank " + std::to_string(env.rank) + "] creating the " +
                              opts.backend() + " backend over " + std::to_string(env.world_size) +
                              " ranks failed: " + first_line(e));
   }
-  return std::make_shared<ProcessGroup>(store, backend, env.rank, env.world_size, world, opts);
+  return std::make_shared<ProcessGroup>(store, std::move(lanes), env.rank, env.world_size, world,
+                                        opts);
 }
 
 std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& options) {
@@ -475,15 +492,17 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
 }
 
 ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store,
-                           c10::intrusive_ptr<c10d::Backend> backend, int rank, int size,
+                           std::vector<c10::intrusive_ptr<c10d::Backend>> lanes, int rank, int size,
                            std::vector<int> global_ranks, ProcessGroupOptions options)
     : store_(std::move(store)),
-      backend_(std::move(backend)),
+      lanes_(std::move(lanes)),
       rank_(rank),
       size_(size),
       global_ranks_(std::move(global_ranks)),
       options_(std::move(options)) {
-  TORCH_CHECK(backend_, "ProcessGroup needs a backend");
+  TORCH_CHECK(!lanes_.empty() &&
+                  std::all_of(lanes_.begin(), lanes_.end(), [](const auto& b) { return bool(b); }),
+              "ProcessGroup needs a backend");
   TORCH_CHECK(size_ >= 1 && rank_ >= 0 && rank_ < size_, "ProcessGroup: rank ", rank_, " of size ",
               size_);
   TORCH_CHECK(static_cast<int>(global_ranks_.size()) == size_, "ProcessGroup: global_ranks has ",
@@ -526,16 +545,17 @@ std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ra
              "new_group #" + std::to_string(k) + " over global ranks " + rank_list(members),
              /*hosts_store=*/false);
   auto backend_store = c10::make_intrusive<c10d::PrefixStore>("backend", store);
-  c10::intrusive_ptr<c10d::Backend> backend;
+  std::vector<c10::intrusive_ptr<c10d::Backend>> lanes;
   try {
-    backend = find_backend(options_.backend())(backend_store, sub_rank, sub_size, options_);
+    lanes =
+        make_lanes(find_backend(options_.backend()), backend_store, sub_rank, sub_size, options_);
   } catch (const std::exception& e) {
     throw std::runtime_error("[rank " + std::to_string(me) + "] creating the " +
                              options_.backend() + " backend of new_group #" + std::to_string(k) +
                              " failed: " + first_line(e));
   }
-  return std::make_shared<ProcessGroup>(store, backend, sub_rank, sub_size, std::move(members),
-                                        options_);
+  return std::make_shared<ProcessGroup>(store, std::move(lanes), sub_rank, sub_size,
+                                        std::move(members), options_);
 }
 
 namespace {
@@ -585,7 +605,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::strided_group(int block_size) {
 
 void ProcessGroup::barrier() {
   try {
-    backend_->barrier()->wait();
+    backend().barrier()->wait();
   } catch (const std::exception& e) {
     throw std::runtime_error("[rank " + std::to_string(global_ranks_[static_cast<size_t>(rank_)]) +
                              "] barrier over " + std::to_string(size_) + " ranks failed (timeout " +

@@ -119,7 +119,7 @@ std::string write_positions(const TempDir& dir, int64_t n) {
 
 TEST(Corpus, KjvIsTheWholeBible) {
   if (!have_bible())
-    GTEST_SKIP() << "bible-kjv is not installed (apt-get install bible-kjv)";
+    GTEST_FAIL() << "bible-kjv is not installed (scripts/setup.sh installs it)";
   const auto t0 = std::chrono::steady_clock::now();
   const std::string text = load_corpus("kjv");
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -135,7 +135,7 @@ TEST(Corpus, KjvIsTheWholeBible) {
 
 TEST(Corpus, FortunesAreEntriesSeparatedByPercentLines) {
   if (!fs::exists("/usr/share/games/fortunes/fortunes"))
-    GTEST_SKIP() << "fortunes is not installed (apt-get install fortunes)";
+    GTEST_FAIL() << "fortunes is not installed (scripts/setup.sh installs it)";
   const std::string text = load_corpus("fortunes");
   std::printf("fortunes: %zu bytes\n", text.size());
   EXPECT_GT(text.size(), 1'000'000u);
@@ -473,7 +473,7 @@ TEST_F(PrepareData, RejectsBadOptionsNamingThem) {
 
 TEST(PrepareKjv, EndToEnd) {
   if (!have_bible())
-    GTEST_SKIP() << "bible-kjv is not installed (apt-get install bible-kjv)";
+    GTEST_FAIL() << "bible-kjv is not installed (scripts/setup.sh installs it)";
   TempDir dir;
   PrepareOptions o;
   o.corpus = "kjv";

@@ -59,16 +59,25 @@ struct ProcessGroupOptions {
   /// Host name or address Gloo binds to; empty: MASTER_ADDR when it is a loopback address,
   /// else this machine's host name.
   TORCH_ARG(std::string, gloo_hostname) = "";
-  /// Gloo worker threads per group (each runs one collective at a time).
-  TORCH_ARG(int, gloo_threads) = 2;
+  /// Gloo: independent Gloo contexts ("lanes") per group, each with its own connections and
+  /// one worker thread; fsdp's collectives take them in turn, so up to this many run at once
+  /// (a prefetched all-gather next to a reduce-scatter, the buckets of one all-gather). One
+  /// thread per context, not c10d's several: two all-gathers running on one Gloo context at
+  /// once corrupt the heap (measured with torch 2.15: a 3-rank stress of queued
+  /// allgather_coalesced calls on 2 threads crashed in about half the runs, and never on
+  /// separate contexts). NCCL ignores it.
+  TORCH_ARG(int, gloo_lanes) = 2;
 };
 
 /// A group of ranks and the c10d backend its collectives run on. Create with
 /// init_process_group(); subgroups with new_group(). Thread-compatible, not thread-safe.
 class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
  public:
-  ProcessGroup(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::Backend> backend,
-               int rank, int size, std::vector<int> global_ranks, ProcessGroupOptions options);
+  /// `lanes`: one or more backends over the same ranks (see ProcessGroupOptions::gloo_lanes);
+  /// lanes[0] is backend().
+  ProcessGroup(c10::intrusive_ptr<c10d::Store> store,
+               std::vector<c10::intrusive_ptr<c10d::Backend>> lanes, int rank, int size,
+               std::vector<int> global_ranks, ProcessGroupOptions options);
   ~ProcessGroup();
 
   int rank() const { return rank_; }
@@ -79,7 +88,12 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   /// kCPU for Gloo, kCUDA for NCCL: where tensors handed to collectives must live.
   c10::DeviceType device_type() const;
   std::chrono::milliseconds timeout() const { return options_.timeout(); }
-  c10d::Backend& backend() const { return *backend_; }
+  /// The first lane: for collectives issued outside fsdp's collectives layer.
+  c10d::Backend& backend() const { return *lanes_.front(); }
+  int num_lanes() const { return static_cast<int>(lanes_.size()); }
+  /// The lane for the next collective, in turn. Every rank issues the same collectives on a
+  /// group in the same order, so every rank picks the same lane for each of them.
+  c10d::Backend& next_lane() { return *lanes_[next_lane_++ % lanes_.size()]; }
   const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
 
   /// Counters of every collective issued through fsdp-cpp on this group.
@@ -106,7 +120,8 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
 
  private:
   c10::intrusive_ptr<c10d::Store> store_;
-  c10::intrusive_ptr<c10d::Backend> backend_;
+  std::vector<c10::intrusive_ptr<c10d::Backend>> lanes_;
+  size_t next_lane_ = 0;
   int rank_;
   int size_;
   std::vector<int> global_ranks_;
