@@ -92,6 +92,8 @@ TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
       {"", "--fsdp.backward_prefetch=early", "'fsdp.backward_prefetch' must be one of none"},
       {"", "--fsdp.max_inflight_all_gathers=0", "'fsdp.max_inflight_all_gathers' must be >= 1"},
       {"", "--fsdp.all_reduce_bucket_mb=0", "'fsdp.all_reduce_bucket_mb' must be > 0"},
+      {"", "--fsdp.all_gather_bucket_mb=-1", "'fsdp.all_gather_bucket_mb' must be >= 0"},
+      {"", "--fsdp.gloo_lanes=0", "'fsdp.gloo_lanes' must be between 1 and 16, got 0"},
       // The job's shape: checked by the launcher before any rank starts...
       {"", "--nproc 2 --fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=3",
        "'fsdp.hybrid_shard_size' = 3 must divide the world size (2 ranks)"},
@@ -279,6 +281,41 @@ TEST(TrainerRun, StrategiesTradeMemoryForTraffic) {
   // The same model, data and update: the losses agree up to summation order.
   EXPECT_NEAR(grad_op.loss, full.loss, 1e-4 * full.loss);
   EXPECT_NEAR(none.loss, full.loss, 1e-4 * full.loss);
+}
+
+// The overlap knobs through the trainer: prefetch, the rate limiter, all-gather buckets and
+// Gloo lanes change when bytes move and what is held, never which bytes move or the math.
+TEST(TrainerRun, PrefetchKnobsMoveMemoryNotMath) {
+  struct Knob {
+    std::string name, args;
+  };
+  const std::vector<Knob> knobs = {
+      {"prefetch", ""},
+      {"no-prefetch", "--fsdp.forward_prefetch=false --fsdp.backward_prefetch=none"},
+      {"limit1", "--fsdp.max_inflight_all_gathers=1"},
+      {"one-call-one-lane", "--fsdp.all_gather_bucket_mb=0 --fsdp.gloo_lanes=1"},
+      {"tiny-buckets", "--fsdp.all_gather_bucket_mb=0.1 --fsdp.backward_prefetch=backward_post"},
+  };
+  std::vector<fsdp_trainer::StepMetrics> last;
+  for (const auto& k : knobs) {
+    auto m = quick_run("knob-" + k.name, 2, "--model.n_layer=8 " + k.args, "gpt2-tiny");
+    ASSERT_EQ(m.size(), 3u) << k.name;
+    last.push_back(m.back());
+    std::printf("KNOB %-18s peak_bytes %lld allgather_bytes %lld allgather_wait %.4f s loss %.6f\n",
+                k.name.c_str(), static_cast<long long>(m.back().peak_bytes),
+                static_cast<long long>(m.back().allgather_bytes), m.back().time_allgather_wait_s,
+                m.back().loss);
+  }
+  for (size_t i = 1; i < knobs.size(); ++i) {
+    // Same collectives, same reduction order: bit-identical losses and byte counts.
+    EXPECT_EQ(last[i].loss, last[0].loss) << knobs[i].name;
+    EXPECT_EQ(last[i].allgather_bytes, last[0].allgather_bytes) << knobs[i].name;
+    EXPECT_EQ(last[i].reducescatter_bytes, last[0].reducescatter_bytes) << knobs[i].name;
+  }
+  // Prefetch holds the next block while the current one computes; without it, or with one
+  // gather at a time, it does not.
+  EXPECT_LT(last[1].peak_bytes, last[0].peak_bytes);
+  EXPECT_LT(last[2].peak_bytes, last[0].peak_bytes);
 }
 
 // hybrid_shard on 4 ranks in 2 groups of 2: reduce-scatter inside a group, all-reduce of the

@@ -215,6 +215,15 @@ const std::vector<Option>& options() {
           "At most this many blocks gathered for compute at once (the running one plus its "
           "prefetches): each one more costs a block's full parameters in memory, and 1 turns "
           "prefetch off."),
+      opt("fsdp.all_gather_bucket_mb", FIELD(fsdp.all_gather_bucket_mb),
+          "Gloo: each block's all-gather is split into calls of at most this many MiB, spread "
+          "over fsdp.gloo_lanes; Gloo stages every call in buffers of its own, so this bounds "
+          "that temporary memory, and calls of a few MiB move faster than one large one (0: one "
+          "call per block)."),
+      opt("fsdp.gloo_lanes", FIELD(fsdp.gloo_lanes),
+          "Gloo: independent connections per process group, one worker thread each; up to this "
+          "many collectives (a prefetched all-gather beside a reduce-scatter, the calls of one "
+          "all-gather) move at once."),
       opt("fsdp.all_reduce_bucket_mb", FIELD(fsdp.all_reduce_bucket_mb),
           "no_shard and hybrid_shard: gradients are all-reduced in buckets of at most this "
           "many MiB (fewer, larger all-reduces for more temporary bucket memory)."),
@@ -387,6 +396,10 @@ void validate(const Config& c) {
           "must be >= 0 (0: off), got " + std::to_string(c.fsdp.reshard_after_forward_size));
   require(c.fsdp.max_inflight_all_gathers >= 1, "fsdp.max_inflight_all_gathers",
           "must be >= 1, got " + std::to_string(c.fsdp.max_inflight_all_gathers));
+  require(c.fsdp.all_gather_bucket_mb >= 0 && c.fsdp.all_gather_bucket_mb <= (1 << 20),
+          "fsdp.all_gather_bucket_mb", "must be >= 0 (0: one call per block) and at most 1048576");
+  require(c.fsdp.gloo_lanes >= 1 && c.fsdp.gloo_lanes <= 16, "fsdp.gloo_lanes",
+          "must be between 1 and 16, got " + std::to_string(c.fsdp.gloo_lanes));
   require(c.fsdp.all_reduce_bucket_mb > 0 && c.fsdp.all_reduce_bucket_mb <= (1 << 20),
           "fsdp.all_reduce_bucket_mb", "must be > 0 and at most 1048576 (1 TiB)");
   require(c.fsdp.timeout_s > 0, "fsdp.timeout_s", "must be > 0");

@@ -61,6 +61,8 @@ struct FsdpConfig {
   std::string backward_prefetch = "backward_pre";  // none, backward_pre, backward_post
   int64_t max_inflight_all_gathers = 2;
   double all_reduce_bucket_mb = 25;
+  double all_gather_bucket_mb = 4;
+  int64_t gloo_lanes = 2;
   bool sync_module_states = true;
   bool sync_every_micro_batch = true;
   double timeout_s = 300;

@@ -63,8 +63,10 @@ fsdp::BackwardPrefetch backward_prefetch(const std::string& name) {
 Trainer::Trainer(Config config) : config_(std::move(config)) {
   const auto& t = config_.training;
   torch::set_num_threads(static_cast<int>(t.threads));
-  pg_ = fsdp::init_process_group(fsdp::ProcessGroupOptions().timeout(
-      std::chrono::milliseconds(static_cast<int64_t>(config_.fsdp.timeout_s * 1000))));
+  pg_ = fsdp::init_process_group(
+      fsdp::ProcessGroupOptions()
+          .timeout(std::chrono::milliseconds(static_cast<int64_t>(config_.fsdp.timeout_s * 1000)))
+          .gloo_lanes(static_cast<int>(config_.fsdp.gloo_lanes)));
   const int rank = pg_->rank(), world = pg_->size();
   const int local_world = fsdp::launch_env_from_environment().local_world_size;
   validate_world(config_, world, local_world);  // main() checked already; never hang on it
@@ -98,6 +100,7 @@ Trainer::Trainer(Config config) : config_(std::move(config)) {
       .max_inflight_all_gathers(static_cast<int>(f.max_inflight_all_gathers))
       .all_reduce_bucket_bytes(
           std::max<int64_t>(1, std::llround(f.all_reduce_bucket_mb * (1 << 20))))
+      .all_gather_bucket_bytes(std::llround(f.all_gather_bucket_mb * (1 << 20)))
       .sync_module_states(f.sync_module_states);
   model_ = build_model(config_, data_.vocab_size, fsdp_options);
   profiler_ = std::make_unique<fsdp::StepProfiler>(model_.module);
