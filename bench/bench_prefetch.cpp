@@ -152,9 +152,7 @@ int main(int argc, char** argv) {
       fmt::print(
           "fsdp-cpp prefetch: {} ranks on {}, torch {}.{}.{}, GPT {} blocks x width {} ({:.1f} "
           "MiB per block unsharded), {} x {} tokens per rank per step, {} hardware threads, {} "
-          "Gloo "
-          "lane(s); "
-          "load average at start: {}\n",
+          "Gloo lane(s); load average at start: {}\n",
           n, pg->backend_name(), TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH,
           n_layer, n_embd, block_params * 4 / kMiB, batch, seq, std::thread::hardware_concurrency(),
           gloo_lanes, load_average());
