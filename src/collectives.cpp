@@ -8,6 +8,8 @@
 #include <chrono>
 #include <thread>
 
+#include "collective_check.h"
+
 namespace fsdp::detail {
 namespace {
 
@@ -19,6 +21,23 @@ void check_contiguous(const torch::Tensor& t, const char* what) {
   TORCH_CHECK(t.is_contiguous(), "fsdp collectives: ", what, " must be contiguous");
 }
 
+// "all-gather, 4096 B for unit 'h3'": what a collective is, for errors and the sequence check.
+std::string describe(const char* kind, int64_t bytes, const std::string& detail,
+                     const std::string& context) {
+  std::string s = std::string(kind) + ", " + std::to_string(bytes) + " B";
+  if (!detail.empty())
+    s += " " + detail;
+  if (!context.empty())
+    s += " for " + context;
+  return s;
+}
+
+// Called before every collective is issued (debug mode only).
+void check_sequence(ProcessGroup& group, const std::string& description) {
+  if (auto* check = group.collective_check())
+    check->before(description);
+}
+
 }  // namespace
 
 torch::Tensor as_bytes(const torch::Tensor& t) {
@@ -27,18 +46,18 @@ torch::Tensor as_bytes(const torch::Tensor& t) {
   return t.reshape({-1}).view(torch::kUInt8);
 }
 
-CollectiveWork::CollectiveWork(ProcessGroup& group, CollectiveCounter& counter, const char* what,
+CollectiveWork::CollectiveWork(ProcessGroup& group, CollectiveCounter& counter, std::string what,
                                c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish)
-    : CollectiveWork(group, counter, what,
+    : CollectiveWork(group, counter, std::move(what),
                      std::vector<c10::intrusive_ptr<c10d::Work>>{std::move(work)},
                      std::move(finish)) {}
 
-CollectiveWork::CollectiveWork(ProcessGroup& group, CollectiveCounter& counter, const char* what,
+CollectiveWork::CollectiveWork(ProcessGroup& group, CollectiveCounter& counter, std::string what,
                                std::vector<c10::intrusive_ptr<c10d::Work>> works,
                                std::function<void()> finish)
     : group_(group),
       counter_(counter),
-      what_(what),
+      what_(std::move(what)),
       works_(std::move(works)),
       finish_(std::move(finish)) {
   std::erase_if(works_, [](const auto& w) { return !w; });
@@ -69,39 +88,54 @@ void CollectiveWork::wait() {
     return;
   waited_ = true;
   auto start = std::chrono::steady_clock::now();
-  try {
-    for (auto& w : works_)
-      w->wait();
-    if (finish_)
-      finish_();
-    if (is_gloo(group_)) {
-      // Gloo's worker thread drops its reference to the work (and so to the buffers the work
-      // holds) just after marking it complete. Waiting for that moment, a few microseconds,
-      // makes buffers die when wait() returns instead of at a racy instant after: memory
-      // accounting is then deterministic, and a freed buffer is not counted into the next peak.
-      const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(5);
-      for (auto& w : works_) {
-        while (w.use_count() > 1 && std::chrono::steady_clock::now() < deadline) {
-          std::this_thread::yield();
-        }
-      }
-    }
-    works_.clear();
-  } catch (const std::exception& e) {
+  auto add_wait = [&] {
     counter_.wait_seconds +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  // Every backend call is waited for, even after one failed: the caller frees the buffers
+  // once wait() returns or throws, and a call still running would write into freed memory.
+  std::string error;
+  for (auto& w : works_) {
+    try {
+      w->wait();
+    } catch (const std::exception& e) {
+      if (error.empty())
+        error = e.what();
+    }
+  }
+  try {
+    if (error.empty() && finish_)
+      finish_();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  if (!error.empty()) {
+    works_.clear();
+    add_wait();
     TORCH_CHECK(false, "[rank ", group_.global_ranks().at(group_.rank()), "] ", what_, " over ",
                 group_.size(), " ranks failed (timeout ", group_.timeout().count(),
-                " ms; a peer may have died): ", e.what());
+                " ms; a peer may have died): ", error);
   }
-  counter_.wait_seconds +=
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (is_gloo(group_)) {
+    // Gloo's worker thread drops its reference to the work (and so to the buffers the work
+    // holds) just after marking it complete. Waiting for that moment, a few microseconds,
+    // makes buffers die when wait() returns instead of at a racy instant after: memory
+    // accounting is then deterministic, and a freed buffer is not counted into the next peak.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(5);
+    for (auto& w : works_) {
+      while (w.use_count() > 1 && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::yield();
+      }
+    }
+  }
+  works_.clear();
+  add_wait();
 }
 
 std::unique_ptr<CollectiveWork> all_gather(ProcessGroup& group,
                                            const std::vector<torch::Tensor>& inputs,
                                            const std::vector<torch::Tensor>& outputs,
-                                           int64_t bucket_bytes) {
+                                           int64_t bucket_bytes, const std::string& context) {
   TORCH_CHECK(!inputs.empty() && inputs.size() == outputs.size(),
               "fsdp all_gather: need one output per input");
   const int n = group.size();
@@ -116,6 +150,8 @@ std::unique_ptr<CollectiveWork> all_gather(ProcessGroup& group,
     in_bytes_views.push_back(std::move(in));
     out_bytes_views.push_back(std::move(out));
   }
+  const std::string what = describe("all-gather", in_bytes * n, "", context);
+  check_sequence(group, what);
   auto& counter = group.comm_stats().all_gather;
   counter.calls += 1;
   counter.bytes += in_bytes * n;
@@ -155,8 +191,7 @@ std::unique_ptr<CollectiveWork> all_gather(ProcessGroup& group,
       }
     }
     flush();
-    return std::make_unique<CollectiveWork>(group, counter, "all-gather", std::move(works),
-                                            nullptr);
+    return std::make_unique<CollectiveWork>(group, counter, what, std::move(works), nullptr);
   }
   // Backends with a native flat all-gather (NCCL): gather into one buffer, then copy out. The
   // copy is enqueued by the waiting thread on the current stream, after the collective.
@@ -172,18 +207,23 @@ std::unique_ptr<CollectiveWork> all_gather(ProcessGroup& group,
       offset += b;
     }
   };
-  return std::make_unique<CollectiveWork>(group, counter, "all-gather", std::move(work),
-                                          std::move(finish));
+  return std::make_unique<CollectiveWork>(group, counter, what, std::move(work), std::move(finish));
 }
 
 std::unique_ptr<CollectiveWork> reduce_scatter(ProcessGroup& group, const torch::Tensor& input,
-                                               const torch::Tensor& output, ReduceOp op) {
+                                               const torch::Tensor& output, ReduceOp op,
+                                               const std::string& context) {
   check_contiguous(input, "reduce-scatter input");
   check_contiguous(output, "reduce-scatter output");
   const int n = group.size();
   const int64_t s = output.numel();
   TORCH_CHECK(input.numel() == s * n, "fsdp reduce_scatter: input has ", input.numel(),
               " elements, expected ", s * n);
+  const std::string what = describe(
+      "reduce-scatter", input.numel() * input.element_size(),
+      std::string(op == ReduceOp::kAvg ? "avg " : "sum ") + c10::toString(input.scalar_type()),
+      context);
+  check_sequence(group, what);
   auto& counter = group.comm_stats().reduce_scatter;
   counter.calls += 1;
   counter.bytes += input.numel() * input.element_size();
@@ -204,23 +244,27 @@ std::unique_ptr<CollectiveWork> reduce_scatter(ProcessGroup& group, const torch:
       if (op == ReduceOp::kAvg)
         output.div_(n);
     };
-    return std::make_unique<CollectiveWork>(group, counter, "reduce-scatter", std::move(work),
+    return std::make_unique<CollectiveWork>(group, counter, what, std::move(work),
                                             std::move(finish));
   }
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = op == ReduceOp::kAvg ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
   torch::Tensor out = output, in = input;
   auto work = backend.reduce_scatter_single(out, in, opts);
-  return std::make_unique<CollectiveWork>(group, counter, "reduce-scatter", std::move(work),
-                                          nullptr);
+  return std::make_unique<CollectiveWork>(group, counter, what, std::move(work), nullptr);
 }
 
 std::unique_ptr<CollectiveWork> all_reduce(ProcessGroup& group, const torch::Tensor& tensor,
-                                           ReduceOp op) {
+                                           ReduceOp op, const std::string& context) {
   check_contiguous(tensor, "all-reduce tensor");
   const int n = group.size();
   auto& counter = group.comm_stats().all_reduce;
   const int64_t bytes = tensor.numel() * tensor.element_size();
+  const std::string what = describe(
+      "all-reduce", bytes,
+      std::string(op == ReduceOp::kAvg ? "avg " : "sum ") + c10::toString(tensor.scalar_type()),
+      context);
+  check_sequence(group, what);
   counter.calls += 1;
   counter.bytes += bytes;
   counter.sent_bytes += 2 * bytes * (n - 1) / n;
@@ -236,15 +280,17 @@ std::unique_ptr<CollectiveWork> all_reduce(ProcessGroup& group, const torch::Ten
       tensor.div_(n);
     };
   }
-  return std::make_unique<CollectiveWork>(group, counter, "all-reduce", std::move(work),
-                                          std::move(finish));
+  return std::make_unique<CollectiveWork>(group, counter, what, std::move(work), std::move(finish));
 }
 
 std::unique_ptr<CollectiveWork> broadcast(ProcessGroup& group, const torch::Tensor& tensor,
-                                          int root) {
+                                          int root, const std::string& context) {
   check_contiguous(tensor, "broadcast tensor");
   auto& counter = group.comm_stats().broadcast;
   const int64_t bytes = tensor.numel() * tensor.element_size();
+  const std::string what =
+      describe("broadcast", bytes, "from group rank " + std::to_string(root), context);
+  check_sequence(group, what);
   counter.calls += 1;
   counter.bytes += bytes;
   counter.sent_bytes += group.rank() == root ? bytes : 0;
@@ -252,7 +298,7 @@ std::unique_ptr<CollectiveWork> broadcast(ProcessGroup& group, const torch::Tens
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   auto work = group.next_lane().broadcast(tensors, opts);
-  return std::make_unique<CollectiveWork>(group, counter, "broadcast", std::move(work), nullptr);
+  return std::make_unique<CollectiveWork>(group, counter, what, std::move(work), nullptr);
 }
 
 }  // namespace fsdp::detail

@@ -19,6 +19,7 @@
 
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <fsdp/process_group.h>
@@ -36,12 +37,16 @@ enum class ReduceOp { kSum, kAvg };
 /// copy-out of a flat all-gather), adds the blocked time to the group's CommStats, and turns
 /// a backend failure (timeout, dead peer) into an error naming the rank and the collective.
 /// Destroying an unwaited CollectiveWork waits for it first: buffers must outlive transfers.
+/// A collective carried out as several backend calls is waited for as a whole: when one call
+/// fails, wait() still waits for every other one (each finishes or fails within the group's
+/// timeout) before it throws, so no transfer can still be writing into a buffer its caller
+/// frees after the error.
 class CollectiveWork {
  public:
-  CollectiveWork(ProcessGroup& group, CollectiveCounter& counter, const char* what,
+  CollectiveWork(ProcessGroup& group, CollectiveCounter& counter, std::string what,
                  c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish);
   /// One logical collective carried out as several backend calls (a bucketed all-gather).
-  CollectiveWork(ProcessGroup& group, CollectiveCounter& counter, const char* what,
+  CollectiveWork(ProcessGroup& group, CollectiveCounter& counter, std::string what,
                  std::vector<c10::intrusive_ptr<c10d::Work>> works, std::function<void()> finish);
   ~CollectiveWork();
   CollectiveWork(const CollectiveWork&) = delete;
@@ -53,11 +58,15 @@ class CollectiveWork {
  private:
   ProcessGroup& group_;
   CollectiveCounter& counter_;
-  const char* what_;
+  std::string what_;
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
   std::function<void()> finish_;
   bool waited_ = false;
 };
+
+// `context` says who issues a collective ("unit 'h3'"): it appears in errors and in the
+// collective-sequence check (ProcessGroupOptions::check_collectives), where every rank must
+// issue the same sequence.
 
 /// inputs[i]: this rank's piece i (contiguous, any dtype). outputs[i]: contiguous, N times
 /// inputs[i]'s bytes, filled rank-major: bytes [r * b_i, (r + 1) * b_i) come from rank r.
@@ -70,20 +79,22 @@ class CollectiveWork {
 std::unique_ptr<CollectiveWork> all_gather(ProcessGroup& group,
                                            const std::vector<torch::Tensor>& inputs,
                                            const std::vector<torch::Tensor>& outputs,
-                                           int64_t bucket_bytes = 0);
+                                           int64_t bucket_bytes = 0,
+                                           const std::string& context = "");
 
 /// input: contiguous, N * S elements, rank-major (the r-th block of S is destined for rank r).
 /// output: contiguous, S elements, receives the sum (or mean) over ranks of this rank's block.
 std::unique_ptr<CollectiveWork> reduce_scatter(ProcessGroup& group, const torch::Tensor& input,
-                                               const torch::Tensor& output, ReduceOp op);
+                                               const torch::Tensor& output, ReduceOp op,
+                                               const std::string& context = "");
 
 /// In place, every rank ends with the same sum (or mean).
 std::unique_ptr<CollectiveWork> all_reduce(ProcessGroup& group, const torch::Tensor& tensor,
-                                           ReduceOp op);
+                                           ReduceOp op, const std::string& context = "");
 
 /// In place, from group rank `root` to all.
 std::unique_ptr<CollectiveWork> broadcast(ProcessGroup& group, const torch::Tensor& tensor,
-                                          int root);
+                                          int root, const std::string& context = "");
 
 /// Flat byte view of a contiguous tensor (what moves over the wire).
 torch::Tensor as_bytes(const torch::Tensor& t);

@@ -1,38 +1,23 @@
-// fully_shard(): turning a module into a unit, and the registry that finds units again.
+// fully_shard(): turning a module into a unit and attaching it to its model's RootState;
+// ForwardCall, the unit side of fsdp::forward; the per-model settings (prefetch lists, gradient
+// sync, communication counters).
 #include <fsdp/fully_shard.h>
 
 #include <torch/torch.h>
 
 #include <map>
-#include <mutex>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "collectives.h"
 #include "param_group.h"
 #include "prefetch.h"
 #include "registry.h"
+#include "root_state.h"
 
 namespace fsdp {
 namespace detail {
 namespace {
-
-struct Entry {
-  const torch::nn::Module* key;
-  std::weak_ptr<torch::nn::Module> module;
-  std::shared_ptr<ParamGroup> unit;
-  int64_t id;
-};
-
-std::mutex g_mutex;
-std::vector<Entry> g_entries;
-int64_t g_next_id = 0;
-
-// Drops units whose module died (their parameters die with them).
-void prune_locked() {
-  std::erase_if(g_entries, [](const Entry& e) { return e.module.expired(); });
-}
-
-thread_local int t_forward_depth = 0;
 
 // Same values on every rank: group rank 0's tensors, one broadcast per dtype.
 void broadcast_from_rank0(ProcessGroup& group, const std::vector<torch::Tensor>& tensors) {
@@ -47,7 +32,7 @@ void broadcast_from_rank0(ProcessGroup& group, const std::vector<torch::Tensor>&
     for (const auto& t : ts)
       flat.push_back(t.detach().reshape({-1}));
     auto buffer = torch::cat(flat);
-    broadcast(group, buffer, /*root=*/0)->wait();
+    broadcast(group, buffer, /*root=*/0, "sync_module_states")->wait();
     int64_t offset = 0;
     for (const auto& t : ts) {
       t.detach().copy_(buffer.narrow(0, offset, t.numel()).view(t.sizes()));
@@ -58,100 +43,59 @@ void broadcast_from_rank0(ProcessGroup& group, const std::vector<torch::Tensor>&
 
 }  // namespace
 
-std::vector<std::shared_ptr<ParamGroup>> live_units() {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  prune_locked();
-  std::vector<std::shared_ptr<ParamGroup>> out;
-  for (const auto& e : g_entries)
-    out.push_back(e.unit);
-  return out;
-}
-
-int64_t unit_id(const ParamGroup& unit) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  for (const auto& e : g_entries) {
-    if (e.unit.get() == &unit)
-      return e.id;
-  }
-  TORCH_INTERNAL_ASSERT(false, "fsdp unit '", unit.name(), "' is not registered");
-}
-
-std::shared_ptr<ParamGroup> unit_by_id(int64_t id) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  for (const auto& e : g_entries) {
-    if (e.id == id && !e.module.expired())
-      return e.unit;
-  }
-  return nullptr;
-}
-
-std::shared_ptr<ParamGroup> find_unit(const torch::nn::Module& module) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  for (const auto& e : g_entries) {
-    if (e.key == &module && !e.module.expired())
-      return e.unit;
-  }
-  return nullptr;
-}
-
-bool in_unit_forward() {
-  return t_forward_depth > 0;
-}
-
-std::vector<torch::Tensor> pre_forward(ParamGroup& unit, std::vector<torch::Tensor> args) {
-  const bool is_root_call = t_forward_depth == 0;
-  ++t_forward_depth;
+ForwardCall::ForwardCall(std::shared_ptr<ParamGroup> unit) : unit_(std::move(unit)) {
+  auto& state = unit_->state();
+  const bool is_root_call = state.enter_forward(*unit_);
   try {
-    return unit.pre_forward(std::move(args), is_root_call);
+    unit_->pre_forward(is_root_call);
   } catch (...) {
-    --t_forward_depth;
+    finished_ = true;  // pre_forward cleaned up after itself
+    state.exit_forward(/*failed=*/true);
     throw;
   }
 }
 
-void post_forward(ParamGroup& unit, const std::vector<torch::Tensor>& outputs) {
-  unit.post_forward(outputs, /*is_root_call=*/t_forward_depth == 1);
-  --t_forward_depth;
+std::vector<torch::Tensor> ForwardCall::wrap_inputs(std::vector<torch::Tensor> inputs) {
+  return unit_->wrap_inputs(std::move(inputs));
 }
 
-void abort_forward(ParamGroup& unit) noexcept {
-  // Only undo what is still open: post_forward may have completed before the throw.
-  if (unit.training_state() == TrainingState::kForward) {
-    --t_forward_depth;
-    unit.abandon_forward();
-    if (t_forward_depth == 0) {
-      try {
-        prefetch::end_forward();
-      } catch (...) {
-        // Freeing prefetched units waits for their gathers; a failure there was reported by
-        // the collective that failed first.
-      }
-    }
+void ForwardCall::finish(const std::vector<torch::Tensor>& outputs) {
+  unit_->post_forward(outputs);
+  finished_ = true;
+  unit_->state().exit_forward(/*failed=*/false);
+}
+
+ForwardCall::~ForwardCall() {
+  if (finished_)
+    return;
+  // The module's forward (or post_forward) threw and that exception is on its way to the
+  // caller: undo what is open; a failure while doing so (a collective that failed too) must
+  // not replace the original exception.
+  try {
+    unit_->abort_forward();
+  } catch (const std::exception& e) {
+    TORCH_WARN("fsdp: while abandoning the forward of unit '", unit_->name(), "': ", e.what());
+  }
+  try {
+    unit_->state().exit_forward(/*failed=*/true);
+  } catch (const std::exception& e) {
+    TORCH_WARN("fsdp: while abandoning a forward of the model of unit '", unit_->name(),
+               "': ", e.what());
   }
 }
 
-std::shared_ptr<ParamGroup> unit_of_param(const c10::TensorImpl* param) {
-  for (auto& unit : live_units()) {
-    for (const auto& p : unit->params()) {
-      if (p.param().unsafeGetTensorImpl() == param)
-        return unit;
-    }
+void check_no_grad_through_reference(const std::vector<torch::Tensor>& tensors) {
+  if (!torch::GradMode::is_enabled())
+    return;
+  for (const auto& t : tensors) {
+    TORCH_CHECK(!(t.defined() && t.requires_grad()),
+                "fsdp::forward: an argument passed with std::ref holds a tensor that requires "
+                "grad; its gradient would bypass the unit's backward hooks. Pass it by value or "
+                "const reference (fsdp then wraps it), or detach it");
   }
-  return nullptr;
 }
 
 namespace {
-
-std::vector<std::shared_ptr<ParamGroup>> units_under(const torch::nn::Module& module) {
-  std::vector<std::shared_ptr<ParamGroup>> out;
-  if (auto unit = find_unit(module))
-    out.push_back(std::move(unit));
-  for (const auto& child : module.modules(/*include_self=*/false)) {
-    if (auto unit = find_unit(*child))
-      out.push_back(std::move(unit));
-  }
-  return out;
-}
 
 std::vector<ProcessGroup*> groups_under(const torch::nn::Module& module) {
   std::vector<ProcessGroup*> out;
@@ -245,15 +189,28 @@ void fully_shard(const std::shared_ptr<torch::nn::Module>& module,
               "fully_shard: all_reduce_bucket_bytes must be at least 1, got ",
               options.all_reduce_bucket_bytes());
   auto& group = *options.group();
+  const auto entries = detail::live_entries();
+
+  // Bottom-up only: a unit made first owns everything under it, so a module inside it would
+  // find its parameters taken.
+  for (const auto& e : entries) {
+    for (const auto& child : e.module->modules(/*include_self=*/false)) {
+      TORCH_CHECK(child.get() != module.get(), "fully_shard: module '", module->name(),
+                  "' is inside unit '", e.unit->name(),
+                  "', which was sharded first and owns its parameters: apply fully_shard "
+                  "bottom-up (the blocks first, then the model)");
+    }
+  }
 
   // Parameters already owned by inner units stay theirs; shared (tied) parameters are taken once.
   std::unordered_set<const c10::TensorImpl*> taken;
-  for (const auto& unit : detail::live_units()) {
-    for (const auto& p : unit->params())
+  for (const auto& e : entries) {
+    for (const auto& p : e.unit->params())
       taken.insert(p.param().unsafeGetTensorImpl());
   }
   std::vector<std::pair<std::string, torch::Tensor>> params;
   std::vector<torch::Tensor> to_sync;
+  const std::pair<std::string, torch::Tensor>* first_trainable = nullptr;
   for (const auto& item : module->named_parameters(/*recurse=*/true)) {
     const auto* impl = item.value().unsafeGetTensorImpl();
     if (!taken.insert(impl).second)
@@ -267,6 +224,21 @@ void fully_shard(const std::shared_ptr<torch::nn::Module>& module,
     if (!options.param_init())
       to_sync.push_back(item.value());
   }
+  // A unit reduces its gradients in one collective of one dtype.
+  for (const auto& p : params) {
+    if (!p.second.requires_grad())
+      continue;
+    if (!first_trainable) {
+      first_trainable = &p;
+      continue;
+    }
+    TORCH_CHECK(p.second.scalar_type() == first_trainable->second.scalar_type(),
+                "fully_shard: module '", module->name(), "': trainable parameters '",
+                first_trainable->first, "' (", first_trainable->second.scalar_type(), ") and '",
+                p.first, "' (", p.second.scalar_type(),
+                ") have different dtypes; a unit reduces its gradients in one dtype: shard them "
+                "in different units, or freeze one");
+  }
   if (options.sync_module_states() && group.size() > 1) {
     // Buffers are not sharded, but they must agree too (e.g. a causal mask, running stats).
     for (const auto& b : module->buffers(/*recurse=*/true))
@@ -274,12 +246,27 @@ void fully_shard(const std::shared_ptr<torch::nn::Module>& module,
     detail::broadcast_from_rank0(group, to_sync);
   }
 
-  std::string name = module->name();
-  auto unit = std::make_shared<detail::ParamGroup>(name, std::move(params), options,
+  auto unit = std::make_shared<detail::ParamGroup>(module->name(), std::move(params), options,
                                                    detail::resolve_groups(options));
-  std::lock_guard<std::mutex> lock(detail::g_mutex);
-  detail::prune_locked();
-  detail::g_entries.push_back({module.get(), module, std::move(unit), detail::g_next_id++});
+  // The models of the units already sharded under `module` become part of this one; their
+  // units are named by their path inside it.
+  std::unordered_map<const torch::nn::Module*, std::string> paths;
+  for (const auto& item : module->named_modules(/*name_prefix=*/"", /*include_self=*/false))
+    paths.emplace(item.value().get(), item.key());
+  auto state = std::make_shared<detail::RootState>();
+  for (const auto& e : entries) {
+    auto it = paths.find(e.module.get());
+    if (it == paths.end())
+      continue;
+    e.unit->set_name(it->second);
+    // Hold the inner state: adopting moves its units, whose references kept it alive.
+    auto inner = e.unit->state_ptr();
+    if (inner != state)
+      state->adopt(*inner);
+  }
+  unit->set_state(state);
+  state->add(unit);
+  detail::register_unit(module, std::move(unit));
 }
 
 void set_requires_gradient_sync(torch::nn::Module& module, bool sync) {

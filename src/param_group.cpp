@@ -2,77 +2,89 @@
 #include "param_group.h"
 
 #include <torch/autograd.h>
-#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <algorithm>
 
 #include "prefetch.h"
-#include "registry.h"
+#include "root_state.h"
 
 namespace fsdp::detail {
 namespace {
 
-// Identity over a unit's tensor inputs. Its backward runs once autograd has produced the
-// gradients of all of them, i.e. when the unit's own backward is complete: the moment to
-// reduce-scatter. AccumulateGrad nodes run before any other ready node (they have the highest
+// Identity over the inputs of one unit call that require grad. Its backward runs once autograd
+// has produced the gradients of all of them, i.e. when the call's backward through the unit is
+// complete. AccumulateGrad nodes run before any other ready node (they have the highest
 // priority in the engine's queue), so the parameters' gradients are in place by then.
 struct PostBackward : public torch::autograd::Function<PostBackward> {
   // `inputs` must be a TensorList: autograd only sees tensors passed as Tensor or TensorList
   // (a std::vector<Tensor> would count as an opaque non-tensor argument, cutting the graph).
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                int64_t unit_id, at::TensorList inputs) {
-    ctx->saved_data["unit"] = unit_id;
+                                                c10::intrusive_ptr<CallRecord> call,
+                                                at::TensorList inputs) {
+    ctx->saved_data["call"] = c10::IValue::make_capsule(std::move(call));
     return inputs.vec();
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    if (auto unit = unit_by_id(ctx->saved_data["unit"].toInt()))
-      unit->post_backward();
+    auto call = c10::static_intrusive_pointer_cast<CallRecord>(ctx->saved_data["call"].toCapsule());
+    if (auto unit = call->unit.lock())
+      unit->post_backward(*call);
     torch::autograd::variable_list result;
     result.reserve(grads.size() + 1);
-    result.emplace_back();  // unit_id is not a tensor
+    result.emplace_back();  // the call record is not a tensor
     for (auto& g : grads)
       result.push_back(std::move(g));
     return result;
   }
 };
 
-// One end-of-backward callback per backward pass, queued by the first pre-backward hook.
-thread_local bool t_callback_queued = false;
-
-void end_of_backward() {
-  t_callback_queued = false;
-  auto units = live_units();
-  // Units whose hooks did not finish (the root, units whose inputs needed no grad): same
-  // order on every rank (creation order), so their collectives match.
-  for (auto& unit : units)
-    unit->finish_backward();
-  for (auto& unit : units)
-    unit->finish_reduce();
-  prefetch::end_backward();
-  for (auto& unit : units)
-    unit->reset_after_backward();
+// Whether autograd will still execute `node` in the backward pass running on this thread:
+// it is reachable from the pass's roots and, when the pass computes only some inputs' grads
+// (torch::autograd::grad), needed for them.
+bool runs_in_current_pass(torch::autograd::Node* node) {
+  const auto* nodes = torch::autograd::get_current_graph_task_nodes_in_graph();
+  if (nodes == nullptr || nodes->count(node) == 0)
+    return false;
+  const auto* exec = torch::autograd::get_current_graph_task_exec_info();
+  if (exec == nullptr || exec->empty())
+    return true;
+  auto it = exec->find(node);
+  return it != exec->end() && it->second.should_execute();
 }
 
-void queue_end_of_backward() {
-  if (t_callback_queued)
-    return;
-  t_callback_queued = true;
-  torch::autograd::Engine::get_default_engine().queue_callback(end_of_backward);
-}
-
-// Reduce-scatters issued but not yet waited, oldest first. Each post_backward completes the
-// earlier ones before issuing its own, so at most one unit's reduce-scatter buffers are alive
-// while the next unit computes (FSDP2 does the same).
-thread_local std::vector<std::weak_ptr<ParamGroup>> t_reducing;
-
-void finish_earlier_reduce_scatters() {
-  for (auto& w : t_reducing) {
-    if (auto unit = w.lock())
-      unit->finish_reduce_scatter();
+// Runs `fn`, appending what it throws to `errors` (rollback paths must go on).
+template <typename F>
+void collect_errors(std::vector<std::string>& errors, F&& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    errors.emplace_back(e.what());
   }
-  t_reducing.clear();
 }
 
 }  // namespace
+
+bool CallRecord::alive() const {
+  return std::any_of(output_nodes.begin(), output_nodes.end(),
+                     [](const auto& w) { return !w.expired(); });
+}
+
+bool CallRecord::expected_in_current_pass(uint64_t pass) const {
+  if (post_pass == pass)
+    return false;  // already done in this pass
+  if (post_node) {
+    auto post = post_node->lock();
+    return post && runs_in_current_pass(post.get());
+  }
+  // No PostBackward node (no input required grad): if its outputs are in this pass, its end is
+  // only known at the end of the pass.
+  for (const auto& w : output_nodes) {
+    if (auto node = w.lock(); node && runs_in_current_pass(node.get()))
+      return true;
+  }
+  return false;
+}
 
 ParamGroup::ParamGroup(std::string name, std::vector<std::pair<std::string, torch::Tensor>> params,
                        FullyShardOptions options, UnitGroups groups)
@@ -85,17 +97,18 @@ ParamGroup::ParamGroup(std::string name, std::vector<std::pair<std::string, torc
   }
 }
 
-void ParamGroup::fail(const std::string& msg) const {
-  TORCH_CHECK(false, "[rank ", group().global_ranks().at(group().rank()), "] fsdp unit '", name_,
-              "': ", msg);
+std::string ParamGroup::context() const {
+  return "unit '" + name_ + "'";
 }
 
-void ParamGroup::check_state(ShardedState expected, const char* where) const {
-  static const char* const kNames[] = {"SHARDED", "GATHERING", "UNSHARDED"};
-  if (sharded_state_ != expected) {
-    fail(std::string(where) + ": unexpected sharded state " +
-         kNames[static_cast<int>(sharded_state_)]);
-  }
+void ParamGroup::fail(const std::string& msg) const {
+  const auto& g = *options_.group();
+  TORCH_CHECK(false, "[rank ", g.global_ranks().at(g.rank()), "] fsdp ", context(), ": ", msg);
+}
+
+bool ParamGroup::has_trainable_params() const {
+  return std::any_of(params_.begin(), params_.end(),
+                     [](const ShardedParam& p) { return p.requires_grad(); });
 }
 
 int64_t ParamGroup::sharded_bytes() const {
@@ -109,6 +122,8 @@ int64_t ParamGroup::unsharded_bytes() const {
   return sharded_bytes() * shard_size();
 }
 
+// ---- Gathering --------------------------------------------------------------------------------
+
 void ParamGroup::issue_unshard(bool counted) {
   if (sharded_state_ != ShardedState::kSharded)
     return;
@@ -120,13 +135,13 @@ void ParamGroup::issue_unshard(bool counted) {
   }
   if (counted) {
     counted_ = true;
-    prefetch::acquire_slot();
+    state_->prefetcher().acquire_slot();
   }
   sharded_state_ = ShardedState::kGathering;
   if (shard_size() > 1 && !params_.empty()) {
     // After a reshard to a block, backward gathers the blocks inside the (smaller) block group.
     auto& over = block_shards_ ? *groups_.post_forward : *groups_.shard;
-    gather_ = all_gather(over, inputs, outputs, options_.all_gather_bucket_bytes());
+    gather_ = all_gather(over, inputs, outputs, options_.all_gather_bucket_bytes(), context());
   }
 }
 
@@ -134,14 +149,11 @@ void ParamGroup::wait_unshard() {
   if (sharded_state_ != ShardedState::kGathering)
     return;
   if (gather_) {
+    // reset() before the wait can throw would destroy an unwaited work; keep it until waited.
     gather_->wait();
     gather_.reset();
   }
-  if (block_shards_) {
-    for (auto& p : params_)
-      p.drop_block_shard();
-    block_shards_ = false;
-  }
+  drop_block_shards();
   for (auto& p : params_)
     p.to_unsharded();
   sharded_state_ = ShardedState::kUnsharded;
@@ -150,82 +162,135 @@ void ParamGroup::wait_unshard() {
 void ParamGroup::release_slot() {
   if (counted_) {
     counted_ = false;
-    prefetch::release_slot();
+    state_->prefetcher().release_slot();
   }
+}
+
+void ParamGroup::drop_block_shards() {
+  if (!block_shards_)
+    return;
+  for (auto& p : params_)
+    p.drop_block_shard();
+  block_shards_ = false;
 }
 
 void ParamGroup::reshard() {
   if (sharded_state_ == ShardedState::kSharded)
     return;
-  // The transfer writes into the unsharded buffers: it must land before they are freed.
-  wait_unshard();
+  // The transfer writes into the unsharded buffers: it must land (or fail) before they are
+  // freed. CollectiveWork::wait() returns or throws only once every bucket has finished.
+  std::exception_ptr failed;
+  try {
+    wait_unshard();
+  } catch (...) {
+    failed = std::current_exception();
+    gather_.reset();
+  }
   for (auto& p : params_) {
     p.to_sharded();
     p.free_unsharded();
   }
   sharded_state_ = ShardedState::kSharded;
   release_slot();
+  if (failed)
+    std::rethrow_exception(failed);
 }
 
-void ParamGroup::reset_after_backward() {
-  if (backward_pending_)
-    return;  // its backward has not run (yet): it keeps what the backward will need
-  held_ = false;
+void ParamGroup::release() {
+  if (user_held_ || held_ || training_state_ != TrainingState::kIdle)
+    return;
   reshard();
-  if (block_shards_) {
-    for (auto& p : params_)
-      p.drop_block_shard();
-    block_shards_ = false;
-  }
 }
 
-std::vector<torch::Tensor> ParamGroup::pre_forward(std::vector<torch::Tensor> inputs,
-                                                   bool is_root_call) {
-  // A new iteration: if the last backward died halfway (an exception), its callback never ran.
-  if (is_root_call) {
-    t_callback_queued = false;
-    prefetch::begin_forward(*this);
-  }
-  if (training_state_ != TrainingState::kIdle) {
+void ParamGroup::set_user_held(bool held) {
+  user_held_ = held;
+}
+
+// ---- Forward ----------------------------------------------------------------------------------
+
+void ParamGroup::pre_forward(bool is_root_call) {
+  if (training_state_ == TrainingState::kForward) {
     fail(
-        "forward entered again before the previous one finished (recursive fsdp::forward of "
-        "the same unit is not supported)");
+        "forward entered again before the previous one finished (a unit cannot run inside its "
+        "own forward)");
   }
+  state_before_forward_ = training_state_;
   training_state_ = TrainingState::kForward;
-  prefetch::record_forward(*this);
-  prefetch::claim(*this);
-  // The root stays gathered through the whole forward: it is not part of the pipeline.
-  unshard(/*counted=*/!is_root_call && !held_);
-  for (auto& next : prefetch::forward_targets(*this))
-    prefetch::request(*next);
-
-  const bool grad_mode = torch::GradMode::is_enabled();
-  bool trainable = false;
-  for (const auto& p : params_)
-    trainable = trainable || p.requires_grad();
-  if (grad_mode && trainable) {
-    backward_pending_ = true;
-    pre_backward_done_ = false;
+  is_root_call_ = is_root_call;
+  try {
+    auto& prefetcher = state_->prefetcher();
+    prefetcher.record_forward(*this);
+    prefetcher.claim(*this);
+    // The root call stays gathered through the model's forward: it is not part of the pipeline.
+    unshard(/*counted=*/!is_root_call);
+    for (auto& next : prefetcher.forward_targets(*this))
+      prefetcher.request(*next);
+    forming_ = c10::make_intrusive<CallRecord>();
+    forming_->unit = weak_from_this();
+    forming_->epoch = state_->epoch();
+  } catch (...) {
+    abort_forward();
+    throw;
   }
-  bool any_input_requires_grad = false;
-  for (const auto& t : inputs)
-    any_input_requires_grad = any_input_requires_grad || t.requires_grad();
-  if (grad_mode && any_input_requires_grad) {
-    return PostBackward::apply(unit_id(*this), at::TensorList(inputs));
-  }
-  return inputs;
 }
 
-void ParamGroup::post_forward(const std::vector<torch::Tensor>& outputs, bool is_root_call) {
-  const bool grad_mode = torch::GradMode::is_enabled();
-  const bool reshard_after =
+std::vector<torch::Tensor> ParamGroup::wrap_inputs(std::vector<torch::Tensor> inputs) {
+  if (inputs.empty() || !torch::GradMode::is_enabled())
+    return inputs;
+  auto wrapped = PostBackward::apply(forming_, at::TensorList(inputs));
+  for (const auto& t : wrapped) {
+    if (t.grad_fn()) {
+      forming_->post_node.emplace(t.grad_fn());
+      break;
+    }
+  }
+  return wrapped;
+}
+
+void ParamGroup::post_forward(const std::vector<torch::Tensor>& outputs) {
+  TORCH_INTERNAL_ASSERT(training_state_ == TrainingState::kForward, context(),
+                        ": post_forward outside its forward");
+  std::vector<torch::Tensor> hooked;
+  if (torch::GradMode::is_enabled()) {
+    for (const auto& out : outputs) {
+      if (out.requires_grad())
+        hooked.push_back(out);
+    }
+  }
+  const bool pending = !hooked.empty();
+  if (pending && user_held_ && has_trainable_params()) {
+    fail(
+        "is held unsharded by fsdp::unshard(), and this forward's outputs need gradients: call "
+        "fsdp::reshard() (or end the UnshardGuard) before training through it");
+  }
+  auto call = std::move(forming_);
+  if (pending) {
+    for (const auto& out : hooked) {
+      // Copy the handle: register_hook is non-const on the autograd metadata only.
+      torch::Tensor handle = out;
+      handle.register_hook([call](const torch::Tensor&) {
+        if (auto unit = call->unit.lock())
+          unit->pre_backward(*call);
+      });
+      if (out.grad_fn())
+        call->output_nodes.emplace_back(out.grad_fn());
+    }
+    calls_.push_back(call);
+  }
+  training_state_ = state_before_forward_;
+  if (training_state_ != TrainingState::kIdle)
+    return;  // a recomputation inside this unit's backward: the backward needs it gathered
+  const bool reshards_after_forward =
       options_.reshard_after_forward() && options_.strategy() != ShardingStrategy::kShardGradOp;
-  // The root's backward starts right after forward: resharding it would only gather it again.
-  const bool keep = grad_mode && backward_pending_ && (is_root_call || !reshard_after);
-  if (keep) {
+  // The root call's backward starts right after forward: resharding it would only gather it
+  // again. Held memory is the strategy's, not the prefetch pipeline's: no slot.
+  if (pending && (is_root_call_ || !reshards_after_forward)) {
     held_ = true;
-    release_slot();  // held memory is the strategy's, not the prefetch pipeline's
-  } else if (grad_mode && backward_pending_ && groups_.post_forward) {
+    release_slot();
+  }
+  if (held_ || user_held_)
+    return;
+  if (pending && groups_.post_forward) {
     wait_unshard();
     for (auto& p : params_)
       p.keep_block_shard(groups_.post_forward->size(), groups_.post_forward->rank());
@@ -234,82 +299,117 @@ void ParamGroup::post_forward(const std::vector<torch::Tensor>& outputs, bool is
   } else {
     reshard();
   }
-  if (grad_mode && backward_pending_) {
-    std::weak_ptr<ParamGroup> weak = weak_from_this();
-    for (const auto& out : outputs) {
-      if (!out.requires_grad())
-        continue;
-      // Copy the tensor handle: register_hook is non-const on the autograd metadata only.
-      torch::Tensor handle = out;
-      handle.register_hook([weak](const torch::Tensor&) {
-        if (auto self = weak.lock())
-          self->pre_backward();
-      });
-    }
+}
+
+void ParamGroup::abort_forward() {
+  if (training_state_ != TrainingState::kForward)
+    return;  // post_forward completed before the throw
+  forming_.reset();
+  training_state_ = state_before_forward_;
+  release();
+}
+
+// ---- Backward ---------------------------------------------------------------------------------
+
+bool ParamGroup::expects_backward() const {
+  return std::any_of(calls_.begin(), calls_.end(), [](const auto& c) { return c->alive(); });
+}
+
+bool ParamGroup::awaits_backward() const {
+  const uint64_t pass = state_->pass_id();
+  return std::any_of(calls_.begin(), calls_.end(),
+                     [&](const auto& c) { return c->pre_pass != pass && c->alive(); });
+}
+
+void ParamGroup::forget_calls(std::optional<uint64_t> failed_epoch) {
+  std::erase_if(calls_, [&](const auto& c) {
+    return !c->alive() || (failed_epoch && c->epoch == *failed_epoch);
+  });
+  if (calls_.empty()) {
+    held_ = false;
+    drop_block_shards();
+    release();
   }
-  training_state_ = TrainingState::kIdle;
-  if (is_root_call)
-    prefetch::end_forward();
 }
 
-void ParamGroup::abandon_forward() noexcept {
-  reshard();
-  held_ = false;
-  backward_pending_ = false;
-  pre_backward_done_ = false;
-  training_state_ = TrainingState::kIdle;
-}
-
-void ParamGroup::pre_backward() {
-  if (pre_backward_done_ || !backward_pending_)
-    return;
-  pre_backward_done_ = true;
-  queue_end_of_backward();
+void ParamGroup::begin_backward() {
   training_state_ = TrainingState::kPreBackward;
-  for (auto& p : params_)
-    p.stash_sharded_grad();
-  prefetch::claim(*this);
-  unshard(/*counted=*/!held_);
-  if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPre || backward_prefetch_list) {
-    for (auto& next : prefetch::backward_targets(*this))
-      prefetch::request(*next);
-  }
-}
-
-void ParamGroup::post_backward() {
-  if (!backward_pending_)
-    return;
-  backward_pending_ = false;
-  training_state_ = TrainingState::kPostBackward;
-  if (!pre_backward_done_) {
-    // Autograd never reached this unit's outputs; its parameters got no gradient this pass.
+  if (!grads_stashed_) {
+    // Autograd is about to accumulate full-shape grads into the same parameters.
     for (auto& p : params_)
       p.stash_sharded_grad();
+    grads_stashed_ = true;
   }
+}
+
+void ParamGroup::pre_backward(CallRecord& call) {
+  const uint64_t pass = state_->on_backward_hook();
+  if (call.pre_pass == pass)
+    return;  // another output of the same call
+  call.pre_pass = pass;
+  if (std::none_of(calls_.begin(), calls_.end(), [&](const auto& c) { return c.get() == &call; })) {
+    // A call processed by an earlier pass runs backward again (its graph was retained).
+    calls_.push_back(c10::intrusive_ptr<CallRecord>::reclaim_copy(&call));
+  }
+  if (training_state_ == TrainingState::kIdle)
+    begin_backward();
+  auto& prefetcher = state_->prefetcher();
+  prefetcher.claim(*this);
+  unshard(/*counted=*/!held_ && !user_held_);
+  if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPre || backward_prefetch_list) {
+    for (auto& next : prefetcher.backward_targets(*this))
+      prefetcher.request(*next);
+  }
+}
+
+void ParamGroup::post_backward(CallRecord& call) {
+  const uint64_t pass = state_->on_backward_hook();
+  if (call.post_pass == pass)
+    return;
+  if (std::none_of(calls_.begin(), calls_.end(), [&](const auto& c) { return c.get() == &call; }))
+    return;  // a call whose outputs needed no grad: nothing of the unit ran for it
+  call.post_pass = pass;
+  if (training_state_ != TrainingState::kPreBackward)
+    return;
+  // The reduction runs once, after the last call of this unit that this pass will still run.
+  for (const auto& other : calls_) {
+    if (other.get() != &call && other->expected_in_current_pass(pass))
+      return;
+  }
+  reduce_gradients();
+}
+
+void ParamGroup::reduce_gradients() {
+  training_state_ = TrainingState::kPostBackward;
   std::vector<ShardedParam*> trainable;
   for (auto& p : params_) {
     if (p.requires_grad())
       trainable.push_back(&p);
   }
   if (!requires_gradient_sync_) {
+    // Accumulation without communication: this pass's grads are held aside and added to the
+    // local accumulator when the pass ends well (end_backward_pass).
     for (auto* p : trainable)
-      p->keep_unsharded_grad();
-    trainable.clear();
-  }
-  if (!trainable.empty()) {
-    finish_earlier_reduce_scatters();
-    // Reduce-scatter input, rank-major: [N][param 0 chunk | param 1 chunk | ...]. Every rank
-    // communicates, even for parameters that received no gradient (zeros), so that all ranks
-    // issue the same collectives.
-    const int n = shard_size();
-    int64_t s = 0;
-    for (auto* p : trainable)
-      s += p->padded_shard_numel();
+      p->hold_pass_grad(p->take_unsharded_grad());
+  } else if (!trainable.empty()) {
     auto dtype = trainable.front()->dtype();
     for (auto* p : trainable) {
-      if (p->dtype() != dtype)
-        fail("trainable parameters of one unit must share a dtype");
+      if (p->dtype() != dtype) {
+        fail("trainable parameters of one unit must share a dtype ('" + p->fqn() + "' is " +
+             c10::toString(p->dtype()) + ", '" + trainable.front()->fqn() + "' is " +
+             c10::toString(dtype) + ")");
+      }
     }
+    state_->finish_reduce_scatters();
+    // Reduce-scatter input, rank-major: [N][param 0 chunk | param 1 chunk | ... | P flags].
+    // Every rank sends every parameter, zeros where it has no gradient, so that all ranks
+    // issue the same collectives with the same sizes.
+    const int n = shard_size();
+    const int64_t n_params = static_cast<int64_t>(trainable.size());
+    int64_t chunks = 0;
+    for (auto* p : trainable)
+      chunks += p->padded_shard_numel();
+    const int64_t s = chunks + n_params;
     auto opts = trainable.front()->padded_shard().options();
     PendingReduce pending;
     pending.params = trainable;
@@ -317,92 +417,154 @@ void ParamGroup::post_backward() {
       torch::NoGradGuard no_grad;
       pending.input = torch::empty({n * s}, opts);
       auto rows = pending.input.view({n, s});
+      auto flags = rows.narrow(1, chunks, n_params);
       int64_t offset = 0;
-      for (auto* p : trainable) {
+      for (int64_t i = 0; i < n_params; ++i) {
+        auto* p = trainable[static_cast<size_t>(i)];
         const int64_t len = p->padded_shard_numel();
         auto g = p->take_unsharded_grad();
-        p->copy_grad_into(g,
-                          rows.narrow(1, offset, len).view({n, p->chunk_rows(), p->row_numel()}));
+        const bool has_grad = p->copy_grad_into(
+            g, rows.narrow(1, offset, len).view({n, p->chunk_rows(), p->row_numel()}));
+        flags.select(1, i).fill_(has_grad ? 1 : 0);
         offset += len;
       }
       // The unsharded parameters are done with: free them before the collective's buffers
       // are allocated, so a unit never holds params, grads and both buffers at once.
       held_ = false;
-      reshard();
+      if (!user_held_)
+        reshard();
       if (n > 1) {
         pending.output = torch::empty({s}, opts);
-        pending.reduce_scatter =
-            reduce_scatter(*groups_.shard, pending.input, pending.output, ReduceOp::kAvg);
+        pending.reduce_scatter = reduce_scatter(*groups_.shard, pending.input, pending.output,
+                                                ReduceOp::kAvg, context());
       } else {
         pending.output = std::move(pending.input);  // nothing to scatter: the grads are ours
       }
     }
-    reduce_ = std::move(pending);
+    reduces_.push_back(std::move(pending));
     if (n == 1)
       issue_all_reduce();  // no reduce-scatter to wait for: overlap it with what follows
     else
-      t_reducing.push_back(weak_from_this());
+      state_->track_reduce_scatter(*this);
   }
   held_ = false;
-  reshard();
-  if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPost && !backward_prefetch_list) {
-    for (auto& next : prefetch::backward_targets(*this))
-      prefetch::request(*next);
-  }
-  pre_backward_done_ = false;
   training_state_ = TrainingState::kIdle;
+  release();
+  if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPost && !backward_prefetch_list) {
+    auto& prefetcher = state_->prefetcher();
+    for (auto& next : prefetcher.backward_targets(*this))
+      prefetcher.request(*next);
+  }
 }
 
 void ParamGroup::issue_all_reduce() {
-  if (!reduce_ || reduce_->all_reduce_issued)
-    return;
-  reduce_->all_reduce_issued = true;
-  if (!groups_.replicate || groups_.replicate->size() == 1)
-    return;
-  // Buckets bound the size of one collective (and of the backend's staging buffers).
-  const auto& out = reduce_->output;
-  const int64_t per_bucket = std::max<int64_t>(
-      1, options_.all_reduce_bucket_bytes() / static_cast<int64_t>(out.element_size()));
-  for (int64_t start = 0; start < out.numel(); start += per_bucket) {
-    const int64_t len = std::min(per_bucket, out.numel() - start);
-    reduce_->all_reduces.push_back(
-        all_reduce(*groups_.replicate, out.narrow(0, start, len), ReduceOp::kAvg));
+  for (auto& r : reduces_) {
+    if (r.all_reduce_issued || r.reduce_scatter)
+      continue;
+    r.all_reduce_issued = true;
+    if (!groups_.replicate || groups_.replicate->size() == 1)
+      continue;
+    // Buckets bound the size of one collective (and of the backend's staging buffers).
+    const auto& out = r.output;
+    const int64_t per_bucket = std::max<int64_t>(
+        1, options_.all_reduce_bucket_bytes() / static_cast<int64_t>(out.element_size()));
+    for (int64_t start = 0; start < out.numel(); start += per_bucket) {
+      const int64_t len = std::min(per_bucket, out.numel() - start);
+      r.all_reduces.push_back(
+          all_reduce(*groups_.replicate, out.narrow(0, start, len), ReduceOp::kAvg, context()));
+    }
   }
 }
 
 void ParamGroup::finish_reduce_scatter() {
-  if (!reduce_)
-    return;
-  if (reduce_->reduce_scatter) {
-    reduce_->reduce_scatter->wait();
-    reduce_->reduce_scatter.reset();
-    reduce_->input = torch::Tensor();
+  for (auto& r : reduces_) {
+    if (r.reduce_scatter) {
+      r.reduce_scatter->wait();
+      r.reduce_scatter.reset();
+      r.input = torch::Tensor();
+    }
   }
   issue_all_reduce();
 }
 
-void ParamGroup::finish_reduce() {
-  if (!reduce_)
-    return;
-  finish_reduce_scatter();
-  for (auto& w : reduce_->all_reduces)
-    w->wait();
-  int64_t offset = 0;
-  for (auto* p : reduce_->params) {
-    const int64_t len = p->padded_shard_numel();
-    p->set_sharded_grad(reduce_->output.narrow(0, offset, len));
-    offset += len;
-  }
-  reduce_.reset();
+void ParamGroup::finish_backward() {
+  if (training_state_ == TrainingState::kPreBackward)
+    reduce_gradients();
 }
 
-void ParamGroup::finish_backward() {
-  if (backward_pending_ && pre_backward_done_) {
-    post_backward();
-  } else if (training_state_ == TrainingState::kPreBackward) {
-    reshard();
-    training_state_ = TrainingState::kIdle;
+void ParamGroup::wait_reduces() {
+  finish_reduce_scatter();
+  for (auto& r : reduces_) {
+    for (auto& w : r.all_reduces)
+      w->wait();
+    r.all_reduces.clear();
   }
+}
+
+void ParamGroup::install_grads() {
+  torch::NoGradGuard no_grad;
+  for (auto& r : reduces_) {
+    int64_t chunks = 0;
+    for (auto* p : r.params)
+      chunks += p->padded_shard_numel();
+    // One host copy of the flags per unit (a device sync on CUDA, at the end of backward only).
+    auto flags = r.output.narrow(0, chunks, static_cast<int64_t>(r.params.size()))
+                     .to(torch::kCPU, torch::kFloat);
+    const float* flag = flags.data_ptr<float>();
+    int64_t offset = 0;
+    for (size_t i = 0; i < r.params.size(); ++i) {
+      auto* p = r.params[i];
+      const int64_t len = p->padded_shard_numel();
+      if (flag[i] > 0)
+        p->add_to_stash(r.output.narrow(0, offset, len));
+      offset += len;
+    }
+  }
+}
+
+void ParamGroup::end_backward_pass(uint64_t pass) {
+  // A reduction in this pass sent the grads kept by earlier no-sync passes along.
+  const bool kept_consumed = !reduces_.empty();
+  for (auto& p : params_) {
+    if (grads_stashed_)
+      p.restore_stash();
+    p.commit_pass(/*drop_kept=*/kept_consumed);
+  }
+  grads_stashed_ = false;
+  reduces_.clear();
+  held_ = false;
+  training_state_ = TrainingState::kIdle;
+  drop_block_shards();
+  release();
+  std::erase_if(calls_, [&](const auto& c) {
+    return c->pre_pass == pass || c->post_pass == pass || !c->alive();
+  });
+}
+
+void ParamGroup::abort_backward_pass(uint64_t pass, std::vector<std::string>& errors) {
+  // Every transfer must have landed (or failed) before its buffers go.
+  for (auto& r : reduces_) {
+    if (r.reduce_scatter)
+      collect_errors(errors, [&] { r.reduce_scatter->wait(); });
+    for (auto& w : r.all_reduces)
+      collect_errors(errors, [&] { w->wait(); });
+  }
+  reduces_.clear();
+  for (auto& p : params_) {
+    // The stash replaces whatever autograd accumulated in the failed pass.
+    if (grads_stashed_)
+      p.restore_stash();
+    p.abort_pass();
+  }
+  grads_stashed_ = false;
+  held_ = false;
+  if (training_state_ != TrainingState::kForward)
+    training_state_ = TrainingState::kIdle;
+  collect_errors(errors, [&] { release(); });
+  drop_block_shards();
+  std::erase_if(calls_, [&](const auto& c) {
+    return c->pre_pass == pass || c->post_pass == pass || !c->alive();
+  });
 }
 
 }  // namespace fsdp::detail

@@ -1,32 +1,57 @@
 // One FSDP unit: the parameters that are gathered together, computed with, and freed together.
 //
-// A unit moves through two state machines (asserted at every transition):
+// A unit moves through two state machines:
 //
 //   ShardedState  SHARDED    only padded shards exist; params point at their sharded views
 //                 GATHERING  an all-gather into the unsharded buffers is in flight
 //                 UNSHARDED  the unsharded buffers are filled; params point at them
 //
-//   TrainingState IDLE           between passes
+//   TrainingState IDLE           neither in a forward of this unit nor in its backward
 //                 FORWARD        inside fsdp::forward of this unit
-//                 PRE_BACKWARD   gathered for backward; autograd is accumulating unsharded grads
-//                 POST_BACKWARD  turning the unsharded grads into sharded ones
+//                 PRE_BACKWARD   its backward runs in the current backward pass: gathered, its
+//                                sharded grads stashed, autograd accumulating unsharded grads
+//                 POST_BACKWARD  turning the unsharded grads into a reduce-scatter
 //
-// One step of a non-root unit under FULL_SHARD:
-//   pre_forward:   all-gather (-> UNSHARDED), prefetch the next unit, wrap inputs in the
-//                  post-backward identity
-//   post_forward:  reshard (-> SHARDED), hook the outputs
-//   pre_backward:  (first output grad) stash sharded grads, all-gather again, prefetch
-//   post_backward: (input grads done, or the end-of-backward callback) copy the unsharded
-//                  grads into a reduce-scatter buffer, reshard, issue the reduce-scatter;
-//                  it completes while the next unit computes (finish_reduce_scatter)
-//   end of backward: finish_reduce(): the cross-replica all-reduce (hybrid, no-shard) and
-//                  the sharded grads put in place
+// A forward that runs inside the unit's own backward (a recomputation) returns to
+// PRE_BACKWARD when it ends.
+//
+// Why a unit is gathered (UNSHARDED or GATHERING), at any moment one of these holds:
+//   - it is in FORWARD or PRE_BACKWARD/POST_BACKWARD;
+//   - held_: a forward call whose backward is still to come keeps it (the root call of the
+//     model's forward, kShardGradOp, reshard_after_forward(false)); released by its backward's
+//     post-backward, by the end of the backward pass, or when the call's graph dies;
+//   - user_held_: fsdp::unshard() keeps it until fsdp::reshard();
+//   - counted_: gathered ahead by the prefetcher (holds a rate-limiter slot).
+// The end of every backward pass reshards every unit that is not user_held_.
+//
+// One training step of a non-root unit under FULL_SHARD:
+//   pre_forward:   all-gather (-> UNSHARDED), prefetch the next unit; the tensor inputs that
+//                  require grad go through the post-backward identity (PostBackward)
+//   post_forward:  reshard (-> SHARDED); hook the outputs that require grad; remember the call
+//                  (CallRecord) so its backward can be recognised
+//   pre_backward:  (a call's first output gradient) stash the sharded grads, all-gather again,
+//                  prefetch
+//   post_backward: (the call's PostBackward node, once the unit's last call expected in this
+//                  backward pass is done, or the end-of-backward callback) copy the unsharded
+//                  grads into a reduce-scatter buffer, reshard, issue the reduce-scatter; it
+//                  completes while the next unit computes (finish_reduce_scatter)
+//   end of backward: wait_reduces(): the cross-replica all-reduce (hybrid, no-shard) done;
+//                  install_grads(): the reduced shards added to the grads; end_backward_pass():
+//                  commit, reshard, forget the calls of the pass
+//
+// A unit called k times before one backward (a shared layer, two losses summed) keeps one
+// record per call: each call's backward finds it gathered (the first one gathers), gradients
+// of all calls accumulate, and the reduction runs once, after the last call that is part of
+// this backward pass. A frozen unit (no trainable parameter) whose outputs require grad is
+// gathered for its backward the same way and reduces nothing.
 //
 // Strategies are combinations of three groups: the shard group (nullptr for kNoShard), the
 // replicate group (kNoShard, kHybridShard) and the post-forward group (reshard after forward
-// to a block of ranks). Prefetch and the rate limiter live in prefetch.h.
+// to a block of ranks). Prefetch and the rate limiter live in prefetch.h, the model-wide state
+// (forward nesting, backward passes, end of backward, failure) in root_state.h.
 #pragma once
 
+#include <torch/csrc/autograd/function.h>
 #include <torch/nn/module.h>
 #include <torch/types.h>
 
@@ -42,6 +67,8 @@
 
 namespace fsdp::detail {
 
+class RootState;
+
 enum class ShardedState { kSharded, kGathering, kUnsharded };
 enum class TrainingState { kIdle, kForward, kPreBackward, kPostBackward };
 
@@ -52,43 +79,98 @@ struct UnitGroups {
   std::shared_ptr<ProcessGroup> post_forward;  // null: reshard fully after forward
 };
 
+/// One fsdp::forward call of a unit whose backward may still come. Held by the unit, by the
+/// hooks on the call's outputs and by its PostBackward node (an intrusive pointer, so autograd
+/// can carry it in a capsule).
+struct CallRecord : torch::CustomClassHolder {
+  std::weak_ptr<ParamGroup> unit;
+  /// The model forward (RootState::epoch()) the call belongs to.
+  uint64_t epoch = 0;
+  /// The PostBackward node on the call's inputs (none if no input required grad).
+  std::optional<c10::weak_intrusive_ptr<torch::autograd::Node>> post_node;
+  /// The grad_fn of each output that requires grad: the call's graph is alive while one is.
+  std::vector<c10::weak_intrusive_ptr<torch::autograd::Node>> output_nodes;
+  /// Backward passes (RootState::pass_id()) in which its pre-/post-backward ran; 0: not yet.
+  uint64_t pre_pass = 0;
+  uint64_t post_pass = 0;
+
+  /// The graph that would run this call's backward still exists.
+  bool alive() const;
+  /// This call's backward will still run in the current backward pass (called from a hook).
+  bool expected_in_current_pass(uint64_t pass) const;
+};
+
 class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
  public:
   ParamGroup(std::string name, std::vector<std::pair<std::string, torch::Tensor>> params,
              FullyShardOptions options, UnitGroups groups);
 
+  /// The unit's module path inside the model (e.g. "h3"), or its class name for a root.
   const std::string& name() const { return name_; }
+  void set_name(std::string name) { name_ = std::move(name); }
   const FullyShardOptions& options() const { return options_; }
   const UnitGroups& groups() const { return groups_; }
   int shard_size() const { return groups_.shard ? groups_.shard->size() : 1; }
   const std::vector<ShardedParam>& params() const { return params_; }
+  bool has_trainable_params() const;
   ShardedState sharded_state() const { return sharded_state_; }
   TrainingState training_state() const { return training_state_; }
-  bool backward_pending() const { return backward_pending_; }
-  /// Kept gathered from forward into backward (the root, kShardGradOp).
   bool held() const { return held_; }
+  bool user_held() const { return user_held_; }
 
-  std::vector<torch::Tensor> pre_forward(std::vector<torch::Tensor> inputs, bool is_root_call);
-  void post_forward(const std::vector<torch::Tensor>& outputs, bool is_root_call);
-  /// The module's forward threw: reshard, forget the pending backward, return to IDLE.
-  void abandon_forward() noexcept;
-  void pre_backward();
-  void post_backward();
-  /// End of a backward pass: whatever the hooks did not finish (a unit whose inputs needed no
-  /// grad, the root) is finished here.
+  /// The model state this unit belongs to (changes once, when an enclosing module is sharded).
+  RootState& state() const { return *state_; }
+  const std::shared_ptr<RootState>& state_ptr() const { return state_; }
+  void set_state(std::shared_ptr<RootState> state) { state_ = std::move(state); }
+
+  // ---- Forward (called by fsdp::forward through ForwardCall) ----
+  /// Gathers the unit, prefetches; `is_root_call`: the outermost fsdp::forward of the model.
+  void pre_forward(bool is_root_call);
+  /// Passes the inputs that require grad through PostBackward (returns them unchanged when
+  /// grad mode is off or none requires grad).
+  std::vector<torch::Tensor> wrap_inputs(std::vector<torch::Tensor> inputs);
+  /// Frees the unit unless something holds it, and hooks the outputs that require grad.
+  void post_forward(const std::vector<torch::Tensor>& outputs);
+  /// The module's forward (or post_forward) threw: forget the call, reshard unless held.
+  void abort_forward();
+  bool in_forward() const { return training_state_ == TrainingState::kForward; }
+
+  // ---- Backward (hooks, the end-of-backward callback, failure) ----
+  /// A call's output received its first gradient in this backward pass.
+  void pre_backward(CallRecord& call);
+  /// A call's PostBackward node ran: its inputs' gradients are complete.
+  void post_backward(CallRecord& call);
+  /// End of a successful backward pass, step 1: post-backward for a unit still in backward.
   void finish_backward();
+  /// Step 2: completes all gradient communication (may throw: the pass is then rolled back).
+  void wait_reduces();
+  /// Step 3: adds the reduced shards to the grads (local work only).
+  void install_grads();
+  /// Step 4: commits the pass (accumulated grads of no-sync passes), reshards, forgets the
+  /// calls this pass processed, drops block shards. Nothing of the pass stays gathered.
+  void end_backward_pass(uint64_t pass);
+  /// The backward pass failed: waits for every collective in flight, restores the sharded
+  /// grads to what they were before the pass, drops what the pass accumulated, reshards.
+  /// Collects failures instead of throwing (it runs while another exception propagates).
+  void abort_backward_pass(uint64_t pass, std::vector<std::string>& errors);
+  /// A call of this unit may still run its backward (its graph is alive).
+  bool expects_backward() const;
+  /// A call of this unit whose backward has not started in the open pass may still run it.
+  bool awaits_backward() const;
+  /// Forgets calls whose graph died and releases the hold when none is left. `failed_epoch`:
+  /// also forgets the calls of that forward (it threw).
+  void forget_calls(std::optional<uint64_t> failed_epoch);
 
   /// Completes this unit's reduce-scatter if one is in flight and issues the cross-replica
   /// all-reduce that follows it. Bounds the reduce-scatter buffers alive at once.
   void finish_reduce_scatter();
-  /// Completes all gradient communication of the last post_backward and installs the grads.
-  void finish_reduce();
-  bool reduce_pending() const { return reduce_.has_value(); }
+  bool reduce_pending() const { return !reduces_.empty(); }
 
   /// false: backward keeps unsharded grads locally instead of reduce-scattering them
   /// (accumulation without communication); the next backward with true sends the sum.
   void set_requires_gradient_sync(bool sync) { requires_gradient_sync_ = sync; }
 
+  // ---- Gathering ----
   /// Starts gathering the unit's parameters (one all-gather for the whole unit). `counted`:
   /// the gather occupies a slot of the rate limiter until the unit reshards.
   void issue_unshard(bool counted);
@@ -98,11 +180,14 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
     issue_unshard(counted);
     wait_unshard();
   }
-  /// Frees the unsharded parameters (waiting for an in-flight gather first).
+  /// Frees the unsharded parameters (waiting for an in-flight gather first). Does not look at
+  /// why the unit is gathered: callers decide (see release()).
   void reshard();
-  /// Drops the blocks kept by reshard-after-forward-to-a-block and the held flag: at the end
-  /// of a backward, nothing of this step may stay.
-  void reset_after_backward();
+  /// Reshards unless something still holds the unit (user_held_, held_, in a forward or a
+  /// backward).
+  void release();
+  /// fsdp::unshard / fsdp::reshard.
+  void set_user_held(bool held);
 
   /// Explicit prefetch lists (nullopt: follow the recorded order).
   std::optional<std::vector<std::weak_ptr<ParamGroup>>> forward_prefetch_list;
@@ -113,40 +198,52 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   int64_t unsharded_bytes() const;
 
  private:
-  // Gradient communication of one post_backward, in flight until finish_reduce().
+  // Gradient communication of one post-backward, in flight until wait_reduces(). Each rank's
+  // block of the reduce-scatter input is [param 0 chunk | ... | param P-1 chunk | P flags]:
+  // flag i is 1 where this rank produced a gradient for param i, so after the (averaging)
+  // reduction a param gets a grad exactly when some rank produced one, as in one process.
   struct PendingReduce {
     std::vector<ShardedParam*> params;
     torch::Tensor input;   // reduce-scatter input (released when the reduce-scatter is done)
-    torch::Tensor output;  // this rank's reduced shards, params.size() pieces back to back
+    torch::Tensor output;  // this rank's reduced shards, then the P flags
     std::unique_ptr<CollectiveWork> reduce_scatter;
     std::vector<std::unique_ptr<CollectiveWork>> all_reduces;
     bool all_reduce_issued = false;
   };
 
+  void begin_backward();
+  void reduce_gradients();
   void issue_all_reduce();
   void release_slot();
-  void check_state(ShardedState expected, const char* where) const;
+  void drop_block_shards();
   [[noreturn]] void fail(const std::string& msg) const;
-  ProcessGroup& group() const { return *options_.group(); }
+  std::string context() const;
 
   std::string name_;
   FullyShardOptions options_;
   UnitGroups groups_;
   std::vector<ShardedParam> params_;
+  std::shared_ptr<RootState> state_;
   ShardedState sharded_state_ = ShardedState::kSharded;
   TrainingState training_state_ = TrainingState::kIdle;
+  // State to return to when a forward that ran inside the unit's backward ends.
+  TrainingState state_before_forward_ = TrainingState::kIdle;
   std::unique_ptr<CollectiveWork> gather_;
   bool counted_ = false;
   bool held_ = false;
+  bool user_held_ = false;
   bool block_shards_ = false;
-  // Set by a forward under grad mode; cleared once the backward's post-backward ran.
-  bool backward_pending_ = false;
-  bool pre_backward_done_ = false;
+  bool is_root_call_ = false;
+  // Calls whose backward may still come, oldest first; the call being formed by a forward.
+  std::vector<c10::intrusive_ptr<CallRecord>> calls_;
+  c10::intrusive_ptr<CallRecord> forming_;
+  // The sharded grads were moved aside for this backward pass (put back, with the reduced
+  // shards added, by end_backward_pass; unchanged by abort_backward_pass).
+  bool grads_stashed_ = false;
   bool requires_gradient_sync_ = true;
-  std::optional<PendingReduce> reduce_;
+  // Usually one per pass; more if a call's backward arrives after the unit already reduced
+  // in this pass (a call the pass was not expected to run).
+  std::vector<PendingReduce> reduces_;
 };
-
-/// Whether a forward of some unit is running on this thread (the outermost one is the root).
-bool in_unit_forward();
 
 }  // namespace fsdp::detail

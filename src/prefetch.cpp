@@ -2,40 +2,15 @@
 #include "prefetch.h"
 
 #include <algorithm>
-#include <deque>
 
 #include "param_group.h"
-#include "registry.h"
 
-namespace fsdp::detail::prefetch {
+namespace fsdp::detail {
 namespace {
-
-struct Schedule {
-  std::vector<std::weak_ptr<ParamGroup>> recording;  // this forward, in call order
-  std::vector<std::weak_ptr<ParamGroup>> order;      // the last complete forward
-  const ParamGroup* recording_root = nullptr;
-  const ParamGroup* root = nullptr;  // of `order`
-  int limit = 2;
-  int in_use = 0;
-  int high_water = 0;
-  std::deque<std::weak_ptr<ParamGroup>> queue;
-};
-
-thread_local Schedule t_schedule;
 
 bool same(const std::weak_ptr<ParamGroup>& w, const ParamGroup& unit) {
   auto p = w.lock();
   return p.get() == &unit;
-}
-
-void issue_queued() {
-  auto& s = t_schedule;
-  while (!s.queue.empty() && s.in_use < s.limit) {
-    auto unit = s.queue.front().lock();
-    s.queue.pop_front();
-    if (unit && unit->sharded_state() == ShardedState::kSharded)
-      unit->issue_unshard(/*counted=*/true);
-  }
 }
 
 std::vector<std::shared_ptr<ParamGroup>> lock_all(
@@ -50,126 +25,126 @@ std::vector<std::shared_ptr<ParamGroup>> lock_all(
 
 }  // namespace
 
-void begin_forward(ParamGroup& root) {
-  auto& s = t_schedule;
-  s.recording.clear();
-  s.recording_root = &root;
-  s.limit = std::max(1, root.options().max_inflight_all_gathers());
-}
-
-void record_forward(ParamGroup& unit) {
-  t_schedule.recording.push_back(unit.weak_from_this());
-}
-
-void end_forward() {
-  auto& s = t_schedule;
-  s.queue.clear();
-  s.order = std::move(s.recording);
-  s.recording.clear();
-  s.root = s.recording_root;
-  // A unit gathered ahead that this forward never ran (the order changed): free it now.
-  for (auto& unit : live_units()) {
-    if (unit->training_state() == TrainingState::kIdle && !unit->held() &&
-        unit->sharded_state() != ShardedState::kSharded) {
-      unit->reshard();
-    }
+void Prefetcher::issue_queued() {
+  while (!queue_.empty() && in_use_ < limit_) {
+    auto unit = queue_.front().lock();
+    queue_.pop_front();
+    if (unit && unit->sharded_state() == ShardedState::kSharded)
+      unit->issue_unshard(/*counted=*/true);
   }
 }
 
-void end_backward() {
-  t_schedule.queue.clear();
+void Prefetcher::begin_forward(int limit) {
+  recording_.clear();
+  limit_ = std::max(1, limit);
 }
 
-std::vector<std::shared_ptr<ParamGroup>> forward_targets(const ParamGroup& unit) {
+void Prefetcher::record_forward(ParamGroup& unit) {
+  recording_.push_back(unit.weak_from_this());
+}
+
+void Prefetcher::end_forward(bool completed) {
+  queue_.clear();
+  if (completed)
+    order_ = std::move(recording_);
+  recording_.clear();
+}
+
+void Prefetcher::begin_backward() {
+  // The root call's unit first (its outputs get the first gradients), then the other calls in
+  // reverse forward order.
+  backward_order_.clear();
+  if (order_.empty())
+    return;
+  backward_order_.push_back(order_.front());
+  for (size_t i = order_.size(); i-- > 1;)
+    backward_order_.push_back(order_[i]);
+  backward_cursor_ = 0;
+}
+
+void Prefetcher::end_backward() {
+  queue_.clear();
+  backward_order_.clear();
+  backward_cursor_ = 0;
+}
+
+std::vector<std::shared_ptr<ParamGroup>> Prefetcher::forward_targets(const ParamGroup& unit) const {
   if (unit.forward_prefetch_list)
     return lock_all(*unit.forward_prefetch_list);
-  if (!unit.options().forward_prefetch())
+  if (!unit.options().forward_prefetch() || order_.empty())
     return {};
-  const auto& order = t_schedule.order;
-  for (size_t i = 0; i < order.size(); ++i) {
-    if (!same(order[i], unit))
-      continue;
-    for (size_t j = i + 1; j < order.size(); ++j) {
-      auto next = order[j].lock();
-      if (next && next.get() != t_schedule.root)
-        return {next};
-    }
-    return {};
+  // This call is the k-th of the forward (k = recording_.size() - 1). If the previous forward
+  // had this unit at k too, its (k+1)-th call comes next; otherwise the order changed: take the
+  // call after this unit's first one.
+  size_t k = recording_.empty() ? 0 : recording_.size() - 1;
+  if (k >= order_.size() || !same(order_[k], unit)) {
+    auto it =
+        std::find_if(order_.begin(), order_.end(), [&](const auto& w) { return same(w, unit); });
+    if (it == order_.end())
+      return {};
+    k = static_cast<size_t>(it - order_.begin());
   }
-  return {};
+  if (k + 1 >= order_.size())
+    return {};
+  auto next = order_[k + 1].lock();
+  auto root = order_.front().lock();
+  // The root call's unit is gathered by its own call and stays so; never a prefetch target.
+  if (!next || next == root || next.get() == &unit)
+    return {};
+  return {next};
 }
 
-std::vector<std::shared_ptr<ParamGroup>> backward_targets(const ParamGroup& unit) {
+std::vector<std::shared_ptr<ParamGroup>> Prefetcher::backward_targets(const ParamGroup& unit) {
   if (unit.backward_prefetch_list)
     return lock_all(*unit.backward_prefetch_list);
   if (unit.options().backward_prefetch() == BackwardPrefetch::kNone)
     return {};
-  // Backward order: the root, then the other units in reverse forward order.
-  std::vector<std::shared_ptr<ParamGroup>> order;
-  std::shared_ptr<ParamGroup> root;
-  for (const auto& w : t_schedule.order) {
-    auto p = w.lock();
-    if (!p)
-      continue;
-    if (p.get() == t_schedule.root)
-      root = p;
-    else
-      order.push_back(std::move(p));
-  }
-  std::reverse(order.begin(), order.end());
-  if (root)
-    order.insert(order.begin(), root);
-  auto it =
-      std::find_if(order.begin(), order.end(), [&](const auto& p) { return p.get() == &unit; });
-  if (it == order.end())
+  // Find this unit from the cursor on (a unit called twice appears twice), else anywhere.
+  auto find_from = [&](size_t from) {
+    for (size_t i = from; i < backward_order_.size(); ++i) {
+      if (same(backward_order_[i], unit))
+        return i;
+    }
+    return backward_order_.size();
+  };
+  size_t at = find_from(backward_cursor_);
+  if (at == backward_order_.size())
+    at = find_from(0);
+  if (at == backward_order_.size())
     return {};
-  for (++it; it != order.end(); ++it) {
-    if ((*it)->backward_pending())
-      return {*it};
+  backward_cursor_ = at + 1;
+  for (size_t j = at + 1; j < backward_order_.size(); ++j) {
+    auto next = backward_order_[j].lock();
+    if (next && next.get() != &unit && next->awaits_backward())
+      return {next};
   }
   return {};
 }
 
-void request(ParamGroup& unit) {
-  auto& s = t_schedule;
+void Prefetcher::request(ParamGroup& unit) {
   if (unit.sharded_state() != ShardedState::kSharded)
     return;
-  if (std::any_of(s.queue.begin(), s.queue.end(), [&](const auto& w) { return same(w, unit); }))
+  if (std::any_of(queue_.begin(), queue_.end(), [&](const auto& w) { return same(w, unit); }))
     return;
-  if (s.in_use < s.limit) {
+  if (in_use_ < limit_) {
     unit.issue_unshard(/*counted=*/true);
   } else {
-    s.queue.push_back(unit.weak_from_this());
+    queue_.push_back(unit.weak_from_this());
   }
 }
 
-void claim(const ParamGroup& unit) {
-  auto& q = t_schedule.queue;
-  std::erase_if(q, [&](const auto& w) { return same(w, unit); });
+void Prefetcher::claim(const ParamGroup& unit) {
+  std::erase_if(queue_, [&](const auto& w) { return same(w, unit); });
 }
 
-void acquire_slot() {
-  auto& s = t_schedule;
-  ++s.in_use;
-  s.high_water = std::max(s.high_water, s.in_use);
+void Prefetcher::acquire_slot() {
+  ++in_use_;
+  high_water_ = std::max(high_water_, in_use_);
 }
 
-void release_slot() {
-  auto& s = t_schedule;
-  s.in_use = std::max(0, s.in_use - 1);
+void Prefetcher::release_slot() {
+  in_use_ = std::max(0, in_use_ - 1);
   issue_queued();
 }
 
-int slots_in_use() {
-  return t_schedule.in_use;
-}
-
-int slots_high_water() {
-  return t_schedule.high_water;
-}
-
-void reset_high_water() {
-  t_schedule.high_water = t_schedule.in_use;
-}
-
-}  // namespace fsdp::detail::prefetch
+}  // namespace fsdp::detail

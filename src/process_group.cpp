@@ -34,6 +34,8 @@
 #include <stdexcept>
 #include <thread>
 
+#include "collective_check.h"
+
 namespace fsdp {
 namespace {
 
@@ -454,6 +456,8 @@ std::shared_ptr<ProcessGroup> init_process_group(const LaunchEnv& env,
   if (opts.gloo_hostname().empty() && is_loopback(env.master_addr)) {
     opts.gloo_hostname(env.master_addr);
   }
+  if (opts.check_collectives() == 0)
+    opts.check_collectives(detail::check_collectives_from_environment());
   std::vector<int> world(static_cast<size_t>(env.world_size));
   for (int r = 0; r < env.world_size; ++r)
     world[static_cast<size_t>(r)] = r;
@@ -507,6 +511,12 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store,
               size_);
   TORCH_CHECK(static_cast<int>(global_ranks_.size()) == size_, "ProcessGroup: global_ranks has ",
               global_ranks_.size(), " entries for size ", size_);
+  TORCH_CHECK(options_.check_collectives() >= 0, "ProcessGroupOptions::check_collectives must be ",
+              ">= 0, got ", options_.check_collectives());
+  if (options_.check_collectives() > 0 && size_ > 1) {
+    check_ = std::make_unique<detail::CollectiveCheck>(
+        store_, rank_, global_ranks_, options_.check_collectives(), options_.timeout());
+  }
 }
 
 ProcessGroup::~ProcessGroup() = default;

@@ -1,6 +1,7 @@
 // Which modules are FSDP units. C++ modules cannot carry extra state, so units are found by
-// module address, guarded by a weak reference so that a new module at a freed address is
-// never mistaken for an old one.
+// module address, guarded by a weak reference so that a new module at a freed address is never
+// mistaken for an old one. A lookup table shared by all models, never their runtime state
+// (that lives in each model's RootState); guarded by a mutex.
 #pragma once
 
 #include <memory>
@@ -16,12 +17,23 @@ class Module;
 namespace fsdp::detail {
 
 class ParamGroup;
+class RootState;
 
-/// Units whose modules are still alive, in the order they were created.
+struct UnitEntry {
+  std::shared_ptr<torch::nn::Module> module;
+  std::shared_ptr<ParamGroup> unit;
+};
+
+/// Makes `unit` the unit of `module`.
+void register_unit(const std::shared_ptr<torch::nn::Module>& module,
+                   std::shared_ptr<ParamGroup> unit);
+/// Units whose modules are still alive, with their modules, in the order they were created.
+std::vector<UnitEntry> live_entries();
 std::vector<std::shared_ptr<ParamGroup>> live_units();
-/// Stable id of a unit (for autograd nodes, which can only save plain values).
-int64_t unit_id(const ParamGroup& unit);
-std::shared_ptr<ParamGroup> unit_by_id(int64_t id);
+/// The distinct RootStates of the live units.
+std::vector<std::shared_ptr<RootState>> live_states();
+/// The unit of `module` and of every module under it, in creation order.
+std::vector<std::shared_ptr<ParamGroup>> units_under(const torch::nn::Module& module);
 /// The unit that owns `param` (by TensorImpl), or nullptr.
 std::shared_ptr<ParamGroup> unit_of_param(const c10::TensorImpl* param);
 

@@ -118,6 +118,7 @@ void ShardedParam::to_sharded() {
 }
 
 void ShardedParam::stash_sharded_grad() {
+  stashed_grad_ = torch::Tensor();
   if (!param_.requires_grad())
     return;
   if (param_.grad().defined() && param_.grad().sizes() == sharded_view_.sizes()) {
@@ -136,55 +137,64 @@ torch::Tensor ShardedParam::take_unsharded_grad() {
                 unsharded_.sizes(), " (was it used outside its unit's fsdp::forward?)");
     param_.mutable_grad() = torch::Tensor();
   }
-  if (kept_grad_.defined()) {
-    if (g.defined())
-      kept_grad_.add_(g);
-    g = std::move(kept_grad_);
-    kept_grad_ = torch::Tensor();
-  }
   return g;
 }
 
-void ShardedParam::keep_unsharded_grad() {
-  auto g = take_unsharded_grad();
+void ShardedParam::hold_pass_grad(torch::Tensor g) {
+  if (!g.defined())
+    return;
   // Own the memory: autograd may hand us a buffer it could reuse.
-  if (g.defined())
-    kept_grad_ = g.is_contiguous() ? g : g.contiguous();
-  restore_sharded_grad();
+  if (!g.is_contiguous())
+    g = g.contiguous();
+  pass_grad_ = pass_grad_.defined() ? pass_grad_.add_(g) : std::move(g);
 }
 
-void ShardedParam::copy_grad_into(const torch::Tensor& g, const torch::Tensor& dst) const {
-  // dst: [N, chunk_rows, row_numel]. Rank r's block gets rows [r * chunk, (r + 1) * chunk).
-  if (!g.defined()) {
-    dst.zero_();
-    return;
+void ShardedParam::commit_pass(bool drop_kept) {
+  if (drop_kept)
+    kept_grad_ = torch::Tensor();
+  if (pass_grad_.defined()) {
+    kept_grad_ = kept_grad_.defined() ? kept_grad_.add_(pass_grad_) : pass_grad_;
+    pass_grad_ = torch::Tensor();
   }
-  auto rows = g.reshape({rows_, row_numel_});
+}
+
+bool ShardedParam::copy_grad_into(const torch::Tensor& g, const torch::Tensor& dst) const {
+  // dst: [N, chunk_rows, row_numel]. Rank r's block gets rows [r * chunk, (r + 1) * chunk).
+  if (!g.defined() && !kept_grad_.defined()) {
+    dst.zero_();
+    return false;
+  }
+  auto rows = (g.defined() ? g : kept_grad_).reshape({rows_, row_numel_});
+  auto kept_rows =
+      g.defined() && kept_grad_.defined() ? kept_grad_.reshape({rows_, row_numel_}) : at::Tensor();
   for (int r = 0; r < world_size_; ++r) {
     const int64_t start = r * chunk_rows_;
     const int64_t n = std::clamp<int64_t>(rows_ - start, 0, chunk_rows_);
     auto block = dst.select(0, r);
-    if (n > 0)
+    if (n > 0) {
       block.narrow(0, 0, n).copy_(rows.narrow(0, start, n));
+      if (kept_rows.defined())
+        block.narrow(0, 0, n).add_(kept_rows.narrow(0, start, n));
+    }
     if (n < chunk_rows_)
       block.narrow(0, n, chunk_rows_ - n).zero_();
   }
+  return true;
 }
 
-void ShardedParam::set_sharded_grad(const torch::Tensor& shard) {
+void ShardedParam::add_to_stash(const torch::Tensor& shard) {
   auto g = alias_as_base(shard.view(padded_shard_.sizes()).narrow(0, 0, local_rows_));
   if (stashed_grad_.defined()) {
     stashed_grad_.add_(g);
-    param_.mutable_grad() = std::move(stashed_grad_);
   } else {
-    param_.mutable_grad() = g;
+    stashed_grad_ = g;
   }
-  stashed_grad_ = torch::Tensor();
 }
 
-void ShardedParam::restore_sharded_grad() {
-  if (stashed_grad_.defined())
-    param_.mutable_grad() = std::move(stashed_grad_);
+void ShardedParam::restore_stash() {
+  if (!param_.requires_grad())
+    return;  // never stashed: a frozen parameter's grad is not ours to touch
+  param_.mutable_grad() = std::move(stashed_grad_);
   stashed_grad_ = torch::Tensor();
 }
 

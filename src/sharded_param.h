@@ -61,24 +61,36 @@ class ShardedParam {
   /// Points the param at its sharded view.
   void to_sharded();
 
+  // Gradients through one backward pass (see ParamGroup): stash_sharded_grad() at the unit's
+  // first pre-backward; then either take_unsharded_grad() + copy_grad_into() (a reduction,
+  // whose result add_to_stash() adds later) or take_unsharded_grad() + hold_pass_grad()
+  // (no-sync accumulation); at the end of a good pass restore_stash() + commit_pass(), of a
+  // failed one restore_stash() + abort_pass(). Nothing of a pass is final before commit_pass:
+  // a failed pass leaves the grads as they were before it.
+
   /// Moves the param's sharded grad aside so that autograd can accumulate the unsharded grad.
   void stash_sharded_grad();
-  /// The unsharded grad autograd produced since stash_sharded_grad(), plus whatever
-  /// keep_unsharded_grad() accumulated before, or undefined.
+  /// The unsharded grad autograd produced since stash_sharded_grad(), or undefined; the
+  /// param's grad is cleared.
   torch::Tensor take_unsharded_grad();
-  /// Gradient accumulation without communication: adds the unsharded grad of this backward to
-  /// a local full-size accumulator (held until a syncing backward takes it) and puts the
-  /// stashed sharded grad back.
-  void keep_unsharded_grad();
+  /// Copies the unsharded grad `g` plus the grad kept by earlier no-sync passes into `dst`, a
+  /// [N, chunk_rows, row_numel]-shaped view of the reduce-scatter input, padding rows zeroed
+  /// (zeros where there is none). Returns whether there was any gradient.
+  bool copy_grad_into(const torch::Tensor& g, const torch::Tensor& dst) const;
+  /// Gradient accumulation without communication: holds this pass's unsharded grad until the
+  /// pass commits, when it joins the local full-size accumulator (held until a syncing pass
+  /// sends it).
+  void hold_pass_grad(torch::Tensor g);
   bool has_kept_grad() const { return kept_grad_.defined(); }
-  /// Copies the unsharded grad `g` (or zeros if undefined) into `dst`, a [N, chunk_rows,
-  /// row_numel]-shaped view of the reduce-scatter input, padding rows zeroed.
-  void copy_grad_into(const torch::Tensor& g, const torch::Tensor& dst) const;
-  /// Installs the reduced shard grad (`shard`: padded_shard_numel elements) as the param's
-  /// grad, adding the stashed one if any (gradient accumulation across steps).
-  void set_sharded_grad(const torch::Tensor& shard);
-  /// Restores the stashed sharded grad unchanged (a backward that produced nothing for us).
-  void restore_sharded_grad();
+  /// Adds a reduced shard grad (`shard`: padded_shard_numel elements) to the stashed grad.
+  void add_to_stash(const torch::Tensor& shard);
+  /// Makes the stashed grad the param's grad again (undefined if there was none).
+  void restore_stash();
+  /// The pass succeeded: its held grad joins the accumulator. `drop_kept`: the pass's
+  /// reduction sent the accumulator, which starts again from nothing.
+  void commit_pass(bool drop_kept);
+  /// The pass failed: its held grad is dropped; the accumulator is as before the pass.
+  void abort_pass() { pass_grad_ = torch::Tensor(); }
 
   /// Reshard after forward to a smaller group: keeps block `index` of `blocks` equal row
   /// blocks of the padded unsharded buffer (requires it gathered), so that an all-gather
@@ -104,6 +116,7 @@ class ShardedParam {
   torch::Tensor unsharded_;         // original shape, view of padded_unsharded_
   torch::Tensor stashed_grad_;
   torch::Tensor kept_grad_;    // unsharded, accumulated across non-syncing backwards
+  torch::Tensor pass_grad_;    // unsharded, this no-sync pass's, until it commits
   torch::Tensor block_shard_;  // reshard-after-forward to a smaller group
 };
 

@@ -107,7 +107,10 @@ FSDP_WORKER(comm_count) {
   const int64_t units = cfg.n_layer + 1;
   const int64_t ag_calls = 2 * cfg.n_layer + 1;
   const int64_t ag_bytes = n * (2 * cfg.n_layer * block_bytes + root_bytes);
-  const int64_t rs_bytes = n * all_bytes;
+  // Each rank's block of a reduce-scatter also carries one flag per parameter (did this rank
+  // produce a gradient for it), in the gradient dtype.
+  const int64_t flag_bytes = static_cast<int64_t>(full->parameters().size()) * 4;
+  const int64_t rs_bytes = n * (all_bytes + flag_bytes);
 
   for (int step = 0; step < 2; ++step) {
     pg->comm_stats().reset();

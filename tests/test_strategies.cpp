@@ -16,6 +16,7 @@
 #include "param_group.h"
 #include "prefetch.h"
 #include "registry.h"
+#include "root_state.h"
 
 namespace {
 
@@ -168,6 +169,7 @@ std::map<fsdp::ProcessGroup*, Expected> expected_per_step(
     }
     const int n = shard ? shard->size() : 1;
     const int64_t unsharded = unsharded_padded_bytes(params, n);
+    const int64_t flag_bytes = static_cast<int64_t>(params.size()) * 4;
     if (n > 1) {
       auto& fwd = out[shard.get()].all_gather;
       fwd.calls += 1, fwd.bytes += unsharded;
@@ -176,11 +178,13 @@ std::map<fsdp::ProcessGroup*, Expected> expected_per_step(
         bwd.calls += 1, bwd.bytes += unsharded;
       }
       auto& rs = out[shard.get()].reduce_scatter;
-      rs.calls += 1, rs.bytes += unsharded;
+      // Plus one gradient flag per parameter in each rank's block (ParamGroup::PendingReduce).
+      rs.calls += 1, rs.bytes += unsharded + n * flag_bytes;
     }
     if (replicate && replicate->size() > 1) {
       auto& ar = out[replicate.get()].all_reduce;
-      ar.calls += 1, ar.bytes += unsharded / n;  // one bucket: the units are < 25 MiB
+      // One bucket (the units are < 25 MiB): this rank's shards and the flags.
+      ar.calls += 1, ar.bytes += unsharded / n + flag_bytes;
     }
   }
   return out;
@@ -213,7 +217,8 @@ int check_spec(const Spec& spec) {
   auto opt = make_optimizer(spec.optimizer, model->parameters());
   for (auto& g : all_groups(pg))
     g->comm_stats().reset();
-  fsdp::detail::prefetch::reset_high_water();
+  auto& prefetcher = fsdp::detail::find_unit(*model)->state().prefetcher();
+  prefetcher.reset_high_water();
   fsdp::StepProfiler profiler(model.ptr());
   const int micro = spec.micro_batches;
   for (int step = 0; step < kSteps; ++step) {
@@ -306,7 +311,7 @@ int check_spec(const Spec& spec) {
     check("all-reduce", got.all_reduce, times(want.all_reduce, grad_syncs));
   }
   // (3) The rate limiter held: never more units in the gather pipeline than allowed.
-  const int high_water = fsdp::detail::prefetch::slots_high_water();
+  const int high_water = prefetcher.slots_high_water();
   WORKER_CHECK(high_water <= spec.max_inflight)
       << high_water << " gathers in flight with a limit of " << spec.max_inflight;
   // Everything is sharded again between steps.

@@ -10,3 +10,5 @@
 #include <fsdp/memory.h>
 #include <fsdp/process_group.h>
 #include <fsdp/step_profiler.h>
+#include <fsdp/tensor_visit.h>
+#include <fsdp/unshard.h>

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include <fsdp/process_group.h>
+#include <fsdp/tensor_visit.h>
 
 namespace fsdp {
 
@@ -161,17 +162,29 @@ namespace detail {
 class ParamGroup;
 /// The unit of `module`, or nullptr.
 std::shared_ptr<ParamGroup> find_unit(const torch::nn::Module& module);
-/// Gathers the unit's parameters; returns the tensor arguments, wrapped so that autograd
-/// tells the unit when its backward is done.
-std::vector<torch::Tensor> pre_forward(ParamGroup& unit, std::vector<torch::Tensor> args);
-/// Frees the unit's parameters (unless it is the root of this forward) and hooks the outputs
-/// so that backward gathers them again.
-void post_forward(ParamGroup& unit, const std::vector<torch::Tensor>& outputs);
-/// The module's forward threw: reshard and return the unit to idle so training can go on.
-void abort_forward(ParamGroup& unit) noexcept;
 
-template <typename T>
-inline constexpr bool is_tensor_v = std::is_same_v<std::decay_t<T>, torch::Tensor>;
+/// One fsdp::forward call of a unit, from its pre-forward to its post-forward. The constructor
+/// gathers the unit (and prefetches); if the module's forward throws, the destructor returns the
+/// unit and its model to a state where the next step works.
+class ForwardCall {
+ public:
+  explicit ForwardCall(std::shared_ptr<ParamGroup> unit);
+  ForwardCall(const ForwardCall&) = delete;
+  ForwardCall& operator=(const ForwardCall&) = delete;
+  ~ForwardCall();
+  /// Passes the inputs that require grad through the unit's post-backward identity; returns
+  /// them in the same order (unchanged when grad mode is off).
+  std::vector<torch::Tensor> wrap_inputs(std::vector<torch::Tensor> inputs);
+  /// Frees the unit (unless something holds it) and hooks the outputs that require grad.
+  void finish(const std::vector<torch::Tensor>& outputs);
+
+ private:
+  std::shared_ptr<ParamGroup> unit_;
+  bool finished_ = false;
+};
+
+/// A by-reference argument passed with std::ref: fsdp cannot wrap what it holds.
+void check_no_grad_through_reference(const std::vector<torch::Tensor>& tensors);
 
 template <typename M>
 decltype(auto) module_impl(M& m) {
@@ -184,86 +197,125 @@ decltype(auto) module_impl(M& m) {
   }
 }
 
-template <typename... Args>
-constexpr std::array<int, sizeof...(Args)> tensor_slots() {
-  std::array<int, sizeof...(Args)> slots{};
-  int next = 0, i = 0;
-  ((slots[i++] = is_tensor_v<Args> ? next++ : -1), ...);
-  return slots;
-}
+// One argument of fsdp::forward. Arguments that hold tensors requiring grad are passed as a
+// copy whose tensors went through the unit's post-backward identity, with the caller's value
+// category (a const lvalue for an lvalue, an rvalue for an rvalue), so `const T&`, `T` and
+// `T&&` parameters all bind; a `T&` parameter does not compile (a copy would silently drop the
+// callee's writes): pass std::ref(x) for those. Arguments without tensors pass through as they
+// are.
+template <typename Arg>
+class ArgSlot {
+  using D = std::remove_cvref_t<Arg>;
+  static_assert(IsRefWrapper<D>::value || kWalkable<D>,
+                "fsdp::forward: an argument's type may hold tensors fsdp cannot see. Give it a "
+                "member `template <typename F> void visit_tensors(F&& f)` that calls f on each "
+                "tensor field (see fsdp/tensor_visit.h), or pass it with std::ref");
 
-inline void collect_tensors(const torch::Tensor& t, std::vector<torch::Tensor>& out) {
-  if (t.defined())
-    out.push_back(t);
-}
-inline void collect_tensors(const std::vector<torch::Tensor>& ts, std::vector<torch::Tensor>& out) {
-  for (const auto& t : ts)
-    collect_tensors(t, out);
-}
-template <typename... Ts>
-void collect_tensors(const std::tuple<Ts...>& tup, std::vector<torch::Tensor>& out) {
-  std::apply([&](const auto&... e) { (collect_tensors(e, out), ...); }, tup);
-}
-template <typename A, typename B>
-void collect_tensors(const std::pair<A, B>& p, std::vector<torch::Tensor>& out) {
-  collect_tensors(p.first, out);
-  collect_tensors(p.second, out);
-}
-template <typename T>
-void collect_tensors(const T&, std::vector<torch::Tensor>&) {}  // not a tensor: nothing to hook
+ public:
+  ArgSlot(Arg&& arg) : arg_(std::forward<Arg>(arg)) {}  // NOLINT: implicit, for std::tuple
 
-template <typename Impl, typename Tuple, size_t... I>
-decltype(auto) call_forward(Impl& impl, Tuple& args, std::vector<torch::Tensor>& wrapped,
-                            std::index_sequence<I...>) {
-  constexpr auto slots = tensor_slots<std::tuple_element_t<I, Tuple>...>();
-  auto pick = [&]<size_t J>(std::integral_constant<size_t, J>) -> decltype(auto) {
-    if constexpr (is_tensor_v<std::tuple_element_t<J, Tuple>>) {
-      return static_cast<const torch::Tensor&>(wrapped[slots[J]]);
-    } else {
-      return std::forward<std::tuple_element_t<J, Tuple>>(std::get<J>(args));
+  /// Appends this argument's tensors that require grad.
+  void collect(std::vector<torch::Tensor>& out) {
+    if constexpr (IsRefWrapper<D>::value) {
+      using T = std::remove_cv_t<typename D::type>;
+      static_assert(kWalkable<T>,
+                    "fsdp::forward: std::ref of a type fsdp cannot look into; give it a "
+                    "visit_tensors member (see fsdp/tensor_visit.h)");
+      std::vector<torch::Tensor> inside;
+      auto f = [&](torch::Tensor& t) { inside.push_back(t); };
+      walk_tensors(const_cast<T&>(arg_.get()), f);
+      check_no_grad_through_reference(inside);
+    } else if constexpr (kMayHoldTensors<D>) {
+      // Read-only walk: walk_tensors takes a mutable object for user visit_tensors members.
+      auto f = [&](torch::Tensor& t) {
+        if (t.defined() && t.requires_grad())
+          out.push_back(t);
+      };
+      walk_tensors(const_cast<D&>(static_cast<const D&>(arg_)), f);
     }
-  };
-  return impl.forward(pick(std::integral_constant<size_t, I>{})...);
-}
+  }
+
+  /// Replaces, in a copy, the tensors collect() returned by `wrapped[next...]`.
+  void replace(const std::vector<torch::Tensor>& wrapped, size_t& next) {
+    if constexpr (!IsRefWrapper<D>::value && kMayHoldTensors<D>) {
+      bool any = false;
+      auto probe = [&](torch::Tensor& t) { any = any || (t.defined() && t.requires_grad()); };
+      walk_tensors(const_cast<D&>(static_cast<const D&>(arg_)), probe);
+      if (!any)
+        return;
+      copy_.emplace(static_cast<const D&>(arg_));
+      auto f = [&](torch::Tensor& t) {
+        if (t.defined() && t.requires_grad())
+          t = wrapped.at(next++);
+      };
+      walk_tensors(*copy_, f);
+    }
+  }
+
+  decltype(auto) get() {
+    if constexpr (IsRefWrapper<D>::value) {
+      return arg_.get();
+    } else if constexpr (!kMayHoldTensors<D>) {
+      return std::forward<Arg>(arg_);
+    } else if constexpr (std::is_lvalue_reference_v<Arg>) {
+      return static_cast<const D&>(copy_ ? *copy_ : arg_);
+    } else {
+      return static_cast<D&&>(copy_ ? *copy_ : arg_);
+    }
+  }
+
+ private:
+  Arg&& arg_;
+  std::optional<D> copy_;
+};
+
 }  // namespace detail
 
 /// Calls module->forward(args...) as an FSDP unit: parameters are gathered before and freed
-/// after, and backward is hooked. Tensor arguments are passed through an autograd identity so
-/// the unit learns when its backward has finished; other arguments are passed unchanged.
-/// `module` may be a ModuleHolder (Linear, or your TORCH_MODULE), a shared_ptr, or a module.
+/// after, and backward is hooked. Tensors inside the arguments (nested in containers and in
+/// types that declare them, see fsdp/tensor_visit.h) that require grad pass through an
+/// autograd identity, so the unit learns when its backward has finished; tensors inside the
+/// result that require grad get a hook that gathers the unit again for backward. `module` may
+/// be a ModuleHolder (Linear, or your TORCH_MODULE), a shared_ptr, or a module. The result is
+/// returned by value.
 template <typename M, typename... Args>
-decltype(auto) forward(M&& module, Args&&... args) {
+auto forward(M&& module, Args&&... args) {
   auto& impl = detail::module_impl(module);
+  using Result = std::remove_cvref_t<decltype(impl.forward(std::forward<Args>(args)...))>;
+  static_assert(std::is_void_v<Result> || detail::kWalkable<Result>,
+                "fsdp::forward: the module's forward returns a type that may hold tensors fsdp "
+                "cannot see. Give it a member `template <typename F> void visit_tensors(F&& f)` "
+                "(see fsdp/tensor_visit.h)");
   auto unit = detail::find_unit(impl);
-  if (!unit)
-    return impl.forward(std::forward<Args>(args)...);
-
-  std::vector<torch::Tensor> tensors;
-  (
-      [&] {
-        if constexpr (detail::is_tensor_v<Args>)
-          tensors.push_back(args);
-      }(),
-      ...);
-  auto wrapped = detail::pre_forward(*unit, std::move(tensors));
-  auto arg_tuple = std::forward_as_tuple(std::forward<Args>(args)...);
-  using Result =
-      decltype(detail::call_forward(impl, arg_tuple, wrapped, std::index_sequence_for<Args...>{}));
-  try {
-    if constexpr (std::is_void_v<Result>) {
-      detail::call_forward(impl, arg_tuple, wrapped, std::index_sequence_for<Args...>{});
-      detail::post_forward(*unit, {});
-    } else {
-      Result result =
-          detail::call_forward(impl, arg_tuple, wrapped, std::index_sequence_for<Args...>{});
-      std::vector<torch::Tensor> outputs;
-      detail::collect_tensors(result, outputs);
-      detail::post_forward(*unit, outputs);
-      return result;
-    }
-  } catch (...) {
-    detail::abort_forward(*unit);
-    throw;
+  if (!unit) {
+    if constexpr (std::is_void_v<Result>)
+      return impl.forward(std::forward<Args>(args)...);
+    else
+      return Result(impl.forward(std::forward<Args>(args)...));
+  }
+  detail::ForwardCall call(std::move(unit));
+  std::tuple<detail::ArgSlot<Args>...> slots(std::forward<Args>(args)...);
+  std::vector<torch::Tensor> inputs;
+  std::apply([&](auto&... slot) { (slot.collect(inputs), ...); }, slots);
+  if (!inputs.empty()) {
+    auto wrapped = call.wrap_inputs(std::move(inputs));
+    size_t next = 0;
+    std::apply([&](auto&... slot) { (slot.replace(wrapped, next), ...); }, slots);
+  }
+  if constexpr (std::is_void_v<Result>) {
+    std::apply([&](auto&... slot) { impl.forward(slot.get()...); }, slots);
+    call.finish({});
+  } else {
+    Result result = std::apply(
+        [&](auto&... slot) -> decltype(auto) { return impl.forward(slot.get()...); }, slots);
+    std::vector<torch::Tensor> outputs;
+    auto f = [&](torch::Tensor& t) {
+      if (t.defined())
+        outputs.push_back(t);
+    };
+    detail::walk_tensors(result, f);
+    call.finish(outputs);
+    return result;
   }
 }
 

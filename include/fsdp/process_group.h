@@ -26,6 +26,9 @@ class Store;
 }  // namespace c10d
 
 namespace fsdp {
+namespace detail {
+class CollectiveCheck;
+}
 
 /// Where this process sits in the job, read from the environment.
 struct LaunchEnv {
@@ -67,6 +70,12 @@ struct ProcessGroupOptions {
   /// allgather_coalesced calls on 2 threads crashed in about half the runs, and never on
   /// separate contexts). NCCL ignores it.
   TORCH_ARG(int, gloo_lanes) = 2;
+  /// Debug mode: every this many collectives, the ranks of each group compare (through the
+  /// rendezvous store) the sequence of collectives each issued, and every rank throws one
+  /// message naming the first collective where they differ and what each rank issued there
+  /// (src/collective_check.h). 1 checks before every collective; 0 is off. When 0,
+  /// init_process_group() takes FSDP_CHECK_COLLECTIVES from the environment.
+  TORCH_ARG(int, check_collectives) = 0;
 };
 
 /// A group of ranks and the c10d backend its collectives run on. Create with
@@ -95,6 +104,9 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   /// group in the same order, so every rank picks the same lane for each of them.
   c10d::Backend& next_lane() { return *lanes_[next_lane_++ % lanes_.size()]; }
   const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
+
+  /// The collective-sequence check (ProcessGroupOptions::check_collectives), or nullptr.
+  detail::CollectiveCheck* collective_check() const { return check_.get(); }
 
   /// Counters of every collective issued through fsdp-cpp on this group.
   CommStats& comm_stats() { return stats_; }
@@ -127,6 +139,7 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   std::vector<int> global_ranks_;
   ProcessGroupOptions options_;
   CommStats stats_;
+  std::unique_ptr<detail::CollectiveCheck> check_;
   int subgroups_created_ = 0;
   std::map<std::pair<int, bool>, std::shared_ptr<ProcessGroup>> splits_;
 };
