@@ -2,7 +2,6 @@
 #include "param_group.h"
 
 #include <torch/autograd.h>
-#include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
 
@@ -39,20 +38,6 @@ struct PostBackward : public torch::autograd::Function<PostBackward> {
   }
 };
 
-// Whether autograd will still execute `node` in the backward pass running on this thread:
-// it is reachable from the pass's roots and, when the pass computes only some inputs' grads
-// (torch::autograd::grad), needed for them.
-bool runs_in_current_pass(torch::autograd::Node* node) {
-  const auto* nodes = torch::autograd::get_current_graph_task_nodes_in_graph();
-  if (nodes == nullptr || nodes->count(node) == 0)
-    return false;
-  const auto* exec = torch::autograd::get_current_graph_task_exec_info();
-  if (exec == nullptr || exec->empty())
-    return true;
-  auto it = exec->find(node);
-  return it != exec->end() && it->second.should_execute();
-}
-
 // Runs `fn`, appending what it throws to `errors` (rollback paths must go on).
 template <typename F>
 void collect_errors(std::vector<std::string>& errors, F&& fn) {
@@ -68,22 +53,6 @@ void collect_errors(std::vector<std::string>& errors, F&& fn) {
 bool CallRecord::alive() const {
   return std::any_of(output_nodes.begin(), output_nodes.end(),
                      [](const auto& w) { return !w.expired(); });
-}
-
-bool CallRecord::expected_in_current_pass(uint64_t pass) const {
-  if (post_pass == pass)
-    return false;  // already done in this pass
-  if (post_node) {
-    auto post = post_node->lock();
-    return post && runs_in_current_pass(post.get());
-  }
-  // No PostBackward node (no input required grad): if its outputs are in this pass, its end is
-  // only known at the end of the pass.
-  for (const auto& w : output_nodes) {
-    if (auto node = w.lock(); node && runs_in_current_pass(node.get()))
-      return true;
-  }
-  return false;
 }
 
 ParamGroup::ParamGroup(std::string name, std::vector<std::pair<std::string, torch::Tensor>> params,
@@ -371,9 +340,12 @@ void ParamGroup::post_backward(CallRecord& call) {
   call.post_pass = pass;
   if (training_state_ != TrainingState::kPreBackward)
     return;
-  // The reduction runs once, after the last call of this unit that this pass will still run.
+  // Another call of this unit is in the middle of its backward (its first output gradient
+  // arrived, its inputs' gradients are not complete): it still reads the gathered parameters,
+  // so the reduction waits for it. Otherwise each call's backward reduces on its own: a unit
+  // called twice far apart is not held gathered (with its unsharded grads) in between.
   for (const auto& other : calls_) {
-    if (other.get() != &call && other->expected_in_current_pass(pass))
+    if (other.get() != &call && other->pre_pass == pass && other->post_pass != pass)
       return;
   }
   reduce_gradients();
@@ -423,8 +395,10 @@ void ParamGroup::reduce_gradients() {
         auto* p = trainable[static_cast<size_t>(i)];
         const int64_t len = p->padded_shard_numel();
         auto g = p->take_unsharded_grad();
+        // Grads kept by earlier no-sync passes travel with the pass's first reduction only.
         const bool has_grad = p->copy_grad_into(
-            g, rows.narrow(1, offset, len).view({n, p->chunk_rows(), p->row_numel()}));
+            g, rows.narrow(1, offset, len).view({n, p->chunk_rows(), p->row_numel()}),
+            /*add_kept=*/reduces_.empty());
         flags.select(1, i).fill_(has_grad ? 1 : 0);
         offset += len;
       }

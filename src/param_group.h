@@ -31,19 +31,23 @@
 //                  (CallRecord) so its backward can be recognised
 //   pre_backward:  (a call's first output gradient) stash the sharded grads, all-gather again,
 //                  prefetch
-//   post_backward: (the call's PostBackward node, once the unit's last call expected in this
-//                  backward pass is done, or the end-of-backward callback) copy the unsharded
+//   post_backward: (the call's PostBackward node, or the end-of-backward callback for a unit
+//                  whose calls did not signal their end) copy the unsharded
 //                  grads into a reduce-scatter buffer, reshard, issue the reduce-scatter; it
 //                  completes while the next unit computes (finish_reduce_scatter)
 //   end of backward: wait_reduces(): the cross-replica all-reduce (hybrid, no-shard) done;
 //                  install_grads(): the reduced shards added to the grads; end_backward_pass():
 //                  commit, reshard, forget the calls of the pass
 //
-// A unit called k times before one backward (a shared layer, two losses summed) keeps one
-// record per call: each call's backward finds it gathered (the first one gathers), gradients
-// of all calls accumulate, and the reduction runs once, after the last call that is part of
-// this backward pass. A frozen unit (no trainable parameter) whose outputs require grad is
-// gathered for its backward the same way and reduces nothing.
+// A unit called k times before one backward (a shared layer, two losses summed, a Siamese
+// encoder) keeps one record per call. Each call's backward gathers the unit if it is not
+// gathered, and reduces when it ends, unless another call of the unit is in the middle of its
+// backward at that moment (its backwards interleave): the reduction then waits for that one.
+// So a unit called twice far apart costs one more all-gather and reduce-scatter instead of
+// staying gathered, with its unsharded grads, across everything in between; the reduced
+// shards of one pass add up before they reach the grads (end of backward). A frozen unit (no
+// trainable parameter) whose outputs require grad is gathered for its backward the same way
+// and reduces nothing.
 //
 // Strategies are combinations of three groups: the shard group (nullptr for kNoShard), the
 // replicate group (kNoShard, kHybridShard) and the post-forward group (reshard after forward
@@ -96,8 +100,6 @@ struct CallRecord : torch::CustomClassHolder {
 
   /// The graph that would run this call's backward still exists.
   bool alive() const;
-  /// This call's backward will still run in the current backward pass (called from a hook).
-  bool expected_in_current_pass(uint64_t pass) const;
 };
 
 class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
@@ -241,8 +243,7 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   // shards added, by end_backward_pass; unchanged by abort_backward_pass).
   bool grads_stashed_ = false;
   bool requires_gradient_sync_ = true;
-  // Usually one per pass; more if a call's backward arrives after the unit already reduced
-  // in this pass (a call the pass was not expected to run).
+  // One per reduction of this pass: one per call whose backward ran on its own.
   std::vector<PendingReduce> reduces_;
 };
 

@@ -158,15 +158,16 @@ void ShardedParam::commit_pass(bool drop_kept) {
   }
 }
 
-bool ShardedParam::copy_grad_into(const torch::Tensor& g, const torch::Tensor& dst) const {
+bool ShardedParam::copy_grad_into(const torch::Tensor& g, const torch::Tensor& dst,
+                                  bool add_kept) const {
   // dst: [N, chunk_rows, row_numel]. Rank r's block gets rows [r * chunk, (r + 1) * chunk).
-  if (!g.defined() && !kept_grad_.defined()) {
+  const torch::Tensor kept = add_kept ? kept_grad_ : torch::Tensor();
+  if (!g.defined() && !kept.defined()) {
     dst.zero_();
     return false;
   }
-  auto rows = (g.defined() ? g : kept_grad_).reshape({rows_, row_numel_});
-  auto kept_rows =
-      g.defined() && kept_grad_.defined() ? kept_grad_.reshape({rows_, row_numel_}) : at::Tensor();
+  auto rows = (g.defined() ? g : kept).reshape({rows_, row_numel_});
+  auto kept_rows = g.defined() && kept.defined() ? kept.reshape({rows_, row_numel_}) : at::Tensor();
   for (int r = 0; r < world_size_; ++r) {
     const int64_t start = r * chunk_rows_;
     const int64_t n = std::clamp<int64_t>(rows_ - start, 0, chunk_rows_);

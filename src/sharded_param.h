@@ -73,10 +73,10 @@ class ShardedParam {
   /// The unsharded grad autograd produced since stash_sharded_grad(), or undefined; the
   /// param's grad is cleared.
   torch::Tensor take_unsharded_grad();
-  /// Copies the unsharded grad `g` plus the grad kept by earlier no-sync passes into `dst`, a
-  /// [N, chunk_rows, row_numel]-shaped view of the reduce-scatter input, padding rows zeroed
-  /// (zeros where there is none). Returns whether there was any gradient.
-  bool copy_grad_into(const torch::Tensor& g, const torch::Tensor& dst) const;
+  /// Copies the unsharded grad `g`, plus (add_kept) the grad kept by earlier no-sync passes,
+  /// into `dst`, a [N, chunk_rows, row_numel]-shaped view of the reduce-scatter input, padding
+  /// rows zeroed (zeros where there is none). Returns whether there was any gradient.
+  bool copy_grad_into(const torch::Tensor& g, const torch::Tensor& dst, bool add_kept) const;
   /// Gradient accumulation without communication: holds this pass's unsharded grad until the
   /// pass commits, when it joins the local full-size accumulator (held until a syncing pass
   /// sends it).
