@@ -6,12 +6,17 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <atomic>
 
 #include "param_group.h"
 #include "registry.h"
 
 namespace fsdp::detail {
 namespace {
+
+// The multi-root warning is given once per process: it is about how the program shards its
+// models, not about one step.
+std::atomic<bool> g_warned_other_roots{false};
 
 bool inside_backward() {
   return torch::autograd::get_current_graph_task_id() != -1;
@@ -112,12 +117,12 @@ void RootState::begin_iteration(ParamGroup& root_call) {
   // between forward and backward) will never run one: release what they hold.
   for (auto& unit : units)
     unit->forget_calls(std::nullopt);
-  if (torch::GradMode::is_enabled() && !warned_other_roots_) {
+  if (torch::GradMode::is_enabled() && !g_warned_other_roots) {
     for (const auto& other : live_states()) {
       if (other.get() == this || !other->expects_backward())
         continue;
       auto other_root = other->root_unit();
-      warned_other_roots_ = true;
+      g_warned_other_roots = true;
       TORCH_WARN("fsdp: unit '", root_call.name(),
                  "' begins a forward as a root while the root unit '",
                  other_root ? other_root->name() : std::string("?"),

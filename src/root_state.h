@@ -91,7 +91,6 @@ class RootState : public std::enable_shared_from_this<RootState> {
   // Backward passes: ids count from 1; 0 is "no pass open".
   uint64_t last_pass_ = 0;
   uint64_t open_pass_ = 0;
-  bool warned_other_roots_ = false;
 };
 
 }  // namespace fsdp::detail
