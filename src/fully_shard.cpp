@@ -201,6 +201,20 @@ void fully_shard(const std::shared_ptr<torch::nn::Module>& module,
                   "bottom-up (the blocks first, then the model)");
     }
   }
+  // torch::nn::Sequential's forward calls its children directly, not through fsdp::forward,
+  // so a sharded child would compute with its shards: refuse it here rather than fail with a
+  // shape error in the middle of a forward. (ModuleList and ModuleDict have no forward.)
+  for (const auto& m : module->modules(/*include_self=*/true)) {
+    if (!dynamic_cast<const torch::nn::SequentialImpl*>(m.get()))
+      continue;
+    for (const auto& child : m->children()) {
+      TORCH_CHECK(!detail::find_unit(*child), "fully_shard: '", child->name(),
+                  "' is a child of a torch::nn::Sequential, whose forward calls it "
+                  "directly instead of through fsdp::forward, so it cannot be a unit: write a "
+                  "module whose forward calls fsdp::forward(child, ...), or shard the Sequential "
+                  "as one unit");
+    }
+  }
 
   // Parameters already owned by inner units stay theirs; shared (tied) parameters are taken once.
   std::unordered_set<const c10::TensorImpl*> taken;

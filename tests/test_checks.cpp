@@ -222,6 +222,18 @@ FSDP_WORKER(user_errors) {
     m->b->bias.set_requires_grad(false);
     fsdp::fully_shard(m, fsdp::FullyShardOptions(pg));  // frozen ones may differ
   }
+  // Units inside a torch::nn::Sequential: its forward would bypass fsdp::forward.
+  {
+    torch::nn::Sequential seq(torch::nn::Linear(4, 4), torch::nn::ReLU(), torch::nn::Linear(4, 4));
+    fsdp::fully_shard(seq[0], fsdp::FullyShardOptions(pg));
+    auto msg = error_of([&] { fsdp::fully_shard(seq, fsdp::FullyShardOptions(pg)); });
+    WORKER_CHECK(msg.find("torch::nn::Sequential") != std::string::npos &&
+                 msg.find("fsdp::forward(child") != std::string::npos)
+        << "Sequential: '" << msg << "'";
+    torch::nn::Sequential whole(torch::nn::Linear(4, 4), torch::nn::ReLU());
+    fsdp::fully_shard(whole, fsdp::FullyShardOptions(pg));  // one unit: fine
+    fsdp::forward(whole, torch::randn({2, 4})).sum().backward();
+  }
   // A by-reference argument (std::ref) passes through, and is refused when it would carry a
   // gradient around the unit's hooks.
   {
@@ -236,8 +248,10 @@ FSDP_WORKER(user_errors) {
     WORKER_CHECK(msg.find("std::ref") != std::string::npos) << "std::ref: '" << msg << "'";
     WORKER_CHECK(model_is_sharded(*m)) << "a refused forward left the unit gathered";
   }
-  std::printf("[rank %d] ERRORS OK: top-down sharding, mixed trainable dtypes, std::ref\n",
-              pg->rank());
+  std::printf(
+      "[rank %d] ERRORS OK: top-down sharding, mixed trainable dtypes, units in a "
+      "Sequential, std::ref\n",
+      pg->rank());
   return 0;
 }
 

@@ -244,14 +244,9 @@ int check_spec(const Spec& spec) {
       opt->step();
     }
     const fsdp::StepBreakdown b = profiler.end_step();
-    // The breakdown's rows partition the step, and its counters are the step's collectives
-    // on every group of the model (checked in total against the per-group counts below).
-    const double rows = b.forward_s + b.backward_s + b.all_gather_wait_s + b.reduce_wait_s +
-                        b.optimizer_s + b.other_s;
-    WORKER_CHECK(std::abs(rows - b.step_s) <= 1e-6 + 1e-3 * b.step_s)
-        << "breakdown rows sum to " << rows << " s, the step took " << b.step_s << " s";
-    WORKER_CHECK(b.all_gather_wait_forward_s <= b.all_gather_wait_s && b.reduce_wait_s >= 0)
-        << b.to_string();
+    // The breakdown's counters are the step's collectives on every group of the model
+    // (checked in total against the per-group counts below); where its time goes is
+    // test_step_profiler.cpp's subject.
     const fsdp::CommStats total = fsdp::comm_stats(*model);
     WORKER_CHECK(b.comm.all_gather.calls * (step + 1) == total.all_gather.calls &&
                  b.comm.reduce_scatter.bytes * (step + 1) == total.reduce_scatter.bytes &&

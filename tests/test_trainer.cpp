@@ -94,6 +94,8 @@ TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
       {"", "--fsdp.all_reduce_bucket_mb=0", "'fsdp.all_reduce_bucket_mb' must be > 0"},
       {"", "--fsdp.all_gather_bucket_mb=-1", "'fsdp.all_gather_bucket_mb' must be >= 0"},
       {"", "--fsdp.gloo_lanes=0", "'fsdp.gloo_lanes' must be between 1 and 16, got 0"},
+      {"", "--fsdp.check_collectives=-1", "'fsdp.check_collectives' must be >= 0"},
+      {"", "--training.device=tpu", "'training.device' must be one of cpu, cuda"},
       // The job's shape: checked by the launcher before any rank starts...
       {"", "--nproc 2 --fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=3",
        "'fsdp.hybrid_shard_size' = 3 must divide the world size (2 ranks)"},
@@ -107,8 +109,10 @@ TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
   for (size_t i = 0; i < cases.size(); ++i) {
     const auto& c = cases[i];
     std::string cmd = train_cmd();
-    if (!c.config.empty())
-      cmd += " " + write_config("bad" + std::to_string(i), c.config);
+    if (!c.config.empty()) {
+      cmd += ' ';  // not " " + string&&: GCC 12 warns falsely (-Wrestrict) on that insert
+      cmd += write_config("bad" + std::to_string(i), c.config);
+    }
     cmd += " " + c.args + " --data.dir=" + data_dir() + " --data.vocab_size=512";
     if (c.must_mention.find("preset") != std::string::npos) {
       cmd += " --logging.run_dir=" + (fs::path(FSDP_TEST_WORK_DIR) / "bad-preset").string();
@@ -128,6 +132,23 @@ TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
   const CommandResult r = run(train_cmd() + " --nproc 2 --training.steps=0");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_EQ(line_count(r.output), 1) << r.output;
+}
+
+// training.device = "cuda" on a machine without a GPU (ours): fsdp-train hands over to
+// fsdp-train-cuda, which refuses in one line before joining the job or touching data.
+TEST(TrainerConfig, CudaDeviceWithoutGpuIsOneLineAndExitCode2) {
+  if (fs::exists("/dev/nvidiactl"))
+    GTEST_SKIP() << "this machine has an NVIDIA driver: tests/cuda covers the device path";
+  for (const int nproc : {1, 2}) {
+    std::string cmd = train_cmd();
+    if (nproc > 1)
+      cmd += " --nproc " + std::to_string(nproc);
+    cmd += " --training.device=cuda --data.dir=" + data_dir();
+    const CommandResult r = run(cmd);
+    EXPECT_EQ(r.code, 2) << cmd << "\n" << r.output;
+    EXPECT_NE(r.output.find("'training.device' = 'cuda' but"), std::string::npos) << r.output;
+    EXPECT_EQ(line_count(r.output), 1) << r.output;  // under --nproc, before any rank starts
+  }
 }
 
 TEST(TrainerConfig, PrintConfigRoundTripsAndOverridesApply) {
@@ -224,6 +245,26 @@ TEST(TrainerRun, MicroBatchesSyncAndNoSync) {
     EXPECT_NEAR(sync[i].loss, plain[i].loss, 1e-4 * plain[i].loss) << "step " << i + 1;
     EXPECT_NEAR(no_sync[i].loss, plain[i].loss, 1e-4 * plain[i].loss) << "step " << i + 1;
   }
+}
+
+// Sampling gathers the model once (generate.unshard) or once per token: the same text.
+TEST(TrainerRun, SampleIsTheSameGatheredOnceOrPerToken) {
+  std::vector<std::string> samples;
+  for (const std::string unshard : {"true", "false"}) {
+    const auto run_dir = (fs::path(FSDP_TEST_WORK_DIR) / ("run-sample-" + unshard)).string();
+    fs::remove_all(run_dir);
+    const auto config = write_config("sample-" + unshard, tiny_config(run_dir));
+    const CommandResult r = run(train_cmd() + " --nproc 2 " + config +
+                                " --training.steps=2 --training.eval_every=0 "
+                                "--training.eval_batches=1 --logging.plot=false "
+                                "--generate.tokens=12 --generate.unshard=" +
+                                unshard);
+    ASSERT_EQ(r.code, 0) << r.output;
+    std::ifstream in(fs::path(run_dir) / "sample.txt");
+    samples.emplace_back(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  EXPECT_GT(samples[0].size(), 1u);
+  EXPECT_EQ(samples[0], samples[1]);
 }
 
 // A short run without evaluation, sample or plot: only metrics.jsonl matters.

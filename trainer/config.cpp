@@ -176,6 +176,12 @@ const std::vector<Option>& options() {
       opt("training.eval_batches", FIELD(training.eval_batches),
           "Held-out batches per rank per evaluation."),
       opt("training.threads", FIELD(training.threads), "Intra-op threads per rank."),
+      opt("training.device", FIELD(training.device),
+          "Where each rank computes: cpu (Gloo collectives) or cuda (the GPU LOCAL_RANK, NCCL "
+          "collectives; needs fsdp-train-cuda, built when the CUDA toolkit is found, which "
+          "fsdp-train starts in its place). The cuda path compiles but has never run: our "
+          "machines have no GPU.",
+          {"cpu", "cuda"}),
       opt("fsdp.strategy", FIELD(fsdp.strategy),
           "What each rank holds: full_shard shards parameters, gradients and optimizer state "
           "(least memory; per block and step 2 all-gathers and 1 reduce-scatter), shard_grad_op "
@@ -235,6 +241,10 @@ const std::vector<Option>& options() {
           "locally, 1/micro_batches of the traffic)."),
       opt("fsdp.timeout_s", FIELD(fsdp.timeout_s),
           "Seconds before a missing or dead rank fails the others (rendezvous and collectives)."),
+      opt("fsdp.check_collectives", FIELD(fsdp.check_collectives),
+          "Debug: every this many collectives the ranks compare the sequence of collectives "
+          "each issued and all stop with one error naming the first difference (a rank that "
+          "skipped or added a unit's forward); costs a store round trip each time (0: off)."),
       opt("logging.run_dir", FIELD(logging.run_dir),
           "Output directory: metrics.jsonl, config.toml, breakdown.txt, plot.png, sample.txt."),
       opt("logging.progress", FIELD(logging.progress),
@@ -249,6 +259,9 @@ const std::vector<Option>& options() {
       opt("generate.temperature", FIELD(generate.temperature), "Sampling temperature."),
       opt("generate.top_k", FIELD(generate.top_k), "Sample among the k likeliest tokens (0: all)."),
       opt("generate.prompt", FIELD(generate.prompt), "Text the sample continues."),
+      opt("generate.unshard", FIELD(generate.unshard),
+          "Gather the model once for the whole sample instead of once per token (no "
+          "all-gather per token; every rank holds the full parameters while sampling)."),
   };
   return table;
 }
@@ -403,6 +416,7 @@ void validate(const Config& c) {
   require(c.fsdp.all_reduce_bucket_mb > 0 && c.fsdp.all_reduce_bucket_mb <= (1 << 20),
           "fsdp.all_reduce_bucket_mb", "must be > 0 and at most 1048576 (1 TiB)");
   require(c.fsdp.timeout_s > 0, "fsdp.timeout_s", "must be > 0");
+  require(c.fsdp.check_collectives >= 0, "fsdp.check_collectives", "must be >= 0");
   require(!c.logging.run_dir.empty(), "logging.run_dir", "must not be empty");
   require(c.logging.log_every >= 1, "logging.log_every", "must be >= 1");
   require(c.generate.tokens >= 0, "generate.tokens", "must be >= 0");

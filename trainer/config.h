@@ -50,6 +50,7 @@ struct TrainingConfig {
   int64_t eval_every = 50;
   int64_t eval_batches = 4;
   int64_t threads = 1;
+  std::string device = "cpu";  // cpu, cuda
 };
 
 struct FsdpConfig {
@@ -66,6 +67,7 @@ struct FsdpConfig {
   bool sync_module_states = true;
   bool sync_every_micro_batch = true;
   double timeout_s = 300;
+  int64_t check_collectives = 0;  // 0: off
 };
 
 struct LoggingConfig {
@@ -80,6 +82,7 @@ struct GenerateConfig {
   double temperature = 0.8;
   int64_t top_k = 40;
   std::string prompt = "And God said";
+  bool unshard = true;
 };
 
 struct Config {

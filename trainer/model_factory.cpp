@@ -21,12 +21,14 @@ C preset_or_config_error(const std::string& arch, const std::string& name) {
 // Deferred initialisation, for either family: the model is built on the meta device, its
 // parameters become one-element placeholders, and each rank fills only its own shard (by
 // parameter name, so the values are those of an eager build on any number of ranks). A preset
-// far larger than one process's memory can therefore be sharded as long as its shards fit.
+// far larger than one process's memory can therefore be sharded as long as its shards fit. The
+// placeholders are on `device`, so the shards are created there and never cross the bus.
 template <typename Model, typename Cfg, typename Parallelize>
 void build_sharded(TrainModel& out, const Cfg& cfg, fsdp_models::InitScheme scheme, uint64_t seed,
-                   const fsdp::FullyShardOptions& options, Parallelize parallelize) {
+                   const fsdp::FullyShardOptions& options, torch::Device device,
+                   Parallelize parallelize) {
   Model model(cfg, fsdp_models::ModelInit().device(torch::kMeta).seed(seed));
-  fsdp_models::to_hollow(*model, torch::TensorOptions().dtype(torch::kFloat32));
+  fsdp_models::to_hollow(*model, torch::TensorOptions().dtype(torch::kFloat32).device(device));
   auto sharded = options;
   sharded.param_init(fsdp_models::shard_initializer(*model, std::move(scheme), seed));
   parallelize(model, sharded);
@@ -38,7 +40,7 @@ void build_sharded(TrainModel& out, const Cfg& cfg, fsdp_models::InitScheme sche
 }  // namespace
 
 TrainModel build_model(const Config& config, int64_t vocab_size,
-                       const fsdp::FullyShardOptions& options) {
+                       const fsdp::FullyShardOptions& options, torch::Device device) {
   const auto& m = config.model;
   TrainModel out;
   const auto seed = static_cast<uint64_t>(config.training.seed);
@@ -59,7 +61,7 @@ TrainModel build_model(const Config& config, int64_t vocab_size,
                       cfg.n_embd, cfg.n_head));
     }
     build_sharded<fsdp_models::GPT>(out, cfg, fsdp_models::gpt_init_scheme(cfg), seed, options,
-                                    fsdp_models::parallelize_gpt);
+                                    device, fsdp_models::parallelize_gpt);
     out.n_layer = cfg.n_layer;
     out.n_embd = cfg.n_embd;
   } else {
@@ -78,7 +80,7 @@ TrainModel build_model(const Config& config, int64_t vocab_size,
       throw ConfigError(std::string("llama shapes do not fit: ") + e.what());
     }
     build_sharded<fsdp_models::Llama>(out, cfg, fsdp_models::llama_init_scheme(cfg), seed, options,
-                                      fsdp_models::parallelize_llama);
+                                      device, fsdp_models::parallelize_llama);
     out.n_layer = cfg.n_layers;
     out.n_embd = cfg.dim;
   }

@@ -25,8 +25,9 @@ struct TrainModel {
 
 /// The model of config.model with `vocab_size` tokens and config.training.seq_len context,
 /// initialised from config.training.seed (the same values on any number of ranks), sharded with
-/// `options`. Throws ConfigError for an unknown preset or shapes that do not fit.
+/// `options`, its shards on `device`. Throws ConfigError for an unknown preset or shapes that do
+/// not fit.
 TrainModel build_model(const Config& config, int64_t vocab_size,
-                       const fsdp::FullyShardOptions& options);
+                       const fsdp::FullyShardOptions& options, torch::Device device);
 
 }  // namespace fsdp_trainer

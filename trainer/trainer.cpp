@@ -11,11 +11,13 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 
 #include <fsdp/clip_grad.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/memory.h>
 #include <fsdp/step_profiler.h>
+#include <fsdp/unshard.h>
 
 #include "plot.h"
 
@@ -60,15 +62,26 @@ fsdp::BackwardPrefetch backward_prefetch(const std::string& name) {
 
 }  // namespace
 
-Trainer::Trainer(Config config) : config_(std::move(config)) {
+Trainer::Trainer(Config config, DeviceMemory device_memory)
+    : config_(std::move(config)), device_memory_(std::move(device_memory)) {
   const auto& t = config_.training;
   torch::set_num_threads(static_cast<int>(t.threads));
+  const fsdp::LaunchEnv env = fsdp::launch_env_from_environment();
+  const bool cuda = t.device == "cuda";
+  if (cuda)
+    device_ = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
+  if (!device_memory_.peak_bytes) {
+    device_memory_.reset_peak = [] { fsdp::memory::reset_peak(); };
+    device_memory_.peak_bytes = [] { return fsdp::memory::peak_bytes(); };
+  }
   pg_ = fsdp::init_process_group(
       fsdp::ProcessGroupOptions()
+          .backend(cuda ? "nccl" : "gloo")
           .timeout(std::chrono::milliseconds(static_cast<int64_t>(config_.fsdp.timeout_s * 1000)))
-          .gloo_lanes(static_cast<int>(config_.fsdp.gloo_lanes)));
+          .gloo_lanes(static_cast<int>(config_.fsdp.gloo_lanes))
+          .check_collectives(static_cast<int>(config_.fsdp.check_collectives)));
   const int rank = pg_->rank(), world = pg_->size();
-  const int local_world = fsdp::launch_env_from_environment().local_world_size;
+  const int local_world = env.local_world_size;
   validate_world(config_, world, local_world);  // main() checked already; never hang on it
 
   PrepareOptions prep;
@@ -87,6 +100,8 @@ Trainer::Trainer(Config config) : config_(std::move(config)) {
   sampler_ = std::make_unique<DistributedSampler>(*train_file_, t.batch_size, t.seq_len, rank,
                                                   world, static_cast<uint64_t>(t.seed));
   eval_set_ = eval_batches(*val_file_, t.batch_size, t.seq_len, rank, world, t.eval_batches);
+  for (auto& batch : eval_set_)
+    batch = batch.to(device_);
 
   const auto& f = config_.fsdp;
   const int64_t hybrid_size = resolved_hybrid_shard_size(config_, local_world);
@@ -102,7 +117,7 @@ Trainer::Trainer(Config config) : config_(std::move(config)) {
           std::max<int64_t>(1, std::llround(f.all_reduce_bucket_mb * (1 << 20))))
       .all_gather_bucket_bytes(std::llround(f.all_gather_bucket_mb * (1 << 20)))
       .sync_module_states(f.sync_module_states);
-  model_ = build_model(config_, data_.vocab_size, fsdp_options);
+  model_ = build_model(config_, data_.vocab_size, fsdp_options, device_);
   profiler_ = std::make_unique<fsdp::StepProfiler>(model_.module);
 
   // Weight decay on matrices only (as GPT-2/nanoGPT): not on norms and biases.
@@ -173,13 +188,15 @@ double Trainer::learning_rate(int64_t step) const {
 double Trainer::mean_over_ranks(double v) {
   // Metric reductions go around the collectives layer: they are bookkeeping, not FSDP traffic,
   // and must not show up in the communication counters.
-  std::vector<torch::Tensor> t{torch::tensor({v}, torch::kDouble)};
+  std::vector<torch::Tensor> t{
+      torch::tensor({v}, torch::TensorOptions(torch::kDouble).device(device_))};
   pg_->backend().allreduce(t)->wait();
   return t[0].item<double>() / pg_->size();
 }
 
 int64_t Trainer::max_over_ranks(int64_t v) {
-  std::vector<torch::Tensor> t{torch::tensor({v}, torch::kLong)};
+  std::vector<torch::Tensor> t{
+      torch::tensor({v}, torch::TensorOptions(torch::kLong).device(device_))};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::MAX;
   pg_->backend().allreduce(t, opts)->wait();
@@ -207,10 +224,10 @@ StepMetrics Trainer::train_step(int64_t step) {
   for (auto& group : optimizer_->param_groups()) {
     static_cast<torch::optim::AdamWOptions&>(group.options()).lr(m.lr);
   }
-  fsdp::memory::reset_peak();
+  device_memory_.reset_peak();
   profiler_->begin_step();
 
-  auto batch = sampler_->next();
+  auto batch = sampler_->next().to(device_);
   optimizer_->zero_grad();
   // Gradient accumulation: micro-batch losses are scaled so that their sum is the batch mean.
   const int64_t micro = t.micro_batches, rows = t.batch_size / micro;
@@ -258,7 +275,7 @@ StepMetrics Trainer::train_step(int64_t step) {
   m.reducescatter_bytes = b.comm.reduce_scatter.bytes;
   m.allreduce_bytes = b.comm.all_reduce.bytes;
   m.loss = mean_over_ranks(loss_sum);
-  m.peak_bytes = max_over_ranks(fsdp::memory::peak_bytes());
+  m.peak_bytes = max_over_ranks(device_memory_.peak_bytes());
   m.tokens = t.batch_size * t.seq_len * pg_->size();
   m.tokens_per_second = m.tokens / m.step_time_s;
   m.mfu = model_flops_utilization(flops_per_token_, m.tokens_per_second,
@@ -317,7 +334,11 @@ std::string Trainer::generate() {
     return "";
   torch::NoGradGuard no_grad;
   // Every rank samples with the same generator, so all run the same forwards (they must: each
-  // forward gathers parameters from all of them).
+  // forward gathers parameters from all of them, unless the model is gathered once for the
+  // whole sample).
+  std::optional<fsdp::UnshardGuard> gathered;
+  if (g.unshard)
+    gathered.emplace(*model_.module);
   auto gen =
       at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config_.training.seed) + 1);
   std::vector<int> ids = tokenizer_.encode(g.prompt);
@@ -329,7 +350,8 @@ std::string Trainer::generate() {
     const int64_t n = std::min<int64_t>(ctx, static_cast<int64_t>(ids.size()));
     auto input =
         torch::tensor(std::vector<int64_t>(ids.end() - n, ids.end()), torch::kLong).unsqueeze(0);
-    auto logits = model_.forward(input).select(1, n - 1).squeeze(0) / g.temperature;
+    auto logits =
+        model_.forward(input.to(device_)).select(1, n - 1).squeeze(0).cpu() / g.temperature;
     if (g.top_k > 0 && g.top_k < logits.size(0)) {
       auto kth = std::get<0>(logits.topk(g.top_k)).min();
       logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());

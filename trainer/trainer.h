@@ -6,6 +6,7 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -22,10 +23,19 @@
 
 namespace fsdp_trainer {
 
+/// The device memory counters of a runtime the trainer library does not link: CUDA lives in
+/// fsdp-train-cuda's main() only, so that CPU runs never load CUDA libraries. Empty: the CPU's
+/// (fsdp::memory's tracking allocator).
+struct DeviceMemory {
+  std::function<void()> reset_peak;
+  std::function<int64_t()> peak_bytes;
+};
+
 class Trainer {
  public:
-  /// Joins the job, prepares the data (rank 0; the others wait), builds and shards the model.
-  explicit Trainer(Config config);
+  /// Joins the job, prepares the data (rank 0; the others wait), builds and shards the model
+  /// on config.training.device (for cuda, the NCCL backend must be registered).
+  explicit Trainer(Config config, DeviceMemory device_memory = {});
   ~Trainer();
 
   /// Runs config.training.steps steps, evaluating and logging as configured; writes the run
@@ -47,6 +57,8 @@ class Trainer {
   void write_outputs();
 
   Config config_;
+  DeviceMemory device_memory_;
+  torch::Device device_ = torch::kCPU;
   std::shared_ptr<fsdp::ProcessGroup> pg_;
   PreparedData data_;
   Tokenizer tokenizer_;
