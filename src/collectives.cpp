@@ -73,16 +73,6 @@ CollectiveWork::~CollectiveWork() {
   }
 }
 
-bool CollectiveWork::is_completed() const {
-  if (waited_)
-    return true;
-  for (const auto& w : works_) {
-    if (!w->isCompleted())
-      return false;
-  }
-  return true;
-}
-
 void CollectiveWork::wait() {
   if (waited_)
     return;

@@ -53,7 +53,6 @@ class CollectiveWork {
   CollectiveWork& operator=(const CollectiveWork&) = delete;
 
   void wait();
-  bool is_completed() const;
 
  private:
   ProcessGroup& group_;

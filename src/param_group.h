@@ -118,7 +118,6 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   ShardedState sharded_state() const { return sharded_state_; }
   TrainingState training_state() const { return training_state_; }
   bool held() const { return held_; }
-  bool user_held() const { return user_held_; }
 
   /// The model state this unit belongs to (changes once, when an enclosing module is sharded).
   RootState& state() const { return *state_; }
@@ -166,7 +165,6 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   /// Completes this unit's reduce-scatter if one is in flight and issues the cross-replica
   /// all-reduce that follows it. Bounds the reduce-scatter buffers alive at once.
   void finish_reduce_scatter();
-  bool reduce_pending() const { return !reduces_.empty(); }
 
   /// false: backward keeps unsharded grads locally instead of reduce-scattering them
   /// (accumulation without communication); the next backward with true sends the sum.

@@ -56,8 +56,7 @@ class Prefetcher {
   /// Slot accounting, called by ParamGroup when a counted gather starts and when it ends.
   void acquire_slot();
   void release_slot();
-  /// Slots in use now, and the most used at once since the last reset_high_water().
-  int slots_in_use() const { return in_use_; }
+  /// The most slots used at once since the last reset_high_water().
   int slots_high_water() const { return high_water_; }
   void reset_high_water() { high_water_ = in_use_; }
 

@@ -81,7 +81,6 @@ class ShardedParam {
   /// pass commits, when it joins the local full-size accumulator (held until a syncing pass
   /// sends it).
   void hold_pass_grad(torch::Tensor g);
-  bool has_kept_grad() const { return kept_grad_.defined(); }
   /// Adds a reduced shard grad (`shard`: padded_shard_numel elements) to the stashed grad.
   void add_to_stash(const torch::Tensor& shard);
   /// Makes the stashed grad the param's grad again (undefined if there was none).

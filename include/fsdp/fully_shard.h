@@ -10,7 +10,11 @@
 // a plain forward call, so the same model code runs with and without FSDP.
 //
 // Apply bottom-up: blocks first, then the root (the whole model), whose unit takes what is
-// left (embeddings, final norm, head).
+// left (embeddings, final norm, head); top-down is refused, and so are units whose parent is a
+// torch::nn::Sequential (its forward cannot call fsdp::forward). Arguments and results may hold
+// tensors in containers and in structs that declare visit_tensors (fsdp/tensor_visit.h). The
+// rules for frozen units, units called several times, and errors: docs/design.md, "One model,
+// many graphs".
 #pragma once
 
 #include <torch/arg.h>
