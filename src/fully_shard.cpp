@@ -44,6 +44,10 @@ void broadcast_from_rank0(ProcessGroup& group, const std::vector<torch::Tensor>&
 }  // namespace
 
 ForwardCall::ForwardCall(std::shared_ptr<ParamGroup> unit) : unit_(std::move(unit)) {
+  const auto& mp = unit_->options().mp_policy();
+  if (mp.cast_forward_inputs())
+    input_dtype_ = mp.param_dtype();
+  output_dtype_ = mp.output_dtype();
   auto& state = unit_->state();
   const bool is_root_call = state.enter_forward(*unit_);
   try {
@@ -55,8 +59,39 @@ ForwardCall::ForwardCall(std::shared_ptr<ParamGroup> unit) : unit_(std::move(uni
   }
 }
 
+bool ForwardCall::takes(const torch::Tensor& t) const {
+  if (!t.defined())
+    return false;
+  if (t.requires_grad() && torch::GradMode::is_enabled())
+    return true;
+  return input_dtype_ && t.is_floating_point() && t.scalar_type() != *input_dtype_;
+}
+
 std::vector<torch::Tensor> ForwardCall::wrap_inputs(std::vector<torch::Tensor> inputs) {
-  return unit_->wrap_inputs(std::move(inputs));
+  std::vector<torch::Tensor> need_grad;
+  std::vector<size_t> where;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    auto& t = inputs[i];
+    // A differentiable cast: the gradient flows back to the caller in its own dtype.
+    if (input_dtype_ && t.is_floating_point() && t.scalar_type() != *input_dtype_)
+      t = t.to(*input_dtype_);
+    if (t.requires_grad() && torch::GradMode::is_enabled()) {
+      need_grad.push_back(t);
+      where.push_back(i);
+    }
+  }
+  if (!need_grad.empty()) {
+    auto wrapped = unit_->wrap_inputs(std::move(need_grad));
+    for (size_t j = 0; j < where.size(); ++j)
+      inputs[where[j]] = std::move(wrapped[j]);
+  }
+  return inputs;
+}
+
+torch::Tensor ForwardCall::cast_output(const torch::Tensor& t) const {
+  if (!output_dtype_ || !t.defined() || !t.is_floating_point() || t.scalar_type() == *output_dtype_)
+    return t;
+  return t.to(*output_dtype_);
 }
 
 void ForwardCall::finish(const std::vector<torch::Tensor>& outputs) {
@@ -188,6 +223,13 @@ void fully_shard(const std::shared_ptr<torch::nn::Module>& module,
   TORCH_CHECK(options.all_reduce_bucket_bytes() >= 1,
               "fully_shard: all_reduce_bucket_bytes must be at least 1, got ",
               options.all_reduce_bucket_bytes());
+  const auto& mp = options.mp_policy();
+  for (const auto& [what, dtype] :
+       {std::pair{"param_dtype", mp.param_dtype()}, std::pair{"reduce_dtype", mp.reduce_dtype()},
+        std::pair{"output_dtype", mp.output_dtype()}}) {
+    TORCH_CHECK(!dtype || c10::isFloatingType(*dtype), "fully_shard: MixedPrecisionPolicy::", what,
+                " must be a floating-point dtype, got ", *dtype);
+  }
   auto& group = *options.group();
   const auto entries = detail::live_entries();
 

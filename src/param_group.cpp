@@ -62,7 +62,8 @@ ParamGroup::ParamGroup(std::string name, std::vector<std::pair<std::string, torc
   const int size = shard_size();
   params_.reserve(params.size());
   for (auto& [fqn, p] : params) {
-    params_.emplace_back(fqn, std::move(p), rank, size, options_.param_init());
+    params_.emplace_back(fqn, std::move(p), rank, size, options_.param_init(),
+                         options_.mp_policy().param_dtype());
   }
 }
 
@@ -88,7 +89,17 @@ int64_t ParamGroup::sharded_bytes() const {
 }
 
 int64_t ParamGroup::unsharded_bytes() const {
-  return sharded_bytes() * shard_size();
+  int64_t b = 0;
+  for (const auto& p : params_)
+    b += p.unsharded_nbytes();
+  return b;
+}
+
+torch::ScalarType ParamGroup::reduce_dtype(torch::ScalarType master) const {
+  const auto& mp = options_.mp_policy();
+  if (mp.reduce_dtype())
+    return *mp.reduce_dtype();
+  return mp.param_dtype() ? *mp.param_dtype() : master;
 }
 
 // ---- Gathering --------------------------------------------------------------------------------
@@ -99,8 +110,11 @@ void ParamGroup::issue_unshard(bool counted) {
   std::vector<torch::Tensor> inputs, outputs;
   for (auto& p : params_) {
     p.alloc_unsharded();
-    inputs.push_back(block_shards_ ? p.block_shard() : p.padded_shard());
+    // Mixed precision: a cast copy of the shard, kept until the gather is waited for.
+    inputs.push_back(block_shards_ ? p.block_shard() : p.gather_input());
     outputs.push_back(p.padded_unsharded());
+    if (shard_size() == 1)
+      p.fill_unsharded_locally();  // nothing to gather; a cast, if any
   }
   if (counted) {
     counted_ = true;
@@ -111,6 +125,7 @@ void ParamGroup::issue_unshard(bool counted) {
     // After a reshard to a block, backward gathers the blocks inside the (smaller) block group.
     auto& over = block_shards_ ? *groups_.post_forward : *groups_.shard;
     gather_ = all_gather(over, inputs, outputs, options_.all_gather_bucket_bytes(), context());
+    gather_inputs_ = std::move(inputs);
   }
 }
 
@@ -121,6 +136,7 @@ void ParamGroup::wait_unshard() {
     // reset() before the wait can throw would destroy an unwaited work; keep it until waited.
     gather_->wait();
     gather_.reset();
+    gather_inputs_.clear();
   }
   drop_block_shards();
   for (auto& p : params_)
@@ -154,6 +170,7 @@ void ParamGroup::reshard() {
   } catch (...) {
     failed = std::current_exception();
     gather_.reset();
+    gather_inputs_.clear();
   }
   for (auto& p : params_) {
     p.to_sharded();
@@ -382,7 +399,9 @@ void ParamGroup::reduce_gradients() {
     for (auto* p : trainable)
       chunks += p->padded_shard_numel();
     const int64_t s = chunks + n_params;
-    auto opts = trainable.front()->padded_shard().options();
+    // Reduced in reduce_dtype; the results join the grads in the master dtype (add_to_stash).
+    auto opts =
+        trainable.front()->padded_shard().options().dtype(reduce_dtype(trainable.front()->dtype()));
     PendingReduce pending;
     pending.params = trainable;
     {

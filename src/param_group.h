@@ -196,6 +196,8 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   /// Bytes of the padded shards this rank holds, and of the unit when unsharded.
   int64_t sharded_bytes() const;
   int64_t unsharded_bytes() const;
+  /// The dtype gradients are reduced in (MixedPrecisionPolicy), for master dtype `master`.
+  torch::ScalarType reduce_dtype(torch::ScalarType master) const;
 
  private:
   // Gradient communication of one post-backward, in flight until wait_reduces(). Each rank's
@@ -229,6 +231,7 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   // State to return to when a forward that ran inside the unit's backward ends.
   TrainingState state_before_forward_ = TrainingState::kIdle;
   std::unique_ptr<CollectiveWork> gather_;
+  std::vector<torch::Tensor> gather_inputs_;  // cast shards (mixed precision) in flight
   bool counted_ = false;
   bool held_ = false;
   bool user_held_ = false;

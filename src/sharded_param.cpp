@@ -36,7 +36,8 @@ void forget_grad_accumulator(const torch::Tensor& p) {
 
 ShardedParam::ShardedParam(
     std::string fqn, torch::Tensor param, int rank, int world_size,
-    const std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)>& init)
+    const std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)>& init,
+    std::optional<torch::ScalarType> compute_dtype)
     : fqn_(std::move(fqn)), param_(std::move(param)), rank_(rank), world_size_(world_size) {
   TORCH_CHECK(param_.layout() == torch::kStrided, "fully_shard: parameter '", fqn_,
               "' is not a dense tensor");
@@ -70,11 +71,15 @@ ShardedParam::ShardedParam(
         rows_view.narrow(0, rank_ * chunk_rows_, local_rows_).reshape(sharded_view_.sizes()));
   }
 
-  if (world_size_ == 1) {
-    // Unsharded (kNoShard, or a group of one): the shard is the parameter; no second copy.
+  const auto dtype = full.scalar_type();
+  const auto unsharded_dtype = compute_dtype && c10::isFloatingType(dtype) ? *compute_dtype : dtype;
+  owns_unsharded_ = world_size_ > 1 || unsharded_dtype != dtype;
+  if (!owns_unsharded_) {
+    // Unsharded (kNoShard, or a group of one) in its own dtype: the shard is the parameter;
+    // no second copy.
     padded_unsharded_ = padded_shard_;
   } else {
-    padded_unsharded_ = torch::empty(padded_full_shape, full.options());
+    padded_unsharded_ = torch::empty(padded_full_shape, full.options().dtype(unsharded_dtype));
   }
   unsharded_ = padded_unsharded_.narrow(0, 0, rows_).view(shape_);
   free_unsharded();
@@ -85,8 +90,23 @@ size_t ShardedParam::unsharded_storage_bytes() const {
   return padded_unsharded_.storage().nbytes();
 }
 
+torch::Tensor ShardedParam::gather_input() const {
+  if (!casts())
+    return padded_shard_;
+  torch::NoGradGuard no_grad;
+  return padded_shard_.to(compute_dtype());
+}
+
+void ShardedParam::fill_unsharded_locally() {
+  if (!owns_unsharded_)
+    return;
+  TORCH_INTERNAL_ASSERT(world_size_ == 1);
+  torch::NoGradGuard no_grad;
+  padded_unsharded_.copy_(padded_shard_);
+}
+
 void ShardedParam::alloc_unsharded() {
-  if (world_size_ == 1)
+  if (!owns_unsharded_)
     return;
   auto storage = padded_unsharded_.storage();
   const size_t nbytes = padded_unsharded_.numel() * padded_unsharded_.element_size();
@@ -98,7 +118,7 @@ void ShardedParam::alloc_unsharded() {
 }
 
 void ShardedParam::free_unsharded() {
-  if (world_size_ == 1)
+  if (!owns_unsharded_)
     return;
   auto storage = padded_unsharded_.storage();
   storage.set_data_ptr_noswap(at::DataPtr(nullptr, padded_unsharded_.device()));
@@ -143,7 +163,10 @@ torch::Tensor ShardedParam::take_unsharded_grad() {
 void ShardedParam::hold_pass_grad(torch::Tensor g) {
   if (!g.defined())
     return;
-  // Own the memory: autograd may hand us a buffer it could reuse.
+  // Own the memory: autograd may hand us a buffer it could reuse. Accumulated in the master
+  // dtype, so that many low-precision micro-batches do not lose their small contributions.
+  if (g.scalar_type() != dtype())
+    g = g.to(dtype());
   if (!g.is_contiguous())
     g = g.contiguous();
   pass_grad_ = pass_grad_.defined() ? pass_grad_.add_(g) : std::move(g);
@@ -184,7 +207,8 @@ bool ShardedParam::copy_grad_into(const torch::Tensor& g, const torch::Tensor& d
 }
 
 void ShardedParam::add_to_stash(const torch::Tensor& shard) {
-  auto g = alias_as_base(shard.view(padded_shard_.sizes()).narrow(0, 0, local_rows_));
+  auto g = shard.view(padded_shard_.sizes()).narrow(0, 0, local_rows_);
+  g = g.scalar_type() == dtype() ? alias_as_base(g) : g.to(dtype());
   if (stashed_grad_.defined()) {
     stashed_grad_.add_(g);
   } else {

@@ -8,7 +8,8 @@
 //    the parameter's end are padding and never reach the math.
 //  - sharded view: the first local_rows rows of the padded shard. What the optimizer updates.
 //  - unsharded: the full parameter, a view of the first d0 rows of a padded buffer of
-//    N * ceil(d0 / N) rows. Its StorageImpl lives as long as the parameter; only its bytes are
+//    N * ceil(d0 / N) rows, in the compute dtype (MixedPrecisionPolicy::param_dtype, else the
+//    shard's dtype). Its StorageImpl lives as long as the parameter; only its bytes are
 //    freed and re-allocated, so tensors that autograd saved in forward (views of the param)
 //    see the re-gathered data in backward. Writing into it never bumps the param's version
 //    counter, because set_data() keeps the param's own counter.
@@ -20,6 +21,7 @@
 #include <torch/types.h>
 
 #include <functional>
+#include <optional>
 #include <string>
 
 namespace fsdp::detail {
@@ -28,14 +30,21 @@ class ShardedParam {
  public:
   /// Takes over `param` (full data on every rank): keeps this rank's rows, frees the rest.
   /// With `init`, the shard is computed by init instead and `param`'s data is never read.
+  /// `compute_dtype`: the dtype of the unsharded parameter, if a floating-point parameter is
+  /// to be gathered and computed with in another dtype than its shard's (mixed precision).
   ShardedParam(std::string fqn, torch::Tensor param, int rank, int world_size,
                const std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)>&
-                   init = nullptr);
+                   init = nullptr,
+               std::optional<torch::ScalarType> compute_dtype = std::nullopt);
 
   const std::string& fqn() const { return fqn_; }
   const torch::Tensor& param() const { return param_; }
   bool requires_grad() const { return param_.requires_grad(); }
+  /// The shard's (master) dtype, and the dtype the unsharded parameter is computed in.
   torch::ScalarType dtype() const { return padded_shard_.scalar_type(); }
+  torch::ScalarType compute_dtype() const { return padded_unsharded_.scalar_type(); }
+  /// Gathered in another dtype than the shard's.
+  bool casts() const { return compute_dtype() != dtype(); }
 
   int64_t rows() const { return rows_; }              // d0 (1 for a 0-d parameter)
   int64_t chunk_rows() const { return chunk_rows_; }  // ceil(d0 / N)
@@ -44,12 +53,20 @@ class ShardedParam {
   int64_t padded_shard_numel() const { return chunk_rows_ * row_numel_; }
   int64_t numel() const { return rows_ * row_numel_; }
 
-  /// All-gather input: the padded shard (contiguous).
   const torch::Tensor& padded_shard() const { return padded_shard_; }
-  /// All-gather output: the padded unsharded buffer, N * padded_shard_numel elements. Only
-  /// valid between alloc_unsharded() and free_unsharded(). With a world of one rank it IS
-  /// the padded shard (nothing to gather, nothing to free).
+  /// All-gather input: the padded shard (contiguous), cast to the compute dtype (a new
+  /// tensor, which the caller keeps alive until the gather completes) when they differ.
+  torch::Tensor gather_input() const;
+  /// All-gather output: the padded unsharded buffer, N * padded_shard_numel elements in the
+  /// compute dtype. Only valid between alloc_unsharded() and free_unsharded(). With a world
+  /// of one rank and no cast it IS the padded shard (nothing to gather, nothing to free);
+  /// with a cast, fill_unsharded_locally() takes the gather's place.
   const torch::Tensor& padded_unsharded() const { return padded_unsharded_; }
+  void fill_unsharded_locally();
+  /// Bytes of the unsharded buffer (allocated or not).
+  int64_t unsharded_nbytes() const {
+    return padded_unsharded_.numel() * padded_unsharded_.element_size();
+  }
 
   void alloc_unsharded();
   void free_unsharded();
@@ -81,7 +98,8 @@ class ShardedParam {
   /// pass commits, when it joins the local full-size accumulator (held until a syncing pass
   /// sends it).
   void hold_pass_grad(torch::Tensor g);
-  /// Adds a reduced shard grad (`shard`: padded_shard_numel elements) to the stashed grad.
+  /// Adds a reduced shard grad (`shard`: padded_shard_numel elements, any floating dtype) to
+  /// the stashed grad, in the shard's dtype.
   void add_to_stash(const torch::Tensor& shard);
   /// Makes the stashed grad the param's grad again (undefined if there was none).
   void restore_stash();
@@ -108,6 +126,7 @@ class ShardedParam {
   std::vector<int64_t> shape_;  // original shape
   int rank_;
   int world_size_;
+  bool owns_unsharded_ = false;  // the unsharded buffer is not the shard itself
   int64_t rows_, chunk_rows_, local_rows_, row_numel_;
   torch::Tensor padded_shard_;      // [chunk_rows, *rest]
   torch::Tensor sharded_view_;      // [local_rows, *rest], view of padded_shard_

@@ -8,6 +8,7 @@
 #include <fsdp/comm_stats.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/memory.h>
+#include <fsdp/mixed_precision.h>
 #include <fsdp/process_group.h>
 #include <fsdp/step_profiler.h>
 #include <fsdp/tensor_visit.h>

@@ -25,11 +25,13 @@
 #include <array>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include <fsdp/mixed_precision.h>
 #include <fsdp/process_group.h>
 #include <fsdp/tensor_visit.h>
 
@@ -113,6 +115,9 @@ struct FullyShardOptions {
   /// 1.33-1.5x).
   /// It stays one all-gather in CommStats. Ignored on NCCL.
   TORCH_ARG(int64_t, all_gather_bucket_bytes) = int64_t{4} << 20;
+  /// Gather, compute and reduce dtypes (fsdp/mixed_precision.h). Default: all in the
+  /// parameters' own dtype.
+  TORCH_ARG(MixedPrecisionPolicy, mp_policy);
 
   /// Deferred initialisation: fills this rank's shard of a parameter directly, so the full
   /// parameter never exists in memory. Called once per parameter with the module's parameter
@@ -176,14 +181,21 @@ class ForwardCall {
   ForwardCall(const ForwardCall&) = delete;
   ForwardCall& operator=(const ForwardCall&) = delete;
   ~ForwardCall();
-  /// Passes the inputs that require grad through the unit's post-backward identity; returns
-  /// them in the same order (unchanged when grad mode is off).
+  /// Whether wrap_inputs() replaces `t`: it requires grad (in grad mode), or mixed
+  /// precision casts it.
+  bool takes(const torch::Tensor& t) const;
+  /// Casts the inputs to the unit's param_dtype (MixedPrecisionPolicy::cast_forward_inputs)
+  /// and passes those that require grad through the unit's post-backward identity; returns
+  /// them in the same order.
   std::vector<torch::Tensor> wrap_inputs(std::vector<torch::Tensor> inputs);
+  /// `t` in the unit's output_dtype, if it has one and t is floating-point.
+  torch::Tensor cast_output(const torch::Tensor& t) const;
   /// Frees the unit (unless something holds it) and hooks the outputs that require grad.
   void finish(const std::vector<torch::Tensor>& outputs);
 
  private:
   std::shared_ptr<ParamGroup> unit_;
+  std::optional<torch::ScalarType> input_dtype_, output_dtype_;
   bool finished_ = false;
 };
 
@@ -218,8 +230,8 @@ class ArgSlot {
  public:
   ArgSlot(Arg&& arg) : arg_(std::forward<Arg>(arg)) {}  // NOLINT: implicit, for std::tuple
 
-  /// Appends this argument's tensors that require grad.
-  void collect(std::vector<torch::Tensor>& out) {
+  /// Appends this argument's tensors that `call` takes (ForwardCall::takes).
+  void collect(const ForwardCall& call, std::vector<torch::Tensor>& out) {
     if constexpr (IsRefWrapper<D>::value) {
       using T = std::remove_cv_t<typename D::type>;
       static_assert(kWalkable<T>,
@@ -232,7 +244,7 @@ class ArgSlot {
     } else if constexpr (kMayHoldTensors<D>) {
       // Read-only walk: walk_tensors takes a mutable object for user visit_tensors members.
       auto f = [&](torch::Tensor& t) {
-        if (t.defined() && t.requires_grad())
+        if (call.takes(t))
           out.push_back(t);
       };
       walk_tensors(const_cast<D&>(static_cast<const D&>(arg_)), f);
@@ -240,16 +252,16 @@ class ArgSlot {
   }
 
   /// Replaces, in a copy, the tensors collect() returned by `wrapped[next...]`.
-  void replace(const std::vector<torch::Tensor>& wrapped, size_t& next) {
+  void replace(const ForwardCall& call, const std::vector<torch::Tensor>& wrapped, size_t& next) {
     if constexpr (!IsRefWrapper<D>::value && kMayHoldTensors<D>) {
       bool any = false;
-      auto probe = [&](torch::Tensor& t) { any = any || (t.defined() && t.requires_grad()); };
+      auto probe = [&](torch::Tensor& t) { any = any || call.takes(t); };
       walk_tensors(const_cast<D&>(static_cast<const D&>(arg_)), probe);
       if (!any)
         return;
       copy_.emplace(static_cast<const D&>(arg_));
       auto f = [&](torch::Tensor& t) {
-        if (t.defined() && t.requires_grad())
+        if (call.takes(t))
           t = wrapped.at(next++);
       };
       walk_tensors(*copy_, f);
@@ -300,11 +312,11 @@ auto forward(M&& module, Args&&... args) {
   detail::ForwardCall call(std::move(unit));
   std::tuple<detail::ArgSlot<Args>...> slots(std::forward<Args>(args)...);
   std::vector<torch::Tensor> inputs;
-  std::apply([&](auto&... slot) { (slot.collect(inputs), ...); }, slots);
+  std::apply([&](auto&... slot) { (slot.collect(call, inputs), ...); }, slots);
   if (!inputs.empty()) {
     auto wrapped = call.wrap_inputs(std::move(inputs));
     size_t next = 0;
-    std::apply([&](auto&... slot) { (slot.replace(wrapped, next), ...); }, slots);
+    std::apply([&](auto&... slot) { (slot.replace(call, wrapped, next), ...); }, slots);
   }
   if constexpr (std::is_void_v<Result>) {
     std::apply([&](auto&... slot) { impl.forward(slot.get()...); }, slots);
@@ -314,6 +326,7 @@ auto forward(M&& module, Args&&... args) {
         [&](auto&... slot) -> decltype(auto) { return impl.forward(slot.get()...); }, slots);
     std::vector<torch::Tensor> outputs;
     auto f = [&](torch::Tensor& t) {
+      t = call.cast_output(t);
       if (t.defined())
         outputs.push_back(t);
     };
