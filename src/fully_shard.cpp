@@ -59,12 +59,14 @@ ForwardCall::ForwardCall(std::shared_ptr<ParamGroup> unit) : unit_(std::move(uni
   }
 }
 
+bool ForwardCall::casts_input(const torch::Tensor& t) const {
+  return input_dtype_ && t.is_floating_point() && t.scalar_type() != *input_dtype_;
+}
+
 bool ForwardCall::takes(const torch::Tensor& t) const {
   if (!t.defined())
     return false;
-  if (t.requires_grad() && torch::GradMode::is_enabled())
-    return true;
-  return input_dtype_ && t.is_floating_point() && t.scalar_type() != *input_dtype_;
+  return (t.requires_grad() && torch::GradMode::is_enabled()) || casts_input(t);
 }
 
 std::vector<torch::Tensor> ForwardCall::wrap_inputs(std::vector<torch::Tensor> inputs) {
@@ -73,7 +75,7 @@ std::vector<torch::Tensor> ForwardCall::wrap_inputs(std::vector<torch::Tensor> i
   for (size_t i = 0; i < inputs.size(); ++i) {
     auto& t = inputs[i];
     // A differentiable cast: the gradient flows back to the caller in its own dtype.
-    if (input_dtype_ && t.is_floating_point() && t.scalar_type() != *input_dtype_)
+    if (casts_input(t))
       t = t.to(*input_dtype_);
     if (t.requires_grad() && torch::GradMode::is_enabled()) {
       need_grad.push_back(t);

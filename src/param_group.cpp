@@ -107,21 +107,24 @@ torch::ScalarType ParamGroup::reduce_dtype(torch::ScalarType master) const {
 void ParamGroup::issue_unshard(bool counted) {
   if (sharded_state_ != ShardedState::kSharded)
     return;
+  const bool gathers = shard_size() > 1 && !params_.empty();
   std::vector<torch::Tensor> inputs, outputs;
   for (auto& p : params_) {
     p.alloc_unsharded();
+    if (!gathers) {
+      p.fill_unsharded_locally();  // nothing to gather; a cast, if any
+      continue;
+    }
     // Mixed precision: a cast copy of the shard, kept until the gather is waited for.
     inputs.push_back(block_shards_ ? p.block_shard() : p.gather_input());
     outputs.push_back(p.padded_unsharded());
-    if (shard_size() == 1)
-      p.fill_unsharded_locally();  // nothing to gather; a cast, if any
   }
   if (counted) {
     counted_ = true;
     state_->prefetcher().acquire_slot();
   }
   sharded_state_ = ShardedState::kGathering;
-  if (shard_size() > 1 && !params_.empty()) {
+  if (gathers) {
     // After a reshard to a block, backward gathers the blocks inside the (smaller) block group.
     auto& over = block_shards_ ? *groups_.post_forward : *groups_.shard;
     gather_ = all_gather(over, inputs, outputs, options_.all_gather_bucket_bytes(), context());

@@ -9,24 +9,18 @@
 #include <c10/util/Exception.h>
 
 #include "gpt.h"
+#include "harness/errors.h"
+#include "harness/inspect.h"
 #include "harness/multiprocess.h"
 #include "param_group.h"
 #include "registry.h"
 
 namespace {
 
+using fsdp::test::error_of;
+using fsdp::test::model_is_sharded;
 using fsdp_models::GPT;
 using fsdp_models::GPTConfig;
-
-bool model_is_sharded(const torch::nn::Module& model) {
-  for (const auto& unit : fsdp::detail::units_under(model)) {
-    for (const auto& p : unit->params()) {
-      if (p.unsharded_allocated())
-        return false;
-    }
-  }
-  return true;
-}
 
 // Greedy decoding: every rank runs the same forwards (they must: each gathers from all).
 std::vector<int64_t> generate(GPT& model, const GPTConfig& cfg, int tokens,
@@ -177,16 +171,6 @@ FSDP_WORKER(root_not_sharded_warning) {
 
 TEST(Checks, WarnsWhenBlocksAreShardedButNotTheModel) {
   EXPECT_WORKERS_OK(fsdp::test::run_workers("root_not_sharded_warning", 2));
-}
-
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
 }
 
 struct TwoLinearImpl : torch::nn::Module {

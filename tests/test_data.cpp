@@ -21,10 +21,12 @@
 
 #include "corpus.h"
 #include "data.h"
+#include "harness/errors.h"
 #include "tokenizer.h"
 
 namespace fs = std::filesystem;
 using namespace fsdp_trainer;
+using fsdp::test::error_of;
 
 namespace {
 
@@ -49,17 +51,6 @@ class TempDir {
  private:
   fs::path path_;
 };
-
-// The message of the exception `fn` throws ("" if none).
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
 
 #define EXPECT_CONTAINS(haystack, needle) \
   EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << "in: " << (haystack)

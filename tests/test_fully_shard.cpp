@@ -6,12 +6,14 @@
 #include <fsdp/fsdp.h>
 
 #include "gpt.h"
+#include "harness/inspect.h"
 #include "harness/multiprocess.h"
 #include "param_group.h"
 #include "registry.h"
 
 namespace {
 
+using fsdp::test::units_holding_unsharded_storage;
 using fsdp_models::GPT;
 using fsdp_models::GPTConfig;
 
@@ -146,19 +148,6 @@ struct ProbeBlockImpl : torch::nn::Module {
   std::vector<int>* seen = nullptr;
 };
 TORCH_MODULE(ProbeBlock);
-
-int units_holding_unsharded_storage() {
-  int count = 0;
-  for (const auto& unit : fsdp::detail::live_units()) {
-    for (const auto& p : unit->params()) {
-      if (p.unsharded_allocated()) {
-        ++count;
-        break;
-      }
-    }
-  }
-  return count;
-}
 
 torch::Tensor ProbeBlockImpl::forward(const torch::Tensor& x) {
   seen->push_back(units_holding_unsharded_storage());

@@ -12,6 +12,7 @@
 #include <map>
 #include <optional>
 
+#include "harness/inspect.h"
 #include "harness/multiprocess.h"
 #include "harness/sharding.h"
 #include "param_group.h"
@@ -21,6 +22,7 @@
 namespace {
 
 using fsdp::ShardingStrategy;
+using fsdp::test::units_holding_unsharded_storage;
 
 constexpr int64_t kIn = 7, kWidth = 13, kOut = 5;  // 13 rows: not divisible by 2 or 3
 constexpr int64_t kGlobalBatch = 12;
@@ -66,19 +68,6 @@ struct ThrowInBackward : torch::autograd::Function<ThrowInBackward> {
 
 // Inside a block's backward: how many units hold unsharded storage at that moment.
 std::vector<int>* g_backward_probe = nullptr;
-
-int units_holding_unsharded_storage() {
-  int count = 0;
-  for (const auto& unit : fsdp::detail::live_units()) {
-    for (const auto& p : unit->params()) {
-      if (p.unsharded_allocated()) {
-        ++count;
-        break;
-      }
-    }
-  }
-  return count;
-}
 
 struct Probe : torch::autograd::Function<Probe> {
   static torch::Tensor forward(torch::autograd::AutogradContext*, const torch::Tensor& x) {

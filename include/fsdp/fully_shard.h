@@ -194,6 +194,8 @@ class ForwardCall {
   void finish(const std::vector<torch::Tensor>& outputs);
 
  private:
+  bool casts_input(const torch::Tensor& t) const;
+
   std::shared_ptr<ParamGroup> unit_;
   std::optional<torch::ScalarType> input_dtype_, output_dtype_;
   bool finished_ = false;
