@@ -7,6 +7,7 @@
 #include <fsdp/clip_grad.h>
 #include <fsdp/comm_stats.h>
 #include <fsdp/fully_shard.h>
+#include <fsdp/grad_scaler.h>
 #include <fsdp/memory.h>
 #include <fsdp/mixed_precision.h>
 #include <fsdp/process_group.h>
