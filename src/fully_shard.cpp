@@ -78,6 +78,7 @@ std::vector<torch::Tensor> ForwardCall::wrap_inputs(std::vector<torch::Tensor> i
     if (casts_input(t))
       t = t.to(*input_dtype_);
     if (t.requires_grad() && torch::GradMode::is_enabled()) {
+      inputs_require_grad_ = true;
       need_grad.push_back(t);
       where.push_back(i);
     }
@@ -94,6 +95,19 @@ torch::Tensor ForwardCall::cast_output(const torch::Tensor& t) const {
   if (!output_dtype_ || !t.defined() || !t.is_floating_point() || t.scalar_type() == *output_dtype_)
     return t;
   return t.to(*output_dtype_);
+}
+
+CheckpointMode ForwardCall::checkpoint_mode(bool replayable) const {
+  const auto mode = unit_->options().activation_checkpointing();
+  if (mode == CheckpointMode::kNone || !torch::GradMode::is_enabled())
+    return CheckpointMode::kNone;
+  // Nothing in this call needs a gradient: no backward will come to recompute for.
+  if (!inputs_require_grad_ && !unit_->has_trainable_params())
+    return CheckpointMode::kNone;
+  TORCH_CHECK(replayable, "fsdp::forward: unit '", unit_->name(),
+              "' checkpoints its activations, so its forward must be able to run again on "
+              "copies of its arguments; an argument is passed with std::ref or cannot be copied");
+  return mode;
 }
 
 void ForwardCall::finish(const std::vector<torch::Tensor>& outputs) {

@@ -31,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include <fsdp/checkpoint.h>
 #include <fsdp/mixed_precision.h>
 #include <fsdp/process_group.h>
 #include <fsdp/tensor_visit.h>
@@ -118,6 +119,11 @@ struct FullyShardOptions {
   /// Gather, compute and reduce dtypes (fsdp/mixed_precision.h). Default: all in the
   /// parameters' own dtype.
   TORCH_ARG(MixedPrecisionPolicy, mp_policy);
+  /// Activation checkpointing of the unit's forward (fsdp/checkpoint.h): kFull keeps only its
+  /// inputs for backward and runs the forward again, on the parameters gathered for the
+  /// unit's backward; kSelective also keeps its matmul outputs. The arguments of fsdp::forward
+  /// are copied for the recomputation (std::ref arguments cannot be replayed: an error).
+  TORCH_ARG(CheckpointMode, activation_checkpointing) = CheckpointMode::kNone;
 
   /// Deferred initialisation: fills this rank's shard of a parameter directly, so the full
   /// parameter never exists in memory. Called once per parameter with the module's parameter
@@ -192,12 +198,18 @@ class ForwardCall {
   torch::Tensor cast_output(const torch::Tensor& t) const;
   /// Frees the unit (unless something holds it) and hooks the outputs that require grad.
   void finish(const std::vector<torch::Tensor>& outputs);
+  /// How this call checkpoints its forward: the unit's activation_checkpointing when grad
+  /// mode is on and something in the call needs gradients, else kNone. `replayable`: the
+  /// arguments can be copied for the recomputation (throws if they cannot and it would be
+  /// needed).
+  CheckpointMode checkpoint_mode(bool replayable) const;
 
  private:
   bool casts_input(const torch::Tensor& t) const;
 
   std::shared_ptr<ParamGroup> unit_;
   std::optional<torch::ScalarType> input_dtype_, output_dtype_;
+  bool inputs_require_grad_ = false;
   bool finished_ = false;
 };
 
@@ -224,6 +236,12 @@ decltype(auto) module_impl(M& m) {
 template <typename Arg>
 class ArgSlot {
   using D = std::remove_cvref_t<Arg>;
+
+ public:
+  /// A copy of the argument can be passed to the module's forward again (recomputation).
+  static constexpr bool kReplayable = !IsRefWrapper<D>::value && std::is_copy_constructible_v<D>;
+
+ private:
   static_assert(IsRefWrapper<D>::value || kWalkable<D>,
                 "fsdp::forward: an argument's type may hold tensors fsdp cannot see. Give it a "
                 "member `template <typename F> void visit_tensors(F&& f)` that calls f on each "
@@ -287,6 +305,77 @@ class ArgSlot {
   std::optional<D> copy_;
 };
 
+// The tensors of a value, in walk order (undefined ones skipped).
+template <typename T>
+std::vector<torch::Tensor> tensors_in(T& value) {
+  std::vector<torch::Tensor> out;
+  auto f = [&](torch::Tensor& t) {
+    if (t.defined())
+      out.push_back(t);
+  };
+  walk_tensors(value, f);
+  return out;
+}
+
+// Replaces the defined tensors of `value`, in walk order, by tensors[0...].
+template <typename T>
+void replace_tensors(T& value, const std::vector<torch::Tensor>& tensors) {
+  size_t next = 0;
+  auto f = [&](torch::Tensor& t) {
+    if (t.defined())
+      t = tensors.at(next++);
+  };
+  walk_tensors(value, f);
+}
+
+// An argument of the recomputation, in the caller's value category.
+template <typename Arg, typename D>
+decltype(auto) replay_arg(D& stored) {
+  if constexpr (std::is_lvalue_reference_v<Arg>)
+    return static_cast<const D&>(stored);
+  else
+    return static_cast<D&&>(stored);
+}
+
+// A unit's forward under activation checkpointing: copies of the arguments (their tensors
+// detached) are kept for the recomputation, which calls the module's forward again on them.
+template <typename Result, typename... Args, typename Impl>
+Result checkpointed_forward(Impl& impl, CheckpointMode mode, std::tuple<ArgSlot<Args>...>& slots) {
+  using Stored = std::tuple<std::remove_cvref_t<Args>...>;
+  auto saved =
+      std::apply([](auto&... slot) { return std::make_shared<Stored>(slot.get()...); }, slots);
+  std::vector<torch::Tensor> inputs;
+  auto take = [&](torch::Tensor& t) {
+    if (t.defined()) {
+      inputs.push_back(t);
+      t = t.detach();
+    }
+  };
+  walk_tensors(*saved, take);
+  // The graph may outlive the caller's handle on the module: the recomputation co-owns it.
+  std::shared_ptr<Impl> module(impl.shared_from_this(), &impl);
+  auto run = [module, saved](const std::vector<torch::Tensor>& tensors) -> Result {
+    Stored args = *saved;
+    replace_tensors(args, tensors);
+    return std::apply(
+        [&](auto&... a) -> Result { return Result(module->forward(replay_arg<Args>(a)...)); },
+        args);
+  };
+  std::optional<Result> kept;
+  auto outputs = checkpoint_apply(
+      [&](const std::vector<torch::Tensor>& t) {
+        kept.emplace(run(t));
+        return tensors_in(*kept);
+      },
+      [run](const std::vector<torch::Tensor>& t) {
+        Result again = run(t);
+        return tensors_in(again);
+      },
+      std::move(inputs), mode);
+  replace_tensors(*kept, outputs);
+  return std::move(*kept);
+}
+
 }  // namespace detail
 
 /// Calls module->forward(args...) as an FSDP unit: parameters are gathered before and freed
@@ -324,8 +413,16 @@ auto forward(M&& module, Args&&... args) {
     std::apply([&](auto&... slot) { impl.forward(slot.get()...); }, slots);
     call.finish({});
   } else {
-    Result result = std::apply(
-        [&](auto&... slot) -> decltype(auto) { return impl.forward(slot.get()...); }, slots);
+    constexpr bool replayable = (detail::ArgSlot<Args>::kReplayable && ... && true);
+    const auto ac = call.checkpoint_mode(replayable);
+    Result result = [&]() -> Result {
+      if constexpr (replayable && std::is_move_constructible_v<Result>) {
+        if (ac != CheckpointMode::kNone)
+          return detail::checkpointed_forward<Result, Args...>(impl, ac, slots);
+      }
+      return std::apply(
+          [&](auto&... slot) -> decltype(auto) { return impl.forward(slot.get()...); }, slots);
+    }();
     std::vector<torch::Tensor> outputs;
     auto f = [&](torch::Tensor& t) {
       t = call.cast_output(t);
