@@ -146,8 +146,18 @@ torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets)
 
 namespace fsdp_models {
 void parallelize_gpt(GPT& model, const fsdp::FullyShardOptions& options) {
-  for (auto& block : model->blocks)
-    fsdp::fully_shard(block, options);
-  fsdp::fully_shard(model, options);
+  parallelize_gpt(model, options, options);
+}
+
+void parallelize_gpt(GPT& model, const fsdp::FullyShardOptions& block_options,
+                     const fsdp::FullyShardOptions& root_options, int64_t checkpoint_every) {
+  TORCH_CHECK(checkpoint_every >= 1, "parallelize_gpt: checkpoint_every must be >= 1");
+  for (size_t i = 0; i < model->blocks.size(); ++i) {
+    auto options = block_options;
+    if (static_cast<int64_t>(i) % checkpoint_every != 0)
+      options.activation_checkpointing(fsdp::CheckpointMode::kNone);
+    fsdp::fully_shard(model->blocks[i], options);
+  }
+  fsdp::fully_shard(model, root_options);
 }
 }  // namespace fsdp_models

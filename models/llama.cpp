@@ -212,8 +212,18 @@ torch::Tensor LlamaImpl::forward(const torch::Tensor& tokens) {
 
 namespace fsdp_models {
 void parallelize_llama(Llama& model, const fsdp::FullyShardOptions& options) {
-  for (auto& block : model->blocks)
-    fsdp::fully_shard(block, options);
-  fsdp::fully_shard(model, options);
+  parallelize_llama(model, options, options);
+}
+
+void parallelize_llama(Llama& model, const fsdp::FullyShardOptions& block_options,
+                       const fsdp::FullyShardOptions& root_options, int64_t checkpoint_every) {
+  TORCH_CHECK(checkpoint_every >= 1, "parallelize_llama: checkpoint_every must be >= 1");
+  for (size_t i = 0; i < model->blocks.size(); ++i) {
+    auto options = block_options;
+    if (static_cast<int64_t>(i) % checkpoint_every != 0)
+      options.activation_checkpointing(fsdp::CheckpointMode::kNone);
+    fsdp::fully_shard(model->blocks[i], options);
+  }
+  fsdp::fully_shard(model, root_options);
 }
 }  // namespace fsdp_models

@@ -153,4 +153,10 @@ namespace fsdp_models {
 /// Applies FSDP to a Llama: one unit per block, then the root unit (embeddings, final norm and
 /// output head, so a tied matrix lives in one unit).
 void parallelize_llama(Llama& model, const fsdp::FullyShardOptions& options);
+/// The same with the blocks' options apart from the root's (e.g. the root in fp32 over bf16
+/// blocks, activation checkpointing on blocks only). Block i keeps block_options'
+/// activation_checkpointing when i % checkpoint_every == 0 and gets none otherwise ("every k-th
+/// block").
+void parallelize_llama(Llama& model, const fsdp::FullyShardOptions& block_options,
+                       const fsdp::FullyShardOptions& root_options, int64_t checkpoint_every = 1);
 }  // namespace fsdp_models

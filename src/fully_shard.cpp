@@ -2,6 +2,7 @@
 // ForwardCall, the unit side of fsdp::forward; the per-model settings (prefetch lists, gradient
 // sync, communication counters).
 #include <fsdp/fully_shard.h>
+#include <fsdp/memory.h>
 
 #include <torch/torch.h>
 
@@ -318,6 +319,8 @@ void fully_shard(const std::shared_ptr<torch::nn::Module>& module,
     detail::broadcast_from_rank0(group, to_sync);
   }
 
+  // The shards are allocated here (an unsharded buffer too, freed before this returns).
+  memory::CategoryScope tag(memory::Category::kParams);
   auto unit = std::make_shared<detail::ParamGroup>(module->name(), std::move(params), options,
                                                    detail::resolve_groups(options));
   // The models of the units already sharded under `module` become part of this one; their

@@ -21,11 +21,42 @@ std::atomic<int64_t> g_peak{0};
 std::atomic<int64_t> g_num_allocations{0};
 std::atomic<int64_t> g_allocated_total{0};
 
-// Lowering is never needed here; reset_peak() is the only way down.
-void raise_peak_to(int64_t value) {
-  int64_t seen = g_peak.load(std::memory_order_relaxed);
-  while (seen < value && !g_peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
+// Per category: live bytes, own high-water mark, and the live bytes when the overall peak was
+// last raised. The snapshot is taken without a lock: with several threads allocating at once it
+// may mix two nearby moments, which a memory table can live with.
+std::array<std::atomic<int64_t>, kNumCategories> g_cat_current{};
+std::array<std::atomic<int64_t>, kNumCategories> g_cat_peak{};
+std::array<std::atomic<int64_t>, kNumCategories> g_cat_at_peak{};
+
+thread_local Category t_category = Category::kOther;
+
+void raise_to(std::atomic<int64_t>& peak, int64_t value) {
+  int64_t seen = peak.load(std::memory_order_relaxed);
+  while (seen < value && !peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
   }
+}
+
+void snapshot_categories() {
+  for (int c = 0; c < kNumCategories; ++c)
+    g_cat_at_peak[c].store(g_cat_current[c].load(std::memory_order_relaxed),
+                           std::memory_order_relaxed);
+}
+
+// Lowering is never needed here; reset_peak() is the only way down. Returns whether this call
+// raised the peak.
+bool raise_peak_to(int64_t value) {
+  int64_t seen = g_peak.load(std::memory_order_relaxed);
+  while (seen < value) {
+    if (g_peak.compare_exchange_weak(seen, value, std::memory_order_relaxed))
+      return true;
+  }
+  return false;
+}
+
+void add_to_category(int c, int64_t nbytes) {
+  const int64_t now = g_cat_current[c].fetch_add(nbytes, std::memory_order_relaxed) + nbytes;
+  if (nbytes > 0)
+    raise_to(g_cat_peak[c], now);
 }
 
 // Why the bookkeeping lives in a side table instead of the DataPtr context: LibTorch calls
@@ -37,6 +68,7 @@ void raise_peak_to(int64_t value) {
 struct LiveAllocation {
   c10::DataPtr original;
   int64_t nbytes;
+  int category;
 };
 
 struct alignas(64) Shard {
@@ -69,6 +101,7 @@ void tracked_delete(void* data) {
   // A miss means someone handed us memory we never allocated; freeing it would be a guess.
   TORCH_INTERNAL_ASSERT(!node.empty(), "fsdp::memory: freeing an untracked pointer ", data);
   g_current.fetch_sub(node.mapped().nbytes, std::memory_order_relaxed);
+  add_to_category(node.mapped().category, -node.mapped().nbytes);
   // `node` goes out of scope here, outside the lock: the wrapped allocator's own deleter frees
   // the memory.
 }
@@ -90,17 +123,21 @@ class TrackingAllocator final : public c10::Allocator {
       return original;
     }
     const auto nbytes = static_cast<int64_t>(n);
+    const int category = static_cast<int>(t_category);
     {
       Shard& shard = shard_for(data);
       std::lock_guard<std::mutex> lock(shard.mutex);
       const bool inserted =
-          shard.live.try_emplace(data, LiveAllocation{std::move(original), nbytes}).second;
+          shard.live.try_emplace(data, LiveAllocation{std::move(original), nbytes, category})
+              .second;
       // Two live allocations at one address would mean the wrapped allocator is broken.
       TORCH_INTERNAL_ASSERT(inserted, "fsdp::memory: address ", data, " allocated twice");
     }
     // Counted only after the insert, so a throwing allocation leaves the counters alone.
+    add_to_category(category, nbytes);
     const int64_t now = g_current.fetch_add(nbytes, std::memory_order_relaxed) + nbytes;
-    raise_peak_to(now);
+    if (raise_peak_to(now))
+      snapshot_categories();
     if (nbytes > 0) {
       g_num_allocations.fetch_add(1, std::memory_order_relaxed);
       g_allocated_total.fetch_add(nbytes, std::memory_order_relaxed);
@@ -168,8 +205,88 @@ int64_t peak_bytes() {
 
 void reset_peak() {
   g_peak.store(g_current.load(std::memory_order_relaxed), std::memory_order_relaxed);
+  for (int c = 0; c < kNumCategories; ++c)
+    g_cat_peak[c].store(g_cat_current[c].load(std::memory_order_relaxed),
+                        std::memory_order_relaxed);
+  snapshot_categories();
   // An allocation racing with the store may have raised current past what we stored.
   raise_peak_to(g_current.load(std::memory_order_relaxed));
+}
+
+const char* to_string(Category category) {
+  switch (category) {
+    case Category::kOther:
+      return "other";
+    case Category::kParams:
+      return "sharded parameters";
+    case Category::kGrads:
+      return "gradients";
+    case Category::kOptimizer:
+      return "optimizer state";
+    case Category::kGathered:
+      return "gathered parameters";
+    case Category::kActivations:
+      return "activations";
+  }
+  return "?";
+}
+
+int64_t CategoryBytes::total() const {
+  int64_t sum = 0;
+  for (auto b : bytes)
+    sum += b;
+  return sum;
+}
+
+CategoryScope::CategoryScope(Category category) : previous_(t_category) {
+  t_category = category;
+}
+
+CategoryScope::~CategoryScope() {
+  t_category = previous_;
+}
+
+bool retag(const void* data, Category category) {
+  if (data == nullptr || g_tracker.load(std::memory_order_acquire) == nullptr)
+    return false;
+  Shard& shard = shard_for(data);
+  int from = 0;
+  int64_t nbytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(shard.mutex);
+    auto it = shard.live.find(const_cast<void*>(data));
+    if (it == shard.live.end())
+      return false;
+    from = it->second.category;
+    nbytes = it->second.nbytes;
+    it->second.category = static_cast<int>(category);
+  }
+  if (from != static_cast<int>(category)) {
+    add_to_category(from, -nbytes);
+    add_to_category(static_cast<int>(category), nbytes);
+  }
+  return true;
+}
+
+namespace {
+CategoryBytes load(const std::array<std::atomic<int64_t>, kNumCategories>& counters) {
+  CategoryBytes out;
+  for (int c = 0; c < kNumCategories; ++c)
+    out.bytes[c] = counters[c].load(std::memory_order_relaxed);
+  return out;
+}
+}  // namespace
+
+CategoryBytes current_by_category() {
+  return load(g_cat_current);
+}
+
+CategoryBytes peak_by_category() {
+  return load(g_cat_peak);
+}
+
+CategoryBytes at_peak_by_category() {
+  return load(g_cat_at_peak);
 }
 
 PeakScope::PeakScope() {
@@ -181,6 +298,8 @@ PeakScope::PeakScope() {
 }
 
 PeakScope::~PeakScope() {
+  // The enclosing scope's breakdown at its peak is not restored: at_peak_by_category() always
+  // describes the latest high-water mark.
   raise_peak_to(outer_peak_);
 }
 

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 
+#include <fsdp/memory.h>
+
 #include "prefetch.h"
 #include "root_state.h"
 
@@ -105,6 +107,7 @@ torch::ScalarType ParamGroup::reduce_dtype(torch::ScalarType master) const {
 // ---- Gathering --------------------------------------------------------------------------------
 
 void ParamGroup::issue_unshard(bool counted) {
+  memory::CategoryScope tag(memory::Category::kGathered);
   if (sharded_state_ != ShardedState::kSharded)
     return;
   const bool gathers = shard_size() > 1 && !params_.empty();
@@ -133,6 +136,7 @@ void ParamGroup::issue_unshard(bool counted) {
 }
 
 void ParamGroup::wait_unshard() {
+  memory::CategoryScope tag(memory::Category::kGathered);
   if (sharded_state_ != ShardedState::kGathering)
     return;
   if (gather_) {
@@ -372,6 +376,7 @@ void ParamGroup::post_backward(CallRecord& call) {
 }
 
 void ParamGroup::reduce_gradients() {
+  memory::CategoryScope tag(memory::Category::kGrads);
   training_state_ = TrainingState::kPostBackward;
   std::vector<ShardedParam*> trainable;
   for (auto& p : params_) {
@@ -454,6 +459,7 @@ void ParamGroup::reduce_gradients() {
 }
 
 void ParamGroup::issue_all_reduce() {
+  memory::CategoryScope tag(memory::Category::kGrads);
   for (auto& r : reduces_) {
     if (r.all_reduce_issued || r.reduce_scatter)
       continue;
@@ -473,6 +479,7 @@ void ParamGroup::issue_all_reduce() {
 }
 
 void ParamGroup::finish_reduce_scatter() {
+  memory::CategoryScope tag(memory::Category::kGrads);
   for (auto& r : reduces_) {
     if (r.reduce_scatter) {
       r.reduce_scatter->wait();
@@ -489,6 +496,7 @@ void ParamGroup::finish_backward() {
 }
 
 void ParamGroup::wait_reduces() {
+  memory::CategoryScope tag(memory::Category::kGrads);
   finish_reduce_scatter();
   for (auto& r : reduces_) {
     for (auto& w : r.all_reduces)
@@ -498,6 +506,7 @@ void ParamGroup::wait_reduces() {
 }
 
 void ParamGroup::install_grads() {
+  memory::CategoryScope tag(memory::Category::kGrads);
   torch::NoGradGuard no_grad;
   for (auto& r : reduces_) {
     int64_t chunks = 0;

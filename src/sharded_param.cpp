@@ -1,6 +1,9 @@
 // See sharded_param.h, Note [FSDP tensors].
 #include "sharded_param.h"
 
+#include <fsdp/memory.h>
+
+#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
@@ -32,6 +35,17 @@ void forget_grad_accumulator(const torch::Tensor& p) {
   }
 }
 
+// Gradients of gathered parameters are allocated by autograd (the backward of the op that used
+// the parameter) while the caller's memory tag is in force; once one becomes a .grad it is
+// counted as a gradient.
+struct TagGradAsGradient : torch::autograd::PostAccumulateGradHook {
+  void operator()(const torch::autograd::Variable& param) override {
+    const auto& g = param.grad();
+    if (g.defined() && g.has_storage())
+      memory::retag(g.storage().data(), memory::Category::kGrads);
+  }
+};
+
 }  // namespace
 
 ShardedParam::ShardedParam(
@@ -42,6 +56,8 @@ ShardedParam::ShardedParam(
   TORCH_CHECK(param_.layout() == torch::kStrided, "fully_shard: parameter '", fqn_,
               "' is not a dense tensor");
   torch::NoGradGuard no_grad;
+  if (param_.requires_grad() && !torch::autograd::impl::post_acc_grad_hooks(param_))
+    torch::autograd::impl::set_post_acc_grad_hooks(param_, std::make_unique<TagGradAsGradient>());
   auto full = param_.detach();
   shape_ = full.sizes().vec();
   // A 0-d parameter is sharded as a single row.

@@ -319,6 +319,36 @@ TEST_F(MemoryTest, DefaultAllocatorDataPtrIsNotCounted) {
   EXPECT_GE(mem::current_bytes(), 0);
 }
 
+TEST_F(MemoryTest, CategoriesTagRetagAndSumToThePeak) {
+  using fsdp::memory::Category;
+  const auto before = fsdp::memory::current_by_category();
+  fsdp::memory::reset_peak();
+  torch::Tensor a, b;
+  {
+    fsdp::memory::CategoryScope outer(Category::kActivations);
+    a = torch::empty({1 << 18});  // 1 MiB
+    {
+      fsdp::memory::CategoryScope inner(Category::kOptimizer);
+      b = torch::empty({1 << 17});  // 512 KiB
+    }
+  }
+  auto now = fsdp::memory::current_by_category();
+  EXPECT_EQ(now[Category::kActivations] - before[Category::kActivations], 1 << 20);
+  EXPECT_EQ(now[Category::kOptimizer] - before[Category::kOptimizer], 1 << 19);
+  // The breakdown at the peak sums to the peak.
+  EXPECT_EQ(fsdp::memory::at_peak_by_category().total(), fsdp::memory::peak_bytes());
+  EXPECT_TRUE(fsdp::memory::retag(a.storage().data(), Category::kGrads));
+  now = fsdp::memory::current_by_category();
+  EXPECT_EQ(now[Category::kActivations], before[Category::kActivations]);
+  EXPECT_EQ(now[Category::kGrads] - before[Category::kGrads], 1 << 20);
+  EXPECT_GE(fsdp::memory::peak_by_category()[Category::kActivations],
+            before[Category::kActivations] + (1 << 20));
+  a = torch::Tensor();
+  EXPECT_EQ(fsdp::memory::current_by_category()[Category::kGrads], before[Category::kGrads]);
+  int local = 0;
+  EXPECT_FALSE(fsdp::memory::retag(&local, Category::kGrads));
+}
+
 TEST(MemoryFormat, FormatBytes) {
   EXPECT_EQ(mem::format_bytes(0), "0 B");
   EXPECT_EQ(mem::format_bytes(512), "512 B");

@@ -96,6 +96,12 @@ TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
       {"", "--fsdp.gloo_lanes=0", "'fsdp.gloo_lanes' must be between 1 and 16, got 0"},
       {"", "--fsdp.check_collectives=-1", "'fsdp.check_collectives' must be >= 0"},
       {"", "--training.device=tpu", "'training.device' must be one of cpu, cuda"},
+      {"", "--precision.param_dtype=fp16 --precision.loss_scaling=none",
+       "'precision.loss_scaling' must not be none with precision.param_dtype = fp16"},
+      {"", "--precision.param_dtype=fp8", "'precision.param_dtype' must be one of fp32, bf16"},
+      {"", "--fsdp.activation_checkpointing=some",
+       "'fsdp.activation_checkpointing' must be one of none, full, selective"},
+      {"", "--fsdp.ac_every=0", "'fsdp.ac_every' must be >= 1"},
       // The job's shape: checked by the launcher before any rank starts...
       {"", "--nproc 2 --fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=3",
        "'fsdp.hybrid_shard_size' = 3 must divide the world size (2 ranks)"},
@@ -357,6 +363,49 @@ TEST(TrainerRun, PrefetchKnobsMoveMemoryNotMath) {
   // gather at a time, it does not.
   EXPECT_LT(last[1].peak_bytes, last[0].peak_bytes);
   EXPECT_LT(last[2].peak_bytes, last[0].peak_bytes);
+}
+
+// Activation checkpointing changes memory, not math: the losses are bit-identical, the traffic
+// the same, and less is held. bf16 gathers move half the bytes; fp16 runs with a loss scale.
+TEST(TrainerRun, CheckpointingAndPrecisionKnobs) {
+  const std::string shape = "--model.n_layer=4 ";
+  auto plain = quick_run("ac-none", 2, shape);
+  auto full = quick_run("ac-full", 2, shape + "--fsdp.activation_checkpointing=full");
+  auto selective = quick_run("ac-selective", 2,
+                             shape + "--fsdp.activation_checkpointing=selective --fsdp.ac_every=2");
+  auto bf16 = quick_run("bf16", 2, shape + "--precision.param_dtype=bf16");
+  auto fp16 = quick_run("fp16", 2, shape + "--precision.param_dtype=fp16");
+  for (const auto* m : {&plain, &full, &selective, &bf16, &fp16})
+    ASSERT_EQ(m->size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(full[i].loss, plain[i].loss) << "step " << i + 1;
+    EXPECT_EQ(selective[i].loss, plain[i].loss) << "step " << i + 1;
+    EXPECT_EQ(full[i].allgather_bytes, plain[i].allgather_bytes);
+    EXPECT_EQ(2 * bf16[i].allgather_bytes, plain[i].allgather_bytes);
+    // bf16 keeps 8 bits of mantissa: after 3 steps the loss moves by well under 1%.
+    EXPECT_NEAR(bf16[i].loss, plain[i].loss, 1e-2 * plain[i].loss) << "step " << i + 1;
+    EXPECT_NEAR(fp16[i].loss, plain[i].loss, 1e-2 * plain[i].loss) << "step " << i + 1;
+    EXPECT_FALSE(plain[i].loss_scale.has_value());
+    ASSERT_TRUE(fp16[i].loss_scale.has_value() && fp16[i].skipped_steps.has_value());
+    EXPECT_EQ(*fp16[i].loss_scale, 65536.0 / (1 << *fp16[i].skipped_steps));
+  }
+  EXPECT_LT(full.back().peak_bytes, plain.back().peak_bytes);
+  EXPECT_LT(selective.back().peak_bytes, plain.back().peak_bytes);
+  // The breakdown of the peak: it sums to the peak; checkpointing moves activations only.
+  for (const auto* m : {&plain, &full, &bf16}) {
+    const auto& s = m->back();
+    ASSERT_TRUE(s.mem_params_bytes && s.mem_grads_bytes && s.mem_optimizer_bytes &&
+                s.mem_gathered_bytes && s.mem_activations_bytes && s.mem_other_bytes);
+    EXPECT_EQ(*s.mem_params_bytes + *s.mem_grads_bytes + *s.mem_optimizer_bytes +
+                  *s.mem_gathered_bytes + *s.mem_activations_bytes + *s.mem_other_bytes,
+              s.peak_bytes);
+    EXPECT_EQ(*s.mem_params_bytes, *plain.back().mem_params_bytes);
+    EXPECT_GT(*s.mem_optimizer_bytes, *s.mem_params_bytes);  // AdamW: two moments
+  }
+  EXPECT_LT(*full.back().mem_activations_bytes, *plain.back().mem_activations_bytes);
+  std::printf("AC peak bytes: none %lld, full %lld, selective every 2 %lld; fp16 scale %g\n",
+              (long long)plain.back().peak_bytes, (long long)full.back().peak_bytes,
+              (long long)selective.back().peak_bytes, *fp16.back().loss_scale);
 }
 
 // hybrid_shard on 4 ranks in 2 groups of 2: reduce-scatter inside a group, all-reduce of the

@@ -245,6 +245,31 @@ const std::vector<Option>& options() {
           "Debug: every this many collectives the ranks compare the sequence of collectives "
           "each issued and all stop with one error naming the first difference (a rank that "
           "skipped or added a unit's forward); costs a store round trip each time (0: off)."),
+      opt("fsdp.activation_checkpointing", FIELD(fsdp.activation_checkpointing),
+          "Recompute each block's activations in backward instead of keeping them: full keeps "
+          "only the block's input, selective also keeps its matmul and attention outputs (less "
+          "recompute, more memory). The recomputation uses the block's backward all-gather.",
+          {"none", "full", "selective"}),
+      opt("fsdp.ac_every", FIELD(fsdp.ac_every),
+          "Checkpoint every k-th block only (blocks 0, k, 2k...): 1 checkpoints all of them."),
+      opt("precision.param_dtype", FIELD(precision.param_dtype),
+          "Dtype of the all-gathers and of compute; the sharded parameters and the optimizer "
+          "stay fp32. bf16 halves what moves and what gathered parameters occupy; on CPUs "
+          "without AVX-512 BF16 or AMX its matmuls are much slower than fp32.",
+          {"fp32", "bf16", "fp16"}),
+      opt("precision.reduce_dtype", FIELD(precision.reduce_dtype),
+          "Dtype gradients are reduce-scattered (and all-reduced) in; they land in fp32.",
+          {"fp32", "bf16", "fp16"}),
+      opt("precision.root_fp32", FIELD(precision.root_fp32),
+          "Keep the root unit (embeddings, final norm, head) in fp32 over low-precision blocks."),
+      opt("precision.loss_scaling", FIELD(precision.loss_scaling),
+          "Dynamic loss scaling (skips steps whose gradients overflow on any rank, backs the "
+          "scale off, grows it again). auto: on for fp16, off otherwise; fp16 without it is "
+          "refused (small gradients would flush to zero).",
+          {"auto", "dynamic", "none"}),
+      opt("precision.init_scale", FIELD(precision.init_scale), "First loss scale."),
+      opt("precision.growth_interval", FIELD(precision.growth_interval),
+          "Clean steps in a row before the loss scale doubles."),
       opt("logging.run_dir", FIELD(logging.run_dir),
           "Output directory: metrics.jsonl, config.toml, breakdown.txt, plot.png, sample.txt."),
       opt("logging.progress", FIELD(logging.progress),
@@ -417,11 +442,25 @@ void validate(const Config& c) {
           "fsdp.all_reduce_bucket_mb", "must be > 0 and at most 1048576 (1 TiB)");
   require(c.fsdp.timeout_s > 0, "fsdp.timeout_s", "must be > 0");
   require(c.fsdp.check_collectives >= 0, "fsdp.check_collectives", "must be >= 0");
+  require(c.fsdp.ac_every >= 1, "fsdp.ac_every",
+          "must be >= 1, got " + std::to_string(c.fsdp.ac_every));
+  require(!(c.precision.param_dtype == "fp16" && c.precision.loss_scaling == "none"),
+          "precision.loss_scaling",
+          "must not be none with precision.param_dtype = fp16: fp16 gradients below 6e-8 flush to "
+          "zero without it (use auto or dynamic)");
+  require(c.precision.init_scale > 0 && c.precision.init_scale < 3.4e38, "precision.init_scale",
+          "must be a positive finite fp32 number");
+  require(c.precision.growth_interval >= 1, "precision.growth_interval", "must be >= 1");
   require(!c.logging.run_dir.empty(), "logging.run_dir", "must not be empty");
   require(c.logging.log_every >= 1, "logging.log_every", "must be >= 1");
   require(c.generate.tokens >= 0, "generate.tokens", "must be >= 0");
   require(c.generate.temperature > 0, "generate.temperature", "must be > 0");
   require(c.generate.top_k >= 0, "generate.top_k", "must be >= 0");
+}
+
+bool uses_loss_scaling(const Config& c) {
+  return c.precision.loss_scaling == "dynamic" ||
+         (c.precision.loss_scaling == "auto" && c.precision.param_dtype == "fp16");
 }
 
 int64_t resolved_hybrid_shard_size(const Config& c, int local_world_size) {

@@ -67,7 +67,18 @@ struct FsdpConfig {
   bool sync_module_states = true;
   bool sync_every_micro_batch = true;
   double timeout_s = 300;
-  int64_t check_collectives = 0;  // 0: off
+  int64_t check_collectives = 0;                  // 0: off
+  std::string activation_checkpointing = "none";  // none, full, selective
+  int64_t ac_every = 1;
+};
+
+struct PrecisionConfig {
+  std::string param_dtype = "fp32";   // fp32, bf16, fp16
+  std::string reduce_dtype = "fp32";  // fp32, bf16, fp16
+  bool root_fp32 = false;             // embeddings, final norm and head in fp32
+  std::string loss_scaling = "auto";  // auto (dynamic for fp16), dynamic, none
+  double init_scale = 65536;
+  int64_t growth_interval = 2000;
 };
 
 struct LoggingConfig {
@@ -90,6 +101,7 @@ struct Config {
   DataConfig data;
   TrainingConfig training;
   FsdpConfig fsdp;
+  PrecisionConfig precision;
   LoggingConfig logging;
   GenerateConfig generate;
 };
@@ -114,6 +126,9 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
 void validate(const Config& config);
 
 /// fsdp.hybrid_shard_size with 0 resolved to `local_world_size` (the ranks per node).
+/// Whether the run scales its loss (precision.loss_scaling, "auto" resolved).
+bool uses_loss_scaling(const Config& config);
+
 int64_t resolved_hybrid_shard_size(const Config& config, int local_world_size);
 
 /// The checks that need the job's shape (fsdp.hybrid_shard_size and

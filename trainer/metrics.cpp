@@ -33,15 +33,16 @@ using Json = nlohmann::ordered_json;
 
 // ---- The field table -----------------------------------------------------------------------
 
-using Member = std::variant<int64_t StepMetrics::*, double StepMetrics::*,
-                            std::optional<double> StepMetrics::*>;
+using Member =
+    std::variant<int64_t StepMetrics::*, double StepMetrics::*,
+                 std::optional<double> StepMetrics::*, std::optional<int64_t> StepMetrics::*>;
 struct Field {
   const char* name;
   Member member;
 };
 
 // Order = order in each JSON line: what a human reading the log wants first.
-const std::array<Field, 19> kFields = {{
+const std::array<Field, 27> kFields = {{
     {"step", &StepMetrics::step},
     {"loss", &StepMetrics::loss},
     {"eval_loss", &StepMetrics::eval_loss},
@@ -61,6 +62,14 @@ const std::array<Field, 19> kFields = {{
     {"allgather_bytes", &StepMetrics::allgather_bytes},
     {"reducescatter_bytes", &StepMetrics::reducescatter_bytes},
     {"allreduce_bytes", &StepMetrics::allreduce_bytes},
+    {"loss_scale", &StepMetrics::loss_scale},
+    {"skipped_steps", &StepMetrics::skipped_steps},
+    {"mem_params_bytes", &StepMetrics::mem_params_bytes},
+    {"mem_grads_bytes", &StepMetrics::mem_grads_bytes},
+    {"mem_optimizer_bytes", &StepMetrics::mem_optimizer_bytes},
+    {"mem_gathered_bytes", &StepMetrics::mem_gathered_bytes},
+    {"mem_activations_bytes", &StepMetrics::mem_activations_bytes},
+    {"mem_other_bytes", &StepMetrics::mem_other_bytes},
 }};
 
 // JSON has no NaN or infinity; a diverged loss must still be logged, so it becomes null.
@@ -86,9 +95,12 @@ std::string from_json(const Json& j, StepMetrics& m) {
     std::visit(
         [&](auto member) {
           using T = std::remove_cvref_t<decltype(m.*member)>;
-          if constexpr (std::is_same_v<T, int64_t>) {
+          if constexpr (std::is_same_v<T, int64_t> || std::is_same_v<T, std::optional<int64_t>>) {
             if (!present) {
-              error = "missing " + field;
+              if constexpr (std::is_same_v<T, int64_t>)
+                error = "missing " + field;
+              else
+                m.*member = std::nullopt;
             } else if (!it->is_number_integer()) {
               error = field + " must be an integer, found " + it->dump();
             } else if (it->is_number_unsigned() &&
@@ -156,8 +168,12 @@ std::string to_json_line(const StepMetrics& m) {
             j[f.name] = m.*member;
           else if constexpr (std::is_same_v<T, double>)
             j[f.name] = double_to_json(m.*member);
-          else if ((m.*member).has_value())
+          else if constexpr (std::is_same_v<T, std::optional<int64_t>>) {
+            if ((m.*member).has_value())
+              j[f.name] = *(m.*member);
+          } else if ((m.*member).has_value()) {
             j[f.name] = double_to_json(*(m.*member));
+          }
         },
         f.member);
   }

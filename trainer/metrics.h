@@ -67,6 +67,14 @@ struct StepMetrics {
   std::optional<double> eval_loss;
   /// Total gradient norm before clipping, when the trainer computes it.
   std::optional<double> grad_norm;
+  /// With loss scaling (precision.loss_scaling): the scale of this step's loss, and the steps
+  /// skipped so far because some rank's gradients overflowed.
+  std::optional<double> loss_scale;
+  std::optional<int64_t> skipped_steps;
+  /// What peak_bytes is made of (fsdp::memory categories on the rank with the highest peak, at
+  /// the moment of its peak; they sum to peak_bytes). CPU runs only.
+  std::optional<int64_t> mem_params_bytes, mem_grads_bytes, mem_optimizer_bytes, mem_gathered_bytes,
+      mem_activations_bytes, mem_other_bytes;
 
   bool operator==(const StepMetrics&) const = default;
 };

@@ -25,13 +25,15 @@ C preset_or_config_error(const std::string& arch, const std::string& name) {
 // placeholders are on `device`, so the shards are created there and never cross the bus.
 template <typename Model, typename Cfg, typename Parallelize>
 void build_sharded(TrainModel& out, const Cfg& cfg, fsdp_models::InitScheme scheme, uint64_t seed,
-                   const fsdp::FullyShardOptions& options, torch::Device device,
+                   const UnitOptions& options, int64_t checkpoint_every, torch::Device device,
                    Parallelize parallelize) {
   Model model(cfg, fsdp_models::ModelInit().device(torch::kMeta).seed(seed));
   fsdp_models::to_hollow(*model, torch::TensorOptions().dtype(torch::kFloat32).device(device));
-  auto sharded = options;
-  sharded.param_init(fsdp_models::shard_initializer(*model, std::move(scheme), seed));
-  parallelize(model, sharded);
+  auto init = fsdp_models::shard_initializer(*model, std::move(scheme), seed);
+  auto blocks = options.blocks, root = options.root;
+  blocks.param_init(init);
+  root.param_init(init);
+  parallelize(model, blocks, root, checkpoint_every);
   out.module = model.ptr();
   out.forward = [model](const torch::Tensor& idx) mutable { return fsdp::forward(model, idx); };
   out.num_params = cfg.num_params();
@@ -39,8 +41,8 @@ void build_sharded(TrainModel& out, const Cfg& cfg, fsdp_models::InitScheme sche
 
 }  // namespace
 
-TrainModel build_model(const Config& config, int64_t vocab_size,
-                       const fsdp::FullyShardOptions& options, torch::Device device) {
+TrainModel build_model(const Config& config, int64_t vocab_size, const UnitOptions& options,
+                       torch::Device device) {
   const auto& m = config.model;
   TrainModel out;
   const auto seed = static_cast<uint64_t>(config.training.seed);
@@ -60,8 +62,11 @@ TrainModel build_model(const Config& config, int64_t vocab_size,
                       "('model.n_embd', 'model.n_head')",
                       cfg.n_embd, cfg.n_head));
     }
-    build_sharded<fsdp_models::GPT>(out, cfg, fsdp_models::gpt_init_scheme(cfg), seed, options,
-                                    device, fsdp_models::parallelize_gpt);
+    build_sharded<fsdp_models::GPT>(
+        out, cfg, fsdp_models::gpt_init_scheme(cfg), seed, options, config.fsdp.ac_every, device,
+        [](auto& model, const auto& blocks, const auto& root, int64_t every) {
+          fsdp_models::parallelize_gpt(model, blocks, root, every);
+        });
     out.n_layer = cfg.n_layer;
     out.n_embd = cfg.n_embd;
   } else {
@@ -79,8 +84,11 @@ TrainModel build_model(const Config& config, int64_t vocab_size,
     } catch (const std::exception& e) {
       throw ConfigError(std::string("llama shapes do not fit: ") + e.what());
     }
-    build_sharded<fsdp_models::Llama>(out, cfg, fsdp_models::llama_init_scheme(cfg), seed, options,
-                                      device, fsdp_models::parallelize_llama);
+    build_sharded<fsdp_models::Llama>(
+        out, cfg, fsdp_models::llama_init_scheme(cfg), seed, options, config.fsdp.ac_every, device,
+        [](auto& model, const auto& blocks, const auto& root, int64_t every) {
+          fsdp_models::parallelize_llama(model, blocks, root, every);
+        });
     out.n_layer = cfg.n_layers;
     out.n_embd = cfg.dim;
   }

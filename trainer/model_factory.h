@@ -23,11 +23,18 @@ struct TrainModel {
   std::string description;  // "gpt gpt2-tiny: 4 layers, width 128, 0.85M parameters"
 };
 
+/// How the units are sharded: the blocks (activation checkpointing applies to every
+/// config.fsdp.ac_every-th of them) and the root (embeddings, final norm, head).
+struct UnitOptions {
+  fsdp::FullyShardOptions blocks;
+  fsdp::FullyShardOptions root;
+};
+
 /// The model of config.model with `vocab_size` tokens and config.training.seq_len context,
 /// initialised from config.training.seed (the same values on any number of ranks), sharded with
 /// `options`, its shards on `device`. Throws ConfigError for an unknown preset or shapes that do
 /// not fit.
-TrainModel build_model(const Config& config, int64_t vocab_size,
-                       const fsdp::FullyShardOptions& options, torch::Device device);
+TrainModel build_model(const Config& config, int64_t vocab_size, const UnitOptions& options,
+                       torch::Device device);
 
 }  // namespace fsdp_trainer

@@ -52,6 +52,22 @@ fsdp::ShardingStrategy sharding_strategy(const std::string& name) {
   return fsdp::ShardingStrategy::kFullShard;  // the option table allows nothing else
 }
 
+torch::ScalarType dtype_named(const std::string& name) {
+  if (name == "bf16")
+    return torch::kBFloat16;
+  if (name == "fp16")
+    return torch::kHalf;
+  return torch::kFloat;
+}
+
+fsdp::CheckpointMode checkpoint_mode(const std::string& name) {
+  if (name == "full")
+    return fsdp::CheckpointMode::kFull;
+  if (name == "selective")
+    return fsdp::CheckpointMode::kSelective;
+  return fsdp::CheckpointMode::kNone;
+}
+
 fsdp::BackwardPrefetch backward_prefetch(const std::string& name) {
   if (name == "none")
     return fsdp::BackwardPrefetch::kNone;
@@ -117,7 +133,23 @@ Trainer::Trainer(Config config, DeviceMemory device_memory)
           std::max<int64_t>(1, std::llround(f.all_reduce_bucket_mb * (1 << 20))))
       .all_gather_bucket_bytes(std::llround(f.all_gather_bucket_mb * (1 << 20)))
       .sync_module_states(f.sync_module_states);
-  model_ = build_model(config_, data_.vocab_size, fsdp_options, device_);
+  // Blocks gather and compute in param_dtype; the root too unless root_fp32, and its logits
+  // come out in fp32 either way (the loss and its softmax in fp32).
+  const auto& prec = config_.precision;
+  const auto param_dtype = dtype_named(prec.param_dtype);
+  const auto reduce_dtype = dtype_named(prec.reduce_dtype);
+  UnitOptions units{fsdp_options, fsdp_options};
+  if (param_dtype != torch::kFloat || reduce_dtype != torch::kFloat) {
+    units.blocks.mp_policy(
+        fsdp::MixedPrecisionPolicy().param_dtype(param_dtype).reduce_dtype(reduce_dtype));
+    units.root.mp_policy(prec.root_fp32 ? fsdp::MixedPrecisionPolicy()
+                                        : fsdp::MixedPrecisionPolicy()
+                                              .param_dtype(param_dtype)
+                                              .reduce_dtype(reduce_dtype)
+                                              .output_dtype(torch::kFloat));
+  }
+  units.blocks.activation_checkpointing(checkpoint_mode(f.activation_checkpointing));
+  model_ = build_model(config_, data_.vocab_size, units, device_);
   profiler_ = std::make_unique<fsdp::StepProfiler>(model_.module);
 
   // Weight decay on matrices only (as GPT-2/nanoGPT): not on norms and biases.
@@ -135,6 +167,12 @@ Trainer::Trainer(Config config, DeviceMemory device_memory)
   groups.emplace_back(no_decay,
                       std::make_unique<torch::optim::AdamWOptions>(adamw.weight_decay(0.0)));
   optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups));
+  if (uses_loss_scaling(config_)) {
+    scaler_ =
+        std::make_unique<fsdp::ShardedGradScaler>(pg_, fsdp::GradScalerOptions()
+                                                           .init_scale(prec.init_scale)
+                                                           .growth_interval(prec.growth_interval));
+  }
 
   flops_per_token_ =
       gpt_flops_per_token(model_.num_params, model_.n_layer, model_.n_embd, t.seq_len);
@@ -170,6 +208,13 @@ Trainer::Trainer(Config config, DeviceMemory device_memory)
     progress_->message(fmt::format(
         "fsdp: {} | prefetch: forward {}, backward {}, at most {} all-gathers in flight", sharding,
         f.forward_prefetch ? "on" : "off", f.backward_prefetch, f.max_inflight_all_gathers));
+    std::string ac = f.activation_checkpointing;
+    if (f.activation_checkpointing != "none" && f.ac_every > 1)
+      ac += fmt::format(" (every {} blocks)", f.ac_every);
+    progress_->message(fmt::format(
+        "precision: compute {}{}, reduce {}{} | activation checkpointing: {}", prec.param_dtype,
+        prec.root_fp32 && prec.param_dtype != "fp32" ? " (root fp32)" : "", prec.reduce_dtype,
+        scaler_ ? ", dynamic loss scaling" : "", ac));
   }
 }
 
@@ -201,6 +246,34 @@ int64_t Trainer::max_over_ranks(int64_t v) {
   opts.reduceOp = c10d::ReduceOp::MAX;
   pg_->backend().allreduce(t, opts)->wait();
   return t[0].item<int64_t>();
+}
+
+void Trainer::record_peak(StepMetrics& m) {
+  if (!fsdp::memory::tracking_installed()) {
+    m.peak_bytes = max_over_ranks(device_memory_.peak_bytes());
+    return;
+  }
+  // Every rank's peak and breakdown, to report the breakdown of the rank with the highest peak.
+  constexpr int kRow = 1 + fsdp::memory::kNumCategories;
+  const int world = pg_->size();
+  auto rows = torch::zeros({world, kRow}, torch::kLong);
+  const auto parts = fsdp::memory::at_peak_by_category();
+  rows[pg_->rank()][0] = fsdp::memory::peak_bytes();
+  for (int c = 0; c < fsdp::memory::kNumCategories; ++c)
+    rows[pg_->rank()][1 + c] = parts.bytes[c];
+  std::vector<torch::Tensor> t{rows};
+  pg_->backend().allreduce(t)->wait();
+  const int top = static_cast<int>(rows.select(1, 0).argmax().item<int64_t>());
+  auto row = rows[top];
+  using fsdp::memory::Category;
+  auto part = [&](Category c) { return row[1 + static_cast<int>(c)].item<int64_t>(); };
+  m.peak_bytes = row[0].item<int64_t>();
+  m.mem_params_bytes = part(Category::kParams);
+  m.mem_grads_bytes = part(Category::kGrads);
+  m.mem_optimizer_bytes = part(Category::kOptimizer);
+  m.mem_gathered_bytes = part(Category::kGathered);
+  m.mem_activations_bytes = part(Category::kActivations);
+  m.mem_other_bytes = part(Category::kOther);
 }
 
 double Trainer::evaluate() {
@@ -238,6 +311,9 @@ StepMetrics Trainer::train_step(int64_t step) {
     }
     auto mb = batch.narrow(0, i * rows, rows);
     torch::Tensor loss;
+    // What forward and backward allocate is activations, unless the engine tags it as its own
+    // (gathered parameters, gradients).
+    fsdp::memory::CategoryScope activations(fsdp::memory::Category::kActivations);
     {
       auto scope = profiler_->forward();
       auto logits = model_.forward(mb.narrow(1, 0, t.seq_len));
@@ -247,15 +323,27 @@ StepMetrics Trainer::train_step(int64_t step) {
     }
     {
       auto scope = profiler_->backward();
-      loss.backward();
+      (scaler_ ? scaler_->scale(loss) : loss).backward();
     }
     loss_sum += loss.item<double>();
   }
   {
     auto scope = profiler_->optimizer();
+    fsdp::memory::CategoryScope optimizer_state(fsdp::memory::Category::kOptimizer);
+    // With loss scaling the grads are unscaled before clipping, and a step whose grads
+    // overflowed on any rank is skipped on every rank.
+    if (scaler_)
+      scaler_->unscale_(*optimizer_);
     if (t.grad_clip > 0)
       m.grad_norm = fsdp::clip_grad_norm_(params_, t.grad_clip, *pg_);
-    optimizer_->step();
+    if (scaler_) {
+      m.loss_scale = scaler_->get_scale();  // the scale this step's loss was multiplied by
+      scaler_->step(*optimizer_);
+      scaler_->update();
+      m.skipped_steps = scaler_->skipped_steps();
+    } else {
+      optimizer_->step();
+    }
   }
   const fsdp::StepBreakdown b = profiler_->end_step();
 
@@ -275,7 +363,7 @@ StepMetrics Trainer::train_step(int64_t step) {
   m.reducescatter_bytes = b.comm.reduce_scatter.bytes;
   m.allreduce_bytes = b.comm.all_reduce.bytes;
   m.loss = mean_over_ranks(loss_sum);
-  m.peak_bytes = max_over_ranks(device_memory_.peak_bytes());
+  record_peak(m);
   m.tokens = t.batch_size * t.seq_len * pg_->size();
   m.tokens_per_second = m.tokens / m.step_time_s;
   m.mfu = model_flops_utilization(flops_per_token_, m.tokens_per_second,

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include <fsdp/grad_scaler.h>
 #include <fsdp/process_group.h>
 #include <fsdp/step_profiler.h>
 
@@ -54,6 +55,8 @@ class Trainer {
   double learning_rate(int64_t step) const;
   double mean_over_ranks(double v);
   int64_t max_over_ranks(int64_t v);
+  /// Fills peak_bytes and, on CPU, its breakdown by memory category.
+  void record_peak(StepMetrics& m);
   void write_outputs();
 
   Config config_;
@@ -68,6 +71,7 @@ class Trainer {
   TrainModel model_;
   std::unique_ptr<fsdp::StepProfiler> profiler_;
   std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::unique_ptr<fsdp::ShardedGradScaler> scaler_;  // precision.loss_scaling
   std::vector<torch::Tensor> params_;
   std::unique_ptr<MetricsWriter> metrics_;
   std::unique_ptr<Progress> progress_;

@@ -5,10 +5,61 @@
 // allocated through c10's CPU allocator after install_tracking_allocator() is counted.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
 
 namespace fsdp::memory {
+
+/// What an allocation is for, so a run can print where its memory goes (the FSDP case study's
+/// table, measured). The engine tags what it allocates: its shards (kParams), unsharded
+/// parameters and gather buffers (kGathered), gradients, unsharded ones included, and their
+/// reduction buffers (kGrads). The rest is tagged by whoever runs it: wrap forward and backward
+/// in CategoryScope(kActivations) and the optimizer step in CategoryScope(kOptimizer);
+/// anything untagged is kOther.
+enum class Category : int {
+  kOther = 0,
+  kParams,
+  kGrads,
+  kOptimizer,
+  kGathered,
+  kActivations,
+};
+constexpr int kNumCategories = 6;
+const char* to_string(Category category);
+
+/// Bytes per category, indexed by Category.
+struct CategoryBytes {
+  std::array<int64_t, kNumCategories> bytes{};
+  int64_t operator[](Category c) const { return bytes[static_cast<int>(c)]; }
+  int64_t total() const;
+};
+
+/// Allocations this thread makes while the scope lives are counted under `category`; scopes
+/// nest (the innermost wins).
+class CategoryScope {
+ public:
+  explicit CategoryScope(Category category);
+  ~CategoryScope();
+  CategoryScope(const CategoryScope&) = delete;
+  CategoryScope& operator=(const CategoryScope&) = delete;
+
+ private:
+  Category previous_;
+};
+
+/// Counts the live allocation that starts at `data` (a storage's data pointer) under
+/// `category` from now on, e.g. a gradient that autograd allocated during backward. Returns
+/// false if no tracked allocation starts there.
+bool retag(const void* data, Category category);
+
+/// Live bytes per category now.
+CategoryBytes current_by_category();
+/// Each category's own high-water mark since install or the last reset_peak().
+CategoryBytes peak_by_category();
+/// The live bytes per category at the moment the overall peak (peak_bytes()) was reached: they
+/// sum to it.
+CategoryBytes at_peak_by_category();
 
 struct Stats {
   /// Bytes of tracked allocations that are still alive.
