@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""Per-rank memory by category, measured, for fp32 / bf16 / bf16 + full AC / bf16 + selective AC.
+
+One command (from the repository root, after the build):
+
+    ~/.cache/fsdp-cpp/torch-$(cat .torch-version)/bin/python bench/memory_table.py
+
+runs fsdp-train on 2 ranks for a few steps per variant on one fixed GPT shape and prints a
+markdown table of what the peak is made of (fsdp::memory categories of the rank with the
+highest peak, at that peak: they sum to it), beside the analytic value of the categories that
+have a closed form (sharded parameters and AdamW state: padded shards of every parameter;
+gathered parameters: the root unit plus the blocks allowed in flight, in param_dtype), and
+the tokens/s of each variant. The CPU model and flags are printed first: the speed of bf16
+depends on them.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "build", "trainer", "fsdp-train")
+RANKS = 2
+SHAPE = dict(n_layer=4, n_embd=384, n_head=6, vocab=2048, seq=256, batch=8)
+STEPS = 3
+VARIANTS = [
+    ("fp32", []),
+    ("fp32 + full AC", ["--fsdp.activation_checkpointing=full"]),
+    ("bf16", ["--precision.param_dtype=bf16"]),
+    ("bf16 + full AC", ["--precision.param_dtype=bf16", "--fsdp.activation_checkpointing=full"]),
+    ("bf16 + selective AC",
+     ["--precision.param_dtype=bf16", "--fsdp.activation_checkpointing=selective"]),
+]
+CATEGORIES = ["params", "grads", "optimizer", "gathered", "activations", "other"]
+
+
+def cpu_description():
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = flags = ""
+    for line in out.splitlines():
+        if line.startswith("Model name:"):
+            model = line.split(":", 1)[1].strip()
+        if line.startswith("Flags:"):
+            wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma")
+            flags = " ".join(f for f in line.split(":", 1)[1].split() if f in wanted)
+    return f"{model}, {os.cpu_count()} cores; relevant flags: {flags or 'none'}"
+
+
+def shapes():
+    """(rows, cols) of every parameter: blocks, then the root unit."""
+    C, V, T = SHAPE["n_embd"], SHAPE["vocab"], SHAPE["seq"]
+    block = [(C, 1), (C, 1), (3 * C, C), (3 * C, 1), (C, C), (C, 1), (C, 1), (C, 1),
+             (4 * C, C), (4 * C, 1), (C, 4 * C), (C, 1)]
+    root = [(V, C), (T, C), (C, 1), (C, 1)]
+    return block, root
+
+
+def padded(params, n):
+    return sum(math.ceil(r / n) * c for r, c in params)
+
+
+def analytic(param_bytes, inflight):
+    block, root = shapes()
+    shard = padded(block, RANKS) * SHAPE["n_layer"] + padded(root, RANKS)
+    gathered = RANKS * (padded(root, RANKS) + inflight * padded(block, RANKS)) * param_bytes
+    return {"params": 4 * shard, "optimizer": 8 * shard, "gathered": gathered}
+
+
+def run(name, extra, workdir):
+    run_dir = os.path.join(workdir, name.replace(" ", "_").replace("+", ""))
+    cmd = [TRAIN, "--nproc", str(RANKS), os.path.join(ROOT, "configs", "demo.toml"),
+           f"--model.n_layer={SHAPE['n_layer']}", f"--model.n_embd={SHAPE['n_embd']}",
+           f"--model.n_head={SHAPE['n_head']}", f"--training.seq_len={SHAPE['seq']}",
+           f"--training.batch_size={SHAPE['batch']}", f"--training.steps={STEPS}",
+           "--training.eval_every=0", "--training.eval_batches=1", "--generate.tokens=0",
+           "--logging.plot=false", "--logging.progress=none", f"--logging.run_dir={run_dir}",
+           ] + extra
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def mib(b):
+    return f"{b / 2**20:.1f}"
+
+
+def main():
+    print(f"CPU: {cpu_description()}")
+    print(f"Model: GPT, {SHAPE['n_layer']} layers, width {SHAPE['n_embd']}, vocab "
+          f"{SHAPE['vocab']}; {RANKS} ranks full_shard, batch {SHAPE['batch']} x "
+          f"{SHAPE['seq']} tokens per rank; step {STEPS} (AdamW state exists).\n")
+    rows = []
+    with tempfile.TemporaryDirectory() as workdir:
+        for name, extra in VARIANTS:
+            m = run(name, extra, workdir)
+            last = m[-1]
+            measured = {c: last[f"mem_{c}_bytes"] for c in CATEGORIES}
+            want = analytic(2 if "bf16" in name else 4, inflight=2)
+            rows.append((name, last["peak_bytes"], measured, want, last["tokens_per_second"]))
+    base = rows[0][1]
+    print("| variant | peak MiB | vs fp32 | " + " | ".join(CATEGORIES) + " | tokens/s |")
+    print("|" + " --- |" * (len(CATEGORIES) + 4))
+    for name, peak, measured, want, tps in rows:
+        cells = []
+        for c in CATEGORIES:
+            cell = mib(measured[c])
+            if c in want:
+                cell += f" ({mib(want[c])})"
+            cells.append(cell)
+        print(f"| {name} | {mib(peak)} | {peak / base:.0%} | " + " | ".join(cells) +
+              f" | {tps:.0f} |")
+    print("\nMiB measured at the peak (analytic in parentheses: sharded parameters and AdamW "
+          "state from the padded shard of every parameter; gathered: the root unit plus two "
+          "blocks, what the pipeline may hold; at the peak moment fewer or more (cast and "
+          "staging buffers) may be alive).")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
