@@ -3,6 +3,8 @@
 
 #include <fsdp/fully_shard.h>
 
+#include "parallelize.h"
+
 #include <cmath>
 #include <stdexcept>
 
@@ -151,13 +153,7 @@ void parallelize_gpt(GPT& model, const fsdp::FullyShardOptions& options) {
 
 void parallelize_gpt(GPT& model, const fsdp::FullyShardOptions& block_options,
                      const fsdp::FullyShardOptions& root_options, int64_t checkpoint_every) {
-  TORCH_CHECK(checkpoint_every >= 1, "parallelize_gpt: checkpoint_every must be >= 1");
-  for (size_t i = 0; i < model->blocks.size(); ++i) {
-    auto options = block_options;
-    if (static_cast<int64_t>(i) % checkpoint_every != 0)
-      options.activation_checkpointing(fsdp::CheckpointMode::kNone);
-    fsdp::fully_shard(model->blocks[i], options);
-  }
-  fsdp::fully_shard(model, root_options);
+  detail::parallelize_blocks(model, block_options, root_options, checkpoint_every,
+                             "parallelize_gpt");
 }
 }  // namespace fsdp_models

@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <memory>
 #include <mutex>
 #include <utility>
@@ -83,6 +84,7 @@ class ReplayRng {
 // What the node keeps between forward and backward.
 struct Region : torch::CustomClassHolder {
   CheckpointFn again;
+  size_t num_inputs = 0;  // the caller's; a placeholder may follow them (checkpoint_apply)
   CheckpointMode mode = CheckpointMode::kFull;
   std::vector<torch::Tensor> inputs;  // detached: same storage and version counter
   std::vector<bool> requires_grad;
@@ -109,7 +111,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     {
       SavedOps::Scope scope(r.mode == CheckpointMode::kSelective ? &r.saved_ops : nullptr,
                             /*record=*/true);
-      outputs = (*first)(inputs.vec());
+      outputs = (*first)(std::vector<torch::Tensor>(inputs.begin(), inputs.begin() + r.num_inputs));
     }
     std::vector<torch::Tensor> non_differentiable;
     for (const auto& o : outputs) {
@@ -145,7 +147,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       ReplayRng rng(r.generators, r.rng_states);
       SavedOps::Scope scope(r.mode == CheckpointMode::kSelective ? &r.saved_ops : nullptr,
                             /*record=*/false);
-      outputs = r.again(inputs);
+      outputs = r.again(std::vector<torch::Tensor>(inputs.begin(), inputs.begin() + r.num_inputs));
     }
     TORCH_CHECK(outputs.size() == grads.size(),
                 "activation checkpointing: the recomputation returned ", outputs.size(),
@@ -186,14 +188,9 @@ std::vector<torch::Tensor> checkpoint_apply(const CheckpointFn& first, Checkpoin
   }
   auto region = c10::make_intrusive<Region>();
   region->mode = mode;
-  // `again` sees the inputs the caller passed (not the placeholder).
-  region->again = [again = std::move(again), num_inputs](const std::vector<torch::Tensor>& in) {
-    return again(std::vector<torch::Tensor>(in.begin(), in.begin() + num_inputs));
-  };
-  CheckpointFn first_of_caller = [&first, num_inputs](const std::vector<torch::Tensor>& in) {
-    return first(std::vector<torch::Tensor>(in.begin(), in.begin() + num_inputs));
-  };
-  return CheckpointFunction::apply(std::move(region), &first_of_caller, at::TensorList(inputs));
+  region->again = std::move(again);
+  region->num_inputs = num_inputs;
+  return CheckpointFunction::apply(std::move(region), &first, at::TensorList(inputs));
 }
 
 }  // namespace detail

@@ -113,9 +113,10 @@ void register_kernels() {
 
 }  // namespace
 
-SavedOps::Scope::Scope(SavedOps* ops, bool record)
-    : previous_((register_kernels(), t_active)), include_(kKey) {
+SavedOps::Scope::Scope(SavedOps* ops, bool record) : previous_(t_active) {
   if (ops != nullptr) {
+    register_kernels();
+    include_.emplace(kKey);
     ops->recording = record;
     ops->next = 0;
   }
@@ -124,17 +125,6 @@ SavedOps::Scope::Scope(SavedOps* ops, bool record)
 
 SavedOps::Scope::~Scope() {
   t_active = previous_;
-}
-
-int64_t SavedOps::bytes() const {
-  int64_t total = 0;
-  for (const auto& e : entries) {
-    for (const auto& v : e.outputs) {
-      if (v.isTensor() && v.toTensor().defined())
-        total += static_cast<int64_t>(v.toTensor().nbytes());
-    }
-  }
-  return total;
 }
 
 }  // namespace fsdp::detail

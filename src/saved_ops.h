@@ -8,9 +8,10 @@
 // region" without changing the model is the dispatcher. PyTorch does this in Python, through
 // TorchDispatchMode, which a process without Python does not have. Instead the cache registers
 // boxed kernels for the chosen ops under CustomRNGKeyId, a dispatch key below autograd that
-// nothing in LibTorch uses outside its own tests, with a fallthrough for every other op, and
-// puts that key in the thread's included set only while a region runs. Below autograd matters:
-// during the recomputation autograd still records each product's backward node (saving its
+// nothing in LibTorch uses outside its own tests, with a fallthrough for every other op (a
+// kernel that passes the call below the key where a composite kernel would otherwise run), and
+// puts that key in the thread's included set only while a selective region runs. Below autograd
+// matters: during the recomputation autograd still records each product's backward node (saving its
 // inputs), and only the numeric kernel underneath is replaced by the cached result, so the
 // gradients are computed by exactly the formulas of an unchecked run.
 #pragma once
@@ -18,6 +19,7 @@
 #include <ATen/core/ivalue.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,7 +28,9 @@ namespace fsdp::detail {
 class SavedOps {
  public:
   /// Record (first run) or replay (recomputation) into `ops` on this thread while the scope
-  /// lives; nullptr: no caching here (a fully checkpointed region nested in a selective one).
+  /// lives; nullptr: no caching here (a fully checkpointed region, possibly nested in a
+  /// selective one). Only a scope with `ops` puts the key in the included set, so fully
+  /// checkpointed regions dispatch as usual.
   class Scope {
    public:
     Scope(SavedOps* ops, bool record);
@@ -36,11 +40,8 @@ class SavedOps {
 
    private:
     SavedOps* previous_;
-    c10::impl::IncludeDispatchKeyGuard include_;
+    std::optional<c10::impl::IncludeDispatchKeyGuard> include_;
   };
-
-  /// Bytes of the outputs kept now.
-  int64_t bytes() const;
 
   // Used by the kernel.
   struct Entry {
