@@ -247,6 +247,9 @@ void fully_shard(const std::shared_ptr<torch::nn::Module>& module,
     TORCH_CHECK(!dtype || c10::isFloatingType(*dtype), "fully_shard: MixedPrecisionPolicy::", what,
                 " must be a floating-point dtype, got ", *dtype);
   }
+  TORCH_CHECK(mp.int8_block_size() >= 1,
+              "fully_shard: MixedPrecisionPolicy::int8_block_size must be at least 1, got ",
+              mp.int8_block_size());
   auto& group = *options.group();
   const auto entries = detail::live_entries();
 

@@ -65,7 +65,7 @@ ParamGroup::ParamGroup(std::string name, std::vector<std::pair<std::string, torc
   params_.reserve(params.size());
   for (auto& [fqn, p] : params) {
     params_.emplace_back(fqn, std::move(p), rank, size, options_.param_init(),
-                         options_.mp_policy().param_dtype());
+                         options_.mp_policy());
   }
 }
 
@@ -115,12 +115,19 @@ void ParamGroup::issue_unshard(bool counted) {
   for (auto& p : params_) {
     p.alloc_unsharded();
     if (!gathers) {
-      p.fill_unsharded_locally();  // nothing to gather; a cast, if any
+      p.fill_unsharded_locally();  // nothing to gather; a cast or a format's round trip
       continue;
     }
-    // Mixed precision: a cast copy of the shard, kept until the gather is waited for.
-    inputs.push_back(block_shards_ ? p.block_shard() : p.gather_input());
-    outputs.push_back(p.padded_unsharded());
+    // Mixed precision: a cast or encoded copy of the shard, kept until the gather is waited
+    // for. Block shards are already in the compute dtype (decoded, if encoded): they travel
+    // as they are.
+    if (block_shards_) {
+      inputs.push_back(p.block_shard());
+      outputs.push_back(p.padded_unsharded());
+    } else {
+      inputs.push_back(p.gather_input());
+      outputs.push_back(p.gather_output());
+    }
   }
   if (counted) {
     counted_ = true;
@@ -144,6 +151,8 @@ void ParamGroup::wait_unshard() {
     gather_->wait();
     gather_.reset();
     gather_inputs_.clear();
+    for (auto& p : params_)
+      p.finish_gather();  // decodes what arrived in a gather format (nothing otherwise)
   }
   drop_block_shards();
   for (auto& p : params_)

@@ -231,7 +231,7 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   // State to return to when a forward that ran inside the unit's backward ends.
   TrainingState state_before_forward_ = TrainingState::kIdle;
   std::unique_ptr<CollectiveWork> gather_;
-  std::vector<torch::Tensor> gather_inputs_;  // cast shards (mixed precision) in flight
+  std::vector<torch::Tensor> gather_inputs_;  // cast or encoded shards in flight
   bool counted_ = false;
   bool held_ = false;
   bool user_held_ = false;

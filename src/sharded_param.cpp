@@ -51,7 +51,7 @@ struct TagGradAsGradient : torch::autograd::PostAccumulateGradHook {
 ShardedParam::ShardedParam(
     std::string fqn, torch::Tensor param, int rank, int world_size,
     const std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)>& init,
-    std::optional<torch::ScalarType> compute_dtype)
+    const MixedPrecisionPolicy& mp)
     : fqn_(std::move(fqn)), param_(std::move(param)), rank_(rank), world_size_(world_size) {
   TORCH_CHECK(param_.layout() == torch::kStrided, "fully_shard: parameter '", fqn_,
               "' is not a dense tensor");
@@ -88,8 +88,10 @@ ShardedParam::ShardedParam(
   }
 
   const auto dtype = full.scalar_type();
-  const auto unsharded_dtype = compute_dtype && c10::isFloatingType(dtype) ? *compute_dtype : dtype;
-  owns_unsharded_ = world_size_ > 1 || unsharded_dtype != dtype;
+  const auto unsharded_dtype =
+      mp.param_dtype() && c10::isFloatingType(dtype) ? *mp.param_dtype() : dtype;
+  codec_ = GatherCodec::make(mp, dtype, unsharded_dtype, row_numel_);
+  owns_unsharded_ = world_size_ > 1 || unsharded_dtype != dtype || codec_;
   if (!owns_unsharded_) {
     // Unsharded (kNoShard, or a group of one) in its own dtype: the shard is the parameter;
     // no second copy.
@@ -107,10 +109,27 @@ size_t ShardedParam::unsharded_storage_bytes() const {
 }
 
 torch::Tensor ShardedParam::gather_input() const {
+  if (codec_)
+    return codec_->encode(padded_shard_);
   if (!casts())
     return padded_shard_;
   torch::NoGradGuard no_grad;
   return padded_shard_.to(compute_dtype());
+}
+
+torch::Tensor ShardedParam::gather_output() {
+  if (!codec_)
+    return padded_unsharded_;
+  wire_output_ = torch::empty({world_size_ * codec_->wire_numel(chunk_rows_)},
+                              padded_shard_.options().dtype(codec_->wire_dtype()));
+  return wire_output_;
+}
+
+void ShardedParam::finish_gather() {
+  if (!wire_output_.defined())
+    return;
+  codec_->decode(wire_output_, padded_unsharded_, world_size_);
+  wire_output_ = torch::Tensor();
 }
 
 void ShardedParam::fill_unsharded_locally() {
@@ -118,7 +137,10 @@ void ShardedParam::fill_unsharded_locally() {
     return;
   TORCH_INTERNAL_ASSERT(world_size_ == 1);
   torch::NoGradGuard no_grad;
-  padded_unsharded_.copy_(padded_shard_);
+  if (codec_)
+    codec_->decode(codec_->encode(padded_shard_), padded_unsharded_, 1);
+  else
+    padded_unsharded_.copy_(padded_shard_);
 }
 
 void ShardedParam::alloc_unsharded() {
@@ -134,6 +156,7 @@ void ShardedParam::alloc_unsharded() {
 }
 
 void ShardedParam::free_unsharded() {
+  wire_output_ = torch::Tensor();
   if (!owns_unsharded_)
     return;
   auto storage = padded_unsharded_.storage();

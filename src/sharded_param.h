@@ -24,18 +24,22 @@
 #include <optional>
 #include <string>
 
+#include <fsdp/mixed_precision.h>
+
+#include "gather_codec.h"
+
 namespace fsdp::detail {
 
 class ShardedParam {
  public:
   /// Takes over `param` (full data on every rank): keeps this rank's rows, frees the rest.
   /// With `init`, the shard is computed by init instead and `param`'s data is never read.
-  /// `compute_dtype`: the dtype of the unsharded parameter, if a floating-point parameter is
-  /// to be gathered and computed with in another dtype than its shard's (mixed precision).
+  /// `mp`: a floating-point parameter is computed with in mp.param_dtype() (when set) and
+  /// gathered in mp.gather_format() (see GatherCodec).
   ShardedParam(std::string fqn, torch::Tensor param, int rank, int world_size,
                const std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)>&
                    init = nullptr,
-               std::optional<torch::ScalarType> compute_dtype = std::nullopt);
+               const MixedPrecisionPolicy& mp = {});
 
   const std::string& fqn() const { return fqn_; }
   const torch::Tensor& param() const { return param_; }
@@ -54,13 +58,20 @@ class ShardedParam {
   int64_t numel() const { return rows_ * row_numel_; }
 
   const torch::Tensor& padded_shard() const { return padded_shard_; }
-  /// All-gather input: the padded shard (contiguous), cast to the compute dtype (a new
-  /// tensor, which the caller keeps alive until the gather completes) when they differ.
+  /// All-gather input: the padded shard (contiguous); encoded in the gather format, or cast to
+  /// the compute dtype when they differ (a new tensor, which the caller keeps alive until the
+  /// gather completes).
   torch::Tensor gather_input() const;
-  /// All-gather output: the padded unsharded buffer, N * padded_shard_numel elements in the
-  /// compute dtype. Only valid between alloc_unsharded() and free_unsharded(). With a world
-  /// of one rank and no cast it IS the padded shard (nothing to gather, nothing to free);
-  /// with a cast, fill_unsharded_locally() takes the gather's place.
+  /// All-gather output: with a gather format, a wire buffer of N encoded pieces (allocated
+  /// here, freed by finish_gather() or free_unsharded()); else padded_unsharded().
+  torch::Tensor gather_output();
+  /// The gather landed: decodes the wire buffer (if any) into padded_unsharded() and frees it.
+  void finish_gather();
+  /// The padded unsharded buffer, N * padded_shard_numel elements in the compute dtype. Only
+  /// valid between alloc_unsharded() and free_unsharded(). With a world of one rank and
+  /// neither cast nor gather format it IS the padded shard (nothing to gather, nothing to
+  /// free); otherwise fill_unsharded_locally() takes the gather's place (the cast, or the
+  /// format's round trip, so that the math does not depend on the number of ranks).
   const torch::Tensor& padded_unsharded() const { return padded_unsharded_; }
   void fill_unsharded_locally();
   /// Bytes of the unsharded buffer (allocated or not).
@@ -128,10 +139,12 @@ class ShardedParam {
   int world_size_;
   bool owns_unsharded_ = false;  // the unsharded buffer is not the shard itself
   int64_t rows_, chunk_rows_, local_rows_, row_numel_;
-  torch::Tensor padded_shard_;      // [chunk_rows, *rest]
-  torch::Tensor sharded_view_;      // [local_rows, *rest], view of padded_shard_
-  torch::Tensor padded_unsharded_;  // [N * chunk_rows, *rest]
-  torch::Tensor unsharded_;         // original shape, view of padded_unsharded_
+  torch::Tensor padded_shard_;        // [chunk_rows, *rest]
+  torch::Tensor sharded_view_;        // [local_rows, *rest], view of padded_shard_
+  torch::Tensor padded_unsharded_;    // [N * chunk_rows, *rest]
+  torch::Tensor unsharded_;           // original shape, view of padded_unsharded_
+  std::optional<GatherCodec> codec_;  // the gather's wire format, if not the compute dtype
+  torch::Tensor wire_output_;         // encoded pieces of an all-gather in flight
   torch::Tensor stashed_grad_;
   torch::Tensor kept_grad_;    // unsharded, accumulated across non-syncing backwards
   torch::Tensor pass_grad_;    // unsharded, this no-sync pass's, until it commits

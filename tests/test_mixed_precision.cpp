@@ -13,11 +13,14 @@
 
 #include "harness/multiprocess.h"
 #include "harness/sharding.h"
+#include "harness/wire_format.h"
 
 namespace {
 
 constexpr int kSteps = 4;
-constexpr int64_t kIn = 7, kHidden = 13, kOut = 5;  // 13 and 5 rows: 2 and 3 do not divide
+// 37 and 5 rows: 2 and 3 do not divide. Rows of 24 and 37 values: int8 blocks of 16, 16, 5.
+constexpr int64_t kIn = 24, kHidden = 37, kOut = 5;
+constexpr int64_t kBlock = 16;
 
 struct NetImpl : torch::nn::Module {
   NetImpl()
@@ -53,7 +56,8 @@ torch::ScalarType dtype_named(const std::string& name) {
 
 // The reference: one process playing every rank, as the policy prescribes.
 std::vector<torch::Tensor> reference_params(int world, int64_t local, torch::ScalarType param,
-                                            torch::ScalarType reduce, bool root_fp32) {
+                                            torch::ScalarType reduce, bool root_fp32,
+                                            const std::string& wire) {
   auto master = make_net();
   std::vector<torch::Tensor> masters = master->parameters();
   torch::optim::AdamW opt(masters, torch::optim::AdamWOptions(1e-2));
@@ -67,7 +71,9 @@ std::vector<torch::Tensor> reference_params(int world, int64_t local, torch::Sca
       auto params = copy->named_parameters();
       for (size_t i = 0; i < masters.size(); ++i) {
         const bool fp32 = root_fp32 && names[i].rfind("head.", 0) == 0;
-        params[names[i]].set_data(masters[i].detach().to(fp32 ? torch::kFloat : param));
+        params[names[i]].set_data(
+            fp32 ? masters[i].detach().clone()
+                 : fsdp::test::wire_round(masters[i].detach(), wire, kBlock).to(param));
       }
       torch::AutoGradMode grad_mode(true);
       auto xr = x.narrow(0, r * local, local).to(param);
@@ -97,23 +103,27 @@ FSDP_WORKER(mixed_precision) {
   const auto reduce = dtype_named(ctx.env("REDUCE", "fp32"));
   const bool no_shard = ctx.env("STRATEGY") == "no_shard";
   const bool root_fp32 = ctx.env("ROOT") == "fp32";
+  const std::string wire = ctx.env("WIRE");
   const int64_t local = 4;
+  auto policy = fsdp::MixedPrecisionPolicy().param_dtype(param).reduce_dtype(reduce);
+  if (wire == "bf16")
+    policy.gather_format(fsdp::GatherFormat::kBFloat16);
+  if (wire == "int8")
+    policy.gather_format(fsdp::GatherFormat::kInt8).int8_block_size(kBlock);
 
   auto run = [&](bool mixed, fsdp::CommStats* traffic) {
     auto net = make_net();
     fsdp::FullyShardOptions opts(pg);
     opts.strategy(no_shard ? fsdp::ShardingStrategy::kNoShard : fsdp::ShardingStrategy::kFullShard);
     if (mixed)
-      opts.mp_policy(fsdp::MixedPrecisionPolicy().param_dtype(param).reduce_dtype(reduce));
+      opts.mp_policy(policy);
     fsdp::fully_shard(net->a, opts);
     fsdp::fully_shard(net->b, opts);
     auto root_opts = opts;
     if (mixed)
-      root_opts.mp_policy(
-          root_fp32
-              ? fsdp::MixedPrecisionPolicy()
-              : fsdp::MixedPrecisionPolicy().param_dtype(param).reduce_dtype(reduce).output_dtype(
-                    torch::kFloat));
+      root_opts.mp_policy(root_fp32
+                              ? fsdp::MixedPrecisionPolicy()
+                              : fsdp::MixedPrecisionPolicy(policy).output_dtype(torch::kFloat));
     fsdp::fully_shard(net, root_opts);
     torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
     for (int step = 0; step < kSteps; ++step) {
@@ -139,7 +149,7 @@ FSDP_WORKER(mixed_precision) {
     WORKER_CHECK(p.scalar_type() == torch::kFloat && p.grad().scalar_type() == torch::kFloat)
         << p.scalar_type() << " " << p.grad().scalar_type();
   }
-  auto expected = reference_params(n, local, param, reduce, root_fp32);
+  auto expected = reference_params(n, local, param, reduce, root_fp32, wire);
   auto got = net->parameters();
   double max_diff = 0;
   for (size_t i = 0; i < got.size(); ++i) {
@@ -152,7 +162,35 @@ FSDP_WORKER(mixed_precision) {
   // Traffic: the bf16 units gather half the bytes; reductions follow reduce_dtype. (With an
   // fp32 root only the blocks' share halves: checked through the all-gathers' exact sizes.)
   const int64_t elem = torch::elementSize(param), relem = torch::elementSize(reduce);
-  if (!no_shard && !root_fp32) {
+  if (!no_shard && !wire.empty()) {
+    // Exact sizes: per gather of a unit, every rank's piece of every parameter in the format
+    // (int8: 4 bytes per row and block plus a byte per value, padded to 4; bf16 for narrow
+    // rows). Blocks a and b gather twice a step (forward, backward), the root once.
+    auto unit_bytes = [&](torch::nn::Module& m, bool encoded) {
+      int64_t bytes = 0;
+      for (const auto& p : m.parameters(/*recurse=*/false)) {
+        const int64_t rows = p.size(0), width = p.numel() / rows, chunk = (rows + n - 1) / n;
+        int64_t piece = chunk * width * 4;
+        if (encoded && wire == "int8" && width >= 16)
+          piece = (chunk * (width + 4 * ((width + kBlock - 1) / kBlock)) + 3) / 4 * 4;
+        else if (encoded)
+          piece = chunk * width * 2;
+        bytes += n * piece;
+      }
+      return bytes;
+    };
+    auto shape = make_net();
+    const auto total = [&](bool encoded) {
+      return 2 * (unit_bytes(*shape->a, encoded) + unit_bytes(*shape->b, encoded)) +
+             unit_bytes(*shape->head, encoded);
+    };
+    WORKER_CHECK(fp32_traffic.all_gather.bytes == total(false))
+        << fp32_traffic.all_gather.bytes << " vs " << total(false);
+    WORKER_CHECK(mixed_traffic.all_gather.bytes == total(true))
+        << mixed_traffic.all_gather.bytes << " vs " << total(true);
+    WORKER_CHECK(mixed_traffic.reduce_scatter.bytes * 4 ==
+                 fp32_traffic.reduce_scatter.bytes * relem);
+  } else if (!no_shard && !root_fp32) {
     WORKER_CHECK(mixed_traffic.all_gather.bytes * 4 == fp32_traffic.all_gather.bytes * elem)
         << mixed_traffic.all_gather.bytes << " vs fp32 " << fp32_traffic.all_gather.bytes;
     WORKER_CHECK(mixed_traffic.reduce_scatter.bytes * 4 ==
@@ -165,9 +203,10 @@ FSDP_WORKER(mixed_precision) {
         << mixed_traffic.all_reduce.bytes << " vs fp32 " << fp32_traffic.all_reduce.bytes;
   }
   std::printf(
-      "[rank %d] MIXED PRECISION OK: param %s reduce %s%s%s, max |fsdp - policy| %.2g, gathered "
+      "[rank %d] MIXED PRECISION OK: param %s reduce %s%s%s%s, max |fsdp - policy| %.2g, gathered "
       "%lld B (fp32 %lld B), reduced %lld B (fp32 %lld B)\n",
-      rank, c10::toString(param), c10::toString(reduce), no_shard ? ", no_shard" : "",
+      rank, c10::toString(param), c10::toString(reduce),
+      wire.empty() ? "" : (", gather " + wire).c_str(), no_shard ? ", no_shard" : "",
       root_fp32 ? ", fp32 root" : "", max_diff, (long long)mixed_traffic.all_gather.bytes,
       (long long)fp32_traffic.all_gather.bytes,
       (long long)(mixed_traffic.reduce_scatter.bytes + mixed_traffic.all_reduce.bytes),
@@ -201,6 +240,29 @@ TEST(MixedPrecision, NoShardCastsLocallyAndAllReducesInReduceDtype) {
   EXPECT_WORKERS_OK(fsdp::test::run_workers(
       "mixed_precision", 2,
       env({{"PARAM", "bf16"}, {"REDUCE", "bf16"}, {"STRATEGY", "no_shard"}})));
+}
+
+TEST(MixedPrecision, Fp32ComputeOverABf16GatherAndBf16Reduce) {
+  EXPECT_WORKERS_OK(fsdp::test::run_workers(
+      "mixed_precision", 2, env({{"PARAM", "fp32"}, {"REDUCE", "bf16"}, {"WIRE", "bf16"}})));
+}
+
+TEST(MixedPrecision, Fp32ComputeOverAnInt8Gather) {
+  EXPECT_WORKERS_OK(fsdp::test::run_workers(
+      "mixed_precision", 2, env({{"PARAM", "fp32"}, {"REDUCE", "fp32"}, {"WIRE", "int8"}})));
+  EXPECT_WORKERS_OK(fsdp::test::run_workers(
+      "mixed_precision", 3, env({{"PARAM", "fp32"}, {"REDUCE", "bf16"}, {"WIRE", "int8"}})));
+}
+
+TEST(MixedPrecision, Bf16ComputeOverAnInt8Gather) {
+  EXPECT_WORKERS_OK(fsdp::test::run_workers(
+      "mixed_precision", 3, env({{"PARAM", "bf16"}, {"REDUCE", "fp32"}, {"WIRE", "int8"}})));
+}
+
+TEST(MixedPrecision, NoShardRoundsThroughTheGatherFormatLocally) {
+  EXPECT_WORKERS_OK(fsdp::test::run_workers(
+      "mixed_precision", 2,
+      env({{"PARAM", "fp32"}, {"REDUCE", "fp32"}, {"WIRE", "int8"}, {"STRATEGY", "no_shard"}})));
 }
 
 }  // namespace

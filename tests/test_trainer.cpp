@@ -99,6 +99,9 @@ TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
       {"", "--precision.param_dtype=fp16 --precision.loss_scaling=none",
        "'precision.loss_scaling' must not be none with precision.param_dtype = fp16"},
       {"", "--precision.param_dtype=fp8", "'precision.param_dtype' must be one of fp32, bf16"},
+      {"", "--precision.gather_format=int4",
+       "'precision.gather_format' must be one of param_dtype, bf16, fp16, int8"},
+      {"", "--precision.int8_block=0", "'precision.int8_block' must be between 1 and 1048576"},
       {"", "--fsdp.activation_checkpointing=some",
        "'fsdp.activation_checkpointing' must be one of none, full, selective"},
       {"", "--fsdp.ac_every=0", "'fsdp.ac_every' must be >= 1"},
@@ -375,7 +378,10 @@ TEST(TrainerRun, CheckpointingAndPrecisionKnobs) {
                              shape + "--fsdp.activation_checkpointing=selective --fsdp.ac_every=2");
   auto bf16 = quick_run("bf16", 2, shape + "--precision.param_dtype=bf16");
   auto fp16 = quick_run("fp16", 2, shape + "--precision.param_dtype=fp16");
-  for (const auto* m : {&plain, &full, &selective, &bf16, &fp16})
+  // fp32 compute over an int8 all-gather and a bf16 reduce-scatter.
+  auto int8 = quick_run("int8-gather", 2,
+                        shape + "--precision.gather_format=int8 --precision.reduce_dtype=bf16");
+  for (const auto* m : {&plain, &full, &selective, &bf16, &fp16, &int8})
     ASSERT_EQ(m->size(), 3u);
   for (size_t i = 0; i < 3; ++i) {
     EXPECT_EQ(full[i].loss, plain[i].loss) << "step " << i + 1;
@@ -385,6 +391,12 @@ TEST(TrainerRun, CheckpointingAndPrecisionKnobs) {
     // bf16 keeps 8 bits of mantissa: after 3 steps the loss moves by well under 1%.
     EXPECT_NEAR(bf16[i].loss, plain[i].loss, 1e-2 * plain[i].loss) << "step " << i + 1;
     EXPECT_NEAR(fp16[i].loss, plain[i].loss, 1e-2 * plain[i].loss) << "step " << i + 1;
+    // int8 with a scale per 256 values: 1 + 4/256 bytes per value (bf16 for the 1-d
+    // parameters), between a quarter and 0.3 of fp32's bytes; the reduction half.
+    EXPECT_GT(int8[i].allgather_bytes * 4, plain[i].allgather_bytes);
+    EXPECT_LT(int8[i].allgather_bytes * 10, plain[i].allgather_bytes * 3);
+    EXPECT_EQ(2 * int8[i].reducescatter_bytes, plain[i].reducescatter_bytes);
+    EXPECT_NEAR(int8[i].loss, plain[i].loss, 1e-2 * plain[i].loss) << "step " << i + 1;
     EXPECT_FALSE(plain[i].loss_scale.has_value());
     ASSERT_TRUE(fp16[i].loss_scale.has_value() && fp16[i].skipped_steps.has_value());
     EXPECT_EQ(*fp16[i].loss_scale, 65536.0 / (1 << *fp16[i].skipped_steps));

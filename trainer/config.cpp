@@ -261,7 +261,17 @@ const std::vector<Option>& options() {
           "Dtype gradients are reduce-scattered (and all-reduced) in; they land in fp32.",
           {"fp32", "bf16", "fp16"}),
       opt("precision.root_fp32", FIELD(precision.root_fp32),
-          "Keep the root unit (embeddings, final norm, head) in fp32 over low-precision blocks."),
+          "Keep the root unit (embeddings, final norm, head) in fp32 over low-precision blocks, "
+          "and its all-gather exact (no gather_format)."),
+      opt("precision.gather_format", FIELD(precision.gather_format),
+          "What the all-gathers send, apart from the compute dtype: param_dtype (exact), bf16, "
+          "fp16, or int8 with an fp32 scale per int8_block values of a row (rows under 16 "
+          "values go as bf16). Each rank decodes into param_dtype: compute stays fp32 on CPUs "
+          "where bf16 matmuls are slow, while the links carry a half or a quarter of the bytes.",
+          {"param_dtype", "bf16", "fp16", "int8"}),
+      opt("precision.int8_block", FIELD(precision.int8_block),
+          "Values per int8 scale (gather_format = int8): smaller blocks are more accurate and "
+          "send more scales (4 bytes each)."),
       opt("precision.loss_scaling", FIELD(precision.loss_scaling),
           "Dynamic loss scaling (skips steps whose gradients overflow on any rank, backs the "
           "scale off, grows it again). auto: on for fp16, off otherwise; fp16 without it is "
@@ -451,6 +461,9 @@ void validate(const Config& c) {
   require(c.precision.init_scale > 0 && c.precision.init_scale < 3.4e38, "precision.init_scale",
           "must be a positive finite fp32 number");
   require(c.precision.growth_interval >= 1, "precision.growth_interval", "must be >= 1");
+  require(c.precision.int8_block >= 1 && c.precision.int8_block <= (1 << 20),
+          "precision.int8_block",
+          "must be between 1 and 1048576, got " + std::to_string(c.precision.int8_block));
   require(!c.logging.run_dir.empty(), "logging.run_dir", "must not be empty");
   require(c.logging.log_every >= 1, "logging.log_every", "must be >= 1");
   require(c.generate.tokens >= 0, "generate.tokens", "must be >= 0");

@@ -73,9 +73,11 @@ struct FsdpConfig {
 };
 
 struct PrecisionConfig {
-  std::string param_dtype = "fp32";   // fp32, bf16, fp16
-  std::string reduce_dtype = "fp32";  // fp32, bf16, fp16
-  bool root_fp32 = false;             // embeddings, final norm and head in fp32
+  std::string param_dtype = "fp32";           // fp32, bf16, fp16
+  std::string reduce_dtype = "fp32";          // fp32, bf16, fp16
+  bool root_fp32 = false;                     // embeddings, final norm and head in fp32
+  std::string gather_format = "param_dtype";  // param_dtype, bf16, fp16, int8
+  int64_t int8_block = 256;
   std::string loss_scaling = "auto";  // auto (dynamic for fp16), dynamic, none
   double init_scale = 65536;
   int64_t growth_interval = 2000;

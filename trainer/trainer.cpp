@@ -52,6 +52,16 @@ fsdp::ShardingStrategy sharding_strategy(const std::string& name) {
   return fsdp::ShardingStrategy::kFullShard;  // the option table allows nothing else
 }
 
+fsdp::GatherFormat gather_format_named(const std::string& name) {
+  if (name == "bf16")
+    return fsdp::GatherFormat::kBFloat16;
+  if (name == "fp16")
+    return fsdp::GatherFormat::kFloat16;
+  if (name == "int8")
+    return fsdp::GatherFormat::kInt8;
+  return fsdp::GatherFormat::kComputeDtype;  // "param_dtype" (validated by the config)
+}
+
 torch::ScalarType dtype_named(const std::string& name) {
   if (name == "bf16")
     return torch::kBFloat16;
@@ -138,16 +148,17 @@ Trainer::Trainer(Config config, DeviceMemory device_memory)
   const auto& prec = config_.precision;
   const auto param_dtype = dtype_named(prec.param_dtype);
   const auto reduce_dtype = dtype_named(prec.reduce_dtype);
+  // gather_format applies to the root unless root_fp32 (which keeps the root exact).
   UnitOptions units{fsdp_options, fsdp_options};
-  if (param_dtype != torch::kFloat || reduce_dtype != torch::kFloat) {
-    units.blocks.mp_policy(
-        fsdp::MixedPrecisionPolicy().param_dtype(param_dtype).reduce_dtype(reduce_dtype));
-    units.root.mp_policy(prec.root_fp32 ? fsdp::MixedPrecisionPolicy()
-                                        : fsdp::MixedPrecisionPolicy()
-                                              .param_dtype(param_dtype)
-                                              .reduce_dtype(reduce_dtype)
-                                              .output_dtype(torch::kFloat));
-  }
+  auto policy = fsdp::MixedPrecisionPolicy()
+                    .param_dtype(param_dtype)
+                    .reduce_dtype(reduce_dtype)
+                    .gather_format(gather_format_named(prec.gather_format))
+                    .int8_block_size(prec.int8_block);
+  units.blocks.mp_policy(policy);
+  units.root.mp_policy(prec.root_fp32
+                           ? fsdp::MixedPrecisionPolicy()
+                           : fsdp::MixedPrecisionPolicy(policy).output_dtype(torch::kFloat));
   units.blocks.activation_checkpointing(checkpoint_mode(f.activation_checkpointing));
   model_ = build_model(config_, data_.vocab_size, units, device_);
   profiler_ = std::make_unique<fsdp::StepProfiler>(model_.module);
@@ -212,9 +223,11 @@ Trainer::Trainer(Config config, DeviceMemory device_memory)
     if (f.activation_checkpointing != "none" && f.ac_every > 1)
       ac += fmt::format(" (every {} blocks)", f.ac_every);
     progress_->message(fmt::format(
-        "precision: compute {}{}, reduce {}{} | activation checkpointing: {}", prec.param_dtype,
-        prec.root_fp32 && prec.param_dtype != "fp32" ? " (root fp32)" : "", prec.reduce_dtype,
-        scaler_ ? ", dynamic loss scaling" : "", ac));
+        "precision: compute {}{}, gather {}, reduce {}{} | activation checkpointing: {}",
+        prec.param_dtype, prec.root_fp32 && prec.param_dtype != "fp32" ? " (root fp32)" : "",
+        prec.gather_format == "int8" ? fmt::format("int8 (blocks of {})", prec.int8_block)
+                                     : prec.gather_format,
+        prec.reduce_dtype, scaler_ ? ", dynamic loss scaling" : "", ac));
   }
 }
 

@@ -16,6 +16,21 @@
 //                                              .reduce_dtype(torch::kFloat32));
 //
 // Units may differ: e.g. the root in fp32 (embeddings and head) over bf16 blocks.
+//
+// What the all-gather sends can differ from what the unit computes in (gather_format, after
+// DeepSpeed ZeRO++'s quantized weights): a CPU without fast bf16 matmuls computes in fp32 and
+// still gathers bf16 or int8, because there the links, not the matmuls, are the bottleneck.
+// Each rank encodes its shard, the gather moves the encoded bytes, and every rank decodes all
+// of them (its own shard included) into the unsharded buffer in the compute dtype. The
+// forward and backward therefore see the parameters rounded through the format, the same on
+// every rank and on any number of ranks (a unit that is not gathered, world size 1 or
+// kNoShard, rounds locally), while the master shards keep full precision. Gradients take
+// reduce_dtype, which may differ from the compute dtype the same way (bf16 reduction of fp32
+// gradients).
+//
+//   // fp32 compute, int8 all-gather, bf16 reduce-scatter:
+//   fsdp::MixedPrecisionPolicy().gather_format(fsdp::GatherFormat::kInt8)
+//                               .reduce_dtype(torch::kBFloat16);
 #pragma once
 
 #include <torch/arg.h>
@@ -24,6 +39,21 @@
 #include <optional>
 
 namespace fsdp {
+
+/// The wire format of a unit's all-gather (MixedPrecisionPolicy::gather_format).
+enum class GatherFormat {
+  /// The compute dtype (param_dtype, else the parameter's own): exact.
+  kComputeDtype,
+  /// bf16 / fp16 on the wire, cast to the compute dtype on arrival (round to nearest even).
+  kBFloat16,
+  kFloat16,
+  /// int8 with one fp32 scale per block of int8_block_size elements of a row (scale = the
+  /// block's largest magnitude / 127, values rounded to nearest even): about 8.1 bits per
+  /// value with the default block. Blocks never span rows, so they do not depend on how the
+  /// rows are split between ranks. Parameters whose rows have fewer than 16 elements (biases,
+  /// norm weights) travel as bf16: a scale per few values would cost more than it saves.
+  kInt8,
+};
 
 struct MixedPrecisionPolicy {
   /// Gather and compute dtype of the unit's floating-point parameters; unset: their own.
@@ -37,6 +67,10 @@ struct MixedPrecisionPolicy {
   /// Cast the floating-point tensors of the forward's arguments to param_dtype (when set)
   /// before the forward, so a bf16 unit receives bf16 activations from an fp32 one.
   TORCH_ARG(bool, cast_forward_inputs) = true;
+  /// What the all-gather sends (see GatherFormat); floating-point parameters only.
+  TORCH_ARG(GatherFormat, gather_format) = GatherFormat::kComputeDtype;
+  /// Elements per int8 scale block (kInt8), at least 1.
+  TORCH_ARG(int64_t, int8_block_size) = 256;
 };
 
 }  // namespace fsdp

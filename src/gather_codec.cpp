@@ -1,0 +1,149 @@
+#include "gather_codec.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+namespace fsdp::detail {
+namespace {
+
+// Rows narrower than this travel as bf16 under kInt8: int8 plus a 4-byte scale only beats
+// bf16's 2 bytes per value from 5 values per block on, and the bias and norm vectors these
+// are weigh nothing next to the matrices.
+constexpr int64_t kMinInt8Row = 16;
+
+int64_t round_up(int64_t v, int64_t to) {
+  return (v + to - 1) / to * to;
+}
+
+int64_t rows_of(const torch::Tensor& t, int64_t row_numel) {
+  return row_numel == 0 ? 0 : t.numel() / row_numel;
+}
+
+}  // namespace
+
+GatherCodec::GatherCodec(bool int8, torch::ScalarType cast, int64_t row_numel, int64_t block)
+    : int8_(int8),
+      cast_(cast),
+      row_numel_(row_numel),
+      block_(block),
+      blocks_per_row_(int8 ? (row_numel + block - 1) / block : 0) {}
+
+std::optional<GatherCodec> GatherCodec::make(const MixedPrecisionPolicy& mp,
+                                             torch::ScalarType dtype, torch::ScalarType compute,
+                                             int64_t row_numel) {
+  if (!c10::isFloatingType(dtype))
+    return std::nullopt;  // packed or integer parameters are gathered as they are
+  torch::ScalarType cast = compute;
+  switch (mp.gather_format()) {
+    case GatherFormat::kComputeDtype:
+      return std::nullopt;
+    case GatherFormat::kBFloat16:
+      cast = torch::kBFloat16;
+      break;
+    case GatherFormat::kFloat16:
+      cast = torch::kHalf;
+      break;
+    case GatherFormat::kInt8:
+      TORCH_CHECK(mp.int8_block_size() >= 1,
+                  "fsdp MixedPrecisionPolicy: int8_block_size must be at least 1, got ",
+                  mp.int8_block_size());
+      if (row_numel >= kMinInt8Row)
+        return GatherCodec(true, compute, row_numel, mp.int8_block_size());
+      cast = torch::kBFloat16;
+      break;
+  }
+  if (cast == compute)
+    return std::nullopt;
+  return GatherCodec(false, cast, row_numel, 0);
+}
+
+int64_t GatherCodec::wire_numel(int64_t rows) const {
+  if (!int8_)
+    return rows * row_numel_;
+  return round_up(rows * blocks_per_row_ * 4 + rows * row_numel_, 4);
+}
+
+torch::Tensor GatherCodec::encode(const torch::Tensor& shard) const {
+  torch::NoGradGuard no_grad;
+  if (!int8_)
+    return shard.to(cast_).contiguous().view({-1});
+  const int64_t rows = rows_of(shard, row_numel_);
+  auto src = shard.to(torch::kFloat).contiguous();
+  auto wire = torch::zeros({wire_numel(rows)}, shard.options().dtype(torch::kByte));
+  const float* x = src.data_ptr<float>();
+  auto* scales = reinterpret_cast<float*>(wire.data_ptr<uint8_t>());
+  auto* q = reinterpret_cast<int8_t*>(wire.data_ptr<uint8_t>() + rows * blocks_per_row_ * 4);
+  // Written by hand: ATen's quantize_per_channel wants double scales and a qint8 tensor to
+  // copy out of; this is one pass that writes the wire layout directly.
+  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_numel_)),
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t r = begin; r < end; ++r) {
+                       for (int64_t b = 0; b < blocks_per_row_; ++b) {
+                         const int64_t start = r * row_numel_ + b * block_;
+                         const int64_t len = std::min(block_, row_numel_ - b * block_);
+                         float amax = 0.f;
+                         bool finite = true;
+                         for (int64_t i = 0; i < len; ++i) {
+                           const float v = x[start + i];
+                           finite = finite && std::isfinite(v);
+                           amax = std::max(amax, std::fabs(v));
+                         }
+                         // A non-finite block decodes to NaN: divergence stays visible.
+                         const float scale =
+                             finite ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
+                         scales[r * blocks_per_row_ + b] = scale;
+                         if (!(scale > 0.f))
+                           continue;  // all zeros (or NaN): q stays 0
+                         for (int64_t i = 0; i < len; ++i) {
+                           const float v = std::nearbyint(x[start + i] / scale);
+                           q[start + i] = static_cast<int8_t>(std::clamp(v, -127.f, 127.f));
+                         }
+                       }
+                     }
+                   });
+  return wire;
+}
+
+void GatherCodec::decode(const torch::Tensor& wire, const torch::Tensor& dst,
+                         int64_t pieces) const {
+  torch::NoGradGuard no_grad;
+  TORCH_INTERNAL_ASSERT(dst.is_contiguous() && wire.is_contiguous());
+  const int64_t rows = pieces == 0 ? 0 : rows_of(dst, row_numel_) / pieces;
+  TORCH_INTERNAL_ASSERT(wire.numel() == pieces * wire_numel(rows) &&
+                        wire.scalar_type() == wire_dtype());
+  if (!int8_) {
+    dst.view({-1}).copy_(wire);
+    return;
+  }
+  const int64_t piece_bytes = wire_numel(rows);
+  const uint8_t* base = wire.data_ptr<uint8_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dst.scalar_type(), "int8 decode", [&] {
+    scalar_t* out = dst.data_ptr<scalar_t>();
+    at::parallel_for(
+        0, pieces * rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_numel_)),
+        [&](int64_t begin, int64_t end) {
+          for (int64_t gr = begin; gr < end; ++gr) {
+            const int64_t piece = gr / rows, r = gr % rows;
+            const uint8_t* p = base + piece * piece_bytes;
+            const auto* q = reinterpret_cast<const int8_t*>(p + rows * blocks_per_row_ * 4);
+            scalar_t* row = out + gr * row_numel_;
+            for (int64_t b = 0; b < blocks_per_row_; ++b) {
+              float scale;
+              std::memcpy(&scale, p + (r * blocks_per_row_ + b) * 4, sizeof scale);
+              const int64_t start = b * block_;
+              const int64_t len = std::min(block_, row_numel_ - start);
+              const int8_t* qb = q + r * row_numel_ + start;
+              for (int64_t i = 0; i < len; ++i)
+                row[start + i] = static_cast<scalar_t>(static_cast<float>(qb[i]) * scale);
+            }
+          }
+        });
+  });
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,50 @@
+// The wire formats of the all-gather (MixedPrecisionPolicy::gather_format): how a rank's
+// padded shard is encoded before the gather, and how the gathered pieces become the unsharded
+// parameter in its compute dtype.
+//
+// A piece is one rank's padded shard: `rows` rows of row_numel elements. Encoded, it is
+//   cast formats (bf16, fp16): the rows in that dtype;
+//   int8: [rows * blocks_per_row fp32 scales][rows * row_numel int8 values][0-3 bytes of
+//         padding, so that the next rank's scales stay 4-byte aligned], as uint8.
+// Blocks are cut within rows, so a row is encoded the same whichever rank holds it: the
+// decoded parameter does not depend on the number of ranks.
+#pragma once
+
+#include <torch/types.h>
+
+#include <optional>
+
+#include <fsdp/mixed_precision.h>
+
+namespace fsdp::detail {
+
+class GatherCodec {
+ public:
+  /// The codec of a parameter whose rows have `row_numel` elements, stored in `dtype` and
+  /// computed in `compute`; nullopt when the gather moves the compute dtype unchanged.
+  static std::optional<GatherCodec> make(const MixedPrecisionPolicy& mp, torch::ScalarType dtype,
+                                         torch::ScalarType compute, int64_t row_numel);
+
+  /// Dtype and element count of an encoded piece of `rows` rows.
+  torch::ScalarType wire_dtype() const { return int8_ ? torch::kByte : cast_; }
+  int64_t wire_numel(int64_t rows) const;
+  bool is_int8() const { return int8_; }
+
+  /// Encodes `shard` (contiguous, `rows` x row_numel elements, any floating dtype) into a new
+  /// 1-d tensor of wire_numel(rows) elements.
+  torch::Tensor encode(const torch::Tensor& shard) const;
+  /// Decodes `pieces` consecutive encoded pieces of `wire` (1-d, pieces * wire_numel(rows))
+  /// into `dst` (contiguous, pieces * rows x row_numel elements, the compute dtype).
+  void decode(const torch::Tensor& wire, const torch::Tensor& dst, int64_t pieces) const;
+
+ private:
+  GatherCodec(bool int8, torch::ScalarType cast, int64_t row_numel, int64_t block);
+
+  bool int8_;
+  torch::ScalarType cast_;  // the wire dtype of a cast format
+  int64_t row_numel_;
+  int64_t block_;           // int8: elements per scale
+  int64_t blocks_per_row_;  // int8: ceil(row_numel / block)
+};
+
+}  // namespace fsdp::detail
