@@ -7,10 +7,9 @@ One command (from the repository root, after the build):
 
 runs fsdp-train on 2 ranks for a few steps per variant on one fixed GPT shape and prints a
 markdown table of what the peak is made of (fsdp::memory categories of the rank with the
-highest peak, at that peak: they sum to it), beside the analytic value of the categories that
-have a closed form (sharded parameters and AdamW state: padded shards of every parameter;
-gathered parameters: the root unit plus the blocks allowed in flight, in param_dtype), and
-the tokens/s of each variant. The CPU model and flags are printed first: the speed of bf16
+highest peak, at that peak: they sum to it), beside the analytic value of each category at
+the moment that variant peaks (see analytic(); "other", the token batch and small buffers, has
+none), and the tokens/s of each variant. The CPU model and flags are printed first: the speed of bf16
 depends on them.
 """
 import json
@@ -61,11 +60,46 @@ def padded(params, n):
     return sum(math.ceil(r / n) * c for r, c in params)
 
 
-def analytic(param_bytes, inflight):
+def analytic(name):
+    """Closed form of every category at the moment the variant peaks (MiB-exact byte counts).
+
+    Without full checkpointing the peak is the loss's log-softmax backward: every block's saved
+    activations, the root's, and three fp32 logit-sized tensors (logits, log-softmax output,
+    its gradient). A block saves 16 values of width C per token in the compute dtype: its
+    input, ln_1 out, qkv (3C, which attention keeps as q/k/v views), attention out (C, already
+    in (B, T, C) order), h, ln_2 out, fc out (4C), gelu out (4C); plus fp32 norm statistics (2
+    per norm) and attention's log-sum-exp (one per head). Selective checkpointing keeps, per
+    block, the input and copies of the matmul and attention outputs: 3C + C + C + 4C + C.
+    With full checkpointing the peak moves into backward, to the GELU backward of block L-2
+    while block L-1's reduce-scatter is in flight: saved block inputs (L-1), block L-2
+    recomputed (15 more C), the block's output gradient (C) and the GELU's input and output
+    gradients (8C); gathered: the root,
+    block L-2 and block L-3 prefetched (whose gather is not waited for yet: in bf16 its cast
+    copy of the shard is still alive); grads: the root's unsharded grads (compute dtype) and
+    block L-1's reduce-scatter buffers (input, received copy and output, reduce dtype fp32).
+    """
     block, root = shapes()
-    shard = padded(block, RANKS) * SHAPE["n_layer"] + padded(root, RANKS)
-    gathered = RANKS * (padded(root, RANKS) + inflight * padded(block, RANKS)) * param_bytes
-    return {"params": 4 * shard, "optimizer": 8 * shard, "gathered": gathered}
+    C, V, H, L = SHAPE["n_embd"], SHAPE["vocab"], SHAPE["n_head"], SHAPE["n_layer"]
+    tokens = SHAPE["batch"] * SHAPE["seq"]
+    e = 2 if "bf16" in name else 4
+    shard = padded(block, RANKS) * L + padded(root, RANKS)
+    root_full = RANKS * padded(root, RANKS)
+    block_full = RANKS * padded(block, RANKS)
+    stats = 2 * 2 * 4 + H * 4  # per block and token, fp32
+    logits = 3 * V * 4
+    out = {"params": 4 * shard, "optimizer": 8 * shard}
+    if "full AC" in name:
+        act_c = (L - 1) + 15 + 1 + 8
+        out["activations"] = tokens * (act_c * C * e + stats)
+        cast_input = padded(block, RANKS) * e if e != 4 else 0
+        out["gathered"] = (root_full + 2 * block_full) * e + cast_input
+        out["grads"] = root_full * e + (2 * block_full + padded(block, RANKS)) * 4
+    else:
+        per_block = (11 if "selective" in name else 16) * C * e + stats
+        out["activations"] = tokens * (L * per_block + 2 * C * e + logits)
+        out["gathered"] = root_full * e  # the root, held through forward and backward
+        out["grads"] = 0
+    return out
 
 
 def run(name, extra, workdir):
@@ -97,7 +131,7 @@ def main():
             m = run(name, extra, workdir)
             last = m[-1]
             measured = {c: last[f"mem_{c}_bytes"] for c in CATEGORIES}
-            want = analytic(2 if "bf16" in name else 4, inflight=2)
+            want = analytic(name)
             rows.append((name, last["peak_bytes"], measured, want, last["tokens_per_second"]))
     base = rows[0][1]
     print("| variant | peak MiB | vs fp32 | " + " | ".join(CATEGORIES) + " | tokens/s |")
@@ -111,10 +145,12 @@ def main():
             cells.append(cell)
         print(f"| {name} | {mib(peak)} | {peak / base:.0%} | " + " | ".join(cells) +
               f" | {tps:.0f} |")
-    print("\nMiB measured at the peak (analytic in parentheses: sharded parameters and AdamW "
-          "state from the padded shard of every parameter; gathered: the root unit plus two "
-          "blocks, what the pipeline may hold; at the peak moment fewer or more (cast and "
-          "staging buffers) may be alive).")
+    worst = max(abs(m[c] - w[c]) / w[c] for _, _, m, w, _ in rows for c in w if w[c] > 0)
+    print("\n'other' is memory allocated outside any category: Gloo's staging buffers of a "
+          "gather still in flight at the peak (allocated on Gloo's thread), when there is one.")
+    print("\nMiB measured at the peak, analytic in parentheses (the closed forms and the moment "
+          f"each variant peaks: analytic() in bench/memory_table.py). Largest relative gap "
+          f"between a measured category and its analytic value: {worst:.1%}.")
 
 
 if __name__ == "__main__":
