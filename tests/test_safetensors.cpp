@@ -1,0 +1,230 @@
+// The safetensors reader and writer (include/fsdp/safetensors.h): round trips of every dtype
+// the checkpoints use, rows written in pieces and out of order, reads of row ranges; and a
+// corpus of hostile files (bad lengths, overlapping or out-of-range offsets, unknown dtypes,
+// shape/size mismatches, holes, duplicates, huge header lengths, truncation) each refused with
+// an error naming the problem, plus random byte flips of a valid header that must either
+// parse or be refused, never crash.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include <fsdp/safetensors.h>
+
+namespace {
+
+namespace st = fsdp::safetensors;
+namespace fs = std::filesystem;
+
+fs::path temp_dir() {
+  auto dir =
+      fs::temp_directory_path() / ("fsdp-safetensors-" + std::to_string(::getpid()) + "-" +
+                                   ::testing::UnitTest::GetInstance()->current_test_info()->name());
+  fs::create_directories(dir);
+  return dir;
+}
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), {}};
+}
+
+void spit(const fs::path& p, const std::string& bytes) {
+  std::ofstream out(p, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+// A file made of a header text and `data` bytes, the length prefix computed from the text.
+std::string file_of(const std::string& header, const std::string& data,
+                    std::optional<uint64_t> length = std::nullopt) {
+  const uint64_t len = length.value_or(header.size());
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i)
+    out[i] = static_cast<char>(len >> (8 * i));
+  return out + header + data;
+}
+
+std::string expect_refused(const fs::path& p) {
+  try {
+    st::Reader r(p.string());
+  } catch (const st::FormatError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "accepted " << p;
+  return "";
+}
+
+TEST(Safetensors, RoundTripsDtypesShapesAndPieces) {
+  auto dir = temp_dir();
+  torch::manual_seed(0);
+  auto a = torch::randn({7, 5});
+  auto b = torch::randn({3, 4}).to(torch::kBFloat16);
+  auto c = torch::arange(10, torch::kLong);
+  auto scalar = torch::tensor(2.5);
+  auto empty = torch::empty({0, 3});
+  auto half = torch::randn({2, 2, 2}).to(torch::kHalf);
+  const auto path = (dir / "x.safetensors").string();
+  {
+    st::Writer w(path,
+                 {{"a", torch::kFloat, {7, 5}},
+                  {"b.weight", torch::kBFloat16, {3, 4}},
+                  {"c", torch::kLong, {10}},
+                  {"scalar", torch::kFloat, {}},
+                  {"empty", torch::kFloat, {0, 3}},
+                  {"half", torch::kHalf, {2, 2, 2}}},
+                 {{"format", "pt"}, {"step", "12"}});
+    // Rows in pieces and out of order, one of them from a non-contiguous view.
+    w.write_rows("a", 4, a.narrow(0, 4, 3));
+    w.write_rows("a", 0, a.t().contiguous().t().narrow(0, 0, 4));
+    w.write("b.weight", b);
+    w.write("c", c);
+    w.write("scalar", scalar);
+    w.write("empty", empty);
+    w.write("half", half);
+    w.finish();
+  }
+  st::Reader r(path);
+  EXPECT_EQ(r.header().metadata.at("step"), "12");
+  EXPECT_EQ(r.header().tensors.size(), 6u);
+  EXPECT_TRUE(torch::equal(r.read("a"), a));
+  EXPECT_TRUE(torch::equal(r.read("b.weight"), b));
+  EXPECT_TRUE(torch::equal(r.read("c"), c));
+  EXPECT_TRUE(torch::equal(r.read("scalar"), scalar));
+  EXPECT_EQ(r.read("scalar").dim(), 0);
+  EXPECT_EQ(r.read("empty").sizes(), empty.sizes());
+  EXPECT_TRUE(torch::equal(r.read("half"), half));
+  EXPECT_TRUE(torch::equal(r.read_rows("a", 2, 3), a.narrow(0, 2, 3)));
+  EXPECT_EQ(r.read_rows("a", 7, 0).size(0), 0);
+  EXPECT_THROW(r.read_rows("a", 5, 3), st::FormatError);
+  EXPECT_THROW(r.entry("nope"), st::FormatError);
+  // The data starts 8-byte aligned.
+  const auto bytes = slurp(path);
+  uint64_t len = 0;
+  for (int i = 7; i >= 0; --i)
+    len = (len << 8) | static_cast<unsigned char>(bytes[i]);
+  EXPECT_EQ((8 + len) % 8, 0u);
+  fs::remove_all(dir);
+}
+
+TEST(Safetensors, WriterRefusesAnIncompleteFile) {
+  auto dir = temp_dir();
+  st::Writer w((dir / "y.safetensors").string(), {{"a", torch::kFloat, {4, 2}}});
+  w.write_rows("a", 0, torch::zeros({3, 2}));
+  EXPECT_THROW(w.finish(), c10::Error);
+  EXPECT_THROW(w.write_rows("a", 3, torch::zeros({2, 2})), c10::Error);  // past the end
+  EXPECT_THROW(w.write_rows("a", 3, torch::zeros({1, 2}, torch::kDouble)), c10::Error);
+  fs::remove_all(dir);
+}
+
+TEST(Safetensors, HostileFilesAreRefusedWithTheReason) {
+  auto dir = temp_dir();
+  const std::string ok_header = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                                R"("b":{"dtype":"I8","shape":[3],"data_offsets":[8,11]}})";
+  const std::string data(11, '\1');
+  spit(dir / "ok", file_of(ok_header, data));
+  EXPECT_NO_THROW(st::Reader((dir / "ok").string()));
+
+  struct Case {
+    const char* name;
+    std::string bytes;
+    const char* reason;
+  };
+  auto header_case = [&](const char* name, const std::string& header, const char* reason,
+                         const std::string& d = std::string(11, '\1')) {
+    return Case{name, file_of(header, d), reason};
+  };
+  std::vector<Case> cases = {
+      {"short", std::string(5, '\0'), "too short"},
+      {"huge length", file_of(ok_header, data, uint64_t{1} << 62), "exceeds the"},
+      {"length past the end", file_of(ok_header, data, ok_header.size() + 100),
+       "runs past the end"},
+      header_case("not json", "{\"a\": [1, 2", "not valid JSON"),
+      header_case("array", "[1, 2, 3]", "not a JSON object"),
+      header_case("unknown dtype",
+                  R"({"a":{"dtype":"F33","shape":[2],"data_offsets":[0,8]},)"
+                  R"("b":{"dtype":"I8","shape":[3],"data_offsets":[8,11]}})",
+                  "unknown dtype 'F33'"),
+      header_case("negative dim", R"({"a":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})",
+                  "non-negative integer"),
+      header_case("size mismatch",
+                  R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]},)"
+                  R"("b":{"dtype":"I8","shape":[3],"data_offsets":[8,11]}})",
+                  "needs 12 bytes"),
+      header_case("end before begin", R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}})",
+                  "end before they begin"),
+      header_case("past the data",
+                  R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                  R"("b":{"dtype":"I8","shape":[4],"data_offsets":[8,12]}})",
+                  "run past the end of the data"),
+      header_case("overlap",
+                  R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                  R"("b":{"dtype":"I8","shape":[4],"data_offsets":[7,11]}})",
+                  "overlaps"),
+      header_case("hole",
+                  R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                  R"("b":{"dtype":"I8","shape":[3],"data_offsets":[8,11]}})",
+                  "belong to no tensor"),
+      header_case("trailing bytes", R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
+                  "tensors cover 8"),
+      header_case("duplicate",
+                  R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                  R"("a":{"dtype":"I8","shape":[3],"data_offsets":[8,11]}})",
+                  "names tensor 'a' twice"),
+      header_case("metadata value",
+                  R"({"__metadata__":{"k":1},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                  R"("b":{"dtype":"I8","shape":[3],"data_offsets":[8,11]}})",
+                  "is not a string"),
+      header_case("unknown field",
+                  R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":1},)"
+                  R"("b":{"dtype":"I8","shape":[3],"data_offsets":[8,11]}})",
+                  "unknown field 'x'"),
+      header_case("offsets arity", R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0]}})",
+                  "two offsets"),
+      header_case("overflowing shape",
+                  R"({"a":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,8]}})",
+                  "too large"),
+      header_case("float offset", R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8.5]}})",
+                  "non-negative integer"),
+  };
+  // Truncating the valid file anywhere after the header length is refused too.
+  const auto good = file_of(ok_header, data);
+  for (size_t cut : {good.size() - 1, good.size() - 5, size_t{20}, size_t{9}})
+    cases.push_back({"truncated", good.substr(0, cut), ""});
+  for (const auto& c : cases) {
+    auto p = dir / "bad";
+    spit(p, c.bytes);
+    const auto msg = expect_refused(p);
+    EXPECT_NE(msg.find(p.string()), std::string::npos) << c.name << ": " << msg;
+    EXPECT_NE(msg.find(c.reason), std::string::npos) << c.name << ": " << msg;
+  }
+  fs::remove_all(dir);
+}
+
+TEST(Safetensors, RandomHeaderCorruptionNeverCrashes) {
+  const std::string header =
+      R"({"__metadata__":{"format":"pt"},"a":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},)"
+      R"("b":{"dtype":"BF16","shape":[5],"data_offsets":[24,34]}})";
+  std::mt19937 gen(7);
+  int refused = 0, parsed = 0;
+  for (int i = 0; i < 3000; ++i) {
+    std::string h = header;
+    const int flips = 1 + static_cast<int>(gen() % 3);
+    for (int f = 0; f < flips; ++f)
+      h[gen() % h.size()] = static_cast<char>(gen() % 256);
+    try {
+      auto parsed_header = st::parse_header(h, 34);
+      // Whatever parses must describe tensors inside the data.
+      for (const auto& t : parsed_header.tensors)
+        ASSERT_LE(t.end, 34u);
+      ++parsed;
+    } catch (const st::FormatError&) {
+      ++refused;
+    }
+  }
+  EXPECT_GT(refused, 2000);
+  std::printf("random corruptions: %d refused, %d still valid\n", refused, parsed);
+}
+
+}  // namespace
