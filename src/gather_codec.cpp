@@ -71,12 +71,14 @@ int64_t GatherCodec::wire_numel(int64_t rows) const {
   return round_up(rows * blocks_per_row_ * 4 + rows * row_numel_, 4);
 }
 
-torch::Tensor GatherCodec::encode(const torch::Tensor& shard) const {
+torch::Tensor GatherCodec::encode(const torch::Tensor& shard, bool portable) const {
   torch::NoGradGuard no_grad;
   if (!int8_)
     return shard.to(cast_).contiguous().view({-1});
   const int64_t rows = rows_of(shard, row_numel_);
   auto src = shard.to(torch::kFloat).contiguous();
+  if (portable || !src.is_cpu())
+    return encode_portable(src, rows);
   auto wire = torch::zeros({wire_numel(rows)}, shard.options().dtype(torch::kByte));
   // Block maxima with ATen's reductions (vectorised, NaN-propagating): full blocks, then the
   // shorter last block of each row.
@@ -127,8 +129,8 @@ torch::Tensor GatherCodec::encode(const torch::Tensor& shard) const {
   return wire;
 }
 
-void GatherCodec::decode(const torch::Tensor& wire, const torch::Tensor& dst,
-                         int64_t pieces) const {
+void GatherCodec::decode(const torch::Tensor& wire, const torch::Tensor& dst, int64_t pieces,
+                         bool portable) const {
   torch::NoGradGuard no_grad;
   TORCH_INTERNAL_ASSERT(dst.is_contiguous() && wire.is_contiguous());
   const int64_t rows = pieces == 0 ? 0 : rows_of(dst, row_numel_) / pieces;
@@ -136,6 +138,10 @@ void GatherCodec::decode(const torch::Tensor& wire, const torch::Tensor& dst,
                         wire.scalar_type() == wire_dtype());
   if (!int8_) {
     dst.view({-1}).copy_(wire);
+    return;
+  }
+  if (portable || !dst.is_cpu()) {
+    decode_portable(wire, dst, pieces, rows);
     return;
   }
   const int64_t piece_bytes = wire_numel(rows);
@@ -162,6 +168,65 @@ void GatherCodec::decode(const torch::Tensor& wire, const torch::Tensor& dst,
           }
         });
   });
+}
+
+// The same format with ATen ops only (any device): scale = block max / 127 as a tensor
+// division, torch::round (half to even, as the CPU loop's rounding), the same clamp.
+torch::Tensor GatherCodec::encode_portable(const torch::Tensor& src, int64_t rows) const {
+  auto m = src.view({rows, row_numel_});
+  const int64_t full = row_numel_ / block_, tail = row_numel_ - full * block_;
+  std::vector<torch::Tensor> blocks;  // [rows, n, len] views of the row blocks
+  if (full > 0)
+    blocks.push_back(m.narrow(1, 0, full * block_).view({rows, full, block_}));
+  if (tail > 0)
+    blocks.push_back(m.narrow(1, full * block_, tail).view({rows, 1, tail}));
+  std::vector<torch::Tensor> scales, values;
+  for (const auto& b : blocks) {
+    auto amax = b.abs().amax(2, /*keepdim=*/true);
+    auto scale = torch::where(amax.isfinite(), amax / torch::full_like(amax, 127.f),
+                              torch::full_like(amax, std::numeric_limits<float>::quiet_NaN()));
+    auto q = (b / scale).round().clamp(-127, 127);
+    q = torch::where(scale > 0, q, torch::zeros_like(q)).to(torch::kChar);
+    scales.push_back(scale.squeeze(2));
+    values.push_back(q.reshape({rows, -1}));
+  }
+  auto wire = torch::zeros({wire_numel(rows)}, src.options().dtype(torch::kByte));
+  const int64_t scale_bytes = rows * blocks_per_row_ * 4, value_bytes = rows * row_numel_;
+  if (rows > 0 && row_numel_ > 0) {
+    wire.narrow(0, 0, scale_bytes)
+        .copy_(torch::cat(scales, 1).contiguous().view(torch::kByte).view({-1}));
+    wire.narrow(0, scale_bytes, value_bytes)
+        .copy_(torch::cat(values, 1).contiguous().view(torch::kByte).view({-1}));
+  }
+  return wire;
+}
+
+void GatherCodec::decode_portable(const torch::Tensor& wire, const torch::Tensor& dst,
+                                  int64_t pieces, int64_t rows) const {
+  const int64_t n = pieces * rows;
+  if (n == 0 || row_numel_ == 0)
+    return;
+  const int64_t scale_bytes = rows * blocks_per_row_ * 4;
+  auto w = wire.view({pieces, wire_numel(rows)});
+  auto scales =
+      w.narrow(1, 0, scale_bytes).contiguous().view(torch::kFloat).view({n, blocks_per_row_});
+  auto q = w.narrow(1, scale_bytes, rows * row_numel_)
+               .contiguous()
+               .view(torch::kChar)
+               .view({n, row_numel_})
+               .to(torch::kFloat);
+  auto out = dst.view({n, row_numel_});
+  const int64_t full = row_numel_ / block_, tail = row_numel_ - full * block_;
+  if (full > 0) {
+    out.narrow(1, 0, full * block_)
+        .view({n, full, block_})
+        .copy_(q.narrow(1, 0, full * block_).view({n, full, block_}) *
+               scales.narrow(1, 0, full).unsqueeze(2));
+  }
+  if (tail > 0) {
+    out.narrow(1, full * block_, tail)
+        .copy_(q.narrow(1, full * block_, tail) * scales.narrow(1, full, 1));
+  }
 }
 
 }  // namespace fsdp::detail

@@ -31,14 +31,20 @@ class GatherCodec {
   bool is_int8() const { return int8_; }
 
   /// Encodes `shard` (contiguous, `rows` x row_numel elements, any floating dtype) into a new
-  /// 1-d tensor of wire_numel(rows) elements.
-  torch::Tensor encode(const torch::Tensor& shard) const;
+  /// 1-d tensor of wire_numel(rows) elements, on the shard's device.
+  /// `portable`: int8 with ATen ops only, the path tensors off the CPU take (the CPU path is a
+  /// hand-written loop over host memory); both give the same bytes.
+  torch::Tensor encode(const torch::Tensor& shard, bool portable = false) const;
   /// Decodes `pieces` consecutive encoded pieces of `wire` (1-d, pieces * wire_numel(rows))
   /// into `dst` (contiguous, pieces * rows x row_numel elements, the compute dtype).
-  void decode(const torch::Tensor& wire, const torch::Tensor& dst, int64_t pieces) const;
+  void decode(const torch::Tensor& wire, const torch::Tensor& dst, int64_t pieces,
+              bool portable = false) const;
 
  private:
   GatherCodec(bool int8, torch::ScalarType cast, int64_t row_numel, int64_t block);
+  torch::Tensor encode_portable(const torch::Tensor& src, int64_t rows) const;
+  void decode_portable(const torch::Tensor& wire, const torch::Tensor& dst, int64_t pieces,
+                       int64_t rows) const;
 
   bool int8_;
   torch::ScalarType cast_;  // the wire dtype of a cast format

@@ -90,6 +90,28 @@ TEST(GatherCodec, Int8DecodesIntoLowPrecisionComputeAndPropagatesNaN) {
   EXPECT_FALSE(bad[0].narrow(0, 0, 16).isnan().any().item<bool>());  // not its neighbours
 }
 
+// Tensors off the CPU take the ATen-only path: the same bytes and the same decoded values.
+TEST(GatherCodec, PortablePathGivesTheSameBytes) {
+  for (auto compute : {torch::kFloat, torch::kBFloat16}) {
+    auto codec = GatherCodec::make(MixedPrecisionPolicy()
+                                       .param_dtype(compute)
+                                       .gather_format(GatherFormat::kInt8)
+                                       .int8_block_size(16),
+                                   torch::kFloat, compute, 37);
+    auto x = sample(6, 37);
+    x.index_put_({4, 30}, std::nan(""));
+    auto fast = codec->encode(x), portable = codec->encode(x, /*portable=*/true);
+    EXPECT_TRUE(torch::equal(fast, portable));
+    auto wire = torch::cat({fast, fast});
+    auto a = torch::empty({12, 37}, torch::TensorOptions().dtype(compute));
+    auto b = torch::empty({12, 37}, torch::TensorOptions().dtype(compute));
+    codec->decode(wire, a, 2);
+    codec->decode(wire, b, 2, /*portable=*/true);
+    EXPECT_TRUE(torch::equal(a.nan_to_num(7), b.nan_to_num(7)));
+    EXPECT_EQ(a.isnan().sum().item<int64_t>(), 2 * 16);  // the NaN's block (16 values) per piece
+  }
+}
+
 TEST(GatherCodec, CastFormatsAndFallbacks) {
   const auto mp = [](GatherFormat f) { return MixedPrecisionPolicy().gather_format(f); };
   // Nothing to encode: the compute dtype, integer parameters, a format equal to compute.
