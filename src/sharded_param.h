@@ -20,6 +20,7 @@
 
 #include <torch/types.h>
 
+#include <algorithm>
 #include <functional>
 #include <optional>
 #include <string>
@@ -50,7 +51,12 @@ class ShardedParam {
   /// Gathered in another dtype than the shard's.
   bool casts() const { return compute_dtype() != dtype(); }
 
-  int64_t rows() const { return rows_; }              // d0 (1 for a 0-d parameter)
+  int64_t rows() const { return rows_; }                        // d0 (1 for a 0-d parameter)
+  const std::vector<int64_t>& shape() const { return shape_; }  // the unsharded shape
+  /// First global row of this rank's shard (clamped to rows() when it holds none).
+  int64_t row_begin() const { return std::min(rank_ * chunk_rows_, rows_); }
+  /// The shard's real rows (the param's data at rest; a view of the padded shard).
+  const torch::Tensor& sharded_view() const { return sharded_view_; }
   int64_t chunk_rows() const { return chunk_rows_; }  // ceil(d0 / N)
   int64_t local_rows() const { return local_rows_; }  // this rank's real rows
   int64_t row_numel() const { return row_numel_; }    // elements per row
