@@ -1,0 +1,462 @@
+// See include/fsdp/sharded_checkpoint.h for the layout and the guarantees.
+#include <fsdp/sharded_checkpoint.h>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <xxhash.h>
+#include <nlohmann/json.hpp>
+
+#include <atomic>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include <fsdp/process_group.h>
+#include <fsdp/safetensors.h>
+#include <fsdp/state_dict.h>
+
+namespace fsdp {
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+using safetensors::FormatError;
+
+constexpr const char* kFormat = "fsdp-cpp sharded checkpoint";
+constexpr int kVersion = 1;
+// Rows per checksum block: about this many bytes, so a reader that needs a few rows reads and
+// verifies little more than those.
+constexpr uint64_t kBlockBytes = 4ull << 20;
+
+// One tensor of the checkpoint as this rank holds it: the rows of a parameter or of one of its
+// optimizer state tensors (same layout as the parameter).
+struct Entry {
+  std::string key;  // "model/<name>" or "optim/<name>/<state>"
+  ParamShard layout;
+  torch::Tensor data;  // this rank's rows, [rows, ...]
+};
+
+std::string optimizer_kind(torch::optim::Optimizer* opt) {
+  if (!opt)
+    return "";
+  if (dynamic_cast<torch::optim::AdamW*>(opt))
+    return "adamw";
+  if (dynamic_cast<torch::optim::Adam*>(opt))
+    return "adam";
+  if (dynamic_cast<torch::optim::SGD*>(opt))
+    return "sgd";
+  TORCH_CHECK(false,
+              "fsdp sharded checkpoint: optimizer state of this kind is not supported (AdamW, "
+              "Adam and SGD are)");
+}
+
+// The state tensors of one parameter, by name (missing ones: undefined), and its step.
+struct ParamOptState {
+  std::map<std::string, torch::Tensor> tensors;
+  int64_t step = 0;
+  bool exists = false;
+};
+
+ParamOptState read_opt_state(torch::optim::Optimizer& opt, const std::string& kind,
+                             const torch::Tensor& param) {
+  ParamOptState out;
+  auto it = opt.state().find(param.unsafeGetTensorImpl());
+  if (it == opt.state().end())
+    return out;
+  out.exists = true;
+  if (kind == "adamw") {
+    auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
+    out.step = s.step();
+    out.tensors = {{"exp_avg", s.exp_avg()}, {"exp_avg_sq", s.exp_avg_sq()}};
+    if (s.max_exp_avg_sq().defined())
+      out.tensors["max_exp_avg_sq"] = s.max_exp_avg_sq();
+  } else if (kind == "adam") {
+    auto& s = static_cast<torch::optim::AdamParamState&>(*it->second);
+    out.step = s.step();
+    out.tensors = {{"exp_avg", s.exp_avg()}, {"exp_avg_sq", s.exp_avg_sq()}};
+    if (s.max_exp_avg_sq().defined())
+      out.tensors["max_exp_avg_sq"] = s.max_exp_avg_sq();
+  } else {
+    auto& s = static_cast<torch::optim::SGDParamState&>(*it->second);
+    if (s.momentum_buffer().defined())
+      out.tensors["momentum_buffer"] = s.momentum_buffer();
+  }
+  return out;
+}
+
+// Rows of a state tensor shaped like the param's data at rest ([rows, ...]; a 0-d parameter
+// outside any unit is one row).
+torch::Tensor as_rows(const torch::Tensor& t) {
+  return t.dim() == 0 ? t.reshape({1}) : t;
+}
+
+std::map<const c10::TensorImpl*, ParamShard> layouts(torch::nn::Module& model) {
+  std::map<const c10::TensorImpl*, ParamShard> out;
+  auto shards = param_shards(model);
+  auto params = model.named_parameters(/*recurse=*/true);
+  for (auto& s : shards)
+    out.emplace(params[s.name].unsafeGetTensorImpl(), std::move(s));
+  return out;
+}
+
+std::vector<int64_t> rows_shape(const ParamShard& l, int64_t rows) {
+  std::vector<int64_t> shape{rows};
+  for (size_t i = 1; i < l.global_shape.size(); ++i)
+    shape.push_back(l.global_shape[i]);
+  return shape;
+}
+
+std::string hex(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+uint64_t checksum(const torch::Tensor& rows) {
+  auto c = rows.to(torch::kCPU).contiguous();
+  return XXH3_64bits(c.data_ptr(), c.numel() * c.element_size());
+}
+
+void fsync_path(const fs::path& p, bool directory) {
+  const int fd = ::open(p.c_str(), (directory ? O_DIRECTORY : 0) | O_RDONLY | O_CLOEXEC);
+  TORCH_CHECK(fd >= 0, "fsdp checkpoint: cannot open ", p.string(), " to fsync it");
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  TORCH_CHECK(rc == 0, "fsdp checkpoint: fsync of ", p.string(), " failed");
+}
+
+void write_file_synced(const fs::path& p, const std::string& text) {
+  {
+    std::ofstream out(p, std::ios::binary | std::ios::trunc);
+    out << text;
+    out.flush();
+    TORCH_CHECK(out.good(), "fsdp checkpoint: cannot write ", p.string());
+  }
+  fsync_path(p, false);
+}
+
+std::atomic<uint64_t> g_save_counter{0};
+
+}  // namespace
+
+void save_sharded(const std::string& dir, torch::nn::Module& model,
+                  torch::optim::Optimizer* optimizer, ProcessGroup& group,
+                  const std::map<std::string, std::string>& metadata) {
+  torch::NoGradGuard no_grad;
+  const fs::path final_dir(dir);
+  const fs::path tmp = final_dir.string() + ".tmp";
+  // Every rank sees the same file system: all refuse together, before any collective.
+  TORCH_CHECK(!fs::exists(final_dir), "fsdp::save_sharded: ", dir,
+              " exists (checkpoints are never overwritten)");
+  const uint64_t seq = g_save_counter++;
+  const int rank = group.rank();
+  if (rank == 0) {
+    fs::remove_all(tmp);  // a save that died half-way
+    fs::create_directories(tmp);
+  }
+  group.barrier();
+
+  // What this rank writes: the rows it is the first holder of.
+  const std::string kind = optimizer_kind(optimizer);
+  auto params = model.named_parameters(/*recurse=*/true);
+  std::vector<Entry> entries;
+  Json steps = Json::object();
+  for (auto& l : param_shards(model)) {
+    const auto& param = params[l.name];
+    ParamOptState st;
+    if (optimizer)
+      st = read_opt_state(*optimizer, kind, param);
+    if (st.exists)
+      steps[l.name] = st.step;
+    if (!l.writer || l.rows == 0)
+      continue;
+    entries.push_back({"model/" + l.name, l, l.shard});
+    for (auto& [name, t] : st.tensors)
+      entries.push_back({"optim/" + l.name + "/" + name, l, as_rows(t)});
+  }
+  char file_buf[32];
+  std::snprintf(file_buf, sizeof file_buf, "rank-%05d.safetensors", rank);
+  const std::string file = file_buf;
+  Json pieces = Json::object();
+  if (!entries.empty()) {
+    std::vector<safetensors::TensorSpec> specs;
+    for (const auto& e : entries)
+      specs.push_back({e.key, e.data.scalar_type(), rows_shape(e.layout, e.layout.rows)});
+    safetensors::Writer w((tmp / file).string(), specs);
+    for (const auto& e : entries) {
+      w.write_rows(e.key, 0, e.data);
+      const uint64_t row_bytes = std::max<uint64_t>(1, w.header().find(e.key)->row_bytes());
+      const int64_t block_rows =
+          std::max<int64_t>(1, static_cast<int64_t>(kBlockBytes / row_bytes));
+      Json sums = Json::array();
+      for (int64_t r = 0; r < e.layout.rows; r += block_rows)
+        sums.push_back(hex(checksum(e.data.narrow(0, r, std::min(block_rows, e.layout.rows - r)))));
+      pieces[e.key] = {{"file", file},
+                       {"rows", {e.layout.row_begin, e.layout.row_begin + e.layout.rows}},
+                       {"block_rows", block_rows},
+                       {"xxh3", sums},
+                       {"dtype", safetensors::dtype_name(e.data.scalar_type())},
+                       {"shape", e.layout.global_shape}};
+    }
+    w.finish();
+  }
+  // Rank 0 collects every rank's pieces through the rendezvous store.
+  const std::string prefix = "fsdp/save_sharded/" + std::to_string(seq) + "/";
+  const std::string mine = pieces.dump();
+  group.store()->set(prefix + std::to_string(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
+  group.barrier();
+  if (rank == 0) {
+    Json tensors = Json::object();
+    for (int r = 0; r < group.size(); ++r) {
+      auto bytes = group.store()->get(prefix + std::to_string(r));
+      auto theirs = Json::parse(std::string(bytes.begin(), bytes.end()));
+      for (auto& [key, piece] : theirs.items()) {
+        auto& t = tensors[key];
+        if (t.is_null())
+          t = {{"dtype", piece["dtype"]}, {"shape", piece["shape"]}, {"pieces", Json::array()}};
+        piece.erase("dtype");
+        piece.erase("shape");
+        t["pieces"].push_back(piece);
+      }
+    }
+    Json index = {{"format", kFormat},
+                  {"version", kVersion},
+                  {"world_size", group.size()},
+                  {"metadata", metadata},
+                  {"optimizer", {{"kind", kind}, {"steps", steps}}},
+                  {"tensors", tensors}};
+    write_file_synced(tmp / "index.json", index.dump(1));
+    fsync_path(tmp, true);
+    fs::rename(tmp, final_dir);
+    fsync_path(final_dir.parent_path().empty() ? fs::path(".") : final_dir.parent_path(), true);
+  }
+  group.barrier();
+  for (int r = 0; r < group.size() && rank == 0; ++r)
+    group.store()->deleteKey(prefix + std::to_string(r));
+}
+
+namespace {
+
+struct Piece {
+  std::string file;
+  int64_t begin, end, block_rows;
+  std::vector<uint64_t> sums;
+};
+
+struct IndexTensor {
+  torch::ScalarType dtype;
+  std::vector<int64_t> shape;
+  std::vector<Piece> pieces;  // tiling [0, rows) in order
+};
+
+struct Index {
+  std::map<std::string, std::string> metadata;
+  std::string optimizer_kind;
+  std::map<std::string, int64_t> steps;
+  std::map<std::string, IndexTensor> tensors;
+};
+
+int64_t get_int(const Json& v, const std::string& what) {
+  if (!v.is_number_integer() && !v.is_number_unsigned())
+    throw FormatError(what + " is not an integer");
+  if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+    throw FormatError(what + " is out of range");
+  return v.get<int64_t>();
+}
+
+Index parse_index(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in)
+    throw FormatError(path.string() + ": cannot open (not a checkpoint directory?)");
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  const std::string where = path.string() + ": ";
+  Json j;
+  try {
+    j = Json::parse(text);
+  } catch (const Json::exception& e) {
+    throw FormatError(where + "not valid JSON (" + e.what() + ")");
+  }
+  try {
+    if (!j.is_object() || j.value("format", "") != kFormat)
+      throw FormatError("not an fsdp-cpp checkpoint index");
+    if (get_int(j.at("version"), "version") != kVersion)
+      throw FormatError("version " + j.at("version").dump() + " is not supported");
+    Index idx;
+    for (auto& [k, v] : j.at("metadata").items()) {
+      if (!v.is_string())
+        throw FormatError("metadata '" + k + "' is not a string");
+      idx.metadata[k] = v.get<std::string>();
+    }
+    const auto& opt = j.at("optimizer");
+    idx.optimizer_kind = opt.at("kind").get<std::string>();
+    for (auto& [k, v] : opt.at("steps").items())
+      idx.steps[k] = get_int(v, "optimizer step of '" + k + "'");
+    for (auto& [key, t] : j.at("tensors").items()) {
+      const std::string what = "tensor '" + key + "'";
+      IndexTensor it;
+      it.dtype = safetensors::dtype_from_name(t.at("dtype").get<std::string>());
+      for (const auto& d : t.at("shape")) {
+        const int64_t dim = get_int(d, what + " shape");
+        if (dim < 0)
+          throw FormatError(what + ": negative dimension");
+        it.shape.push_back(dim);
+      }
+      const int64_t rows = it.shape.empty() ? 1 : it.shape[0];
+      for (const auto& p : t.at("pieces")) {
+        Piece piece;
+        piece.file = p.at("file").get<std::string>();
+        if (piece.file.empty() || piece.file.find('/') != std::string::npos ||
+            piece.file.find("..") != std::string::npos)
+          throw FormatError(what + ": file name '" + piece.file + "' is not a plain name");
+        piece.begin = get_int(p.at("rows").at(0), what + " rows");
+        piece.end = get_int(p.at("rows").at(1), what + " rows");
+        piece.block_rows = get_int(p.at("block_rows"), what + " block_rows");
+        if (piece.begin < 0 || piece.begin > piece.end || piece.end > rows || piece.block_rows < 1)
+          throw FormatError(what + ": piece rows [" + std::to_string(piece.begin) + ", " +
+                            std::to_string(piece.end) + ") or block_rows invalid for " +
+                            std::to_string(rows) + " rows");
+        const int64_t blocks = (piece.end - piece.begin + piece.block_rows - 1) / piece.block_rows;
+        const auto& sums = p.at("xxh3");
+        if (!sums.is_array() || static_cast<int64_t>(sums.size()) != blocks)
+          throw FormatError(what + ": expected " + std::to_string(blocks) + " checksums");
+        for (const auto& s : sums) {
+          const auto h = s.get<std::string>();
+          if (h.size() != 16 || h.find_first_not_of("0123456789abcdef") != std::string::npos)
+            throw FormatError(what + ": checksum '" + h + "' is not 16 hex digits");
+          piece.sums.push_back(std::stoull(h, nullptr, 16));
+        }
+        it.pieces.push_back(std::move(piece));
+      }
+      std::sort(it.pieces.begin(), it.pieces.end(),
+                [](const Piece& a, const Piece& b) { return a.begin < b.begin; });
+      int64_t at = 0;
+      for (const auto& p : it.pieces) {
+        if (p.begin != at)
+          throw FormatError(what + ": its pieces do not cover rows [" + std::to_string(at) + ", " +
+                            std::to_string(p.begin) + ") exactly once");
+        at = p.end;
+      }
+      if (at != rows)
+        throw FormatError(what + ": its pieces end at row " + std::to_string(at) + " of " +
+                          std::to_string(rows));
+      idx.tensors.emplace(key, std::move(it));
+    }
+    return idx;
+  } catch (const FormatError& e) {
+    throw FormatError(where + e.what());
+  } catch (const Json::exception& e) {
+    throw FormatError(where + "malformed (" + e.what() + ")");
+  }
+}
+
+// Reads global rows [begin, begin + dst.size(0)) of `key` into dst, block by verified block.
+void read_rows_into(const fs::path& dir, const std::string& key, const IndexTensor& t,
+                    int64_t begin, const torch::Tensor& dst,
+                    std::map<std::string, std::unique_ptr<safetensors::Reader>>& readers) {
+  const int64_t end = begin + dst.size(0);
+  for (const auto& p : t.pieces) {
+    const int64_t lo = std::max(begin, p.begin), hi = std::min(end, p.end);
+    if (lo >= hi)
+      continue;
+    auto& reader = readers[p.file];
+    if (!reader)
+      reader = std::make_unique<safetensors::Reader>((dir / p.file).string());
+    const auto& entry = reader->entry(key);
+    auto want_shape = t.shape;
+    if (want_shape.empty())
+      want_shape = {1};
+    want_shape[0] = p.end - p.begin;
+    if (entry.dtype != t.dtype || entry.shape != want_shape)
+      throw FormatError(reader->path() + ": tensor '" + key +
+                        "' has another dtype or shape than the index says");
+    for (int64_t b = (lo - p.begin) / p.block_rows; b * p.block_rows + p.begin < hi; ++b) {
+      const int64_t bb = p.begin + b * p.block_rows;
+      const int64_t bl = std::min(p.block_rows, p.end - bb);
+      auto block = reader->read_rows(key, bb - p.begin, bl);
+      if (checksum(block) != p.sums[static_cast<size_t>(b)])
+        throw FormatError(reader->path() + ": tensor '" + key + "' rows [" + std::to_string(bb) +
+                          ", " + std::to_string(bb + bl) +
+                          "): checksum mismatch (the file is corrupted)");
+      const int64_t ol = std::max(lo, bb), oh = std::min(hi, bb + bl);
+      if (ol < oh)
+        dst.narrow(0, ol - begin, oh - ol).copy_(block.narrow(0, ol - bb, oh - ol));
+    }
+  }
+}
+
+}  // namespace
+
+std::map<std::string, std::string> load_sharded(const std::string& dir, torch::nn::Module& model,
+                                                torch::optim::Optimizer* optimizer) {
+  torch::NoGradGuard no_grad;
+  const fs::path root(dir);
+  const auto index = parse_index(root / "index.json");
+  std::map<std::string, std::unique_ptr<safetensors::Reader>> readers;
+  auto params = model.named_parameters(/*recurse=*/true);
+  const std::string kind = optimizer_kind(optimizer);
+  if (optimizer && index.optimizer_kind != kind)
+    throw FormatError((root / "index.json").string() + ": optimizer state is '" +
+                      index.optimizer_kind + "', the optimizer given is '" + kind + "'");
+  auto load = [&](const std::string& key, const ParamShard& l, const torch::Tensor& dst) {
+    auto it = index.tensors.find(key);
+    if (it == index.tensors.end())
+      throw FormatError(dir + ": the checkpoint has no tensor '" + key + "'");
+    if (it->second.shape != l.global_shape)
+      throw FormatError(dir + ": tensor '" + key + "' was saved with another shape");
+    auto staging =
+        it->second.dtype == dst.scalar_type() && dst.is_contiguous() && dst.is_cpu()
+            ? dst
+            : torch::empty(dst.sizes(), dst.options().dtype(it->second.dtype).device(torch::kCPU));
+    read_rows_into(root, key, it->second, l.row_begin, staging, readers);
+    if (!staging.is_same(dst))
+      dst.copy_(staging);
+  };
+  for (const auto& l : param_shards(model)) {
+    load("model/" + l.name, l, l.shard);
+    if (!optimizer)
+      continue;
+    const auto& param = params[l.name];
+    auto step = index.steps.find(l.name);
+    if (step == index.steps.end()) {
+      optimizer->state().erase(param.unsafeGetTensorImpl());  // it had no state when saved
+      continue;
+    }
+    auto make = [&](const std::string& name) {
+      auto t = torch::zeros_like(param);
+      load("optim/" + l.name + "/" + name, l, as_rows(t));
+      return t;
+    };
+    auto has = [&](const std::string& name) {
+      return index.tensors.count("optim/" + l.name + "/" + name) > 0;
+    };
+    std::unique_ptr<torch::optim::OptimizerParamState> state;
+    if (kind == "adamw") {
+      auto s = std::make_unique<torch::optim::AdamWParamState>();
+      s->step(step->second).exp_avg(make("exp_avg")).exp_avg_sq(make("exp_avg_sq"));
+      if (has("max_exp_avg_sq"))
+        s->max_exp_avg_sq(make("max_exp_avg_sq"));
+      state = std::move(s);
+    } else if (kind == "adam") {
+      auto s = std::make_unique<torch::optim::AdamParamState>();
+      s->step(step->second).exp_avg(make("exp_avg")).exp_avg_sq(make("exp_avg_sq"));
+      if (has("max_exp_avg_sq"))
+        s->max_exp_avg_sq(make("max_exp_avg_sq"));
+      state = std::move(s);
+    } else {
+      auto s = std::make_unique<torch::optim::SGDParamState>();
+      if (has("momentum_buffer"))
+        s->momentum_buffer(make("momentum_buffer"));
+      state = std::move(s);
+    }
+    optimizer->state()[param.unsafeGetTensorImpl()] = std::move(state);
+  }
+  return index.metadata;
+}
+
+}  // namespace fsdp

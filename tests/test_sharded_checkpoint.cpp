@@ -1,0 +1,241 @@
+// Sharded checkpoints (include/fsdp/sharded_checkpoint.h): the reshard matrix (saved on 1-4
+// ranks, loaded on 1-4 and under no_shard; parameters and AdamW state bitwise equal to the
+// saved global tensors), and nothing lost: a flipped byte, a truncated file or a tampered
+// index is refused with the file and the tensor named; a save that died half-way (its .tmp
+// directory) never replaces or hides the previous checkpoint.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include <fsdp/fsdp.h>
+#include <fsdp/safetensors.h>
+#include <fsdp/sharded_checkpoint.h>
+#include <fsdp/state_dict.h>
+
+#include "harness/multiprocess.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct NetImpl : torch::nn::Module {
+  NetImpl()
+      : a(register_module("a", torch::nn::Linear(7, 13))),
+        b(register_module("b", torch::nn::Linear(13, 5))),
+        gain(register_parameter("gain", torch::tensor(1.5))) {}
+  torch::nn::Linear a, b;
+  torch::Tensor gain;  // 0-d, in the root unit
+};
+TORCH_MODULE(Net);
+
+// Known global values per tensor: a checkpoint restored on any number of ranks must give
+// exactly these rows on each.
+torch::Tensor pattern(const std::string& name, int which, at::IntArrayRef shape) {
+  const auto h = static_cast<double>(std::hash<std::string>{}(name) % 97);
+  return (torch::arange(c10::multiply_integers(shape), torch::kFloat) * 0.25 + h + 1000 * which)
+      .view(shape);
+}
+
+Net sharded_net(const std::shared_ptr<fsdp::ProcessGroup>& pg, const std::string& strategy) {
+  torch::manual_seed(1);
+  Net net;
+  if (pg && strategy != "none") {
+    fsdp::FullyShardOptions opts(pg);
+    if (strategy == "no_shard")
+      opts.strategy(fsdp::ShardingStrategy::kNoShard);
+    fsdp::fully_shard(net->a, opts);
+    fsdp::fully_shard(net, opts);
+  }
+  return net;
+}
+
+// The rows this rank holds of each global tensor, by the library's own account.
+void fill_with_patterns(Net& net, torch::optim::AdamW& opt) {
+  torch::NoGradGuard no_grad;
+  auto params = net->named_parameters();
+  for (auto& s : fsdp::param_shards(*net)) {
+    auto rows = [&](int which) {
+      auto full = pattern(s.name, which, s.global_shape);
+      return (full.dim() == 0 ? full.reshape({1}) : full).narrow(0, s.row_begin, s.rows);
+    };
+    s.shard.copy_(rows(0));
+    const auto& p = params[s.name];
+    auto st = std::make_unique<torch::optim::AdamWParamState>();
+    st->step(7);
+    st->exp_avg(rows(1).view(p.sizes()).clone());
+    st->exp_avg_sq(rows(2).view(p.sizes()).clone());
+    opt.state()[p.unsafeGetTensorImpl()] = std::move(st);
+  }
+}
+
+void check_patterns(Net& net, torch::optim::AdamW& opt, const std::string& where) {
+  auto params = net->named_parameters();
+  for (auto& s : fsdp::param_shards(*net)) {
+    auto rows = [&](int which) {
+      auto full = pattern(s.name, which, s.global_shape);
+      return (full.dim() == 0 ? full.reshape({1}) : full).narrow(0, s.row_begin, s.rows);
+    };
+    WORKER_CHECK(torch::equal(s.shard, rows(0))) << where << " " << s.name;
+    const auto& p = params[s.name];
+    auto it = opt.state().find(p.unsafeGetTensorImpl());
+    WORKER_CHECK(it != opt.state().end()) << where << " no state for " << s.name;
+    auto& st = static_cast<torch::optim::AdamWParamState&>(*it->second);
+    WORKER_CHECK(st.step() == 7);
+    WORKER_CHECK(torch::equal(st.exp_avg().reshape({-1}), rows(1).reshape({-1})))
+        << where << " exp_avg " << s.name;
+    WORKER_CHECK(torch::equal(st.exp_avg_sq().reshape({-1}), rows(2).reshape({-1})))
+        << where << " exp_avg_sq " << s.name;
+  }
+}
+
+FSDP_WORKER(ckpt_save) {
+  auto pg = fsdp::init_process_group();
+  auto net = sharded_net(pg, ctx.env("STRATEGY", "full_shard"));
+  torch::optim::AdamW opt(net->parameters());
+  fill_with_patterns(net, opt);
+  fsdp::save_sharded(ctx.env("DIR"), *net, &opt, *pg, {{"step", "42"}});
+  return 0;
+}
+
+FSDP_WORKER(ckpt_load) {
+  auto pg = fsdp::init_process_group();
+  auto net = sharded_net(pg, ctx.env("STRATEGY", "full_shard"));
+  torch::optim::AdamW opt(net->parameters());
+  auto meta = fsdp::load_sharded(ctx.env("DIR"), *net, &opt);
+  WORKER_CHECK(meta.at("step") == "42");
+  check_patterns(net, opt, "loaded on " + std::to_string(pg->size()));
+  // The loaded optimizer steps like any other.
+  auto out = fsdp::forward(net->a, torch::randn({3, 7}));
+  net->b(out).sum().backward();
+  opt.step();
+  return 0;
+}
+
+fsdp::test::RunOptions env(std::vector<std::pair<std::string, std::string>> vars) {
+  fsdp::test::RunOptions o;
+  o.env = std::move(vars);
+  return o;
+}
+
+fs::path fresh_dir(const std::string& name) {
+  auto dir = fs::temp_directory_path() / ("fsdp-ckpt-" + std::to_string(::getpid()) + "-" + name);
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+TEST(ShardedCheckpoint, SavedOnNLoadsOnM) {
+  auto root = fresh_dir("matrix");
+  for (int n : {1, 2, 3, 4}) {
+    const auto dir = (root / ("saved-on-" + std::to_string(n))).string();
+    EXPECT_WORKERS_OK(fsdp::test::run_workers("ckpt_save", n, env({{"DIR", dir}})));
+    ASSERT_TRUE(fs::exists(fs::path(dir) / "index.json"));
+    EXPECT_FALSE(fs::exists(dir + ".tmp"));
+    for (int m : {1, 2, 3, 4})
+      EXPECT_WORKERS_OK(fsdp::test::run_workers("ckpt_load", m, env({{"DIR", dir}})));
+    EXPECT_WORKERS_OK(
+        fsdp::test::run_workers("ckpt_load", 2, env({{"DIR", dir}, {"STRATEGY", "no_shard"}})));
+  }
+  // Saved under no_shard (one writer per row), loaded sharded on 3.
+  const auto dir = (root / "no-shard").string();
+  EXPECT_WORKERS_OK(
+      fsdp::test::run_workers("ckpt_save", 2, env({{"DIR", dir}, {"STRATEGY", "no_shard"}})));
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("ckpt_load", 3, env({{"DIR", dir}})));
+  fs::remove_all(root);
+}
+
+// A plain (unsharded) process: save with a group of one, then damage copies of the result.
+std::string load_error(const fs::path& dir) {
+  torch::manual_seed(1);
+  Net net;
+  torch::optim::AdamW opt(net->parameters());
+  try {
+    fsdp::load_sharded(dir.string(), *net, &opt);
+  } catch (const fsdp::safetensors::FormatError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+FSDP_WORKER(ckpt_damage) {
+  auto pg = fsdp::init_process_group();
+  auto net = sharded_net(pg, "full_shard");
+  torch::optim::AdamW opt(net->parameters());
+  fill_with_patterns(net, opt);
+  fsdp::save_sharded(ctx.env("DIR"), *net, &opt, *pg);
+  return 0;
+}
+
+TEST(ShardedCheckpoint, DamageIsRefusedWithFileAndTensor) {
+  auto root = fresh_dir("damage");
+  const auto good = root / "good";
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("ckpt_damage", 2, env({{"DIR", good.string()}})));
+  EXPECT_EQ(load_error(good), "");
+  auto copy = [&](const std::string& name) {
+    auto d = root / name;
+    fs::copy(good, d, fs::copy_options::recursive);
+    return d;
+  };
+  // One flipped byte in the data of every file, at its end (the last tensor's last row).
+  for (const char* file : {"rank-00000.safetensors", "rank-00001.safetensors"}) {
+    auto d = copy(std::string("flip-") + file);
+    {
+      std::fstream f(d / file, std::ios::in | std::ios::out | std::ios::binary);
+      f.seekg(-1, std::ios::end);
+      char c;
+      f.read(&c, 1);
+      c ^= 0x10;
+      f.seekp(-1, std::ios::end);
+      f.write(&c, 1);
+    }
+    auto msg = load_error(d);
+    std::printf("flipped byte in %s: %s\n", file, msg.c_str());
+    EXPECT_NE(msg.find(file), std::string::npos) << msg;
+    EXPECT_NE(msg.find("checksum mismatch"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("tensor '"), std::string::npos) << msg;
+  }
+  {
+    auto d = copy("truncated");
+    fs::resize_file(d / "rank-00001.safetensors", fs::file_size(d / "rank-00001.safetensors") - 3);
+    auto msg = load_error(d);
+    std::printf("truncated: %s\n", msg.c_str());
+    EXPECT_NE(msg.find("rank-00001.safetensors"), std::string::npos) << msg;
+  }
+  {
+    auto d = copy("index");
+    std::string text;
+    {
+      std::ifstream in(d / "index.json");
+      text.assign(std::istreambuf_iterator<char>(in), {});
+    }
+    auto pos = text.find("\"block_rows\"");
+    ASSERT_NE(pos, std::string::npos);
+    text.insert(text.find_first_of("0123456789", pos), "-");  // a negative block size
+    std::ofstream(d / "index.json", std::ios::trunc) << text;
+    auto msg = load_error(d);
+    std::printf("tampered index: %s\n", msg.c_str());
+    EXPECT_NE(msg.find("index.json"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("block_rows invalid"), std::string::npos) << msg;
+  }
+  {
+    auto d = copy("missing");
+    fs::remove(d / "rank-00000.safetensors");
+    EXPECT_NE(load_error(d).find("rank-00000.safetensors"), std::string::npos);
+  }
+  // A save that died half-way: its .tmp directory is ignored, the previous one loads, and the
+  // next save of that name clears it.
+  fs::create_directories(root / "next.tmp");
+  std::ofstream(root / "next.tmp" / "rank-00000.safetensors") << "half";
+  EXPECT_EQ(load_error(good), "");
+  EXPECT_WORKERS_OK(
+      fsdp::test::run_workers("ckpt_damage", 2, env({{"DIR", (root / "next").string()}})));
+  EXPECT_EQ(load_error(root / "next"), "");
+  // Never overwritten in place.
+  auto again = fsdp::test::run_workers("ckpt_damage", 2, env({{"DIR", good.string()}}));
+  EXPECT_FALSE(again.ok());
+  fs::remove_all(root);
+}
+
+}  // namespace
