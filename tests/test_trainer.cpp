@@ -463,3 +463,84 @@ TEST(TrainerRun, TorchrunAndNprocGiveIdenticalLosses) {
 }
 
 }  // namespace
+
+namespace {
+
+// fsdp-train with checkpoints into `run_dir` (not cleared: a resumed run continues in it).
+CommandResult checkpoint_run(const std::string& name, const std::string& run_dir, int nproc,
+                             const std::string& extra) {
+  const auto config = write_config(name, tiny_config(run_dir, "gpt", "gpt2-test"));
+  const std::string cmd = train_cmd() + " --nproc " + std::to_string(nproc) + " " + config +
+                          " --training.eval_every=0 --training.eval_batches=1"
+                          " --generate.tokens=0 --logging.plot=false " +
+                          extra;
+  auto r = run(cmd);
+  EXPECT_EQ(r.code, 0) << cmd << "\n" << r.output;
+  return r;
+}
+
+std::string file_bytes(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), {}};
+}
+
+}  // namespace
+
+// 6 steps in one go vs a job that resumes from its step-3 checkpoint (as after a crash
+// there) and redoes steps 4-6: the same losses bit for bit and byte-identical checkpoints at
+// step 6 (parameters, AdamW state, data position and step all restored; the step-6 checkpoint
+// it replaces is moved aside and removed only once the new one is complete). Then the step-3
+// checkpoint resumes on 3 ranks under shard_grad_op (resharding), and checkpoint.keep removes the
+// oldest.
+TEST(TrainerRun, ResumeIsExactAndReshards) {
+  const auto work = fs::path(FSDP_TEST_WORK_DIR);
+  const auto a = work / "resume-a", b = work / "resume-b", c = work / "resume-c";
+  for (const auto& d : {a, b, c})
+    fs::remove_all(d);
+  const std::string every = " --checkpoint.every=3";
+  checkpoint_run("resume-a", a.string(), 2, "--training.steps=6" + every);
+  checkpoint_run("resume-b", b.string(), 2, "--training.steps=6" + every);
+  {
+    // The step-6 checkpoint the resumed job must write again is spoiled; its metrics lines
+    // from step 4 on are dropped by the resumed job and written anew.
+    std::ofstream(b / "checkpoints" / "step-00000006" / "rank-00000.safetensors",
+                  std::ios::binary | std::ios::trunc)
+        << "stale";
+  }
+  auto resumed = checkpoint_run("resume-b", b.string(), 2,
+                                "--training.steps=6 --checkpoint.resume=" +
+                                    (b / "checkpoints" / "step-00000003").string() + every);
+  EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
+  auto ma = fsdp_trainer::read_metrics((a / "metrics.jsonl").string());
+  auto mb = fsdp_trainer::read_metrics((b / "metrics.jsonl").string());
+  ASSERT_EQ(ma.size(), 6u);
+  ASSERT_EQ(mb.size(), 6u);
+  for (size_t i = 0; i < 6; ++i)
+    EXPECT_EQ(ma[i].loss, mb[i].loss) << "step " << i + 1;
+  for (const char* f : {"rank-00000.safetensors", "rank-00001.safetensors"}) {
+    const auto x = file_bytes(a / "checkpoints" / "step-00000006" / f);
+    EXPECT_FALSE(x.empty());
+    EXPECT_TRUE(x == file_bytes(b / "checkpoints" / "step-00000006" / f)) << f;
+  }
+  // Another world size and strategy, from a given directory.
+  const auto from = (a / "checkpoints" / "step-00000003").string();
+  checkpoint_run("resume-c", c.string(), 3,
+                 "--training.steps=5 --fsdp.strategy=shard_grad_op --checkpoint.every=1 "
+                 "--checkpoint.keep=1 --checkpoint.resume=" +
+                     from);
+  auto mc = fsdp_trainer::read_metrics((c / "metrics.jsonl").string());
+  ASSERT_EQ(mc.size(), 2u);
+  EXPECT_EQ(mc.front().step, 4);
+  // Same model, same position in the data: the first resumed loss is near the 2-rank one.
+  EXPECT_NEAR(mc.front().loss, ma[3].loss, 0.05 * ma[3].loss);
+  // keep = 1: only step 5 is left.
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(c / "checkpoints"))
+    left.push_back(e.path().filename().string());
+  EXPECT_EQ(left, std::vector<std::string>{"step-00000005"});
+  // Nothing to resume from is a clear error.
+  const auto config = write_config("resume-none", tiny_config((work / "resume-none").string()));
+  auto none = run(train_cmd() + " " + config + " --checkpoint.resume=latest --generate.tokens=0");
+  EXPECT_NE(none.code, 0);
+  EXPECT_NE(none.output.find("no complete checkpoint"), std::string::npos) << none.output;
+}

@@ -289,6 +289,18 @@ const std::vector<Option>& options() {
           "Steps between progress lines when not drawing a bar."),
       opt("logging.plot", FIELD(logging.plot),
           "Draw plot.png (loss, throughput, memory) at the end (needs gnuplot)."),
+      opt("checkpoint.every", FIELD(checkpoint.every),
+          "Save a sharded checkpoint every this many steps, and after the last (0: never). Each "
+          "rank writes its own rows; any number of ranks can resume from it."),
+      opt("checkpoint.dir", FIELD(checkpoint.dir),
+          "Where checkpoints go (one step-NNNNNNNN directory each); empty: "
+          "<logging.run_dir>/checkpoints."),
+      opt("checkpoint.keep", FIELD(checkpoint.keep),
+          "Complete checkpoints kept; older ones are removed once a newer one is complete."),
+      opt("checkpoint.resume", FIELD(checkpoint.resume),
+          "Resume from 'latest' (the newest complete checkpoint in checkpoint.dir) or from a "
+          "checkpoint directory: parameters, AdamW state, step, data position, loss scale, "
+          "random state. On any number of ranks, under any strategy."),
       opt("generate.tokens", FIELD(generate.tokens),
           "Tokens to sample from the trained model at the end (0: none)."),
       opt("generate.temperature", FIELD(generate.temperature), "Sampling temperature."),
@@ -467,8 +479,16 @@ void validate(const Config& c) {
   require(!c.logging.run_dir.empty(), "logging.run_dir", "must not be empty");
   require(c.logging.log_every >= 1, "logging.log_every", "must be >= 1");
   require(c.generate.tokens >= 0, "generate.tokens", "must be >= 0");
+  require(c.checkpoint.every >= 0, "checkpoint.every", "must be >= 0");
+  require(c.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1");
   require(c.generate.temperature > 0, "generate.temperature", "must be > 0");
   require(c.generate.top_k >= 0, "generate.top_k", "must be >= 0");
+}
+
+std::string checkpoint_dir(const Config& c) {
+  if (!c.checkpoint.dir.empty())
+    return c.checkpoint.dir;
+  return (std::filesystem::path(c.logging.run_dir) / "checkpoints").string();
 }
 
 bool uses_loss_scaling(const Config& c) {

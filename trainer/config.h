@@ -98,6 +98,13 @@ struct GenerateConfig {
   bool unshard = true;
 };
 
+struct CheckpointConfig {
+  int64_t every = 0;   // steps between sharded checkpoints (0: none)
+  std::string dir;     // "" : <logging.run_dir>/checkpoints
+  int64_t keep = 2;    // complete checkpoints kept (older ones removed after a new one)
+  std::string resume;  // "", "latest" or a checkpoint directory
+};
+
 struct Config {
   ModelConfig model;
   DataConfig data;
@@ -106,7 +113,11 @@ struct Config {
   PrecisionConfig precision;
   LoggingConfig logging;
   GenerateConfig generate;
+  CheckpointConfig checkpoint;
 };
+
+/// The directory checkpoints are written to (checkpoint.dir, or under the run directory).
+std::string checkpoint_dir(const Config& c);
 
 /// One option of the table: its dotted key, TOML type name, allowed values and documentation.
 struct OptionInfo {

@@ -16,6 +16,8 @@
 #include <fsdp/clip_grad.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/memory.h>
+#include <fsdp/safetensors.h>
+#include <fsdp/sharded_checkpoint.h>
 #include <fsdp/step_profiler.h>
 #include <fsdp/unshard.h>
 
@@ -185,6 +187,9 @@ Trainer::Trainer(Config config, DeviceMemory device_memory)
                                                            .growth_interval(prec.growth_interval));
   }
 
+  if (!config_.checkpoint.resume.empty())
+    start_step_ = resume_from_checkpoint();
+
   flops_per_token_ =
       gpt_flops_per_token(model_.num_params, model_.n_layer, model_.n_embd, t.seq_len);
   peak_flops_per_rank_ = cpu_peak_flops(static_cast<int>(t.threads));
@@ -193,10 +198,15 @@ Trainer::Trainer(Config config, DeviceMemory device_memory)
     std::filesystem::create_directories(config_.logging.run_dir);
     write_file_atomically(std::filesystem::path(config_.logging.run_dir) / "config.toml",
                           to_toml(config_));
-    // A fresh run replaces the metrics of an earlier one in the same directory.
-    std::filesystem::remove(std::filesystem::path(config_.logging.run_dir) / "metrics.jsonl");
-    metrics_ = std::make_unique<MetricsWriter>(
-        (std::filesystem::path(config_.logging.run_dir) / "metrics.jsonl").string());
+    // A fresh run replaces the metrics of an earlier one in the same directory; a resumed one
+    // keeps the lines before the step it resumes after.
+    const auto metrics_path = std::filesystem::path(config_.logging.run_dir) / "metrics.jsonl";
+    if (start_step_ == 0) {
+      std::filesystem::remove(metrics_path);
+      metrics_ = std::make_unique<MetricsWriter>(metrics_path.string());
+    } else {
+      metrics_ = std::make_unique<MetricsWriter>(metrics_path.string(), start_step_ + 1);
+    }
     progress_ =
         std::make_unique<Progress>(config_.logging.progress, t.steps, config_.logging.log_every);
     progress_->message(fmt::format(
@@ -388,20 +398,24 @@ void Trainer::train() {
   const auto& t = config_.training;
   const double initial_eval = evaluate();
   if (progress_)
-    progress_->message(fmt::format("step 0: held-out loss {:.4f}", initial_eval));
+    progress_->message(fmt::format("step {}: held-out loss {:.4f}", start_step_, initial_eval));
   const auto start = Clock::now();
-  for (int64_t step = 1; step <= t.steps; ++step) {
+  const int64_t every = config_.checkpoint.every;
+  for (int64_t step = start_step_ + 1; step <= t.steps; ++step) {
     auto m = train_step(step);
     const bool eval_now = step == t.steps || (t.eval_every > 0 && step % t.eval_every == 0);
     if (eval_now)
       m.eval_loss = evaluate();
     history_.push_back(m);
+    if (every > 0 && (step % every == 0 || step == t.steps))
+      save_checkpoint(step);
     if (pg_->rank() != 0)
       continue;
     metrics_->append(m);
     const double elapsed = seconds_since(start);
-    progress_->update({step, m.loss, m.tokens_per_second, m.mfu, m.peak_bytes,
-                       elapsed / step * static_cast<double>(t.steps - step)});
+    progress_->update(
+        {step, m.loss, m.tokens_per_second, m.mfu, m.peak_bytes,
+         elapsed / static_cast<double>(step - start_step_) * static_cast<double>(t.steps - step)});
     if (eval_now) {
       progress_->message(
           fmt::format("step {}: held-out loss {:.4f} (train {:.4f})", step, *m.eval_loss, m.loss));
@@ -411,9 +425,155 @@ void Trainer::train() {
   }
   if (pg_->rank() == 0) {
     progress_->finish();
+    if (history_.empty()) {
+      std::printf("nothing to train: the checkpoint is at step %lld of %lld\n",
+                  static_cast<long long>(start_step_), static_cast<long long>(t.steps));
+      return;
+    }
     std::printf("held-out loss: %.4f -> %.4f\n", initial_eval, *history_.back().eval_loss);
     write_outputs();
   }
+}
+
+namespace {
+
+std::string step_dir_name(int64_t step) {
+  return fmt::format("step-{:08d}", step);
+}
+
+// Complete checkpoints (their index written last) under `root`, oldest first.
+std::vector<std::filesystem::path> complete_checkpoints(const std::filesystem::path& root) {
+  std::vector<std::filesystem::path> out;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(root, ec)) {
+    const auto name = e.path().filename().string();
+    if (name.size() == 13 && name.rfind("step-", 0) == 0 &&
+        std::filesystem::exists(e.path() / "index.json"))
+      out.push_back(e.path());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::string to_hex(const torch::Tensor& bytes) {
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  const auto* p = bytes.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < bytes.numel(); ++i) {
+    out.push_back(digits[p[i] >> 4]);
+    out.push_back(digits[p[i] & 15]);
+  }
+  return out;
+}
+
+torch::Tensor from_hex(const std::string& text, const std::string& what) {
+  if (text.size() % 2 != 0 || text.find_first_not_of("0123456789abcdef") != std::string::npos)
+    throw fsdp::safetensors::FormatError(what + " is not hex");
+  auto out = torch::empty({static_cast<int64_t>(text.size() / 2)}, torch::kUInt8);
+  auto* p = out.data_ptr<uint8_t>();
+  for (size_t i = 0; i < text.size() / 2; ++i)
+    p[i] = static_cast<uint8_t>(std::stoi(text.substr(2 * i, 2), nullptr, 16));
+  return out;
+}
+
+}  // namespace
+
+void Trainer::save_checkpoint(int64_t step) {
+  namespace fs = std::filesystem;
+  const fs::path root = checkpoint_dir(config_);
+  const fs::path dir = root / step_dir_name(step);
+  const int rank = pg_->rank();
+  // Every rank's random state, through the store, so that rank 0 writes them all.
+  torch::Tensor rng;
+  {
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    rng = gen.get_state();
+  }
+  const std::string key = fmt::format("fsdp_train/rng/{}/", step);
+  const auto hex = to_hex(rng);
+  pg_->store()->set(key + std::to_string(rank), std::vector<uint8_t>(hex.begin(), hex.end()));
+  // A checkpoint of this step from an abandoned run (resumed from an earlier one) is moved
+  // aside first and removed once the new one is complete.
+  const fs::path replaced = root / (step_dir_name(step) + ".replaced");
+  if (rank == 0 && fs::exists(dir)) {
+    fs::remove_all(replaced);
+    fs::rename(dir, replaced);
+  }
+  pg_->barrier();
+  const auto sampler = sampler_->state();
+  std::map<std::string, std::string> meta = {{"step", std::to_string(step)},
+                                             {"world_size", std::to_string(pg_->size())},
+                                             {"sampler.epoch", std::to_string(sampler.epoch)},
+                                             {"sampler.position", std::to_string(sampler.position)},
+                                             {"sampler.seed", std::to_string(sampler.seed)},
+                                             {"config", to_toml(config_)}};
+  if (scaler_) {
+    const auto st = scaler_->state();
+    meta["scaler.scale"] = fmt::format("{:.17g}", st.scale);
+    meta["scaler.growth_tracker"] = std::to_string(st.growth_tracker);
+    meta["scaler.skipped_steps"] = std::to_string(st.skipped_steps);
+  }
+  if (rank == 0) {
+    for (int r = 0; r < pg_->size(); ++r) {
+      auto b = pg_->store()->get(key + std::to_string(r));
+      meta["rng." + std::to_string(r)] = std::string(b.begin(), b.end());
+    }
+  }
+  fsdp::save_sharded(dir.string(), *model_.module, optimizer_.get(), *pg_, meta);
+  if (rank != 0)
+    return;
+  for (int r = 0; r < pg_->size(); ++r)
+    pg_->store()->deleteKey(key + std::to_string(r));
+  fs::remove_all(replaced);
+  auto done = complete_checkpoints(root);
+  const auto keep = static_cast<size_t>(config_.checkpoint.keep);
+  for (size_t i = 0; i + keep < done.size(); ++i)
+    fs::remove_all(done[i]);
+  if (progress_)
+    progress_->message(fmt::format("step {}: checkpoint {}", step, dir.string()));
+}
+
+int64_t Trainer::resume_from_checkpoint() {
+  namespace fs = std::filesystem;
+  fs::path dir = config_.checkpoint.resume;
+  if (config_.checkpoint.resume == "latest") {
+    auto done = complete_checkpoints(checkpoint_dir(config_));
+    if (done.empty())
+      throw std::runtime_error("checkpoint.resume = latest: no complete checkpoint in " +
+                               checkpoint_dir(config_));
+    dir = done.back();
+  }
+  auto meta = fsdp::load_sharded(dir.string(), *model_.module, optimizer_.get());
+  auto number = [&](const std::string& key) -> int64_t {
+    auto it = meta.find(key);
+    try {
+      if (it != meta.end())
+        return std::stoll(it->second);
+    } catch (const std::exception&) {
+    }
+    throw fsdp::safetensors::FormatError(dir.string() + ": metadata '" + key +
+                                         "' missing or not a number");
+  };
+  const int64_t step = number("step");
+  sampler_->load_state({number("sampler.epoch"), number("sampler.position"),
+                        static_cast<uint64_t>(number("sampler.seed"))});
+  if (scaler_ && meta.count("scaler.scale")) {
+    scaler_->load_state({std::stod(meta["scaler.scale"]), number("scaler.growth_tracker"),
+                         number("scaler.skipped_steps")});
+  }
+  // Ranks that existed when it was saved get their random state back; others keep theirs.
+  auto rng = meta.find("rng." + std::to_string(pg_->rank()));
+  if (rng != meta.end()) {
+    at::Generator gen = at::detail::getDefaultCPUGenerator();  // a handle to the global one
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(from_hex(rng->second, "rng state"));
+  }
+  if (pg_->rank() == 0) {
+    std::printf("resumed from %s (step %lld, saved on %s rank(s))\n", dir.c_str(),
+                static_cast<long long>(step), meta["world_size"].c_str());
+  }
+  return step;
 }
 
 void Trainer::write_outputs() {

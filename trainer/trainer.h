@@ -58,6 +58,12 @@ class Trainer {
   /// Fills peak_bytes and, on CPU, its breakdown by memory category.
   void record_peak(StepMetrics& m);
   void write_outputs();
+  /// Saves a sharded checkpoint of the state after `step` (every rank calls it) and removes
+  /// the oldest complete ones beyond checkpoint.keep.
+  void save_checkpoint(int64_t step);
+  /// Restores checkpoint.resume (model, AdamW, sampler, loss scale, random state); returns
+  /// the step it was saved after.
+  int64_t resume_from_checkpoint();
 
   Config config_;
   DeviceMemory device_memory_;
@@ -76,6 +82,7 @@ class Trainer {
   std::unique_ptr<MetricsWriter> metrics_;
   std::unique_ptr<Progress> progress_;
   std::vector<StepMetrics> history_;
+  int64_t start_step_ = 0;  // the step a resumed run continues after
   double flops_per_token_ = 0;
   double peak_flops_per_rank_ = 0;
 };
