@@ -21,7 +21,12 @@
 #include <fsdp/safetensors.h>
 #include <fsdp/state_dict.h>
 
+#include "sharded_checkpoint_hooks.h"
+
 namespace fsdp {
+namespace detail {
+std::function<void(int rank, const std::string& stage)> save_sharded_hook;
+}  // namespace detail
 namespace {
 
 namespace fs = std::filesystem;
@@ -206,6 +211,8 @@ void save_sharded(const std::string& dir, torch::nn::Module& model,
     }
     w.finish();
   }
+  if (detail::save_sharded_hook)
+    detail::save_sharded_hook(rank, "files_written");
   // Rank 0 collects every rank's pieces through the rendezvous store.
   const std::string prefix = "fsdp/save_sharded/" + std::to_string(seq) + "/";
   const std::string mine = pieces.dump();

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 
@@ -15,6 +16,7 @@
 #include <fsdp/state_dict.h>
 
 #include "harness/multiprocess.h"
+#include "sharded_checkpoint_hooks.h"
 
 namespace {
 
@@ -235,6 +237,48 @@ TEST(ShardedCheckpoint, DamageIsRefusedWithFileAndTensor) {
   // Never overwritten in place.
   auto again = fsdp::test::run_workers("ckpt_damage", 2, env({{"DIR", good.string()}}));
   EXPECT_FALSE(again.ok());
+  fs::remove_all(root);
+}
+
+// Rank 1 is killed (SIGKILL) once its file is written, before the index exists; the other
+// ranks' save fails at the next barrier within the group's timeout instead of hanging.
+FSDP_WORKER(ckpt_killed) {
+  auto pg = fsdp::init_process_group(
+      fsdp::ProcessGroupOptions().timeout(std::chrono::milliseconds(3000)));
+  auto net = sharded_net(pg, "full_shard");
+  torch::optim::AdamW opt(net->parameters());
+  fill_with_patterns(net, opt);
+  fsdp::detail::save_sharded_hook = [](int rank, const std::string& stage) {
+    if (rank == 1 && stage == "files_written")
+      ::kill(::getpid(), SIGKILL);
+  };
+  try {
+    fsdp::save_sharded(ctx.env("DIR"), *net, &opt, *pg);
+  } catch (const std::exception& e) {
+    std::printf("[rank %d] save failed as expected: %.120s\n", pg->rank(), e.what());
+    return 3;
+  }
+  return 0;
+}
+
+TEST(ShardedCheckpoint, RankKilledMidSaveLeavesThePreviousOne) {
+  auto root = fresh_dir("killed");
+  const auto previous = root / "step-1", next = root / "step-2";
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("ckpt_damage", 3, env({{"DIR", previous.string()}})));
+  auto r = fsdp::test::run_workers("ckpt_killed", 3, env({{"DIR", next.string()}}));
+  EXPECT_FALSE(r.timed_out) << r.describe();
+  EXPECT_EQ(r.exit_codes[1], 128 + SIGKILL) << r.describe();
+  EXPECT_EQ(r.exit_codes[0], 3) << r.describe();
+  EXPECT_EQ(r.exit_codes[2], 3) << r.describe();
+  EXPECT_LT(r.seconds, 30.0);
+  // The half-written checkpoint never became one; the previous one loads.
+  EXPECT_FALSE(fs::exists(next));
+  EXPECT_TRUE(fs::exists(next.string() + ".tmp"));
+  EXPECT_EQ(load_error(previous), "");
+  EXPECT_NE(load_error(next).find("cannot open"), std::string::npos);
+  // The next attempt clears the debris and succeeds.
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("ckpt_damage", 3, env({{"DIR", next.string()}})));
+  EXPECT_EQ(load_error(next), "");
   fs::remove_all(root);
 }
 
