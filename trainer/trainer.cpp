@@ -520,7 +520,9 @@ void Trainer::save_checkpoint(int64_t step) {
       meta["rng." + std::to_string(r)] = std::string(b.begin(), b.end());
     }
   }
+  const auto save_start = Clock::now();
   fsdp::save_sharded(dir.string(), *model_.module, optimizer_.get(), *pg_, meta);
+  const double save_seconds = seconds_since(save_start);
   if (rank != 0)
     return;
   for (int r = 0; r < pg_->size(); ++r)
@@ -530,8 +532,14 @@ void Trainer::save_checkpoint(int64_t step) {
   const auto keep = static_cast<size_t>(config_.checkpoint.keep);
   for (size_t i = 0; i + keep < done.size(); ++i)
     fs::remove_all(done[i]);
-  if (progress_)
-    progress_->message(fmt::format("step {}: checkpoint {}", step, dir.string()));
+  uint64_t bytes = 0;
+  for (const auto& e : fs::directory_iterator(dir))
+    bytes += e.is_regular_file() ? e.file_size() : 0;
+  if (progress_) {
+    progress_->message(fmt::format("step {}: checkpoint {} ({:.1f} MB in {:.2f} s, {:.0f} MB/s)",
+                                   step, dir.string(), bytes / 1e6, save_seconds,
+                                   bytes / 1e6 / std::max(save_seconds, 1e-9)));
+  }
 }
 
 int64_t Trainer::resume_from_checkpoint() {
