@@ -11,6 +11,9 @@
 #include <fsdp/memory.h>
 #include <fsdp/mixed_precision.h>
 #include <fsdp/process_group.h>
+#include <fsdp/safetensors.h>
+#include <fsdp/sharded_checkpoint.h>
+#include <fsdp/state_dict.h>
 #include <fsdp/step_profiler.h>
 #include <fsdp/tensor_visit.h>
 #include <fsdp/unshard.h>
