@@ -28,6 +28,8 @@ import subprocess
 import sys
 import tempfile
 
+from machine import cpu_description
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "build", "trainer", "fsdp-train")
 LINK = os.path.join(ROOT, "bench", "emulated_link.sh")
@@ -42,18 +44,6 @@ SETTINGS = [
     ("demo: gpt2-tiny, 8x128/rank", ["--model.preset=gpt2-tiny", "--training.batch_size=8"]),
     ("gpt2-small, 2x128/rank", ["--model.preset=gpt2-small", "--training.batch_size=2"]),
 ]
-
-
-def cpu_description():
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = flags = ""
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            model = line.split(":", 1)[1].strip()
-        if line.startswith("Flags:"):
-            wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma")
-            flags = " ".join(f for f in line.split(":", 1)[1].split() if f in wanted)
-    return f"{model}, {os.cpu_count()} cores; relevant flags: {flags or 'none'}"
 
 
 def run(run_dir, args, link):

@@ -19,6 +19,8 @@ import subprocess
 import sys
 import tempfile
 
+from machine import cpu_description
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "build", "trainer", "fsdp-train")
 RANKS = 2
@@ -33,18 +35,6 @@ VARIANTS = [
      ["--precision.param_dtype=bf16", "--fsdp.activation_checkpointing=selective"]),
 ]
 CATEGORIES = ["params", "grads", "optimizer", "gathered", "activations", "other"]
-
-
-def cpu_description():
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = flags = ""
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            model = line.split(":", 1)[1].strip()
-        if line.startswith("Flags:"):
-            wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma")
-            flags = " ".join(f for f in line.split(":", 1)[1].split() if f in wanted)
-    return f"{model}, {os.cpu_count()} cores; relevant flags: {flags or 'none'}"
 
 
 def shapes():

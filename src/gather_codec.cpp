@@ -80,15 +80,10 @@ torch::Tensor GatherCodec::encode(const torch::Tensor& shard, bool portable) con
   if (portable || !src.is_cpu())
     return encode_portable(src, rows);
   auto wire = torch::zeros({wire_numel(rows)}, shard.options().dtype(torch::kByte));
-  // Block maxima with ATen's reductions (vectorised, NaN-propagating): full blocks, then the
-  // shorter last block of each row.
-  auto m = src.view({rows, row_numel_});
-  const int64_t full = row_numel_ / block_, tail = row_numel_ - full * block_;
+  // Block maxima with ATen's reductions (vectorised, NaN-propagating).
   std::vector<torch::Tensor> maxima;
-  if (full > 0)
-    maxima.push_back(m.narrow(1, 0, full * block_).view({rows, full, block_}).abs().amax(2));
-  if (tail > 0)
-    maxima.push_back(m.narrow(1, full * block_, tail).abs().amax(1, /*keepdim=*/true));
+  for (const auto& b : row_blocks(src.view({rows, row_numel_})))
+    maxima.push_back(b.abs().amax(2));
   auto amax = torch::cat(maxima, 1).contiguous();
   const float* x = src.data_ptr<float>();
   const float* block_max = amax.data_ptr<float>();
@@ -170,18 +165,21 @@ void GatherCodec::decode(const torch::Tensor& wire, const torch::Tensor& dst, in
   });
 }
 
+std::vector<torch::Tensor> GatherCodec::row_blocks(const torch::Tensor& m) const {
+  const int64_t n = m.size(0), full = row_numel_ / block_, tail = row_numel_ - full * block_;
+  std::vector<torch::Tensor> out;
+  if (full > 0)
+    out.push_back(m.narrow(1, 0, full * block_).view({n, full, block_}));
+  if (tail > 0)
+    out.push_back(m.narrow(1, full * block_, tail).view({n, 1, tail}));
+  return out;
+}
+
 // The same format with ATen ops only (any device): scale = block max / 127 as a tensor
 // division, torch::round (half to even, as the CPU loop's rounding), the same clamp.
 torch::Tensor GatherCodec::encode_portable(const torch::Tensor& src, int64_t rows) const {
-  auto m = src.view({rows, row_numel_});
-  const int64_t full = row_numel_ / block_, tail = row_numel_ - full * block_;
-  std::vector<torch::Tensor> blocks;  // [rows, n, len] views of the row blocks
-  if (full > 0)
-    blocks.push_back(m.narrow(1, 0, full * block_).view({rows, full, block_}));
-  if (tail > 0)
-    blocks.push_back(m.narrow(1, full * block_, tail).view({rows, 1, tail}));
   std::vector<torch::Tensor> scales, values;
-  for (const auto& b : blocks) {
+  for (const auto& b : row_blocks(src.view({rows, row_numel_}))) {
     auto amax = b.abs().amax(2, /*keepdim=*/true);
     auto scale = torch::where(amax.isfinite(), amax / torch::full_like(amax, 127.f),
                               torch::full_like(amax, std::numeric_limits<float>::quiet_NaN()));
@@ -215,17 +213,13 @@ void GatherCodec::decode_portable(const torch::Tensor& wire, const torch::Tensor
                .view(torch::kChar)
                .view({n, row_numel_})
                .to(torch::kFloat);
-  auto out = dst.view({n, row_numel_});
-  const int64_t full = row_numel_ / block_, tail = row_numel_ - full * block_;
-  if (full > 0) {
-    out.narrow(1, 0, full * block_)
-        .view({n, full, block_})
-        .copy_(q.narrow(1, 0, full * block_).view({n, full, block_}) *
-               scales.narrow(1, 0, full).unsqueeze(2));
-  }
-  if (tail > 0) {
-    out.narrow(1, full * block_, tail)
-        .copy_(q.narrow(1, full * block_, tail) * scales.narrow(1, full, 1));
+  auto out = row_blocks(dst.view({n, row_numel_}));
+  auto values = row_blocks(q);
+  int64_t column = 0;  // of the first scale of the block group
+  for (size_t i = 0; i < out.size(); ++i) {
+    const int64_t k = out[i].size(1);
+    out[i].copy_(values[i] * scales.narrow(1, column, k).unsqueeze(2));
+    column += k;
   }
 }
 

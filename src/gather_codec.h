@@ -13,6 +13,7 @@
 #include <torch/types.h>
 
 #include <optional>
+#include <vector>
 
 #include <fsdp/mixed_precision.h>
 
@@ -42,6 +43,9 @@ class GatherCodec {
 
  private:
   GatherCodec(bool int8, torch::ScalarType cast, int64_t row_numel, int64_t block);
+  /// Views [n, k, len] of the blocks of `m` ([n, row_numel], any dtype): the k full blocks of
+  /// each row, then its shorter last block, if any.
+  std::vector<torch::Tensor> row_blocks(const torch::Tensor& m) const;
   torch::Tensor encode_portable(const torch::Tensor& src, int64_t rows) const;
   void decode_portable(const torch::Tensor& wire, const torch::Tensor& dst, int64_t pieces,
                        int64_t rows) const;

@@ -101,15 +101,6 @@ torch::Tensor as_rows(const torch::Tensor& t) {
   return t.dim() == 0 ? t.reshape({1}) : t;
 }
 
-std::map<const c10::TensorImpl*, ParamShard> layouts(torch::nn::Module& model) {
-  std::map<const c10::TensorImpl*, ParamShard> out;
-  auto shards = param_shards(model);
-  auto params = model.named_parameters(/*recurse=*/true);
-  for (auto& s : shards)
-    out.emplace(params[s.name].unsafeGetTensorImpl(), std::move(s));
-  return out;
-}
-
 std::vector<int64_t> rows_shape(const ParamShard& l, int64_t rows) {
   std::vector<int64_t> shape{rows};
   for (size_t i = 1; i < l.global_shape.size(); ++i)

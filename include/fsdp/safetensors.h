@@ -99,9 +99,9 @@ struct TensorSpec {
 
 /// Writes one file whose tensors are known in advance and whose data arrives in pieces (a
 /// tensor's rows as each unit is gathered, in any order): the header is written first, each
-/// piece with pwrite at its offset. finish() checks that every byte was written exactly once,
-/// then fsyncs. A writer destroyed before finish() leaves an incomplete file: write into a
-/// temporary name and rename after finish() (the checkpoint code does).
+/// piece with pwrite at its offset. finish() checks that each tensor received as many bytes
+/// as it holds, then fsyncs. A writer destroyed before finish() leaves an incomplete file: write
+/// into a temporary name and rename after finish() (the checkpoint code does).
 class Writer {
  public:
   Writer(std::string path, std::vector<TensorSpec> specs,
