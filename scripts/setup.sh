@@ -34,6 +34,15 @@ if [ ! -f "$VENV/.complete" ]; then
   "$VENV/bin/pip" install -q --disable-pip-version-check "torch==$TORCH_VERSION"
   touch "$VENV/.complete"
 fi
+# Python's own readers of our files, for the tests that check exports against them
+# (tests/python/): installed next to torch, once per list of pins.
+PYTHON_CHECK_PACKAGES=(safetensors==0.8.0 transformers==5.23.0)
+checks_marker="$VENV/.checks-$(echo "${PYTHON_CHECK_PACKAGES[*]}" | md5sum | cut -c1-12)"
+if [ ! -f "$checks_marker" ]; then
+  echo "setup: installing ${PYTHON_CHECK_PACKAGES[*]} into $VENV"
+  "$VENV/bin/pip" install -q --disable-pip-version-check "${PYTHON_CHECK_PACKAGES[@]}"
+  touch "$checks_marker"
+fi
 TORCH_CMAKE_PREFIX="$("$VENV/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null)"
 
 export CCACHE_DIR="$CACHE/ccache"

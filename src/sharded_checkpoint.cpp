@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include <fsdp/durable_file.h>
 #include <fsdp/process_group.h>
 #include <fsdp/safetensors.h>
 #include <fsdp/state_dict.h>
@@ -119,24 +120,6 @@ uint64_t checksum(const torch::Tensor& rows) {
   return XXH3_64bits(c.data_ptr(), c.numel() * c.element_size());
 }
 
-void fsync_path(const fs::path& p, bool directory) {
-  const int fd = ::open(p.c_str(), (directory ? O_DIRECTORY : 0) | O_RDONLY | O_CLOEXEC);
-  TORCH_CHECK(fd >= 0, "fsdp checkpoint: cannot open ", p.string(), " to fsync it");
-  const int rc = ::fsync(fd);
-  ::close(fd);
-  TORCH_CHECK(rc == 0, "fsdp checkpoint: fsync of ", p.string(), " failed");
-}
-
-void write_file_synced(const fs::path& p, const std::string& text) {
-  {
-    std::ofstream out(p, std::ios::binary | std::ios::trunc);
-    out << text;
-    out.flush();
-    TORCH_CHECK(out.good(), "fsdp checkpoint: cannot write ", p.string());
-  }
-  fsync_path(p, false);
-}
-
 std::atomic<uint64_t> g_save_counter{0};
 
 }  // namespace
@@ -229,10 +212,8 @@ void save_sharded(const std::string& dir, torch::nn::Module& model,
                   {"metadata", metadata},
                   {"optimizer", {{"kind", kind}, {"steps", steps}}},
                   {"tensors", tensors}};
-    write_file_synced(tmp / "index.json", index.dump(1));
-    fsync_path(tmp, true);
-    fs::rename(tmp, final_dir);
-    fsync_path(final_dir.parent_path().empty() ? fs::path(".") : final_dir.parent_path(), true);
+    write_file_atomic((tmp / "index.json").string(), index.dump(1));
+    rename_durably(tmp.string(), final_dir.string());
   }
   group.barrier();
   for (int r = 0; r < group.size() && rank == 0; ++r)

@@ -3,10 +3,7 @@
 // docs/trainer.md that matches the code.
 #include <gtest/gtest.h>
 
-#include <sys/wait.h>
-
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -14,28 +11,17 @@
 #include <sstream>
 
 #include "config.h"
+#include "harness/command.h"
 #include "metrics.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 
-struct CommandResult {
-  int code = -1;
-  std::string output;  // stdout and stderr
-};
+using fsdp::test::CommandResult;
 
 CommandResult run(const std::string& command) {
-  CommandResult r;
-  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
-  if (!pipe)
-    return r;
-  std::array<char, 4096> buf{};
-  while (fgets(buf.data(), buf.size(), pipe))
-    r.output += buf.data();
-  const int status = pclose(pipe);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return r;
+  return fsdp::test::run_command(command);
 }
 
 std::string train_cmd() {

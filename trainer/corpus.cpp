@@ -1,4 +1,4 @@
-// Corpora from Debian packages or files, and the whole-file read / atomic replace helpers.
+// Corpora from Debian packages or files, and the whole-file read helper.
 //
 // The KJV comes from running Debian's `bible` program rather than parsing its data files: those
 // are compressed with the program's own scheme, and the program's output is what the rest of
@@ -13,7 +13,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -291,51 +290,6 @@ std::string read_file(const std::string& path) {
   }
   ::close(fd);
   return out;
-}
-
-void write_file_atomic(const std::string& path, std::string_view bytes) {
-  static std::atomic<uint64_t> counter{0};
-  const fs::path target(path);
-  const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
-  // Hidden, and unique per process and call, so concurrent writers never share a temporary.
-  std::string tmp_name(".");  // (built by appends: GCC 12 misreports "." + string as -Wrestrict)
-  tmp_name += target.filename().string();
-  tmp_name += ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
-  const fs::path tmp = dir / tmp_name;
-  auto error = [&](const std::string& step, int err) {
-    ::unlink(tmp.c_str());
-    fail(path + ": cannot write: " + step + ": " + errno_text(err));
-  };
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0)
-    fail(path + ": cannot write: creating " + tmp.string() + ": " + errno_text(errno));
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t put = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (put < 0) {
-      if (errno == EINTR)
-        continue;
-      const int err = errno;
-      ::close(fd);
-      error("write", err);
-    }
-    done += static_cast<size_t>(put);
-  }
-  if (::fsync(fd) != 0) {
-    const int err = errno;
-    ::close(fd);
-    error("fsync", err);
-  }
-  if (::close(fd) != 0)
-    error("close", errno);
-  if (::rename(tmp.c_str(), path.c_str()) != 0)
-    error("rename", errno);
-  // The rename is durable only once the directory entry is.
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
 }
 
 }  // namespace fsdp_trainer

@@ -1,5 +1,5 @@
 // Training text for fsdp-train: the corpora available offline (Debian packages) or a user's file,
-// and the two file helpers the data pipeline shares (whole-file read, atomic replace).
+// and the whole-file read the data pipeline shares (atomic replace: fsdp/durable_file.h).
 //
 // A corpus is returned as one UTF-8 string; the tokenizer and the token files are built from it
 // (data.h). Every error is one line naming the corpus or file and, where there is one, the fix.
@@ -7,6 +7,8 @@
 
 #include <string>
 #include <string_view>
+
+#include <fsdp/durable_file.h>
 
 namespace fsdp_trainer {
 
@@ -24,10 +26,7 @@ std::string load_corpus(const std::string& spec);
 /// The whole file. Throws "<path>: cannot read: <reason>".
 std::string read_file(const std::string& path);
 
-/// Replaces `path` with `bytes` so that a reader sees either the old file or the complete new
-/// one, never a prefix, even after a crash: the bytes go to a temporary name in the same
-/// directory, are fsync'ed, renamed over `path`, and the directory is fsync'ed. The temporary is
-/// removed if anything fails. Throws "<path>: cannot write: <reason>".
-void write_file_atomic(const std::string& path, std::string_view bytes);
+/// Atomic replace of a file: the library's (fsdp/durable_file.h).
+using fsdp::write_file_atomic;
 
 }  // namespace fsdp_trainer

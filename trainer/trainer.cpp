@@ -14,6 +14,7 @@
 #include <optional>
 
 #include <fsdp/clip_grad.h>
+#include <fsdp/durable_file.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/memory.h>
 #include <fsdp/safetensors.h>
@@ -30,18 +31,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
-// Writes `text` to `path` atomically: a reader sees the old file or the new one, never half.
-void write_file_atomically(const std::filesystem::path& path, const std::string& text) {
-  const auto tmp = path.string() + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out << text;
-    if (!out.flush())
-      throw std::runtime_error("cannot write '" + tmp + "'");
-  }
-  std::filesystem::rename(tmp, path);
 }
 
 fsdp::ShardingStrategy sharding_strategy(const std::string& name) {
@@ -196,8 +185,9 @@ Trainer::Trainer(Config config, DeviceMemory device_memory)
 
   if (rank == 0) {
     std::filesystem::create_directories(config_.logging.run_dir);
-    write_file_atomically(std::filesystem::path(config_.logging.run_dir) / "config.toml",
-                          to_toml(config_));
+    fsdp::write_file_atomic(
+        (std::filesystem::path(config_.logging.run_dir) / "config.toml").string(),
+        to_toml(config_));
     // A fresh run replaces the metrics of an earlier one in the same directory; a resumed one
     // keeps the lines before the step it resumes after.
     const auto metrics_path = std::filesystem::path(config_.logging.run_dir) / "metrics.jsonl";
@@ -588,7 +578,7 @@ void Trainer::write_outputs() {
   const std::filesystem::path dir(config_.logging.run_dir);
   const std::string table = breakdown_table(history_);
   std::printf("\n%s\n", table.c_str());
-  write_file_atomically(dir / "breakdown.txt", table);
+  fsdp::write_file_atomic((dir / "breakdown.txt").string(), table);
   if (config_.logging.plot) {
     write_plot(history_, (dir / "plot.png").string(),
                fmt::format("fsdp-train: {} on {} rank(s)", model_.description, pg_->size()));
@@ -630,8 +620,8 @@ std::string Trainer::generate() {
   }
   const std::string text = tokenizer_.decode(std::vector<int>(ids.begin(), ids.end()));
   if (pg_->rank() == 0) {
-    write_file_atomically(std::filesystem::path(config_.logging.run_dir) / "sample.txt",
-                          text + "\n");
+    fsdp::write_file_atomic(
+        (std::filesystem::path(config_.logging.run_dir) / "sample.txt").string(), text + "\n");
     std::printf(
         "\nsample (%lld tokens after a %zu-token prompt, temperature %.2f, top-k %lld):\n%s\n",
         static_cast<long long>(g.tokens), prompt_len, g.temperature,

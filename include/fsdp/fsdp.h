@@ -6,6 +6,8 @@
 
 #include <fsdp/clip_grad.h>
 #include <fsdp/comm_stats.h>
+#include <fsdp/consolidated.h>
+#include <fsdp/durable_file.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/grad_scaler.h>
 #include <fsdp/memory.h>

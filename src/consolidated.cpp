@@ -1,0 +1,244 @@
+// See include/fsdp/consolidated.h for what is guaranteed.
+#include <fsdp/consolidated.h>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <algorithm>
+#include <filesystem>
+#include <set>
+
+#include <fsdp/durable_file.h>
+#include <fsdp/process_group.h>
+#include <fsdp/safetensors.h>
+#include <fsdp/state_dict.h>
+
+namespace fsdp {
+namespace {
+
+namespace fs = std::filesystem;
+using safetensors::FormatError;
+
+// Reads of a transposed tensor go row by row of the file; a slice of at most this many bytes is
+// staged at a time.
+constexpr uint64_t kTransposeStagingBytes = 16ull << 20;
+
+TensorLayout layout_of(const ConsolidatedOptions& options, const std::string& name,
+                       c10::IntArrayRef shape) {
+  TensorLayout l = options.layout ? options.layout(name, shape) : TensorLayout{name};
+  TORCH_CHECK(!l.name.empty(), "fsdp consolidated file: parameter '", name,
+              "' is mapped to an empty name");
+  if (l.kind == TensorLayout::Kind::kTransposed) {
+    TORCH_CHECK(shape.size() == 2, "fsdp consolidated file: parameter '", name,
+                "' is mapped transposed but has ", shape.size(), " dimensions");
+  } else if (l.kind == TensorLayout::Kind::kRowPermuted) {
+    const int64_t rows = shape.empty() ? 1 : shape[0];
+    std::vector<bool> seen(static_cast<size_t>(rows), false);
+    TORCH_CHECK(static_cast<int64_t>(l.file_row.size()) == rows,
+                "fsdp consolidated file: ", "the row order of parameter '", name, "' has ",
+                l.file_row.size(), " entries for ", rows, " rows");
+    for (const int64_t r : l.file_row) {
+      TORCH_CHECK(r >= 0 && r < rows && !seen[static_cast<size_t>(r)],
+                  "fsdp consolidated file: the row order of parameter '", name,
+                  "' is not a permutation");
+      seen[static_cast<size_t>(r)] = true;
+    }
+  }
+  return l;
+}
+
+std::vector<int64_t> file_shape(const TensorLayout& l, c10::IntArrayRef shape) {
+  auto s = shape.vec();
+  if (l.kind == TensorLayout::Kind::kTransposed)
+    std::swap(s[0], s[1]);
+  return s;
+}
+
+// Rows [row, row + rows) of the parameter are rows [file_row, file_row + rows) of the file.
+struct RowRun {
+  int64_t row, file_row, rows;
+};
+
+// The parameter's rows [begin, begin + rows) as runs of consecutive file rows.
+std::vector<RowRun> row_runs(const TensorLayout& l, int64_t begin, int64_t rows) {
+  std::vector<RowRun> runs;
+  for (int64_t r = begin; r < begin + rows; ++r) {
+    const int64_t f = l.kind == TensorLayout::Kind::kRowPermuted ? l.file_row[r] : r;
+    if (!runs.empty() && runs.back().file_row + runs.back().rows == f)
+      ++runs.back().rows;
+    else
+      runs.push_back({r, f, 1});
+  }
+  return runs;
+}
+
+std::vector<int64_t> rows_shape(const ParamShard& s, int64_t rows) {
+  std::vector<int64_t> shape{rows};
+  for (size_t i = 1; i < s.global_shape.size(); ++i)
+    shape.push_back(s.global_shape[i]);
+  return shape;
+}
+
+}  // namespace
+
+void save_consolidated(const std::string& path, torch::nn::Module& model, ProcessGroup& group,
+                       const ConsolidatedOptions& options) {
+  torch::NoGradGuard no_grad;
+  // Every rank sees the same file system: all refuse together, before any collective.
+  TORCH_CHECK(!fs::exists(path), "fsdp::save_consolidated: ", path,
+              " exists (files are never overwritten)");
+  const auto shards = param_shards(model);
+  const int rank = group.rank(), world = group.size();
+  const auto n = static_cast<int64_t>(shards.size());
+
+  // Which rows every rank is the first holder of, so that rank 0 knows what to receive.
+  auto mine = torch::zeros({std::max<int64_t>(n, 1), 3}, torch::kLong);
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& s = shards[static_cast<size_t>(i)];
+    mine[i][0] = s.row_begin;
+    mine[i][1] = s.writer ? s.rows : 0;
+  }
+  const auto device = c10::Device(group.device_type());
+  std::vector<at::Tensor> in{mine.to(device)};
+  std::vector<std::vector<at::Tensor>> out(1);
+  for (int r = 0; r < world; ++r)
+    out[0].push_back(torch::empty_like(in[0]));
+  group.backend().allgather(out, in)->wait();
+
+  if (rank != 0) {
+    for (int64_t i = 0; i < n; ++i) {
+      const auto& s = shards[static_cast<size_t>(i)];
+      if (!s.writer || s.rows == 0)
+        continue;
+      std::vector<at::Tensor> piece{s.shard.contiguous()};
+      group.backend().send(piece, 0, static_cast<int>(i))->wait();
+    }
+    group.barrier();
+    return;
+  }
+
+  std::vector<at::Tensor> table;  // per rank: [n, 2] (first row, rows it writes)
+  for (auto& t : out[0])
+    table.push_back(t.cpu());
+  std::vector<TensorLayout> layouts;
+  std::vector<safetensors::TensorSpec> specs;
+  std::set<std::string> names;
+  auto stored = [&](torch::ScalarType t) {
+    return options.dtype && at::isFloatingType(t) ? *options.dtype : t;
+  };
+  for (const auto& s : shards) {
+    layouts.push_back(layout_of(options, s.name, s.global_shape));
+    TORCH_CHECK(names.insert(layouts.back().name).second,
+                "fsdp::save_consolidated: two tensors "
+                "named '",
+                layouts.back().name, "'");
+    specs.push_back({layouts.back().name, stored(s.shard.scalar_type()),
+                     file_shape(layouts.back(), s.global_shape)});
+  }
+  for (const auto& [name, t] : options.extra_tensors) {
+    TORCH_CHECK(names.insert(name).second, "fsdp::save_consolidated: extra tensor '", name,
+                "' has the name of a parameter's tensor");
+    specs.push_back({name, t.scalar_type(), t.sizes().vec()});
+  }
+  const std::string tmp = path + ".tmp";
+  try {
+    fs::remove(tmp);  // a save that died half-way
+    safetensors::Writer writer(tmp, specs, options.metadata);
+    for (int64_t i = 0; i < n; ++i) {
+      const auto& s = shards[static_cast<size_t>(i)];
+      const auto& layout = layouts[static_cast<size_t>(i)];
+      const auto dtype = stored(s.shard.scalar_type());
+      // A transposed parameter is assembled whole before it is written (its rows are the file's
+      // columns); the others are written piece by piece as they arrive.
+      torch::Tensor whole;
+      if (layout.kind == TensorLayout::Kind::kTransposed)
+        whole = torch::empty(s.global_shape, s.shard.options().device(torch::kCPU));
+      int64_t covered = 0;
+      for (int r = 0; r < world; ++r) {
+        const int64_t begin = table[static_cast<size_t>(r)][i][0].item<int64_t>();
+        const int64_t rows = table[static_cast<size_t>(r)][i][1].item<int64_t>();
+        if (rows == 0)
+          continue;
+        torch::Tensor piece;
+        if (r == 0) {
+          piece = s.shard;
+        } else {
+          std::vector<at::Tensor> buf{torch::empty(rows_shape(s, rows), s.shard.options())};
+          group.backend().recv(buf, r, static_cast<int>(i))->wait();
+          piece = buf[0];
+        }
+        covered += rows;
+        if (whole.defined()) {
+          whole.narrow(0, begin, rows).copy_(piece);
+          continue;
+        }
+        for (const auto& run : row_runs(layout, begin, rows))
+          writer.write_rows(layout.name, run.file_row,
+                            piece.narrow(0, run.row - begin, run.rows).to(dtype));
+      }
+      const int64_t global_rows = s.global_shape.empty() ? 1 : s.global_shape[0];
+      TORCH_CHECK(covered == global_rows, "fsdp::save_consolidated: the ranks hold ", covered,
+                  " rows of '", s.name, "', which has ", global_rows);
+      if (whole.defined())
+        writer.write(layout.name, whole.t().to(dtype));
+    }
+    for (const auto& [name, t] : options.extra_tensors)
+      writer.write(name, t);
+    writer.finish();
+    rename_durably(tmp, path);
+  } catch (...) {
+    std::error_code ec;
+    fs::remove(tmp, ec);
+    throw;
+  }
+  group.barrier();
+}
+
+std::map<std::string, std::string> load_consolidated(const std::string& path,
+                                                     torch::nn::Module& model,
+                                                     const ConsolidatedOptions& options) {
+  torch::NoGradGuard no_grad;
+  safetensors::Reader reader(path);
+  for (const auto& s : param_shards(model)) {
+    const auto layout = layout_of(options, s.name, s.global_shape);
+    const auto* entry = reader.header().find(layout.name);
+    const std::string what = path + ": tensor '" + layout.name + "' (parameter '" + s.name + "')";
+    if (!entry)
+      throw FormatError(path + ": no tensor '" + layout.name + "' for parameter '" + s.name + "'");
+    if (!at::isFloatingType(entry->dtype))
+      throw FormatError(what + " is " + safetensors::dtype_name(entry->dtype) +
+                        ", not a floating-point type");
+    const auto want = file_shape(layout, s.global_shape);
+    if (entry->shape != want)
+      throw FormatError(what + " has shape " + c10::str(c10::IntArrayRef(entry->shape)) +
+                        ", the model expects " + c10::str(c10::IntArrayRef(want)));
+    if (s.rows == 0)
+      continue;
+    if (layout.kind != TensorLayout::Kind::kTransposed) {
+      for (const auto& run : row_runs(layout, s.row_begin, s.rows))
+        s.shard.narrow(0, run.row - s.row_begin, run.rows)
+            .copy_(reader.read_rows(layout.name, run.file_row, run.rows));
+      continue;
+    }
+    // The shard's rows [b, b + rows) are columns [b, b + rows) of every file row: read just
+    // those bytes, a slab of file rows at a time.
+    const int64_t file_rows = entry->shape[0];
+    const uint64_t elem = torch::elementSize(entry->dtype);
+    const uint64_t piece_bytes = static_cast<uint64_t>(s.rows) * elem;
+    const int64_t slab = std::max<int64_t>(
+        1, static_cast<int64_t>(kTransposeStagingBytes / std::max<uint64_t>(1, piece_bytes)));
+    for (int64_t c = 0; c < file_rows; c += slab) {
+      const int64_t m = std::min(slab, file_rows - c);
+      auto staging = torch::empty({m, s.rows}, torch::TensorOptions().dtype(entry->dtype));
+      auto* dst = static_cast<char*>(staging.data_ptr());
+      for (int64_t k = 0; k < m; ++k)
+        reader.read_bytes(*entry,
+                          static_cast<uint64_t>(c + k) * entry->row_bytes() +
+                              static_cast<uint64_t>(s.row_begin) * elem,
+                          piece_bytes, dst + static_cast<uint64_t>(k) * piece_bytes);
+      s.shard.narrow(1, c, m).copy_(staging.t());
+    }
+  }
+  return reader.header().metadata;
+}
+
+}  // namespace fsdp

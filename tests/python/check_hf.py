@@ -1,0 +1,160 @@
+"""Python's view of fsdp-cpp's Hugging Face directories (run by tests/test_hf_format.cpp).
+
+  check_hf.py export DIR OURS
+      DIR was written by fsdp-cpp (save_hf); OURS is a safetensors file holding the same model's
+      parameters under fsdp-cpp's names, plus 'input_ids' and 'logits' (fsdp-cpp's forward).
+      Checks, with Python's own libraries and this file's own mapping: every tensor of
+      DIR/model.safetensors (read by `safetensors`) equals ours mapped to transformers' names
+      and layout, bitwise; transformers loads DIR with no missing, unexpected or mismatched
+      weights; its logits on input_ids equal ours within TOLERANCE. Prints the largest
+      difference.
+
+  check_hf.py make DIR REFERENCE_DIR SEED OUT [--zero-qkv-bias]
+      Builds a transformers model from REFERENCE_DIR/config.json with random weights (every
+      parameter, norms included, from SEED; GPT-2's q/k/v biases zero with --zero-qkv-bias),
+      writes it with save_pretrained into DIR and its logits on fixed input ids into OUT
+      ('input_ids', 'logits'): fsdp-cpp loads DIR and must compute the same logits.
+
+Exit code 0 when every check passes; 1 with a message otherwise.
+"""
+
+import sys
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+# fp32 logits of models of width <= 64 computed by two implementations (fused SDPA kernels vs
+# ours, another summation order in the matmuls): differences of a few ulps of values ~1 are
+# expected; 1e-5 is ~100 ulps and fails on any real mapping error (those give differences ~1).
+TOLERANCE = 1e-5
+
+
+def fail(message):
+    print("check_hf: " + message)
+    sys.exit(1)
+
+
+def gpt2_expected(ours, config):
+    """fsdp-cpp's GPT parameters under transformers' GPT-2 names and layout."""
+    out = {}
+    for name, t in ours.items():
+        if name in ("input_ids", "logits"):
+            continue
+        if name.startswith("h") and name[1].isdigit():
+            layer, rest = name[1:].split(".", 1)
+            hf = f"transformer.h.{layer}.{rest}"
+        elif name == "lm_head.weight":
+            hf = name
+        else:
+            hf = "transformer." + name
+        # GPT-2's Conv1D stores weights as [in, out]; torch.nn.Linear as [out, in].
+        if name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
+            t = t.t().contiguous()
+        out[hf] = t
+    for i in range(config.n_layer):
+        out.setdefault(f"transformer.h.{i}.attn.c_attn.bias", torch.zeros(3 * config.n_embd))
+    return out
+
+
+def permute_for_rotate_half(w, heads):
+    """transformers' convert_llama_weights_to_hf.py: Meta's interleaved q/k rows -> halves."""
+    rows, cols = w.shape
+    return w.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def llama_expected(ours, config):
+    parts = {
+        "attention.wq": "self_attn.q_proj",
+        "attention.wk": "self_attn.k_proj",
+        "attention.wv": "self_attn.v_proj",
+        "attention.wo": "self_attn.o_proj",
+        "feed_forward.w1": "mlp.gate_proj",
+        "feed_forward.w3": "mlp.up_proj",
+        "feed_forward.w2": "mlp.down_proj",
+        "attention_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+    }
+    out = {}
+    for name, t in ours.items():
+        if name in ("input_ids", "logits"):
+            continue
+        if name == "tok_embeddings.weight":
+            hf = "model.embed_tokens.weight"
+        elif name == "norm.weight":
+            hf = "model.norm.weight"
+        elif name == "output.weight":
+            hf = "lm_head.weight"
+        else:
+            _, rest = name.split(".", 1)  # "layers", "<i>.<module>.weight"
+            layer, rest = rest.split(".", 1)
+            module, leaf = rest.rsplit(".", 1)
+            hf = f"model.layers.{layer}.{parts[module]}.{leaf}"
+            if module == "attention.wq":
+                t = permute_for_rotate_half(t, config.num_attention_heads)
+            elif module == "attention.wk":
+                t = permute_for_rotate_half(t, config.num_key_value_heads)
+        out[hf] = t
+    return out
+
+
+def check_export(directory, ours_path):
+    ours = load_file(ours_path)
+    config = AutoConfig.from_pretrained(directory)
+    stored = load_file(f"{directory}/model.safetensors")
+    expected = (gpt2_expected if config.model_type == "gpt2" else llama_expected)(ours, config)
+    if sorted(stored) != sorted(expected):
+        fail(f"tensor names differ: file has {sorted(set(stored) - set(expected))} extra, "
+             f"lacks {sorted(set(expected) - set(stored))}")
+    for name, t in expected.items():
+        if stored[name].dtype != t.dtype or not torch.equal(stored[name], t):
+            fail(f"tensor {name} differs from ours mapped by this script")
+    model, info = AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, output_loading_info=True)
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+        if info.get(kind):
+            fail(f"from_pretrained reports {kind}: {info[kind]}")
+    model.eval()
+    with torch.no_grad():
+        logits = model(ours["input_ids"]).logits
+    diff = (logits - ours["logits"]).abs().max().item()
+    print(f"{config.model_type}: {len(stored)} tensors equal; transformers' logits "
+          f"{tuple(logits.shape)} max |diff| {diff:.3g} (tolerance {TOLERANCE})")
+    if not diff <= TOLERANCE:
+        fail(f"logits differ by {diff}")
+
+
+def make(directory, reference_dir, seed, out_path, zero_qkv_bias):
+    config = AutoConfig.from_pretrained(reference_dir)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+        if zero_qkv_bias:
+            for name, p in model.named_parameters():
+                if name.endswith("attn.c_attn.bias"):
+                    p.zero_()
+    model.eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(config.vocab_size, (2, 9), generator=generator)
+    with torch.no_grad():
+        logits = model(input_ids).logits
+    save_file({"input_ids": input_ids, "logits": logits.contiguous()}, out_path)
+    print(f"{config.model_type}: written by transformers into {directory}")
+
+
+def main(argv):
+    if len(argv) == 4 and argv[1] == "export":
+        check_export(argv[2], argv[3])
+    elif len(argv) in (6, 7) and argv[1] == "make":
+        if len(argv) == 7 and argv[6] != "--zero-qkv-bias":
+            fail(__doc__)
+        make(argv[2], argv[3], int(argv[4]), argv[5], len(argv) == 7)
+    else:
+        fail(__doc__)
+
+
+if __name__ == "__main__":
+    main(sys.argv)

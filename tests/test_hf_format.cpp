@@ -1,0 +1,297 @@
+// Hugging Face directories (models/hf_format.h), checked by Python's own libraries: a GPT and a
+// Llama (tied and untied, with and without GPT's q/k/v bias) exported from 2 or 3 ranks; Python
+// `safetensors` finds every tensor equal to ours under its own mapping, `transformers` loads the
+// directory without missing or unexpected weights and computes our logits within 1e-5
+// (tests/python/check_hf.py). The way back: the export and a model written by transformers'
+// save_pretrained load on 2 and 3 ranks, to the same parameters (bitwise) and logits. Configs
+// our models cannot represent are refused naming the field.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include <fsdp/fsdp.h>
+#include <fsdp/safetensors.h>
+
+#include "gpt.h"
+#include "harness/command.h"
+#include "harness/errors.h"
+#include "harness/multiprocess.h"
+#include "hf_format.h"
+#include "llama.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using fsdp_models::GPT;
+using fsdp_models::GPTConfig;
+using fsdp_models::Llama;
+using fsdp_models::LlamaConfig;
+using fsdp_models::ModelInit;
+
+// Values for every parameter, norms and biases included (an initialised model has constant
+// ones, which would hide a mix-up), depending only on the name.
+torch::Tensor random_global(const std::string& name, at::IntArrayRef shape) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(std::hash<std::string>{}(name));
+  return torch::randn(shape, gen) * 0.3;
+}
+
+void fill_random(torch::nn::Module& model) {
+  torch::NoGradGuard no_grad;
+  for (auto& s : fsdp::param_shards(model)) {
+    auto full = random_global(s.name, s.global_shape);
+    s.shard.copy_((full.dim() == 0 ? full.reshape({1}) : full).narrow(0, s.row_begin, s.rows));
+  }
+}
+
+GPTConfig gpt_config(const std::string& variant) {
+  auto c = GPTConfig::preset("gpt2-test");  // 22 wide, 2 heads, vocab 67
+  c.tie_embeddings = variant != "untied";
+  c.attn_bias = variant != "untied";  // the untied one also lacks the q/k/v bias
+  return c;
+}
+
+LlamaConfig llama_config(const std::string& variant) {
+  auto c = LlamaConfig::preset("llama-test");  // 44 wide, 2 query heads, 1 k/v head
+  c.tie_embeddings = variant == "tied";
+  c.rope_theta = 500.0;  // not the default: config.json must carry it
+  return c;
+}
+
+// A model of FAMILY / VARIANT, sharded over `pg` (or whole without one).
+struct AnyModel {
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<torch::Tensor(const torch::Tensor&)> forward;
+  std::function<void(const std::string&, fsdp::ProcessGroup&)> save;
+  std::function<void(const std::string&)> load;
+};
+
+AnyModel make_model(const std::string& family, const std::string& variant,
+                    const std::shared_ptr<fsdp::ProcessGroup>& pg) {
+  AnyModel m;
+  if (family == "gpt") {
+    GPT model(gpt_config(variant), ModelInit().seed(1));
+    if (pg)
+      fsdp_models::parallelize_gpt(model, fsdp::FullyShardOptions(pg));
+    m.module = model.ptr();
+    m.forward = [model](const torch::Tensor& x) mutable { return fsdp::forward(model, x); };
+    m.save = [model](const std::string& dir, fsdp::ProcessGroup& g) mutable {
+      fsdp_models::save_hf(dir, model, g);
+    };
+    m.load = [model](const std::string& dir) mutable { fsdp_models::load_hf(dir, model); };
+  } else {
+    Llama model(llama_config(variant), ModelInit().seed(1));
+    if (pg)
+      fsdp_models::parallelize_llama(model, fsdp::FullyShardOptions(pg));
+    m.module = model.ptr();
+    m.forward = [model](const torch::Tensor& x) mutable { return fsdp::forward(model, x); };
+    m.save = [model](const std::string& dir, fsdp::ProcessGroup& g) mutable {
+      fsdp_models::save_hf(dir, model, g);
+    };
+    m.load = [model](const std::string& dir) mutable { fsdp_models::load_hf(dir, model); };
+  }
+  return m;
+}
+
+torch::Tensor fixed_input(int64_t vocab) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(99);
+  return torch::randint(vocab, {2, 11}, gen);
+}
+
+FSDP_WORKER(hf_export) {
+  auto pg = fsdp::init_process_group();
+  auto m = make_model(ctx.env("FAMILY"), ctx.env("VARIANT"), pg);
+  fill_random(*m.module);
+  m.save(ctx.env("DIR"), *pg);
+  return 0;
+}
+
+// Loads DIR and compares with REFERENCE's logits on its input_ids (within TOLERANCE) and, with
+// SAME_PARAMS=1, every parameter with random_global (bitwise).
+FSDP_WORKER(hf_load) {
+  auto pg = fsdp::init_process_group();
+  auto m = make_model(ctx.env("FAMILY"), ctx.env("VARIANT"), pg);
+  m.load(ctx.env("DIR"));
+  if (ctx.env("SAME_PARAMS") == "1") {
+    for (auto& s : fsdp::param_shards(*m.module)) {
+      auto full = random_global(s.name, s.global_shape);
+      WORKER_CHECK(torch::equal(s.shard, full.narrow(0, s.row_begin, s.rows))) << s.name;
+    }
+  }
+  fsdp::safetensors::Reader reference(ctx.env("REFERENCE"));
+  torch::NoGradGuard no_grad;
+  auto logits = m.forward(reference.read("input_ids"));
+  const double diff = (logits - reference.read("logits")).abs().max().item<double>();
+  WORKER_CHECK(diff <= ctx.env_double("TOLERANCE", 0)) << "logits differ by " << diff;
+  if (pg->rank() == 0)
+    std::printf("logits max |diff| %.3g\n", diff);
+  return 0;
+}
+
+fsdp::test::RunOptions env(std::vector<std::pair<std::string, std::string>> vars) {
+  fsdp::test::RunOptions o;
+  o.env = std::move(vars);
+  o.timeout = std::chrono::seconds(120);
+  return o;
+}
+
+fs::path fresh_dir(const std::string& name) {
+  auto dir = fs::temp_directory_path() / ("fsdp-hf-" + std::to_string(::getpid()) + "-" + name);
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+std::string python(const std::string& args) {
+  return std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR + "/tests/python/check_hf.py " + args;
+}
+
+// The model in one process (no FSDP): its parameters under our names, an input and its logits.
+void write_reference(const std::string& family, const std::string& variant,
+                     const std::string& path) {
+  auto m = make_model(family, variant, nullptr);
+  fill_random(*m.module);
+  const int64_t vocab =
+      family == "gpt" ? gpt_config(variant).vocab_size : llama_config(variant).vocab_size;
+  auto ids = fixed_input(vocab);
+  torch::Tensor logits;
+  {
+    torch::NoGradGuard no_grad;
+    logits = m.forward(ids);
+  }
+  std::map<std::string, torch::Tensor> tensors{{"input_ids", ids}, {"logits", logits}};
+  for (const auto& p : m.module->named_parameters())
+    tensors[p.key()] = p.value().detach();
+  std::vector<fsdp::safetensors::TensorSpec> specs;
+  for (const auto& [name, t] : tensors)
+    specs.push_back({name, t.scalar_type(), t.sizes().vec()});
+  fsdp::safetensors::Writer w(path, specs);
+  for (const auto& [name, t] : tensors)
+    w.write(name, t);
+  w.finish();
+}
+
+// Exported from `ranks` ranks, checked by Python, loaded back on 2 and 3 ranks.
+void export_and_check(const std::string& family, const std::string& variant, int ranks) {
+  const auto root = fresh_dir(family + "-" + variant);
+  const auto dir = (root / "hf").string(), ours = (root / "ours.safetensors").string();
+  write_reference(family, variant, ours);
+  EXPECT_WORKERS_OK(fsdp::test::run_workers(
+      "hf_export", ranks, env({{"FAMILY", family}, {"VARIANT", variant}, {"DIR", dir}})));
+  ASSERT_TRUE(fs::exists(fs::path(dir) / "config.json"));
+  EXPECT_FALSE(fs::exists(dir + ".tmp"));
+  const auto py = fsdp::test::run_command(python("export " + dir + " " + ours));
+  EXPECT_EQ(py.code, 0) << py.output;
+  std::printf("%s", py.output.c_str());
+  for (int m : {2, 3}) {
+    EXPECT_WORKERS_OK(fsdp::test::run_workers("hf_load", m,
+                                              env({{"FAMILY", family},
+                                                   {"VARIANT", variant},
+                                                   {"DIR", dir},
+                                                   {"REFERENCE", ours},
+                                                   {"SAME_PARAMS", "1"},
+                                                   {"TOLERANCE", "1e-6"}})));
+  }
+  // A directory written by transformers itself (save_pretrained, from our config.json) loads
+  // and computes transformers' logits.
+  const auto theirs = (root / "theirs").string(), logits = (root / "theirs.safetensors").string();
+  const bool qkv_bias = family != "gpt" || gpt_config(variant).attn_bias;
+  auto made = fsdp::test::run_command(python("make " + theirs + " " + dir + " 7 " + logits));
+  ASSERT_EQ(made.code, 0) << made.output;
+  if (!qkv_bias) {
+    // transformers' GPT-2 has a q/k/v bias; ours has none: refused unless it is zero.
+    auto refused = fsdp::test::run_workers(
+        "hf_load", 2,
+        env({{"FAMILY", family}, {"VARIANT", variant}, {"DIR", theirs}, {"REFERENCE", logits}}));
+    EXPECT_FALSE(refused.ok());
+    EXPECT_NE(refused.outputs[0].find("tensor 'transformer.h.0.attn.c_attn.bias' is not zero"),
+              std::string::npos)
+        << refused.describe();
+    fs::remove_all(theirs);
+    made = fsdp::test::run_command(
+        python("make " + theirs + " " + dir + " 7 " + logits + " --zero-qkv-bias"));
+    ASSERT_EQ(made.code, 0) << made.output;
+  }
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("hf_load", 3,
+                                            env({{"FAMILY", family},
+                                                 {"VARIANT", variant},
+                                                 {"DIR", theirs},
+                                                 {"REFERENCE", logits},
+                                                 {"TOLERANCE", "1e-5"}})));
+  fs::remove_all(root);
+}
+
+TEST(HuggingFace, GptTiedExportedFromThreeRanks) {
+  export_and_check("gpt", "tied", 3);
+}
+
+TEST(HuggingFace, GptUntiedWithoutQkvBiasFromTwoRanks) {
+  export_and_check("gpt", "untied", 2);
+}
+
+TEST(HuggingFace, LlamaUntiedFromThreeRanks) {
+  export_and_check("llama", "untied", 3);
+}
+
+TEST(HuggingFace, LlamaTiedFromTwoRanks) {
+  export_and_check("llama", "tied", 2);
+}
+
+TEST(HuggingFace, ConfigsOurModelsCannotRepresentAreRefusedNamingTheField) {
+  const std::string llama = fsdp_models::hf_config_json(llama_config("untied"));
+  auto with = [](std::string json, const std::string& from, const std::string& to) {
+    const auto at = json.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    return json.replace(at, from.size(), to);
+  };
+  auto llama_error = [](const std::string& json) {
+    return fsdp::test::error_of(
+        [&] { fsdp_models::llama_config_from_hf(json, "dir/config.json"); });
+  };
+  // It parses back to the config it was written from.
+  const auto back = fsdp_models::llama_config_from_hf(llama, "config.json");
+  EXPECT_EQ(back.dim, 44);
+  EXPECT_EQ(back.n_kv_heads, 1);
+  EXPECT_EQ(back.rope_theta, 500.0);
+  EXPECT_EQ(llama_error(with(llama, "\"hidden_act\": \"silu\"", "\"hidden_act\": \"gelu\"")),
+            "dir/config.json: 'hidden_act' must be 'silu'");
+  EXPECT_EQ(llama_error(with(llama, "\"attention_bias\": false", "\"attention_bias\": true")),
+            "dir/config.json: biases on the projections ('attention_bias', 'mlp_bias') are not "
+            "supported");
+  EXPECT_EQ(llama_error(with(llama, "\"rope_type\": \"default\"", "\"rope_type\": \"yarn\"")),
+            "dir/config.json: RoPE type 'yarn' is not supported (only 'default')");
+  EXPECT_EQ(llama_error(with(llama, "\"hidden_size\": 44", "\"hidden_size\": -44")),
+            "dir/config.json: 'hidden_size' is not a positive integer");
+  EXPECT_EQ(llama_error(with(llama, "\"vocab_size\": 67", "\"vocab_size\": \"67\"")),
+            "dir/config.json: 'vocab_size' is not a positive integer");
+  EXPECT_EQ(llama_error("[1, 2]"), "dir/config.json: not a JSON object");
+  EXPECT_NE(llama_error("{\"model_type\": \"llama\",").find("not valid JSON"), std::string::npos);
+
+  const std::string gpt = fsdp_models::hf_config_json(gpt_config("tied"));
+  auto gpt_error = [](const std::string& json) {
+    return fsdp::test::error_of([&] { fsdp_models::gpt_config_from_hf(json, "c.json"); });
+  };
+  EXPECT_EQ(gpt_error(with(gpt, "\"gelu_pytorch_tanh\"", "\"relu\"")),
+            "c.json: 'activation_function' is 'relu' (supported: gelu_new, gelu_pytorch_tanh)");
+  EXPECT_EQ(gpt_error(with(gpt, "\"n_inner\": null", "\"n_inner\": 50")),
+            "c.json: 'n_inner' must be 4 * n_embd (our MLP's width)");
+  EXPECT_EQ(gpt_error(with(gpt, "\"model_type\": \"gpt2\"", "\"model_type\": \"bert\"")),
+            "c.json: 'model_type' is not 'gpt2'");
+
+  // A directory whose config.json differs from the model it is loaded into: the field named.
+  const auto root = fresh_dir("mismatch");
+  EXPECT_WORKERS_OK(fsdp::test::run_workers(
+      "hf_export", 2,
+      env({{"FAMILY", "gpt"}, {"VARIANT", "tied"}, {"DIR", (root / "hf").string()}})));
+  auto cfg = gpt_config("tied");
+  cfg.n_embd = 24;
+  GPT other(cfg, ModelInit().seed(1));
+  const auto mismatch =
+      fsdp::test::error_of([&] { fsdp_models::load_hf((root / "hf").string(), other); });
+  EXPECT_EQ(mismatch,
+            (root / "hf" / "config.json").string() + ": 'n_embd' is 22, the model's is 24");
+  fs::remove_all(root);
+}
+
+}  // namespace
