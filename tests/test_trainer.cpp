@@ -530,3 +530,88 @@ TEST(TrainerRun, ResumeIsExactAndReshards) {
   EXPECT_NE(none.code, 0);
   EXPECT_NE(none.output.find("no complete checkpoint"), std::string::npos) << none.output;
 }
+
+namespace {
+
+// The line "<prefix><number>" of `output`, as the number (NaN if absent).
+double number_after(const std::string& output, const std::string& prefix) {
+  const auto at = output.find(prefix);
+  return at == std::string::npos ? std::nan("") : std::stod(output.substr(at + prefix.size()));
+}
+
+}  // namespace
+
+// A saved model used again: checkpoint.export_hf writes a Hugging Face directory at the end of
+// training; `fsdp-train export` writes the same bytes from the step-6 checkpoint on another
+// number of ranks; `fsdp-train generate` samples the run's own text from the checkpoint and
+// from the export; model.init_from starts a new run from the export with the trained model's
+// held-out loss. Misuse of the commands is one line and exit code 2.
+TEST(TrainerRun, ExportGenerateAndInitFromSavedModels) {
+  const auto work = fs::path(FSDP_TEST_WORK_DIR);
+  const auto a = work / "saved-a", b = work / "saved-b", out = work / "saved-export";
+  for (const auto& d : {a, b, out})
+    fs::remove_all(d);
+  const auto config = write_config("saved", tiny_config(a.string(), "llama", "llama-test"));
+  auto trained = run(train_cmd() + " --nproc 2 " + config +
+                     " --checkpoint.every=3 --checkpoint.export_hf=true --logging.plot=false");
+  ASSERT_EQ(trained.code, 0) << trained.output;
+  const auto hf = a / "hf";
+  ASSERT_TRUE(fs::exists(hf / "config.json") && fs::exists(hf / "model.safetensors"));
+  const auto sample = file_bytes(a / "sample.txt");
+  ASSERT_FALSE(sample.empty());
+
+  auto exported = run(train_cmd() + " export --nproc 3 " + config + " --checkpoint latest --out " +
+                      out.string());
+  ASSERT_EQ(exported.code, 0) << exported.output;
+  EXPECT_TRUE(file_bytes(out / "model.safetensors") == file_bytes(hf / "model.safetensors"));
+  EXPECT_TRUE(file_bytes(out / "config.json") == file_bytes(hf / "config.json"));
+
+  for (const auto& from : {(a / "checkpoints" / "step-00000006").string(), hf.string()}) {
+    auto g = run(train_cmd() + " generate --nproc 2 " + config + " --checkpoint " + from);
+    ASSERT_EQ(g.code, 0) << g.output;
+    EXPECT_NE(g.output.find(sample), std::string::npos) << from << "\n" << g.output;
+  }
+  // generate never writes into the run directory.
+  EXPECT_TRUE(file_bytes(a / "sample.txt") == sample);
+
+  // New runs starting from the export: on 2 ranks (the trained run's held-out batches) the
+  // step-0 held-out loss is the trained model's final one; on 3 ranks, from the export and from
+  // the step-6 checkpoint, the same.
+  const auto b_config = write_config("saved-b", tiny_config(b.string(), "llama", "llama-test"));
+  auto start_from = [&](int nproc, const std::string& from) {
+    auto r = run(train_cmd() + " --nproc " + std::to_string(nproc) + " " + b_config +
+                 " --training.steps=1 --logging.plot=false --generate.tokens=0 "
+                 "--model.init_from=" +
+                 from);
+    EXPECT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("parameters from " + from), std::string::npos) << r.output;
+    return number_after(r.output, "step 0: held-out loss ");
+  };
+  const double trained_loss = number_after(trained.output, "step 6: held-out loss ");
+  EXPECT_EQ(start_from(2, hf.string()), trained_loss) << trained.output;
+  EXPECT_EQ(start_from(3, hf.string()),
+            start_from(3, (a / "checkpoints" / "step-00000006").string()));
+
+  struct Case {
+    std::string args, message;
+  };
+  const std::vector<Case> misuse = {
+      {"export " + config + " --checkpoint latest", "export needs --out DIR"},
+      {"generate " + config, "this command needs --checkpoint PATH"},
+      {config + " --checkpoint latest", "--checkpoint and --out belong to the commands"},
+      {"export " + config + " --checkpoint " + work.string() + " --out " + (work / "x").string(),
+       "is neither a sharded checkpoint (index.json) nor a Hugging Face directory"},
+      {config + " --model.init_from=" + (work / "missing").string(),
+       "'model.init_from' '" + (work / "missing").string() + "' is not a directory"}};
+  for (const auto& c : misuse) {
+    auto r = run(train_cmd() + " " + c.args);
+    EXPECT_EQ(r.code, 2) << c.args << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.message), std::string::npos) << c.args << "\n" << r.output;
+  }
+  // An export never overwrites: exit 1, the directory untouched.
+  auto twice =
+      run(train_cmd() + " export " + config + " --checkpoint latest --out " + out.string());
+  EXPECT_EQ(twice.code, 1);
+  EXPECT_NE(twice.output.find("exists (exports are never overwritten)"), std::string::npos)
+      << twice.output;
+}

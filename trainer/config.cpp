@@ -144,6 +144,11 @@ const std::vector<Option>& options() {
       opt("model.n_layer", FIELD(model.n_layer), "Override the preset's block count (0: keep)."),
       opt("model.n_embd", FIELD(model.n_embd), "Override the preset's width (0: keep)."),
       opt("model.n_head", FIELD(model.n_head), "Override the preset's head count (0: keep)."),
+      opt("model.init_from", FIELD(model.init_from),
+          "Start from these parameters instead of the seed's: a Hugging Face directory "
+          "(config.json + model.safetensors, e.g. one fsdp-train exported) or a sharded "
+          "checkpoint directory (its parameters only). The shapes must be the model's. Each rank "
+          "reads only its rows. Ignored when resuming."),
       opt("data.corpus", FIELD(data.corpus),
           "Training text: \"kjv\" (Debian's bible-kjv), \"fortunes\" (Debian's fortunes), or a "
           "path to a UTF-8 text file."),
@@ -298,9 +303,17 @@ const std::vector<Option>& options() {
       opt("checkpoint.keep", FIELD(checkpoint.keep),
           "Complete checkpoints kept; older ones are removed once a newer one is complete."),
       opt("checkpoint.resume", FIELD(checkpoint.resume),
-          "Resume from 'latest' (the newest complete checkpoint in checkpoint.dir) or from a "
+          "Resume from 'latest' (the newest complete checkpoint in checkpoint.dir), 'auto' (the "
+          "latest if there is one, else start afresh: for jobs a launcher restarts) or a "
           "checkpoint directory: parameters, AdamW state, step, data position, loss scale, "
           "random state. On any number of ranks, under any strategy."),
+      opt("checkpoint.export_hf", FIELD(checkpoint.export_hf),
+          "At the end of training, write the model as a Hugging Face directory (config.json, "
+          "model.safetensors in float32) that transformers' from_pretrained loads; rank 0 "
+          "writes, holding its shards plus one parameter."),
+      opt("checkpoint.export_dir", FIELD(checkpoint.export_dir),
+          "Where checkpoint.export_hf writes; empty: <logging.run_dir>/hf. An earlier export "
+          "there is replaced once the new one is complete."),
       opt("generate.tokens", FIELD(generate.tokens),
           "Tokens to sample from the trained model at the end (0: none)."),
       opt("generate.temperature", FIELD(generate.temperature), "Sampling temperature."),
@@ -481,8 +494,16 @@ void validate(const Config& c) {
   require(c.generate.tokens >= 0, "generate.tokens", "must be >= 0");
   require(c.checkpoint.every >= 0, "checkpoint.every", "must be >= 0");
   require(c.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1");
+  require(c.model.init_from.empty() || std::filesystem::is_directory(c.model.init_from),
+          "model.init_from", "'" + c.model.init_from + "' is not a directory");
   require(c.generate.temperature > 0, "generate.temperature", "must be > 0");
   require(c.generate.top_k >= 0, "generate.top_k", "must be >= 0");
+}
+
+std::string export_dir(const Config& c) {
+  if (!c.checkpoint.export_dir.empty())
+    return c.checkpoint.export_dir;
+  return (std::filesystem::path(c.logging.run_dir) / "hf").string();
 }
 
 std::string checkpoint_dir(const Config& c) {

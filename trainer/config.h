@@ -25,6 +25,7 @@ struct ModelConfig {
   int64_t n_layer = 0;  // 0: the preset's
   int64_t n_embd = 0;
   int64_t n_head = 0;
+  std::string init_from;  // "": from training.seed; else a Hugging Face dir or a checkpoint
 };
 
 struct DataConfig {
@@ -99,10 +100,12 @@ struct GenerateConfig {
 };
 
 struct CheckpointConfig {
-  int64_t every = 0;   // steps between sharded checkpoints (0: none)
-  std::string dir;     // "" : <logging.run_dir>/checkpoints
-  int64_t keep = 2;    // complete checkpoints kept (older ones removed after a new one)
-  std::string resume;  // "", "latest" or a checkpoint directory
+  int64_t every = 0;       // steps between sharded checkpoints (0: none)
+  std::string dir;         // "" : <logging.run_dir>/checkpoints
+  int64_t keep = 2;        // complete checkpoints kept (older ones removed after a new one)
+  std::string resume;      // "", "latest", "auto" or a checkpoint directory
+  bool export_hf = false;  // write a Hugging Face directory at the end
+  std::string export_dir;  // "" : <logging.run_dir>/hf
 };
 
 struct Config {
@@ -118,6 +121,8 @@ struct Config {
 
 /// The directory checkpoints are written to (checkpoint.dir, or under the run directory).
 std::string checkpoint_dir(const Config& c);
+/// Where checkpoint.export_hf writes (checkpoint.export_dir, or <run_dir>/hf).
+std::string export_dir(const Config& c);
 
 /// One option of the table: its dotted key, TOML type name, allowed values and documentation.
 struct OptionInfo {

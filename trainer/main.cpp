@@ -2,6 +2,11 @@
 //
 //   fsdp-train [--nproc N] [CONFIG.toml] [--section.key=value ...]
 //   torchrun --no-python --nproc-per-node N fsdp-train CONFIG.toml   (the same run)
+//   fsdp-train export [--nproc N] CONFIG.toml --checkpoint PATH --out DIR
+//       writes a saved model (a sharded checkpoint, "latest", or a Hugging Face directory) as a
+//       Hugging Face directory, on any number of ranks
+//   fsdp-train generate [--nproc N] CONFIG.toml --checkpoint PATH
+//       samples from a saved model (the [generate] options)
 //
 // Exit codes: 0 done, 2 bad input (config, override, corpus), 1 anything else.
 //
@@ -98,19 +103,34 @@ int main(int argc, char** argv) {
   fsdp_trainer::die_with_launcher();
   fsdp::memory::install_tracking_allocator();
 
+  // The command is the first argument, when it is one ("train" otherwise).
+  std::string command = "train";
+  int shift = 0;
+  if (argc > 1 && (std::strcmp(argv[1], "export") == 0 || std::strcmp(argv[1], "generate") == 0)) {
+    command = argv[1];
+    shift = 1;
+  }
   CLI::App app{"fsdp-train: Fully Sharded Data Parallel training of GPT and Llama models"};
   app.allow_extras();
-  std::string config_path;
+  std::string config_path, checkpoint, out_dir;
   int nproc = 0;
   bool print_config = false, print_reference = false;
+  app.add_option("--checkpoint", checkpoint,
+                 "export, generate: the saved model (a sharded checkpoint directory, 'latest', or "
+                 "a Hugging Face directory)");
+  app.add_option("--out", out_dir, "export: the Hugging Face directory to write (must not exist)");
   app.add_option("config", config_path, "TOML configuration file (defaults apply without one)");
   app.add_option("--nproc", nproc, "Start this many local ranks (like torchrun --nproc-per-node)")
       ->check(CLI::Range(1, 1024));
   app.add_flag("--print-config", print_config, "Print the resolved configuration and exit");
   app.add_flag("--config-reference", print_reference, "Print the option reference (Markdown)");
-  app.footer("Any option can be overridden: --training.steps=200 --model.preset=gpt2-small");
+  app.footer(
+      "Any option can be overridden: --training.steps=200 --model.preset=gpt2-small\n"
+      "Commands: fsdp-train export CONFIG --checkpoint PATH --out DIR (a Hugging Face "
+      "directory)\n          fsdp-train generate CONFIG --checkpoint PATH (sample from it)");
   try {
-    app.parse(argc, argv);
+    // CLI11 takes argv[0] as the program's name: with a command, the command is.
+    app.parse(argc - shift, argv + shift);
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
@@ -131,6 +151,20 @@ int main(int argc, char** argv) {
       return 2;
     }
     overrides.push_back(extra.substr(2));
+  }
+
+  const char* misuse = nullptr;
+  if (command == "train" && (!checkpoint.empty() || !out_dir.empty()))
+    misuse = "--checkpoint and --out belong to the commands export and generate";
+  else if (command != "train" && checkpoint.empty())
+    misuse = "this command needs --checkpoint PATH";
+  else if (command == "export" && out_dir.empty())
+    misuse = "export needs --out DIR";
+  else if (command == "generate" && !out_dir.empty())
+    misuse = "generate takes no --out";
+  if (misuse) {
+    std::fprintf(stderr, "fsdp-train: %s\n", misuse);
+    return 2;
   }
 
   try {
@@ -176,9 +210,21 @@ int main(int argc, char** argv) {
     if (config.training.device == "cuda")
       device_memory = prepare_cuda(env.local_rank, env.local_world_size);
 #endif
-    fsdp_trainer::Trainer trainer(config, std::move(device_memory));
-    trainer.train();
-    trainer.generate();
+    if (command == "train") {
+      fsdp_trainer::Trainer trainer(config, std::move(device_memory));
+      trainer.train();
+      trainer.generate();
+      return 0;
+    }
+    fsdp_trainer::Trainer trainer(config, std::move(device_memory),
+                                  fsdp_trainer::Purpose::kUseSaved);
+    const auto from = trainer.load_weights(checkpoint);
+    if (trainer.rank() == 0)
+      std::printf("fsdp-train %s: parameters from %s\n", command.c_str(), from.c_str());
+    if (command == "export")
+      trainer.export_hf(out_dir, /*replace=*/false);
+    else
+      trainer.generate();
     return 0;
   } catch (const fsdp_trainer::ConfigError& e) {
     std::fprintf(stderr, "%sfsdp-train: config error: %s\n", rank_prefix().c_str(), e.what());

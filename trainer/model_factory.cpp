@@ -4,6 +4,7 @@
 #include <fmt/core.h>
 
 #include "gpt.h"
+#include "hf_format.h"
 #include "llama.h"
 
 namespace fsdp_trainer {
@@ -36,6 +37,10 @@ void build_sharded(TrainModel& out, const Cfg& cfg, fsdp_models::InitScheme sche
   parallelize(model, blocks, root, checkpoint_every);
   out.module = model.ptr();
   out.forward = [model](const torch::Tensor& idx) mutable { return fsdp::forward(model, idx); };
+  out.save_hf = [model](const std::string& dir, fsdp::ProcessGroup& group) mutable {
+    fsdp_models::save_hf(dir, model, group);
+  };
+  out.load_hf = [model](const std::string& dir) mutable { fsdp_models::load_hf(dir, model); };
   out.num_params = cfg.num_params();
 }
 

@@ -17,6 +17,9 @@ struct TrainModel {
   std::shared_ptr<torch::nn::Module> module;
   /// idx (B, T) -> logits (B, T, vocab), through fsdp::forward.
   std::function<torch::Tensor(const torch::Tensor&)> forward;
+  /// Writes the model as a Hugging Face directory / loads one into it (models/hf_format.h).
+  std::function<void(const std::string& dir, fsdp::ProcessGroup& group)> save_hf;
+  std::function<void(const std::string& dir)> load_hf;
   int64_t num_params = 0;
   int64_t n_layer = 0;
   int64_t n_embd = 0;

@@ -79,8 +79,8 @@ fsdp::BackwardPrefetch backward_prefetch(const std::string& name) {
 
 }  // namespace
 
-Trainer::Trainer(Config config, DeviceMemory device_memory)
-    : config_(std::move(config)), device_memory_(std::move(device_memory)) {
+Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
+    : config_(std::move(config)), device_memory_(std::move(device_memory)), purpose_(purpose) {
   const auto& t = config_.training;
   torch::set_num_threads(static_cast<int>(t.threads));
   const fsdp::LaunchEnv env = fsdp::launch_env_from_environment();
@@ -176,8 +176,15 @@ Trainer::Trainer(Config config, DeviceMemory device_memory)
                                                            .growth_interval(prec.growth_interval));
   }
 
+  if (purpose_ != Purpose::kTrain)
+    return;
   if (!config_.checkpoint.resume.empty())
     start_step_ = resume_from_checkpoint();
+  if (start_step_ == 0 && !config_.model.init_from.empty()) {
+    const auto from = load_weights(config_.model.init_from);
+    if (rank == 0)
+      std::printf("fsdp-train: parameters from %s\n", from.c_str());
+  }
 
   flops_per_token_ =
       gpt_flops_per_token(model_.num_params, model_.n_layer, model_.n_embd, t.seq_len);
@@ -413,6 +420,8 @@ void Trainer::train() {
     if (!std::isfinite(m.loss))
       throw std::runtime_error(fmt::format("loss is {} at step {}", m.loss, step));
   }
+  if (config_.checkpoint.export_hf)
+    export_hf(export_dir(config_), /*replace=*/true);
   if (pg_->rank() == 0) {
     progress_->finish();
     if (history_.empty()) {
@@ -535,8 +544,10 @@ void Trainer::save_checkpoint(int64_t step) {
 int64_t Trainer::resume_from_checkpoint() {
   namespace fs = std::filesystem;
   fs::path dir = config_.checkpoint.resume;
-  if (config_.checkpoint.resume == "latest") {
+  if (config_.checkpoint.resume == "latest" || config_.checkpoint.resume == "auto") {
     auto done = complete_checkpoints(checkpoint_dir(config_));
+    if (done.empty() && config_.checkpoint.resume == "auto")
+      return 0;  // the first start of a job its launcher may restart
     if (done.empty())
       throw std::runtime_error("checkpoint.resume = latest: no complete checkpoint in " +
                                checkpoint_dir(config_));
@@ -572,6 +583,51 @@ int64_t Trainer::resume_from_checkpoint() {
                 static_cast<long long>(step), meta["world_size"].c_str());
   }
   return step;
+}
+
+std::string Trainer::load_weights(const std::string& path) {
+  namespace fs = std::filesystem;
+  fs::path dir = path;
+  if (path == "latest") {
+    auto done = complete_checkpoints(checkpoint_dir(config_));
+    if (done.empty())
+      throw std::runtime_error("no complete checkpoint in " + checkpoint_dir(config_));
+    dir = done.back();
+  }
+  if (fs::exists(dir / "index.json")) {
+    fsdp::load_sharded(dir.string(), *model_.module);
+  } else if (fs::exists(dir / "config.json")) {
+    model_.load_hf(dir.string());
+  } else {
+    throw ConfigError("'" + dir.string() +
+                      "' is neither a sharded checkpoint (index.json) nor a Hugging Face "
+                      "directory (config.json)");
+  }
+  return dir.string();
+}
+
+void Trainer::export_hf(const std::string& dir, bool replace) {
+  namespace fs = std::filesystem;
+  // An earlier export there is moved aside, and removed once the new one is complete.
+  const std::string replaced = dir + ".replaced";
+  if (replace && pg_->rank() == 0 && fs::exists(dir)) {
+    fs::remove_all(replaced);
+    fs::rename(dir, replaced);
+  }
+  pg_->barrier();
+  const auto start = Clock::now();
+  model_.save_hf(dir, *pg_);
+  const double seconds = seconds_since(start);
+  if (pg_->rank() != 0)
+    return;
+  fs::remove_all(replaced);
+  const auto bytes = fs::file_size(fs::path(dir) / "model.safetensors");
+  const auto text = fmt::format("Hugging Face directory {} ({:.1f} MB in {:.2f} s, {:.0f} MB/s)",
+                                dir, bytes / 1e6, seconds, bytes / 1e6 / std::max(seconds, 1e-9));
+  if (progress_)
+    progress_->message(text);
+  else
+    std::printf("%s\n", text.c_str());
 }
 
 void Trainer::write_outputs() {
@@ -620,8 +676,9 @@ std::string Trainer::generate() {
   }
   const std::string text = tokenizer_.decode(std::vector<int>(ids.begin(), ids.end()));
   if (pg_->rank() == 0) {
-    fsdp::write_file_atomic(
-        (std::filesystem::path(config_.logging.run_dir) / "sample.txt").string(), text + "\n");
+    if (purpose_ == Purpose::kTrain)
+      fsdp::write_file_atomic(
+          (std::filesystem::path(config_.logging.run_dir) / "sample.txt").string(), text + "\n");
     std::printf(
         "\nsample (%lld tokens after a %zu-token prompt, temperature %.2f, top-k %lld):\n%s\n",
         static_cast<long long>(g.tokens), prompt_len, g.temperature,

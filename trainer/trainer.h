@@ -32,19 +32,33 @@ struct DeviceMemory {
   std::function<int64_t()> peak_bytes;
 };
 
+/// What the process is for: a training run owns the run directory (config.toml, metrics.jsonl,
+/// sample.txt...); the other commands only read a saved model and never touch it.
+enum class Purpose { kTrain, kUseSaved };
+
 class Trainer {
  public:
   /// Joins the job, prepares the data (rank 0; the others wait), builds and shards the model
-  /// on config.training.device (for cuda, the NCCL backend must be registered).
-  explicit Trainer(Config config, DeviceMemory device_memory = {});
+  /// on config.training.device (for cuda, the NCCL backend must be registered). For kTrain,
+  /// also applies model.init_from or checkpoint.resume and opens the run directory.
+  explicit Trainer(Config config, DeviceMemory device_memory = {},
+                   Purpose purpose = Purpose::kTrain);
   ~Trainer();
 
   /// Runs config.training.steps steps, evaluating and logging as configured; writes the run
   /// directory's outputs at the end (rank 0).
   void train();
   /// Samples config.generate.tokens tokens after the prompt (all ranks take part; rank 0's text
-  /// is returned and written to sample.txt).
+  /// is returned, printed and, for kTrain, written to sample.txt).
   std::string generate();
+  /// Loads parameters only (every rank calls it; each reads its rows) from a sharded checkpoint
+  /// directory (index.json), "latest" (the newest one in checkpoint_dir), or a Hugging Face
+  /// directory (config.json + model.safetensors). Returns the directory it read.
+  std::string load_weights(const std::string& path);
+  /// Writes the model as a Hugging Face directory (every rank calls it; rank 0 writes). An
+  /// existing directory there is refused, or with `replace` moved aside and removed once the
+  /// new one is complete.
+  void export_hf(const std::string& dir, bool replace);
 
   const std::vector<StepMetrics>& history() const { return history_; }
   int rank() const { return pg_->rank(); }
@@ -67,6 +81,7 @@ class Trainer {
 
   Config config_;
   DeviceMemory device_memory_;
+  Purpose purpose_;
   torch::Device device_ = torch::kCPU;
   std::shared_ptr<fsdp::ProcessGroup> pg_;
   PreparedData data_;
