@@ -3,12 +3,19 @@
 // docs/trainer.md that matches the code.
 #include <gtest/gtest.h>
 
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
+#include <thread>
 
 #include "config.h"
 #include "harness/command.h"
@@ -614,4 +621,158 @@ TEST(TrainerRun, ExportGenerateAndInitFromSavedModels) {
   EXPECT_EQ(twice.code, 1);
   EXPECT_NE(twice.output.find("exists (exports are never overwritten)"), std::string::npos)
       << twice.output;
+}
+
+namespace {
+
+// A job started in the background (sh -c), its output in `log`.
+struct BackgroundJob {
+  pid_t pid = -1;
+  std::string log;
+
+  BackgroundJob(const std::string& command, std::string log_path) : log(std::move(log_path)) {
+    const std::string line = command + " > " + log + " 2>&1";
+    pid = ::fork();
+    if (pid == 0) {
+      ::setpgid(0, 0);  // its own process group: killed whole if the test gives up
+      ::execl("/bin/sh", "sh", "-c", line.c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+  }
+  // Exit code, or -1 after `seconds` (the whole group is then killed).
+  int wait(double seconds) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+    int status = 0;
+    while (::waitpid(pid, &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() > until) {
+        ::kill(-pid, SIGKILL);
+        ::waitpid(pid, &status, 0);
+        pid = -1;
+        return -1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    pid = -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  }
+  ~BackgroundJob() {
+    if (pid > 0)
+      wait(0);
+  }
+  std::string output() const { return file_bytes(log); }
+};
+
+// The process whose environment holds every one of `vars` ("KEY=value"), or 0.
+pid_t find_process_with_env(const std::vector<std::string>& vars) {
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    const auto name = e.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos)
+      continue;
+    const auto environ_bytes = file_bytes(e.path() / "environ");
+    std::set<std::string> entries;
+    for (size_t at = 0; at < environ_bytes.size();) {
+      const auto end = environ_bytes.find('\0', at);
+      entries.insert(environ_bytes.substr(at, end - at));
+      at = end == std::string::npos ? environ_bytes.size() : end + 1;
+    }
+    if (std::all_of(vars.begin(), vars.end(), [&](const auto& v) { return entries.count(v); }))
+      return static_cast<pid_t>(std::stol(name));
+  }
+  return 0;
+}
+
+// Waits for `path` to exist; false after `seconds`.
+bool wait_for(const fs::path& path, double seconds) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (!fs::exists(path)) {
+    if (std::chrono::steady_clock::now() > until)
+      return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
+}
+
+// A 100-step job with a checkpoint every 10 steps under torchrun; once its step-10 checkpoint
+// is complete, rank `victim` of the first attempt is SIGKILLed. Returns the job's exit code.
+int torchrun_with_a_killed_rank(const std::string& name, const fs::path& run_dir, int nproc,
+                                int max_restarts, int victim, std::string* output) {
+  const std::string tag = "FSDP_TEST_TAG=" + name + "-" + std::to_string(::getpid());
+  const auto config =
+      write_config(name, tiny_config(run_dir.string(), "gpt", "gpt2-tiny") +
+                             "[checkpoint]\nevery = 10\nkeep = 3\nresume = \"auto\"\n");
+  BackgroundJob job(tag + " OMP_NUM_THREADS=1 " + std::string(FSDP_TORCHRUN_PATH) +
+                        " --standalone --no-python --max-restarts=" + std::to_string(max_restarts) +
+                        " --nproc-per-node " + std::to_string(nproc) + " " + train_cmd() + " " +
+                        config +
+                        " --training.steps=100 --training.seq_len=64 --training.batch_size=4 "
+                        "--training.eval_every=0 --generate.tokens=0 --logging.plot=false",
+                    (fs::path(FSDP_TEST_WORK_DIR) / (name + ".log")).string());
+  EXPECT_TRUE(wait_for(run_dir / "checkpoints" / "step-00000010" / "index.json", 120))
+      << job.output();
+  const pid_t pid = find_process_with_env(
+      {tag, "RANK=" + std::to_string(victim), "TORCHELASTIC_RESTART_COUNT=0"});
+  EXPECT_GT(pid, 0) << "rank " << victim << " not found";
+  // Still mid-run: far from the last step.
+  EXPECT_FALSE(fs::exists(run_dir / "checkpoints" / "step-00000050"));
+  if (pid > 0)
+    ::kill(pid, SIGKILL);
+  const int code = job.wait(240);
+  *output = job.output();
+  return code;
+}
+
+}  // namespace
+
+// Restart after a failure, as torchrun does it: a rank SIGKILLed mid-run makes the agent stop
+// the job and start it again (--max-restarts=1), which resumes from its latest complete
+// checkpoint (checkpoint.resume = auto) and ends with the same parameters and optimizer state,
+// byte for byte, and the same losses as a job never interrupted.
+TEST(TrainerRun, TorchrunRestartsAKilledJobFromItsLastCheckpoint) {
+  const auto work = fs::path(FSDP_TEST_WORK_DIR);
+  const auto killed = work / "restart-killed", whole = work / "restart-whole";
+  for (const auto& d : {killed, whole})
+    fs::remove_all(d);
+  std::string output;
+  ASSERT_EQ(torchrun_with_a_killed_rank("restart-killed", killed, 2, 1, 1, &output), 0) << output;
+  EXPECT_NE(output.find("resumed from " + (killed / "checkpoints").string()), std::string::npos)
+      << output;
+  const auto config =
+      write_config("restart-whole", tiny_config(whole.string(), "gpt", "gpt2-tiny") +
+                                        "[checkpoint]\nevery = 10\nkeep = 3\n");
+  auto r = run(train_cmd() + " --nproc 2 " + config +
+               " --training.steps=100 --training.seq_len=64 --training.batch_size=4 "
+               "--training.eval_every=0 --generate.tokens=0 --logging.plot=false");
+  ASSERT_EQ(r.code, 0) << r.output;
+  for (const char* f : {"rank-00000.safetensors", "rank-00001.safetensors"}) {
+    const auto x = file_bytes(whole / "checkpoints" / "step-00000100" / f);
+    EXPECT_FALSE(x.empty());
+    EXPECT_TRUE(x == file_bytes(killed / "checkpoints" / "step-00000100" / f)) << f;
+  }
+  auto mk = fsdp_trainer::read_metrics((killed / "metrics.jsonl").string());
+  auto mw = fsdp_trainer::read_metrics((whole / "metrics.jsonl").string());
+  ASSERT_EQ(mk.size(), 100u);
+  ASSERT_EQ(mw.size(), 100u);
+  for (size_t i = 0; i < mw.size(); ++i)
+    EXPECT_EQ(mk[i].loss, mw[i].loss) << "step " << i + 1;
+}
+
+// A 4-rank job that loses a rank and is started again on 3 (fewer machines left): it resumes
+// through resharding from the checkpoint 4 ranks wrote and finishes.
+TEST(TrainerRun, AJobKilledOnFourRanksResumesOnThree) {
+  const auto dir = fs::path(FSDP_TEST_WORK_DIR) / "restart-4to3";
+  fs::remove_all(dir);
+  std::string output;
+  EXPECT_NE(torchrun_with_a_killed_rank("restart-4to3", dir, 4, 0, 2, &output), 0) << output;
+  const auto config = (fs::path(FSDP_TEST_WORK_DIR) / "restart-4to3.toml").string();
+  auto r = run("OMP_NUM_THREADS=1 " + std::string(FSDP_TORCHRUN_PATH) +
+               " --standalone --no-python --nproc-per-node 3 " + train_cmd() + " " + config +
+               " --training.steps=100 --training.seq_len=64 --training.batch_size=4 "
+               "--training.eval_every=0 --generate.tokens=0 --logging.plot=false");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("saved on 4 rank(s)"), std::string::npos) << r.output;
+  auto m = fsdp_trainer::read_metrics((dir / "metrics.jsonl").string());
+  ASSERT_EQ(m.size(), 100u);
+  EXPECT_EQ(m.back().step, 100);
+  EXPECT_TRUE(std::isfinite(m.back().loss));
+  EXPECT_TRUE(fs::exists(dir / "checkpoints" / "step-00000100" / "index.json"));
 }

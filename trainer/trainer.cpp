@@ -404,21 +404,24 @@ void Trainer::train() {
     if (eval_now)
       m.eval_loss = evaluate();
     history_.push_back(m);
-    if (every > 0 && (step % every == 0 || step == t.steps))
-      save_checkpoint(step);
-    if (pg_->rank() != 0)
-      continue;
-    metrics_->append(m);
-    const double elapsed = seconds_since(start);
-    progress_->update(
-        {step, m.loss, m.tokens_per_second, m.mfu, m.peak_bytes,
-         elapsed / static_cast<double>(step - start_step_) * static_cast<double>(t.steps - step)});
-    if (eval_now) {
-      progress_->message(
-          fmt::format("step {}: held-out loss {:.4f} (train {:.4f})", step, *m.eval_loss, m.loss));
+    // The step is logged before the checkpoint that contains it: a job killed after the
+    // checkpoint resumes after this step and must find its metrics line written.
+    if (pg_->rank() == 0) {
+      metrics_->append(m);
+      const double elapsed = seconds_since(start);
+      progress_->update({step, m.loss, m.tokens_per_second, m.mfu, m.peak_bytes,
+                         elapsed / static_cast<double>(step - start_step_) *
+                             static_cast<double>(t.steps - step)});
+      if (eval_now) {
+        progress_->message(fmt::format("step {}: held-out loss {:.4f} (train {:.4f})", step,
+                                       *m.eval_loss, m.loss));
+      }
     }
+    // Every rank sees the same (averaged) loss, so all stop together.
     if (!std::isfinite(m.loss))
       throw std::runtime_error(fmt::format("loss is {} at step {}", m.loss, step));
+    if (every > 0 && (step % every == 0 || step == t.steps))
+      save_checkpoint(step);
   }
   if (config_.checkpoint.export_hf)
     export_hf(export_dir(config_), /*replace=*/true);
