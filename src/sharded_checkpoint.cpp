@@ -12,16 +12,17 @@
 #include <xxhash.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 
 #include <fsdp/durable_file.h>
 #include <fsdp/process_group.h>
 #include <fsdp/safetensors.h>
 #include <fsdp/state_dict.h>
 
+#include "checkpoint_index.h"
 #include "sharded_checkpoint_hooks.h"
 
 namespace fsdp {
@@ -34,8 +35,6 @@ namespace fs = std::filesystem;
 using Json = nlohmann::json;
 using safetensors::FormatError;
 
-constexpr const char* kFormat = "fsdp-cpp sharded checkpoint";
-constexpr int kVersion = 1;
 // Rows per checksum block: about this many bytes, so a reader that needs a few rows reads and
 // verifies little more than those.
 constexpr uint64_t kBlockBytes = 4ull << 20;
@@ -206,8 +205,8 @@ void save_sharded(const std::string& dir, torch::nn::Module& model,
         t["pieces"].push_back(piece);
       }
     }
-    Json index = {{"format", kFormat},
-                  {"version", kVersion},
+    Json index = {{"format", detail::kIndexFormat},
+                  {"version", detail::kIndexVersion},
                   {"world_size", group.size()},
                   {"metadata", metadata},
                   {"optimizer", {{"kind", kind}, {"steps", steps}}},
@@ -222,120 +221,8 @@ void save_sharded(const std::string& dir, torch::nn::Module& model,
 
 namespace {
 
-struct Piece {
-  std::string file;
-  int64_t begin, end, block_rows;
-  std::vector<uint64_t> sums;
-};
-
-struct IndexTensor {
-  torch::ScalarType dtype;
-  std::vector<int64_t> shape;
-  std::vector<Piece> pieces;  // tiling [0, rows) in order
-};
-
-struct Index {
-  std::map<std::string, std::string> metadata;
-  std::string optimizer_kind;
-  std::map<std::string, int64_t> steps;
-  std::map<std::string, IndexTensor> tensors;
-};
-
-int64_t get_int(const Json& v, const std::string& what) {
-  if (!v.is_number_integer() && !v.is_number_unsigned())
-    throw FormatError(what + " is not an integer");
-  if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
-    throw FormatError(what + " is out of range");
-  return v.get<int64_t>();
-}
-
-Index parse_index(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in)
-    throw FormatError(path.string() + ": cannot open (not a checkpoint directory?)");
-  std::string text((std::istreambuf_iterator<char>(in)), {});
-  const std::string where = path.string() + ": ";
-  Json j;
-  try {
-    j = Json::parse(text);
-  } catch (const Json::exception& e) {
-    throw FormatError(where + "not valid JSON (" + e.what() + ")");
-  }
-  try {
-    if (!j.is_object() || j.value("format", "") != kFormat)
-      throw FormatError("not an fsdp-cpp checkpoint index");
-    if (get_int(j.at("version"), "version") != kVersion)
-      throw FormatError("version " + j.at("version").dump() + " is not supported");
-    Index idx;
-    for (auto& [k, v] : j.at("metadata").items()) {
-      if (!v.is_string())
-        throw FormatError("metadata '" + k + "' is not a string");
-      idx.metadata[k] = v.get<std::string>();
-    }
-    const auto& opt = j.at("optimizer");
-    idx.optimizer_kind = opt.at("kind").get<std::string>();
-    for (auto& [k, v] : opt.at("steps").items())
-      idx.steps[k] = get_int(v, "optimizer step of '" + k + "'");
-    for (auto& [key, t] : j.at("tensors").items()) {
-      const std::string what = "tensor '" + key + "'";
-      IndexTensor it;
-      it.dtype = safetensors::dtype_from_name(t.at("dtype").get<std::string>());
-      for (const auto& d : t.at("shape")) {
-        const int64_t dim = get_int(d, what + " shape");
-        if (dim < 0)
-          throw FormatError(what + ": negative dimension");
-        it.shape.push_back(dim);
-      }
-      const int64_t rows = it.shape.empty() ? 1 : it.shape[0];
-      for (const auto& p : t.at("pieces")) {
-        Piece piece;
-        piece.file = p.at("file").get<std::string>();
-        if (piece.file.empty() || piece.file.find('/') != std::string::npos ||
-            piece.file.find("..") != std::string::npos)
-          throw FormatError(what + ": file name '" + piece.file + "' is not a plain name");
-        piece.begin = get_int(p.at("rows").at(0), what + " rows");
-        piece.end = get_int(p.at("rows").at(1), what + " rows");
-        piece.block_rows = get_int(p.at("block_rows"), what + " block_rows");
-        if (piece.begin < 0 || piece.begin > piece.end || piece.end > rows || piece.block_rows < 1)
-          throw FormatError(what + ": piece rows [" + std::to_string(piece.begin) + ", " +
-                            std::to_string(piece.end) + ") or block_rows invalid for " +
-                            std::to_string(rows) + " rows");
-        const int64_t blocks = (piece.end - piece.begin + piece.block_rows - 1) / piece.block_rows;
-        const auto& sums = p.at("xxh3");
-        if (!sums.is_array() || static_cast<int64_t>(sums.size()) != blocks)
-          throw FormatError(what + ": expected " + std::to_string(blocks) + " checksums");
-        for (const auto& s : sums) {
-          const auto h = s.get<std::string>();
-          if (h.size() != 16 || h.find_first_not_of("0123456789abcdef") != std::string::npos)
-            throw FormatError(what + ": checksum '" + h + "' is not 16 hex digits");
-          piece.sums.push_back(std::stoull(h, nullptr, 16));
-        }
-        it.pieces.push_back(std::move(piece));
-      }
-      std::sort(it.pieces.begin(), it.pieces.end(),
-                [](const Piece& a, const Piece& b) { return a.begin < b.begin; });
-      int64_t at = 0;
-      for (const auto& p : it.pieces) {
-        if (p.begin != at)
-          throw FormatError(what + ": its pieces do not cover rows [" + std::to_string(at) + ", " +
-                            std::to_string(p.begin) + ") exactly once");
-        at = p.end;
-      }
-      if (at != rows)
-        throw FormatError(what + ": its pieces end at row " + std::to_string(at) + " of " +
-                          std::to_string(rows));
-      idx.tensors.emplace(key, std::move(it));
-    }
-    return idx;
-  } catch (const FormatError& e) {
-    throw FormatError(where + e.what());
-  } catch (const Json::exception& e) {
-    throw FormatError(where + "malformed (" + e.what() + ")");
-  }
-}
-
 // Reads global rows [begin, begin + dst.size(0)) of `key` into dst, block by verified block.
-void read_rows_into(const fs::path& dir, const std::string& key, const IndexTensor& t,
+void read_rows_into(const fs::path& dir, const std::string& key, const detail::IndexTensor& t,
                     int64_t begin, const torch::Tensor& dst,
                     std::map<std::string, std::unique_ptr<safetensors::Reader>>& readers) {
   const int64_t end = begin + dst.size(0);
@@ -375,7 +262,7 @@ std::map<std::string, std::string> load_sharded(const std::string& dir, torch::n
                                                 torch::optim::Optimizer* optimizer) {
   torch::NoGradGuard no_grad;
   const fs::path root(dir);
-  const auto index = parse_index(root / "index.json");
+  const auto index = detail::parse_index((root / "index.json").string());
   std::map<std::string, std::unique_ptr<safetensors::Reader>> readers;
   auto params = model.named_parameters(/*recurse=*/true);
   const std::string kind = optimizer_kind(optimizer);
