@@ -18,10 +18,6 @@ namespace {
 namespace fs = std::filesystem;
 using safetensors::FormatError;
 
-// Reads of a transposed tensor go row by row of the file; a slice of at most this many bytes is
-// staged at a time.
-constexpr uint64_t kTransposeStagingBytes = 16ull << 20;
-
 TensorLayout layout_of(const ConsolidatedOptions& options, const std::string& name,
                        c10::IntArrayRef shape) {
   TensorLayout l = options.layout ? options.layout(name, shape) : TensorLayout{name};
@@ -71,11 +67,37 @@ std::vector<RowRun> row_runs(const TensorLayout& l, int64_t begin, int64_t rows)
   return runs;
 }
 
+// Rows of `s` per message to rank 0: the I/O buffer, at least one row.
+int64_t slab_rows(const ParamShard& s, int64_t buffer_bytes) {
+  int64_t row = s.shard.element_size();
+  for (size_t d = 1; d < s.global_shape.size(); ++d)
+    row *= s.global_shape[d];
+  return std::max<int64_t>(1, buffer_bytes / std::max<int64_t>(1, row));
+}
+
 std::vector<int64_t> rows_shape(const ParamShard& s, int64_t rows) {
   std::vector<int64_t> shape{rows};
   for (size_t i = 1; i < s.global_shape.size(); ++i)
     shape.push_back(s.global_shape[i]);
   return shape;
+}
+
+// Reads the file's rows [file_row, file_row + dst.size(0)) of `entry` into dst: straight into
+// its memory when the dtypes agree, else through a staging slab of bounded size.
+void read_rows_into(const safetensors::Reader& reader, const safetensors::TensorEntry& entry,
+                    int64_t file_row, const torch::Tensor& dst, int64_t buffer_bytes) {
+  const uint64_t row_bytes = entry.row_bytes();
+  if (dst.scalar_type() == entry.dtype && dst.is_contiguous() && dst.is_cpu()) {
+    reader.read_bytes(entry, static_cast<uint64_t>(file_row) * row_bytes,
+                      static_cast<uint64_t>(dst.size(0)) * row_bytes, dst.data_ptr());
+    return;
+  }
+  const int64_t slab =
+      std::max<int64_t>(1, buffer_bytes / static_cast<int64_t>(std::max<uint64_t>(1, row_bytes)));
+  for (int64_t r = 0; r < dst.size(0); r += slab) {
+    const int64_t n = std::min(slab, dst.size(0) - r);
+    dst.narrow(0, r, n).copy_(reader.read_rows(entry.name, file_row + r, n));
+  }
 }
 
 }  // namespace
@@ -104,13 +126,19 @@ void save_consolidated(const std::string& path, torch::nn::Module& model, Proces
     out[0].push_back(torch::empty_like(in[0]));
   group.backend().allgather(out, in)->wait();
 
+  // Rows travel to rank 0 in slabs of at most io_buffer_bytes, tagged by their order among the
+  // messages of their sender; both sides compute the same slabs.
   if (rank != 0) {
+    int tag = 0;
     for (int64_t i = 0; i < n; ++i) {
       const auto& s = shards[static_cast<size_t>(i)];
       if (!s.writer || s.rows == 0)
         continue;
-      std::vector<at::Tensor> piece{s.shard.contiguous()};
-      group.backend().send(piece, 0, static_cast<int>(i))->wait();
+      const auto shard = s.shard.contiguous();
+      for (int64_t r = 0, slab = slab_rows(s, options.io_buffer_bytes); r < s.rows; r += slab) {
+        std::vector<at::Tensor> piece{shard.narrow(0, r, std::min(slab, s.rows - r))};
+        group.backend().send(piece, 0, tag++)->wait();
+      }
     }
     group.barrier();
     return;
@@ -139,6 +167,7 @@ void save_consolidated(const std::string& path, torch::nn::Module& model, Proces
                 "' has the name of a parameter's tensor");
     specs.push_back({name, t.scalar_type(), t.sizes().vec()});
   }
+  std::vector<int> tags(static_cast<size_t>(world), 0);  // per sender, as it counts them
   const std::string tmp = path + ".tmp";
   try {
     fs::remove(tmp);  // a save that died half-way
@@ -152,28 +181,31 @@ void save_consolidated(const std::string& path, torch::nn::Module& model, Proces
       torch::Tensor whole;
       if (layout.kind == TensorLayout::Kind::kTransposed)
         whole = torch::empty(s.global_shape, s.shard.options().device(torch::kCPU));
-      int64_t covered = 0;
-      for (int r = 0; r < world; ++r) {
-        const int64_t begin = table[static_cast<size_t>(r)][i][0].item<int64_t>();
-        const int64_t rows = table[static_cast<size_t>(r)][i][1].item<int64_t>();
-        if (rows == 0)
-          continue;
-        torch::Tensor piece;
-        if (r == 0) {
-          piece = s.shard;
-        } else {
-          std::vector<at::Tensor> buf{torch::empty(rows_shape(s, rows), s.shard.options())};
-          group.backend().recv(buf, r, static_cast<int>(i))->wait();
-          piece = buf[0];
-        }
-        covered += rows;
+      // Global rows [begin, begin + piece.size(0)).
+      auto put = [&](int64_t begin, const torch::Tensor& piece) {
         if (whole.defined()) {
-          whole.narrow(0, begin, rows).copy_(piece);
-          continue;
+          whole.narrow(0, begin, piece.size(0)).copy_(piece);
+          return;
         }
-        for (const auto& run : row_runs(layout, begin, rows))
+        for (const auto& run : row_runs(layout, begin, piece.size(0)))
           writer.write_rows(layout.name, run.file_row,
                             piece.narrow(0, run.row - begin, run.rows).to(dtype));
+      };
+      int64_t covered = 0;
+      for (int r = 0; r < world; ++r) {
+        const auto ru = static_cast<size_t>(r);
+        const int64_t begin = table[ru][i][0].item<int64_t>();
+        const int64_t rows = table[ru][i][1].item<int64_t>();
+        covered += rows;
+        if (r == 0 && rows > 0)
+          put(begin, s.shard);
+        for (int64_t k = 0, slab = slab_rows(s, options.io_buffer_bytes); r > 0 && k < rows;
+             k += slab) {
+          const int64_t m = std::min(slab, rows - k);
+          std::vector<at::Tensor> buf{torch::empty(rows_shape(s, m), s.shard.options())};
+          group.backend().recv(buf, r, tags[ru]++)->wait();
+          put(begin + k, buf[0]);
+        }
       }
       const int64_t global_rows = s.global_shape.empty() ? 1 : s.global_shape[0];
       TORCH_CHECK(covered == global_rows, "fsdp::save_consolidated: the ranks hold ", covered,
@@ -215,8 +247,8 @@ std::map<std::string, std::string> load_consolidated(const std::string& path,
       continue;
     if (layout.kind != TensorLayout::Kind::kTransposed) {
       for (const auto& run : row_runs(layout, s.row_begin, s.rows))
-        s.shard.narrow(0, run.row - s.row_begin, run.rows)
-            .copy_(reader.read_rows(layout.name, run.file_row, run.rows));
+        read_rows_into(reader, *entry, run.file_row,
+                       s.shard.narrow(0, run.row - s.row_begin, run.rows), options.io_buffer_bytes);
       continue;
     }
     // The shard's rows [b, b + rows) are columns [b, b + rows) of every file row: read just
@@ -225,7 +257,7 @@ std::map<std::string, std::string> load_consolidated(const std::string& path,
     const uint64_t elem = torch::elementSize(entry->dtype);
     const uint64_t piece_bytes = static_cast<uint64_t>(s.rows) * elem;
     const int64_t slab = std::max<int64_t>(
-        1, static_cast<int64_t>(kTransposeStagingBytes / std::max<uint64_t>(1, piece_bytes)));
+        1, options.io_buffer_bytes / static_cast<int64_t>(std::max<uint64_t>(1, piece_bytes)));
     for (int64_t c = 0; c < file_rows; c += slab) {
       const int64_t m = std::min(slab, file_rows - c);
       auto staging = torch::empty({m, s.rows}, torch::TensorOptions().dtype(entry->dtype));

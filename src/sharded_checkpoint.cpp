@@ -293,8 +293,18 @@ std::map<std::string, std::string> load_sharded(const std::string& dir, torch::n
       optimizer->state().erase(param.unsafeGetTensorImpl());  // it had no state when saved
       continue;
     }
+    // State tensors the optimizer already has are loaded in place: no second copy of the
+    // state exists at any moment (a rank's extra memory stays one block of rows).
+    const auto existing = optimizer->state().find(param.unsafeGetTensorImpl());
+    ParamOptState old;
+    if (existing != optimizer->state().end())
+      old = read_opt_state(*optimizer, kind, param);
     auto make = [&](const std::string& name) {
-      auto t = torch::zeros_like(param);
+      auto it = old.tensors.find(name);
+      auto t = it != old.tensors.end() && it->second.sizes() == param.sizes() &&
+                       it->second.scalar_type() == param.scalar_type()
+                   ? it->second
+                   : torch::zeros_like(param);
       load("optim/" + l.name + "/" + name, l, as_rows(t));
       return t;
     };

@@ -50,8 +50,11 @@ struct NetImpl : torch::nn::Module {
   NetImpl()
       : emb(register_module("emb", torch::nn::Embedding(kVocab, kDim))),
         head(register_module("head", torch::nn::Linear(kDim, kVocab))) {
-    for (int i = 0; i < kBlocks; ++i)
-      blocks.push_back(register_module("b" + std::to_string(i), Block()));
+    for (int i = 0; i < kBlocks; ++i) {
+      std::string name = "b";  // appended: GCC 12 reports a false -Wrestrict on "b" + string
+      name.append(std::to_string(i));
+      blocks.push_back(register_module(name, Block()));
+    }
   }
   torch::Tensor forward(const torch::Tensor& tokens) {
     auto x = emb(tokens);

@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <tuple>
 
 #include <fsdp/consolidated.h>
 #include <fsdp/fsdp.h>
@@ -104,6 +105,7 @@ FSDP_WORKER(consolidated_save) {
   auto options = layout_options();
   if (ctx.env("DTYPE") == "bf16")
     options.dtype = torch::kBFloat16;
+  options.io_buffer_bytes = ctx.env_int("IO_BUFFER", options.io_buffer_bytes);
   fsdp::save_consolidated(ctx.env("FILE"), *net, *pg, options);
   // Every rank returns once the file is complete.
   WORKER_CHECK(fs::exists(ctx.env("FILE")));
@@ -113,7 +115,9 @@ FSDP_WORKER(consolidated_save) {
 FSDP_WORKER(consolidated_load) {
   auto pg = fsdp::init_process_group();
   auto net = sharded_net(pg, ctx.env("STRATEGY", "full_shard"));
-  auto meta = fsdp::load_consolidated(ctx.env("FILE"), *net, layout_options());
+  auto options = layout_options();
+  options.io_buffer_bytes = ctx.env_int("IO_BUFFER", options.io_buffer_bytes);
+  auto meta = fsdp::load_consolidated(ctx.env("FILE"), *net, options);
   WORKER_CHECK(meta.at("made_by") == "test");
   const bool bf16 = ctx.env("DTYPE") == "bf16";
   for (auto& s : fsdp::param_shards(*net)) {
@@ -158,12 +162,17 @@ TEST(ConsolidatedFile, SameBytesFromAnyRanksAndLoadsOnAny) {
       EXPECT_TRUE(torch::equal(r.read(name), t)) << name;
     EXPECT_EQ(r.header().metadata.at("made_by"), "test");
   }
-  const std::vector<std::pair<int, std::string>> savers = {
-      {2, "full_shard"}, {3, "full_shard"}, {4, "full_shard"}, {2, "no_shard"}, {4, "hybrid"}};
-  for (const auto& [n, strategy] : savers) {
-    const auto file = (root / (strategy + "-" + std::to_string(n) + ".safetensors")).string();
-    EXPECT_WORKERS_OK(fsdp::test::run_workers("consolidated_save", n,
-                                              env({{"FILE", file}, {"STRATEGY", strategy}})));
+  // An I/O buffer of 40 bytes sends and reads one or two rows at a time.
+  const std::vector<std::tuple<int, std::string, std::string>> savers = {
+      {2, "full_shard", ""},   {3, "full_shard", ""}, {4, "full_shard", ""},
+      {3, "full_shard", "40"}, {2, "no_shard", ""},   {4, "hybrid", ""}};
+  for (const auto& [n, strategy, buffer] : savers) {
+    const auto file =
+        (root / (strategy + "-" + std::to_string(n) + buffer + ".safetensors")).string();
+    auto vars = env({{"FILE", file}, {"STRATEGY", strategy}});
+    if (!buffer.empty())
+      vars.env.emplace_back("IO_BUFFER", buffer);
+    EXPECT_WORKERS_OK(fsdp::test::run_workers("consolidated_save", n, vars));
     EXPECT_TRUE(bytes_of(file) == bytes_of(reference)) << strategy << " on " << n;
     EXPECT_FALSE(fs::exists(file + ".tmp"));
   }
@@ -173,6 +182,8 @@ TEST(ConsolidatedFile, SameBytesFromAnyRanksAndLoadsOnAny) {
                                             env({{"FILE", reference}, {"STRATEGY", "no_shard"}})));
   EXPECT_WORKERS_OK(fsdp::test::run_workers("consolidated_load", 1,
                                             env({{"FILE", reference}, {"STRATEGY", "none"}})));
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("consolidated_load", 3,
+                                            env({{"FILE", reference}, {"IO_BUFFER", "40"}})));
   fs::remove_all(root);
 }
 
@@ -188,6 +199,9 @@ TEST(ConsolidatedFile, StoredInALowerDtype) {
   EXPECT_EQ(r.header().data_bytes, 175u * 2 + 4 * 8);
   EXPECT_WORKERS_OK(
       fsdp::test::run_workers("consolidated_load", 2, env({{"FILE", file}, {"DTYPE", "bf16"}})));
+  // bf16 into fp32 parameters goes through the staging buffer: a small one, a row at a time.
+  EXPECT_WORKERS_OK(fsdp::test::run_workers(
+      "consolidated_load", 3, env({{"FILE", file}, {"DTYPE", "bf16"}, {"IO_BUFFER", "20"}})));
   fs::remove_all(root);
 }
 

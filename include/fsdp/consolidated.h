@@ -2,10 +2,10 @@
 //
 // save_consolidated streams a sharded model into one file written by rank 0. For each
 // parameter in turn, rank 0 writes its own rows and receives every other first holder's rows
-// (point to point, one piece at a time, in parameter order), so no rank ever holds more than
-// its shards plus one parameter plus the piece in flight; the other ranks send straight from
-// their shards. The file is written as "<path>.tmp", fsynced, and renamed: a crash leaves no
-// half-written file under the final name.
+// (point to point, in messages of at most an I/O buffer, in parameter order), so no rank ever
+// holds more than its shards plus one I/O buffer (plus, for a transposed layout, the parameter
+// and its transpose); the other ranks send straight from their shards. The file is written as
+// "<path>.tmp", fsynced, and renamed: a crash leaves no half-written file under the final name.
 //
 // load_consolidated reads, on every rank and without any collective, only the bytes of the
 // rows its shard covers (pread), converting the file's dtype to the parameter's: a file saved
@@ -65,12 +65,16 @@ struct ConsolidatedOptions {
   std::map<std::string, std::string> metadata;
   /// save: the stored dtype of floating-point parameters (unset: as the shards hold them).
   std::optional<torch::ScalarType> dtype;
+  /// The I/O buffer: rows travel to rank 0 in messages of at most this many bytes, and reads
+  /// that cannot go straight into a shard (another dtype, a transposed layout) are staged
+  /// through at most this many (always at least one row).
+  int64_t io_buffer_bytes = 16 << 20;
 };
 
 /// Writes `model`'s parameters, whole, into the safetensors file `path` (rank 0 writes; every
 /// rank of `group`, the group the units were sharded over, calls it). Units must be at rest.
-/// Throws if `path` exists. The memory bound (rank 0): its shards, plus one parameter for a
-/// transposed layout (two: the parameter and its transpose), plus one received piece.
+/// Throws if `path` exists. The memory bound (rank 0): its shards, plus the I/O buffer, plus
+/// for a transposed layout the parameter and its transpose.
 void save_consolidated(const std::string& path, torch::nn::Module& model, ProcessGroup& group,
                        const ConsolidatedOptions& options = {});
 
