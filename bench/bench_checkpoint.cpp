@@ -4,8 +4,10 @@
 //   OMP_NUM_THREADS=1 torchrun --standalone --no-python --nproc-per-node 2
 //       build/bench/bench_checkpoint --dir /some/disk/dir [--preset gpt2-124m]
 //
-// bench/checkpoint_io.py runs it beside the disk's own write speed and prints the table. Each
-// rank prints nothing; rank 0 prints one JSON object per operation:
+// bench/checkpoint_io.py runs it beside the disk's own write speed and prints the table. The
+// first operation, raw_write, is the baseline: as many bytes as a rank's checkpoint file,
+// written from one tensor with pwrite and fsynced. Each rank prints nothing; rank 0 prints one
+// JSON object per operation:
 //   {"op", "seconds", "bytes" (on disk), "extra_peak" (per rank: the tensor high-water mark
 //    during the operation above what was live before it), "state_bytes" (per rank: live tensor
 //    bytes before, i.e. the sharded parameters and optimizer state)}
@@ -15,9 +17,13 @@
 #include <CLI/CLI.hpp>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <filesystem>
 #include <map>
+#include <thread>
 
 #include <fsdp/fsdp.h>
 
@@ -137,6 +143,10 @@ int main(int argc, char** argv) {
   auto measure = [&](const std::string& op, const fs::path& out, const std::function<void()>& fn) {
     if (op.rfind("load", 0) == 0)
       spoil();
+    // A virtual disk writes the previous operation's data back for seconds after its fsync and
+    // slows the next one down: every operation starts on a quiet disk.
+    ::sync();
+    std::this_thread::sleep_for(std::chrono::seconds(2));
     pg->barrier();
     const int64_t before = fsdp::memory::current_bytes();
     fsdp::memory::reset_peak();
@@ -159,6 +169,26 @@ int main(int argc, char** argv) {
     }
   };
   const auto ckpt = root / "ckpt", hf = root / "hf";
+  // The baseline in this process: as many bytes as this rank's checkpoint file, from a fresh
+  // tensor, in one pwrite per 64 MiB, then fsync.
+  const int64_t raw_bytes = fsdp::memory::current_bytes() / 4 * 4;
+  auto raw = torch::full({raw_bytes / 4}, 0.5f);
+  measure("raw_write", root / "raw", [&] {
+    const int64_t bytes = raw_bytes;
+    fs::create_directories(root / "raw");
+    const auto path = root / "raw" / ("rank-" + std::to_string(rank));
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    const auto* p = static_cast<const char*>(raw.data_ptr());
+    for (int64_t off = 0; off < bytes;) {
+      const ssize_t put = ::pwrite(fd, p + off, std::min<int64_t>(64 << 20, bytes - off), off);
+      if (put <= 0)
+        throw std::runtime_error("raw write failed");
+      off += put;
+    }
+    ::fsync(fd);
+    ::close(fd);
+  });
+  raw = torch::Tensor();
   measure("save_sharded", ckpt, [&] { fsdp::save_sharded(ckpt.string(), *model, &opt, *pg); });
   measure("load_sharded", ckpt, [&] { fsdp::load_sharded(ckpt.string(), *model, &opt); });
   measure("save_hf", hf, [&] { fsdp_models::save_hf(hf.string(), model, *pg); });

@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <optional>
 #include <set>
+#include <utility>
 
 #include <fsdp/durable_file.h>
 #include <fsdp/process_group.h>
@@ -126,8 +128,16 @@ void save_consolidated(const std::string& path, torch::nn::Module& model, Proces
     out[0].push_back(torch::empty_like(in[0]));
   group.backend().allgather(out, in)->wait();
 
+  std::vector<TensorLayout> layouts;
+  for (const auto& s : shards)
+    layouts.push_back(layout_of(options, s.name, s.global_shape));
+  auto transposed = [&](int64_t i) {
+    return layouts[static_cast<size_t>(i)].kind == TensorLayout::Kind::kTransposed;
+  };
+
   // Rows travel to rank 0 in slabs of at most io_buffer_bytes, tagged by their order among the
-  // messages of their sender; both sides compute the same slabs.
+  // messages of their sender; both sides compute the same slabs. A slab of a transposed
+  // parameter travels transposed: every sender does its share of the transposing.
   if (rank != 0) {
     int tag = 0;
     for (int64_t i = 0; i < n; ++i) {
@@ -136,7 +146,8 @@ void save_consolidated(const std::string& path, torch::nn::Module& model, Proces
         continue;
       const auto shard = s.shard.contiguous();
       for (int64_t r = 0, slab = slab_rows(s, options.io_buffer_bytes); r < s.rows; r += slab) {
-        std::vector<at::Tensor> piece{shard.narrow(0, r, std::min(slab, s.rows - r))};
+        auto rows = shard.narrow(0, r, std::min(slab, s.rows - r));
+        std::vector<at::Tensor> piece{transposed(i) ? rows.t().contiguous() : rows};
         group.backend().send(piece, 0, tag++)->wait();
       }
     }
@@ -147,20 +158,17 @@ void save_consolidated(const std::string& path, torch::nn::Module& model, Proces
   std::vector<at::Tensor> table;  // per rank: [n, 2] (first row, rows it writes)
   for (auto& t : out[0])
     table.push_back(t.cpu());
-  std::vector<TensorLayout> layouts;
   std::vector<safetensors::TensorSpec> specs;
   std::set<std::string> names;
   auto stored = [&](torch::ScalarType t) {
     return options.dtype && at::isFloatingType(t) ? *options.dtype : t;
   };
-  for (const auto& s : shards) {
-    layouts.push_back(layout_of(options, s.name, s.global_shape));
-    TORCH_CHECK(names.insert(layouts.back().name).second,
-                "fsdp::save_consolidated: two tensors "
-                "named '",
-                layouts.back().name, "'");
-    specs.push_back({layouts.back().name, stored(s.shard.scalar_type()),
-                     file_shape(layouts.back(), s.global_shape)});
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const auto& layout = layouts[i];
+    TORCH_CHECK(names.insert(layout.name).second, "fsdp::save_consolidated: two tensors named '",
+                layout.name, "'");
+    specs.push_back({layout.name, stored(shards[i].shard.scalar_type()),
+                     file_shape(layout, shards[i].global_shape)});
   }
   for (const auto& [name, t] : options.extra_tensors) {
     TORCH_CHECK(names.insert(name).second, "fsdp::save_consolidated: extra tensor '", name,
@@ -176,42 +184,66 @@ void save_consolidated(const std::string& path, torch::nn::Module& model, Proces
       const auto& s = shards[static_cast<size_t>(i)];
       const auto& layout = layouts[static_cast<size_t>(i)];
       const auto dtype = stored(s.shard.scalar_type());
-      // A transposed parameter is assembled whole before it is written (its rows are the file's
-      // columns); the others are written piece by piece as they arrive.
+      // A transposed parameter is assembled whole, in the file's layout, before it is written
+      // (its rows are the file's columns); the others are written slab by slab as they arrive.
       torch::Tensor whole;
-      if (layout.kind == TensorLayout::Kind::kTransposed)
-        whole = torch::empty(s.global_shape, s.shard.options().device(torch::kCPU));
-      // Global rows [begin, begin + piece.size(0)).
-      auto put = [&](int64_t begin, const torch::Tensor& piece) {
+      if (transposed(i))
+        whole =
+            torch::empty(file_shape(layout, s.global_shape), s.shard.options().device(torch::kCPU));
+      // Global rows [begin, begin + rows) of the parameter; `slab` as sent (transposed or not).
+      auto put = [&](int64_t begin, int64_t rows, const torch::Tensor& slab) {
         if (whole.defined()) {
-          whole.narrow(0, begin, piece.size(0)).copy_(piece);
+          whole.narrow(1, begin, rows).copy_(slab);
           return;
         }
-        for (const auto& run : row_runs(layout, begin, piece.size(0)))
+        for (const auto& run : row_runs(layout, begin, rows))
           writer.write_rows(layout.name, run.file_row,
-                            piece.narrow(0, run.row - begin, run.rows).to(dtype));
+                            slab.narrow(0, run.row - begin, run.rows).to(dtype));
       };
+      // The other ranks' slabs, in order; each one's receive is posted before the previous one
+      // is written, so the network and the disk work at the same time (two slabs in memory).
+      struct Message {
+        int rank;
+        int64_t begin, rows;
+      };
+      std::vector<Message> messages;
       int64_t covered = 0;
       for (int r = 0; r < world; ++r) {
         const auto ru = static_cast<size_t>(r);
         const int64_t begin = table[ru][i][0].item<int64_t>();
         const int64_t rows = table[ru][i][1].item<int64_t>();
         covered += rows;
-        if (r == 0 && rows > 0)
-          put(begin, s.shard);
         for (int64_t k = 0, slab = slab_rows(s, options.io_buffer_bytes); r > 0 && k < rows;
-             k += slab) {
-          const int64_t m = std::min(slab, rows - k);
-          std::vector<at::Tensor> buf{torch::empty(rows_shape(s, m), s.shard.options())};
-          group.backend().recv(buf, r, tags[ru]++)->wait();
-          put(begin + k, buf[0]);
-        }
+             k += slab)
+          messages.push_back({r, begin + k, std::min(slab, rows - k)});
+      }
+      auto post = [&](const Message& m) {
+        auto shape = rows_shape(s, m.rows);
+        if (whole.defined())
+          std::swap(shape[0], shape[1]);
+        std::vector<at::Tensor> buf{torch::empty(shape, s.shard.options())};
+        auto work = group.backend().recv(buf, m.rank, tags[static_cast<size_t>(m.rank)]++);
+        return std::make_pair(work, buf[0]);
+      };
+      std::optional<std::pair<c10::intrusive_ptr<c10d::Work>, torch::Tensor>> next;
+      if (!messages.empty())
+        next = post(messages.front());
+      const int64_t own = table[0][i][1].item<int64_t>();
+      if (own > 0)
+        put(table[0][i][0].item<int64_t>(), own, whole.defined() ? s.shard.t() : s.shard);
+      for (size_t k = 0; k < messages.size(); ++k) {
+        auto [work, buf] = std::move(*next);
+        work->wait();
+        next.reset();
+        if (k + 1 < messages.size())
+          next = post(messages[k + 1]);
+        put(messages[k].begin, messages[k].rows, buf);
       }
       const int64_t global_rows = s.global_shape.empty() ? 1 : s.global_shape[0];
       TORCH_CHECK(covered == global_rows, "fsdp::save_consolidated: the ranks hold ", covered,
                   " rows of '", s.name, "', which has ", global_rows);
       if (whole.defined())
-        writer.write(layout.name, whole.t().to(dtype));
+        writer.write(layout.name, whole.to(dtype));
     }
     for (const auto& [name, t] : options.extra_tensors)
       writer.write(name, t);
