@@ -237,14 +237,6 @@ std::string hf_config_json(const LlamaConfig& cfg) {
   return j.dump(2) + "\n";
 }
 
-std::string hf_model_type(const std::string& config_json, const std::string& where) {
-  const auto j = parse_config(config_json, where);
-  const auto type = field<std::string>(j, "model_type", where);
-  if (type != "gpt2" && type != "llama")
-    throw FormatError(where + ": 'model_type' is '" + type + "' (supported: gpt2, llama)");
-  return type;
-}
-
 GPTConfig gpt_config_from_hf(const std::string& config_json, const std::string& where) {
   const auto j = parse_config(config_json, where);
   if (field<std::string>(j, "model_type", where) != "gpt2")

@@ -46,8 +46,6 @@ std::string hf_config_json(const LlamaConfig& cfg);
 /// scaling, biases on Llama's projections, ...).
 GPTConfig gpt_config_from_hf(const std::string& config_json, const std::string& where);
 LlamaConfig llama_config_from_hf(const std::string& config_json, const std::string& where);
-/// "gpt2" or "llama": config.json's model_type, checked to be one of ours.
-std::string hf_model_type(const std::string& config_json, const std::string& where);
 
 /// Writes the directory `dir` (config.json, model.safetensors) from a sharded model; every rank
 /// of `group` calls it, rank 0 writes (fsdp::save_consolidated: rank 0 holds its shards plus one

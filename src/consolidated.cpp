@@ -115,7 +115,7 @@ void save_consolidated(const std::string& path, torch::nn::Module& model, Proces
   const auto n = static_cast<int64_t>(shards.size());
 
   // Which rows every rank is the first holder of, so that rank 0 knows what to receive.
-  auto mine = torch::zeros({std::max<int64_t>(n, 1), 3}, torch::kLong);
+  auto mine = torch::zeros({std::max<int64_t>(n, 1), 2}, torch::kLong);
   for (int64_t i = 0; i < n; ++i) {
     const auto& s = shards[static_cast<size_t>(i)];
     mine[i][0] = s.row_begin;

@@ -67,31 +67,33 @@ struct AnyModel {
   std::function<void(const std::string&)> load;
 };
 
+// Sharded over `pg` unless it is null.
+template <typename Model, typename Config, typename Parallelize>
+AnyModel wrap(const Config& cfg, const std::shared_ptr<fsdp::ProcessGroup>& pg,
+              Parallelize parallelize) {
+  Model model(cfg, ModelInit().seed(1));
+  if (pg)
+    parallelize(model, fsdp::FullyShardOptions(pg));
+  AnyModel m;
+  m.module = model.ptr();
+  m.forward = [model](const torch::Tensor& x) mutable { return fsdp::forward(model, x); };
+  m.save = [model](const std::string& dir, fsdp::ProcessGroup& g) mutable {
+    fsdp_models::save_hf(dir, model, g);
+  };
+  m.load = [model](const std::string& dir) mutable { fsdp_models::load_hf(dir, model); };
+  return m;
+}
+
 AnyModel make_model(const std::string& family, const std::string& variant,
                     const std::shared_ptr<fsdp::ProcessGroup>& pg) {
-  AnyModel m;
   if (family == "gpt") {
-    GPT model(gpt_config(variant), ModelInit().seed(1));
-    if (pg)
-      fsdp_models::parallelize_gpt(model, fsdp::FullyShardOptions(pg));
-    m.module = model.ptr();
-    m.forward = [model](const torch::Tensor& x) mutable { return fsdp::forward(model, x); };
-    m.save = [model](const std::string& dir, fsdp::ProcessGroup& g) mutable {
-      fsdp_models::save_hf(dir, model, g);
-    };
-    m.load = [model](const std::string& dir) mutable { fsdp_models::load_hf(dir, model); };
-  } else {
-    Llama model(llama_config(variant), ModelInit().seed(1));
-    if (pg)
-      fsdp_models::parallelize_llama(model, fsdp::FullyShardOptions(pg));
-    m.module = model.ptr();
-    m.forward = [model](const torch::Tensor& x) mutable { return fsdp::forward(model, x); };
-    m.save = [model](const std::string& dir, fsdp::ProcessGroup& g) mutable {
-      fsdp_models::save_hf(dir, model, g);
-    };
-    m.load = [model](const std::string& dir) mutable { fsdp_models::load_hf(dir, model); };
+    return wrap<GPT>(gpt_config(variant), pg, [](GPT& m, const fsdp::FullyShardOptions& o) {
+      fsdp_models::parallelize_gpt(m, o);
+    });
   }
-  return m;
+  return wrap<Llama>(llama_config(variant), pg, [](Llama& m, const fsdp::FullyShardOptions& o) {
+    fsdp_models::parallelize_llama(m, o);
+  });
 }
 
 torch::Tensor fixed_input(int64_t vocab) {
