@@ -479,12 +479,12 @@ std::string file_bytes(const fs::path& p) {
 
 }  // namespace
 
-// 6 steps in one go vs a job that resumes from its step-3 checkpoint (as after a crash
-// there) and redoes steps 4-6: the same losses bit for bit and byte-identical checkpoints at
-// step 6 (parameters, AdamW state, data position and step all restored; the step-6 checkpoint
-// it replaces is moved aside and removed only once the new one is complete). Then the step-3
-// checkpoint resumes on 3 ranks under shard_grad_op (resharding), and checkpoint.keep removes the
-// oldest.
+// 6 steps in one go vs a job that resumes from its step-3 checkpoint (as after a crash there) and
+// redoes steps 4-6, under full_shard and under no_shard: the same losses bit for bit and byte-
+// identical checkpoints at step 6 (parameters, AdamW state, data position and step all restored;
+// the step-6 checkpoint it replaces is moved aside and removed only once the new one is
+// complete). Then the step-3 checkpoint resumes on 3 ranks under shard_grad_op (resharding), and
+// checkpoint.keep removes the oldest.
 TEST(TrainerRun, ResumeIsExactAndReshards) {
   const auto work = fs::path(FSDP_TEST_WORK_DIR);
   const auto a = work / "resume-a", b = work / "resume-b", c = work / "resume-c";
@@ -515,6 +515,27 @@ TEST(TrainerRun, ResumeIsExactAndReshards) {
     EXPECT_FALSE(x.empty());
     EXPECT_TRUE(x == file_bytes(b / "checkpoints" / "step-00000006" / f)) << f;
   }
+  // Exact under no_shard too (replicated rows: rank 0 writes them, every rank reads them).
+  const auto d = work / "resume-d", e = work / "resume-e";
+  for (const auto& dir : {d, e})
+    fs::remove_all(dir);
+  const std::string no_shard = " --fsdp.strategy=no_shard" + every;
+  checkpoint_run("resume-d", d.string(), 2, "--training.steps=6" + no_shard);
+  checkpoint_run("resume-e", e.string(), 2, "--training.steps=6" + no_shard);
+  checkpoint_run("resume-e", e.string(), 2,
+                 "--training.steps=6 --checkpoint.resume=" +
+                     (e / "checkpoints" / "step-00000003").string() + no_shard);
+  auto md = fsdp_trainer::read_metrics((d / "metrics.jsonl").string());
+  auto me = fsdp_trainer::read_metrics((e / "metrics.jsonl").string());
+  ASSERT_EQ(md.size(), 6u);
+  ASSERT_EQ(me.size(), 6u);
+  for (size_t i = 0; i < 6; ++i)
+    EXPECT_EQ(md[i].loss, me[i].loss) << "no_shard, step " << i + 1;
+  const auto x = file_bytes(d / "checkpoints" / "step-00000006" / "rank-00000.safetensors");
+  EXPECT_FALSE(x.empty());
+  EXPECT_TRUE(x == file_bytes(e / "checkpoints" / "step-00000006" / "rank-00000.safetensors"));
+  EXPECT_FALSE(fs::exists(d / "checkpoints" / "step-00000006" / "rank-00001.safetensors"));
+
   // Another world size and strategy, from a given directory.
   const auto from = (a / "checkpoints" / "step-00000003").string();
   checkpoint_run("resume-c", c.string(), 3,
