@@ -15,21 +15,16 @@
 #include <fsdp/safetensors.h>
 
 #include "harness/errors.h"
+#include "harness/files.h"
 #include "harness/multiprocess.h"
+#include "harness/sharding.h"
+#include "harness/small_net.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 
-struct NetImpl : torch::nn::Module {
-  NetImpl()
-      : a(register_module("a", torch::nn::Linear(7, 13))),
-        b(register_module("b", torch::nn::Linear(13, 5))),
-        gain(register_parameter("gain", torch::tensor(1.5))) {}
-  torch::nn::Linear a, b;
-  torch::Tensor gain;  // 0-d, in the root unit
-};
-TORCH_MODULE(Net);
+using Net = fsdp::test::SmallNet;
 
 // Known global values per parameter, distinct in every element.
 torch::Tensor pattern(const std::string& name, at::IntArrayRef shape) {
@@ -99,7 +94,7 @@ FSDP_WORKER(consolidated_save) {
     torch::NoGradGuard no_grad;
     for (auto& s : fsdp::param_shards(*net)) {
       auto full = pattern(s.name, s.global_shape);
-      s.shard.copy_((full.dim() == 0 ? full.reshape({1}) : full).narrow(0, s.row_begin, s.rows));
+      s.shard.copy_(fsdp::test::rows_held(full, s));
     }
   }
   auto options = layout_options();
@@ -124,35 +119,17 @@ FSDP_WORKER(consolidated_load) {
     auto full = pattern(s.name, s.global_shape);
     if (bf16)
       full = full.to(torch::kBFloat16).to(torch::kFloat);
-    auto want = (full.dim() == 0 ? full.reshape({1}) : full).narrow(0, s.row_begin, s.rows);
+    auto want = fsdp::test::rows_held(full, s);
     WORKER_CHECK(torch::equal(s.shard, want)) << s.name << " on rank " << pg->rank();
   }
   return 0;
 }
 
-fsdp::test::RunOptions env(std::vector<std::pair<std::string, std::string>> vars) {
-  fsdp::test::RunOptions o;
-  o.env = std::move(vars);
-  return o;
-}
-
-fs::path fresh_dir(const std::string& name) {
-  auto dir =
-      fs::temp_directory_path() / ("fsdp-consolidated-" + std::to_string(::getpid()) + "-" + name);
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
-
-std::string bytes_of(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(in)), {});
-}
-
 TEST(ConsolidatedFile, SameBytesFromAnyRanksAndLoadsOnAny) {
-  const auto root = fresh_dir("matrix");
+  const auto root = fsdp::test::fresh_dir("consolidated-matrix");
   const auto reference = (root / "one.safetensors").string();
-  EXPECT_WORKERS_OK(fsdp::test::run_workers("consolidated_save", 1, env({{"FILE", reference}})));
+  EXPECT_WORKERS_OK(
+      fsdp::test::run_workers("consolidated_save", 1, fsdp::test::with_env({{"FILE", reference}})));
   // The file, read by the reader alone: every tensor as computed here.
   {
     fsdp::safetensors::Reader r(reference);
@@ -169,46 +146,51 @@ TEST(ConsolidatedFile, SameBytesFromAnyRanksAndLoadsOnAny) {
   for (const auto& [n, strategy, buffer] : savers) {
     const auto file =
         (root / (strategy + "-" + std::to_string(n) + buffer + ".safetensors")).string();
-    auto vars = env({{"FILE", file}, {"STRATEGY", strategy}});
+    auto vars = fsdp::test::with_env({{"FILE", file}, {"STRATEGY", strategy}});
     if (!buffer.empty())
       vars.env.emplace_back("IO_BUFFER", buffer);
     EXPECT_WORKERS_OK(fsdp::test::run_workers("consolidated_save", n, vars));
-    EXPECT_TRUE(bytes_of(file) == bytes_of(reference)) << strategy << " on " << n;
+    EXPECT_TRUE(fsdp::test::file_bytes(file) == fsdp::test::file_bytes(reference))
+        << strategy << " on " << n;
     EXPECT_FALSE(fs::exists(file + ".tmp"));
   }
   for (int m : {1, 2, 3, 4})
-    EXPECT_WORKERS_OK(fsdp::test::run_workers("consolidated_load", m, env({{"FILE", reference}})));
-  EXPECT_WORKERS_OK(fsdp::test::run_workers("consolidated_load", 2,
-                                            env({{"FILE", reference}, {"STRATEGY", "no_shard"}})));
-  EXPECT_WORKERS_OK(fsdp::test::run_workers("consolidated_load", 1,
-                                            env({{"FILE", reference}, {"STRATEGY", "none"}})));
-  EXPECT_WORKERS_OK(fsdp::test::run_workers("consolidated_load", 3,
-                                            env({{"FILE", reference}, {"IO_BUFFER", "40"}})));
+    EXPECT_WORKERS_OK(fsdp::test::run_workers("consolidated_load", m,
+                                              fsdp::test::with_env({{"FILE", reference}})));
+  EXPECT_WORKERS_OK(fsdp::test::run_workers(
+      "consolidated_load", 2,
+      fsdp::test::with_env({{"FILE", reference}, {"STRATEGY", "no_shard"}})));
+  EXPECT_WORKERS_OK(fsdp::test::run_workers(
+      "consolidated_load", 1, fsdp::test::with_env({{"FILE", reference}, {"STRATEGY", "none"}})));
+  EXPECT_WORKERS_OK(fsdp::test::run_workers(
+      "consolidated_load", 3, fsdp::test::with_env({{"FILE", reference}, {"IO_BUFFER", "40"}})));
   fs::remove_all(root);
 }
 
 TEST(ConsolidatedFile, StoredInALowerDtype) {
-  const auto root = fresh_dir("bf16");
+  const auto root = fsdp::test::fresh_dir("consolidated-bf16");
   const auto file = (root / "bf16.safetensors").string();
-  EXPECT_WORKERS_OK(
-      fsdp::test::run_workers("consolidated_save", 3, env({{"FILE", file}, {"DTYPE", "bf16"}})));
+  EXPECT_WORKERS_OK(fsdp::test::run_workers(
+      "consolidated_save", 3, fsdp::test::with_env({{"FILE", file}, {"DTYPE", "bf16"}})));
   fsdp::safetensors::Reader r(file);
   EXPECT_EQ(r.entry("net.a.weight").dtype, torch::kBFloat16);
   EXPECT_EQ(r.entry("net.constant").dtype, torch::kLong);  // not a parameter: as given
   // 175 parameter values in 2 bytes each, 4 int64 constants.
   EXPECT_EQ(r.header().data_bytes, 175u * 2 + 4 * 8);
-  EXPECT_WORKERS_OK(
-      fsdp::test::run_workers("consolidated_load", 2, env({{"FILE", file}, {"DTYPE", "bf16"}})));
+  EXPECT_WORKERS_OK(fsdp::test::run_workers(
+      "consolidated_load", 2, fsdp::test::with_env({{"FILE", file}, {"DTYPE", "bf16"}})));
   // bf16 into fp32 parameters goes through the staging buffer: a small one, a row at a time.
   EXPECT_WORKERS_OK(fsdp::test::run_workers(
-      "consolidated_load", 3, env({{"FILE", file}, {"DTYPE", "bf16"}, {"IO_BUFFER", "20"}})));
+      "consolidated_load", 3,
+      fsdp::test::with_env({{"FILE", file}, {"DTYPE", "bf16"}, {"IO_BUFFER", "20"}})));
   fs::remove_all(root);
 }
 
 TEST(ConsolidatedFile, AFileThatDoesNotFitIsRefusedNamingIt) {
-  const auto root = fresh_dir("refused");
+  const auto root = fsdp::test::fresh_dir("consolidated-refused");
   const auto file = (root / "net.safetensors").string();
-  EXPECT_WORKERS_OK(fsdp::test::run_workers("consolidated_save", 2, env({{"FILE", file}})));
+  EXPECT_WORKERS_OK(
+      fsdp::test::run_workers("consolidated_save", 2, fsdp::test::with_env({{"FILE", file}})));
   Net net;
   // Under its own names the file lacks what the layout maps to.
   auto missing = fsdp::test::error_of([&] { fsdp::load_consolidated(file, *net); });
@@ -247,7 +229,8 @@ TEST(ConsolidatedFile, AFileThatDoesNotFitIsRefusedNamingIt) {
             std::string::npos)
       << perm;
   // Never overwritten.
-  EXPECT_FALSE(fsdp::test::run_workers("consolidated_save", 1, env({{"FILE", file}})).ok());
+  EXPECT_FALSE(
+      fsdp::test::run_workers("consolidated_save", 1, fsdp::test::with_env({{"FILE", file}})).ok());
   // A truncated file.
   fs::resize_file(file, fs::file_size(file) - 3);
   auto truncated =

@@ -17,7 +17,9 @@
 #include "gpt.h"
 #include "harness/command.h"
 #include "harness/errors.h"
+#include "harness/files.h"
 #include "harness/multiprocess.h"
+#include "harness/sharding.h"
 #include "hf_format.h"
 #include "llama.h"
 
@@ -41,7 +43,7 @@ void fill_random(torch::nn::Module& model) {
   torch::NoGradGuard no_grad;
   for (auto& s : fsdp::param_shards(model)) {
     auto full = random_global(s.name, s.global_shape);
-    s.shard.copy_((full.dim() == 0 ? full.reshape({1}) : full).narrow(0, s.row_begin, s.rows));
+    s.shard.copy_(fsdp::test::rows_held(full, s));
   }
 }
 
@@ -131,18 +133,11 @@ FSDP_WORKER(hf_load) {
   return 0;
 }
 
+// Loading transformers' directories runs Python beside the ranks: a longer timeout.
 fsdp::test::RunOptions env(std::vector<std::pair<std::string, std::string>> vars) {
-  fsdp::test::RunOptions o;
-  o.env = std::move(vars);
+  auto o = fsdp::test::with_env(std::move(vars));
   o.timeout = std::chrono::seconds(120);
   return o;
-}
-
-fs::path fresh_dir(const std::string& name) {
-  auto dir = fs::temp_directory_path() / ("fsdp-hf-" + std::to_string(::getpid()) + "-" + name);
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
 }
 
 std::string python(const std::string& args) {
@@ -176,7 +171,7 @@ void write_reference(const std::string& family, const std::string& variant,
 
 // Exported from `ranks` ranks, checked by Python, loaded back on 2 and 3 ranks.
 void export_and_check(const std::string& family, const std::string& variant, int ranks) {
-  const auto root = fresh_dir(family + "-" + variant);
+  const auto root = fsdp::test::fresh_dir("hf-" + family + "-" + variant);
   const auto dir = (root / "hf").string(), ours = (root / "ours.safetensors").string();
   write_reference(family, variant, ours);
   EXPECT_WORKERS_OK(fsdp::test::run_workers(
@@ -282,7 +277,7 @@ TEST(HuggingFace, ConfigsOurModelsCannotRepresentAreRefusedNamingTheField) {
             "c.json: 'model_type' is not 'gpt2'");
 
   // A directory whose config.json differs from the model it is loaded into: the field named.
-  const auto root = fresh_dir("mismatch");
+  const auto root = fsdp::test::fresh_dir("hf-mismatch");
   EXPECT_WORKERS_OK(fsdp::test::run_workers(
       "hf_export", 2,
       env({{"FAMILY", "gpt"}, {"VARIANT", "tied"}, {"DIR", (root / "hf").string()}})));

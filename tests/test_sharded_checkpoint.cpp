@@ -15,22 +15,17 @@
 #include <fsdp/sharded_checkpoint.h>
 #include <fsdp/state_dict.h>
 
+#include "harness/files.h"
 #include "harness/multiprocess.h"
+#include "harness/sharding.h"
+#include "harness/small_net.h"
 #include "sharded_checkpoint_hooks.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 
-struct NetImpl : torch::nn::Module {
-  NetImpl()
-      : a(register_module("a", torch::nn::Linear(7, 13))),
-        b(register_module("b", torch::nn::Linear(13, 5))),
-        gain(register_parameter("gain", torch::tensor(1.5))) {}
-  torch::nn::Linear a, b;
-  torch::Tensor gain;  // 0-d, in the root unit
-};
-TORCH_MODULE(Net);
+using Net = fsdp::test::SmallNet;
 
 // Known global values per tensor: a checkpoint restored on any number of ranks must give
 // exactly these rows on each.
@@ -60,7 +55,7 @@ void fill_with_patterns(Net& net, torch::optim::AdamW& opt) {
   for (auto& s : fsdp::param_shards(*net)) {
     auto rows = [&](int which) {
       auto full = pattern(s.name, which, s.global_shape);
-      return (full.dim() == 0 ? full.reshape({1}) : full).narrow(0, s.row_begin, s.rows);
+      return fsdp::test::rows_held(full, s);
     };
     s.shard.copy_(rows(0));
     const auto& p = params[s.name];
@@ -77,7 +72,7 @@ void check_patterns(Net& net, torch::optim::AdamW& opt, const std::string& where
   for (auto& s : fsdp::param_shards(*net)) {
     auto rows = [&](int which) {
       auto full = pattern(s.name, which, s.global_shape);
-      return (full.dim() == 0 ? full.reshape({1}) : full).narrow(0, s.row_begin, s.rows);
+      return fsdp::test::rows_held(full, s);
     };
     WORKER_CHECK(torch::equal(s.shard, rows(0))) << where << " " << s.name;
     const auto& p = params[s.name];
@@ -115,36 +110,25 @@ FSDP_WORKER(ckpt_load) {
   return 0;
 }
 
-fsdp::test::RunOptions env(std::vector<std::pair<std::string, std::string>> vars) {
-  fsdp::test::RunOptions o;
-  o.env = std::move(vars);
-  return o;
-}
-
-fs::path fresh_dir(const std::string& name) {
-  auto dir = fs::temp_directory_path() / ("fsdp-ckpt-" + std::to_string(::getpid()) + "-" + name);
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
-
 TEST(ShardedCheckpoint, SavedOnNLoadsOnM) {
-  auto root = fresh_dir("matrix");
+  auto root = fsdp::test::fresh_dir("ckpt-matrix");
   for (int n : {1, 2, 3, 4}) {
     const auto dir = (root / ("saved-on-" + std::to_string(n))).string();
-    EXPECT_WORKERS_OK(fsdp::test::run_workers("ckpt_save", n, env({{"DIR", dir}})));
+    EXPECT_WORKERS_OK(
+        fsdp::test::run_workers("ckpt_save", n, fsdp::test::with_env({{"DIR", dir}})));
     ASSERT_TRUE(fs::exists(fs::path(dir) / "index.json"));
     EXPECT_FALSE(fs::exists(dir + ".tmp"));
     for (int m : {1, 2, 3, 4})
-      EXPECT_WORKERS_OK(fsdp::test::run_workers("ckpt_load", m, env({{"DIR", dir}})));
-    EXPECT_WORKERS_OK(
-        fsdp::test::run_workers("ckpt_load", 2, env({{"DIR", dir}, {"STRATEGY", "no_shard"}})));
+      EXPECT_WORKERS_OK(
+          fsdp::test::run_workers("ckpt_load", m, fsdp::test::with_env({{"DIR", dir}})));
+    EXPECT_WORKERS_OK(fsdp::test::run_workers(
+        "ckpt_load", 2, fsdp::test::with_env({{"DIR", dir}, {"STRATEGY", "no_shard"}})));
   }
   // Saved under no_shard (one writer per row), loaded sharded on 3.
   const auto dir = (root / "no-shard").string();
-  EXPECT_WORKERS_OK(
-      fsdp::test::run_workers("ckpt_save", 2, env({{"DIR", dir}, {"STRATEGY", "no_shard"}})));
-  EXPECT_WORKERS_OK(fsdp::test::run_workers("ckpt_load", 3, env({{"DIR", dir}})));
+  EXPECT_WORKERS_OK(fsdp::test::run_workers(
+      "ckpt_save", 2, fsdp::test::with_env({{"DIR", dir}, {"STRATEGY", "no_shard"}})));
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("ckpt_load", 3, fsdp::test::with_env({{"DIR", dir}})));
   fs::remove_all(root);
 }
 
@@ -171,9 +155,10 @@ FSDP_WORKER(ckpt_damage) {
 }
 
 TEST(ShardedCheckpoint, DamageIsRefusedWithFileAndTensor) {
-  auto root = fresh_dir("damage");
+  auto root = fsdp::test::fresh_dir("ckpt-damage");
   const auto good = root / "good";
-  EXPECT_WORKERS_OK(fsdp::test::run_workers("ckpt_damage", 2, env({{"DIR", good.string()}})));
+  EXPECT_WORKERS_OK(
+      fsdp::test::run_workers("ckpt_damage", 2, fsdp::test::with_env({{"DIR", good.string()}})));
   EXPECT_EQ(load_error(good), "");
   auto copy = [&](const std::string& name) {
     auto d = root / name;
@@ -231,11 +216,12 @@ TEST(ShardedCheckpoint, DamageIsRefusedWithFileAndTensor) {
   fs::create_directories(root / "next.tmp");
   std::ofstream(root / "next.tmp" / "rank-00000.safetensors") << "half";
   EXPECT_EQ(load_error(good), "");
-  EXPECT_WORKERS_OK(
-      fsdp::test::run_workers("ckpt_damage", 2, env({{"DIR", (root / "next").string()}})));
+  EXPECT_WORKERS_OK(fsdp::test::run_workers(
+      "ckpt_damage", 2, fsdp::test::with_env({{"DIR", (root / "next").string()}})));
   EXPECT_EQ(load_error(root / "next"), "");
   // Never overwritten in place.
-  auto again = fsdp::test::run_workers("ckpt_damage", 2, env({{"DIR", good.string()}}));
+  auto again =
+      fsdp::test::run_workers("ckpt_damage", 2, fsdp::test::with_env({{"DIR", good.string()}}));
   EXPECT_FALSE(again.ok());
   fs::remove_all(root);
 }
@@ -262,10 +248,12 @@ FSDP_WORKER(ckpt_killed) {
 }
 
 TEST(ShardedCheckpoint, RankKilledMidSaveLeavesThePreviousOne) {
-  auto root = fresh_dir("killed");
+  auto root = fsdp::test::fresh_dir("ckpt-killed");
   const auto previous = root / "step-1", next = root / "step-2";
-  EXPECT_WORKERS_OK(fsdp::test::run_workers("ckpt_damage", 3, env({{"DIR", previous.string()}})));
-  auto r = fsdp::test::run_workers("ckpt_killed", 3, env({{"DIR", next.string()}}));
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("ckpt_damage", 3,
+                                            fsdp::test::with_env({{"DIR", previous.string()}})));
+  auto r =
+      fsdp::test::run_workers("ckpt_killed", 3, fsdp::test::with_env({{"DIR", next.string()}}));
   EXPECT_FALSE(r.timed_out) << r.describe();
   EXPECT_EQ(r.exit_codes[1], 128 + SIGKILL) << r.describe();
   EXPECT_EQ(r.exit_codes[0], 3) << r.describe();
@@ -277,7 +265,8 @@ TEST(ShardedCheckpoint, RankKilledMidSaveLeavesThePreviousOne) {
   EXPECT_EQ(load_error(previous), "");
   EXPECT_NE(load_error(next).find("cannot open"), std::string::npos);
   // The next attempt clears the debris and succeeds.
-  EXPECT_WORKERS_OK(fsdp::test::run_workers("ckpt_damage", 3, env({{"DIR", next.string()}})));
+  EXPECT_WORKERS_OK(
+      fsdp::test::run_workers("ckpt_damage", 3, fsdp::test::with_env({{"DIR", next.string()}})));
   EXPECT_EQ(load_error(next), "");
   fs::remove_all(root);
 }

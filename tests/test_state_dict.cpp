@@ -8,18 +8,11 @@
 
 #include "harness/multiprocess.h"
 #include "harness/sharding.h"
+#include "harness/small_net.h"
 
 namespace {
 
-struct NetImpl : torch::nn::Module {
-  NetImpl()
-      : a(register_module("a", torch::nn::Linear(7, 13))),
-        b(register_module("b", torch::nn::Linear(13, 5))),
-        gain(register_parameter("gain", torch::tensor(1.5))) {}
-  torch::nn::Linear a, b;
-  torch::Tensor gain;  // 0-d, in the root unit
-};
-TORCH_MODULE(Net);
+using Net = fsdp::test::SmallNet;
 
 Net make_net() {
   torch::manual_seed(5);

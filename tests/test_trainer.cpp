@@ -19,11 +19,13 @@
 
 #include "config.h"
 #include "harness/command.h"
+#include "harness/files.h"
 #include "metrics.h"
 
 namespace {
 
 namespace fs = std::filesystem;
+using fsdp::test::file_bytes;
 
 using fsdp::test::CommandResult;
 
@@ -470,11 +472,6 @@ CommandResult checkpoint_run(const std::string& name, const std::string& run_dir
   auto r = run(cmd);
   EXPECT_EQ(r.code, 0) << cmd << "\n" << r.output;
   return r;
-}
-
-std::string file_bytes(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), {}};
 }
 
 }  // namespace

@@ -457,6 +457,28 @@ std::vector<std::filesystem::path> complete_checkpoints(const std::filesystem::p
   return out;
 }
 
+// The newest complete checkpoint under checkpoint_dir, if any.
+std::optional<std::filesystem::path> latest_checkpoint(const Config& config) {
+  auto done = complete_checkpoints(checkpoint_dir(config));
+  if (done.empty())
+    return std::nullopt;
+  return done.back();
+}
+
+// A directory about to be written again (a checkpoint of the same step from an abandoned run,
+// an earlier export) is moved here first, and removed once the new one is complete: a crash in
+// between loses neither.
+std::filesystem::path aside_path(const std::filesystem::path& dir) {
+  return dir.string() + ".replaced";
+}
+
+void move_aside(const std::filesystem::path& dir) {
+  if (!std::filesystem::exists(dir))
+    return;
+  std::filesystem::remove_all(aside_path(dir));
+  std::filesystem::rename(dir, aside_path(dir));
+}
+
 std::string to_hex(const torch::Tensor& bytes) {
   static const char* digits = "0123456789abcdef";
   std::string out;
@@ -495,13 +517,9 @@ void Trainer::save_checkpoint(int64_t step) {
   const std::string key = fmt::format("fsdp_train/rng/{}/", step);
   const auto hex = to_hex(rng);
   pg_->store()->set(key + std::to_string(rank), std::vector<uint8_t>(hex.begin(), hex.end()));
-  // A checkpoint of this step from an abandoned run (resumed from an earlier one) is moved
-  // aside first and removed once the new one is complete.
-  const fs::path replaced = root / (step_dir_name(step) + ".replaced");
-  if (rank == 0 && fs::exists(dir)) {
-    fs::remove_all(replaced);
-    fs::rename(dir, replaced);
-  }
+  // A checkpoint of this step from an abandoned run (resumed from an earlier one).
+  if (rank == 0)
+    move_aside(dir);
   pg_->barrier();
   const auto sampler = sampler_->state();
   std::map<std::string, std::string> meta = {{"step", std::to_string(step)},
@@ -529,7 +547,7 @@ void Trainer::save_checkpoint(int64_t step) {
     return;
   for (int r = 0; r < pg_->size(); ++r)
     pg_->store()->deleteKey(key + std::to_string(r));
-  fs::remove_all(replaced);
+  fs::remove_all(aside_path(dir));
   auto done = complete_checkpoints(root);
   const auto keep = static_cast<size_t>(config_.checkpoint.keep);
   for (size_t i = 0; i + keep < done.size(); ++i)
@@ -548,13 +566,13 @@ int64_t Trainer::resume_from_checkpoint() {
   namespace fs = std::filesystem;
   fs::path dir = config_.checkpoint.resume;
   if (config_.checkpoint.resume == "latest" || config_.checkpoint.resume == "auto") {
-    auto done = complete_checkpoints(checkpoint_dir(config_));
-    if (done.empty() && config_.checkpoint.resume == "auto")
+    const auto latest = latest_checkpoint(config_);
+    if (!latest && config_.checkpoint.resume == "auto")
       return 0;  // the first start of a job its launcher may restart
-    if (done.empty())
+    if (!latest)
       throw std::runtime_error("checkpoint.resume = latest: no complete checkpoint in " +
                                checkpoint_dir(config_));
-    dir = done.back();
+    dir = *latest;
   }
   auto meta = fsdp::load_sharded(dir.string(), *model_.module, optimizer_.get());
   auto number = [&](const std::string& key) -> int64_t {
@@ -592,10 +610,10 @@ std::string Trainer::load_weights(const std::string& path) {
   namespace fs = std::filesystem;
   fs::path dir = path;
   if (path == "latest") {
-    auto done = complete_checkpoints(checkpoint_dir(config_));
-    if (done.empty())
+    const auto latest = latest_checkpoint(config_);
+    if (!latest)
       throw std::runtime_error("no complete checkpoint in " + checkpoint_dir(config_));
-    dir = done.back();
+    dir = *latest;
   }
   if (fs::exists(dir / "index.json")) {
     fsdp::load_sharded(dir.string(), *model_.module);
@@ -611,19 +629,15 @@ std::string Trainer::load_weights(const std::string& path) {
 
 void Trainer::export_hf(const std::string& dir, bool replace) {
   namespace fs = std::filesystem;
-  // An earlier export there is moved aside, and removed once the new one is complete.
-  const std::string replaced = dir + ".replaced";
-  if (replace && pg_->rank() == 0 && fs::exists(dir)) {
-    fs::remove_all(replaced);
-    fs::rename(dir, replaced);
-  }
+  if (replace && pg_->rank() == 0)
+    move_aside(dir);
   pg_->barrier();
   const auto start = Clock::now();
   model_.save_hf(dir, *pg_);
   const double seconds = seconds_since(start);
   if (pg_->rank() != 0)
     return;
-  fs::remove_all(replaced);
+  fs::remove_all(aside_path(dir));
   const auto bytes = fs::file_size(fs::path(dir) / "model.safetensors");
   const auto text = fmt::format("Hugging Face directory {} ({:.1f} MB in {:.2f} s, {:.0f} MB/s)",
                                 dir, bytes / 1e6, seconds, bytes / 1e6 / std::max(seconds, 1e-9));

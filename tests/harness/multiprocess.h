@@ -56,6 +56,13 @@ struct RunOptions {
   std::vector<int> absent_ranks;
 };
 
+/// RunOptions with these environment variables (and the default timeout).
+inline RunOptions with_env(std::vector<std::pair<std::string, std::string>> vars) {
+  RunOptions o;
+  o.env = std::move(vars);
+  return o;
+}
+
 struct RunResult {
   static constexpr int kNotLaunched = -1;
 
