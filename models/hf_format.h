@@ -48,8 +48,9 @@ GPTConfig gpt_config_from_hf(const std::string& config_json, const std::string& 
 LlamaConfig llama_config_from_hf(const std::string& config_json, const std::string& where);
 
 /// Writes the directory `dir` (config.json, model.safetensors) from a sharded model; every rank
-/// of `group` calls it, rank 0 writes (fsdp::save_consolidated: rank 0 holds its shards plus one
-/// parameter). Written as "<dir>.tmp" and renamed once complete. Throws if `dir` exists.
+/// of `group` calls it, rank 0 writes (fsdp::save_consolidated: rank 0 holds its shards plus two
+/// I/O buffers, and GPT-2's transposed weights one matrix at a time). Written as "<dir>.tmp" and
+/// renamed once complete. Throws if `dir` exists.
 void save_hf(const std::string& dir, GPT& model, fsdp::ProcessGroup& group);
 void save_hf(const std::string& dir, Llama& model, fsdp::ProcessGroup& group);
 

@@ -310,7 +310,8 @@ const std::vector<Option>& options() {
       opt("checkpoint.export_hf", FIELD(checkpoint.export_hf),
           "At the end of training, write the model as a Hugging Face directory (config.json, "
           "model.safetensors in float32) that transformers' from_pretrained loads; rank 0 "
-          "writes, holding its shards plus one parameter."),
+          "writes, holding its shards plus two 16 MiB I/O buffers (and, for GPT-2's transposed "
+          "layout, one weight matrix)."),
       opt("checkpoint.export_dir", FIELD(checkpoint.export_dir),
           "Where checkpoint.export_hf writes; empty: <logging.run_dir>/hf. An earlier export "
           "there is replaced once the new one is complete."),

@@ -2,10 +2,12 @@
 //
 // save_consolidated streams a sharded model into one file written by rank 0. For each
 // parameter in turn, rank 0 writes its own rows and receives every other first holder's rows
-// (point to point, in messages of at most an I/O buffer, in parameter order), so no rank ever
-// holds more than its shards plus one I/O buffer (plus, for a transposed layout, the parameter
-// and its transpose); the other ranks send straight from their shards. The file is written as
-// "<path>.tmp", fsynced, and renamed: a crash leaves no half-written file under the final name.
+// (point to point, in messages of at most an I/O buffer, in parameter order; the next message
+// is received while the current one is written), so rank 0 never holds more than its shards
+// plus two I/O buffers (plus, for a transposed layout, the parameter in the file's layout); the
+// other ranks send from their shards (a transposed layout: one transposed slab at a time). The
+// file is written as "<path>.tmp", fsynced, and renamed: a crash leaves no half-written file
+// under the final name.
 //
 // load_consolidated reads, on every rank and without any collective, only the bytes of the
 // rows its shard covers (pread), converting the file's dtype to the parameter's: a file saved
@@ -73,8 +75,8 @@ struct ConsolidatedOptions {
 
 /// Writes `model`'s parameters, whole, into the safetensors file `path` (rank 0 writes; every
 /// rank of `group`, the group the units were sharded over, calls it). Units must be at rest.
-/// Throws if `path` exists. The memory bound (rank 0): its shards, plus the I/O buffer, plus
-/// for a transposed layout the parameter and its transpose.
+/// Throws if `path` exists. The memory bound (rank 0): its shards, plus two I/O buffers, plus
+/// for a transposed layout the whole parameter.
 void save_consolidated(const std::string& path, torch::nn::Module& model, ProcessGroup& group,
                        const ConsolidatedOptions& options = {});
 
