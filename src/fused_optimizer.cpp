@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <stdexcept>
 #include <unordered_map>
@@ -195,6 +196,30 @@ torch::Tensor FusedOptimizer::step(LossClosure closure) {
   return loss;
 }
 
+torch::Tensor FusedOptimizer::state_tensor(const torch::Tensor& param,
+                                           const std::string& name) const {
+  const auto& s = slots_[slot_of(param)];
+  const auto it = std::find(state_names_.begin(), state_names_.end(), name);
+  TORCH_CHECK(it != state_names_.end(), "fused optimizer: no state named '", name, "'");
+  const int k = static_cast<int>(it - state_names_.begin());
+  const auto dtype = state_options_.moments_dtype();
+  const int64_t esize = element_size(dtype);
+  auto buffer = store_->memory(k);
+  if (buffer.defined())  // a view: loading a checkpoint writes straight into the state
+    return buffer.narrow(0, s.offset * esize, s.numel * esize).view(dtype).view(param.sizes());
+  auto t = torch::empty(param.sizes(), torch::TensorOptions().dtype(dtype));
+  store_->read(k, s.offset, s.numel, t.data_ptr());
+  return t;
+}
+
+void FusedOptimizer::get_state_step(const torch::Tensor& param, int64_t* step) const {
+  *step = slots_[slot_of(param)].step;
+}
+
+bool FusedOptimizer::state_in_memory() const {
+  return state_options_.offload_dir().empty();
+}
+
 std::map<std::string, torch::Tensor> FusedOptimizer::get_state(const torch::Tensor& param,
                                                                int64_t* step) const {
   const auto& s = slots_[slot_of(param)];
@@ -203,19 +228,8 @@ std::map<std::string, torch::Tensor> FusedOptimizer::get_state(const torch::Tens
   std::map<std::string, torch::Tensor> out;
   if (s.step == 0 || !store_)
     return out;
-  const auto dtype = state_options_.moments_dtype();
-  const int64_t esize = element_size(dtype);
-  for (size_t k = 0; k < state_names_.size(); ++k) {
-    auto buffer = store_->memory(static_cast<int>(k));
-    torch::Tensor t;
-    if (buffer.defined()) {  // a view: loading a checkpoint writes straight into the state
-      t = buffer.narrow(0, s.offset * esize, s.numel * esize).view(dtype).view(param.sizes());
-    } else {
-      t = torch::empty(param.sizes(), torch::TensorOptions().dtype(dtype));
-      store_->read(static_cast<int>(k), s.offset, s.numel, t.data_ptr());
-    }
-    out[state_names_[k]] = t;
-  }
+  for (const auto& name : state_names_)
+    out[name] = state_tensor(param, name);
   return out;
 }
 

@@ -16,8 +16,10 @@
 #include <atomic>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 
 #include <fsdp/durable_file.h>
+#include <fsdp/fused_optimizer.h>
 #include <fsdp/process_group.h>
 #include <fsdp/safetensors.h>
 #include <fsdp/state_dict.h>
@@ -45,11 +47,19 @@ struct Entry {
   std::string key;  // "model/<name>" or "optim/<name>/<state>"
   ParamShard layout;
   torch::Tensor data;  // this rank's rows, [rows, ...]
+  // State kept in a file (a fused optimizer's offload) is read only when its turn comes, so
+  // saving holds one tensor of it at a time; `data` is undefined until then.
+  std::function<torch::Tensor()> fetch;
+  torch::Dtype dtype = torch::kFloat32;
 };
 
 std::string optimizer_kind(torch::optim::Optimizer* opt) {
   if (!opt)
     return "";
+  // The fused optimizers save under torch's names: their checkpoints load into torch's
+  // optimizers and the other way round.
+  if (auto* fused = dynamic_cast<FusedOptimizer*>(opt))
+    return fused->state_kind();
   if (dynamic_cast<torch::optim::AdamW*>(opt))
     return "adamw";
   if (dynamic_cast<torch::optim::Adam*>(opt))
@@ -66,11 +76,28 @@ struct ParamOptState {
   std::map<std::string, torch::Tensor> tensors;
   int64_t step = 0;
   bool exists = false;
+  torch::Dtype dtype = torch::kFloat32;  // of lazily read tensors
 };
 
+// `lazy`: a fused optimizer's offloaded state is named but not read (see Entry::fetch).
 ParamOptState read_opt_state(torch::optim::Optimizer& opt, const std::string& kind,
-                             const torch::Tensor& param) {
+                             const torch::Tensor& param, bool lazy = false) {
   ParamOptState out;
+  if (auto* fused = dynamic_cast<FusedOptimizer*>(&opt)) {
+    if (!lazy || fused->state_in_memory()) {
+      out.tensors = fused->get_state(param, &out.step);
+    } else {  // names only: save reads each tensor from the file when it writes it
+      fused->get_state_step(param, &out.step);
+      if (out.step > 0)
+        for (const auto& name : fused->state_names())
+          out.tensors[name] = torch::Tensor();
+      out.dtype = fused->state_options().moments_dtype();
+    }
+    out.exists = out.step > 0;
+    if (kind == "sgd")
+      out.step = 0;  // as torch's SGD state, which has no step count
+    return out;
+  }
   auto it = opt.state().find(param.unsafeGetTensorImpl());
   if (it == opt.state().end())
     return out;
@@ -149,14 +176,18 @@ void save_sharded(const std::string& dir, torch::nn::Module& model,
     const auto& param = params[l.name];
     ParamOptState st;
     if (optimizer)
-      st = read_opt_state(*optimizer, kind, param);
+      st = read_opt_state(*optimizer, kind, param, /*lazy=*/true);
     if (st.exists)
       steps[l.name] = st.step;
     if (!l.writer || l.rows == 0)
       continue;
-    entries.push_back({"model/" + l.name, l, l.shard});
+    entries.push_back({"model/" + l.name, l, l.shard, {}, l.shard.scalar_type()});
     for (auto& [name, t] : st.tensors)
-      entries.push_back({"optim/" + l.name + "/" + name, l, as_rows(t)});
+      entries.push_back({"optim/" + l.name + "/" + name, l, t.defined() ? as_rows(t) : t,
+                         t.defined() ? std::function<torch::Tensor()>()
+                                     : [fused = dynamic_cast<FusedOptimizer*>(optimizer), param,
+                                        name] { return as_rows(fused->state_tensor(param, name)); },
+                         t.defined() ? t.scalar_type() : st.dtype});
   }
   char file_buf[32];
   std::snprintf(file_buf, sizeof file_buf, "rank-%05d.safetensors", rank);
@@ -165,9 +196,11 @@ void save_sharded(const std::string& dir, torch::nn::Module& model,
   if (!entries.empty()) {
     std::vector<safetensors::TensorSpec> specs;
     for (const auto& e : entries)
-      specs.push_back({e.key, e.data.scalar_type(), rows_shape(e.layout, e.layout.rows)});
+      specs.push_back({e.key, e.dtype, rows_shape(e.layout, e.layout.rows)});
     safetensors::Writer w((tmp / file).string(), specs);
-    for (const auto& e : entries) {
+    for (auto& e : entries) {
+      if (!e.data.defined())
+        e.data = e.fetch();
       w.write_rows(e.key, 0, e.data);
       const uint64_t row_bytes = std::max<uint64_t>(1, w.header().find(e.key)->row_bytes());
       const int64_t block_rows =
@@ -181,6 +214,8 @@ void save_sharded(const std::string& dir, torch::nn::Module& model,
                        {"xxh3", sums},
                        {"dtype", safetensors::dtype_name(e.data.scalar_type())},
                        {"shape", e.layout.global_shape}};
+      if (e.fetch)
+        e.data = torch::Tensor();  // the next one replaces it
     }
     w.finish();
   }
@@ -289,16 +324,19 @@ std::map<std::string, std::string> load_sharded(const std::string& dir, torch::n
       continue;
     const auto& param = params[l.name];
     auto step = index.steps.find(l.name);
-    if (step == index.steps.end()) {
-      optimizer->state().erase(param.unsafeGetTensorImpl());  // it had no state when saved
+    auto* fused = dynamic_cast<FusedOptimizer*>(optimizer);
+    if (step == index.steps.end()) {  // it had no state when saved
+      if (fused)
+        fused->set_state(param, {}, 0);
+      else
+        optimizer->state().erase(param.unsafeGetTensorImpl());
       continue;
     }
     // State tensors the optimizer already has are loaded in place: no second copy of the
     // state exists at any moment (a rank's extra memory stays one block of rows).
-    const auto existing = optimizer->state().find(param.unsafeGetTensorImpl());
-    ParamOptState old;
-    if (existing != optimizer->state().end())
-      old = read_opt_state(*optimizer, kind, param);
+    // (A fused optimizer's in-memory state comes back as views of its buffers; from a file,
+    // as copies that set_state writes back.)
+    const ParamOptState old = read_opt_state(*optimizer, kind, param);
     auto make = [&](const std::string& name) {
       auto it = old.tensors.find(name);
       auto t = it != old.tensors.end() && it->second.sizes() == param.sizes() &&
@@ -311,6 +349,17 @@ std::map<std::string, std::string> load_sharded(const std::string& dir, torch::n
     auto has = [&](const std::string& name) {
       return index.tensors.count("optim/" + l.name + "/" + name) > 0;
     };
+    if (fused) {
+      std::map<std::string, torch::Tensor> loaded;
+      for (const auto& name : fused->state_names())
+        if (has(name))
+          loaded[name] = make(name);
+      // torch's SGD saves no step count; a momentum buffer means it has stepped.
+      const int64_t steps =
+          kind == "sgd" && !loaded.empty() ? std::max<int64_t>(step->second, 1) : step->second;
+      fused->set_state(param, loaded, steps);
+      continue;
+    }
     std::unique_ptr<torch::optim::OptimizerParamState> state;
     if (kind == "adamw") {
       auto s = std::make_unique<torch::optim::AdamWParamState>();

@@ -16,6 +16,7 @@
 
 #include "harness/files.h"
 #include "harness/multiprocess.h"
+#include "harness/small_net.h"
 #include "optimizer_kernels.h"
 
 namespace {
@@ -476,3 +477,92 @@ TEST(FusedOptimizerOffload, AFullDiskIsAClearError) {
 }
 
 }  // namespace
+
+// --- Checkpoints -------------------------------------------------------------------------
+
+namespace ckpt {
+
+// SmallNet's shapes (rows 2 ranks do not divide, a 0-d parameter in the root), with a forward.
+struct NetImpl : fsdp::test::SmallNetImpl {
+  torch::Tensor forward(const torch::Tensor& x) { return b(fsdp::forward(a, x)) * gain; }
+};
+TORCH_MODULE(Net);
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(Net& net, const std::string& kind,
+                                                        const std::string& offload_dir) {
+  auto adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+  if (kind == "torch")
+    return std::make_unique<torch::optim::AdamW>(net->parameters(), adamw);
+  auto o = OptimizerStateOptions().chunk_bytes(8 << 10);  // several chunks, even here
+  if (kind.find("bf16") != std::string::npos)
+    o.moments_dtype(torch::kBFloat16);
+  if (kind.find("file") != std::string::npos)
+    o.offload_dir(offload_dir);
+  return std::make_unique<FusedAdamW>(net->parameters(), adamw, o);
+}
+
+}  // namespace ckpt
+
+// Trains steps [FROM, TO) of a fixed run on a sharded SmallNet with the optimizer OPT,
+// optionally loading LOAD first and saving SAVE and the consolidated parameters OUT after.
+FSDP_WORKER(fused_ckpt) {
+  auto pg = fsdp::init_process_group();
+  torch::manual_seed(1);
+  ckpt::Net net;
+  fsdp::FullyShardOptions opts(pg);
+  fsdp::fully_shard(net->a, opts);
+  fsdp::fully_shard(net, opts);
+  const auto offload = ctx.tmp_dir + "/offload-" + std::to_string(ctx.rank);
+  fs::create_directories(offload);
+  auto opt = ckpt::make_optimizer(net, ctx.env("OPT"), offload);
+  if (!ctx.env("LOAD").empty())
+    fsdp::load_sharded(ctx.env("LOAD"), *net, opt.get());
+  for (int64_t step = ctx.env_int("FROM", 0); step < ctx.env_int("TO", 0); ++step) {
+    torch::manual_seed(100 * step + ctx.rank);
+    auto x = torch::randn({4, 7});
+    fsdp::forward(net, x).square().mean().backward();
+    opt->step();
+    opt->zero_grad();
+  }
+  if (!ctx.env("SAVE").empty())
+    fsdp::save_sharded(ctx.env("SAVE"), *net, opt.get(), *pg);
+  if (!ctx.env("OUT").empty())
+    fsdp::save_consolidated(ctx.env("OUT"), *net, *pg);
+  return 0;
+}
+
+TEST(FusedOptimizerCheckpoint, ResumesBitwiseAndMovesToAndFromTorchAdamW) {
+  fsdp::test::TempDir dir;
+  auto run = [&](const std::string& opt, int from, int to, const std::string& load,
+                 const std::string& save, const std::string& out) {
+    EXPECT_WORKERS_OK(fsdp::test::run_workers("fused_ckpt", 2,
+                                              fsdp::test::with_env({{"OPT", opt},
+                                                                    {"FROM", std::to_string(from)},
+                                                                    {"TO", std::to_string(to)},
+                                                                    {"LOAD", load},
+                                                                    {"SAVE", save},
+                                                                    {"OUT", out}})));
+  };
+  const auto d = dir.path() + "/";
+  for (const std::string dtype : {"", "_bf16"}) {
+    // Uninterrupted, in memory; then stopped at step 3 with the state in a file, resumed with
+    // it in memory: the same bytes.
+    run("fused" + dtype, 0, 6, "", "", d + "straight" + dtype + ".safetensors");
+    run("fused_file" + dtype, 0, 3, "", d + "at3" + dtype, "");
+    run("fused" + dtype, 3, 6, d + "at3" + dtype, "", d + "resumed" + dtype + ".safetensors");
+    const auto a = fsdp::test::file_bytes(d + "straight" + dtype + ".safetensors");
+    EXPECT_FALSE(a.empty());
+    EXPECT_EQ(a, fsdp::test::file_bytes(d + "resumed" + dtype + ".safetensors")) << dtype;
+  }
+  // fused -> torch::optim::AdamW -> fused in a file: the state survives bit for bit (the
+  // rank files are byte-identical).
+  run("fused", 0, 2, "", d + "from-fused", "");
+  run("torch", 0, 0, d + "from-fused", d + "via-torch", "");
+  run("fused_file", 0, 0, d + "via-torch", d + "back-to-fused", "");
+  for (const char* f : {"rank-00000.safetensors", "rank-00001.safetensors"}) {
+    const auto a = fsdp::test::file_bytes(d + "from-fused/" + f);
+    EXPECT_FALSE(a.empty());
+    EXPECT_EQ(a, fsdp::test::file_bytes(d + "via-torch/" + f)) << f;
+    EXPECT_EQ(a, fsdp::test::file_bytes(d + "back-to-fused/" + f)) << f;
+  }
+}

@@ -85,6 +85,13 @@ class FusedOptimizer : public torch::optim::Optimizer {
   /// read from the file when offloaded), in the moments dtype; empty if it has none yet.
   /// `*step` is its step count.
   std::map<std::string, torch::Tensor> get_state(const torch::Tensor& param, int64_t* step) const;
+  /// One state tensor of `param` (as get_state), read alone: saving an offloaded state holds
+  /// one tensor of it at a time.
+  torch::Tensor state_tensor(const torch::Tensor& param, const std::string& name) const;
+  /// `param`'s step count (0: no state yet).
+  void get_state_step(const torch::Tensor& param, int64_t* step) const;
+  /// True when the state lives in memory (get_state returns views), false when offloaded.
+  bool state_in_memory() const;
   /// Replaces `param`'s state (any float dtype, converted; missing names are zeros); step 0
   /// clears it.
   void set_state(const torch::Tensor& param, const std::map<std::string, torch::Tensor>& state,
