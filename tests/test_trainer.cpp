@@ -100,6 +100,16 @@ TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
       {"", "--fsdp.activation_checkpointing=some",
        "'fsdp.activation_checkpointing' must be one of none, full, selective"},
       {"", "--fsdp.ac_every=0", "'fsdp.ac_every' must be >= 1"},
+      {"", "--optimizer.name=lamb", "'optimizer.name' must be one of adamw, adamw_fused, sgd"},
+      {"", "--optimizer.name=adamw --optimizer.offload=file",
+       "'optimizer.offload' = file needs a fused optimizer"},
+      {"", "--optimizer.name=adamw --optimizer.moments_dtype=bf16",
+       "'optimizer.moments_dtype' = bf16 needs a fused optimizer"},
+      {"", "--optimizer.offload=file --optimizer.offload_dir=/no/such/dir",
+       "'optimizer.offload_dir' '/no/such/dir' is not an existing directory"},
+      {"", "--optimizer.chunk_mb=0", "'optimizer.chunk_mb' must be between"},
+      {"", "--optimizer.name=sgd --optimizer.momentum=0 --optimizer.nesterov=true",
+       "'optimizer.nesterov' needs optimizer.momentum > 0"},
       // The job's shape: checked by the launcher before any rank starts...
       {"", "--nproc 2 --fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=3",
        "'fsdp.hybrid_shard_size' = 3 must divide the world size (2 ranks)"},
@@ -361,6 +371,56 @@ TEST(TrainerRun, PrefetchKnobsMoveMemoryNotMath) {
   // gather at a time, it does not.
   EXPECT_LT(last[1].peak_bytes, last[0].peak_bytes);
   EXPECT_LT(last[2].peak_bytes, last[0].peak_bytes);
+}
+
+// [optimizer]: the fused AdamW follows torch's within rounding; its state in a file (bf16 or
+// not) gives bitwise the in-memory run's losses, and the metrics count the streamed bytes;
+// SGD trains; a directory the state cannot be written to stops the run before its first step.
+TEST(TrainerRun, OptimizerChoicesAndOffload) {
+  const std::string shape = "--training.steps=4 ";
+  // gpt2-tiny: 3.4 MB of AdamW state per rank, against two 64 KiB chunk buffers.
+  auto torch_adamw = quick_run("opt-torch", 2, shape + "--optimizer.name=adamw", "gpt2-tiny");
+  auto fused = quick_run("opt-fused", 2, shape + "--optimizer.name=adamw_fused", "gpt2-tiny");
+  auto offload = quick_run(
+      "opt-file", 2, shape + "--optimizer.offload=file --optimizer.chunk_mb=0.0625", "gpt2-tiny");
+  auto bf16 = quick_run("opt-bf16", 2, shape + "--optimizer.moments_dtype=bf16");
+  auto bf16_file = quick_run(
+      "opt-bf16-file", 2,
+      shape + "--optimizer.moments_dtype=bf16 --optimizer.offload=file --optimizer.chunk_mb=0.1");
+  auto sgd = quick_run("opt-sgd", 2, "--training.steps=6 --optimizer.name=sgd --training.lr=0.3");
+  for (const auto* m : {&torch_adamw, &fused, &offload, &bf16, &bf16_file})
+    ASSERT_EQ(m->size(), 4u);
+  ASSERT_EQ(sgd.size(), 6u);
+  for (size_t i = 0; i < 4; ++i) {
+    // One-ulp differences in the parameters (torch's sqrt goes through MKL) move the loss by
+    // far less than 1e-5 in 4 steps.
+    EXPECT_NEAR(fused[i].loss, torch_adamw[i].loss, 1e-5 * torch_adamw[i].loss) << i;
+    EXPECT_EQ(offload[i].loss, fused[i].loss) << "step " << i + 1;
+    EXPECT_EQ(bf16_file[i].loss, bf16[i].loss) << "step " << i + 1;
+    EXPECT_FALSE(fused[i].offload_read_bytes.has_value());
+    ASSERT_TRUE(offload[i].offload_read_bytes.has_value());
+    EXPECT_GT(*offload[i].offload_read_bytes, 0);
+    EXPECT_EQ(*offload[i].offload_read_bytes, *offload[i].offload_written_bytes);
+    ASSERT_TRUE(bf16_file[i].offload_read_bytes.has_value());
+    EXPECT_EQ(*bf16_file[i].offload_read_bytes, *bf16_file[i].offload_written_bytes);
+  }
+  // With the state in the file, the optimizer's resident memory is two chunk buffers.
+  EXPECT_LT(*offload.back().mem_optimizer_bytes, *fused.back().mem_optimizer_bytes);
+  EXPECT_LT(sgd.back().loss, sgd.front().loss);
+  // The offload directory is left empty: the state files were unlinked when opened.
+  const auto dir = fs::path(FSDP_TEST_WORK_DIR) / "run-opt-file" / "offload";
+  EXPECT_TRUE(fs::is_directory(dir));
+  EXPECT_TRUE(fs::is_empty(dir));
+  // A directory on a read-only file system: every rank fails before training, naming it.
+  const CommandResult r =
+      run(train_cmd() + " --nproc 2 " +
+          write_config("opt-ro", tiny_config((fs::path(FSDP_TEST_WORK_DIR) / "run-opt-ro").string(),
+                                             "gpt", "gpt2-test")) +
+          " --optimizer.offload=file --optimizer.offload_dir=/proc");
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("optimizer offload directory '/proc': cannot create"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("step 1"), std::string::npos) << r.output;
 }
 
 // Activation checkpointing changes memory, not math: the losses are bit-identical, the traffic

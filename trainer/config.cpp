@@ -166,11 +166,13 @@ const std::vector<Option>& options() {
           "passes before one optimizer step (divides training.batch_size)."),
       opt("training.seq_len", FIELD(training.seq_len),
           "Tokens per sequence (the model's context)."),
-      opt("training.lr", FIELD(training.lr), "Peak learning rate (AdamW)."),
+      opt("training.lr", FIELD(training.lr), "Peak learning rate."),
       opt("training.min_lr", FIELD(training.min_lr),
           "Learning rate at the end of the cosine decay."),
       opt("training.warmup_steps", FIELD(training.warmup_steps), "Linear warm-up steps."),
-      opt("training.weight_decay", FIELD(training.weight_decay), "AdamW weight decay."),
+      opt("training.weight_decay", FIELD(training.weight_decay),
+          "Weight decay of matrices (norms and biases are exempt): decoupled for AdamW, L2 "
+          "for SGD."),
       opt("training.beta1", FIELD(training.beta1), "AdamW beta1."),
       opt("training.beta2", FIELD(training.beta2), "AdamW beta2."),
       opt("training.grad_clip", FIELD(training.grad_clip),
@@ -285,6 +287,33 @@ const std::vector<Option>& options() {
       opt("precision.init_scale", FIELD(precision.init_scale), "First loss scale."),
       opt("precision.growth_interval", FIELD(precision.growth_interval),
           "Clean steps in a row before the loss scale doubles."),
+      opt("optimizer.name", FIELD(optimizer.name),
+          "adamw: torch::optim::AdamW. adamw_fused: fsdp::FusedAdamW, the same update in one "
+          "vectorised pass over each rank's shards (several times faster; moments bitwise "
+          "torch's, parameters within an ulp, see docs/design.md), with bf16 moments and file "
+          "offload. sgd: fsdp::FusedSGD (torch::optim::SGD's update, bitwise) with "
+          "optimizer.momentum.",
+          {"adamw", "adamw_fused", "sgd"}),
+      opt("optimizer.moments_dtype", FIELD(optimizer.moments_dtype),
+          "Dtype of the optimizer state (fused optimizers): bf16 halves it; stored with "
+          "stochastic rounding, computed in fp32; parameters stay fp32.",
+          {"fp32", "bf16"}),
+      opt("optimizer.momentum", FIELD(optimizer.momentum), "SGD momentum (0: none, no state)."),
+      opt("optimizer.nesterov", FIELD(optimizer.nesterov), "SGD: Nesterov momentum."),
+      opt("optimizer.offload", FIELD(optimizer.offload),
+          "Where the optimizer state lives (fused optimizers): none (memory) or file (one file "
+          "per rank in optimizer.offload_dir, reserved in full at start, streamed through two "
+          "chunk buffers with the next chunk read while the current one is updated).",
+          {"none", "file"}),
+      opt("optimizer.offload_dir", FIELD(optimizer.offload_dir),
+          "Directory of the offloaded state (an existing one; put it on fast local storage); "
+          "empty: <logging.run_dir>/offload. The files are deleted as soon as they are opened, "
+          "so nothing is left behind, even by a crash."),
+      opt("optimizer.chunk_mb", FIELD(optimizer.chunk_mb),
+          "Offload: MiB of state per chunk read or written at a time (two chunks are resident)."),
+      opt("optimizer.direct_io", FIELD(optimizer.direct_io),
+          "Offload: bypass the page cache (O_DIRECT) where the file system allows it, so the "
+          "state really leaves memory."),
       opt("logging.run_dir", FIELD(logging.run_dir),
           "Output directory: metrics.jsonl, config.toml, breakdown.txt, plot.png, sample.txt."),
       opt("logging.progress", FIELD(logging.progress),
@@ -498,6 +527,20 @@ void validate(const Config& c) {
   require(c.model.init_from.empty() || std::filesystem::is_directory(c.model.init_from),
           "model.init_from", "'" + c.model.init_from + "' is not a directory");
   require(c.generate.temperature > 0, "generate.temperature", "must be > 0");
+  require(c.optimizer.moments_dtype == "fp32" || c.optimizer.name != "adamw",
+          "optimizer.moments_dtype",
+          "= " + c.optimizer.moments_dtype + " needs a fused optimizer (adamw_fused or sgd)");
+  require(c.optimizer.offload == "none" || c.optimizer.name != "adamw", "optimizer.offload",
+          "= " + c.optimizer.offload + " needs a fused optimizer (adamw_fused or sgd)");
+  require(c.optimizer.momentum >= 0 && c.optimizer.momentum < 1, "optimizer.momentum",
+          "must be in [0, 1)");
+  require(!c.optimizer.nesterov || c.optimizer.momentum > 0, "optimizer.nesterov",
+          "needs optimizer.momentum > 0");
+  require(c.optimizer.chunk_mb >= 0.0625 && c.optimizer.chunk_mb <= (1 << 20), "optimizer.chunk_mb",
+          "must be between 0.0625 and 1048576");
+  require(c.optimizer.offload_dir.empty() || std::filesystem::is_directory(c.optimizer.offload_dir),
+          "optimizer.offload_dir",
+          "'" + c.optimizer.offload_dir + "' is not an existing directory");
   require(c.generate.top_k >= 0, "generate.top_k", "must be >= 0");
 }
 
@@ -505,6 +548,12 @@ std::string export_dir(const Config& c) {
   if (!c.checkpoint.export_dir.empty())
     return c.checkpoint.export_dir;
   return (std::filesystem::path(c.logging.run_dir) / "hf").string();
+}
+
+std::string offload_dir(const Config& c) {
+  if (!c.optimizer.offload_dir.empty())
+    return c.optimizer.offload_dir;
+  return (std::filesystem::path(c.logging.run_dir) / "offload").string();
 }
 
 std::string checkpoint_dir(const Config& c) {

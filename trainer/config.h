@@ -84,6 +84,17 @@ struct PrecisionConfig {
   int64_t growth_interval = 2000;
 };
 
+struct OptimizerConfig {
+  std::string name = "adamw_fused";    // adamw (torch::optim::AdamW), adamw_fused, sgd (fused)
+  std::string moments_dtype = "fp32";  // fp32, bf16 (fused optimizers)
+  double momentum = 0.9;               // sgd
+  bool nesterov = false;               // sgd
+  std::string offload = "none";        // none, file
+  std::string offload_dir;             // "" : <logging.run_dir>/offload
+  double chunk_mb = 64;
+  bool direct_io = true;
+};
+
 struct LoggingConfig {
   std::string run_dir = "runs/default";
   std::string progress = "auto";
@@ -114,10 +125,14 @@ struct Config {
   TrainingConfig training;
   FsdpConfig fsdp;
   PrecisionConfig precision;
+  OptimizerConfig optimizer;
   LoggingConfig logging;
   GenerateConfig generate;
   CheckpointConfig checkpoint;
 };
+
+/// The directory optimizer.offload = file puts its state files in.
+std::string offload_dir(const Config& c);
 
 /// The directory checkpoints are written to (checkpoint.dir, or under the run directory).
 std::string checkpoint_dir(const Config& c);

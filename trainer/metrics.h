@@ -75,6 +75,11 @@ struct StepMetrics {
   /// the moment of its peak; they sum to peak_bytes). CPU runs only.
   std::optional<int64_t> mem_params_bytes, mem_grads_bytes, mem_optimizer_bytes, mem_gathered_bytes,
       mem_activations_bytes, mem_other_bytes;
+  /// With optimizer.offload = file, rank 0: state bytes its optimizer step read from and wrote
+  /// to the file, and the time the update waited for the file (the rest of the I/O overlapped
+  /// the update).
+  std::optional<int64_t> offload_read_bytes, offload_written_bytes;
+  std::optional<double> time_offload_wait_s;
 
   bool operator==(const StepMetrics&) const = default;
 };

@@ -16,12 +16,14 @@
 #include <fsdp/clip_grad.h>
 #include <fsdp/durable_file.h>
 #include <fsdp/fully_shard.h>
+#include <fsdp/fused_optimizer.h>
 #include <fsdp/memory.h>
 #include <fsdp/safetensors.h>
 #include <fsdp/sharded_checkpoint.h>
 #include <fsdp/step_profiler.h>
 #include <fsdp/unshard.h>
 
+#include "optimizer_factory.h"
 #include "plot.h"
 
 namespace fsdp_trainer {
@@ -162,13 +164,7 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
     params_.push_back(p);
     (p.dim() >= 2 ? decay : no_decay).push_back(p);
   }
-  auto adamw =
-      torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).weight_decay(t.weight_decay);
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(adamw));
-  groups.emplace_back(no_decay,
-                      std::make_unique<torch::optim::AdamWOptions>(adamw.weight_decay(0.0)));
-  optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups));
+  optimizer_ = make_optimizer(config_, decay, no_decay);
   if (uses_loss_scaling(config_)) {
     scaler_ =
         std::make_unique<fsdp::ShardedGradScaler>(pg_, fsdp::GradScalerOptions()
@@ -235,6 +231,14 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
         prec.gather_format == "int8" ? fmt::format("int8 (blocks of {})", prec.int8_block)
                                      : prec.gather_format,
         prec.reduce_dtype, scaler_ ? ", dynamic loss scaling" : "", ac));
+    const auto& o = config_.optimizer;
+    std::string optimizer = o.name == "adamw" ? "torch::optim::AdamW" : o.name;
+    if (auto* fused = dynamic_cast<fsdp::FusedOptimizer*>(optimizer_.get())) {
+      optimizer +=
+          fmt::format(" ({} kernels, {} moments", fused->kernel_capability(), o.moments_dtype);
+      optimizer += fused->state_in_memory() ? ")" : ", state in " + fused->offload_info() + ")";
+    }
+    progress_->message("optimizer: " + optimizer);
   }
 }
 
@@ -314,9 +318,8 @@ StepMetrics Trainer::train_step(int64_t step) {
   StepMetrics m;
   m.step = step;
   m.lr = learning_rate(step);
-  for (auto& group : optimizer_->param_groups()) {
-    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(m.lr);
-  }
+  for (auto& group : optimizer_->param_groups())
+    group.options().set_lr(m.lr);
   device_memory_.reset_peak();
   profiler_->begin_step();
 
@@ -379,6 +382,13 @@ StepMetrics Trainer::train_step(int64_t step) {
   m.time_allgather_wait_forward_s = b.all_gather_wait_forward_s;
   m.time_reducescatter_wait_s = b.reduce_wait_s;
   m.time_optimizer_s = b.optimizer_s;
+  if (auto* fused = dynamic_cast<fsdp::FusedOptimizer*>(optimizer_.get());
+      fused && !fused->state_in_memory()) {
+    const auto& o = fused->last_step();
+    m.offload_read_bytes = o.bytes_read;
+    m.offload_written_bytes = o.bytes_written;
+    m.time_offload_wait_s = o.io_wait_seconds;
+  }
   m.allgather_bytes = b.comm.all_gather.bytes;
   m.reducescatter_bytes = b.comm.reduce_scatter.bytes;
   m.allreduce_bytes = b.comm.all_reduce.bytes;

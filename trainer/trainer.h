@@ -91,7 +91,7 @@ class Trainer {
   std::vector<torch::Tensor> eval_set_;
   TrainModel model_;
   std::unique_ptr<fsdp::StepProfiler> profiler_;
-  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;  // see make_optimizer in trainer.cpp
   std::unique_ptr<fsdp::ShardedGradScaler> scaler_;  // precision.loss_scaling
   std::vector<torch::Tensor> params_;
   std::unique_ptr<MetricsWriter> metrics_;
