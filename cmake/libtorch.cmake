@@ -12,3 +12,12 @@ target_link_libraries(fsdp_libtorch INTERFACE torch_cpu c10)
 add_library(fsdp_fmt INTERFACE)
 target_compile_definitions(fsdp_fmt INTERFACE FMT_HEADER_ONLY)
 target_link_libraries(fsdp_fmt INTERFACE fsdp_libtorch)
+
+# OpenMP: ATen's at::parallel_for is an OpenMP region written in its headers
+# (ATen/ParallelOpenMP.h). Compiled without -fopenmp the pragma is ignored and every
+# at::parallel_for in our code runs on one thread whatever at::set_num_threads says. The wheel
+# ships its libgomp.so.1 beside libtorch_cpu.so; with the same soname only one OpenMP runtime
+# is loaded (the wheel's, found first through the RUNPATH), so one thread pool and one thread
+# count serve ATen and us.
+find_package(OpenMP REQUIRED COMPONENTS CXX)
+target_link_libraries(fsdp_libtorch INTERFACE OpenMP::OpenMP_CXX)

@@ -50,14 +50,21 @@ inline uint32_t mix(uint32_t x) {  // a 32-bit finaliser (lowbias32): full avala
   return x;
 }
 
+// `key` already mixes in the stream and the high half of the index (see span_key), so one
+// finaliser per element suffices: the vector loop stays cheap next to the memory traffic.
 inline uint16_t round_bf16(float value, uint32_t key, int64_t index) {
   uint32_t bits;
   std::memcpy(&bits, &value, sizeof bits);
-  const uint32_t noise =
-      mix(static_cast<uint32_t>(index) ^ mix(key ^ static_cast<uint32_t>(index >> 32))) & 0xffffu;
+  const uint32_t noise = mix(static_cast<uint32_t>(index) ^ key) & 0xffffu;
   const bool special = (bits & 0x7f800000u) == 0x7f800000u;  // inf and NaN keep their class
   const uint32_t rounded = special ? bits | ((bits & 0xffffu) ? 0x10000u : 0u) : bits + noise;
   return static_cast<uint16_t>(rounded >> 16);
+}
+
+// The per-span part of the rounding hash: the stream key and the index's high 32 bits (a span
+// never crosses a multiple of 2^32, see for_each_span).
+inline uint32_t span_key(uint32_t key, int64_t first) {
+  return mix(key ^ mix(static_cast<uint32_t>(first >> 32) + 0x632be5abu));
 }
 
 inline float widen_bf16(uint16_t bits) {
@@ -126,8 +133,9 @@ inline float nan_max(float a, float b) {  // torch::max_out: NaN propagates
 // always correctly rounded; here sqrt is IEEE (vsqrtps).
 template <class M>
 void adamw_span(const AdamWScalars& s, const AdamWSpan& x) {
-  const uint32_t key_m = s.rounding_key, key_v = s.rounding_key ^ 0x9e3779b9u,
-                 key_x = s.rounding_key ^ 0x85ebca6bu;
+  const uint32_t key_m = span_key(s.rounding_key, x.first),
+                 key_v = span_key(s.rounding_key ^ 0x9e3779b9u, x.first),
+                 key_x = span_key(s.rounding_key ^ 0x85ebca6bu, x.first);
   int64_t i = 0;
 #if FSDP_VECTORIZE
   const Vec decay(s.decay), b1(s.beta1), omb1(s.one_minus_beta1), b2(s.beta2),
@@ -176,6 +184,7 @@ void adamw_span(const AdamWScalars& s, const AdamWSpan& x) {
 //   d = nesterov ? fma(buf, momentum, d) : buf;  p = fma(d, -lr, p)
 template <class M>
 void sgd_span(const SGDScalars& s, const SGDSpan& x) {
+  const uint32_t key = span_key(s.rounding_key, x.first);
   int64_t i = 0;
 #if FSDP_VECTORIZE
   const Vec wd(s.weight_decay), mom(s.momentum), omd(s.one_minus_dampening), nlr(s.neg_lr);
@@ -186,7 +195,7 @@ void sgd_span(const SGDScalars& s, const SGDSpan& x) {
       d = at::vec::fmadd(p, wd, d);
     if (s.use_momentum) {
       const Vec buf = s.first ? d : at::vec::fmadd(d, omd, M::loadv(x.momentum_buffer, i) * mom);
-      M::storev(x.momentum_buffer, i, buf, s.rounding_key, x.first + i);
+      M::storev(x.momentum_buffer, i, buf, key, x.first + i);
       d = s.nesterov ? at::vec::fmadd(buf, mom, d) : buf;
     }
     at::vec::fmadd(d, nlr, p).store(x.param + i);
@@ -201,19 +210,53 @@ void sgd_span(const SGDScalars& s, const SGDSpan& x) {
       const float buf =
           s.first ? d
                   : std::fma(d, s.one_minus_dampening, M::load(x.momentum_buffer, i) * s.momentum);
-      M::store(x.momentum_buffer, i, buf, s.rounding_key, x.first + i);
+      M::store(x.momentum_buffer, i, buf, key, x.first + i);
       d = s.nesterov ? std::fma(buf, s.momentum, d) : buf;
     }
     x.param[i] = std::fma(d, s.neg_lr, p);
   }
 }
 
+void advance(AdamWSpan& x, int64_t bytes) {
+  for (void** p : {&x.exp_avg, &x.exp_avg_sq, &x.max_exp_avg_sq})
+    if (*p)
+      *p = static_cast<char*>(*p) + bytes;
+}
+
+void advance(SGDSpan& x, int64_t bytes) {
+  if (x.momentum_buffer)
+    x.momentum_buffer = static_cast<char*>(x.momentum_buffer) + bytes;
+}
+
+// Cuts a span where its element index crosses a multiple of 2^32 (only shards of more than 4G
+// elements have such spans), so that span_key holds for all of each piece.
+template <class Span, class Fn>
+void for_each_span(const Span& x, bool bf16, Fn fn) {
+  Span rest = x;
+  while (rest.n > 0) {
+    const int64_t boundary = ((rest.first >> 32) + 1) << 32;
+    Span piece = rest;
+    piece.n = std::min(rest.n, boundary - rest.first);
+    fn(piece);
+    const int64_t es = bf16 ? 2 : 4;
+    rest.param += piece.n;
+    rest.grad += piece.n;
+    rest.first += piece.n;
+    rest.n -= piece.n;
+    advance(rest, piece.n * es);
+  }
+}
+
 void adamw(const AdamWScalars& s, const AdamWSpan& x, bool bf16_moments) {
-  bf16_moments ? adamw_span<BF16>(s, x) : adamw_span<F32>(s, x);
+  for_each_span(x, bf16_moments, [&](const AdamWSpan& piece) {
+    bf16_moments ? adamw_span<BF16>(s, piece) : adamw_span<F32>(s, piece);
+  });
 }
 
 void sgd(const SGDScalars& s, const SGDSpan& x, bool bf16_moments) {
-  bf16_moments ? sgd_span<BF16>(s, x) : sgd_span<F32>(s, x);
+  for_each_span(x, bf16_moments, [&](const SGDSpan& piece) {
+    bf16_moments ? sgd_span<BF16>(s, piece) : sgd_span<F32>(s, piece);
+  });
 }
 
 #define FSDP_STRINGIFY2(x) #x
