@@ -12,6 +12,7 @@ and max relative diff over every tensor) and the loss curves. The state file of 
 run is checked bitwise against the in-memory one (checkpoint rank files byte for byte).
 """
 import json
+import re
 import os
 import shutil
 import statistics
@@ -30,6 +31,9 @@ STEPS = 200
 
 RUNS = {
     "torch AdamW": ["--optimizer.name=adamw"],
+    # The noise floor: torch's own AdamW with ATen's AVX2 kernels instead of its AVX-512 ones
+    # (ulp-level differences in elementwise ops and reductions), against itself.
+    "torch AdamW, ATen AVX2": ["--optimizer.name=adamw"],
     "fused fp32": ["--optimizer.name=adamw_fused"],
     "fused fp32, file": ["--optimizer.name=adamw_fused", "--optimizer.offload=file"],
     "fused bf16": ["--optimizer.name=adamw_fused", "--optimizer.moments_dtype=bf16"],
@@ -37,13 +41,16 @@ RUNS = {
 
 
 def run(name, extra):
+    env = dict(os.environ)
+    if "AVX2" in name:
+        env["ATEN_CPU_CAPABILITY"] = "avx2"
     run_dir = os.path.join(WORK, name.replace(" ", "_").replace(",", ""))
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [TRAIN, "--nproc", "2", os.path.join(ROOT, "configs", "demo.toml"),
            f"--training.steps={STEPS}", "--training.eval_every=0", "--generate.tokens=0",
-           "--logging.plot=false", "--logging.progress=plain", "--checkpoint.every=100",
+           "--logging.plot=false", "--logging.progress=none", "--checkpoint.every=100",
            "--checkpoint.keep=2", f"--logging.run_dir={run_dir}"] + extra
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         sys.exit(f"{name} failed:\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
     losses = [json.loads(l)["loss"] for l in open(os.path.join(run_dir, "metrics.jsonl"))]
@@ -80,6 +87,14 @@ def main():
         print(f"step {step}: fused vs torch AdamW parameters: max |diff| {max_abs:.3g} (largest "
               f"|parameter| {scale:.3g}); loss at step {step}: {ref_losses[step - 1]:.6f} vs "
               f"{fused_losses[step - 1]:.6f}")
+    avx2_dir, avx2_losses = results["torch AdamW, ATen AVX2"]
+    for step in (100, STEPS):
+        max_abs, _ = compare(params(avx2_dir, step)[0], params(ref_dir, step)[0])
+        print(f"step {step}: noise floor, torch AdamW with ATen's AVX2 kernels vs AVX-512: max "
+              f"|diff| {max_abs:.3g}")
+    gaps = [abs(a - b) for a, b in zip(ref_losses, avx2_losses)]
+    print(f"loss gap torch AVX2 vs torch AVX-512 over {STEPS} steps: max {max(gaps):.3g}, mean "
+          f"{statistics.mean(gaps):.3g}")
     gaps = [abs(a - b) for a, b in zip(ref_losses, fused_losses)]
     print(f"loss gap fused vs torch over {STEPS} steps: max {max(gaps):.3g}, mean {statistics.mean(gaps):.3g}")
     file_dir, file_losses = results["fused fp32, file"]
@@ -100,7 +115,49 @@ def main():
           f"last 50 steps {statistics.mean(gaps[tail]):.4f} (fp32's own mean step-to-step change "
           f"there: {statistics.mean(changes):.4f}); final loss {fused_losses[-1]:.4f} vs "
           f"{bf16_losses[-1]:.4f}")
+    memory_with_offload()
     shutil.rmtree(WORK, ignore_errors=True)
+
+
+def memory_with_offload():
+    """Per-rank peak tracked memory of gpt2-124m (124.4M parameters, 2 ranks, a few steps) with
+    FusedAdamW's state in memory and in a file: the drop against the analytic state bytes."""
+    rows = {}
+    for name, extra in (("in memory", []),
+                        ("file", ["--optimizer.offload=file", "--optimizer.chunk_mb=16"])):
+        run_dir = os.path.join(WORK, "mem-" + name.replace(" ", "_"))
+        shutil.rmtree(run_dir, ignore_errors=True)
+        cmd = [TRAIN, "--nproc", "2", os.path.join(ROOT, "configs", "demo.toml"),
+               "--model.preset=gpt2-124m", "--training.steps=4", "--training.batch_size=1",
+               "--training.seq_len=64", "--training.eval_every=0", "--training.eval_batches=1",
+               "--generate.tokens=0", "--logging.plot=false", "--logging.progress=lines",
+               f"--logging.run_dir={run_dir}", "--optimizer.name=adamw_fused"] + extra
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if r.returncode != 0:
+            sys.exit(f"gpt2-124m {name} failed:\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
+        lines = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
+        rows[name] = lines[-1]
+        # "... 12 layers, width 768, 87.42M parameters on 2 rank(s)": the demo's vocabulary
+        # (2048) replaces GPT-2's 50257, hence fewer than 124M.
+        match = re.search(r"([0-9.]+)M parameters", r.stdout + r.stderr)
+        rows[name]["params"] = float(match.group(1)) * 1e6 if match else float("nan")
+        rows[name]["opt_time"] = statistics.median(l["time_optimizer_s"] for l in lines[1:])
+    for name, m in rows.items():
+        print(f"gpt2-124m, 2 ranks, state {name}: peak {m['peak_bytes'] / 2**20:.1f} MiB, of which "
+              f"optimizer {m['mem_optimizer_bytes'] / 2**20:.1f} MiB; optimizer step "
+              f"{m['opt_time'] * 1e3:.0f} ms (median of steps 2-4)"
+              + (f"; streamed {m['offload_read_bytes'] / 1e6:.0f} MB read + "
+                 f"{m['offload_written_bytes'] / 1e6:.0f} MB written, waited "
+                 f"{m['time_offload_wait_s'] * 1e3:.0f} ms" if 'offload_read_bytes' in m else ""))
+    drop = rows["in memory"]["peak_bytes"] - rows["file"]["peak_bytes"]
+    opt_drop = rows["in memory"]["mem_optimizer_bytes"] - rows["file"]["mem_optimizer_bytes"]
+    # Analytic: exp_avg + exp_avg_sq in fp32 for half the parameters (2 ranks; the padding of
+    # rows and 64-element slots is below 0.1 MiB here), minus two 16 MiB chunk buffers.
+    analytic = 8 * rows["in memory"]["params"] / 2
+    print(f"{rows['in memory']['params'] / 1e6:.2f}M parameters: peak drop with offload "
+          f"{drop / 2**20:.1f} MiB, optimizer category at the peak {opt_drop / 2**20:.1f} MiB; "
+          f"analytic: state {analytic / 2**20:.1f} MiB per rank minus two chunk buffers (32.0 MiB)"
+          f" = {(analytic - 2 * 16 * 2**20) / 2**20:.1f} MiB")
 
 
 if __name__ == "__main__":

@@ -50,13 +50,18 @@ FusedAdamW::FusedAdamW(std::vector<torch::Tensor> params, torch::optim::AdamWOpt
 
 FusedAdamW::~FusedAdamW() = default;
 
+void FusedAdamW::check_options(const torch::optim::OptimizerOptions& options) const {
+  const auto& o = adamw_options(options);
+  check(o);
+  TORCH_CHECK(!o.amsgrad() || state_names().size() == 3,
+              "FusedAdamW: amsgrad was turned on after construction");
+}
+
 void FusedAdamW::prepare(const Slot& slot, size_t index,
                          const torch::optim::OptimizerOptions& options) {
   if (scalars_.size() < num_slots())
     scalars_.resize(num_slots());
   const auto& o = adamw_options(options);
-  TORCH_CHECK(!o.amsgrad() || state_names().size() == 3,
-              "FusedAdamW: amsgrad was turned on after construction");
   const auto [beta1, beta2] = o.betas();
   const double step = static_cast<double>(slot.step);
   const double bias_correction1 = 1 - std::pow(beta1, step);

@@ -127,10 +127,10 @@ torch::Tensor FusedOptimizer::step(LossClosure closure) {
   }
 
   last_ = OptimizerStepStats{};
+  // First every check, then any change: a refused step leaves no parameter's count advanced.
   std::vector<size_t> active;
   std::vector<torch::Tensor> grad_copies(slots_.size());
   std::vector<const float*> grads(slots_.size(), nullptr);
-  std::vector<std::pair<int64_t, int64_t>> ranges;
   for (size_t i = 0; i < slots_.size(); ++i) {
     auto& s = slots_[i];
     const auto& grad = s.param.grad();
@@ -143,15 +143,20 @@ torch::Tensor FusedOptimizer::step(LossClosure closure) {
     TORCH_CHECK(!grad.is_sparse(), "fused optimizer: sparse gradients are not supported");
     TORCH_CHECK(grad.sizes() == s.param.sizes(), "fused optimizer: a gradient of shape ",
                 grad.sizes(), " for a parameter of shape ", s.param.sizes());
+    check_options(param_groups_[s.group].options());
     if (grad.scalar_type() != torch::kFloat32 || !grad.is_contiguous() || !grad.is_cpu()) {
       grad_copies[i] = grad.to(torch::kCPU, torch::kFloat32).contiguous();
       grads[i] = grad_copies[i].data_ptr<float>();
     } else {
       grads[i] = grad.data_ptr<float>();
     }
+    active.push_back(i);
+  }
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (size_t i : active) {
+    auto& s = slots_[i];
     s.step += 1;
     prepare(s, i, param_groups_[s.group].options());
-    active.push_back(i);
     ranges.emplace_back(s.offset, s.offset + s.numel);
     last_.elements_updated += s.numel;
   }
@@ -233,26 +238,36 @@ std::map<std::string, torch::Tensor> FusedOptimizer::get_state(const torch::Tens
   return out;
 }
 
+void FusedOptimizer::set_state_tensor(const torch::Tensor& param, const std::string& name,
+                                      const torch::Tensor& value) {
+  const auto& s = slots_[slot_of(param)];
+  const auto it = std::find(state_names_.begin(), state_names_.end(), name);
+  TORCH_CHECK(it != state_names_.end(), "fused optimizer: no state named '", name, "'");
+  const auto dtype = state_options_.moments_dtype();
+  torch::Tensor t;
+  if (!value.defined()) {
+    t = torch::zeros({s.numel}, torch::TensorOptions().dtype(dtype));
+  } else {
+    TORCH_CHECK(value.numel() == s.numel, "fused optimizer: state '", name, "' has ", value.numel(),
+                " elements, its parameter ", s.numel);
+    t = value.to(torch::kCPU, dtype).contiguous();
+  }
+  store_->write(static_cast<int>(it - state_names_.begin()), s.offset, s.numel, t.data_ptr());
+}
+
+void FusedOptimizer::set_step(const torch::Tensor& param, int64_t step) {
+  TORCH_CHECK(step >= 0, "fused optimizer: a negative step count");
+  slots_[slot_of(param)].step = step;
+}
+
 void FusedOptimizer::set_state(const torch::Tensor& param,
                                const std::map<std::string, torch::Tensor>& state, int64_t step) {
   TORCH_CHECK(step >= 0, "fused optimizer: a negative step count");
-  auto& s = slots_[slot_of(param)];
-  if (store_) {
-    const auto dtype = state_options_.moments_dtype();
-    for (size_t k = 0; k < state_names_.size(); ++k) {
-      auto it = state.find(state_names_[k]);
-      torch::Tensor t;
-      if (step == 0 || it == state.end() || !it->second.defined()) {
-        t = torch::zeros({s.numel}, torch::TensorOptions().dtype(dtype));
-      } else {
-        TORCH_CHECK(it->second.numel() == s.numel, "fused optimizer: state '", state_names_[k],
-                    "' has ", it->second.numel(), " elements, its parameter ", s.numel);
-        t = it->second.to(torch::kCPU, dtype).contiguous();
-      }
-      store_->write(static_cast<int>(k), s.offset, s.numel, t.data_ptr());
-    }
+  for (const auto& name : state_names_) {
+    auto it = state.find(name);
+    set_state_tensor(param, name, step == 0 || it == state.end() ? torch::Tensor() : it->second);
   }
-  s.step = step;
+  set_step(param, step);
 }
 
 int64_t FusedOptimizer::state_bytes() const {

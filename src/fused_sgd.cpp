@@ -42,13 +42,17 @@ FusedSGD::FusedSGD(std::vector<torch::Tensor> params, torch::optim::SGDOptions d
 
 FusedSGD::~FusedSGD() = default;
 
+void FusedSGD::check_options(const torch::optim::OptimizerOptions& options) const {
+  const auto& o = sgd_options(options);
+  TORCH_CHECK(o.momentum() == 0 || !state_names().empty(),
+              "FusedSGD: momentum was turned on after construction");
+}
+
 void FusedSGD::prepare(const Slot& slot, size_t index,
                        const torch::optim::OptimizerOptions& options) {
   if (scalars_.size() < num_slots())
     scalars_.resize(num_slots());
   const auto& o = sgd_options(options);
-  TORCH_CHECK(o.momentum() == 0 || !state_names().empty(),
-              "FusedSGD: momentum was turned on after construction");
   auto& s = scalars_[index];
   s.apply_weight_decay = o.weight_decay() != 0;
   s.weight_decay = static_cast<float>(o.weight_decay());

@@ -17,7 +17,6 @@
 
 #include <cmath>
 #include <cstring>
-#include <limits>
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #define FSDP_VECTORIZE 1
@@ -119,9 +118,15 @@ struct BF16 {
 #endif
 };
 
-inline float nan_max(float a, float b) {  // torch::max_out: NaN propagates
-  if (std::isnan(a) || std::isnan(b))
-    return std::numeric_limits<float>::quiet_NaN();
+// torch::max_out: NaN propagates. The NaN is at::vec::maximum's (all bits set), so that the
+// scalar tail stores the same bits as the vector loop.
+inline float nan_max(float a, float b) {
+  if (std::isnan(a) || std::isnan(b)) {
+    const uint32_t all_ones = 0xffffffffu;
+    float nan;
+    std::memcpy(&nan, &all_ones, sizeof nan);
+    return nan;
+  }
   return a > b ? a : b;
 }
 

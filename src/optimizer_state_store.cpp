@@ -142,9 +142,10 @@ class FileStore final : public StateStore {
     chunk_elems_ = std::max<int64_t>(chunk_elems_, kAlign);
     num_chunks_ = (elements + chunk_elems_ - 1) / chunk_elems_;
     stride_ = chunk_elems_ * per_element;
+    // The buffers first: if they cannot be allocated, no file has been reserved yet.
+    buffers_.emplace_back(stride_);
+    buffers_.emplace_back(stride_);
     open_file(options);
-    buffers_.emplace_back(stride_);
-    buffers_.emplace_back(stride_);
   }
 
   ~FileStore() override {
@@ -245,13 +246,10 @@ class FileStore final : public StateStore {
     path_ = (dir / ("fsdp-optimizer-state." + std::to_string(::getpid()) + "." +
                     std::to_string(counter++) + ".bin"))
                 .string();
-    const int flags = O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC;
-    direct_ = options.direct_io();
-    fd_ = ::open(path_.c_str(), flags | (direct_ ? O_DIRECT : 0), 0600);
-    if (fd_ < 0 && direct_ && errno == EINVAL) {  // the file system has no O_DIRECT (tmpfs)
-      direct_ = false;
-      fd_ = ::open(path_.c_str(), flags, 0600);
-    }
+    // Created without O_DIRECT, which is switched on afterwards: a file system that refuses it
+    // would otherwise fail the open after creating the file (and posix_fallocate's fallback,
+    // for file systems without fallocate, writes single bytes, which O_DIRECT refuses).
+    fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
     if (fd_ < 0)
       throw std::runtime_error("optimizer offload directory '" + dir.string() +
                                "': cannot create '" + path_ + "': " + errno_text(errno));
@@ -269,6 +267,11 @@ class FileStore final : public StateStore {
       throw std::runtime_error("optimizer offload: cannot reserve " + std::to_string(size) +
                                " bytes for the state in '" + path_ + "': " + errno_text(err) +
                                free_text);
+    }
+    direct_ = false;
+    if (options.direct_io()) {
+      const int flags = ::fcntl(fd_, F_GETFL);
+      direct_ = flags >= 0 && ::fcntl(fd_, F_SETFL, flags | O_DIRECT) == 0;  // EINVAL: tmpfs
     }
   }
 
@@ -316,16 +319,21 @@ class FileStore final : public StateStore {
   template <class Visit>
   void copy_blocks(int stream, int64_t begin, int64_t n, Visit visit) {
     const int64_t block_bytes = chunk_elems_ * element_size_;
-    AlignedBuffer bounce(block_bytes);
+    // Only the 4096-byte pages that hold the elements are read (and written back).
+    const int64_t max_bytes = std::min(block_bytes, (n * element_size_ / kAlign + 2) * kAlign);
+    AlignedBuffer bounce(max_bytes);
     int64_t done = 0;
     for (int64_t e = begin; e < begin + n;) {
       const int64_t c = e / chunk_elems_;
       const int64_t in_chunk = e - c * chunk_elems_;
       const int64_t count = std::min(begin + n - e, chunk_elems_ - in_chunk);
-      const int64_t offset = c * stride_ + stream * block_bytes;
-      pread_all(bounce.data, block_bytes, offset);
-      if (visit(bounce.data, in_chunk * element_size_, count * element_size_, done))
-        pwrite_all(bounce.data, block_bytes, offset);
+      const int64_t first = in_chunk * element_size_ / kAlign * kAlign;
+      const int64_t last = std::min(
+          block_bytes, ((in_chunk + count) * element_size_ + kAlign - 1) / kAlign * kAlign);
+      const int64_t offset = c * stride_ + stream * block_bytes + first;
+      pread_all(bounce.data, last - first, offset);
+      if (visit(bounce.data, in_chunk * element_size_ - first, count * element_size_, done))
+        pwrite_all(bounce.data, last - first, offset);
       done += count * element_size_;
       e += count;
     }

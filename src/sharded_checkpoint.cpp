@@ -94,9 +94,7 @@ ParamOptState read_opt_state(torch::optim::Optimizer& opt, const std::string& ki
       out.dtype = fused->state_options().moments_dtype();
     }
     out.exists = out.step > 0;
-    if (kind == "sgd")
-      out.step = 0;  // as torch's SGD state, which has no step count
-    return out;
+    return out;  // (torch's SGD ignores the step count FusedSGD saves)
   }
   auto it = opt.state().find(param.unsafeGetTensorImpl());
   if (it == opt.state().end())
@@ -333,10 +331,13 @@ std::map<std::string, std::string> load_sharded(const std::string& dir, torch::n
       continue;
     }
     // State tensors the optimizer already has are loaded in place: no second copy of the
-    // state exists at any moment (a rank's extra memory stays one block of rows).
-    // (A fused optimizer's in-memory state comes back as views of its buffers; from a file,
-    // as copies that set_state writes back.)
-    const ParamOptState old = read_opt_state(*optimizer, kind, param);
+    // state exists at any moment (a rank's extra memory stays one block of rows). A fused
+    // optimizer's in-memory state comes back as views of its buffers; offloaded state is not
+    // read at all (it is about to be replaced): each tensor is loaded into a temporary and
+    // written to the file before the next one.
+    const ParamOptState old = fused && !fused->state_in_memory()
+                                  ? ParamOptState{}
+                                  : read_opt_state(*optimizer, kind, param);
     auto make = [&](const std::string& name) {
       auto it = old.tensors.find(name);
       auto t = it != old.tensors.end() && it->second.sizes() == param.sizes() &&
@@ -350,14 +351,14 @@ std::map<std::string, std::string> load_sharded(const std::string& dir, torch::n
       return index.tensors.count("optim/" + l.name + "/" + name) > 0;
     };
     if (fused) {
-      std::map<std::string, torch::Tensor> loaded;
-      for (const auto& name : fused->state_names())
-        if (has(name))
-          loaded[name] = make(name);
+      bool any = false;
+      for (const auto& name : fused->state_names()) {
+        any = any || has(name);
+        fused->set_state_tensor(param, name, has(name) ? make(name) : torch::Tensor());
+      }
       // torch's SGD saves no step count; a momentum buffer means it has stepped.
-      const int64_t steps =
-          kind == "sgd" && !loaded.empty() ? std::max<int64_t>(step->second, 1) : step->second;
-      fused->set_state(param, loaded, steps);
+      fused->set_step(param,
+                      kind == "sgd" && any ? std::max<int64_t>(step->second, 1) : step->second);
       continue;
     }
     std::unique_ptr<torch::optim::OptimizerParamState> state;

@@ -498,6 +498,9 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(Net& net, const std::str
     o.moments_dtype(torch::kBFloat16);
   if (kind.find("file") != std::string::npos)
     o.offload_dir(offload_dir);
+  if (kind.rfind("sgd", 0) == 0)
+    return std::make_unique<FusedSGD>(net->parameters(),
+                                      torch::optim::SGDOptions(0.05).momentum(0.9), o);
   return std::make_unique<FusedAdamW>(net->parameters(), adamw, o);
 }
 
@@ -544,15 +547,18 @@ TEST(FusedOptimizerCheckpoint, ResumesBitwiseAndMovesToAndFromTorchAdamW) {
                                                                     {"OUT", out}})));
   };
   const auto d = dir.path() + "/";
-  for (const std::string dtype : {"", "_bf16"}) {
-    // Uninterrupted, in memory; then stopped at step 3 with the state in a file, resumed with
-    // it in memory: the same bytes.
-    run("fused" + dtype, 0, 6, "", "", d + "straight" + dtype + ".safetensors");
-    run("fused_file" + dtype, 0, 3, "", d + "at3" + dtype, "");
-    run("fused" + dtype, 3, 6, d + "at3" + dtype, "", d + "resumed" + dtype + ".safetensors");
-    const auto a = fsdp::test::file_bytes(d + "straight" + dtype + ".safetensors");
-    EXPECT_FALSE(a.empty());
-    EXPECT_EQ(a, fsdp::test::file_bytes(d + "resumed" + dtype + ".safetensors")) << dtype;
+  for (const std::string opt : {"fused", "sgd"}) {
+    for (const std::string dtype : {"", "_bf16"}) {
+      // Uninterrupted, in memory; then stopped at step 3 with the state in a file, resumed
+      // with it in memory: the same bytes (bf16: the rounding stream resumes too).
+      const auto tag = opt + dtype;
+      run(opt + dtype, 0, 6, "", "", d + "straight" + tag + ".safetensors");
+      run(opt + "_file" + dtype, 0, 3, "", d + "at3" + tag, "");
+      run(opt + dtype, 3, 6, d + "at3" + tag, "", d + "resumed" + tag + ".safetensors");
+      const auto a = fsdp::test::file_bytes(d + "straight" + tag + ".safetensors");
+      EXPECT_FALSE(a.empty());
+      EXPECT_EQ(a, fsdp::test::file_bytes(d + "resumed" + tag + ".safetensors")) << tag;
+    }
   }
   // fused -> torch::optim::AdamW -> fused in a file: the state survives bit for bit (the
   // rank files are byte-identical).

@@ -28,15 +28,16 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Config& config,
                    .nesterov(o.nesterov)
                    .weight_decay(t.weight_decay);
     groups.emplace_back(std::move(decay), std::make_unique<torch::optim::SGDOptions>(sgd));
-    groups.emplace_back(std::move(no_decay),
-                        std::make_unique<torch::optim::SGDOptions>(sgd.weight_decay(0.0)));
+    groups.emplace_back(std::move(no_decay), std::make_unique<torch::optim::SGDOptions>(
+                                                 torch::optim::SGDOptions(sgd).weight_decay(0.0)));
     return std::make_unique<fsdp::FusedSGD>(std::move(groups), sgd, state);
   }
   auto adamw =
       torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).weight_decay(t.weight_decay);
   groups.emplace_back(std::move(decay), std::make_unique<torch::optim::AdamWOptions>(adamw));
   groups.emplace_back(std::move(no_decay),
-                      std::make_unique<torch::optim::AdamWOptions>(adamw.weight_decay(0.0)));
+                      std::make_unique<torch::optim::AdamWOptions>(
+                          torch::optim::AdamWOptions(adamw).weight_decay(0.0)));
   if (o.name == "adamw")
     return std::make_unique<torch::optim::AdamW>(std::move(groups), adamw);
   return std::make_unique<fsdp::FusedAdamW>(std::move(groups), adamw, state);

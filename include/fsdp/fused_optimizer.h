@@ -57,7 +57,8 @@ struct OptimizerStateOptions {
   TORCH_ARG(uint64_t, rounding_seed) = 0;
 };
 
-/// What the last step() did.
+/// What the last step() did. (A step that throws, e.g. a write to the offload file refused
+/// mid-step, may have updated some parameters and not others: restart from a checkpoint.)
 struct OptimizerStepStats {
   double seconds = 0;          // the whole step
   double io_wait_seconds = 0;  // offload: time the update waited for the file
@@ -92,6 +93,11 @@ class FusedOptimizer : public torch::optim::Optimizer {
   void get_state_step(const torch::Tensor& param, int64_t* step) const;
   /// True when the state lives in memory (get_state returns views), false when offloaded.
   bool state_in_memory() const;
+  /// Replaces one state tensor of `param` (any float dtype, converted; undefined: zeros), and
+  /// its step count: loading an offloaded state holds one tensor of it at a time.
+  void set_state_tensor(const torch::Tensor& param, const std::string& name,
+                        const torch::Tensor& value);
+  void set_step(const torch::Tensor& param, int64_t step);
   /// Replaces `param`'s state (any float dtype, converted; missing names are zeros); step 0
   /// clears it.
   void set_state(const torch::Tensor& param, const std::map<std::string, torch::Tensor>& state,
@@ -127,6 +133,9 @@ class FusedOptimizer : public torch::optim::Optimizer {
     int64_t step = 0;    // steps taken; 0 = no state yet
     uint32_t id = 0;     // stable index, part of the rounding key
   };
+  /// Throws if a group's options need state this optimizer was not built with (checked before
+  /// any parameter is touched).
+  virtual void check_options(const torch::optim::OptimizerOptions& options) const = 0;
   /// Per-step scalars of slot `index` (its step already counts this one), computed before any
   /// element is touched.
   virtual void prepare(const Slot& slot, size_t index,
@@ -168,6 +177,7 @@ class FusedAdamW : public FusedOptimizer {
   std::string state_kind() const override { return "adamw"; }
 
  protected:
+  void check_options(const torch::optim::OptimizerOptions& options) const override;
   void prepare(const Slot& slot, size_t index,
                const torch::optim::OptimizerOptions& options) override;
   void update(const Slot& slot, size_t index, int64_t begin, int64_t end, const float* grad,
@@ -188,6 +198,7 @@ class FusedSGD : public FusedOptimizer {
   std::string state_kind() const override { return "sgd"; }
 
  protected:
+  void check_options(const torch::optim::OptimizerOptions& options) const override;
   void prepare(const Slot& slot, size_t index,
                const torch::optim::OptimizerOptions& options) override;
   void update(const Slot& slot, size_t index, int64_t begin, int64_t end, const float* grad,
