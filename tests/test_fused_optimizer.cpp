@@ -91,6 +91,12 @@ TEST(FusedKernels, EveryCapabilityGivesBitwiseTheSameResult) {
         auto dtype = bf16 ? torch::kBFloat16 : torch::kFloat32;
         auto m = (torch::randn({n}) * 0.01).to(dtype), v = (torch::rand({n}) * 1e-3).to(dtype);
         auto x = v.clone();
+        // Non-finite values too: the vector and scalar paths must round (or keep) them alike.
+        g[5] = std::numeric_limits<float>::infinity();
+        g[6] = std::numeric_limits<float>::quiet_NaN();
+        g[n - 2] = -std::numeric_limits<float>::infinity();
+        m[7] = std::numeric_limits<float>::infinity();
+        v[n - 3] = std::numeric_limits<float>::quiet_NaN();
         fsdp::detail::AdamWScalars s;
         s.apply_decay = true;
         s.decay = 0.999f;
