@@ -8,12 +8,6 @@
 namespace fsdp {
 namespace {
 
-std::vector<torch::optim::OptimizerParamGroup> as_groups(std::vector<torch::Tensor> params) {
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(std::move(params));
-  return groups;
-}
-
 const torch::optim::AdamWOptions& adamw_options(const torch::optim::OptimizerOptions& o) {
   return static_cast<const torch::optim::AdamWOptions&>(o);
 }
@@ -46,7 +40,7 @@ FusedAdamW::FusedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups,
 
 FusedAdamW::FusedAdamW(std::vector<torch::Tensor> params, torch::optim::AdamWOptions defaults,
                        OptimizerStateOptions state_options)
-    : FusedAdamW(as_groups(std::move(params)), defaults, std::move(state_options)) {}
+    : FusedAdamW(one_group(std::move(params)), defaults, std::move(state_options)) {}
 
 FusedAdamW::~FusedAdamW() = default;
 

@@ -50,6 +50,13 @@ FusedOptimizer::FusedOptimizer(std::vector<torch::optim::OptimizerParamGroup> gr
 
 FusedOptimizer::~FusedOptimizer() = default;
 
+std::vector<torch::optim::OptimizerParamGroup> FusedOptimizer::one_group(
+    std::vector<torch::Tensor> params) {
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::move(params));
+  return groups;
+}
+
 void FusedOptimizer::init_state(std::vector<std::string> state_names) {
   state_names_ = std::move(state_names);
   build_layout();

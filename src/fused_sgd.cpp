@@ -6,12 +6,6 @@
 namespace fsdp {
 namespace {
 
-std::vector<torch::optim::OptimizerParamGroup> as_groups(std::vector<torch::Tensor> params) {
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(std::move(params));
-  return groups;
-}
-
 const torch::optim::SGDOptions& sgd_options(const torch::optim::OptimizerOptions& o) {
   return static_cast<const torch::optim::SGDOptions&>(o);
 }
@@ -38,7 +32,7 @@ FusedSGD::FusedSGD(std::vector<torch::optim::OptimizerParamGroup> groups,
 
 FusedSGD::FusedSGD(std::vector<torch::Tensor> params, torch::optim::SGDOptions defaults,
                    OptimizerStateOptions state_options)
-    : FusedSGD(as_groups(std::move(params)), defaults, std::move(state_options)) {}
+    : FusedSGD(one_group(std::move(params)), defaults, std::move(state_options)) {}
 
 FusedSGD::~FusedSGD() = default;
 

@@ -124,6 +124,10 @@ class FusedOptimizer : public torch::optim::Optimizer {
                  std::unique_ptr<torch::optim::OptimizerOptions> defaults,
                  OptimizerStateOptions state_options);
 
+  /// The parameters as one group with the defaults (the constructors taking a list).
+  static std::vector<torch::optim::OptimizerParamGroup> one_group(
+      std::vector<torch::Tensor> params);
+
   /// One parameter as the step driver sees it.
   struct Slot {
     torch::Tensor param;
