@@ -64,8 +64,9 @@ ParamGroup::ParamGroup(std::string name, std::vector<std::pair<std::string, torc
   const int size = shard_size();
   params_.reserve(params.size());
   for (auto& [fqn, p] : params) {
-    params_.emplace_back(fqn, std::move(p), rank, size, options_.param_init(),
-                         options_.mp_policy());
+    const auto& offload = options_.offload_policy();
+    params_.emplace_back(fqn, std::move(p), rank, size, options_.param_init(), options_.mp_policy(),
+                         offload.has_value(), offload.has_value() && offload->pin_memory());
   }
 }
 
@@ -417,8 +418,10 @@ void ParamGroup::reduce_gradients() {
       chunks += p->padded_shard_numel();
     const int64_t s = chunks + n_params;
     // Reduced in reduce_dtype; the results join the grads in the master dtype (add_to_stash).
-    auto opts =
-        trainable.front()->padded_shard().options().dtype(reduce_dtype(trainable.front()->dtype()));
+    // On the compute device, also when the shards are offloaded to the host.
+    auto opts = torch::TensorOptions()
+                    .dtype(reduce_dtype(trainable.front()->dtype()))
+                    .device(trainable.front()->compute_device());
     PendingReduce pending;
     pending.params = trainable;
     {

@@ -3,6 +3,8 @@
 
 #include <fsdp/memory.h>
 
+#include <ATen/Context.h>
+
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
@@ -51,8 +53,13 @@ struct TagGradAsGradient : torch::autograd::PostAccumulateGradHook {
 ShardedParam::ShardedParam(
     std::string fqn, torch::Tensor param, int rank, int world_size,
     const std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)>& init,
-    const MixedPrecisionPolicy& mp)
-    : fqn_(std::move(fqn)), param_(std::move(param)), rank_(rank), world_size_(world_size) {
+    const MixedPrecisionPolicy& mp, bool offload, bool pin_memory)
+    : fqn_(std::move(fqn)),
+      param_(std::move(param)),
+      rank_(rank),
+      world_size_(world_size),
+      offload_(offload),
+      pin_memory_(offload && pin_memory && !param_.device().is_cpu() && at::hasCUDA()) {
   TORCH_CHECK(param_.layout() == torch::kStrided, "fully_shard: parameter '", fqn_,
               "' is not a dense tensor");
   torch::NoGradGuard no_grad;
@@ -76,13 +83,16 @@ ShardedParam::ShardedParam(
   std::vector<int64_t> padded_full_shape{chunk_rows_ * world_size_};
   padded_full_shape.insert(padded_full_shape.end(), row_shape.begin(), row_shape.end());
 
-  padded_shard_ = torch::zeros(shard_shape, full.options());
+  // Offloaded: the shard lives on the host whatever the parameter's device.
+  padded_shard_ = torch::zeros(
+      shard_shape,
+      offload_ ? full.options().device(torch::kCPU).pinned_memory(pin_memory_) : full.options());
   sharded_view_ = padded_shard_.narrow(0, 0, local_rows_);
   if (init) {
     // Deferred initialisation: `full` may be a placeholder; only this rank's rows are made.
     init(param_, sharded_view_, std::min(rank_ * chunk_rows_, rows_));
   } else if (local_rows_ > 0) {
-    auto rows_view = full.dim() == 0 ? full.reshape({1}) : full;
+    auto rows_view = full.dim() == 0 ? full.reshape({1}) : full;  // copy_ crosses devices
     sharded_view_.copy_(
         rows_view.narrow(0, rank_ * chunk_rows_, local_rows_).reshape(sharded_view_.sizes()));
   }
@@ -91,7 +101,7 @@ ShardedParam::ShardedParam(
   const auto unsharded_dtype =
       mp.param_dtype() && c10::isFloatingType(dtype) ? *mp.param_dtype() : dtype;
   codec_ = GatherCodec::make(mp, dtype, unsharded_dtype, row_numel_);
-  owns_unsharded_ = world_size_ > 1 || unsharded_dtype != dtype || codec_;
+  owns_unsharded_ = world_size_ > 1 || unsharded_dtype != dtype || codec_ || offload_;
   if (!owns_unsharded_) {
     // Unsharded (kNoShard, or a group of one) in its own dtype: the shard is the parameter;
     // no second copy.
@@ -109,19 +119,31 @@ size_t ShardedParam::unsharded_storage_bytes() const {
 }
 
 torch::Tensor ShardedParam::gather_input() const {
-  if (codec_)
-    return codec_->encode(padded_shard_);
-  if (!casts())
-    return padded_shard_;
   torch::NoGradGuard no_grad;
-  return padded_shard_.to(compute_dtype());
+  torch::Tensor shard = padded_shard_;
+  if (offload_) {
+    // Host to device before the gather (also on a CPU "device": one code path, tested here).
+    // From pinned memory the copy is asynchronous on the current stream, which the
+    // collective's stream waits for; the caller keeps the staged copy until the gather is done.
+    memory::CategoryScope gathered(memory::Category::kGathered);
+    auto staged =
+        torch::empty(padded_shard_.sizes(),
+                     padded_shard_.options().device(compute_device()).pinned_memory(false));
+    staged.copy_(padded_shard_, /*non_blocking=*/pin_memory_);
+    shard = staged;
+  }
+  if (codec_)
+    return codec_->encode(shard);
+  if (!casts())
+    return shard;
+  return shard.to(compute_dtype());
 }
 
 torch::Tensor ShardedParam::gather_output() {
   if (!codec_)
     return padded_unsharded_;
   wire_output_ = torch::empty({world_size_ * codec_->wire_numel(chunk_rows_)},
-                              padded_shard_.options().dtype(codec_->wire_dtype()));
+                              padded_unsharded_.options().dtype(codec_->wire_dtype()));
   return wire_output_;
 }
 
@@ -138,7 +160,7 @@ void ShardedParam::fill_unsharded_locally() {
   TORCH_INTERNAL_ASSERT(world_size_ == 1);
   torch::NoGradGuard no_grad;
   if (codec_)
-    codec_->decode(codec_->encode(padded_shard_), padded_unsharded_, 1);
+    codec_->decode(gather_input(), padded_unsharded_, 1);  // encoded (and staged) as a gather
   else
     padded_unsharded_.copy_(padded_shard_);
 }
@@ -247,7 +269,17 @@ bool ShardedParam::copy_grad_into(const torch::Tensor& g, const torch::Tensor& d
 
 void ShardedParam::add_to_stash(const torch::Tensor& shard) {
   auto g = shard.view(padded_shard_.sizes()).narrow(0, 0, local_rows_);
-  g = g.scalar_type() == dtype() ? alias_as_base(g) : g.to(dtype());
+  if (offload_) {
+    // Device to host: the gradient joins its shard where the optimizer steps. Synchronous, so
+    // the optimizer may read it as soon as backward returns (FSDP2 overlaps this copy and
+    // waits on an event at the end of backward: not done, it could not be measured here).
+    memory::CategoryScope grads(memory::Category::kGrads);
+    auto host = torch::empty(g.sizes(), padded_shard_.options().pinned_memory(pin_memory_));
+    host.copy_(g);
+    g = host;
+  } else {
+    g = g.scalar_type() == dtype() ? alias_as_base(g) : g.to(dtype());
+  }
   if (stashed_grad_.defined()) {
     stashed_grad_.add_(g);
   } else {

@@ -37,10 +37,13 @@ class ShardedParam {
   /// With `init`, the shard is computed by init instead and `param`'s data is never read.
   /// `mp`: a floating-point parameter is computed with in mp.param_dtype() (when set) and
   /// gathered in mp.gather_format() (see GatherCodec).
+  /// `offload`: the shard and its gradient live on the host, the unsharded parameter on
+  /// `param`'s device (CPUOffloadPolicy); `pin_memory`: pinned host memory when that device is
+  /// a GPU.
   ShardedParam(std::string fqn, torch::Tensor param, int rank, int world_size,
                const std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)>&
                    init = nullptr,
-               const MixedPrecisionPolicy& mp = {});
+               const MixedPrecisionPolicy& mp = {}, bool offload = false, bool pin_memory = false);
 
   const std::string& fqn() const { return fqn_; }
   const torch::Tensor& param() const { return param_; }
@@ -50,6 +53,10 @@ class ShardedParam {
   torch::ScalarType compute_dtype() const { return padded_unsharded_.scalar_type(); }
   /// Gathered in another dtype than the shard's.
   bool casts() const { return compute_dtype() != dtype(); }
+  /// Where the unit computes (the unsharded parameter, the collectives' buffers); the shard
+  /// is there too unless offloaded to the host.
+  torch::Device compute_device() const { return padded_unsharded_.device(); }
+  bool offloaded() const { return offload_; }
 
   int64_t rows() const { return rows_; }                        // d0 (1 for a 0-d parameter)
   const std::vector<int64_t>& shape() const { return shape_; }  // the unsharded shape
@@ -65,8 +72,8 @@ class ShardedParam {
 
   const torch::Tensor& padded_shard() const { return padded_shard_; }
   /// All-gather input: the padded shard (contiguous); encoded in the gather format, or cast to
-  /// the compute dtype when they differ (a new tensor, which the caller keeps alive until the
-  /// gather completes).
+  /// the compute dtype when they differ, or (offloaded) copied to the compute device: then a
+  /// new tensor, which the caller keeps alive until the gather completes.
   torch::Tensor gather_input() const;
   /// All-gather output: with a gather format, a wire buffer of N encoded pieces (allocated
   /// here, freed by finish_gather() or free_unsharded()); else padded_unsharded().
@@ -144,6 +151,8 @@ class ShardedParam {
   int rank_;
   int world_size_;
   bool owns_unsharded_ = false;  // the unsharded buffer is not the shard itself
+  bool offload_ = false;         // shard and grad on the host (CPUOffloadPolicy)
+  bool pin_memory_ = false;
   int64_t rows_, chunk_rows_, local_rows_, row_numel_;
   torch::Tensor padded_shard_;        // [chunk_rows, *rest]
   torch::Tensor sharded_view_;        // [local_rows, *rest], view of padded_shard_

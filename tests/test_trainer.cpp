@@ -387,8 +387,14 @@ TEST(TrainerRun, OptimizerChoicesAndOffload) {
   auto bf16_file = quick_run(
       "opt-bf16-file", 2,
       shape + "--optimizer.moments_dtype=bf16 --optimizer.offload=file --optimizer.chunk_mb=0.1");
+  // CPU offload of the parameters too (on CPU the copies happen but change nothing).
+  auto cpu_offload = quick_run("opt-cpu-offload", 2,
+                               shape +
+                                   "--fsdp.cpu_offload=true --optimizer.offload=file "
+                                   "--optimizer.chunk_mb=0.0625",
+                               "gpt2-tiny");
   auto sgd = quick_run("opt-sgd", 2, "--training.steps=6 --optimizer.name=sgd --training.lr=0.3");
-  for (const auto* m : {&torch_adamw, &fused, &offload, &bf16, &bf16_file})
+  for (const auto* m : {&torch_adamw, &fused, &offload, &bf16, &bf16_file, &cpu_offload})
     ASSERT_EQ(m->size(), 4u);
   ASSERT_EQ(sgd.size(), 6u);
   for (size_t i = 0; i < 4; ++i) {
@@ -396,6 +402,7 @@ TEST(TrainerRun, OptimizerChoicesAndOffload) {
     // far less than 1e-5 in 4 steps.
     EXPECT_NEAR(fused[i].loss, torch_adamw[i].loss, 1e-5 * torch_adamw[i].loss) << i;
     EXPECT_EQ(offload[i].loss, fused[i].loss) << "step " << i + 1;
+    EXPECT_EQ(cpu_offload[i].loss, fused[i].loss) << "step " << i + 1;
     EXPECT_EQ(bf16_file[i].loss, bf16[i].loss) << "step " << i + 1;
     EXPECT_FALSE(fused[i].offload_read_bytes.has_value());
     ASSERT_TRUE(offload[i].offload_read_bytes.has_value());

@@ -242,6 +242,12 @@ const std::vector<Option>& options() {
           "many MiB (fewer, larger all-reduces for more temporary bucket memory)."),
       opt("fsdp.sync_module_states", FIELD(fsdp.sync_module_states),
           "Broadcast rank 0's initial parameters to all ranks before sharding."),
+      opt("fsdp.cpu_offload", FIELD(fsdp.cpu_offload),
+          "Keep the sharded parameters and their gradients in host memory (pinned) and compute "
+          "on the device (FSDP's CPUOffloadPolicy): each all-gather first copies the shard to "
+          "the device, each reduced gradient is copied back, the optimizer steps on the host. "
+          "For training.device = cuda, where it has never run (no GPU here); on cpu the copies "
+          "happen but save nothing."),
       opt("fsdp.sync_every_micro_batch", FIELD(fsdp.sync_every_micro_batch),
           "With training.micro_batches > 1: reduce-scatter after every micro-batch (less "
           "memory) or only after the last one (no_sync: one full-size gradient per unit kept "

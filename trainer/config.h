@@ -66,6 +66,7 @@ struct FsdpConfig {
   double all_gather_bucket_mb = 4;
   int64_t gloo_lanes = 2;
   bool sync_module_states = true;
+  bool cpu_offload = false;
   bool sync_every_micro_batch = true;
   double timeout_s = 300;
   int64_t check_collectives = 0;                  // 0: off

@@ -136,6 +136,8 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
           std::max<int64_t>(1, std::llround(f.all_reduce_bucket_mb * (1 << 20))))
       .all_gather_bucket_bytes(std::llround(f.all_gather_bucket_mb * (1 << 20)))
       .sync_module_states(f.sync_module_states);
+  if (f.cpu_offload)
+    fsdp_options.offload_policy(fsdp::CPUOffloadPolicy());
   // Blocks gather and compute in param_dtype; the root too unless root_fp32, and its logits
   // come out in fp32 either way (the loss and its softmax in fp32).
   const auto& prec = config_.precision;

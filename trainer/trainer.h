@@ -92,7 +92,7 @@ class Trainer {
   TrainModel model_;
   std::unique_ptr<fsdp::StepProfiler> profiler_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;  // see make_optimizer in trainer.cpp
-  std::unique_ptr<fsdp::ShardedGradScaler> scaler_;  // precision.loss_scaling
+  std::unique_ptr<fsdp::ShardedGradScaler> scaler_;     // precision.loss_scaling
   std::vector<torch::Tensor> params_;
   std::unique_ptr<MetricsWriter> metrics_;
   std::unique_ptr<Progress> progress_;

@@ -71,6 +71,18 @@ enum class BackwardPrefetch {
 const char* to_string(ShardingStrategy s);
 const char* to_string(BackwardPrefetch p);
 
+/// FSDP's CPU offload of parameters (FSDP2's CPUOffloadPolicy): the unit's sharded parameters
+/// and their gradients live in host memory while it computes on its device. Before each
+/// all-gather the shard is copied to the device; after each reduce-scatter the reduced
+/// gradient is copied back; the optimizer steps on the host (fsdp::FusedAdamW is made for it).
+/// With CPU compute the "device" is the host: the copies still happen (so the tests exercise
+/// this path), they only cost memory bandwidth.
+struct CPUOffloadPolicy {
+  /// Pinned (page-locked) host memory for shards and gradients when CUDA is in use: the
+  /// host-to-device copy is then asynchronous on the current stream.
+  TORCH_ARG(bool, pin_memory) = true;
+};
+
 struct FullyShardOptions {
   explicit FullyShardOptions(std::shared_ptr<ProcessGroup> group) : group_(std::move(group)) {}
 
@@ -119,6 +131,8 @@ struct FullyShardOptions {
   /// Gather, compute and reduce dtypes (fsdp/mixed_precision.h). Default: all in the
   /// parameters' own dtype.
   TORCH_ARG(MixedPrecisionPolicy, mp_policy);
+  /// Keep the sharded parameters and their gradients in host memory (see CPUOffloadPolicy).
+  TORCH_ARG(std::optional<CPUOffloadPolicy>, offload_policy);
   /// Activation checkpointing of the unit's forward (fsdp/checkpoint.h): kFull keeps only its
   /// inputs for backward and runs the forward again, on the parameters gathered for the
   /// unit's backward; kSelective also keeps its matmul outputs. The arguments of fsdp::forward

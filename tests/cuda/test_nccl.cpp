@@ -10,6 +10,7 @@
 
 #include <fsdp/cuda.h>
 #include <fsdp/fsdp.h>
+#include <fsdp/fused_optimizer.h>
 
 #include "collectives.h"
 #include "gpt.h"
@@ -129,12 +130,25 @@ FSDP_WORKER(nccl_full_shard_steps) {
     ref_opt.step();
   }
 
+  // OFFLOAD=1: CPUOffloadPolicy, shards and grads in pinned host memory, stepped there by the
+  // fused CPU AdamW.
+  const bool offload = ctx.env("OFFLOAD") == "1";
+  auto options = fsdp::FullyShardOptions(pg);
+  if (offload)
+    options.offload_policy(fsdp::CPUOffloadPolicy());
   auto net = make_mlp();
   net->to(dev);
   for (const auto& layer : {net->l1, net->l2, net->l3})
-    fsdp::fully_shard(layer, fsdp::FullyShardOptions(pg));
-  fsdp::fully_shard(net, fsdp::FullyShardOptions(pg));
-  torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
+    fsdp::fully_shard(layer, options);
+  fsdp::fully_shard(net, options);
+  std::unique_ptr<torch::optim::Optimizer> opt_holder;
+  if (offload)
+    opt_holder =
+        std::make_unique<fsdp::FusedAdamW>(net->parameters(), torch::optim::AdamWOptions(1e-2));
+  else
+    opt_holder =
+        std::make_unique<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(1e-2));
+  auto& opt = *opt_holder;
   const int64_t rows = global_batch / n;
   for (int step = 0; step < kSteps; ++step) {
     auto [x, y] = batch(step);
@@ -148,12 +162,18 @@ FSDP_WORKER(nccl_full_shard_steps) {
   torch::cuda::synchronize();
   auto ref_params = ref->named_parameters();
   for (const auto& item : net->named_parameters()) {
-    WORKER_CHECK(item.value().device() == dev) << item.key() << " on " << item.value().device();
+    if (offload) {
+      WORKER_CHECK(item.value().device().is_cpu() && item.value().is_pinned())
+          << item.key() << " at rest on " << item.value().device() << ", pinned "
+          << item.value().is_pinned();
+    } else {
+      WORKER_CHECK(item.value().device() == dev) << item.key() << " on " << item.value().device();
+    }
     WORKER_EXPECT_CLOSE(item.value().cpu(),
                         fsdp::test::expected_shard(ref_params[item.key()], rank, n), 1e-5, 1e-6);
   }
-  std::printf("[rank %d] NCCL FULL_SHARD OK: %d steps with clipping equal one CPU process\n", rank,
-              kSteps);
+  std::printf("[rank %d] NCCL FULL_SHARD OK%s: %d steps with clipping equal one CPU process\n",
+              rank, offload ? " (CPU offload)" : "", kSteps);
   return 0;
 }
 
@@ -204,6 +224,13 @@ TEST(Nccl, CollectivesMatchCpuValues) {
 TEST(Nccl, FullShardStepsWithClippingEqualOneCpuProcess) {
   REQUIRE_TWO_GPUS();
   EXPECT_WORKERS_OK(fsdp::test::run_workers("nccl_full_shard_steps", 2));
+}
+
+// Never run: no GPU here (compiled, and the same offload path runs on CPU in test_cpu_offload).
+TEST(Nccl, CpuOffloadStepsEqualOneCpuProcess) {
+  REQUIRE_TWO_GPUS();
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("nccl_full_shard_steps", 2,
+                                            fsdp::test::with_env({{"OFFLOAD", "1"}})));
 }
 
 TEST(Nccl, DeferredInitOnTheDeviceEqualsEagerCpuBuild) {
