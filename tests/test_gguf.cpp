@@ -1,0 +1,232 @@
+// GGUF reading (models/gguf.h): SmolLM2-135M-Instruct's real file dequantised bitwise as
+// llama.cpp's own Python reader does it (tests/python/check_gguf.py), row ranges as the whole,
+// and hostile files (every truncation, bad counts, offsets, types) refused with a FormatError
+// naming the problem, never a crash.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "gguf.h"
+#include "harness/files.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using fsdp_models::gguf::File;
+using fsdp_models::gguf::FormatError;
+
+std::string run(const std::string& cmd) {
+  std::string out;
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  if (!p)
+    return out;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, p))
+    out.append(buf, n);
+  if (pclose(p) != 0)
+    out = "FAILED: " + out;
+  return out;
+}
+
+torch::Tensor read_floats(const std::string& path, at::IntArrayRef shape) {
+  auto bytes = fsdp::test::file_bytes(path);
+  auto t = torch::empty(shape, torch::kFloat32);
+  EXPECT_EQ(bytes.size(), static_cast<size_t>(t.numel() * 4)) << path;
+  if (bytes.size() == static_cast<size_t>(t.numel() * 4))
+    std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+  return t;
+}
+
+TEST(Gguf, SmolLM2DequantisesAsLlamaCppsReader) {
+  fsdp::test::TempDir dir;
+  const std::vector<std::string> names{"token_embd.weight",      "blk.0.attn_q.weight",
+                                       "blk.0.attn_k.weight",    "blk.29.ffn_down.weight",
+                                       "blk.0.attn_norm.weight", "output_norm.weight"};
+  std::string cmd = std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR +
+                    "/tests/python/check_gguf.py smollm2 " + dir.path();
+  for (const auto& n : names)
+    cmd += " " + n;
+  const auto out = run(cmd);
+  ASSERT_EQ(out.rfind("FILE ", 0), 0u) << out;
+  const auto path = out.substr(5, out.find('\n') - 5);
+  File f(path);
+  EXPECT_EQ(f.header().version, 3u);
+  EXPECT_EQ(f.tensors().size(), 272u);
+  EXPECT_EQ(f.value("general.architecture").as_string("arch"), "llama");
+  EXPECT_EQ(f.value("llama.block_count").as_int("blocks"), 30);
+  EXPECT_EQ(f.value("llama.attention.head_count_kv").as_int("kv"), 3);
+  EXPECT_EQ(f.value("tokenizer.ggml.tokens").as_array("tokens").size(), 49152u);
+  EXPECT_EQ(f.value("tokenizer.ggml.merges").as_array("merges").size(), 48900u);
+  for (const auto& n : names) {
+    const auto& info = f.tensor(n);
+    auto ours = f.read(n);
+    auto ref = read_floats(dir.path() + "/" + n + ".bin", ours.sizes());
+    EXPECT_TRUE(torch::equal(ours, ref)) << n << " (" << to_string(info.type) << "): max diff "
+                                         << (ours - ref).abs().max().item<float>();
+    // A row range is the same rows of the whole.
+    const int64_t rows = info.shape[0];
+    if (info.shape.size() > 1) {
+      auto part = f.read(n, rows / 3, rows / 2 - rows / 3);
+      EXPECT_TRUE(torch::equal(part, ours.narrow(0, rows / 3, rows / 2 - rows / 3))) << n;
+    }
+  }
+  EXPECT_EQ(f.tensor("token_embd.weight").shape, (std::vector<int64_t>{49152, 576}));
+  EXPECT_EQ(f.tensor("blk.0.attn_k.weight").shape, (std::vector<int64_t>{192, 576}));
+}
+
+// --- Hostile files -----------------------------------------------------------------------
+
+// A small valid GGUF image written by hand: metadata of every kind, three tensors (F32, Q8_0,
+// Q4_0) with known values.
+struct Writer {
+  std::string b;
+  template <class T>
+  void put(T v) {
+    b.append(reinterpret_cast<const char*>(&v), sizeof v);
+  }
+  void str(const std::string& s) {
+    put<uint64_t>(s.size());
+    b += s;
+  }
+};
+
+std::string small_image() {
+  Writer w;
+  w.b = "GGUF";
+  w.put<uint32_t>(3);
+  w.put<uint64_t>(3);  // tensors
+  w.put<uint64_t>(4);  // key/values
+  w.str("general.architecture");
+  w.put<uint32_t>(8);
+  w.str("llama");
+  w.str("test.count");
+  w.put<uint32_t>(4);
+  w.put<uint32_t>(7);
+  w.str("test.flag");
+  w.put<uint32_t>(7);
+  w.put<uint8_t>(1);
+  w.str("test.list");
+  w.put<uint32_t>(9);
+  w.put<uint32_t>(8);
+  w.put<uint64_t>(2);
+  w.str("a");
+  w.str("bc");
+  // Tensor infos: a [2, 3] F32 (ne = 3, 2), a [1, 32] Q8_0, a [2, 32] Q4_0.
+  auto info = [&](const std::string& name, std::vector<uint64_t> ne, uint32_t type, uint64_t off) {
+    w.str(name);
+    w.put<uint32_t>(ne.size());
+    for (auto d : ne)
+      w.put<uint64_t>(d);
+    w.put<uint32_t>(type);
+    w.put<uint64_t>(off);
+  };
+  info("f32", {3, 2}, 0, 0);
+  info("q8", {32, 1}, 8, 32);
+  info("q4", {32, 2}, 2, 96);
+  while (w.b.size() % 32)
+    w.b.push_back('\0');
+  // f32: 0..5
+  for (int i = 0; i < 6; ++i)
+    w.put<float>(static_cast<float>(i));
+  while (w.b.size() % 32)
+    w.b.push_back('\0');
+  // q8: d = 0.5 (fp16 0x3800), values -16..15
+  w.put<uint16_t>(0x3800);
+  for (int j = 0; j < 32; ++j)
+    w.put<int8_t>(static_cast<int8_t>(j - 16));
+  while (w.b.size() % 32)
+    w.b.push_back('\0');
+  // q4: two blocks, d = 2 (0x4000) and d = 1 (0x3c00); byte j = (j + 1) << 4 | j
+  for (uint16_t d : {uint16_t{0x4000}, uint16_t{0x3c00}}) {
+    w.put<uint16_t>(d);
+    for (int j = 0; j < 16; ++j)
+      w.put<uint8_t>(static_cast<uint8_t>(((15 - j) << 4) | j));
+  }
+  return w.b;
+}
+
+std::string write(const fsdp::test::TempDir& dir, const std::string& name,
+                  const std::string& bytes) {
+  const auto path = dir.path() + "/" + name;
+  std::ofstream(path, std::ios::binary) << bytes;
+  return path;
+}
+
+std::string error_of(const std::string& path) {
+  try {
+    File f(path);
+    for (const auto& t : f.tensors())
+      f.read(t.name);
+  } catch (const FormatError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Gguf, AHandWrittenFileReadsBack) {
+  fsdp::test::TempDir dir;
+  File f(write(dir, "ok.gguf", small_image()));
+  EXPECT_EQ(f.value("test.count").as_int("count"), 7);
+  EXPECT_TRUE(f.value("test.flag").as_bool("flag"));
+  EXPECT_EQ(f.value("test.list").as_array("list").at(1).as_string("s"), "bc");
+  EXPECT_TRUE(torch::equal(f.read("f32"), torch::arange(6, torch::kFloat32).view({2, 3})));
+  EXPECT_TRUE(
+      torch::equal(f.read("q8"), ((torch::arange(32, torch::kFloat32) - 16) * 0.5).view({1, 32})));
+  auto q4 = f.read("q4");
+  // Element j: low nibble of byte j (= j) - 8; element j + 16: high nibble (= 15 - j) - 8.
+  auto lo = torch::arange(16, torch::kFloat32) - 8, hi = 7 - torch::arange(16, torch::kFloat32);
+  auto block = torch::cat({lo, hi});
+  EXPECT_TRUE(torch::equal(q4, torch::stack({block * 2, block})));
+  EXPECT_TRUE(torch::equal(f.read("q4", 1, 1), q4.narrow(0, 1, 1)));
+}
+
+TEST(Gguf, EveryTruncationIsAFormatError) {
+  fsdp::test::TempDir dir;
+  const auto image = small_image();
+  for (size_t n = 0; n < image.size(); ++n) {
+    const auto e = error_of(write(dir, "cut.gguf", image.substr(0, n)));
+    EXPECT_NE(e.find("cut.gguf"), std::string::npos) << "cut at " << n << ": '" << e << "'";
+  }
+}
+
+TEST(Gguf, MalformedHeadersNameTheProblem) {
+  fsdp::test::TempDir dir;
+  const auto good = small_image();
+  struct Case {
+    size_t offset;
+    std::string bytes, expect;
+  };
+  auto u64 = [](uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); };
+  auto u32 = [](uint32_t v) { return std::string(reinterpret_cast<const char*>(&v), 4); };
+  // Offsets in small_image(): magic 0, version 4, tensor count 8, kv count 16, first key 24.
+  const size_t first_tensor_info = good.find("f32") - 8;
+  const size_t f32_type = first_tensor_info + 8 + 3 + 4 + 16;
+  const size_t q8_offset = good.find("q8") + 2 + 4 + 16 + 4;
+  const std::vector<Case> cases = {
+      {0, "GGML", "does not start with \"GGUF\""},
+      {4, u32(1), "version 1"},
+      {8, u64(uint64_t{1} << 60), "tensors, more than the file can hold"},
+      {16, u64(uint64_t{1} << 60), "key/value pairs, more than the file can hold"},
+      {24, u64(uint64_t{1} << 62), "truncated: a metadata key"},
+      {first_tensor_info + 8 + 3, u32(5), "has 5 dimensions"},
+      {f32_type, u32(12), "ggml type 12, which this reader does not dequantise"},
+      {q8_offset, u64(33), "not a multiple of the alignment"},
+      {q8_offset, u64(0), "overlap"},
+      {q8_offset, u64(1 << 20), "runs past the end of the file"},
+  };
+  for (const auto& c : cases) {
+    auto bad = good;
+    bad.replace(c.offset, c.bytes.size(), c.bytes);
+    const auto e = error_of(write(dir, "bad.gguf", bad));
+    EXPECT_NE(e.find(c.expect), std::string::npos)
+        << "expected '" << c.expect << "', got '" << e << "'";
+    EXPECT_NE(e.find("bad.gguf"), std::string::npos) << e;
+  }
+  EXPECT_NE(error_of(dir.path() + "/missing.gguf").find("cannot open"), std::string::npos);
+}
+
+}  // namespace
