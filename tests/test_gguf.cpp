@@ -11,6 +11,8 @@
 #include <fstream>
 
 #include "gguf.h"
+#include "gguf_llama.h"
+#include "llama.h"
 #include "harness/files.h"
 
 namespace {
@@ -76,6 +78,42 @@ TEST(Gguf, SmolLM2DequantisesAsLlamaCppsReader) {
   }
   EXPECT_EQ(f.tensor("token_embd.weight").shape, (std::vector<int64_t>{49152, 576}));
   EXPECT_EQ(f.tensor("blk.0.attn_k.weight").shape, (std::vector<int64_t>{192, 576}));
+}
+
+// Our Llama on SmolLM2's weights gives transformers' logits: the shapes, the config (tied
+// embeddings, GQA 9/3 heads, RoPE theta 1e5) and the q/k row layout are all as claimed.
+TEST(Gguf, SmolLM2LogitsEqualTransformers) {
+  fsdp::test::TempDir dir;
+  const std::vector<int64_t> ids{1, 504, 3458, 282, 4649, 314, 28, 2, 9690, 198, 11};
+  std::string cmd = std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR +
+                    "/tests/python/check_gguf.py smollm2 " + dir.path() + " --logits";
+  for (auto i : ids)
+    cmd += " " + std::to_string(i);
+  const auto out = run(cmd);
+  ASSERT_EQ(out.rfind("FILE ", 0), 0u) << out;
+  File f(out.substr(5, out.find('\n') - 5));
+  auto cfg = fsdp_models::llama_config_from_gguf(f);
+  EXPECT_EQ(cfg.n_layers, 30);
+  EXPECT_EQ(cfg.dim, 576);
+  EXPECT_EQ(cfg.n_heads, 9);
+  EXPECT_EQ(cfg.n_kv_heads, 3);
+  EXPECT_EQ(cfg.vocab_size, 49152);
+  EXPECT_TRUE(cfg.tie_embeddings);
+  EXPECT_EQ(cfg.rope_theta, 100000.0);
+  cfg.max_seq_len = 64;  // the tables for 8192 positions are not needed here
+  fsdp_models::Llama model(cfg);
+  fsdp_models::load_gguf(f, model);
+  torch::NoGradGuard no_grad;
+  auto ours = model->forward(torch::tensor(ids).view({1, -1}))[0];
+  auto ref = read_floats(dir.path() + "/logits.bin", ours.sizes());
+  const double diff = (ours - ref).abs().max().item<double>();
+  const double scale = ref.abs().max().item<double>();
+  std::cout << "SmolLM2 logits, ours vs transformers: max |diff| " << diff << " (largest |logit| "
+            << scale << "); argmax equal at every position: "
+            << torch::equal(ours.argmax(-1), ref.argmax(-1)) << "\n";
+  // fp32 both sides, the same dequantised weights; 30 layers of summation order differences.
+  EXPECT_LT(diff, 1e-4 * scale);
+  EXPECT_TRUE(torch::equal(ours.argmax(-1), ref.argmax(-1)));
 }
 
 // --- Hostile files -----------------------------------------------------------------------

