@@ -11,8 +11,7 @@ LlamaConfig llama_config_from_gguf(const gguf::File& f) {
   auto key = [&](const std::string& k) { return path + ": " + k; };
   const auto arch = f.value("general.architecture").as_string(key("general.architecture"));
   if (arch != "llama")
-    throw gguf::FormatError(path + ": general.architecture is '" + arch +
-                            "'; only llama is read");
+    throw gguf::FormatError(path + ": general.architecture is '" + arch + "'; only llama is read");
   for (const char* k : {"llama.rope.scaling.type", "llama.rope.scaling.factor"})
     if (f.metadata().count(k))
       throw gguf::FormatError(key(k) + " is set: RoPE scaling is not modelled");

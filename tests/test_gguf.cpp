@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <fsdp/fsdp.h>
+
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -12,8 +14,10 @@
 
 #include "gguf.h"
 #include "gguf_llama.h"
-#include "llama.h"
 #include "harness/files.h"
+#include "harness/multiprocess.h"
+#include "llama.h"
+#include "parallelize.h"
 
 namespace {
 
@@ -114,6 +118,34 @@ TEST(Gguf, SmolLM2LogitsEqualTransformers) {
   // fp32 both sides, the same dequantised weights; 30 layers of summation order differences.
   EXPECT_LT(diff, 1e-4 * scale);
   EXPECT_TRUE(torch::equal(ours.argmax(-1), ref.argmax(-1)));
+
+  // Sharded over 2 and 3 ranks, each rank reading only its rows: the same logits.
+  for (int world : {2, 3}) {
+    EXPECT_WORKERS_OK(fsdp::test::run_workers(
+        "gguf_sharded_logits", world,
+        fsdp::test::with_env({{"GGUF", f.path()}, {"OUT", dir.path() + "/sharded.bin"}})));
+    auto sharded = read_floats(dir.path() + "/sharded.bin", ours.sizes());
+    const double d = (sharded - ours).abs().max().item<double>();
+    std::cout << world << " ranks: logits vs one process, max |diff| " << d << "\n";
+    EXPECT_LT(d, 1e-5 * scale) << world << " ranks";
+  }
+}
+
+FSDP_WORKER(gguf_sharded_logits) {
+  auto pg = fsdp::init_process_group();
+  File f(ctx.env("GGUF"));
+  auto cfg = fsdp_models::llama_config_from_gguf(f);
+  cfg.max_seq_len = 64;
+  fsdp_models::Llama model(cfg);
+  fsdp_models::parallelize_llama(model, fsdp::FullyShardOptions(pg));
+  fsdp_models::load_gguf(f, model);
+  torch::NoGradGuard no_grad;
+  const std::vector<int64_t> ids{1, 504, 3458, 282, 4649, 314, 28, 2, 9690, 198, 11};
+  auto logits = fsdp::forward(model, torch::tensor(ids).view({1, -1}))[0].contiguous();
+  if (ctx.rank == 0)
+    std::ofstream(ctx.env("OUT"), std::ios::binary)
+        .write(static_cast<const char*>(logits.data_ptr()), logits.numel() * 4);
+  return 0;
 }
 
 // --- Hostile files -----------------------------------------------------------------------
