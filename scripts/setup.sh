@@ -13,7 +13,8 @@ BUILD="${FSDP_BUILD_DIR:-$ROOT/build}"
 APT_PACKAGES=(build-essential cmake ninja-build ccache python3-venv pkg-config
   libgloo-dev libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev libtomlplusplus-dev nlohmann-json3-dev libspdlog-dev libfmt-dev
-  libsentencepiece-dev sentencepiece bible-kjv fortunes libxxhash-dev gnuplot-nox fonts-dejavu-core)
+  libsentencepiece-dev sentencepiece bible-kjv fortunes libxxhash-dev gnuplot-nox fonts-dejavu-core
+  libicu-dev)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -6,12 +6,15 @@
 #include <torch/torch.h>
 
 #include <fsdp/fsdp.h>
+#include <nlohmann/json.hpp>
 
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 
+#include "bpe_tokenizer.h"
+#include "corpus.h"
 #include "gguf.h"
 #include "gguf_llama.h"
 #include "harness/files.h"
@@ -146,6 +149,69 @@ FSDP_WORKER(gguf_sharded_logits) {
     std::ofstream(ctx.env("OUT"), std::ios::binary)
         .write(static_cast<const char*>(logits.data_ptr()), logits.numel() * 4);
   return 0;
+}
+
+// SmolLM2's tokenizer read from the GGUF metadata gives the ids transformers' tokenizer (built
+// from the same file) gives, on KJV verses, fortunes and a multilingual, emoji and chat-template
+// sample; decoding gives the text back.
+TEST(Gguf, SmolLM2TokenizerEqualsTransformers) {
+  fsdp::test::TempDir dir;
+  auto take = [](const std::string& text, size_t lines) {
+    std::string out;
+    size_t at = 0;
+    for (size_t n = 0; n < lines && at < text.size(); ++n) {
+      const size_t end = text.find('\n', at);
+      out += text.substr(at, end == std::string::npos ? std::string::npos : end - at) + "\n";
+      at = end == std::string::npos ? text.size() : end + 1;
+    }
+    return out;
+  };
+  std::string corpus = take(fsdp_trainer::load_corpus("kjv"), 400);
+  corpus += take(fsdp_trainer::load_corpus("fortunes"), 400);
+  corpus +=
+      "Voilà l'été, déjà! Größe und Übermaß. Привет, мир. こんにちは世界。你好，世界。مرحبا "
+      "بالعالم\n"
+      "Emoji: 🚀🔥👍🏽 👨‍👩‍👧 — “quotes” ‘single’ … naïve café x² ½ ∑ "
+      "∞\n"
+      "Numbers 1234567890 3.14159 -42 1e-5 0x1F and   many    spaces\t\ttabs   \n"
+      "Code: for (int i = 0; i < n; ++i) { sum += a[i]; } // it's can't we'll they've I'm I'd\n"
+      "<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n"
+      "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n4<|endoftext|>\n"
+      "   leading spaces and trailing   ";
+  const auto text_path = dir.path() + "/corpus.txt";
+  std::ofstream(text_path, std::ios::binary) << corpus;
+  const auto out =
+      run(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR + "/tests/python/check_tokenizer.py " +
+          text_path + " " + dir.path() + "/ids.json");
+  const auto at = out.find("FILE ");
+  ASSERT_NE(at, std::string::npos) << out;
+  File f(out.substr(at + 5, out.find('\n', at) - at - 5));
+  auto tok = fsdp_trainer::BpeTokenizer::from_gguf(f);
+  EXPECT_EQ(tok.vocab_size(), 49152);
+  const auto ref = nlohmann::json::parse(fsdp::test::file_bytes(dir.path() + "/ids.json"));
+  std::vector<std::string> lines;
+  for (size_t a = 0;;) {
+    const size_t e = corpus.find('\n', a);
+    lines.push_back(corpus.substr(a, e == std::string::npos ? std::string::npos : e - a));
+    if (e == std::string::npos)
+      break;
+    a = e + 1;
+  }
+  ASSERT_EQ(ref.size(), lines.size());
+  size_t same = 0, tokens = 0;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    const auto ours = tok.encode(lines[i]);
+    const auto theirs = ref[i].get<std::vector<int64_t>>();
+    tokens += theirs.size();
+    if (ours == theirs) {
+      ++same;
+    } else {
+      ADD_FAILURE() << "line " << i << ": '" << lines[i] << "'";
+    }
+    EXPECT_EQ(tok.decode(ours), lines[i]) << "line " << i;
+  }
+  std::cout << "tokenizer: " << same << " of " << lines.size() << " lines (" << tokens
+            << " tokens) equal to transformers'\n";
 }
 
 // --- Hostile files -----------------------------------------------------------------------

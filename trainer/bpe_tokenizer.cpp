@@ -1,0 +1,210 @@
+#include "bpe_tokenizer.h"
+
+#include <unicode/regex.h>
+#include <unicode/unistr.h>
+
+#include <algorithm>
+#include <limits>
+#include <stdexcept>
+
+namespace fsdp_trainer {
+
+namespace gguf = fsdp_models::gguf;
+
+// GPT-2's pre-tokenizer pattern (as Hugging Face's ByteLevel pre-tokenizer uses it).
+struct BpeTokenizer::Regex {
+  std::unique_ptr<icu::RegexPattern> pattern;
+};
+
+namespace {
+
+constexpr const char* kPattern =
+    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+
+std::string utf8(char32_t cp) {
+  std::string out;
+  icu::UnicodeString(static_cast<UChar32>(cp)).toUTF8String(out);
+  return out;
+}
+
+// The UTF-8 characters of s.
+std::vector<std::string> characters(const std::string& s) {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    const size_t n = c < 0x80 ? 1 : c < 0xe0 ? 2 : c < 0xf0 ? 3 : 4;
+    out.push_back(s.substr(i, n));
+    i += n;
+  }
+  return out;
+}
+
+}  // namespace
+
+BpeTokenizer::BpeTokenizer() = default;
+BpeTokenizer::~BpeTokenizer() = default;
+BpeTokenizer::BpeTokenizer(BpeTokenizer&&) noexcept = default;
+BpeTokenizer& BpeTokenizer::operator=(BpeTokenizer&&) noexcept = default;
+
+BpeTokenizer BpeTokenizer::from_gguf(const gguf::File& f) {
+  auto key = [&](const std::string& k) { return f.path() + ": " + k; };
+  const auto model = f.value("tokenizer.ggml.model").as_string(key("tokenizer.ggml.model"));
+  if (model != "gpt2")
+    throw gguf::FormatError(key("tokenizer.ggml.model") + " is '" + model +
+                            "'; only byte-level BPE (gpt2) is read");
+  BpeTokenizer t;
+  const auto& tokens = f.value("tokenizer.ggml.tokens").as_array(key("tokenizer.ggml.tokens"));
+  const auto& types =
+      f.value("tokenizer.ggml.token_type").as_array(key("tokenizer.ggml.token_type"));
+  const auto& merges = f.value("tokenizer.ggml.merges").as_array(key("tokenizer.ggml.merges"));
+  if (types.size() != tokens.size())
+    throw gguf::FormatError(key("tokenizer.ggml.token_type") + " has " +
+                            std::to_string(types.size()) + " entries for " +
+                            std::to_string(tokens.size()) + " tokens");
+  t.is_special_.assign(tokens.size(), false);
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    t.tokens_.push_back(tokens[i].as_string(key("tokenizer.ggml.tokens")));
+    t.ids_.emplace(t.tokens_.back(), static_cast<int64_t>(i));
+    // llama.cpp's token types: 3 control (<|im_start|>...), 4 user-defined; both are matched
+    // whole in text, as Hugging Face's added tokens are.
+    const auto type = types[i].as_int(key("tokenizer.ggml.token_type"));
+    if (type == 3 || type == 4) {
+      t.is_special_[i] = true;
+      t.specials_.emplace_back(t.tokens_.back(), static_cast<int64_t>(i));
+    }
+  }
+  std::sort(t.specials_.begin(), t.specials_.end(),
+            [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+  for (size_t r = 0; r < merges.size(); ++r) {
+    const auto& m = merges[r].as_string(key("tokenizer.ggml.merges"));
+    if (m.find(' ') == std::string::npos)
+      throw gguf::FormatError(key("tokenizer.ggml.merges") + " entry " + std::to_string(r) +
+                              " is not two tokens separated by a space");
+    t.merge_rank_.emplace(m, static_cast<int>(r));
+  }
+  if (f.metadata().count("tokenizer.ggml.bos_token_id"))
+    t.bos_ = f.value("tokenizer.ggml.bos_token_id").as_int(key("bos"));
+  if (f.metadata().count("tokenizer.ggml.eos_token_id"))
+    t.eos_ = f.value("tokenizer.ggml.eos_token_id").as_int(key("eos"));
+  // GPT-2's byte alphabet: printable bytes stand for themselves, the others for 256 + n.
+  int next = 0;
+  for (int b = 0; b < 256; ++b) {
+    const bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174);
+    t.byte_char_[b] = utf8(printable ? b : 256 + next++);
+    t.char_byte_[t.byte_char_[b]] = static_cast<uint8_t>(b);
+  }
+  UErrorCode status = U_ZERO_ERROR;
+  UParseError parse{};
+  t.regex_ = std::make_unique<Regex>();
+  t.regex_->pattern.reset(
+      icu::RegexPattern::compile(icu::UnicodeString::fromUTF8(kPattern), 0, parse, status));
+  if (U_FAILURE(status))
+    throw std::runtime_error(std::string("BpeTokenizer: ICU regex: ") + u_errorName(status));
+  return t;
+}
+
+void BpeTokenizer::bpe(const std::string& piece, std::vector<int64_t>& out) const {
+  if (auto it = cache_.find(piece); it != cache_.end()) {
+    out.insert(out.end(), it->second.begin(), it->second.end());
+    return;
+  }
+  std::string mapped;
+  for (unsigned char c : piece)
+    mapped += byte_char_[c];
+  std::vector<std::string> symbols = characters(mapped);
+  // Merge the lowest-ranked adjacent pair, everywhere it occurs, until none is in the table.
+  while (symbols.size() > 1) {
+    int best = std::numeric_limits<int>::max();
+    for (size_t i = 0; i + 1 < symbols.size(); ++i) {
+      auto it = merge_rank_.find(symbols[i] + " " + symbols[i + 1]);
+      if (it != merge_rank_.end() && it->second < best)
+        best = it->second;
+    }
+    if (best == std::numeric_limits<int>::max())
+      break;
+    std::vector<std::string> next;
+    for (size_t i = 0; i < symbols.size(); ++i) {
+      if (i + 1 < symbols.size()) {
+        auto it = merge_rank_.find(symbols[i] + " " + symbols[i + 1]);
+        if (it != merge_rank_.end() && it->second == best) {
+          next.push_back(symbols[i] + symbols[i + 1]);
+          ++i;
+          continue;
+        }
+      }
+      next.push_back(symbols[i]);
+    }
+    symbols = std::move(next);
+  }
+  std::vector<int64_t> ids;
+  for (const auto& s : symbols) {
+    auto it = ids_.find(s);
+    if (it != ids_.end()) {
+      ids.push_back(it->second);
+    } else {  // not in the vocabulary (cannot happen for a complete byte alphabet): by bytes
+      for (const auto& ch : characters(s)) {
+        auto b = ids_.find(ch);
+        if (b != ids_.end())
+          ids.push_back(b->second);
+      }
+    }
+  }
+  if (cache_.size() < 200000)
+    cache_.emplace(piece, ids);
+  out.insert(out.end(), ids.begin(), ids.end());
+}
+
+std::vector<int64_t> BpeTokenizer::encode(const std::string& text) const {
+  std::vector<int64_t> out;
+  auto plain = [&](const std::string& segment) {
+    if (segment.empty())
+      return;
+    UErrorCode status = U_ZERO_ERROR;
+    const auto u = icu::UnicodeString::fromUTF8(segment);
+    std::unique_ptr<icu::RegexMatcher> m(regex_->pattern->matcher(u, status));
+    while (U_SUCCESS(status) && m->find(status)) {
+      std::string piece;
+      u.tempSubStringBetween(m->start(status), m->end(status)).toUTF8String(piece);
+      bpe(piece, out);
+    }
+    if (U_FAILURE(status))
+      throw std::runtime_error(std::string("BpeTokenizer: ICU regex: ") + u_errorName(status));
+  };
+  size_t start = 0, pos = 0;
+  while (pos < text.size()) {
+    bool matched = false;
+    for (const auto& [s, id] : specials_) {
+      if (!s.empty() && text.compare(pos, s.size(), s) == 0) {
+        plain(text.substr(start, pos - start));
+        out.push_back(id);
+        pos += s.size();
+        start = pos;
+        matched = true;
+        break;
+      }
+    }
+    if (!matched)
+      ++pos;
+  }
+  plain(text.substr(start));
+  return out;
+}
+
+std::string BpeTokenizer::decode(const std::vector<int64_t>& ids) const {
+  std::string out;
+  for (auto id : ids) {
+    const auto& tok = tokens_.at(id);
+    if (is_special_[id]) {
+      out += tok;
+      continue;
+    }
+    for (const auto& ch : characters(tok)) {
+      auto it = char_byte_.find(ch);
+      if (it != char_byte_.end())
+        out.push_back(static_cast<char>(it->second));
+    }
+  }
+  return out;
+}
+
+}  // namespace fsdp_trainer
