@@ -14,6 +14,7 @@
 #include <fstream>
 
 #include "bpe_tokenizer.h"
+#include "chat_template.h"
 #include "corpus.h"
 #include "gguf.h"
 #include "gguf_llama.h"
@@ -171,7 +172,8 @@ TEST(Gguf, SmolLM2TokenizerEqualsTransformers) {
   corpus +=
       "Voilà l'été, déjà! Größe und Übermaß. Привет, мир. こんにちは世界。你好，世界。مرحبا "
       "بالعالم\n"
-      "Emoji: 🚀🔥👍🏽 👨‍👩‍👧 — “quotes” ‘single’ … naïve café x² ½ ∑ "
+      "Emoji: 🚀🔥👍🏽 👨‍👩‍👧 — “quotes” ‘single’ … naïve café x² ½ "
+      "∑ "
       "∞\n"
       "Numbers 1234567890 3.14159 -42 1e-5 0x1F and   many    spaces\t\ttabs   \n"
       "Code: for (int i = 0; i < n; ++i) { sum += a[i]; } // it's can't we'll they've I'm I'd\n"
@@ -212,6 +214,57 @@ TEST(Gguf, SmolLM2TokenizerEqualsTransformers) {
   }
   std::cout << "tokenizer: " << same << " of " << lines.size() << " lines (" << tokens
             << " tokens) equal to transformers'\n";
+}
+
+// The chat template read from the file renders a conversation as transformers renders it, and
+// greedy generation with our Llama gives transformers' tokens: a coherent answer.
+TEST(Gguf, SmolLM2ChatsAsTransformersDoes) {
+  fsdp::test::TempDir dir;
+  const int new_tokens = 10;  // "The capital of France is Paris.<|im_end|>"
+  const nlohmann::json request = {
+      {"messages",
+       {{{"role", "user"}, {"content", "What is the capital of France? Answer in one sentence."}}}},
+      {"new_tokens", new_tokens}};
+  std::ofstream(dir.path() + "/in.json") << request.dump();
+  const auto out =
+      run(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR + "/tests/python/check_chat.py " +
+          dir.path() + "/in.json " + dir.path() + "/out.json");
+  ASSERT_EQ(out.find("FAILED"), std::string::npos) << out;
+  const auto ref = nlohmann::json::parse(fsdp::test::file_bytes(dir.path() + "/out.json"));
+  File f(ref["file"].get<std::string>());
+  fsdp_trainer::ChatTemplate chat(
+      f.value("tokenizer.chat_template").as_string("tokenizer.chat_template"), f.path());
+  const auto text =
+      chat.render({{"user", "What is the capital of France? Answer in one sentence."}},
+                  /*add_generation_prompt=*/true);
+  EXPECT_EQ(text, ref["text"].get<std::string>());
+  auto tok = fsdp_trainer::BpeTokenizer::from_gguf(f);
+  auto ids = tok.encode(text);
+  EXPECT_EQ(ids, ref["prompt_ids"].get<std::vector<int64_t>>());
+
+  auto cfg = fsdp_models::llama_config_from_gguf(f);
+  cfg.max_seq_len = 128;
+  fsdp_models::Llama model(cfg);
+  fsdp_models::load_gguf(f, model);
+  torch::NoGradGuard no_grad;
+  std::vector<int64_t> generated;
+  for (int i = 0; i < new_tokens; ++i) {  // greedy, recomputing the prefix (no KV cache)
+    auto logits = model->forward(torch::tensor(ids).view({1, -1}));
+    const int64_t next = logits[0][-1].argmax().item<int64_t>();
+    generated.push_back(next);
+    ids.push_back(next);
+  }
+  std::cout << "SmolLM2 answers: " << tok.decode(generated) << "\n";
+  EXPECT_EQ(generated, ref["generated_ids"].get<std::vector<int64_t>>())
+      << "transformers: " << tok.decode(ref["generated_ids"].get<std::vector<int64_t>>());
+  EXPECT_NE(tok.decode(generated).find("Paris"), std::string::npos);
+}
+
+TEST(Gguf, NonChatMLTemplatesAreRefused) {
+  EXPECT_THROW(fsdp_trainer::ChatTemplate("{{ bos_token }}{% for m in messages %}[INST] "
+                                          "{{ m['content'] }} [/INST]{% endfor %}",
+                                          "model.gguf"),
+               std::runtime_error);
 }
 
 // --- Hostile files -----------------------------------------------------------------------
