@@ -447,29 +447,34 @@ File::File(const std::string& path) : path_(path) {
     throw FormatError(path + ": not a regular file");
   }
   size_ = static_cast<uint64_t>(st.st_size);
-  // The header's size is known only once parsed: read a prefix, and a larger one if the
-  // parser runs past it (tokenizer vocabularies make headers of several MiB).
+  // The header's size is known only once parsed: read a prefix, and extend it if the parser
+  // runs past it (tokenizer vocabularies make headers of several MiB).
   std::vector<uint8_t> buf;
-  for (uint64_t want = std::min<uint64_t>(size_, 4 << 20);; want = std::min(size_, want * 4)) {
-    buf.resize(want);
-    uint64_t done = 0;
-    while (done < want) {
-      const ssize_t r = ::pread(fd_, buf.data() + done, want - done, done);
-      if (r <= 0) {
-        ::close(fd_);
-        throw FormatError(path + ": read failed: " + (r < 0 ? errno_text() : "end of file"));
+  try {
+    for (uint64_t want = std::min<uint64_t>(size_, 4 << 20);; want = std::min(size_, want * 4)) {
+      const uint64_t have = buf.size();
+      buf.resize(want);
+      read_exact(buf.data() + have, want - have, have, "the header");
+      try {
+        header_ = parse(buf.data(), want, size_, path);
+        break;
+      } catch (const NeedMoreBytes&) {
+        continue;  // want < size_ here: parse reports truncation against size_ itself
       }
-      done += r;
     }
-    try {
-      header_ = parse(buf.data(), want, size_, path);
-      break;
-    } catch (const NeedMoreBytes&) {
-      continue;  // want < size_ here: parse reports truncation against size_ itself
-    } catch (...) {
-      ::close(fd_);
-      throw;
-    }
+  } catch (...) {
+    ::close(fd_);
+    throw;
+  }
+}
+
+void File::read_exact(uint8_t* dst, uint64_t n, uint64_t offset, const std::string& what) const {
+  for (uint64_t done = 0; done < n;) {
+    const ssize_t r = ::pread(fd_, dst + done, n - done, offset + done);
+    if (r <= 0)
+      throw FormatError(path_ + ": " + what + ": read failed: " +
+                        (r < 0 ? errno_text() : "the file is shorter than its header says"));
+    done += r;
   }
 }
 
@@ -523,14 +528,7 @@ torch::Tensor File::read(const std::string& name, int64_t row_begin, int64_t row
   const uint64_t first = outer_bytes ? row_begin * outer_bytes : 0;
   const uint64_t count = outer_bytes ? rows * outer_bytes : t.nbytes;
   std::vector<uint8_t> raw(count);
-  uint64_t done = 0;
-  while (done < count) {
-    const ssize_t r = ::pread(fd_, raw.data() + done, count - done, t.offset + first + done);
-    if (r <= 0)
-      throw FormatError(path_ + ": tensor '" + name + "': read failed: " +
-                        (r < 0 ? errno_text() : "the file is shorter than its header says"));
-    done += r;
-  }
+  read_exact(raw.data(), count, t.offset + first, "tensor '" + name + "'");
   dequantize(t.type, raw.data(), out.numel(), out.data_ptr<float>());
   return out;
 }

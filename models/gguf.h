@@ -105,6 +105,9 @@ class File {
   torch::Tensor read(const std::string& name, int64_t row_begin = 0, int64_t rows = -1) const;
 
  private:
+  /// n bytes at `offset`, or a FormatError naming the file and `what`.
+  void read_exact(uint8_t* dst, uint64_t n, uint64_t offset, const std::string& what) const;
+
   std::string path_;
   int fd_ = -1;
   uint64_t size_ = 0;

@@ -64,7 +64,7 @@ void FusedOptimizer::init_state(std::vector<std::string> state_names) {
 
 void FusedOptimizer::build_layout() {
   std::vector<Slot> slots;
-  std::unordered_map<const void*, size_t> seen;
+  std::unordered_map<const void*, size_t> index;
   int64_t offset = 0;
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     for (const auto& p : param_groups_[g].params()) {
@@ -75,7 +75,7 @@ void FusedOptimizer::build_layout() {
       TORCH_CHECK(p.scalar_type() == torch::kFloat32,
                   "fused optimizer: parameters must be float32 (the master weights), got ",
                   c10::toString(p.scalar_type()), " of shape ", p.sizes());
-      TORCH_CHECK(seen.emplace(p.unsafeGetTensorImpl(), slots.size()).second,
+      TORCH_CHECK(index.emplace(p.unsafeGetTensorImpl(), slots.size()).second,
                   "fused optimizer: a parameter appears twice in the param groups");
       Slot s;
       s.param = p;
@@ -89,6 +89,7 @@ void FusedOptimizer::build_layout() {
   }
   // Steps already taken survive a rebuild only if nothing had state (see step()).
   slots_ = std::move(slots);
+  slot_index_ = std::move(index);
   store_.reset();
   if (state_names_.empty())
     return;
@@ -100,10 +101,9 @@ void FusedOptimizer::build_layout() {
 }
 
 size_t FusedOptimizer::slot_of(const torch::Tensor& param) const {
-  for (size_t i = 0; i < slots_.size(); ++i)
-    if (slots_[i].param.unsafeGetTensorImpl() == param.unsafeGetTensorImpl())
-      return i;
-  TORCH_CHECK(false, "fused optimizer: the tensor is not one of its parameters");
+  const auto it = slot_index_.find(param.unsafeGetTensorImpl());
+  TORCH_CHECK(it != slot_index_.end(), "fused optimizer: the tensor is not one of its parameters");
+  return it->second;
 }
 
 uint32_t FusedOptimizer::rounding_key(const Slot& slot) const {

@@ -18,6 +18,7 @@
 #include "corpus.h"
 #include "gguf.h"
 #include "gguf_llama.h"
+#include "harness/command.h"
 #include "harness/files.h"
 #include "harness/multiprocess.h"
 #include "llama.h"
@@ -29,17 +30,11 @@ namespace fs = std::filesystem;
 using fsdp_models::gguf::File;
 using fsdp_models::gguf::FormatError;
 
+// The command's output; a failed command fails the test.
 std::string run(const std::string& cmd) {
-  std::string out;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  if (!p)
-    return out;
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p))
-    out.append(buf, n);
-  if (pclose(p) != 0)
-    out = "FAILED: " + out;
-  return out;
+  const auto r = fsdp::test::run_command(cmd);
+  EXPECT_EQ(r.code, 0) << cmd << "\n" << r.output;
+  return r.output;
 }
 
 torch::Tensor read_floats(const std::string& path, at::IntArrayRef shape) {
@@ -172,7 +167,8 @@ TEST(Gguf, SmolLM2TokenizerEqualsTransformers) {
   corpus +=
       "Voilà l'été, déjà! Größe und Übermaß. Привет, мир. こんにちは世界。你好，世界。مرحبا "
       "بالعالم\n"
-      "Emoji: 🚀🔥👍🏽 👨‍👩‍👧 — “quotes” ‘single’ … naïve café x² ½ "
+      "Emoji: 🚀🔥👍🏽 👨‍👩‍👧 — “quotes” ‘single’ … naïve café x² "
+      "½ "
       "∑ "
       "∞\n"
       "Numbers 1234567890 3.14159 -42 1e-5 0x1F and   many    spaces\t\ttabs   \n"
@@ -229,7 +225,7 @@ TEST(Gguf, SmolLM2ChatsAsTransformersDoes) {
   const auto out =
       run(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR + "/tests/python/check_chat.py " +
           dir.path() + "/in.json " + dir.path() + "/out.json");
-  ASSERT_EQ(out.find("FAILED"), std::string::npos) << out;
+  ASSERT_FALSE(HasFailure()) << out;  // the reference run failed
   const auto ref = nlohmann::json::parse(fsdp::test::file_bytes(dir.path() + "/out.json"));
   File f(ref["file"].get<std::string>());
   fsdp_trainer::ChatTemplate chat(

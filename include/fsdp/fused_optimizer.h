@@ -29,6 +29,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace fsdp {
@@ -163,6 +164,7 @@ class FusedOptimizer : public torch::optim::Optimizer {
   OptimizerStateOptions state_options_;
   std::vector<std::string> state_names_;
   std::vector<Slot> slots_;
+  std::unordered_map<const void*, size_t> slot_index_;  // TensorImpl -> slot (checkpoints)
   std::unique_ptr<detail::StateStore> store_;
   OptimizerStepStats last_;
 };
