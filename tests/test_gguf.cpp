@@ -165,12 +165,13 @@ TEST(Gguf, SmolLM2TokenizerEqualsTransformers) {
   std::string corpus = take(fsdp_trainer::load_corpus("kjv"), 400);
   corpus += take(fsdp_trainer::load_corpus("fortunes"), 400);
   corpus +=
-      "Voilà l'été, déjà! Größe und Übermaß. Привет, мир. こんにちは世界。你好，世界。مرحبا "
-      "بالعالم\n"
-      "Emoji: 🚀🔥👍🏽 👨‍👩‍👧 — “quotes” ‘single’ … naïve café x² "
-      "½ "
-      "∑ "
-      "∞\n"
+      "Voilà l'été, déjà! Größe und Übermaß. "
+      "Привет, мир. "
+      "こんにちは世界。你好，世界。"
+      "مرحبا بالعالم\n"
+      "Emoji: 🚀🔥👍🏽 👨‍👩‍👧 — "
+      "“quotes” ‘single’ … "
+      "naïve café x² ½ ∑ ∞\n"
       "Numbers 1234567890 3.14159 -42 1e-5 0x1F and   many    spaces\t\ttabs   \n"
       "Code: for (int i = 0; i < n; ++i) { sum += a[i]; } // it's can't we'll they've I'm I'd\n"
       "<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n"
