@@ -179,10 +179,12 @@ fsdp::ConsolidatedOptions hf_options(const LlamaConfig& cfg) {
   const auto k_rows = rotate_half_rows(cfg.n_kv_heads, cfg.head_dim());
   o.layout = [q_rows, k_rows](const std::string& name, c10::IntArrayRef) {
     TensorLayout l{llama_hf_name(name)};
-    if (ends_with(name, ".attention.wq.weight")) {
+    // A LoRA adapter's B has the weight's output rows, so it is permuted as the weight is.
+    if (ends_with(name, ".attention.wq.weight") || ends_with(name, ".attention.wq.lora_B.weight")) {
       l.kind = TensorLayout::Kind::kRowPermuted;
       l.file_row = q_rows;
-    } else if (ends_with(name, ".attention.wk.weight")) {
+    } else if (ends_with(name, ".attention.wk.weight") ||
+               ends_with(name, ".attention.wk.lora_B.weight")) {
       l.kind = TensorLayout::Kind::kRowPermuted;
       l.file_row = k_rows;
     }
@@ -314,9 +316,21 @@ void save_hf(const std::string& dir, GPT& model, fsdp::ProcessGroup& group) {
   save_hf_dir(dir, model, group, hf_options(cfg), hf_config_json(cfg));
 }
 
-void save_hf(const std::string& dir, Llama& model, fsdp::ProcessGroup& group) {
+void save_hf(const std::string& dir, Llama& model, fsdp::ProcessGroup& group, bool skip_adapters) {
   const auto& cfg = model->config();
-  save_hf_dir(dir, model, group, hf_options(cfg), hf_config_json(cfg));
+  auto options = hf_options(cfg);
+  for (const auto& p : model->named_parameters()) {
+    const bool adapter = p.key().find(".lora_") != std::string::npos;
+    TORCH_CHECK(skip_adapters || !adapter, "save_hf: '", p.key(),
+                "' is a LoRA adapter: merge it (save_merged_hf) or save it apart "
+                "(save_peft_adapter)");
+    TORCH_CHECK(p.key().find("weight_nf4") == std::string::npos, "save_hf: '", p.key(),
+                "' is stored in NF4; a Hugging Face file needs dense weights");
+  }
+  options.include = [](const std::string& name) {
+    return name.find(".lora_") == std::string::npos;
+  };
+  save_hf_dir(dir, model, group, options, hf_config_json(cfg));
 }
 
 void load_hf(const std::string& dir, GPT& model) {
@@ -356,7 +370,11 @@ void load_hf(const std::string& dir, Llama& model) {
   require_equal(where, "rms_norm_eps", file.norm_eps, m.norm_eps);
   require_equal(where, "rope_theta", file.rope_theta, m.rope_theta);
   require_equal(where, "tie_word_embeddings", file.tie_embeddings, m.tie_embeddings);
-  fsdp::load_consolidated((fs::path(dir) / kWeightsFile).string(), *model, hf_options(m));
+  auto options = hf_options(m);
+  options.include = [](const std::string& name) {  // the base: adapters keep their values
+    return name.find(".lora_") == std::string::npos;
+  };
+  fsdp::load_consolidated((fs::path(dir) / kWeightsFile).string(), *model, options);
 }
 
 }  // namespace fsdp_models

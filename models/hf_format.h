@@ -52,13 +52,17 @@ LlamaConfig llama_config_from_hf(const std::string& config_json, const std::stri
 /// I/O buffers, and GPT-2's transposed weights one matrix at a time). Written as "<dir>.tmp" and
 /// renamed once complete. Throws if `dir` exists.
 void save_hf(const std::string& dir, GPT& model, fsdp::ProcessGroup& group);
-void save_hf(const std::string& dir, Llama& model, fsdp::ProcessGroup& group);
+/// A Llama with LoRA adapters is refused unless `skip_adapters` (its adapters merged into the
+/// weights first: see save_merged_hf in lora.h).
+void save_hf(const std::string& dir, Llama& model, fsdp::ProcessGroup& group,
+             bool skip_adapters = false);
 
 /// Loads a directory written by save_hf or by transformers (config.json + model.safetensors,
 /// float32/bf16/fp16) into `model`, sharded or not: each rank reads the rows it holds. Throws
 /// fsdp::safetensors::FormatError naming the file (and tensor, or the config field whose
 /// value differs from the model's).
 void load_hf(const std::string& dir, GPT& model);
+/// A Llama with LoRA adapters loads its base weights; the adapters keep their values.
 void load_hf(const std::string& dir, Llama& model);
 
 }  // namespace fsdp_models

@@ -1,6 +1,8 @@
 // Deferred-init layers and initialisation by name; see layers.h.
 #include "layers.h"
 
+#include <fsdp/nf4.h>
+
 #include <unordered_map>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -49,13 +51,18 @@ double standard_normal(uint64_t key, uint64_t index, uint64_t attempt) {
   return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
 }
 
-// out[j] = value of element first + j, for a contiguous float32 CPU buffer.
-void fill_normal(float* out, int64_t n, uint64_t key, uint64_t first, const InitRule& rule) {
+// out[j] = value of element first + j (normal or uniform), for a contiguous float32 CPU buffer.
+void fill_random(float* out, int64_t n, uint64_t key, uint64_t first, const InitRule& rule) {
   // Resampling stops after this many draws and clamps: reached only for bounds below ~0.1 std.
   constexpr uint64_t kMaxAttempts = 64;
   at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       const uint64_t index = first + static_cast<uint64_t>(j);
+      if (rule.kind == InitRule::Kind::kUniform) {  // U(-bound, bound)
+        const double u = static_cast<double>(mix64(key ^ mix64(index)) >> 11) * 0x1p-53;
+        out[j] = static_cast<float>(rule.bound * (2.0 * u - 1.0));
+        continue;
+      }
       double x = rule.std * standard_normal(key, index, 0);
       for (uint64_t a = 1; rule.bound > 0 && std::abs(x) > rule.bound && a < kMaxAttempts; ++a)
         x = rule.std * standard_normal(key, index, a);
@@ -97,7 +104,7 @@ void init_parameter(const std::string& fqn, const torch::Tensor& t, const InitSc
   const bool in_place =
       t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.is_contiguous();
   torch::Tensor buffer = in_place ? t : torch::empty(t.sizes(), torch::kFloat);
-  fill_normal(buffer.data_ptr<float>(), t.numel(), key,
+  fill_random(buffer.data_ptr<float>(), t.numel(), key,
               static_cast<uint64_t>(first_row * row_numel), rule);
   if (!in_place)
     t.copy_(buffer);
@@ -113,17 +120,36 @@ void init_weights(torch::nn::Module& model, const InitScheme& scheme, uint64_t s
 void DeferredModule::add_parameter(const std::string& name, torch::IntArrayRef sizes,
                                    const ModelInit& init, torch::Tensor& slot) {
   slot = register_parameter(name, torch::empty(sizes, init.options()));
-  slots_.emplace_back(name, &slot);
+  slots_.push_back({name, &slot, false});
+}
+
+void DeferredModule::add_fixed_parameter(const std::string& name, torch::Tensor value,
+                                         torch::Tensor& slot) {
+  slot = register_parameter(name, std::move(value), /*requires_grad=*/false);
+  slots_.push_back({name, &slot, true});
+}
+
+void DeferredModule::remove_parameter(const std::string& name) {
+  parameters_.erase(name);
+  for (auto it = slots_.begin(); it != slots_.end(); ++it) {
+    if (it->name == name) {
+      *it->tensor = torch::Tensor();
+      slots_.erase(it);
+      return;
+    }
+  }
 }
 
 void DeferredModule::reset_to_empty(const torch::TensorOptions& options, bool hollow) {
   // set_data() cannot move a parameter off the meta device (incompatible tensor types), so the
   // parameter objects are replaced, here and in the module's registry.
-  for (auto& [name, slot] : slots_) {
+  for (auto& [name, slot, fixed_dtype] : slots_) {
     const auto sizes = slot->sizes().vec();
-    auto fresh = hollow ? torch::empty_strided(sizes, std::vector<int64_t>(sizes.size(), 0),
-                                               options.requires_grad(false))
-                        : torch::empty(sizes, options.requires_grad(false));
+    auto o = options.requires_grad(false);
+    if (fixed_dtype)
+      o = o.dtype(slot->dtype());
+    auto fresh = hollow ? torch::empty_strided(sizes, std::vector<int64_t>(sizes.size(), 0), o)
+                        : torch::empty(sizes, o);
     fresh.set_requires_grad(slot->requires_grad());
     parameters_[name] = fresh;
     *slot = fresh;
@@ -173,14 +199,82 @@ std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)> shard_i
 // ---- Layers -------------------------------------------------------------------------------
 
 LinearImpl::LinearImpl(int64_t in_features, int64_t out_features, bool with_bias,
-                       const ModelInit& init) {
+                       const ModelInit& init)
+    : in_features_(in_features), out_features_(out_features) {
   add_parameter("weight", {out_features, in_features}, init, weight);
   if (with_bias)
     add_parameter("bias", {out_features}, init, bias);
 }
 
 torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
-  return torch::nn::functional::linear(x, weight, bias);
+  torch::Tensor y;
+  if (is_nf4()) {
+    y = fsdp::nf4::linear(x, weight_nf4, weight_absmax, weight_absmax_scale, weight_absmax_offset,
+                          out_features_, in_features_);
+    if (bias.defined())
+      y = y + bias.to(y.scalar_type());
+  } else if (weight.scalar_type() != x.scalar_type() && !weight.requires_grad()) {
+    // A frozen base kept in another dtype than the computation (bf16 under fp32 adapters).
+    y = torch::nn::functional::linear(x, weight.to(x.scalar_type()),
+                                      bias.defined() ? bias.to(x.scalar_type()) : torch::Tensor());
+  } else {
+    y = torch::nn::functional::linear(x, weight, bias);
+  }
+  if (lora_A) {
+    auto h = lora_dropout_ > 0 ? torch::dropout(x, lora_dropout_, is_training()) : x;
+    y = y + lora_B->forward(lora_A->forward(h)) * lora_scaling();
+  }
+  return y;
+}
+
+void LinearImpl::add_lora(const LoraOptions& options, const ModelInit& init) {
+  TORCH_CHECK(!lora_A, "add_lora: this Linear already has adapters");
+  TORCH_CHECK(options.rank() >= 1, "LoRA rank must be at least 1, got ", options.rank());
+  TORCH_CHECK(options.dropout() >= 0 && options.dropout() < 1,
+              "LoRA dropout must be in [0, 1), got ", options.dropout());
+  lora_rank_ = options.rank();
+  lora_alpha_ = options.alpha();
+  lora_dropout_ = options.dropout();
+  lora_A = register_module("lora_A", std::make_shared<LinearImpl>(in_features_, lora_rank_,
+                                                                  /*bias=*/false, init));
+  lora_B = register_module("lora_B", std::make_shared<LinearImpl>(lora_rank_, out_features_,
+                                                                  /*bias=*/false, init));
+  for (auto& p : parameters(/*recurse=*/false))
+    p.set_requires_grad(false);
+}
+
+void LinearImpl::use_nf4(bool quantize, torch::Device device) {
+  TORCH_CHECK(!is_nf4(), "use_nf4: this Linear is already in NF4");
+  TORCH_CHECK(in_features_ % fsdp::nf4::kBlock == 0, "NF4 storage needs in_features (",
+              in_features_, ") to be a multiple of ", fsdp::nf4::kBlock);
+  const int64_t n = in_features_ * out_features_, blocks = n / fsdp::nf4::kBlock;
+  fsdp::nf4::Quantized q;
+  if (quantize) {
+    TORCH_CHECK(weight.device() != torch::kMeta, "use_nf4: the weight has no values to quantize");
+    torch::NoGradGuard no_grad;
+    q = fsdp::nf4::quantize(weight);
+    q.codes = q.codes.view({out_features_, in_features_ / 2});
+    device = weight.device();
+  } else {
+    auto u8 = torch::TensorOptions().dtype(torch::kUInt8).device(device);
+    auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(device);
+    q.codes = torch::empty({out_features_, in_features_ / 2}, u8);
+    q.absmax_codes = torch::empty({blocks}, u8);
+    q.scales = torch::empty({(blocks + fsdp::nf4::kScaleBlock - 1) / fsdp::nf4::kScaleBlock}, f32);
+    q.offset = torch::empty({1}, f32);
+  }
+  remove_parameter("weight");
+  add_fixed_parameter("weight_nf4", q.codes.to(device), weight_nf4);
+  add_fixed_parameter("weight_absmax", q.absmax_codes.to(device), weight_absmax);
+  add_fixed_parameter("weight_absmax_scale", q.scales.to(device), weight_absmax_scale);
+  add_fixed_parameter("weight_absmax_offset", q.offset.to(device), weight_absmax_offset);
+}
+
+torch::Tensor LinearImpl::dense_weight(torch::ScalarType dtype) const {
+  if (!is_nf4())
+    return weight.to(dtype);
+  return fsdp::nf4::dequantize(weight_nf4, weight_absmax, weight_absmax_scale, weight_absmax_offset,
+                               {out_features_, in_features_}, dtype);
 }
 
 EmbeddingImpl::EmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim, const ModelInit& init) {

@@ -55,17 +55,19 @@ struct ModelInit {
 
 /// How one parameter is filled.
 struct InitRule {
-  enum class Kind { kConstant, kNormal };
+  enum class Kind { kConstant, kNormal, kUniform };
   Kind kind = Kind::kNormal;
   double value = 0;  // kConstant
   double std = 0;    // kNormal: N(0, std^2)
-  double bound = 0;  // kNormal: resample until |x| <= bound (truncated normal); 0 = no bound
+  double bound = 0;  // kNormal: resample until |x| <= bound (truncated normal); 0 = no bound;
+                     // kUniform: U(-bound, bound)
 
   static InitRule constant(double v) { return {Kind::kConstant, v, 0, 0}; }
   static InitRule normal(double std) { return {Kind::kNormal, 0, std, 0}; }
   static InitRule truncated_normal(double std, double bound) {
     return {Kind::kNormal, 0, std, bound};
   }
+  static InitRule uniform(double bound) { return {Kind::kUniform, 0, 0, bound}; }
 };
 
 /// A model family's rule for each parameter, by fully-qualified name relative to the model
@@ -116,21 +118,69 @@ class DeferredModule : public torch::nn::Module {
   /// Registers an uninitialised parameter `name` of shape `sizes` and binds `slot` to it.
   void add_parameter(const std::string& name, torch::IntArrayRef sizes, const ModelInit& init,
                      torch::Tensor& slot);
+  /// The same with a dtype of its own that reset_to_empty() keeps (packed storage, scales),
+  /// and frozen.
+  void add_fixed_parameter(const std::string& name, torch::Tensor value, torch::Tensor& slot);
+  /// Unregisters parameter `name` and resets its slot.
+  void remove_parameter(const std::string& name);
 
  private:
   // The member that mirrors each registered parameter, to re-point after reset_to_empty().
   // Modules live behind shared_ptrs and are never moved, so the addresses stay valid.
-  std::vector<std::pair<std::string, torch::Tensor*>> slots_;
+  struct Slot {
+    std::string name;
+    torch::Tensor* tensor;
+    bool fixed_dtype;
+  };
+  std::vector<Slot> slots_;
 };
 
-/// y = x W^T + b, as torch::nn::Linear.
+/// LoRA adapters of a Linear (Hu et al. 2021): y = W x + (alpha / rank) B A dropout(x), with A
+/// (rank, in) and B (out, rank) trainable and W frozen.
+struct LoraOptions {
+  TORCH_ARG(int64_t, rank) = 8;
+  TORCH_ARG(double, alpha) = 16;
+  /// Dropout on the adapters' input, in training mode only.
+  TORCH_ARG(double, dropout) = 0;
+};
+
+/// y = x W^T + b, as torch::nn::Linear; optionally with LoRA adapters (add_lora) and the weight
+/// stored in NF4 (use_nf4).
 class LinearImpl : public DeferredModule {
  public:
   LinearImpl(int64_t in_features, int64_t out_features, bool bias, const ModelInit& init);
   torch::Tensor forward(const torch::Tensor& x);  // (..., in) -> (..., out)
 
-  torch::Tensor weight;  // (out, in)
+  /// Registers the adapters as submodules lora_A and lora_B (Linears without bias, so their
+  /// parameters are "lora_A.weight" and "lora_B.weight", PEFT's names), created with `init`'s
+  /// device and dtype and not initialised (see lora_init_scheme()). Freezes weight and bias.
+  void add_lora(const LoraOptions& options, const ModelInit& init);
+  bool has_lora() const { return lora_A != nullptr; }
+  double lora_scaling() const { return lora_alpha_ / static_cast<double>(lora_rank_); }
+
+  /// Replaces `weight` by its NF4 storage (fsdp/nf4.h), four frozen parameters: weight_nf4
+  /// (uint8, out x in/2), weight_absmax (uint8, out*in/64), weight_absmax_scale (float32) and
+  /// weight_absmax_offset (float32, 1). in_features must be a multiple of 64, so that every
+  /// row holds whole blocks and each rank can quantize its own rows. With quantize, the
+  /// current weight's values are quantized (it must hold values); otherwise the parameters are
+  /// created empty on `device` for a loader to fill.
+  void use_nf4(bool quantize, torch::Device device = torch::kCPU);
+  bool is_nf4() const { return weight_nf4.defined(); }
+  /// The weight as the forward uses it: dequantized if in NF4.
+  torch::Tensor dense_weight(torch::ScalarType dtype) const;
+
+  int64_t in_features() const { return in_features_; }
+  int64_t out_features() const { return out_features_; }
+
+  torch::Tensor weight;  // (out, in); undefined when in NF4
   torch::Tensor bias;    // (out), undefined without bias
+  torch::Tensor weight_nf4, weight_absmax, weight_absmax_scale, weight_absmax_offset;
+  std::shared_ptr<LinearImpl> lora_A, lora_B;
+
+ private:
+  int64_t in_features_, out_features_;
+  int64_t lora_rank_ = 0;
+  double lora_alpha_ = 0, lora_dropout_ = 0;
 };
 TORCH_MODULE(Linear);
 

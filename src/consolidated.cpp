@@ -102,6 +102,14 @@ void read_rows_into(const safetensors::Reader& reader, const safetensors::Tensor
   }
 }
 
+std::vector<ParamShard> selected_shards(torch::nn::Module& model,
+                                        const ConsolidatedOptions& options) {
+  auto shards = param_shards(model);
+  if (options.include)
+    std::erase_if(shards, [&](const ParamShard& s) { return !options.include(s.name); });
+  return shards;
+}
+
 }  // namespace
 
 void save_consolidated(const std::string& path, torch::nn::Module& model, ProcessGroup& group,
@@ -110,7 +118,7 @@ void save_consolidated(const std::string& path, torch::nn::Module& model, Proces
   // Every rank sees the same file system: all refuse together, before any collective.
   TORCH_CHECK(!fs::exists(path), "fsdp::save_consolidated: ", path,
               " exists (files are never overwritten)");
-  const auto shards = param_shards(model);
+  const auto shards = selected_shards(model, options);
   const int rank = group.rank(), world = group.size();
   const auto n = static_cast<int64_t>(shards.size());
 
@@ -262,7 +270,7 @@ std::map<std::string, std::string> load_consolidated(const std::string& path,
                                                      const ConsolidatedOptions& options) {
   torch::NoGradGuard no_grad;
   safetensors::Reader reader(path);
-  for (const auto& s : param_shards(model)) {
+  for (const auto& s : selected_shards(model, options)) {
     const auto layout = layout_of(options, s.name, s.global_shape);
     const auto* entry = reader.header().find(layout.name);
     const std::string what = path + ": tensor '" + layout.name + "' (parameter '" + s.name + "')";

@@ -59,6 +59,9 @@ struct ConsolidatedOptions {
   /// The file tensor of parameter `name` (the model's name; `shape` its global shape). Unset:
   /// the same name and layout for every parameter.
   std::function<TensorLayout(const std::string& name, c10::IntArrayRef shape)> layout;
+  /// Which parameters take part (save: are written; load: are read, the others left as they
+  /// are). Unset: all. Must give every rank the same answer.
+  std::function<bool(const std::string& name)> include;
   /// save: tensors written beside the parameters, rank 0's values (a format's constants, e.g.
   /// zero biases our model does not have). load: ignored, as any tensor of the file that no
   /// parameter maps to.

@@ -12,6 +12,7 @@
 #include <fsdp/grad_scaler.h>
 #include <fsdp/memory.h>
 #include <fsdp/mixed_precision.h>
+#include <fsdp/nf4.h>
 #include <fsdp/process_group.h>
 #include <fsdp/safetensors.h>
 #include <fsdp/sharded_checkpoint.h>

@@ -1,0 +1,366 @@
+// LoRA and QLoRA under FSDP (models/lora.h, fsdp/nf4.h): NF4 equal to bitsandbytes; adapters
+// start as the base model and only they train; N ranks equal one process with frozen, packed
+// parameters in the units; the 4-bit storage is what the all-gather moves; PEFT's adapter files
+// load in Python peft and give our logits.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <nlohmann/json.hpp>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include <fsdp/fsdp.h>
+#include <fsdp/fused_optimizer.h>
+
+#include "gguf.h"
+#include "gguf_llama.h"
+#include "harness/command.h"
+#include "harness/files.h"
+#include "harness/multiprocess.h"
+#include "harness/sharding.h"
+#include "llama.h"
+#include "lora.h"
+
+namespace {
+
+namespace nf4 = fsdp::nf4;
+using fsdp_models::Llama;
+using fsdp_models::LlamaConfig;
+using fsdp_models::LoraOptions;
+using fsdp_models::ModelInit;
+
+std::string run(const std::string& cmd) {
+  const auto r = fsdp::test::run_command(cmd);
+  EXPECT_EQ(r.code, 0) << cmd << "\n" << r.output;
+  return r.output;
+}
+
+std::string python(const std::string& script_and_args) {
+  return run(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR + "/tests/python/" + script_and_args);
+}
+
+// The last line of `out` that starts with '{', parsed.
+nlohmann::json last_json(const std::string& out) {
+  std::istringstream in(out);
+  std::string line, found;
+  while (std::getline(in, line))
+    if (!line.empty() && line[0] == '{')
+      found = line;
+  EXPECT_FALSE(found.empty()) << out;
+  return found.empty() ? nlohmann::json() : nlohmann::json::parse(found);
+}
+
+// ---- NF4 ----------------------------------------------------------------------------------
+
+TEST(Nf4, RowRangesEncodeAsTheWhole) {
+  torch::manual_seed(0);
+  auto w = torch::randn({7, 128});
+  auto q = nf4::quantize(w);
+  auto absmax = nf4::block_absmax(w);
+  // Rows 2..5 with their slice of the absmaxes: the same bytes as those rows of the whole.
+  auto part = nf4::encode(w.narrow(0, 2, 3), absmax.narrow(0, 2 * 2, 3 * 2));
+  EXPECT_TRUE(torch::equal(part, q.codes.narrow(0, 2 * 64, 3 * 64)));
+  // Dequantized, every element is within half the widest NF4 gap of its block's absmax.
+  auto back =
+      nf4::dequantize(q.codes, q.absmax_codes, q.scales, q.offset, w.sizes(), torch::kFloat32);
+  auto err = (back - w).abs().view({-1, 64}).amax(1);
+  EXPECT_TRUE((err <= absmax * 0.17f + 1e-3f).all().item<bool>()) << err.max();
+  // bf16 output is the float32 result rounded.
+  auto bf =
+      nf4::dequantize(q.codes, q.absmax_codes, q.scales, q.offset, w.sizes(), torch::kBFloat16);
+  EXPECT_TRUE(torch::equal(bf, back.to(torch::kBFloat16)));
+}
+
+// Our codes, 8-bit absmaxes and dequantized weights are bitsandbytes' (quantize_4bit, nf4,
+// blocksize 64, compress_statistics), on SmolLM2's real weights and on random tensors with a
+// short last block, a zero block and an outlier; the code tables are bitsandbytes' and the
+// NF4 values are the normal quantiles the QLoRA paper defines.
+TEST(Nf4, EqualsBitsandbytes) {
+  fsdp::test::TempDir dir;
+  const auto where = python("check_gguf.py smollm2 " + dir.path());
+  const auto file_line = where.substr(5, where.find('\n') - 5);
+  fsdp_models::gguf::File f(file_line);
+  std::map<std::string, torch::Tensor> tensors;
+  tensors["q_proj"] = f.read("blk.0.attn_q.weight", 0, 576).view({576, 576});
+  tensors["down_proj"] = f.read("blk.29.ffn_down.weight", 0, 576).view({576, 1536});
+  torch::manual_seed(3);
+  tensors["random_tail"] = torch::randn({3, 1000});  // 3000 = 46 blocks + 56
+  auto odd = torch::randn({4, 256}) * 0.02;
+  odd.narrow(1, 64, 64).zero_();  // a zero block
+  odd[2][7] = 40.0;               // an outlier
+  tensors["zero_block_outlier"] = odd;
+
+  std::vector<fsdp::safetensors::TensorSpec> specs;
+  std::map<std::string, torch::Tensor> out;
+  for (auto& [name, w] : tensors) {
+    auto q = nf4::quantize(w);
+    out[name] = w.contiguous();
+    out[name + ".codes"] = q.codes;
+    out[name + ".absmax_codes"] = q.absmax_codes;
+    out[name + ".scales"] = q.scales;
+    out[name + ".offset"] = q.offset;
+    out[name + ".dequant"] =
+        nf4::dequantize(q.codes, q.absmax_codes, q.scales, q.offset, w.sizes(), torch::kFloat32);
+  }
+  out["nf4_values"] = torch::tensor(std::vector<float>(nf4::values().begin(), nf4::values().end()));
+  out["scale_code"] =
+      torch::tensor(std::vector<float>(nf4::scale_code().begin(), nf4::scale_code().end()));
+  for (auto& [name, t] : out)
+    specs.push_back({name, t.scalar_type(), t.sizes().vec()});
+  const auto path = dir.path() + "/nf4.safetensors";
+  {
+    fsdp::safetensors::Writer w(path, specs);
+    for (auto& [name, t] : out)
+      w.write(name, t);
+    w.finish();
+  }
+  const auto result = last_json(python("check_nf4.py " + path));
+  ASSERT_TRUE(result.is_object());
+  EXPECT_TRUE(result["nf4_values_equal"].get<bool>()) << result.dump();
+  // Two float32 ulps at 0.7: statistics.NormalDist's inverse CDF against scipy's.
+  EXPECT_LT(result["nf4_values_vs_quantiles"].get<double>(), 2.5e-7) << result.dump();
+  EXPECT_TRUE(result["scale_code_equal"].get<bool>()) << result.dump();
+  for (auto& [name, w] : tensors) {
+    const auto& r = result["tensors"][name];
+    // The 4-bit codes are bitsandbytes' bit for bit, and bitsandbytes dequantizes our storage
+    // to exactly our weights.
+    EXPECT_EQ(r["codes_differ"].get<int64_t>(), 0) << name << " " << r.dump();
+    EXPECT_EQ(r["dequant_of_ours_max_diff"].get<double>(), 0.0) << name << " " << r.dump();
+    EXPECT_EQ(r["scales_max_diff"].get<double>(), 0.0) << name << " " << r.dump();
+    EXPECT_EQ(r["offset_diff"].get<double>(), 0.0) << name << " " << r.dump();
+    // The 8-bit absmax codes: ours is the nearest code value; bitsandbytes' lookup table
+    // differs on near-ties only (under 0.5% of them), and there ours is the nearer.
+    EXPECT_LE(r["absmax_codes_differ"].get<int64_t>() * 200, r["absmaxes"].get<int64_t>())
+        << name << " " << r.dump();
+    EXPECT_TRUE(r["absmax_codes_ours_nearer"].get<bool>()) << name << " " << r.dump();
+    // So the round-trip errors agree to 0.01%.
+    const double ours = r["ours_mean_abs_error"].get<double>();
+    const double bnb = r["bnb_mean_abs_error"].get<double>();
+    EXPECT_NEAR(ours, bnb, 1e-4 * bnb) << name;
+    std::cout << name << ": NF4 round trip mean |error| " << ours << " (bitsandbytes " << bnb
+              << "), max " << r["ours_max_abs_error"] << "; absmax codes differing "
+              << r["absmax_codes_differ"] << " of " << r["absmaxes"] << "\n";
+  }
+}
+
+// ---- LoRA on one process --------------------------------------------------------------------
+
+LlamaConfig small_config() {
+  // Widths that are multiples of 64 (NF4 blocks whole in each row) and rows 3 ranks do not
+  // divide: vocab 67, q/o 64, k/v 32 (one k/v head), w2 64 of 192-wide rows.
+  LlamaConfig c;
+  c.vocab_size = 67, c.max_seq_len = 16, c.dim = 64, c.n_layers = 2, c.n_heads = 2;
+  c.n_kv_heads = 1, c.ffn_hidden_dim = 192;
+  return c;
+}
+
+void init_adapters(Llama& model, uint64_t seed) {
+  auto scheme =
+      fsdp_models::lora_init_scheme(fsdp_models::llama_init_scheme(model->config()), *model);
+  for (auto& p : model->named_parameters())
+    if (p.key().find(".lora_") != std::string::npos)
+      fsdp_models::init_parameter(p.key(), p.value(), scheme, seed);
+}
+
+TEST(Lora, StartsAsTheBaseModelAndTrainsOnlyAdapters) {
+  Llama base(small_config(), ModelInit().seed(1));
+  Llama model(small_config(), ModelInit().seed(1));
+  const auto adapted = fsdp_models::add_lora(*model, "wq|wv", LoraOptions().rank(4).alpha(8));
+  EXPECT_EQ(adapted, (std::vector<std::string>{"layers.0.attention.wq", "layers.0.attention.wv",
+                                               "layers.1.attention.wq", "layers.1.attention.wv"}));
+  init_adapters(model, 7);
+  auto tokens = torch::randint(0, 67, {2, 16});
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(torch::equal(base->forward(tokens), model->forward(tokens)));  // B = 0
+  }
+  auto trainable = fsdp_models::trainable_parameters(*model);
+  EXPECT_EQ(trainable.size(), 8u);
+  std::map<std::string, torch::Tensor> before;
+  for (auto& p : model->named_parameters())
+    before[p.key()] = p.value().clone();
+  fsdp::FusedAdamW opt(trainable, torch::optim::AdamWOptions(1e-2));
+  for (int step = 0; step < 3; ++step) {
+    opt.zero_grad();
+    auto logits = model->forward(tokens);
+    torch::nn::functional::cross_entropy(logits.view({-1, 67}), tokens.view({-1})).backward();
+    opt.step();
+  }
+  int64_t adapter_numel = 0;
+  for (auto& p : model->named_parameters()) {
+    const bool adapter = p.key().find(".lora_") != std::string::npos;
+    if (adapter) {
+      adapter_numel += p.value().numel();
+      EXPECT_FALSE(torch::equal(before[p.key()], p.value())) << p.key() << " did not train";
+    } else {
+      EXPECT_TRUE(torch::equal(before[p.key()], p.value())) << p.key() << " changed";
+      EXPECT_FALSE(p.value().grad().defined()) << p.key() << " got a gradient";
+    }
+  }
+  // State for the adapters only: two fp32 moments, slices aligned to 64 elements.
+  EXPECT_GE(opt.state_bytes(), 8 * adapter_numel);
+  EXPECT_LE(opt.state_bytes(), 8 * (adapter_numel + 64 * 8));
+  EXPECT_THROW(fsdp_models::add_lora(*base, "q_proj", LoraOptions()), c10::Error);
+  EXPECT_THROW(fsdp_models::add_lora(*base, "w[", LoraOptions()), c10::Error);
+}
+
+TEST(Lora, QuantizedLayerComputesWithTheDequantizedWeight) {
+  Llama model(small_config(), ModelInit().seed(2));
+  auto linear = model->blocks[0]->attention->wq;
+  auto dense = linear->weight.clone();
+  const auto names = fsdp_models::use_nf4(*model, /*quantize=*/true);
+  EXPECT_EQ(names.size(), 14u);  // 7 per block; the output head stays dense
+  EXPECT_FALSE(linear->weight.defined());
+  EXPECT_EQ(linear->weight_nf4.scalar_type(), torch::kUInt8);
+  auto w = linear->dense_weight(torch::kFloat32);
+  EXPECT_TRUE(
+      torch::equal(w, nf4::dequantize(nf4::quantize(dense).codes.view({64, 32}),
+                                      linear->weight_absmax, linear->weight_absmax_scale,
+                                      linear->weight_absmax_offset, {64, 64}, torch::kFloat32)));
+  auto x = torch::randn({3, 64}, torch::requires_grad());
+  auto y = linear->forward(x);
+  EXPECT_TRUE(torch::allclose(y, torch::matmul(x, w.t()), 1e-6, 1e-6));
+  y.sum().backward();
+  EXPECT_TRUE(torch::allclose(x.grad(), w.sum(0).expand({3, 64}), 1e-5, 1e-5));
+  for (auto& p : model->parameters()) {
+    if (p.scalar_type() == torch::kUInt8) {
+      EXPECT_FALSE(p.requires_grad());
+    }
+  }
+}
+
+// ---- Sharded ---------------------------------------------------------------------------------
+
+constexpr int kSteps = 3;
+// As tests/test_equivalence.cpp: Adam normalises each gradient by its own size, so with the
+// default eps an element whose gradient is ~1e-8 turns rounding into a full step; eps 1e-6
+// bounds that amplification.
+torch::optim::AdamWOptions adam() {
+  return torch::optim::AdamWOptions(1e-3).eps(1e-6);
+}
+constexpr int64_t kBatch = 2, kSeq = 16;
+
+Llama build(bool qlora) {
+  Llama model(small_config(), ModelInit().seed(11));
+  if (qlora)
+    fsdp_models::use_nf4(*model, /*quantize=*/true);
+  fsdp_models::add_lora(*model, "wq|wk|wv|wo|w1|w2|w3", LoraOptions().rank(4).alpha(8));
+  init_adapters(model, 13);
+  return model;
+}
+
+torch::Tensor batch_of(int rank, int step) {
+  auto gen = at::detail::createCPUGenerator(1000 * rank + step);
+  return torch::randint(0, 67, {kBatch, kSeq}, gen);
+}
+
+void train(Llama& model, fsdp::FusedAdamW& opt, const std::function<torch::Tensor(int)>& tokens) {
+  for (int step = 0; step < kSteps; ++step) {
+    opt.zero_grad();
+    auto t = tokens(step);
+    auto logits = fsdp::forward(model, t);
+    torch::nn::functional::cross_entropy(logits.reshape({-1, 67}), t.reshape({-1})).backward();
+    opt.step();
+  }
+}
+
+// Bytes one all-gather of the unit moves: each parameter's rows padded to a multiple of the
+// world size.
+int64_t gathered_bytes(torch::nn::Module& unit_params_owner, int world, bool recurse_blocks) {
+  int64_t bytes = 0;
+  for (auto& p : unit_params_owner.named_parameters()) {
+    if (!recurse_blocks && p.key().rfind("layers.", 0) == 0)
+      continue;
+    const auto& t = p.value();
+    const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+    const int64_t row_bytes = t.dim() == 0 ? t.element_size() : t.numel() / rows * t.element_size();
+    bytes += (rows + world - 1) / world * world * row_bytes;
+  }
+  return bytes;
+}
+
+FSDP_WORKER(lora_equivalence) {
+  auto pg = fsdp::init_process_group();
+  const bool qlora = ctx.env("MODE") == "qlora";
+  const int world = ctx.world_size;
+  // The reference: one process, every rank's batch at once.
+  auto ref = build(qlora);
+  fsdp::FusedAdamW ref_opt(fsdp_models::trainable_parameters(*ref), adam());
+  train(ref, ref_opt, [&](int step) {
+    std::vector<torch::Tensor> all;
+    for (int r = 0; r < world; ++r)
+      all.push_back(batch_of(r, step));
+    return torch::cat(all);
+  });
+
+  auto model = build(qlora);
+  const int64_t block_bytes = gathered_bytes(*model->blocks[0], world, true);
+  const int64_t root_bytes = gathered_bytes(*model, world, false);
+  std::map<std::string, torch::Tensor> initial;
+  for (auto& p : model->named_parameters())
+    initial[p.key()] = p.value().clone();
+  fsdp_models::parallelize_llama(model, fsdp::FullyShardOptions(pg));
+  fsdp::FusedAdamW opt(fsdp_models::trainable_parameters(*model), adam());
+  fsdp::reset_comm_stats(*model);
+  train(model, opt, [&](int step) { return batch_of(ctx.rank, step); });
+
+  // Every block is gathered twice a step (forward, backward), the root once.
+  const auto stats = fsdp::comm_stats(*model);
+  if (world > 1) {
+    WORKER_CHECK(stats.all_gather.bytes == kSteps * (2 * 2 * block_bytes + root_bytes))
+        << stats.all_gather.bytes << " vs " << kSteps * (4 * block_bytes + root_bytes);
+  }
+  int64_t base_bytes = 0, base_numel = 0, adapter_shard_numel = 0, adapters = 0;
+  for (const auto& s : fsdp::param_shards(*model)) {
+    const bool adapter = s.name.find(".lora_") != std::string::npos;
+    auto full = ref->named_parameters()[s.name];
+    auto expected = fsdp::test::rows_held(full, s);
+    if (adapter) {
+      ++adapters;
+      adapter_shard_numel += s.shard.numel();
+      WORKER_EXPECT_CLOSE(s.shard, expected, 1e-5, 1e-6);
+    } else {
+      // Frozen: bit for bit the initial rows.
+      auto init = fsdp::test::rows_held(initial[s.name], s);
+      WORKER_CHECK(torch::equal(s.shard, init)) << s.name << " changed";
+      WORKER_CHECK(!s.shard.grad().defined()) << s.name << " has a gradient";
+      if (s.name.find(".weight_") != std::string::npos) {
+        base_bytes += s.shard.numel() * s.shard.element_size();
+        if (s.name.ends_with(".weight_nf4"))
+          base_numel += s.shard.numel() * 2;
+      }
+    }
+  }
+  WORKER_CHECK(adapters == 2 * 14) << adapters;
+  WORKER_CHECK(opt.state_bytes() >= 8 * adapter_shard_numel &&
+               opt.state_bytes() <= 8 * (adapter_shard_numel + 64 * adapters))
+      << opt.state_bytes() << " bytes of state for " << adapter_shard_numel << " adapter elements";
+  std::cout << "rank " << ctx.rank << "/" << world << (qlora ? " QLoRA" : " LoRA")
+            << ": adapters equal one process, base bit-identical, optimizer state "
+            << opt.state_bytes() << " B for " << adapter_shard_numel << " adapter elements";
+  if (qlora) {
+    const double bits = 8.0 * static_cast<double>(base_bytes) / static_cast<double>(base_numel);
+    std::cout << ", NF4 base " << bits << " bits/parameter resident, all-gather "
+              << stats.all_gather.bytes << " B in " << kSteps << " steps";
+    WORKER_CHECK(bits < 4.5) << bits;
+  }
+  std::cout << " OK\n";
+  return 0;
+}
+
+TEST(Lora, ShardedAdaptersEqualOneProcess) {
+  for (int world : {1, 2, 3})
+    EXPECT_WORKERS_OK(fsdp::test::run_workers("lora_equivalence", world,
+                                              fsdp::test::with_env({{"MODE", "lora"}})));
+}
+
+TEST(Qlora, ShardedAdaptersEqualOneProcess) {
+  for (int world : {1, 2, 3})
+    EXPECT_WORKERS_OK(fsdp::test::run_workers("lora_equivalence", world,
+                                              fsdp::test::with_env({{"MODE", "qlora"}})));
+}
+
+}  // namespace
