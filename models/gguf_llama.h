@@ -23,7 +23,9 @@ namespace fsdp_models {
 LlamaConfig llama_config_from_gguf(const gguf::File& file);
 
 /// Copies the file's weights into `model` (built with llama_config_from_gguf's shapes; sharded
-/// or not): each parameter's rows as this rank holds them, dequantised to float32.
+/// or not): each parameter's rows as this rank holds them, dequantised to float32. Layers in
+/// NF4 (use_nf4 in lora.h) are quantized from the file's values, each rank encoding its own
+/// rows; LoRA adapters are left as they are.
 void load_gguf(const gguf::File& file, Llama& model);
 
 /// The GGUF name of one of our Llama's parameter names ("" if it has none).

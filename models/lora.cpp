@@ -98,8 +98,7 @@ std::vector<std::string> use_nf4(torch::nn::Module& model, bool quantize) {
   for (auto& [name, linear] : linears(model)) {
     if (name.rfind("layers.", 0) != 0)
       continue;
-    const auto device = linear->weight.device();
-    linear->use_nf4(quantize, device.is_meta() ? torch::Device(torch::kCPU) : device);
+    linear->use_nf4(quantize, linear->weight.device());
     done.push_back(name);
   }
   return done;

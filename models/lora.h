@@ -34,8 +34,9 @@ std::vector<std::string> add_lora(torch::nn::Module& model, const std::string& t
                                   const LoraOptions& options, const ModelInit& init = {});
 
 /// Stores every Linear inside the blocks ("layers.*", not the output head, not adapters) in
-/// NF4. `quantize`: from the current weights; otherwise as empty storage for a loader (GGUF)
-/// to fill after sharding. Returns the quantized layers' names.
+/// NF4. `quantize`: from the current weights; otherwise as empty storage on the weights'
+/// device (meta stays meta, for to_hollow) for a loader (GGUF) to fill after sharding. Returns
+/// the quantized layers' names.
 std::vector<std::string> use_nf4(torch::nn::Module& model, bool quantize);
 
 /// The parameters that require grad (the adapters after add_lora).

@@ -21,6 +21,7 @@
 #include "harness/files.h"
 #include "harness/multiprocess.h"
 #include "harness/sharding.h"
+#include "hf_format.h"
 #include "llama.h"
 #include "lora.h"
 
@@ -361,6 +362,155 @@ TEST(Qlora, ShardedAdaptersEqualOneProcess) {
   for (int world : {1, 2, 3})
     EXPECT_WORKERS_OK(fsdp::test::run_workers("lora_equivalence", world,
                                               fsdp::test::with_env({{"MODE", "qlora"}})));
+}
+
+// ---- SmolLM2 ----------------------------------------------------------------------------------
+
+const std::vector<int64_t> kIds{1, 504, 3458, 282, 4649, 314, 28, 2, 9690, 198, 11};
+
+// SmolLM2 built as the trainer builds it: shapes on the meta device, adapters added, every
+// parameter a placeholder until fully_shard fills this rank's shard (adapters by their rule,
+// the rest with zeros the loader overwrites), then the GGUF weights loaded into the shards.
+Llama load_smollm2(const fsdp_models::gguf::File& f, std::shared_ptr<fsdp::ProcessGroup> pg,
+                   bool qlora) {
+  auto cfg = fsdp_models::llama_config_from_gguf(f);
+  cfg.max_seq_len = 64;
+  Llama model(cfg, ModelInit().device(torch::kMeta));
+  if (qlora)
+    fsdp_models::use_nf4(*model, /*quantize=*/false);
+  fsdp_models::add_lora(*model, "wq|wv", LoraOptions().rank(8).alpha(16),
+                        ModelInit().device(torch::kMeta));
+  fsdp_models::to_hollow(*model, torch::TensorOptions().dtype(torch::kFloat32));
+  // Adapters with B != 0, so that they change the logits: both drawn N(0, 0.02^2).
+  auto scheme = [](const std::string& fqn) {
+    return fqn.find(".lora_") != std::string::npos ? fsdp_models::InitRule::normal(0.02)
+                                                   : fsdp_models::InitRule::constant(0);
+  };
+  fsdp_models::parallelize_llama(model,
+                                 fsdp::FullyShardOptions(pg).param_init(
+                                     fsdp_models::shard_initializer(*model, scheme, /*seed=*/21)));
+  fsdp_models::load_gguf(f, model);
+  return model;
+}
+
+FSDP_WORKER(smollm2_lora_export) {
+  auto pg = fsdp::init_process_group();
+  fsdp_models::gguf::File f(ctx.env("GGUF"));
+  auto model = load_smollm2(f, pg, /*qlora=*/false);
+  torch::NoGradGuard no_grad;
+  auto logits = fsdp::forward(model, torch::tensor(kIds).view({1, -1}))[0].contiguous();
+  std::map<std::string, torch::Tensor> before;
+  for (const auto& s : fsdp::param_shards(*model))
+    before[s.name] = s.shard.clone();
+  fsdp_models::save_peft_adapter(ctx.env("OUT") + "/adapter", model, *pg,
+                                 "HuggingFaceTB/SmolLM2-135M-Instruct");
+  fsdp_models::save_merged_hf(ctx.env("OUT") + "/merged", model, *pg);
+  for (const auto& s : fsdp::param_shards(*model))
+    WORKER_CHECK(torch::equal(before[s.name], s.shard)) << s.name << " changed by the export";
+  bool refused = false;
+  try {  // a plain export would drop the adapters silently
+    fsdp_models::save_hf(ctx.env("OUT") + "/plain", model, *pg);
+  } catch (const c10::Error&) {
+    refused = true;
+  }
+  WORKER_CHECK(refused) << "save_hf wrote a model with adapters";
+  if (ctx.rank == 0)
+    std::ofstream(ctx.env("OUT") + "/ours.bin", std::ios::binary)
+        .write(static_cast<const char*>(logits.data_ptr()), logits.numel() * 4);
+  std::cout << "rank " << ctx.rank << ": exported, model unchanged OK\n";
+  return 0;
+}
+
+torch::Tensor read_logits(const std::string& path, int64_t vocab) {
+  auto bytes = fsdp::test::file_bytes(path);
+  auto t = torch::empty({static_cast<int64_t>(kIds.size()), vocab});
+  EXPECT_EQ(bytes.size(), static_cast<size_t>(t.numel() * 4)) << path;
+  if (bytes.size() == static_cast<size_t>(t.numel() * 4))
+    std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+  return t;
+}
+
+// The adapter in PEFT's layout loads in Python peft onto transformers' SmolLM2 and gives our
+// logits; so does our merged export, loaded by transformers alone. The tolerance is the one of
+// the base model itself (Gguf.SmolLM2LogitsEqualTransformers: 6.8e-5 on logits up to 36).
+TEST(Lora, SmolLM2AdapterLoadsInPeft) {
+  fsdp::test::TempDir dir;
+  const auto where = python("check_gguf.py smollm2 " + dir.path());
+  const auto gguf = where.substr(5, where.find('\n') - 5);
+  EXPECT_WORKERS_OK(fsdp::test::run_workers(
+      "smollm2_lora_export", 2, fsdp::test::with_env({{"GGUF", gguf}, {"OUT", dir.path()}})));
+  const auto config =
+      nlohmann::json::parse(fsdp::test::file_bytes(dir.path() + "/adapter/adapter_config.json"));
+  EXPECT_EQ(config["r"], 8);
+  EXPECT_EQ(config["lora_alpha"], 16.0);
+  EXPECT_EQ(config["target_modules"], (std::vector<std::string>{"q_proj", "v_proj"}));
+  std::string ids;
+  for (auto id : kIds)
+    ids += " " + std::to_string(id);
+  const auto out = python("check_peft.py " + dir.path() + "/adapter " + dir.path() + "/merged " +
+                          dir.path() + ids);
+  EXPECT_NE(out.find("adapted modules 60"), std::string::npos) << out;
+  const auto ours = read_logits(dir.path() + "/ours.bin", 49152);
+  for (const char* which : {"peft", "merged"}) {
+    const auto theirs = read_logits(dir.path() + "/" + which + ".bin", 49152);
+    const double diff = (ours - theirs).abs().max().item<double>();
+    std::cout << "SmolLM2 with LoRA, ours vs " << which << ": max |diff| " << diff
+              << " (largest |logit| " << ours.abs().max().item<double>() << ")\n";
+    EXPECT_LT(diff, 2e-4) << which;
+    EXPECT_TRUE(torch::equal(ours.argmax(-1), theirs.argmax(-1))) << which;
+  }
+}
+
+FSDP_WORKER(smollm2_qlora_load) {
+  auto pg = fsdp::init_process_group();
+  fsdp_models::gguf::File f(ctx.env("GGUF"));
+  auto model = load_smollm2(f, pg, /*qlora=*/true);
+  // Each rank encoded its own rows: they are the rows of the whole tensor quantized at once.
+  int64_t bytes = 0, weights = 0;
+  std::map<std::string, fsdp::ParamShard> shards;
+  for (const auto& s : fsdp::param_shards(*model))
+    shards.emplace(s.name, s);
+  for (const char* layer : {"layers.0.attention.wq", "layers.29.feed_forward.w2"}) {
+    const auto name = fsdp_models::gguf_name(std::string(layer) + ".weight");
+    const auto w = f.read(name);
+    const auto q = nf4::quantize(w);
+    const auto& codes = shards.at(std::string(layer) + ".weight_nf4");
+    WORKER_CHECK(
+        torch::equal(codes.shard.reshape({-1}),
+                     fsdp::test::rows_held(q.codes.view(codes.global_shape), codes).reshape({-1})))
+        << layer;
+    const std::array<std::pair<const char*, torch::Tensor>, 3> rest{
+        {{".weight_absmax", q.absmax_codes},
+         {".weight_absmax_scale", q.scales},
+         {".weight_absmax_offset", q.offset}}};
+    for (const auto& [suffix, full] : rest) {
+      const auto& s = shards.at(std::string(layer) + suffix);
+      WORKER_CHECK(torch::equal(s.shard, fsdp::test::rows_held(full, s))) << layer << suffix;
+    }
+  }
+  for (const auto& [name, s] : shards) {
+    if (name.find(".weight_") == std::string::npos)
+      continue;
+    bytes += s.shard.numel() * s.shard.element_size();
+    if (name.ends_with(".weight_nf4"))
+      weights += s.shard.numel() * 2;
+  }
+  torch::NoGradGuard no_grad;
+  auto logits = fsdp::forward(model, torch::tensor(kIds).view({1, -1}))[0];
+  WORKER_CHECK(torch::isfinite(logits).all().item<bool>());
+  const double bits = 8.0 * static_cast<double>(bytes) / static_cast<double>(weights);
+  WORKER_CHECK(bits < 4.2) << bits;
+  std::cout << "rank " << ctx.rank << ": SmolLM2 in NF4, rows encoded as the whole, " << bits
+            << " bits per quantized weight resident OK\n";
+  return 0;
+}
+
+TEST(Qlora, SmolLM2LoadsShardedIntoNf4) {
+  fsdp::test::TempDir dir;
+  const auto where = python("check_gguf.py smollm2 " + dir.path());
+  const auto gguf = where.substr(5, where.find('\n') - 5);
+  EXPECT_WORKERS_OK(
+      fsdp::test::run_workers("smollm2_qlora_load", 2, fsdp::test::with_env({{"GGUF", gguf}})));
 }
 
 }  // namespace

