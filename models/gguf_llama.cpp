@@ -111,8 +111,8 @@ void load_nf4(const gguf::File& f, const std::string& name,
     const auto* s = parts[i];
     if (s->global_shape != full[i].sizes().vec())
       throw gguf::FormatError(f.path() + ": tensor '" + name + "' does not fit '" + s->name + "'");
-    if (s->rows > 0)
-      s->shard.copy_(full[i].narrow(0, s->row_begin, s->rows));
+    if (s->rows > 0)  // the float32 scales are stored as int32 bit patterns (see use_nf4)
+      s->shard.copy_(full[i].view(s->shard.scalar_type()).narrow(0, s->row_begin, s->rows));
   }
   for (int64_t r = 0; r < codes->rows; r += chunk) {
     const int64_t n = std::min(chunk, codes->rows - r), first = codes->row_begin + r;

@@ -209,8 +209,8 @@ LinearImpl::LinearImpl(int64_t in_features, int64_t out_features, bool with_bias
 torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
   torch::Tensor y;
   if (is_nf4()) {
-    y = fsdp::nf4::linear(x, weight_nf4, weight_absmax, weight_absmax_scale, weight_absmax_offset,
-                          out_features_, in_features_);
+    y = fsdp::nf4::linear(x, weight_nf4, weight_absmax, weight_absmax_scale.view(torch::kFloat32),
+                          weight_absmax_offset.view(torch::kFloat32), out_features_, in_features_);
     if (bias.defined())
       y = y + bias.to(y.scalar_type());
   } else if (weight.scalar_type() != x.scalar_type() && !weight.requires_grad()) {
@@ -266,14 +266,19 @@ void LinearImpl::use_nf4(bool quantize, torch::Device device) {
   remove_parameter("weight");
   add_fixed_parameter("weight_nf4", q.codes.to(device), weight_nf4);
   add_fixed_parameter("weight_absmax", q.absmax_codes.to(device), weight_absmax);
-  add_fixed_parameter("weight_absmax_scale", q.scales.to(device), weight_absmax_scale);
-  add_fixed_parameter("weight_absmax_offset", q.offset.to(device), weight_absmax_offset);
+  // The float32 scales are kept as their bit patterns (int32): mixed precision casts floating
+  // parameters to param_dtype for the all-gather, and these must arrive exact.
+  add_fixed_parameter("weight_absmax_scale", q.scales.to(device).view(torch::kInt32),
+                      weight_absmax_scale);
+  add_fixed_parameter("weight_absmax_offset", q.offset.to(device).view(torch::kInt32),
+                      weight_absmax_offset);
 }
 
 torch::Tensor LinearImpl::dense_weight(torch::ScalarType dtype) const {
   if (!is_nf4())
     return weight.to(dtype);
-  return fsdp::nf4::dequantize(weight_nf4, weight_absmax, weight_absmax_scale, weight_absmax_offset,
+  return fsdp::nf4::dequantize(weight_nf4, weight_absmax, weight_absmax_scale.view(torch::kFloat32),
+                               weight_absmax_offset.view(torch::kFloat32),
                                {out_features_, in_features_}, dtype);
 }
 

@@ -159,11 +159,12 @@ class LinearImpl : public DeferredModule {
   double lora_scaling() const { return lora_alpha_ / static_cast<double>(lora_rank_); }
 
   /// Replaces `weight` by its NF4 storage (fsdp/nf4.h), four frozen parameters: weight_nf4
-  /// (uint8, out x in/2), weight_absmax (uint8, out*in/64), weight_absmax_scale (float32) and
-  /// weight_absmax_offset (float32, 1). in_features must be a multiple of 64, so that every
-  /// row holds whole blocks and each rank can quantize its own rows. With quantize, the
-  /// current weight's values are quantized (it must hold values); otherwise the parameters are
-  /// created empty on `device` for a loader to fill.
+  /// (uint8, out x in/2), weight_absmax (uint8, out*in/64), weight_absmax_scale and
+  /// weight_absmax_offset (1) (float32 values held as their int32 bit patterns, so that mixed
+  /// precision, which casts floating parameters, leaves them exact). in_features must be a multiple
+  /// of 64, so that every row holds whole blocks and each rank can quantize its own rows. With
+  /// quantize, the current weight's values are quantized (it must hold values); otherwise the
+  /// parameters are created empty on `device` for a loader to fill.
   void use_nf4(bool quantize, torch::Device device = torch::kCPU);
   bool is_nf4() const { return weight_nf4.defined(); }
   /// The weight as the forward uses it: dequantized if in NF4.

