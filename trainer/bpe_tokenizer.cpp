@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <queue>
 #include <stdexcept>
 
 namespace fsdp_trainer {
@@ -111,31 +112,62 @@ void BpeTokenizer::bpe(const std::string& piece, std::vector<int64_t>& out) cons
   std::string mapped;
   for (unsigned char c : piece)
     mapped += byte_char_[c];
-  std::vector<std::string> symbols = characters(mapped);
-  // Merge the lowest-ranked adjacent pair, everywhere it occurs, until none is in the table.
-  while (symbols.size() > 1) {
-    int best = std::numeric_limits<int>::max();
-    for (size_t i = 0; i + 1 < symbols.size(); ++i) {
-      auto it = merge_rank_.find(symbols[i] + " " + symbols[i + 1]);
-      if (it != merge_rank_.end() && it->second < best)
-        best = it->second;
-    }
-    if (best == std::numeric_limits<int>::max())
-      break;
-    std::vector<std::string> next;
-    for (size_t i = 0; i < symbols.size(); ++i) {
-      if (i + 1 < symbols.size()) {
-        auto it = merge_rank_.find(symbols[i] + " " + symbols[i + 1]);
-        if (it != merge_rank_.end() && it->second == best) {
-          next.push_back(symbols[i] + symbols[i + 1]);
-          ++i;
-          continue;
-        }
-      }
-      next.push_back(symbols[i]);
-    }
-    symbols = std::move(next);
+  // Merge the lowest-ranked adjacent pair, the leftmost first, until none is in the table.
+  // The symbols form a linked list and the candidate pairs a heap, so a piece of n characters
+  // costs O(n log n): rescanning the whole piece after each merge made one long word (a hostile
+  // line of a megabyte of letters) take minutes.
+  struct Symbol {
+    std::string text;
+    int prev, next;
+    int version = 0;  // bumped when the symbol changes or dies: stale heap entries are skipped
+  };
+  std::vector<Symbol> syms;
+  for (auto& ch : characters(mapped)) {
+    const int i = static_cast<int>(syms.size());
+    syms.push_back({std::move(ch), i - 1, i + 1});
   }
+  if (!syms.empty())
+    syms.back().next = -1;
+  struct Candidate {
+    int rank, left, left_version, right_version;
+    bool operator>(const Candidate& o) const {
+      return rank != o.rank ? rank > o.rank : left > o.left;
+    }
+  };
+  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<>> heap;
+  auto consider = [&](int left) {
+    const int right = left >= 0 ? syms[static_cast<size_t>(left)].next : -1;
+    if (left < 0 || right < 0)
+      return;
+    const auto& l = syms[static_cast<size_t>(left)];
+    const auto& r = syms[static_cast<size_t>(right)];
+    if (auto it = merge_rank_.find(l.text + " " + r.text); it != merge_rank_.end())
+      heap.push({it->second, left, l.version, r.version});
+  };
+  for (int i = 0; i + 1 < static_cast<int>(syms.size()); ++i)
+    consider(i);
+  while (!heap.empty()) {
+    const Candidate c = heap.top();
+    heap.pop();
+    auto& l = syms[static_cast<size_t>(c.left)];
+    if (l.version != c.left_version || l.next < 0)
+      continue;
+    auto& r = syms[static_cast<size_t>(l.next)];
+    if (r.version != c.right_version)
+      continue;
+    l.text += r.text;
+    ++l.version;
+    ++r.version;
+    l.next = r.next;
+    if (r.next >= 0)
+      syms[static_cast<size_t>(r.next)].prev = c.left;
+    r.next = -2;  // dead
+    consider(l.prev);
+    consider(c.left);
+  }
+  std::vector<std::string> symbols;
+  for (int i = syms.empty() ? -1 : 0; i >= 0; i = syms[static_cast<size_t>(i)].next)
+    symbols.push_back(std::move(syms[static_cast<size_t>(i)].text));
   std::vector<int64_t> ids;
   for (const auto& s : symbols) {
     auto it = ids_.find(s);
