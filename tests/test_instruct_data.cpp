@@ -244,6 +244,9 @@ TEST_F(InstructData, HostileLinesAreRefused) {
   struct Case {
     std::string name, line, expected;
   };
+  std::string long_word(1000000, 'a');
+  for (size_t i = 0; i < long_word.size(); ++i)
+    long_word[i] = static_cast<char>('a' + (i * 7919 + i / 26) % 26);
   const std::vector<Case> cases = {
       {"unclosed", R"({"messages": [)", "invalid JSON at column 15: syntax error"},
       {"trailing garbage", msgs(ok) + " x", "invalid JSON at column"},
@@ -289,6 +292,9 @@ TEST_F(InstructData, HostileLinesAreRefused) {
        "tokens, more than the limit of 200"},
       {"longer than 1 MiB", content(std::string((1 << 20) + 1, 'x')), "longer than 1 MiB"},
       {"a gigabyte would be refused as soon", std::string((1 << 20) + 2, ' '), "longer than 1 MiB"},
+      // A word of a million letters: BPE merges in O(n log n), so this is refused in about a
+      // second (merging by rescans took 8 minutes; the test's timeout would catch that).
+      {"a megabyte-long word", content(long_word), "more than the limit of 200"},
       // ICU's regex gives up on a run of some 300k spaces: the loader says where.
       {"whitespace run", content(std::string(500000, ' ')),
        "the tokenizer failed on it: BpeTokenizer: ICU regex: U_REGEX_STACK_OVERFLOW"},
