@@ -84,6 +84,8 @@ ParamOptState read_opt_state(torch::optim::Optimizer& opt, const std::string& ki
                              const torch::Tensor& param, bool lazy = false) {
   ParamOptState out;
   if (auto* fused = dynamic_cast<FusedOptimizer*>(&opt)) {
+    if (!fused->owns(param))
+      return out;  // a frozen parameter: no state
     if (!lazy || fused->state_in_memory()) {
       out.tensors = fused->get_state(param, &out.step);
     } else {  // names only: save reads each tensor from the file when it writes it
@@ -323,6 +325,12 @@ std::map<std::string, std::string> load_sharded(const std::string& dir, torch::n
     const auto& param = params[l.name];
     auto step = index.steps.find(l.name);
     auto* fused = dynamic_cast<FusedOptimizer*>(optimizer);
+    if (fused && !fused->owns(param)) {  // frozen here (LoRA's base): it must have no state
+      if (step != index.steps.end())
+        throw FormatError(dir + ": the checkpoint has optimizer state for '" + l.name +
+                          "', which the optimizer given does not train");
+      continue;
+    }
     if (step == index.steps.end()) {  // it had no state when saved
       if (fused)
         fused->set_state(param, {}, 0);

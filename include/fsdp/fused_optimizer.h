@@ -106,6 +106,10 @@ class FusedOptimizer : public torch::optim::Optimizer {
 
   const OptimizerStateOptions& state_options() const { return state_options_; }
   const OptimizerStepStats& last_step() const { return last_; }
+  /// Whether `param` is one of the parameters this optimizer steps (frozen ones are not).
+  bool owns(const torch::Tensor& param) const {
+    return slot_index_.count(param.unsafeGetTensorImpl()) > 0;
+  }
   /// Bytes of state the optimizer holds (all of it, in memory or in the file).
   int64_t state_bytes() const;
   /// Bytes of state resident in memory now (offload: its two chunk buffers).
