@@ -15,6 +15,8 @@
 // that its rows are disjoint and add up to the step time.
 #pragma once
 
+#include <c10/core/ScalarType.h>
+
 #include <cstdint>
 #include <cstdio>
 #include <optional>
@@ -160,11 +162,14 @@ std::string breakdown_table(const std::vector<StepMetrics>& steps, int64_t skip_
 /// lookup), and count a token embedding tied to the output head once.
 double gpt_flops_per_token(int64_t n_params, int64_t n_layer, int64_t n_embd, int64_t seq_len);
 
-/// Peak fp32 FLOP/s of `cores` CPU cores, MEASURED: the best of 20 timed 512x512x512 torch::mm
-/// calls (~0.1 s, once per process, cached), divided by the intra-op threads it ran with and
-/// multiplied by `cores`. So MFU on CPU is relative to what LibTorch's own sgemm reaches on this
-/// machine, not to a datasheet number; ranks that measure while others compute read it low.
-double cpu_peak_flops(int cores);
+/// Peak matmul FLOP/s in `dtype` (the compute dtype: bf16 runs at another speed than fp32, 40x
+/// apart on CPUs without AVX-512 BF16) of `cores` CPU cores, MEASURED: the best of 20 timed
+/// 512x512x512 torch::mm calls (~0.1 s, once per process and dtype, cached), divided by the
+/// intra-op threads it ran with and multiplied by `cores`. So MFU on CPU is relative to what
+/// LibTorch's own gemm reaches on this machine, not to a datasheet number. A rank that measures
+/// while another computes reads it low: the trainer has every rank measure at the same moment
+/// and takes the highest.
+double cpu_peak_flops(int cores, c10::ScalarType dtype = c10::ScalarType::Float);
 
 /// achieved / peak as a fraction: flops_per_token * tokens_per_second / peak_flops, where
 /// tokens_per_second and peak_flops cover the same cores (all ranks, or one). 0 if peak <= 0.

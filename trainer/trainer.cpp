@@ -203,7 +203,11 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
     flops_per_token_ =
         gpt_flops_per_token(model_.num_params, model_.n_layer, model_.n_embd, t.seq_len);
   }
-  peak_flops_per_rank_ = cpu_peak_flops(static_cast<int>(t.threads));
+  // Every rank measures at once (after a barrier, so none is busy computing while another
+  // measures), in the compute dtype, and all use the highest: one peak for the whole job.
+  pg_->barrier();
+  peak_flops_per_rank_ = static_cast<double>(max_over_ranks(std::llround(
+      cpu_peak_flops(static_cast<int>(t.threads), dtype_named(config_.precision.param_dtype)))));
 
   if (rank == 0) {
     std::filesystem::create_directories(config_.logging.run_dir);
@@ -266,6 +270,10 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
       optimizer += fused->state_in_memory() ? ")" : ", state in " + fused->offload_info() + ")";
     }
     progress_->message("optimizer: " + optimizer);
+    progress_->message(fmt::format(
+        "MFU is relative to {:.1f} GFLOP/s per rank: {} matmul, {} thread(s), measured on every "
+        "rank at once (the highest)",
+        peak_flops_per_rank_ / 1e9, prec.param_dtype, t.threads));
   }
 }
 
