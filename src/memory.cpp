@@ -3,7 +3,10 @@
 #include <array>
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <utility>
 
@@ -201,6 +204,28 @@ int64_t current_bytes() {
 
 int64_t peak_bytes() {
   return g_peak.load(std::memory_order_relaxed);
+}
+
+namespace {
+// A "<key>: <n> kB" line of /proc/self/status, in bytes (0 if absent).
+int64_t proc_status_kb(const char* key) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  const std::string prefix = std::string(key) + ":";
+  while (std::getline(in, line)) {
+    if (line.rfind(prefix, 0) == 0)
+      return std::strtoll(line.c_str() + prefix.size(), nullptr, 10) * 1024;
+  }
+  return 0;
+}
+}  // namespace
+
+int64_t resident_bytes() {
+  return proc_status_kb("VmRSS");
+}
+
+int64_t peak_resident_bytes() {
+  return proc_status_kb("VmHWM");
 }
 
 void reset_peak() {

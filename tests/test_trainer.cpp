@@ -224,6 +224,10 @@ void expect_sane(const std::vector<fsdp_trainer::StepMetrics>& m) {
     EXPECT_GT(s.lr, 0);
     EXPECT_GT(s.tokens_per_second, 0);
     EXPECT_GT(s.peak_bytes, 0);
+    // The process holds LibTorch and the tracked tensors at least.
+    ASSERT_TRUE(s.rss_bytes.has_value() && s.peak_rss_bytes.has_value());
+    EXPECT_GT(*s.rss_bytes, s.peak_bytes);
+    EXPECT_GE(*s.peak_rss_bytes, *s.rss_bytes);
     EXPECT_GT(s.time_forward_s, 0);
     EXPECT_GT(s.time_backward_s, 0);
     EXPECT_GE(s.time_allgather_wait_s, 0);

@@ -44,7 +44,7 @@ struct Field {
 };
 
 // Order = order in each JSON line: what a human reading the log wants first.
-const std::array<Field, 30> kFields = {{
+const std::array<Field, 32> kFields = {{
     {"step", &StepMetrics::step},
     {"loss", &StepMetrics::loss},
     {"eval_loss", &StepMetrics::eval_loss},
@@ -72,6 +72,8 @@ const std::array<Field, 30> kFields = {{
     {"mem_gathered_bytes", &StepMetrics::mem_gathered_bytes},
     {"mem_activations_bytes", &StepMetrics::mem_activations_bytes},
     {"mem_other_bytes", &StepMetrics::mem_other_bytes},
+    {"rss_bytes", &StepMetrics::rss_bytes},
+    {"peak_rss_bytes", &StepMetrics::peak_rss_bytes},
     {"offload_read_bytes", &StepMetrics::offload_read_bytes},
     {"offload_written_bytes", &StepMetrics::offload_written_bytes},
     {"time_offload_wait_s", &StepMetrics::time_offload_wait_s},

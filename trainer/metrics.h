@@ -77,6 +77,9 @@ struct StepMetrics {
   /// the moment of its peak; they sum to peak_bytes). CPU runs only.
   std::optional<int64_t> mem_params_bytes, mem_grads_bytes, mem_optimizer_bytes, mem_gathered_bytes,
       mem_activations_bytes, mem_other_bytes;
+  /// Resident set size at the end of the step and the process's high-water mark so far, max
+  /// over ranks (fsdp::memory::resident_bytes): what the OS charges beside the tracked tensors.
+  std::optional<int64_t> rss_bytes, peak_rss_bytes;
   /// With optimizer.offload = file, rank 0: state bytes its optimizer step read from and wrote
   /// to the file, and the time the update waited for the file (the rest of the I/O overlapped
   /// the update).

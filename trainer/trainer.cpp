@@ -308,6 +308,8 @@ int64_t Trainer::max_over_ranks(int64_t v) {
 }
 
 void Trainer::record_peak(StepMetrics& m) {
+  m.rss_bytes = max_over_ranks(fsdp::memory::resident_bytes());
+  m.peak_rss_bytes = max_over_ranks(fsdp::memory::peak_resident_bytes());
   if (!fsdp::memory::tracking_installed()) {
     m.peak_bytes = max_over_ranks(device_memory_.peak_bytes());
     return;

@@ -86,6 +86,13 @@ int64_t peak_bytes();
 /// peak := current, to measure the high-water mark of a phase.
 void reset_peak();
 
+/// The process's resident set size now, and its high-water mark since the process started
+/// (Linux: VmRSS and VmHWM of /proc/self/status), in bytes; 0 where unavailable. What the
+/// operating system charges for: tracked tensors plus everything else (LibTorch's code and
+/// pools, allocator arenas and fragmentation, the backend's buffers).
+int64_t resident_bytes();
+int64_t peak_resident_bytes();
+
 /// RAII: on construction resets the peak; peak() is the high-water mark since then, above
 /// the bytes live at construction (baseline()) — i.e. absolute peak and baseline both available.
 ///
