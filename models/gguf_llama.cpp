@@ -129,7 +129,7 @@ void load_gguf(const gguf::File& f, Llama& model) {
   const auto shards = fsdp::param_shards(*model);
   std::map<std::string, std::array<const fsdp::ParamShard*, 4>> nf4;
   for (const auto& s : shards) {
-    if (s.name.find(".lora_") != std::string::npos)
+    if (is_lora_adapter(s.name))
       continue;  // adapters are not in the base model's file
     size_t part = 0;
     if (const auto layer = nf4_layer(s.name, &part); !layer.empty()) {

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 #include <fsdp/durable_file.h>
@@ -138,21 +139,29 @@ void require_equal(const std::string& where, const std::string& key, double file
 template <typename Model>
 void save_hf_dir(const std::string& dir, Model& model, fsdp::ProcessGroup& group,
                  const fsdp::ConsolidatedOptions& options, const std::string& config_json) {
-  TORCH_CHECK(!fs::exists(dir), "save_hf: ", dir, " exists (exports are never overwritten)");
+  write_export_dir(dir, group, "save_hf", [&](const fs::path& tmp) {
+    if (group.rank() == 0)
+      fsdp::write_file_atomic((tmp / kConfigFile).string(), config_json);
+    fsdp::save_consolidated((tmp / kWeightsFile).string(), *model, group, options);
+  });
+}
+
+}  // namespace
+
+void write_export_dir(const std::string& dir, fsdp::ProcessGroup& group, const char* what,
+                      const std::function<void(const std::filesystem::path& tmp)>& fill) {
+  TORCH_CHECK(!fs::exists(dir), what, ": ", dir, " exists (exports are never overwritten)");
   const fs::path tmp = dir + ".tmp";
   if (group.rank() == 0) {
     fs::remove_all(tmp);  // an export that died half-way
     fs::create_directories(tmp);
-    fsdp::write_file_atomic((tmp / kConfigFile).string(), config_json);
   }
   group.barrier();
-  fsdp::save_consolidated((tmp / kWeightsFile).string(), *model, group, options);
+  fill(tmp);
   if (group.rank() == 0)
     fsdp::rename_durably(tmp.string(), dir);
   group.barrier();
 }
-
-}  // namespace
 
 fsdp::ConsolidatedOptions hf_options(const GPTConfig& cfg) {
   fsdp::ConsolidatedOptions o;
@@ -320,16 +329,14 @@ void save_hf(const std::string& dir, Llama& model, fsdp::ProcessGroup& group, bo
   const auto& cfg = model->config();
   auto options = hf_options(cfg);
   for (const auto& p : model->named_parameters()) {
-    const bool adapter = p.key().find(".lora_") != std::string::npos;
+    const bool adapter = is_lora_adapter(p.key());
     TORCH_CHECK(skip_adapters || !adapter, "save_hf: '", p.key(),
                 "' is a LoRA adapter: merge it (save_merged_hf) or save it apart "
                 "(save_peft_adapter)");
     TORCH_CHECK(p.key().find("weight_nf4") == std::string::npos, "save_hf: '", p.key(),
                 "' is stored in NF4; a Hugging Face file needs dense weights");
   }
-  options.include = [](const std::string& name) {
-    return name.find(".lora_") == std::string::npos;
-  };
+  options.include = [](const std::string& name) { return !is_lora_adapter(name); };
   save_hf_dir(dir, model, group, options, hf_config_json(cfg));
 }
 
@@ -371,9 +378,8 @@ void load_hf(const std::string& dir, Llama& model) {
   require_equal(where, "rope_theta", file.rope_theta, m.rope_theta);
   require_equal(where, "tie_word_embeddings", file.tie_embeddings, m.tie_embeddings);
   auto options = hf_options(m);
-  options.include = [](const std::string& name) {  // the base: adapters keep their values
-    return name.find(".lora_") == std::string::npos;
-  };
+  // The base: adapters keep their values.
+  options.include = [](const std::string& name) { return !is_lora_adapter(name); };
   fsdp::load_consolidated((fs::path(dir) / kWeightsFile).string(), *model, options);
 }
 

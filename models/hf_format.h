@@ -20,6 +20,8 @@
 // (tie_word_embeddings: true, no lm_head.weight), as transformers saves them.
 #pragma once
 
+#include <filesystem>
+#include <functional>
 #include <string>
 
 #include <fsdp/consolidated.h>
@@ -56,6 +58,13 @@ void save_hf(const std::string& dir, GPT& model, fsdp::ProcessGroup& group);
 /// weights first: see save_merged_hf in lora.h).
 void save_hf(const std::string& dir, Llama& model, fsdp::ProcessGroup& group,
              bool skip_adapters = false);
+
+/// Writes an export directory `dir` as save_hf does: refused if it exists; `fill(tmp)` runs on
+/// every rank with "<dir>.tmp" created (rank 0 writes there), then rank 0 renames it to `dir`
+/// once complete, so a crash leaves no half-written directory under the final name. `what`
+/// names the caller in the error.
+void write_export_dir(const std::string& dir, fsdp::ProcessGroup& group, const char* what,
+                      const std::function<void(const std::filesystem::path& tmp)>& fill);
 
 /// Loads a directory written by save_hf or by transformers (config.json + model.safetensors,
 /// float32/bf16/fp16) into `model`, sharded or not: each rank reads the rows it holds. Throws

@@ -144,6 +144,12 @@ struct LoraOptions {
   TORCH_ARG(double, dropout) = 0;
 };
 
+/// Whether a parameter or module name lies in a LoRA adapter (its path has lora_A or lora_B, the
+/// submodules LinearImpl::add_lora registers).
+inline bool is_lora_adapter(const std::string& name) {
+  return name.find("lora_A") != std::string::npos || name.find("lora_B") != std::string::npos;
+}
+
 /// y = x W^T + b, as torch::nn::Linear; optionally with LoRA adapters (add_lora) and the weight
 /// stored in NF4 (use_nf4).
 class LinearImpl : public DeferredModule {

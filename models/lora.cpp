@@ -23,10 +23,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-bool is_adapter(const std::string& name) {
-  return name.find("lora_A") != std::string::npos || name.find("lora_B") != std::string::npos;
-}
-
 std::string last_component(const std::string& name) {
   const auto dot = name.rfind('.');
   return dot == std::string::npos ? name : name.substr(dot + 1);
@@ -37,7 +33,7 @@ std::vector<std::pair<std::string, std::shared_ptr<LinearImpl>>> linears(torch::
   std::vector<std::pair<std::string, std::shared_ptr<LinearImpl>>> out;
   for (const auto& item : model.named_modules("", /*include_self=*/false)) {
     auto linear = std::dynamic_pointer_cast<LinearImpl>(item.value());
-    if (linear && !is_adapter(item.key()))
+    if (linear && !is_lora_adapter(item.key()))
       out.emplace_back(item.key(), linear);
   }
   return out;
@@ -51,22 +47,6 @@ std::string hf_module(const std::string& ours) {
   const auto it = kNames.find(ours);
   TORCH_CHECK(it != kNames.end(), "no Hugging Face name for Llama layer '", ours, "'");
   return it->second;
-}
-
-// Writes `dir` through "<dir>.tmp": `fill(tmp)` on every rank, then rank 0 renames.
-template <typename Fill>
-void write_dir(const std::string& dir, fsdp::ProcessGroup& group, const char* what, Fill fill) {
-  TORCH_CHECK(!fs::exists(dir), what, ": ", dir, " exists (exports are never overwritten)");
-  const fs::path tmp = dir + ".tmp";
-  if (group.rank() == 0) {
-    fs::remove_all(tmp);  // an export that died half-way
-    fs::create_directories(tmp);
-  }
-  group.barrier();
-  fill(tmp);
-  if (group.rank() == 0)
-    fsdp::rename_durably(tmp.string(), dir);
-  group.barrier();
 }
 
 }  // namespace
@@ -89,7 +69,7 @@ std::vector<std::string> add_lora(torch::nn::Module& model, const std::string& t
   }
   TORCH_CHECK(!adapted.empty(), "LoRA targets '", targets, "' match no Linear layer");
   for (auto& p : model.named_parameters())
-    p.value().set_requires_grad(is_adapter(p.key()));
+    p.value().set_requires_grad(is_lora_adapter(p.key()));
   return adapted;
 }
 
@@ -154,7 +134,7 @@ void save_peft_adapter(const std::string& dir, Llama& model, fsdp::ProcessGroup&
     l.name = "base_model.model." + l.name;
     return l;
   };
-  options.include = is_adapter;
+  options.include = [](const std::string& name) { return is_lora_adapter(name); };
   options.dtype = torch::kFloat32;
   nlohmann::json config = {
       {"peft_type", "LORA"},
@@ -168,7 +148,7 @@ void save_peft_adapter(const std::string& dir, Llama& model, fsdp::ProcessGroup&
       {"inference_mode", true},
       {"base_model_name_or_path", base_model.empty() ? nullptr : nlohmann::json(base_model)},
   };
-  write_dir(dir, group, "save_peft_adapter", [&](const fs::path& tmp) {
+  write_export_dir(dir, group, "save_peft_adapter", [&](const fs::path& tmp) {
     if (group.rank() == 0)
       fsdp::write_file_atomic((tmp / "adapter_config.json").string(), config.dump(2) + "\n");
     fsdp::save_consolidated((tmp / "adapter_model.safetensors").string(), *model, group, options);

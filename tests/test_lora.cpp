@@ -423,6 +423,16 @@ FSDP_WORKER(smollm2_lora_export) {
   return 0;
 }
 
+// kIds as command-line arguments, each preceded by a space.
+std::string ids_as_arguments() {
+  std::string out;
+  for (auto id : kIds) {
+    out += ' ';  // not " " + string&&: GCC 12 warns falsely (-Wrestrict) on that insert
+    out += std::to_string(id);
+  }
+  return out;
+}
+
 torch::Tensor read_logits(const std::string& path, int64_t vocab) {
   auto bytes = fsdp::test::file_bytes(path);
   auto t = torch::empty({static_cast<int64_t>(kIds.size()), vocab});
@@ -446,9 +456,7 @@ TEST(Lora, SmolLM2AdapterLoadsInPeft) {
   EXPECT_EQ(config["r"], 8);
   EXPECT_EQ(config["lora_alpha"], 16.0);
   EXPECT_EQ(config["target_modules"], (std::vector<std::string>{"q_proj", "v_proj"}));
-  std::string ids;
-  for (auto id : kIds)
-    ids += " " + std::to_string(id);
+  const auto ids = ids_as_arguments();
   const auto out = python("check_peft.py " + dir.path() + "/adapter " + dir.path() + "/merged " +
                           dir.path() + ids);
   EXPECT_NE(out.find("adapted modules 60"), std::string::npos) << out;
@@ -521,9 +529,7 @@ TEST(Qlora, SmolLM2LoadsShardedIntoNf4) {
   const auto gguf = where.substr(5, where.find('\n') - 5);
   EXPECT_WORKERS_OK(fsdp::test::run_workers(
       "smollm2_qlora_load", 2, fsdp::test::with_env({{"GGUF", gguf}, {"OUT", dir.path()}})));
-  std::string ids;
-  for (auto id : kIds)
-    ids += " " + std::to_string(id);
+  const auto ids = ids_as_arguments();
   const auto out = python("check_qlora.py " + dir.path() + ids);
   EXPECT_NE(out.find("quantized linears 210"), std::string::npos) << out;
   const auto ours = read_logits(dir.path() + "/ours.bin", 49152);
