@@ -5,13 +5,38 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <charconv>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
 #include <thread>
 
 #include "collective_check.h"
 
 namespace fsdp::detail {
+
 namespace {
+
+// FSDP_TRACE_WAITS=<ms>: print every wait for a collective of at least that many milliseconds
+// on stderr, naming the rank and the collective (-1 when unset: no tracing).
+double trace_waits_from_environment() {
+  const char* v = std::getenv("FSDP_TRACE_WAITS");
+  if (v == nullptr || *v == '\0')
+    return -1;
+  double ms = 0;
+  const char* end = v + std::char_traits<char>::length(v);
+  auto [ptr, ec] = std::from_chars(v, end, ms);
+  if (ec != std::errc() || ptr != end || !(ms >= 0)) {
+    // Read inside a wait, which must not throw for a diagnostic: say so once and trace nothing.
+    std::fprintf(stderr,
+                 "fsdp: FSDP_TRACE_WAITS=\"%s\" is not a non-negative number of milliseconds; "
+                 "ignored\n",
+                 v);
+    return -1;
+  }
+  return ms;
+}
 
 bool is_gloo(const ProcessGroup& g) {
   return g.backend_name() == "gloo";
@@ -79,8 +104,14 @@ void CollectiveWork::wait() {
   waited_ = true;
   auto start = std::chrono::steady_clock::now();
   auto add_wait = [&] {
-    counter_.wait_seconds +=
+    const double w =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    counter_.wait_seconds += w;
+    // The breakdown sums the waits; this says which collective each came from.
+    static const double trace_ms = trace_waits_from_environment();
+    if (trace_ms >= 0 && w * 1e3 >= trace_ms)
+      std::fprintf(stderr, "[rank %d] waited %.2f ms for %s\n", group_.rank(), w * 1e3,
+                   what_.c_str());
   };
   // Every backend call is waited for, even after one failed: the caller frees the buffers
   // once wait() returns or throws, and a call still running would write into freed memory.

@@ -137,16 +137,21 @@ FSDP_WORKER(gpt_equivalence_sgd) {
 }
 
 // The global gradient norm of the shards equals the single-process norm, and clipping scales
-// every shard as clipping the whole model would.
+// every shard as clipping the whole model would. CLIP_STRATEGY=no_shard takes the path without
+// a collective (every rank's grads are whole and equal): a norm weighed or summed as if
+// sharded would be off by the world size.
 FSDP_WORKER(clip_grad_norm) {
   auto pg = fsdp::init_process_group();
   const int rank = pg->rank(), world = pg->size();
+  const bool no_shard = ctx.env("CLIP_STRATEGY", "full_shard") == "no_shard";
   auto cfg = test_config();
   torch::manual_seed(99);
   GPT reference(cfg);
   torch::manual_seed(99);
   GPT model(cfg);
-  fsdp_models::parallelize_gpt(model, fsdp::FullyShardOptions(pg));
+  fsdp_models::parallelize_gpt(
+      model, fsdp::FullyShardOptions(pg).strategy(no_shard ? fsdp::ShardingStrategy::kNoShard
+                                                           : fsdp::ShardingStrategy::kFullShard));
   const int64_t local = kGlobalBatch / world;
   auto tokens = batch_tokens(cfg, 0);
   auto mine = tokens.narrow(0, rank * local, local);
@@ -163,7 +168,8 @@ FSDP_WORKER(clip_grad_norm) {
   WORKER_CHECK(ref_norm > max_norm) << "the test must actually clip: norm " << ref_norm;
   auto ref_params = reference->named_parameters();
   for (const auto& item : model->named_parameters()) {
-    auto want = expected_shard(ref_params[item.key()].grad(), rank, world);
+    auto want = no_shard ? ref_params[item.key()].grad()
+                         : expected_shard(ref_params[item.key()].grad(), rank, world);
     WORKER_EXPECT_CLOSE(item.value().grad(), want, 1e-5, 1e-7);
   }
   std::printf("[rank %d/%d] CLIP OK: global norm %.6f (reference %.6f), clipped to %.2f\n", rank,
@@ -173,6 +179,11 @@ FSDP_WORKER(clip_grad_norm) {
 
 TEST(ClipGradNorm, GlobalNormAndClippedGradsMatchSingleProcess) {
   EXPECT_WORKERS_OK(fsdp::test::run_workers("clip_grad_norm", 3));
+}
+
+TEST(ClipGradNorm, NoShardNormIsLocalAndMatchesSingleProcess) {
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("clip_grad_norm", 3,
+                                            fsdp::test::with_env({{"CLIP_STRATEGY", "no_shard"}})));
 }
 
 class Equivalence : public ::testing::TestWithParam<int> {};

@@ -17,6 +17,7 @@
 // a CPU-only process about 480 MB of RSS, measured); with training.device = "cuda" it replaces
 // itself (exec, same arguments, same pid under torchrun) with fsdp-train-cuda from its own
 // directory, which is this file compiled with FSDP_TRAIN_CUDA and linked with fsdp::cuda.
+#include <malloc.h>
 #include <unistd.h>
 #include <CLI/CLI.hpp>
 
@@ -102,7 +103,20 @@ void exec_cuda_trainer(char** argv) {
 
 }  // namespace
 
+// glibc gives every thread that allocates its own arena (up to 8 per core), and memory freed
+// in one stays there: Gloo's lane threads stage every collective in buffers of their own. Two
+// arenas, set before any thread starts, cut the peak RSS of a gpt2-small rank by 10-30 MiB
+// (of ~500) at no measured cost in speed; the user's MALLOC_ARENA_MAX, if set, wins. Debian's
+// jemalloc (LD_PRELOAD) saves more, 85 MiB, for 5-8% of the speed: docs/trainer.md, "Memory".
+static void bound_malloc_arenas() {
+#ifdef __GLIBC__
+  if (std::getenv("MALLOC_ARENA_MAX") == nullptr)
+    mallopt(M_ARENA_MAX, 2);
+#endif
+}
+
 int main(int argc, char** argv) {
+  bound_malloc_arenas();
   fsdp_trainer::die_with_launcher();
   fsdp::memory::install_tracking_allocator();
 

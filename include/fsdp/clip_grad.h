@@ -17,7 +17,10 @@ namespace fsdp {
 /// L2 norm is at most `max_norm`, and returns the global norm before clipping. Every rank of
 /// `group` must call it, and `group` must be the group the units were given (their shard and
 /// replicate groups span it). Elements held by several ranks (kNoShard, kHybridShard, and
-/// parameters of no unit, which every rank holds whole) are counted once.
+/// parameters of no unit, which every rank holds whole) are counted once. When every parameter
+/// is in a unit sharded over one rank (kNoShard), whose reduced grads are the same on every
+/// rank, the norm is computed locally and no collective is issued: call it after a synced
+/// backward (not after a no_sync pass, whose grads differ between ranks).
 double clip_grad_norm_(const std::vector<torch::Tensor>& params, double max_norm,
                        ProcessGroup& group);
 
