@@ -99,7 +99,10 @@ def command(method, setting, world, hf_dir, out, steps):
 
 def run(method, setting, world, hf_dir, out, steps):
     os.makedirs(out, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # torchrun leaves a torchelastic_* directory in TMPDIR per run: keep them in the run's own.
+    tmp = os.path.join(out, "tmp")
+    os.makedirs(tmp, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=tmp)
     proc = subprocess.run(command(method, setting, world, hf_dir, out, steps), cwd=ROOT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
@@ -216,7 +219,6 @@ def chart(rows, path):
     with tempfile.TemporaryDirectory() as d:
         data = os.path.join(d, "ratios.dat")
         with open(data, "w") as f:
-            f.write("setting " + " ".join(OURS + ["ddp"]) + "\n")
             for label, ratios in rows:
                 f.write(f'"{label}" ' + " ".join(f"{ratios[m]:.3f}" for m in OURS + ["ddp"])
                         + "\n")
@@ -228,7 +230,8 @@ set style data histograms
 set style histogram clustered gap 1
 set style fill solid 0.85 border -1
 set boxwidth 0.9
-set key top left
+set key outside right top
+set xrange [-0.6:{len(rows) - 0.4}]
 set yrange [0:*]
 set grid ytics
 set ylabel "x FSDP2's tokens/s"
