@@ -13,12 +13,12 @@ none), and the tokens/s of each variant. The CPU model and flags are printed fir
 depends on them.
 """
 import json
-import math
 import os
 import subprocess
 import sys
 import tempfile
 
+from gpt_shapes import gpt_param_shapes, padded
 from machine import cpu_description
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,15 +39,7 @@ CATEGORIES = ["params", "grads", "optimizer", "gathered", "activations", "other"
 
 def shapes():
     """(rows, cols) of every parameter: blocks, then the root unit."""
-    C, V, T = SHAPE["n_embd"], SHAPE["vocab"], SHAPE["seq"]
-    block = [(C, 1), (C, 1), (3 * C, C), (3 * C, 1), (C, C), (C, 1), (C, 1), (C, 1),
-             (4 * C, C), (4 * C, 1), (C, 4 * C), (C, 1)]
-    root = [(V, C), (T, C), (C, 1), (C, 1)]
-    return block, root
-
-
-def padded(params, n):
-    return sum(math.ceil(r / n) * c for r, c in params)
+    return gpt_param_shapes(SHAPE["n_embd"], SHAPE["vocab"], SHAPE["seq"])
 
 
 def analytic(name):

@@ -21,7 +21,6 @@ their spread (min-max).
 import argparse
 import datetime
 import json
-import math
 import os
 import shutil
 import statistics
@@ -30,6 +29,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpt_shapes import gpt_param_shapes, padded  # noqa: E402
 from machine import cpu_description  # noqa: E402
 import torch_gpt  # noqa: E402
 
@@ -151,15 +151,7 @@ def load(method, setting, world, out, warmup):
 
 def param_shapes(preset, seq):
     """(rows, cols) of every parameter of a block, and of the root unit."""
-    _, _, c = PRESETS[preset]
-    block = [(c, 1), (c, 1), (3 * c, c), (3 * c, 1), (c, c), (c, 1), (c, 1), (c, 1),
-             (4 * c, c), (4 * c, 1), (c, 4 * c), (c, 1)]
-    root = [(VOCAB, c), (seq, c), (c, 1), (c, 1)]
-    return block, root
-
-
-def padded(shapes, n):
-    return sum(math.ceil(r / n) * c for r, c in shapes)
+    return gpt_param_shapes(PRESETS[preset][2], VOCAB, seq)
 
 
 def analytic_peak(method, setting, world):
