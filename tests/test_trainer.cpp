@@ -17,6 +17,8 @@
 #include <sstream>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
 #include "config.h"
 #include "finetune_data.h"
 #include "harness/command.h"
@@ -527,6 +529,51 @@ TEST(TrainerRun, TorchrunAndNprocGiveIdenticalLosses) {
   }
   std::printf("LAUNCH OK: --nproc 2 and torchrun: %zu identical losses, last %.6f\n", ours.size(),
               ours.empty() ? 0.0 : ours.back().loss);
+}
+
+// bench/vs_pytorch.py's claim that both sides train the same model on the same batches, kept
+// true: fsdp-train full_shard and bench/torch_gpt.py under FSDP2 (fully_shard), 2 ranks, start
+// from one GPT-2 safetensors directory that torch_gpt.py writes, read train.bin through their
+// own samplers, and must give the same loss at every step. A window or an initial value taken
+// differently would show as a difference of order 1e-2, not of rounding.
+TEST(TrainerRun, PyTorchMirrorOfTheBenchmarkTrainsTheSameLosses) {
+  const std::string torchrun = FSDP_TORCHRUN_PATH;
+  if (!fs::exists(torchrun))
+    GTEST_SKIP() << "torchrun not found at " << torchrun;
+  const auto work = fs::path(FSDP_TEST_WORK_DIR) / "pytorch-mirror";
+  fs::remove_all(work);
+  fs::create_directories(work);
+  const std::string bench = std::string(FSDP_SOURCE_DIR) + "/bench";
+  const auto init = (work / "init").string();
+  // gpt2-test's shapes with the data's vocabulary (512) and the run's context (16).
+  auto r =
+      run(std::string(FSDP_PYTHON) + " -c \"import sys; sys.path.insert(0, '" + bench +
+          "'); import torch_gpt; torch_gpt.save_gpt('" + init + "', 512, 16, 2, 2, 22, seed=7)\"");
+  ASSERT_EQ(r.code, 0) << r.output;
+  auto ours = train_and_read("pytorch-mirror", train_cmd() + " --nproc 2",
+                             "--model.init_from=" + init + " --training.eval_every=0");
+  ASSERT_EQ(ours.size(), 6u);
+  const auto steps = (work / "steps").string();
+  r = run("OMP_NUM_THREADS=1 TMPDIR=" + work.string() + " " + torchrun +
+          " --standalone --nproc-per-node 2 " + bench + "/torch_gpt.py --mode fsdp2 --hf-dir " +
+          init + " --train-bin " + data_dir() + "/train.bin --out " + steps +
+          " --steps 6 --batch 2 --seq-len 16 --warmup-steps 2");
+  ASSERT_EQ(r.code, 0) << r.output;
+  std::vector<double> theirs;
+  std::ifstream in(steps + ".0");
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("step"))
+      theirs.push_back(j.at("loss").get<double>());
+  }
+  ASSERT_EQ(theirs.size(), ours.size());
+  double worst = 0;
+  for (size_t i = 0; i < ours.size(); ++i) {
+    EXPECT_NEAR(ours[i].loss, theirs[i], 1e-5 * std::abs(theirs[i])) << "step " << i + 1;
+    worst = std::max(worst, std::abs(ours[i].loss - theirs[i]));
+  }
+  std::printf("MIRROR OK: fsdp-train full_shard vs PyTorch FSDP2, 6 steps, max |loss diff| %.2g\n",
+              worst);
 }
 
 }  // namespace
