@@ -52,7 +52,7 @@ double clip_grad_norm_(const std::vector<torch::Tensor>& params, double max_norm
   // Each tensor's norm is reduced in its own dtype (at least fp32: ATen's CPU reductions sum
   // in cascade, so a tensor's norm is good to a few ulps whatever its size), and the norms are
   // squared and summed in double, across tensors and ranks. Converting every grad to double
-  // first, as this did before, cost ~50x as much (11 ms for 1M elements on one core) for
+  // first, as this did before, cost ~50x as much (11 vs 0.2 ms for 1M elements, on a busy core) for
   // digits the fp32 update cannot use.
   torch::Tensor sq;
   for (const auto& grp : groups) {
