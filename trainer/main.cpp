@@ -107,7 +107,8 @@ void exec_cuda_trainer(char** argv) {
 // in one stays there: Gloo's lane threads stage every collective in buffers of their own. Two
 // arenas, set before any thread starts, cut the peak RSS of a gpt2-small rank by 10-30 MiB
 // (of ~500) at no measured cost in speed; the user's MALLOC_ARENA_MAX, if set, wins. Debian's
-// jemalloc (LD_PRELOAD) saves more, 85 MiB, for 5-8% of the speed: docs/trainer.md, "Memory".
+// jemalloc (LD_PRELOAD) saves more, 86-101 MiB, for 5-8% of the speed: docs/trainer.md, "Resident
+// memory".
 static void bound_malloc_arenas() {
 #ifdef __GLIBC__
   if (std::getenv("MALLOC_ARENA_MAX") == nullptr)
