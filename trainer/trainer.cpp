@@ -307,28 +307,51 @@ int64_t Trainer::max_over_ranks(int64_t v) {
   return t[0].item<int64_t>();
 }
 
-void Trainer::record_peak(StepMetrics& m) {
-  m.rss_bytes = max_over_ranks(fsdp::memory::resident_bytes());
-  m.peak_rss_bytes = max_over_ranks(fsdp::memory::peak_resident_bytes());
-  if (!fsdp::memory::tracking_installed()) {
-    m.peak_bytes = max_over_ranks(device_memory_.peak_bytes());
-    return;
+void Trainer::reduce_step_metrics(StepMetrics& m, double loss_sum, double local_tokens) {
+  // One summing all-reduce of a (world, columns) table in which each rank fills only its own
+  // row: after it every rank holds every rank's figures and takes means and maxima locally.
+  // Four separate all-reduces cost ~5 ms per step between steps at batch 1 on 2 cores (each a
+  // round trip, and a point where the faster rank waits). Doubles hold byte counts exactly
+  // below 2^53.
+  enum Col { kLoss, kTokens, kRss, kPeakRss, kPeak, kCategories };
+  constexpr int kCols = kCategories + fsdp::memory::kNumCategories;
+  const bool tracked = fsdp::memory::tracking_installed();
+  std::vector<double> mine(kCols, 0.0);
+  mine[kLoss] = loss_sum;
+  mine[kTokens] = local_tokens;
+  mine[kRss] = static_cast<double>(fsdp::memory::resident_bytes());
+  mine[kPeakRss] = static_cast<double>(fsdp::memory::peak_resident_bytes());
+  if (tracked) {
+    mine[kPeak] = static_cast<double>(fsdp::memory::peak_bytes());
+    const auto parts = fsdp::memory::at_peak_by_category();
+    for (int c = 0; c < fsdp::memory::kNumCategories; ++c)
+      mine[kCategories + c] = static_cast<double>(parts.bytes[c]);
+  } else {
+    mine[kPeak] = static_cast<double>(device_memory_.peak_bytes());
   }
-  // Every rank's peak and breakdown, to report the breakdown of the rank with the highest peak.
-  constexpr int kRow = 1 + fsdp::memory::kNumCategories;
   const int world = pg_->size();
-  auto rows = torch::zeros({world, kRow}, torch::kLong);
-  const auto parts = fsdp::memory::at_peak_by_category();
-  rows[pg_->rank()][0] = fsdp::memory::peak_bytes();
-  for (int c = 0; c < fsdp::memory::kNumCategories; ++c)
-    rows[pg_->rank()][1 + c] = parts.bytes[c];
-  std::vector<torch::Tensor> t{rows};
+  auto table = torch::zeros({world, kCols}, torch::kDouble);
+  table[pg_->rank()].copy_(torch::tensor(mine, torch::kDouble));
+  // The collective runs where the backend needs its tensors (the GPU for NCCL).
+  std::vector<torch::Tensor> t{table.to(device_)};
   pg_->backend().allreduce(t)->wait();
-  const int top = static_cast<int>(rows.select(1, 0).argmax().item<int64_t>());
-  auto row = rows[top];
+  table = t[0].cpu();
+  const auto col = [&](int c) { return table.select(1, c); };
+  m.loss = col(kLoss).sum().item<double>() / world;
+  if (finetune_)
+    m.tokens = std::llround(col(kTokens).sum().item<double>());
+  m.rss_bytes = static_cast<int64_t>(col(kRss).max().item<double>());
+  m.peak_rss_bytes = static_cast<int64_t>(col(kPeakRss).max().item<double>());
+  // The breakdown of the rank with the highest peak (they sum to its peak).
+  const auto top = col(kPeak).argmax().item<int64_t>();
+  const auto row = table[top];
+  m.peak_bytes = static_cast<int64_t>(row[kPeak].item<double>());
+  if (!tracked)
+    return;
   using fsdp::memory::Category;
-  auto part = [&](Category c) { return row[1 + static_cast<int>(c)].item<int64_t>(); };
-  m.peak_bytes = row[0].item<int64_t>();
+  auto part = [&](Category c) {
+    return static_cast<int64_t>(row[kCategories + static_cast<int>(c)].item<double>());
+  };
   m.mem_params_bytes = part(Category::kParams);
   m.mem_grads_bytes = part(Category::kGrads);
   m.mem_optimizer_bytes = part(Category::kOptimizer);
@@ -460,12 +483,10 @@ StepMetrics Trainer::train_step(int64_t step) {
   m.allgather_bytes = b.comm.all_gather.bytes;
   m.reducescatter_bytes = b.comm.reduce_scatter.bytes;
   m.allreduce_bytes = b.comm.all_reduce.bytes;
-  m.loss = mean_over_ranks(loss_sum);
-  record_peak(m);
-  m.tokens = finetune_
-                 ? std::llround(mean_over_ranks(static_cast<double>(conversations.inputs.numel())) *
-                                pg_->size())
-                 : t.batch_size * t.seq_len * pg_->size();
+  reduce_step_metrics(m, loss_sum,
+                      finetune_ ? static_cast<double>(conversations.inputs.numel()) : 0.0);
+  if (!finetune_)
+    m.tokens = t.batch_size * t.seq_len * pg_->size();
   m.tokens_per_second = m.tokens / m.step_time_s;
   m.mfu = model_flops_utilization(flops_per_token_, m.tokens_per_second,
                                   peak_flops_per_rank_ * pg_->size());

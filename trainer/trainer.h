@@ -70,8 +70,10 @@ class Trainer {
   double learning_rate(int64_t step) const;
   double mean_over_ranks(double v);
   int64_t max_over_ranks(int64_t v);
-  /// Fills peak_bytes and, on CPU, its breakdown by memory category.
-  void record_peak(StepMetrics& m);
+  /// The step's cross-rank figures, in one collective: the mean loss (of `loss_sum`) and
+  /// tokens (of `local_tokens`, finetune), the largest RSS and high-water mark, and peak_bytes
+  /// with, on CPU, its breakdown by memory category on the rank with the highest peak.
+  void reduce_step_metrics(StepMetrics& m, double loss_sum, double local_tokens);
   void write_outputs();
   /// finetune: rank 0's greedy answers to the first finetune.samples held-out questions (every
   /// rank runs the forwards).
