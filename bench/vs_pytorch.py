@@ -67,7 +67,7 @@ def is_ours(method):
 
 
 def command(method, setting, world, hf_dir, out, steps):
-    name, _, preset, batch, seq, _, link, lr = setting
+    _, _, preset, batch, seq, _, link, lr = setting
     if is_ours(method):
         strategy = "full_shard" if method == "fsdp-cpp" else method
         args = [TRAIN] + ([] if link else ["--nproc", str(world)]) + [
@@ -86,12 +86,9 @@ def command(method, setting, world, hf_dir, out, steps):
                   "--out", os.path.join(out, "steps"), "--steps", str(steps),
                   "--batch", str(batch), "--seq-len", str(seq), "--lr", str(lr),
                   "--min-lr", str(lr / 10)]
-        if link:
-            args = [PY] + script
-        elif world == 1:
-            args = [PY] + script
-        else:
-            args = [TORCHRUN, "--standalone", f"--nproc-per-node={world}"] + script
+        # One process per rank: torchrun starts them, or emulated_link.sh (below), one per host.
+        launcher = [TORCHRUN, "--standalone", f"--nproc-per-node={world}"]
+        args = ([PY] if link or world == 1 else launcher) + script
     if link:
         args = [LINK, "--rate", link, "--nproc", str(world), "--"] + args
     return args
@@ -261,42 +258,31 @@ def main():
         sys.exit(f"vs_pytorch: {TRAIN} not found: build first (cmake --build build)")
 
     workdir = a.keep or tempfile.mkdtemp(prefix="vs_pytorch.")
-    if a.report_only:
-        results = {}
+    init_dir = lambda s: os.path.join(workdir, s[0], "init")  # noqa: E731
+    if not a.report_only:
+        # The token files: fsdp-train prepares them once (1 step), both sides then read them.
+        subprocess.run([TRAIN, "--nproc", "1", "configs/demo.toml", f"--data.dir={DATA_DIR}",
+                        f"--data.vocab_size={VOCAB}", "--training.steps=1",
+                        "--generate.tokens=0", "--training.eval_batches=1",
+                        "--logging.plot=false", "--logging.progress=none",
+                        f"--logging.run_dir={workdir}/prepare"],
+                       cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
         for s in settings:
-            for w in s[5]:
-                for m in methods(w):
-                    for rnd in range(a.rounds):
-                        out = os.path.join(workdir, s[0], f"w{w}", m, f"round{rnd}")
-                        results.setdefault((s[0], w, m), []).append(
-                            load(m, s, w, out, a.warmup))
-        report(a, settings, results)
-        return
-    # The token files: fsdp-train prepares them once (1 step), both sides then read them.
-    subprocess.run([TRAIN, "--nproc", "1", "configs/demo.toml", f"--data.dir={DATA_DIR}",
-                    f"--data.vocab_size={VOCAB}", "--training.steps=1", "--generate.tokens=0",
-                    "--training.eval_batches=1", "--logging.plot=false",
-                    "--logging.progress=none", f"--logging.run_dir={workdir}/prepare"],
-                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    jobs = []
-    for s in settings:
-        name, _, preset, _, seq, worlds = s[:6]
-        hf_dir = os.path.join(workdir, name, "init")
-        n_layer, n_head, n_embd = PRESETS[preset]
-        torch_gpt.save_gpt(hf_dir, VOCAB, seq, n_layer, n_head, n_embd, seed=1234)
-        for w in worlds:
-            for m in methods(w):
-                jobs.append((s, w, m, hf_dir))
+            n_layer, n_head, n_embd = PRESETS[s[2]]
+            torch_gpt.save_gpt(init_dir(s), VOCAB, s[4], n_layer, n_head, n_embd, seed=1234)
+    jobs = [(s, w, m) for s in settings for w in s[5] for m in methods(w)]
     results = {}
     for rnd in range(a.rounds):
-        for s, w, m, hf_dir in jobs:
+        for s, w, m in jobs:
             out = os.path.join(workdir, s[0], f"w{w}", m, f"round{rnd}")
-            run(m, s, w, hf_dir, out, a.steps)
+            if not a.report_only:
+                run(m, s, w, init_dir(s), out, a.steps)
             r = load(m, s, w, out, a.warmup)
             results.setdefault((s[0], w, m), []).append(r)
-            print(f"round {rnd + 1}/{a.rounds} {s[0]:8} world {w} {m:14} "
-                  f"{r['tokens_per_s']:9.0f} tokens/s  peak RSS {mib(r['peak_rss'])} MiB",
-                  flush=True)
+            if not a.report_only:
+                print(f"round {rnd + 1}/{a.rounds} {s[0]:8} world {w} {m:14} "
+                      f"{r['tokens_per_s']:9.0f} tokens/s  peak RSS {mib(r['peak_rss'])} MiB",
+                      flush=True)
     report(a, settings, results)
     if not a.keep:
         shutil.rmtree(workdir, ignore_errors=True)

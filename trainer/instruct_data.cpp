@@ -130,6 +130,17 @@ std::string json_reason(const nlohmann::json::exception& e) {
   return ": " + one_line(r, 200);
 }
 
+// Message `which`'s string under `key`, or an error naming what is there instead.
+const std::string& string_field(const nlohmann::json& m, const char* key, const std::string& which,
+                                const std::string& where) {
+  const auto it = m.find(key);
+  if (it == m.end())
+    fail(where, which + " has no \"" + key + "\"");
+  if (!it->is_string())
+    fail(where, which + "'s \"" + key + "\" is " + kind(*it) + ", not a string");
+  return it->get_ref<const std::string&>();
+}
+
 // The conversation on one line; `where` is "<path>:<line>: ".
 std::vector<ChatMessage> parse_line(std::string_view line, const std::string& where) {
   if (auto nul = line.find('\0'); nul != std::string_view::npos)
@@ -158,20 +169,10 @@ std::vector<ChatMessage> parse_line(std::string_view line, const std::string& wh
     const std::string which = "message " + std::to_string(k + 1);
     if (!m.is_object())
       fail(where, which + " is " + kind(m) + ", not an object {\"role\": ..., \"content\": ...}");
-    const auto role = m.find("role");
-    if (role == m.end())
-      fail(where, which + " has no \"role\"");
-    if (!role->is_string())
-      fail(where, which + "'s \"role\" is " + kind(*role) + ", not a string");
-    const auto& r = role->get_ref<const std::string&>();
+    const auto& r = string_field(m, "role", which, where);
     if (r != "system" && r != "user" && r != "assistant")
       fail(where, which + " has the unknown role " + quoted(r) + " (system, user or assistant)");
-    const auto content = m.find("content");
-    if (content == m.end())
-      fail(where, which + " has no \"content\"");
-    if (!content->is_string())
-      fail(where, which + "'s \"content\" is " + kind(*content) + ", not a string");
-    const auto& c = content->get_ref<const std::string&>();
+    const auto& c = string_field(m, "content", which, where);
     // "\u0000" in JSON: valid, but no text has it; it marks binary data pasted into a data set.
     if (c.find('\0') != std::string::npos)
       fail(where, which + "'s content has a NUL character (\\u0000)");
