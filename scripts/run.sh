@@ -12,6 +12,16 @@ shift || true
 
 "$ROOT/scripts/setup.sh"
 
+# FSDP_EMULATE_CPU=avx2: run as on a CPU without fast bf16 (AVX2 and FMA only, no AVX-512 BF16
+# or AMX), whatever this one has: oneDNN (LibTorch's bf16 matmuls) and ATen's own kernels are
+# limited to AVX2, which makes bf16 matmuls 30-60x slower than fp32 as on such a CPU. The suite
+# must pass in time under it (docs/design.md, "Machines").
+case "${FSDP_EMULATE_CPU:-}" in
+  "") ;;
+  avx2) export ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 ;;
+  *) echo "run.sh: FSDP_EMULATE_CPU must be avx2 or empty, got '$FSDP_EMULATE_CPU'" >&2; exit 2 ;;
+esac
+
 case "$cmd" in
   demo)
     # fsdp-train on 2 local ranks: prepares the King James Bible (Debian's bible-kjv) on first

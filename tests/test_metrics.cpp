@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "compute_dtype.h"
+#include "matmul_speed.h"
 #include "metrics.h"
 #include "plot.h"
 
@@ -468,15 +470,68 @@ TEST(Flops, GptFlopsPerTokenMatchesHandComputation) {
   EXPECT_EQ(fsdp_trainer::model_flops_utilization(1, 1, 0), 0);
 }
 
-TEST(Flops, CpuPeakIsMeasuredOnceAndScalesWithCores) {
-  const double one = fsdp_trainer::cpu_peak_flops(1);
-  std::printf("measured fp32 matmul peak: %.2f GFLOP/s per core\n", one / 1e9);
+// The peak is the fastest of the forms a training step runs, at the model's shapes: never below
+// any one form measured alone (that is what keeps MFU <= 100% where at::linear and at::mm reach
+// different kernels, as bf16 does on AVX2 CPUs), and measured once.
+TEST(Flops, MatmulPeakIsTheFastestFormAndMeasuredOnce) {
+  const fsdp_trainer::MatmulShape shape{64, 96, 160};
+  EXPECT_EQ(shape.flops(), 2.0 * 64 * 96 * 160);
+  const double peak = fsdp_trainer::peak_matmul_flops(c10::kFloat, {shape});
+  std::printf("measured fp32 matmul peak: %.2f GFLOP/s per rank\n", peak / 1e9);
   // Any CPU LibTorch runs on does far more than 0.1 GFLOP/s in sgemm; far less than 10 TFLOP/s.
-  EXPECT_GT(one, 1e8);
-  EXPECT_LT(one, 1e13);
-  EXPECT_EQ(fsdp_trainer::cpu_peak_flops(1), one) << "cached, not re-measured";
-  EXPECT_EQ(fsdp_trainer::cpu_peak_flops(4), 4 * one);
-  EXPECT_THROW(fsdp_trainer::cpu_peak_flops(0), std::invalid_argument);
+  EXPECT_GT(peak, 1e8);
+  EXPECT_LT(peak, 1e13);
+  EXPECT_EQ(fsdp_trainer::peak_matmul_flops(c10::kFloat, {shape}), peak)
+      << "cached, not re-measured";
+  const auto speed = fsdp_trainer::measure_matmul_speed(c10::kFloat, shape);
+  for (double form : {speed.forward, speed.input_grad, speed.weight_grad})
+    EXPECT_GT(form, 0);
+  // Timing noise between the two measurements: the peak is a best-of, so allow 2x.
+  EXPECT_LT(speed.best(), 2 * peak);
+  EXPECT_LE(speed.step(), speed.best());
+
+  // The step's speed is its three matmuls' FLOPs over their summed time.
+  fsdp_trainer::MatmulSpeed s{1e9, 2e9, 4e9};
+  EXPECT_EQ(s.best(), 4e9);
+  EXPECT_DOUBLE_EQ(s.step(), 3.0 / (1 / 1e9 + 1 / 2e9 + 1 / 4e9));
+  EXPECT_EQ((fsdp_trainer::MatmulSpeed{1e9, 0, 4e9}.step()), 0);
+}
+
+// precision.param_dtype = auto takes bf16 only where it is not slower than fp32; an explicit
+// slow one runs with a warning that gives the ratio; GPUs take bf16 without a measurement.
+TEST(ComputeDtype, AutoTakesBf16OnlyWhereItIsFast) {
+  using fsdp_trainer::choose_compute_dtype;
+  const fsdp_trainer::DtypeSpeeds avx2{60.8e9, 1.7e9, "256x512x1024"};
+  const fsdp_trainer::DtypeSpeeds avx512_bf16{101e9, 222e9, "256x512x1024"};
+
+  auto c = choose_compute_dtype("auto", false, avx2);
+  EXPECT_EQ(c.dtype, "fp32");
+  EXPECT_EQ(c.reason,
+            "compute dtype fp32 (precision.param_dtype = auto): this machine's bf16 matmuls are "
+            "35.8x slower than fp32 (1.7 vs 60.8 GFLOP/s per rank, a training step's matmuls at "
+            "256x512x1024)");
+  EXPECT_EQ(c.warning, "");
+  c = choose_compute_dtype("auto", false, avx512_bf16);
+  EXPECT_EQ(c.dtype, "bf16");
+  EXPECT_NE(c.reason.find("bf16 matmuls are 2.2x faster than fp32"), std::string::npos)
+      << c.reason;
+  EXPECT_EQ(choose_compute_dtype("auto", true, {}).dtype, "bf16");
+
+  c = choose_compute_dtype("bf16", false, avx2);
+  EXPECT_EQ(c.dtype, "bf16");
+  EXPECT_EQ(c.warning,
+            "warning: precision.param_dtype = bf16: this machine's bf16 matmuls are 35.8x slower "
+            "than fp32 (1.7 vs 60.8 GFLOP/s per rank, a training step's matmuls at "
+            "256x512x1024); fp32 or auto would train faster");
+  EXPECT_EQ(choose_compute_dtype("bf16", false, avx512_bf16).warning, "");
+  EXPECT_EQ(choose_compute_dtype("fp32", false, {}).dtype, "fp32");
+
+  EXPECT_TRUE(fsdp_trainer::needs_dtype_speeds("auto", false));
+  EXPECT_TRUE(fsdp_trainer::needs_dtype_speeds("fp16", false));
+  EXPECT_FALSE(fsdp_trainer::needs_dtype_speeds("fp32", false));
+  EXPECT_FALSE(fsdp_trainer::needs_dtype_speeds("auto", true));
+  EXPECT_EQ(fsdp_trainer::candidate_dtype("auto"), "bf16");
+  EXPECT_EQ(fsdp_trainer::candidate_dtype("fp16"), "fp16");
 }
 
 }  // namespace

@@ -268,8 +268,11 @@ const std::vector<Option>& options() {
       opt("precision.param_dtype", FIELD(precision.param_dtype),
           "Dtype of the all-gathers and of compute; the sharded parameters and the optimizer "
           "stay fp32. bf16 halves what moves and what gathered parameters occupy; on CPUs "
-          "without AVX-512 BF16 or AMX its matmuls are much slower than fp32.",
-          {"fp32", "bf16", "fp16"}),
+          "without AVX-512 BF16 or AMX its matmuls are much slower than fp32 (~36x on AVX2). "
+          "auto: bf16 where its matmuls, measured at start-up, are at least as fast as fp32's "
+          "(and on GPUs), else fp32; the choice and the measured ratio are printed. An explicit "
+          "bf16 or fp16 slower than fp32 here runs, with a warning giving the ratio.",
+          {"fp32", "bf16", "fp16", "auto"}),
       opt("precision.reduce_dtype", FIELD(precision.reduce_dtype),
           "Dtype gradients are reduce-scattered (and all-reduced) in; they land in fp32.",
           {"fp32", "bf16", "fp16"}),

@@ -75,7 +75,7 @@ struct FsdpConfig {
 };
 
 struct PrecisionConfig {
-  std::string param_dtype = "fp32";           // fp32, bf16, fp16
+  std::string param_dtype = "fp32";           // fp32, bf16, fp16, auto (compute_dtype.h)
   std::string reduce_dtype = "fp32";          // fp32, bf16, fp16
   bool root_fp32 = false;                     // embeddings, final norm and head in fp32
   std::string gather_format = "param_dtype";  // param_dtype, bf16, fp16, int8

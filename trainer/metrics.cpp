@@ -1,26 +1,21 @@
-// StepMetrics <-> JSON lines, the breakdown table, and the FLOP / peak-FLOP estimates for MFU.
+// StepMetrics <-> JSON lines, the breakdown table, and the FLOP estimate for MFU.
 //
 // The field table below is the single place that knows the JSON names, their order and their
 // types; writing, reading and validation all walk it, so a field cannot be added to one and
 // forgotten in another.
 #include "metrics.h"
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <array>
 #include <cerrno>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <limits>
-#include <map>
-#include <mutex>
 #include <sstream>
 #include <stdexcept>
 #include <type_traits>
@@ -423,45 +418,6 @@ double gpt_flops_per_token(int64_t n_params, int64_t n_layer, int64_t n_embd, in
   return 6.0 * static_cast<double>(n_params) + 12.0 * static_cast<double>(n_layer) *
                                                    static_cast<double>(n_embd) *
                                                    static_cast<double>(seq_len);
-}
-
-namespace {
-
-// Matmul FLOP/s per intra-op thread in `dtype`, measured once per process and dtype.
-double measured_flops_per_thread(c10::ScalarType dtype) {
-  static std::mutex mutex;
-  static std::map<c10::ScalarType, double> cache;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (auto it = cache.find(dtype); it != cache.end())
-    return it->second;
-  constexpr int64_t kN = 512;
-  constexpr int kReps = 20;
-  // Constant inputs rather than randn: the measurement must not advance the global RNG, or
-  // calling it would change the training run.
-  const auto options = at::TensorOptions().dtype(dtype);
-  const at::Tensor a = at::full({kN, kN}, 0.5, options);
-  const at::Tensor b = at::full({kN, kN}, 0.25, options);
-  at::Tensor c = at::empty({kN, kN}, options);
-  for (int i = 0; i < 2; ++i)  // warm-up: thread pool start, packing buffers
-    at::mm_out(c, a, b);
-  // Best of the reps: "peak" is what the gemm can do, not the average under interference.
-  double best = std::numeric_limits<double>::infinity();
-  for (int i = 0; i < kReps; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    at::mm_out(c, a, b);
-    const auto t1 = std::chrono::steady_clock::now();
-    best = std::min(best, std::chrono::duration<double>(t1 - t0).count());
-  }
-  const double flops = 2.0 * kN * kN * kN / std::max(best, 1e-9);
-  return cache[dtype] = flops / std::max(at::get_num_threads(), 1);
-}
-
-}  // namespace
-
-double cpu_peak_flops(int cores, c10::ScalarType dtype) {
-  if (cores <= 0)
-    throw std::invalid_argument("cpu_peak_flops: cores must be > 0, got " + std::to_string(cores));
-  return measured_flops_per_thread(dtype) * cores;
 }
 
 double model_flops_utilization(double flops_per_token, double tokens_per_second,

@@ -15,7 +15,6 @@
 // that its rows are disjoint and add up to the step time.
 #pragma once
 
-#include <c10/core/ScalarType.h>
 
 #include <cstdint>
 #include <cstdio>
@@ -165,17 +164,9 @@ std::string breakdown_table(const std::vector<StepMetrics>& steps, int64_t skip_
 /// lookup), and count a token embedding tied to the output head once.
 double gpt_flops_per_token(int64_t n_params, int64_t n_layer, int64_t n_embd, int64_t seq_len);
 
-/// Peak matmul FLOP/s in `dtype` (the compute dtype: bf16 runs at another speed than fp32, 40x
-/// apart on CPUs without AVX-512 BF16) of `cores` CPU cores, MEASURED: the best of 20 timed
-/// 512x512x512 torch::mm calls (~0.1 s, once per process and dtype, cached), divided by the
-/// intra-op threads it ran with and multiplied by `cores`. So MFU on CPU is relative to what
-/// LibTorch's own gemm reaches on this machine, not to a datasheet number. A rank that measures
-/// while another computes reads it low: the trainer has every rank measure at the same moment
-/// and takes the highest.
-double cpu_peak_flops(int cores, c10::ScalarType dtype = c10::ScalarType::Float);
-
 /// achieved / peak as a fraction: flops_per_token * tokens_per_second / peak_flops, where
 /// tokens_per_second and peak_flops cover the same cores (all ranks, or one). 0 if peak <= 0.
+/// The trainer's peak is peak_matmul_flops (matmul_speed.h).
 double model_flops_utilization(double flops_per_token, double tokens_per_second, double peak_flops);
 
 }  // namespace fsdp_trainer

@@ -79,6 +79,7 @@ TrainModel build_model(const Config& config, int64_t vocab_size, const UnitOptio
         });
     out.n_layer = cfg.n_layer;
     out.n_embd = cfg.n_embd;
+    out.n_hidden = 4 * cfg.n_embd;
   } else {
     auto cfg = preset_or_config_error<fsdp_models::LlamaConfig>("llama", m.preset);
     if (m.n_layer > 0)
@@ -101,6 +102,7 @@ TrainModel build_model(const Config& config, int64_t vocab_size, const UnitOptio
         });
     out.n_layer = cfg.n_layers;
     out.n_embd = cfg.dim;
+    out.n_hidden = cfg.ffn_hidden_dim;
   }
   out.description = fmt::format("{} {}: {} layers, width {}, {:.2f}M parameters", m.arch, m.preset,
                                 out.n_layer, out.n_embd, out.num_params / 1e6);
@@ -168,6 +170,7 @@ TrainModel build_finetune_model(const Config& config, const std::string& gguf_pa
   out.num_params = cfg.num_params();
   out.n_layer = cfg.n_layers;
   out.n_embd = cfg.dim;
+  out.n_hidden = cfg.ffn_hidden_dim;
   out.description =
       fmt::format("{}: llama, {} layers, width {}, {:.1f}M parameters; {} trains {:.2f}M{}",
                   std::filesystem::path(gguf_path).filename().string(), cfg.n_layers, cfg.dim,

@@ -23,6 +23,7 @@
 #include <fsdp/step_profiler.h>
 #include <fsdp/unshard.h>
 
+#include "matmul_speed.h"
 #include "optimizer_factory.h"
 #include "plot.h"
 
@@ -131,6 +132,7 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
       batch = batch.to(device_);
   }
 
+  compute_dtype_ = resolve_compute_dtype();
   const auto& f = config_.fsdp;
   const int64_t hybrid_size = resolved_hybrid_shard_size(config_, local_world);
   fsdp::FullyShardOptions fsdp_options(pg_);
@@ -150,7 +152,7 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
   // Blocks gather and compute in param_dtype; the root too unless root_fp32, and its logits
   // come out in fp32 either way (the loss and its softmax in fp32).
   const auto& prec = config_.precision;
-  const auto param_dtype = dtype_named(prec.param_dtype);
+  const auto param_dtype = dtype_named(compute_dtype_.dtype);
   const auto reduce_dtype = dtype_named(prec.reduce_dtype);
   // gather_format applies to the root unless root_fp32 (which keeps the root exact).
   UnitOptions units{fsdp_options, fsdp_options};
@@ -203,11 +205,17 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
     flops_per_token_ =
         gpt_flops_per_token(model_.num_params, model_.n_layer, model_.n_embd, t.seq_len);
   }
-  // Every rank measures at once (after a barrier, so none is busy computing while another
-  // measures), in the compute dtype, and all use the highest: one peak for the whole job.
+  // MFU's peak: the model's own Linear shapes in the compute dtype (matmul_speed.h), with the
+  // rows of one micro-batch (capped: larger ones run no faster and take longer to time). Every
+  // rank measures at once (after a barrier, so none is busy computing while another measures)
+  // and all use the highest: one peak for the whole job.
+  const int64_t rows = std::min<int64_t>(
+      512, finetune_ ? t.batch_size * config_.finetune.max_tokens : t.batch_size * t.seq_len);
+  const std::vector<MatmulShape> shapes{{rows, model_.n_embd, model_.n_embd},
+                                        {rows, model_.n_embd, model_.n_hidden}};
   pg_->barrier();
-  peak_flops_per_rank_ = static_cast<double>(max_over_ranks(std::llround(
-      cpu_peak_flops(static_cast<int>(t.threads), dtype_named(config_.precision.param_dtype)))));
+  peak_flops_per_rank_ = static_cast<double>(max_over_ranks(
+      std::llround(peak_matmul_flops(dtype_named(compute_dtype_.dtype), shapes, device_))));
 
   if (rank == 0) {
     std::filesystem::create_directories(config_.logging.run_dir);
@@ -258,7 +266,8 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
       ac += fmt::format(" (every {} blocks)", f.ac_every);
     progress_->message(fmt::format(
         "precision: compute {}{}, gather {}, reduce {}{} | activation checkpointing: {}",
-        prec.param_dtype, prec.root_fp32 && prec.param_dtype != "fp32" ? " (root fp32)" : "",
+        compute_dtype_.dtype,
+        prec.root_fp32 && compute_dtype_.dtype != "fp32" ? " (root fp32)" : "",
         prec.gather_format == "int8" ? fmt::format("int8 (blocks of {})", prec.int8_block)
                                      : prec.gather_format,
         prec.reduce_dtype, scaler_ ? ", dynamic loss scaling" : "", ac));
@@ -271,9 +280,9 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
     }
     progress_->message("optimizer: " + optimizer);
     progress_->message(fmt::format(
-        "MFU is relative to {:.1f} GFLOP/s per rank: {} matmul, {} thread(s), measured on every "
-        "rank at once (the highest)",
-        peak_flops_per_rank_ / 1e9, prec.param_dtype, t.threads));
+        "MFU is relative to {:.1f} GFLOP/s per rank: the fastest {} matmul of the model's shapes, "
+        "{} thread(s), measured on every rank at once (the highest)",
+        peak_flops_per_rank_ / 1e9, compute_dtype_.dtype, t.threads));
   }
 }
 
@@ -296,6 +305,32 @@ double Trainer::mean_over_ranks(double v) {
       torch::tensor({v}, torch::TensorOptions(torch::kDouble).device(device_))};
   pg_->backend().allreduce(t)->wait();
   return t[0].item<double>() / pg_->size();
+}
+
+ComputeDtype Trainer::resolve_compute_dtype() {
+  const auto& requested = config_.precision.param_dtype;
+  const bool cuda = device_.is_cuda();
+  DtypeSpeeds speeds;
+  if (needs_dtype_speeds(requested, cuda)) {
+    // A transformer layer's size, whatever the model: the ratio between the dtypes is what
+    // decides, and this shape costs ~1 s where bf16 crawls and milliseconds elsewhere.
+    const MatmulShape shape{256, 512, 1024};
+    speeds.shape = fmt::format("{}x{}x{}", shape.m, shape.k, shape.n);
+    pg_->barrier();
+    speeds.fp32 = static_cast<double>(
+        max_over_ranks(std::llround(measure_matmul_speed(torch::kFloat, shape).step())));
+    speeds.low = static_cast<double>(max_over_ranks(std::llround(
+        measure_matmul_speed(dtype_named(candidate_dtype(requested)), shape).step())));
+  }
+  ComputeDtype choice = choose_compute_dtype(requested, cuda, speeds);
+  if (pg_->rank() == 0) {
+    std::printf("fsdp-train: %s\n", choice.reason.c_str());
+    if (!choice.warning.empty())
+      std::fprintf(stderr, "fsdp-train: %s\n", choice.warning.c_str());
+    std::fflush(stdout);
+    std::fflush(stderr);
+  }
+  return choice;
 }
 
 int64_t Trainer::max_over_ranks(int64_t v) {

@@ -15,6 +15,7 @@
 #include <fsdp/process_group.h>
 #include <fsdp/step_profiler.h>
 
+#include "compute_dtype.h"
 #include "config.h"
 #include "data.h"
 #include "finetune_data.h"
@@ -70,6 +71,9 @@ class Trainer {
   double learning_rate(int64_t step) const;
   double mean_over_ranks(double v);
   int64_t max_over_ranks(int64_t v);
+  /// Resolves precision.param_dtype ("auto", or a warning for a slow explicit one) from
+  /// matmul speeds every rank measures at once, the highest taken: every rank decides alike.
+  ComputeDtype resolve_compute_dtype();
   /// The step's cross-rank figures, in one collective: the mean loss (of `loss_sum`) and
   /// tokens (of `local_tokens`, finetune), the largest RSS and high-water mark, and peak_bytes
   /// with, on CPU, its breakdown by memory category on the rank with the highest peak.
@@ -96,6 +100,7 @@ class Trainer {
   DeviceMemory device_memory_;
   Purpose purpose_;
   torch::Device device_ = torch::kCPU;
+  ComputeDtype compute_dtype_;  // precision.param_dtype resolved for this machine ("auto")
   std::shared_ptr<fsdp::ProcessGroup> pg_;
   PreparedData data_;
   Tokenizer tokenizer_;
