@@ -6,15 +6,17 @@ One command (from the repository root, after the build):
 
     ~/.cache/fsdp-cpp/torch-$(cat .torch-version)/bin/python bench/finetune_table.py
 
-runs `fsdp-train finetune` (configs/smollm2-lora.toml: bf16 compute, the KJV instruction set,
-batch 4 conversations per rank) on 2 ranks for each method, in interleaved rounds (full, lora,
+runs `fsdp-train finetune` (configs/smollm2-lora.toml, the KJV instruction set, batch 4
+conversations per rank; bf16 compute unless `--dtype fp32` or `--dtype auto`) on 2 ranks for each method, in interleaved rounds (full, lora,
 qlora, full, lora, qlora) so that machine noise hits all three alike, and prints a markdown
 table: the peak of the rank with the highest one and what it is made of (fsdp::memory
 categories at that peak; they sum to it), the analytic size of the sharded parameters and of the
 optimizer state, the resident bits per quantized block weight, the all-gather bytes per step,
 and tokens/s (median of the steps after the first two, median over rounds, with the spread).
-The CPU model and flags are printed first: bf16 speed depends on them.
+The CPU model and flags are printed first: bf16 speed depends on them (on a CPU without AVX-512
+BF16 or AMX, bf16 runs ~20x slower than fp32: use `--dtype fp32` there).
 """
+import argparse
 import json
 import math
 import os
@@ -73,11 +75,12 @@ def analytic(method):
     return {"params": params, "optimizer": optimizer, "trainable": trainable, "bits": bits}
 
 
-def run(method, round_, workdir):
+def run(method, round_, workdir, dtype):
     run_dir = os.path.join(workdir, f"{method}-{round_}")
     cmd = [TRAIN, "finetune", "--nproc", str(RANKS),
            os.path.join(ROOT, "configs", "smollm2-lora.toml"), f"--finetune.method={method}",
-           f"--training.steps={STEPS}", "--training.eval_every=0", "--finetune.samples=0",
+           f"--training.steps={STEPS}", f"--precision.param_dtype={dtype}",
+           "--training.eval_every=0", "--finetune.samples=0",
            "--finetune.save_adapter=false", "--logging.plot=false", "--logging.progress=none",
            f"--logging.run_dir={run_dir}"]
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
@@ -90,15 +93,20 @@ def mib(b):
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", choices=["bf16", "fp32", "auto"], default="bf16",
+                        help="precision.param_dtype of every run (default bf16)")
+    args = parser.parse_args()
     print(f"CPU: {cpu_description()}")
-    print(f"SmolLM2-135M-Instruct (134.5M parameters), {RANKS} ranks full_shard, bf16 compute, "
+    print(f"SmolLM2-135M-Instruct (134.5M parameters), {RANKS} ranks full_shard, "
+          f"{args.dtype} compute, "
           f"4 conversations per rank per step, {STEPS} steps x {ROUNDS} rounds per method; LoRA "
           f"rank {RANK} on {', '.join(TARGETS)}.\n")
     runs = {m: [] for m in METHODS}
     with tempfile.TemporaryDirectory() as workdir:
         for r in range(ROUNDS):
             for m in METHODS:
-                runs[m].append(run(m, r, workdir))
+                runs[m].append(run(m, r, workdir, args.dtype))
     print("| method | trainable | peak MiB | " + " | ".join(CATEGORIES) +
           " | all-gather MiB/step | tokens/s |")
     print("|" + " --- |" * (len(CATEGORIES) + 5))

@@ -10,7 +10,8 @@ BUILD="${FSDP_BUILD_DIR:-$ROOT/build}"
 cmd="${1:-}"
 shift || true
 
-"$ROOT/scripts/setup.sh"
+# The tests also need the Python packages they check our files against; the demo does not.
+if [ "$cmd" = test ]; then "$ROOT/scripts/setup.sh" --checks; else "$ROOT/scripts/setup.sh"; fi
 
 # FSDP_EMULATE_CPU=avx2: run as on a CPU without fast bf16 (AVX2 and FMA only, no AVX-512 BF16
 # or AMX), whatever this one has: oneDNN (LibTorch's bf16 matmuls) and ATen's own kernels are

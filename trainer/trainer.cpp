@@ -324,7 +324,8 @@ ComputeDtype Trainer::resolve_compute_dtype() {
   }
   ComputeDtype choice = choose_compute_dtype(requested, cuda, speeds);
   if (pg_->rank() == 0) {
-    std::printf("fsdp-train: %s\n", choice.reason.c_str());
+    if (requested == "auto")  // an explicit dtype shows in the "precision:" line already
+      std::printf("fsdp-train: %s\n", choice.reason.c_str());
     if (!choice.warning.empty())
       std::fprintf(stderr, "fsdp-train: %s\n", choice.warning.c_str());
     std::fflush(stdout);

