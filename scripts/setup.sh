@@ -66,6 +66,10 @@ export CCACHE_DIR="$CACHE/ccache"
 # Paths relative to the clone, so that a fresh clone elsewhere (CI) hits the same cache entries.
 export CCACHE_BASEDIR="$ROOT"
 export CCACHE_NOHASHDIR=1
+# The precompiled LibTorch headers (cmake/libtorch.cmake): ccache caches them and the objects
+# built with them only when told to ignore their defines and timestamps (measured: a fresh clone
+# elsewhere then hits 42 of 42).
+export CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
 export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-5G}"
 # Release builds by default; FSDP_BUILD_TYPE=Debug for a debugger session.
 if [ ! -f "$BUILD/build.ninja" ]; then

@@ -47,8 +47,10 @@ std::string Progress::format(const ProgressLine& l, bool with_bar) const {
   const int width = terminal_width();
   const int bar_width = std::max(10, std::min(30, width - static_cast<int>(text.size()) - 4));
   const int filled = static_cast<int>(bar_width * l.step / std::max<int64_t>(1, total_));
-  std::string bar = "[" + std::string(filled, '#') + std::string(bar_width - filled, '.') + "] ";
-  text = bar + text;
+  // Built with fmt, not "[" + std::string&&: GCC 12 warns falsely (-Wstringop-overflow) on
+  // that insert once the precompiled LibTorch header changes its inlining.
+  text = fmt::format("[{}{}] {}", std::string(filled, '#'), std::string(bar_width - filled, '.'),
+                     text);
   if (static_cast<int>(text.size()) > width - 1)
     text.resize(width - 1);
   return text;
