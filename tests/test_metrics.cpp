@@ -513,8 +513,7 @@ TEST(ComputeDtype, AutoTakesBf16OnlyWhereItIsFast) {
   EXPECT_EQ(c.warning, "");
   c = choose_compute_dtype("auto", false, avx512_bf16);
   EXPECT_EQ(c.dtype, "bf16");
-  EXPECT_NE(c.reason.find("bf16 matmuls are 2.2x faster than fp32"), std::string::npos)
-      << c.reason;
+  EXPECT_NE(c.reason.find("bf16 matmuls are 2.2x faster than fp32"), std::string::npos) << c.reason;
   EXPECT_EQ(choose_compute_dtype("auto", true, {}).dtype, "bf16");
 
   c = choose_compute_dtype("bf16", false, avx2);

@@ -542,8 +542,9 @@ TEST(TrainerRun, PrecisionAutoOnAnAvx2CpuComputesInFp32) {
           "--training.seq_len=64 --training.batch_size=4 --training.steps=3 "
           "--training.eval_every=0");
   ASSERT_EQ(r.code, 0) << r.output;
-  EXPECT_NE(r.output.find("warning: precision.param_dtype = bf16: this machine's bf16 matmuls are "),
-            std::string::npos)
+  EXPECT_NE(
+      r.output.find("warning: precision.param_dtype = bf16: this machine's bf16 matmuls are "),
+      std::string::npos)
       << r.output;
   EXPECT_NE(r.output.find("precision: compute bf16,"), std::string::npos) << r.output;
   const auto m = fsdp_trainer::read_metrics((fs::path(run_dir) / "metrics.jsonl").string());
@@ -937,8 +938,7 @@ std::vector<fsdp_trainer::StepMetrics> finetune_run(const std::string& name,
       " --training.steps=4 --training.batch_size=2 --training.eval_every=0 --logging.plot=false" +
       // fp32 whatever the CPU: the config's auto would make the test's time and figures depend
       // on the machine's bf16 speed.
-      " --precision.param_dtype=fp32" +
-      " --logging.progress=lines --finetune.answer_tokens=8" +
+      " --precision.param_dtype=fp32" + " --logging.progress=lines --finetune.answer_tokens=8" +
       " --finetune.samples=" + std::to_string(samples) +
       " --finetune.train_file=" + (data / "kjv_train.jsonl").string() +
       " --finetune.eval_file=" + small_eval_file(eval_size) + " --logging.run_dir=" + run_dir +

@@ -34,9 +34,9 @@ ComputeDtype choose_compute_dtype(const std::string& requested, bool cuda,
     out.reason = fmt::format("compute dtype {} (precision.param_dtype)", requested);
     if (!cuda && requested != "fp32" && speeds.low > 0 && speeds.fp32 > 0 &&
         speeds.low < speeds.fp32) {
-      out.warning = fmt::format(
-          "warning: precision.param_dtype = {}: {}; fp32 or auto would train faster", requested,
-          comparison(requested, speeds));
+      out.warning =
+          fmt::format("warning: precision.param_dtype = {}: {}; fp32 or auto would train faster",
+                      requested, comparison(requested, speeds));
     }
     return out;
   }

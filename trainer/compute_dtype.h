@@ -13,7 +13,7 @@ namespace fsdp_trainer {
 /// over ranks. 0 where not measured.
 struct DtypeSpeeds {
   double fp32 = 0;
-  double low = 0;  // bf16 for "auto", else the requested dtype
+  double low = 0;     // bf16 for "auto", else the requested dtype
   std::string shape;  // "256x512x1024", for the messages
 };
 

@@ -15,7 +15,6 @@
 // that its rows are disjoint and add up to the step time.
 #pragma once
 
-
 #include <cstdint>
 #include <cstdio>
 #include <optional>

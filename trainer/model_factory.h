@@ -25,7 +25,7 @@ struct TrainModel {
   int64_t num_params = 0;
   int64_t n_layer = 0;
   int64_t n_embd = 0;
-  int64_t n_hidden = 0;  // the MLP's inner width (GPT 4 n_embd, Llama ffn_hidden_dim)
+  int64_t n_hidden = 0;     // the MLP's inner width (GPT 4 n_embd, Llama ffn_hidden_dim)
   std::string description;  // "gpt gpt2-tiny: 4 layers, width 128, 0.85M parameters"
 };
 

@@ -319,8 +319,8 @@ ComputeDtype Trainer::resolve_compute_dtype() {
     pg_->barrier();
     speeds.fp32 = static_cast<double>(
         max_over_ranks(std::llround(measure_matmul_speed(torch::kFloat, shape).step())));
-    speeds.low = static_cast<double>(max_over_ranks(std::llround(
-        measure_matmul_speed(dtype_named(candidate_dtype(requested)), shape).step())));
+    speeds.low = static_cast<double>(max_over_ranks(
+        std::llround(measure_matmul_speed(dtype_named(candidate_dtype(requested)), shape).step())));
   }
   ComputeDtype choice = choose_compute_dtype(requested, cuda, speeds);
   if (pg_->rank() == 0) {
