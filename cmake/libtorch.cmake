@@ -22,17 +22,6 @@ target_link_libraries(fsdp_fmt INTERFACE fsdp_libtorch)
 find_package(OpenMP REQUIRED COMPONENTS CXX)
 target_link_libraries(fsdp_libtorch INTERFACE OpenMP::OpenMP_CXX)
 
-# LibTorch's headers, precompiled once per target: nearly every translation unit here includes
-# torch/torch.h, whose parse is most of its compile time (see fsdp_precompile_torch's callers).
-# Per target, not shared with REUSE_FROM: the targets' definitions and flags differ, and GCC
-# silently ignores a precompiled header built with other ones.
-option(FSDP_PCH "Precompile LibTorch's headers for the larger targets" ON)
-function(fsdp_precompile_torch target)
-  if(FSDP_PCH)
-    target_precompile_headers(${target} PRIVATE <torch/torch.h>)
-  endif()
-endfunction()
-
 # LibTorch's headers, precompiled once per target that has many translation units: nearly all
 # of them include torch/torch.h, whose parse is ~7 of a ~12 s compile here. Measured on 2 cores
 # (AMD EPYC, no ccache): the whole build 566 s without, 458 s with (four 725 MB .gch files in
