@@ -15,7 +15,6 @@
 // parameter, both unsharded). Every load is checked to give back the parameters it saved.
 #include <torch/torch.h>
 #include <CLI/CLI.hpp>
-#include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -43,15 +42,9 @@ int64_t dir_bytes(const fs::path& dir) {
 
 // One int64 per rank, on every rank.
 std::vector<int64_t> all_ranks(fsdp::ProcessGroup& pg, int64_t v) {
-  std::vector<at::Tensor> in{torch::tensor({v}, torch::kLong)};
-  std::vector<std::vector<at::Tensor>> out(1);
-  for (int r = 0; r < pg.size(); ++r)
-    out[0].push_back(torch::empty_like(in[0]));
-  pg.backend().allgather(out, in)->wait();
-  std::vector<int64_t> values;
-  for (auto& t : out[0])
-    values.push_back(t.item<int64_t>());
-  return values;
+  auto all = torch::empty({pg.size()}, torch::kLong);
+  fsdp::all_gather(pg, {torch::tensor({v}, torch::kLong)}, {all})->wait();
+  return std::vector<int64_t>(all.data_ptr<int64_t>(), all.data_ptr<int64_t>() + pg.size());
 }
 
 std::string json_list(const std::vector<int64_t>& v) {

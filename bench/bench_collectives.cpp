@@ -1,8 +1,8 @@
 // bench_collectives: the figures behind the collective choices in docs/design.md. It times
-// fsdp-cpp's Gloo all-gather and reduce-scatter (src/collectives.cpp) against the alternatives
-// a CPU FSDP could use instead, on the same buffers in the same run, and records the temporary
-// tensor memory each one needs. A benchmark, not a test: it checks each result once, so that a
-// figure never belongs to a wrong answer, but it asserts nothing about speed.
+// fsdp-cpp's Gloo all-gather and reduce-scatter (fsdp/distributed/collectives.h) against the
+// alternatives a CPU FSDP could use instead, on the same buffers in the same run, and records the
+// temporary tensor memory each one needs. A benchmark, not a test: it checks each result once, so
+// that a figure never belongs to a wrong answer, but it asserts nothing about speed.
 //
 //   OMP_NUM_THREADS=1 torchrun --standalone --no-python --nproc-per-node 2 bench_collectives
 //
@@ -23,12 +23,13 @@
 #include <thread>
 #include <vector>
 
-#include <fsdp/memory.h>
-#include <fsdp/process_group.h>
+#include <fsdp/core/memory.h>
+#include <fsdp/distributed/process_group.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
-#include "collectives.h"
+#include <fsdp/distributed/collectives.h>
+#include "distributed/group_access.h"
 
 namespace {
 
@@ -72,10 +73,14 @@ void wait_released(c10::intrusive_ptr<c10d::Work> work) {
 }
 
 void all_reduce_max(fsdp::ProcessGroup& pg, torch::Tensor& t) {
-  std::vector<torch::Tensor> tensors{t};
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = c10d::ReduceOp::MAX;
-  pg.backend().allreduce(tensors, opts)->wait();
+  fsdp::all_reduce(pg, t, fsdp::ReduceOp::kMax)->wait();
+}
+
+// The group's raw c10d backend, for the alternatives measured against ours. Only this
+// benchmark and src/distributed reach it: it measures the primitives the collectives layer is
+// built on.
+c10d::Backend& raw(fsdp::ProcessGroup& pg) {
+  return fsdp::detail::GroupAccess::first_lane(pg);
 }
 
 // Methods are timed in interleaved rounds (rep i of every method, then rep i + 1), so a burst
@@ -195,7 +200,7 @@ std::vector<Result> bench_all_gather(fsdp::ProcessGroup& pg, int64_t shard_numel
   };
 
   Method ours{"a) fsdp all_gather (allgather_coalesced)", nullptr, poison,
-              [&] { fsdp::detail::all_gather(pg, shards, gathered)->wait(); }, check};
+              [&] { fsdp::all_gather(pg, shards, gathered)->wait(); }, check};
   // FSDP2's foreach_all_gather: copy the shards into this rank's slot of one flat output (the
   // input is a view of the output, so no separate input buffer), gather, then copy each
   // parameter's columns out of the (N, shard) rows. Gloo does not gather in place: it receives
@@ -205,7 +210,7 @@ std::vector<Result> bench_all_gather(fsdp::ProcessGroup& pg, int64_t shard_numel
                 auto flat_out = torch::empty({n * shard_numel}, torch::kFloat);
                 auto flat_in = flat_out.narrow(0, rank * shard_numel, shard_numel);
                 torch::cat_out(flat_in, shards);
-                wait_released(pg.backend().all_gather_single(flat_out, flat_in));
+                wait_released(raw(pg).all_gather_single(flat_out, flat_in));
                 auto rows = flat_out.view({n, shard_numel});
                 int64_t offset = 0;
                 for (int i = 0; i < num_params; ++i) {
@@ -223,8 +228,7 @@ std::vector<Result> bench_all_gather(fsdp::ProcessGroup& pg, int64_t shard_numel
     const auto bytes = static_cast<int64_t>(bucket_mib[k] * kMiB);
     methods.push_back(
         {fmt::format("{}) fsdp all_gather, {:g} MiB buckets", letter[k], bucket_mib[k]), nullptr,
-         poison, [&, bytes] { fsdp::detail::all_gather(pg, shards, gathered, bytes)->wait(); },
-         check});
+         poison, [&, bytes] { fsdp::all_gather(pg, shards, gathered, bytes)->wait(); }, check});
   }
   return measure(pg, methods, warmup, reps);
 }
@@ -238,7 +242,7 @@ bool gloo_has_reduce_scatter(fsdp::ProcessGroup& pg) {
   auto out = torch::empty({1}, torch::kFloat);
   bool works = false;
   try {
-    wait_released(pg.backend().reduce_scatter_single(out, in));
+    wait_released(raw(pg).reduce_scatter_single(out, in));
     works = out.item<float>() == static_cast<float>(pg.size());
   } catch (const std::exception&) {
   }
@@ -266,25 +270,22 @@ std::vector<Result> bench_reduce_scatter(fsdp::ProcessGroup& pg, int64_t shard_n
 
   // Sums everywhere: FSDP averages, but Gloo has no AVG op, and ours would add a division the
   // others lack.
-  Method ours{
-      "a) fsdp reduce_scatter (all-to-all + sum)", nullptr, poison,
-      [&] {
-        fsdp::detail::reduce_scatter(pg, input, output, fsdp::detail::ReduceOp::kSum)->wait();
-      },
-      check};
+  Method ours{"a) fsdp reduce_scatter (all-to-all + sum)", nullptr, poison,
+              [&] { fsdp::reduce_scatter(pg, input, output, fsdp::ReduceOp::kSum)->wait(); },
+              check};
   Method gloo;
   if (native_rs) {
     gloo = {"b) gloo reduce_scatter_single", nullptr, poison,
             [&] {
               torch::Tensor in = input;
-              wait_released(pg.backend().reduce_scatter_single(output, in));
+              wait_released(raw(pg).reduce_scatter_single(output, in));
             },
             check};
   } else {
     gloo = {"b) allreduce + copy of own chunk", nullptr, poison,
             [&] {
               std::vector<torch::Tensor> t{input.clone()};
-              wait_released(pg.backend().allreduce(t));
+              wait_released(raw(pg).allreduce(t));
               output.copy_(t[0].narrow(0, rank * shard_numel, shard_numel));
             },
             check};
@@ -294,7 +295,7 @@ std::vector<Result> bench_reduce_scatter(fsdp::ProcessGroup& pg, int64_t shard_n
       nullptr,  // prepare overwrites the whole buffer anyway
       [&] {
         std::vector<torch::Tensor> t{whole};
-        wait_released(pg.backend().allreduce(t));
+        wait_released(raw(pg).allreduce(t));
       },
       [&] { return torch::equal(whole.narrow(0, rank * shard_numel, shard_numel), expected); }};
   return measure(pg, {ours, gloo, all_reduce}, warmup, reps);

@@ -23,8 +23,8 @@
 #include <string>
 #include <vector>
 
-#include <fsdp/fused_optimizer.h>
-#include <fsdp/memory.h>
+#include <fsdp/core/memory.h>
+#include <fsdp/optim/fused_optimizer.h>
 
 namespace {
 

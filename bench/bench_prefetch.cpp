@@ -22,7 +22,6 @@
 #include <vector>
 
 #include <fsdp/fsdp.h>
-#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "gpt.h"
@@ -67,11 +66,9 @@ double median_of(const std::vector<fsdp::StepBreakdown>& steps, F f) {
 }
 
 double max_over_ranks(fsdp::ProcessGroup& pg, double x) {
-  std::vector<torch::Tensor> t{torch::tensor({x}, torch::kDouble)};
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = c10d::ReduceOp::MAX;
-  pg.backend().allreduce(t, opts)->wait();
-  return t[0].item<double>();
+  auto t = torch::tensor({x}, torch::kDouble);
+  fsdp::all_reduce(pg, t, fsdp::ReduceOp::kMax)->wait();
+  return t.item<double>();
 }
 
 std::string load_average() {

@@ -6,7 +6,7 @@ loss and second for second:
   - the model is models/gpt.cpp (learned positions, pre-LayerNorm blocks, GELU tanh MLP, causal
     scaled_dot_product_attention, tied embeddings), loaded from the Hugging Face directory the
     driver writes once (fsdp-train reads the same file through model.init_from);
-  - the batches are trainer/data.cpp's DistributedSampler, reimplemented below bit for bit
+  - the batches are trainer/data/data.cpp's DistributedSampler, reimplemented below bit for bit
     (std::mt19937_64, the same rejection draw and Fisher-Yates), reading the same train.bin;
   - the step is trainer.cpp's: AdamW with decay on matrices only, warm-up then cosine learning
     rate, global gradient-norm clipping, mean cross-entropy.
@@ -82,7 +82,7 @@ def uniform_below(gen, n):
 
 
 def read_token_file(path):
-    """trainer/data.h's token file: a 64-byte header, then uint16 or uint32 tokens."""
+    """trainer/data/data.h's token file: a 64-byte header, then uint16 or uint32 tokens."""
     with open(path, "rb") as f:
         header = f.read(64)
     if len(header) != 64 or header[:8] != b"FSDPTOK1":
@@ -96,7 +96,7 @@ def read_token_file(path):
 
 
 class DistributedSampler:
-    """trainer/data.cpp's DistributedSampler, window for window."""
+    """trainer/data/data.cpp's DistributedSampler, window for window."""
 
     def __init__(self, tokens, batch, seq_len, rank, world, seed):
         self.tokens, self.batch, self.seq_len = tokens, batch, seq_len

@@ -26,11 +26,17 @@ target_link_libraries(fsdp_libtorch INTERFACE OpenMP::OpenMP_CXX)
 # of them include torch/torch.h, whose parse is ~7 of a ~12 s compile here. Measured on 2 cores
 # (AMD EPYC, no ccache): the whole build 566 s without, 458 s with (four 725 MB .gch files in
 # the build tree). Per target, not shared with REUSE_FROM: the targets' definitions and flags
-# (-fPIC, -fPIE) differ, and GCC silently ignores a precompiled header built with other ones.
+# (-fPIC, -fPIE) differ, and GCC silently ignores a precompiled header built with other ones;
+# targets that share them pass REUSE_FROM (the library's subsystems, models and formats).
 # ccache needs CCACHE_SLOPPINESS for them (scripts/setup.sh sets it). FSDP_PCH=OFF turns it off.
 option(FSDP_PCH "Precompile LibTorch's headers for the larger targets" ON)
 function(fsdp_precompile_torch target)
-  if(FSDP_PCH)
+  cmake_parse_arguments(P "" "REUSE_FROM" "" ${ARGN})
+  if(NOT FSDP_PCH)
+    return()
+  elseif(P_REUSE_FROM)
+    target_precompile_headers(${target} REUSE_FROM ${P_REUSE_FROM})
+  else()
     target_precompile_headers(${target} PRIVATE <torch/torch.h>)
   endif()
 endfunction()

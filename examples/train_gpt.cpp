@@ -15,7 +15,6 @@
 #include <iterator>
 
 #include <fsdp/fsdp.h>
-#include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "gpt.h"
 
@@ -41,9 +40,9 @@ torch::Tensor sample(const torch::Tensor& data, int64_t batch, int64_t t, at::Ge
 }
 
 double mean_over_ranks(fsdp::ProcessGroup& pg, double v) {
-  std::vector<torch::Tensor> t{torch::tensor({v}, torch::kDouble)};
-  pg.backend().allreduce(t)->wait();
-  return t[0].item<double>() / pg.size();
+  auto t = torch::tensor({v}, torch::kDouble);
+  fsdp::all_reduce(pg, t, fsdp::ReduceOp::kAvg, "mean of a metric")->wait();
+  return t.item<double>();
 }
 
 }  // namespace

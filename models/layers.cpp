@@ -1,7 +1,7 @@
 // Deferred-init layers and initialisation by name; see layers.h.
 #include "layers.h"
 
-#include <fsdp/nf4.h>
+#include <fsdp/quant/nf4.h>
 
 #include <unordered_map>
 

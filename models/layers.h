@@ -164,7 +164,7 @@ class LinearImpl : public DeferredModule {
   bool has_lora() const { return lora_A != nullptr; }
   double lora_scaling() const { return lora_alpha_ / static_cast<double>(lora_rank_); }
 
-  /// Replaces `weight` by its NF4 storage (fsdp/nf4.h), four frozen parameters: weight_nf4
+  /// Replaces `weight` by its NF4 storage (fsdp/quant/nf4.h), four frozen parameters: weight_nf4
   /// (uint8, out x in/2), weight_absmax (uint8, out*in/64), weight_absmax_scale and
   /// weight_absmax_offset (1) (float32 values held as their int32 bit patterns, so that mixed
   /// precision, which casts floating parameters, leaves them exact). in_features must be a multiple

@@ -64,7 +64,7 @@ struct RopeTables {
   int64_t seq_len() const { return cos.size(0); }
   /// The first t positions.
   RopeTables prefix(int64_t t) const { return {cos.narrow(0, 0, t), sin.narrow(0, 0, t)}; }
-  /// For fsdp::forward (fsdp/tensor_visit.h): the tensors a block receives.
+  /// For fsdp::forward (fsdp/detail/tensor_visit.h): the tensors a block receives.
   template <typename F>
   void visit_tensors(F&& f) {
     f(cos);

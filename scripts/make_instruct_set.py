@@ -4,7 +4,7 @@
     python3 scripts/make_instruct_set.py [OUT_DIR]      (OUT_DIR defaults to data/instruct)
 
 Reads the whole KJV from Debian's bible-kjv (`bible -p /usr/lib Gen1:1-Rev22:21`, the same
-command trainer/corpus.cpp runs) and writes OUT_DIR/kjv_train.jsonl (360 examples) and
+command trainer/data/corpus.cpp runs) and writes OUT_DIR/kjv_train.jsonl (360 examples) and
 OUT_DIR/kjv_eval.jsonl (40 examples). Each line is one JSON object:
 
     {"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]}

@@ -1,4 +1,4 @@
-// Activation checkpointing (fsdp/checkpoint.h), composed with sharding.
+// Activation checkpointing (fsdp/activation_checkpoint.h), composed with sharding.
 //
 // A small transformer (attention through at::scaled_dot_product_attention, dropout, GELU MLP,
 // residuals) trained 5 AdamW steps with checkpointing on and off on 1, 2 and 3 ranks: the
@@ -13,9 +13,9 @@
 
 #include <fsdp/fsdp.h>
 
+#include "engine/saved_ops.h"
 #include "harness/errors.h"
 #include "harness/multiprocess.h"
-#include "saved_ops.h"
 
 namespace {
 

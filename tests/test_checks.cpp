@@ -8,12 +8,12 @@
 
 #include <c10/util/Exception.h>
 
+#include "engine/param_group.h"
+#include "engine/registry.h"
 #include "gpt.h"
 #include "harness/errors.h"
 #include "harness/inspect.h"
 #include "harness/multiprocess.h"
-#include "param_group.h"
-#include "registry.h"
 
 namespace {
 
@@ -90,7 +90,7 @@ TEST(Unshard, GenerationGathersOnceInsteadOfPerToken) {
 FSDP_WORKER(collective_check) {
   auto pg = fsdp::init_process_group();
   const int rank = pg->rank();
-  WORKER_CHECK(pg->collective_check() != nullptr) << "FSDP_CHECK_COLLECTIVES was not picked up";
+  WORKER_CHECK(pg->checks_collectives()) << "FSDP_CHECK_COLLECTIVES was not picked up";
   auto cfg = GPTConfig::preset("gpt2-test");
   cfg.n_layer = 2;
   torch::manual_seed(9);

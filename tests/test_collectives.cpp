@@ -5,12 +5,12 @@
 
 #include <fsdp/fsdp.h>
 
-#include "collectives.h"
+#include <fsdp/distributed/collectives.h>
 #include "harness/multiprocess.h"
 
 namespace {
 
-using fsdp::detail::ReduceOp;
+using fsdp::ReduceOp;
 
 // Rank r's piece i: a value that identifies both.
 torch::Tensor piece(int rank, int i, int64_t n, torch::ScalarType dtype) {
@@ -34,7 +34,7 @@ FSDP_WORKER(collectives_all_gather) {
       inputs.push_back(piece(rank, i, sizes[i], dtypes[i]));
       outputs.push_back(torch::full({n * sizes[i]}, -1, dtypes[i]));
     }
-    fsdp::detail::all_gather(*pg, inputs, outputs, bucket)->wait();
+    fsdp::all_gather(*pg, inputs, outputs, bucket)->wait();
     for (int i = 0; i < 3; ++i) {
       for (int r = 0; r < n; ++r) {
         auto got = outputs[i].narrow(0, r * sizes[i], sizes[i]);
@@ -67,7 +67,7 @@ FSDP_WORKER(collectives_all_gather_bucket_memory) {
   const int64_t unit = n * shard_numel * 4, bucket = unit / 16;
   auto transient = [&](int64_t bucket_bytes) {
     fsdp::memory::PeakScope scope;
-    fsdp::detail::all_gather(*pg, inputs, outputs, bucket_bytes)->wait();
+    fsdp::all_gather(*pg, inputs, outputs, bucket_bytes)->wait();
     return scope.peak_above_baseline();
   };
   transient(0), transient(bucket);  // warm up the transport
@@ -105,9 +105,9 @@ FSDP_WORKER(collectives_reduce_scatter) {
     expect_sum += input_of(r).narrow(0, rank * s, s);
 
   auto out = torch::empty({s});
-  fsdp::detail::reduce_scatter(*pg, input_of(rank), out, ReduceOp::kSum)->wait();
+  fsdp::reduce_scatter(*pg, input_of(rank), out, ReduceOp::kSum)->wait();
   WORKER_EXPECT_CLOSE(out, expect_sum, 1e-6, 1e-6);
-  fsdp::detail::reduce_scatter(*pg, input_of(rank), out, ReduceOp::kAvg)->wait();
+  fsdp::reduce_scatter(*pg, input_of(rank), out, ReduceOp::kAvg)->wait();
   WORKER_EXPECT_CLOSE(out, expect_sum / n, 1e-6, 1e-6);
 
   const auto& st = pg->comm_stats().reduce_scatter;
@@ -115,10 +115,10 @@ FSDP_WORKER(collectives_reduce_scatter) {
       << st.calls << " " << st.bytes << " " << st.sent_bytes;
 
   auto t = torch::full({4}, static_cast<float>(rank + 1));
-  fsdp::detail::all_reduce(*pg, t, ReduceOp::kAvg)->wait();
+  fsdp::all_reduce(*pg, t, ReduceOp::kAvg)->wait();
   WORKER_EXPECT_CLOSE(t, torch::full({4}, (n + 1) / 2.0f), 1e-6, 1e-6);
   auto b = torch::full({3}, static_cast<float>(rank == 1 ? 42 : rank));
-  fsdp::detail::broadcast(*pg, b, /*root=*/1)->wait();
+  fsdp::broadcast(*pg, b, /*root=*/1)->wait();
   WORKER_CHECK(torch::equal(b, torch::full({3}, 42.0f))) << b;
   std::printf("[rank %d] REDUCE-SCATTER OK (sum and avg), sent %lld bytes for %lld in\n", rank,
               static_cast<long long>(st.sent_bytes), static_cast<long long>(st.bytes));
@@ -142,11 +142,11 @@ FSDP_WORKER(collectives_queued_gathers) {
   const int64_t bucket = 16 << 10;
   for (int round = 0; round < kRounds; ++round) {
     std::vector<std::vector<torch::Tensor>> outs(kQueued);
-    std::vector<std::unique_ptr<fsdp::detail::CollectiveWork>> works;
+    std::vector<std::unique_ptr<fsdp::CollectiveWork>> works;
     for (int k = 0; k < kQueued; ++k) {
       for (const auto& in : inputs)
         outs[k].push_back(torch::full({n * in.numel()}, -1.0f));
-      works.push_back(fsdp::detail::all_gather(*pg, inputs, outs[k], bucket));
+      works.push_back(fsdp::all_gather(*pg, inputs, outs[k], bucket));
     }
     for (int k = 0; k < kQueued; ++k) {
       works[k]->wait();

@@ -1,7 +1,7 @@
-// Consolidated files (include/fsdp/consolidated.h): one safetensors file of whole tensors from a
-// sharded model, the same bytes whatever the number of ranks or the strategy that saved it;
-// loaded back on 1-4 ranks (and under no_shard) bitwise; layouts that rename, transpose and
-// reorder rows written and read exactly; a lower stored dtype; and a file that does not fit the
+// Consolidated files (include/fsdp/checkpoint/consolidated.h): one safetensors file of whole
+// tensors from a sharded model, the same bytes whatever the number of ranks or the strategy that
+// saved it; loaded back on 1-4 ranks (and under no_shard) bitwise; layouts that rename, transpose
+// and reorder rows written and read exactly; a lower stored dtype; and a file that does not fit the
 // model refused with the file, the tensor and the reason named.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -10,9 +10,9 @@
 #include <fstream>
 #include <tuple>
 
-#include <fsdp/consolidated.h>
+#include <fsdp/checkpoint/consolidated.h>
+#include <fsdp/checkpoint/safetensors.h>
 #include <fsdp/fsdp.h>
-#include <fsdp/safetensors.h>
 
 #include "harness/errors.h"
 #include "harness/files.h"

@@ -10,9 +10,9 @@
 
 #include <cstring>
 
+#include <fsdp/core/memory.h>
 #include <fsdp/fsdp.h>
-#include <fsdp/fused_optimizer.h>
-#include <fsdp/memory.h>
+#include <fsdp/optim/fused_optimizer.h>
 
 #include "harness/multiprocess.h"
 

@@ -115,10 +115,10 @@ int check_equivalence(const std::string& optimizer, bool reshard_after_forward =
   WORKER_CHECK(pg->comm_stats().reduce_scatter.calls == kSteps * units)
       << pg->comm_stats().reduce_scatter.calls << " reduce-scatters in " << kSteps << " steps";
   // The mean of the ranks' losses is the loss of the global batch.
-  std::vector<torch::Tensor> mean{torch::tensor(losses, torch::kDouble)};
-  pg->backend().allreduce(mean)->wait();
+  auto mean = torch::tensor(losses, torch::kDouble);
+  fsdp::all_reduce(*pg, mean, fsdp::ReduceOp::kSum)->wait();
   for (int step = 0; step < kSteps; ++step) {
-    const double got = mean[0][step].item<double>() / world;
+    const double got = mean[step].item<double>() / world;
     WORKER_CHECK(std::abs(got - ref_losses[step]) <= 1e-5 * std::abs(ref_losses[step]))
         << "step " << step << " loss " << got << " vs reference " << ref_losses[step];
   }

@@ -5,11 +5,11 @@
 
 #include <fsdp/fsdp.h>
 
+#include "engine/param_group.h"
+#include "engine/registry.h"
 #include "gpt.h"
 #include "harness/inspect.h"
 #include "harness/multiprocess.h"
-#include "param_group.h"
-#include "registry.h"
 
 namespace {
 
@@ -291,6 +291,47 @@ FSDP_WORKER(memory_accounting) {
       (long long)peak, (long long)bound, (long long)root_unsharded, (long long)largest_block,
       (long long)activation_bytes);
   return 0;
+}
+
+// Options that do nothing under the strategy, or contradict it, are refused by fully_shard with
+// one message naming both; the one redundant spelling that means the same (shard_grad_op with
+// reshard_after_forward(false)) is accepted.
+TEST(FullyShard, OptionsThatConflictAreRefusedNamingBoth) {
+  auto pg = fsdp::init_process_group();
+  using S = fsdp::ShardingStrategy;
+  struct Case {
+    fsdp::FullyShardOptions options;
+    std::vector<std::string> named;
+  };
+  const auto base = fsdp::FullyShardOptions(pg);
+  const std::vector<Case> cases{
+      {fsdp::FullyShardOptions(base).hybrid_shard_size(1), {"hybrid_shard_size(1)", "full_shard"}},
+      {fsdp::FullyShardOptions(base).strategy(S::kShardGradOp).reshard_after_forward(true),
+       {"shard_grad_op", "reshard_after_forward(true)"}},
+      {fsdp::FullyShardOptions(base).strategy(S::kNoShard).reshard_after_forward(false),
+       {"no_shard", "reshard_after_forward(false)"}},
+      {fsdp::FullyShardOptions(base).strategy(S::kShardGradOp).reshard_after_forward_size(1),
+       {"reshard_after_forward_size(1)", "shard_grad_op"}},
+      {fsdp::FullyShardOptions(base).reshard_after_forward(false).reshard_after_forward_size(1),
+       {"reshard_after_forward_size(1)", "reshard_after_forward(false)"}},
+  };
+  for (const auto& c : cases) {
+    torch::nn::Linear lin(4, 4);
+    try {
+      fsdp::fully_shard(lin, c.options);
+      ADD_FAILURE() << "accepted: " << c.named[0] << " with " << c.named[1];
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what_without_backtrace();
+      EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+      for (const auto& name : c.named)
+        EXPECT_NE(msg.find(name), std::string::npos) << "'" << name << "' not in: " << msg;
+    }
+    EXPECT_FALSE(fsdp::is_sharded(*lin));
+  }
+  torch::nn::Linear same(4, 4);
+  fsdp::fully_shard(
+      same, fsdp::FullyShardOptions(base).strategy(S::kShardGradOp).reshard_after_forward(false));
+  EXPECT_TRUE(fsdp::is_sharded(*same));
 }
 
 TEST(FullyShard, FrozenParamsStayBitIdentical) {

@@ -10,14 +10,14 @@
 #include <filesystem>
 #include <fstream>
 
+#include <fsdp/core/memory.h>
 #include <fsdp/fsdp.h>
-#include <fsdp/fused_optimizer.h>
-#include <fsdp/memory.h>
+#include <fsdp/optim/fused_optimizer.h>
 
 #include "harness/files.h"
 #include "harness/multiprocess.h"
 #include "harness/small_net.h"
-#include "optimizer_kernels.h"
+#include "optim/optimizer_kernels.h"
 
 namespace {
 

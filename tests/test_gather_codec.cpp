@@ -8,7 +8,7 @@
 
 #include <cmath>
 
-#include "gather_codec.h"
+#include "engine/gather_codec.h"
 #include "harness/wire_format.h"
 
 namespace {

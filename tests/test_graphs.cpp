@@ -12,12 +12,12 @@
 #include <map>
 #include <optional>
 
+#include "engine/param_group.h"
+#include "engine/registry.h"
+#include "engine/root_state.h"
 #include "harness/inspect.h"
 #include "harness/multiprocess.h"
 #include "harness/sharding.h"
-#include "param_group.h"
-#include "registry.h"
-#include "root_state.h"
 
 namespace {
 
@@ -55,12 +55,18 @@ struct BlockOut {
 std::atomic<int> g_throw_in_forward{-1};
 std::atomic<int> g_throw_in_backward{-1};
 
+// Set by the rollback test: the all-gathers issued up to the injected backward failure.
+const fsdp::ProcessGroup* g_count_gathers_of = nullptr;
+int64_t g_gathers_at_failure = -1;
+
 struct ThrowInBackward : torch::autograd::Function<ThrowInBackward> {
   static torch::Tensor forward(torch::autograd::AutogradContext*, const torch::Tensor& x) {
     return x.clone();
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
                                                  torch::autograd::variable_list g) {
+    if (g_count_gathers_of)
+      g_gathers_at_failure = g_count_gathers_of->comm_stats().all_gather.calls;
     throw std::runtime_error("injected backward failure");
     return g;
   }
@@ -87,8 +93,11 @@ struct GBlockImpl : torch::nn::Module {
         side(register_module("side", torch::nn::Linear(kWidth, kWidth))),
         index_(index) {}
   BlockOut forward(const BlockIn& in) {
-    if (g_throw_in_forward == index_)
+    if (g_throw_in_forward == index_) {
+      if (g_count_gathers_of)
+        g_gathers_at_failure = g_count_gathers_of->comm_stats().all_gather.calls;
       throw std::runtime_error("injected forward failure");
+    }
     auto h = torch::tanh(lin(in.h)) + 0.5 * in.skip;
     h = Probe::apply(h);
     if (g_throw_in_backward == index_)
@@ -556,6 +565,88 @@ FSDP_WORKER(exceptions) {
       "repeated; max |fsdp - never-failed reference| = %.3g; sharded after each failure\n",
       rank, world, no_sync ? "no_sync" : "sync every micro-batch", diff);
   return 0;
+}
+
+// A forward and a backward that fail while the rate limiter holds a prefetch back: with
+// max_inflight_all_gathers = 1 the running block's own gather takes the only slot, so the block
+// it prefetches (recorded order, or an explicit list) waits in the queue. Rolling back frees
+// that slot; a rollback must issue nothing (the queued gather included) and leave every unit
+// sharded, and training must go on equal to a run that never failed.
+FSDP_WORKER(rollback_with_queued_prefetch) {
+  auto pg = fsdp::init_process_group();
+  const int rank = pg->rank(), world = pg->size();
+  const bool explicit_list = ctx.env("FSDP_EXPLICIT_PREFETCH", "0") == "1";
+  NetSpec spec;
+  torch::manual_seed(37);
+  GNet reference(spec);
+  GNet model(reference->spec_);
+  {
+    torch::NoGradGuard no_grad;
+    auto ref = reference->named_parameters();
+    for (auto& item : model->named_parameters())
+      item.value().copy_(ref[item.key()]);
+  }
+  auto opts = fsdp::FullyShardOptions(pg).max_inflight_all_gathers(1);
+  for (auto& b : model->blocks)
+    fsdp::fully_shard(b, opts);
+  fsdp::fully_shard(model, opts);
+  const int last = spec.n_blocks - 1;
+  if (explicit_list) {
+    auto block = [&](int i) {
+      return std::static_pointer_cast<torch::nn::Module>(
+          model->blocks[static_cast<size_t>(i)].ptr());
+    };
+    fsdp::set_modules_to_forward_prefetch(*block(1), {block(2), block(3)});
+    fsdp::set_modules_to_backward_prefetch(*block(last), {block(last - 1), block(last - 2)});
+  }
+  auto opt = make_optimizer("sgd", model->parameters());
+  auto ref_opt = make_optimizer("sgd", reference->parameters());
+  const int64_t local = kGlobalBatch / world;
+  for (int k = 0; k < kSteps; ++k) {
+    opt->zero_grad();
+    auto b = rows(batch(k), rank * local, local);
+    if (k == 1 || k == 2) {
+      // Step 0 recorded the order, so the prefetches have targets. Step 1 fails in block 1's
+      // forward (its own gather holds the slot, block 2's prefetch waits), step 2 in the last
+      // block's backward (same, with the block before it).
+      const bool forward = k == 1;
+      (forward ? g_throw_in_forward : g_throw_in_backward) = forward ? 1 : last;
+      g_count_gathers_of = pg.get();
+      g_gathers_at_failure = -1;
+      const char* expected = forward ? "injected forward failure" : "injected backward failure";
+      try {
+        torch::mse_loss(predict(model, b.x), b.y).backward();
+        WORKER_CHECK(false) << "the injected failure did not throw";
+      } catch (const std::exception& e) {
+        WORKER_CHECK(std::string(e.what()).find(expected) != std::string::npos) << e.what();
+      }
+      g_throw_in_forward = g_throw_in_backward = -1;
+      g_count_gathers_of = nullptr;
+      WORKER_CHECK(g_gathers_at_failure >= 0) << "the failure was not reached";
+      WORKER_CHECK(pg->comm_stats().all_gather.calls == g_gathers_at_failure)
+          << pg->comm_stats().all_gather.calls - g_gathers_at_failure
+          << " all-gathers issued while rolling back a failed "
+          << (forward ? "forward" : "backward");
+      check_all_sharded(*model, std::string("right after a failed ") +
+                                    (forward ? "forward" : "backward") + " with a queued prefetch");
+    }
+    torch::mse_loss(predict(model, b.x), b.y).backward();
+    opt->step();
+    check_all_sharded(*model, "after step " + std::to_string(k));
+  }
+  for (int k = 0; k < kSteps; ++k)
+    step(reference, *ref_opt, batch(k), /*two_losses=*/false);
+  const double diff = compare_params(model, reference, rank, world, true);
+  std::printf("[rank %d/%d] ROLLBACK OK (%s prefetch): max |fsdp - reference| = %.3g\n", rank,
+              world, explicit_list ? "explicit" : "recorded", diff);
+  return 0;
+}
+
+TEST(Graphs, RollbackWithAQueuedPrefetchIssuesNothingAndLeavesAllSharded) {
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("rollback_with_queued_prefetch", 3));
+  fsdp::test::RunOptions opts;
+  opts.env = {{"FSDP_EXPLICIT_PREFETCH", "1"}};
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("rollback_with_queued_prefetch", 3, opts));
 }
 
 TEST(Graphs, ExceptionMidForwardAndMidBackwardThenTrainingGoesOn) {

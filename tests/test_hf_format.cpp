@@ -1,4 +1,4 @@
-// Hugging Face directories (models/hf_format.h), checked by Python's own libraries: a GPT and a
+// Hugging Face directories (formats/hf_format.h), checked by Python's own libraries: a GPT and a
 // Llama (tied and untied, with and without GPT's q/k/v bias) exported from 2 or 3 ranks; Python
 // `safetensors` finds every tensor equal to ours under its own mapping, `transformers` loads the
 // directory without missing or unexpected weights and computes our logits within 1e-5
@@ -11,8 +11,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include <fsdp/checkpoint/safetensors.h>
 #include <fsdp/fsdp.h>
-#include <fsdp/safetensors.h>
 
 #include "gpt.h"
 #include "harness/command.h"

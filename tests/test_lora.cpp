@@ -1,4 +1,4 @@
-// LoRA and QLoRA under FSDP (models/lora.h, fsdp/nf4.h): NF4 equal to bitsandbytes; adapters
+// LoRA and QLoRA under FSDP (models/lora.h, fsdp/quant/nf4.h): NF4 equal to bitsandbytes; adapters
 // start as the base model and only they train; N ranks equal one process with frozen, packed
 // parameters in the units; the 4-bit storage is what the all-gather moves; PEFT's adapter files
 // load in Python peft and give our logits.
@@ -13,7 +13,7 @@
 #include <sstream>
 
 #include <fsdp/fsdp.h>
-#include <fsdp/fused_optimizer.h>
+#include <fsdp/optim/fused_optimizer.h>
 
 #include "gguf.h"
 #include "gguf_llama.h"
@@ -24,6 +24,7 @@
 #include "hf_format.h"
 #include "llama.h"
 #include "lora.h"
+#include "peft.h"
 
 namespace {
 

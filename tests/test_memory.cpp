@@ -10,7 +10,9 @@
 #include <vector>
 
 #include <c10/core/CPUAllocator.h>
-#include <fsdp/memory.h>
+#include <fsdp/core/memory.h>
+
+#include "harness/multiprocess.h"
 
 namespace {
 
@@ -49,21 +51,41 @@ TEST_F(MemoryTest, InstallTwiceIsNoOp) {
   EXPECT_EQ(mem::current_bytes(), before.current_bytes);
 }
 
-TEST_F(MemoryTest, ConcurrentInstallIsSafe) {
+// Threads racing to install the tracker in a process where nothing installed it yet (a fresh
+// one: this binary's fixture installs it in SetUp): exactly one wraps the allocator, and a
+// tensor is counted once.
+FSDP_WORKER(memory_concurrent_install) {
+  WORKER_CHECK(!mem::tracking_installed()) << "installed before the race";
+  c10::Allocator* original = c10::GetAllocator(c10::DeviceType::CPU);
+  std::atomic<bool> go{false};
   std::vector<std::thread> threads;
-  for (int i = 0; i < 4; ++i) {
-    threads.emplace_back([] { mem::install_tracking_allocator(); });
+  for (int i = 0; i < 8; ++i) {
+    threads.emplace_back([&] {
+      while (!go.load())
+        std::this_thread::yield();
+      mem::install_tracking_allocator();
+    });
   }
-  for (auto& t : threads) {
+  go = true;
+  for (auto& t : threads)
     t.join();
-  }
-  EXPECT_TRUE(mem::tracking_installed());
-  const int64_t base = mem::current_bytes();
+  WORKER_CHECK(mem::tracking_installed());
+  WORKER_CHECK(c10::GetAllocator(c10::DeviceType::CPU) != original) << "not installed";
+  const mem::Stats before = mem::stats();
   {
     at::Tensor t = at::empty({kFloatsPerMiB}, at::kFloat);
-    EXPECT_EQ(mem::current_bytes() - base, kMiB);
+    WORKER_CHECK(mem::current_bytes() - before.current_bytes == kMiB)
+        << mem::current_bytes() - before.current_bytes << " bytes counted for 1 MiB";
+    WORKER_CHECK(mem::stats().num_allocations - before.num_allocations == 1)
+        << "one tensor counted " << mem::stats().num_allocations - before.num_allocations
+        << " times (wrapped more than once)";
   }
-  EXPECT_EQ(mem::current_bytes(), base);
+  WORKER_CHECK(mem::current_bytes() == before.current_bytes);
+  return 0;
+}
+
+TEST(Memory, ConcurrentInstallInAFreshProcessWrapsOnce) {
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("memory_concurrent_install", 1));
 }
 
 TEST_F(MemoryTest, EmptyTensorOfOneMiBIsCountedExactly) {
@@ -305,7 +327,6 @@ TEST_F(MemoryTest, PreInstallTensorFreesWithoutTouchingCounters) {
   EXPECT_EQ(mem::current_bytes(), base);
   g_pre_install_tensor.reset();
   EXPECT_EQ(mem::current_bytes(), base);
-  EXPECT_GE(mem::current_bytes(), 0);
 }
 
 TEST_F(MemoryTest, DefaultAllocatorDataPtrIsNotCounted) {
@@ -316,7 +337,6 @@ TEST_F(MemoryTest, DefaultAllocatorDataPtrIsNotCounted) {
   EXPECT_EQ(mem::current_bytes(), base);
   raw.clear();
   EXPECT_EQ(mem::current_bytes(), base);
-  EXPECT_GE(mem::current_bytes(), 0);
 }
 
 TEST_F(MemoryTest, CategoriesTagRetagAndSumToThePeak) {

@@ -9,7 +9,10 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
-#include <fsdp/process_group.h>
+#include <fsdp/distributed/collectives.h>
+#include <fsdp/distributed/process_group.h>
+
+#include "distributed/group_access.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -262,10 +265,10 @@ TEST(ProcessGroup, SingleProcessNeedsNoNetwork) {
   EXPECT_EQ(pg->global_ranks(), std::vector<int>{0});
   EXPECT_EQ(pg->device_type(), c10::kCPU);
   EXPECT_EQ(pg->backend_name(), "gloo");
-  EXPECT_NE(dynamic_cast<c10d::HashStore*>(pg->store().get()), nullptr);
-  std::vector<torch::Tensor> t{torch::arange(4, torch::kFloat)};
-  pg->backend().allreduce(t)->wait();
-  EXPECT_TRUE(torch::equal(t[0], torch::arange(4, torch::kFloat)));
+  EXPECT_NE(dynamic_cast<c10d::HashStore*>(fsdp::detail::GroupAccess::store(*pg).get()), nullptr);
+  auto t = torch::arange(4, torch::kFloat);
+  fsdp::all_reduce(*pg, t, fsdp::ReduceOp::kSum)->wait();
+  EXPECT_TRUE(torch::equal(t, torch::arange(4, torch::kFloat)));
   pg->barrier();
   auto sub = pg->new_group({0});
   ASSERT_NE(sub, nullptr);
@@ -339,13 +342,13 @@ FSDP_WORKER(pg_collectives) {
 
   auto in = torch::arange(4, torch::kFloat) + 10 * rank;
   auto out = torch::full({n * 4}, -1.0f);
-  pg->backend()._allgather_base(out, in)->wait();
+  fsdp::all_gather(*pg, {in}, {out})->wait();
   for (int r = 0; r < n; ++r) {
     WORKER_EXPECT_CLOSE(out.narrow(0, 4 * r, 4), torch::arange(4, torch::kFloat) + 10 * r, 0, 0);
   }
-  std::vector<torch::Tensor> sum{torch::full({3}, static_cast<double>(rank + 1))};
-  pg->backend().allreduce(sum)->wait();
-  WORKER_EXPECT_CLOSE(sum[0], torch::full({3}, n * (n + 1) / 2.0), 0, 0);
+  auto sum = torch::full({3}, static_cast<double>(rank + 1));
+  fsdp::all_reduce(*pg, sum, fsdp::ReduceOp::kSum)->wait();
+  WORKER_EXPECT_CLOSE(sum, torch::full({3}, n * (n + 1) / 2.0), 0, 0);
   pg->barrier();
 
   // A subgroup over the outer ranks; rank 1 takes part in the numbering but gets no group.
@@ -356,9 +359,9 @@ FSDP_WORKER(pg_collectives) {
     WORKER_CHECK(outer != nullptr);
     WORKER_CHECK(outer->size() == 2 && outer->rank() == rank / 2) << outer->rank();
     WORKER_CHECK(outer->global_ranks() == std::vector<int>({0, 2}));
-    std::vector<torch::Tensor> t{torch::full({2}, static_cast<double>(rank))};
-    outer->backend().allreduce(t)->wait();
-    WORKER_EXPECT_CLOSE(t[0], torch::full({2}, 2.0), 0, 0);
+    auto t = torch::full({2}, static_cast<double>(rank));
+    fsdp::all_reduce(*outer, t, fsdp::ReduceOp::kSum)->wait();
+    WORKER_EXPECT_CLOSE(t, torch::full({2}, 2.0), 0, 0);
     outer->barrier();
   }
   // The next group must line up on every rank although rank 1 got nothing from the last one.
@@ -369,16 +372,16 @@ FSDP_WORKER(pg_collectives) {
     WORKER_CHECK(upper != nullptr && upper->global_ranks() == std::vector<int>({1, 2}));
     auto o = torch::empty({2}, torch::kLong);
     auto mine = torch::full({1}, rank, torch::kLong);
-    upper->backend()._allgather_base(o, mine)->wait();
+    fsdp::all_gather(*upper, {mine}, {o})->wait();
     WORKER_CHECK(torch::equal(o, torch::tensor({1, 2}, torch::kLong))) << o;
   }
   pg->barrier();
 
   // A second world group in the same job must not trip over the first one's keys.
   auto again = fsdp::init_process_group(options_from(ctx));
-  std::vector<torch::Tensor> one{torch::ones({2})};
-  again->backend().allreduce(one)->wait();
-  WORKER_EXPECT_CLOSE(one[0], torch::full({2}, static_cast<double>(n)), 0, 0);
+  auto one = torch::ones({2});
+  fsdp::all_reduce(*again, one, fsdp::ReduceOp::kSum)->wait();
+  WORKER_EXPECT_CLOSE(one, torch::full({2}, static_cast<double>(n)), 0, 0);
   std::printf("[rank %d] COLLECTIVES OK\n", rank);
   return 0;
 }
@@ -470,14 +473,14 @@ FSDP_WORKER(pg_lost_peer) {
     } else if (mode == "exit") {
       return 0;
     }
-    pg->store()->wait({"test/done0", "test/done2"}, 60s);
+    fsdp::detail::GroupAccess::store(*pg)->wait({"test/done0", "test/done2"}, 60s);
     return 0;
   }
   const auto start = Clock::now();
-  std::vector<torch::Tensor> t{torch::ones({1024})};
+  auto t = torch::ones({1024});
   std::string error;
   try {
-    pg->backend().allreduce(t)->wait();
+    fsdp::all_reduce(*pg, t, fsdp::ReduceOp::kSum)->wait();
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -485,7 +488,8 @@ FSDP_WORKER(pg_lost_peer) {
   const double limit = opts.timeout().count() / 1000.0 + 3.0;
   std::printf("[rank %d] all-reduce with a %s peer failed after %.2f s: %s\n", pg->rank(),
               mode.c_str(), took, error.substr(0, error.find('\n')).c_str());
-  pg->store()->set("test/done" + std::to_string(pg->rank()), std::vector<uint8_t>{'1'});
+  fsdp::detail::GroupAccess::store(*pg)->set("test/done" + std::to_string(pg->rank()),
+                                             std::vector<uint8_t>{'1'});
   WORKER_CHECK(!error.empty()) << "the all-reduce succeeded without rank 1";
   WORKER_CHECK(took < limit) << "took " << took << " s";
   return 0;

@@ -1,5 +1,5 @@
-// The safetensors reader and writer (include/fsdp/safetensors.h): round trips of every dtype
-// the checkpoints use, rows written in pieces and out of order, reads of row ranges; and a
+// The safetensors reader and writer (include/fsdp/checkpoint/safetensors.h): round trips of every
+// dtype the checkpoints use, rows written in pieces and out of order, reads of row ranges; and a
 // corpus of hostile files (bad lengths, overlapping or out-of-range offsets, unknown dtypes,
 // shape/size mismatches, holes, duplicates, huge header lengths, truncation) each refused with
 // an error naming the problem, plus random byte flips of a valid header that must either
@@ -11,7 +11,7 @@
 #include <fstream>
 #include <random>
 
-#include <fsdp/safetensors.h>
+#include <fsdp/checkpoint/safetensors.h>
 
 namespace {
 

@@ -1,5 +1,5 @@
-// Sharded checkpoints (include/fsdp/sharded_checkpoint.h): the reshard matrix (saved on 1-4
-// ranks, loaded on 1-4 and under no_shard; parameters and AdamW state bitwise equal to the
+// Sharded checkpoints (include/fsdp/checkpoint/sharded_checkpoint.h): the reshard matrix (saved on
+// 1-4 ranks, loaded on 1-4 and under no_shard; parameters and AdamW state bitwise equal to the
 // saved global tensors), and nothing lost: a flipped byte, a truncated file or a tampered
 // index is refused with the file and the tensor named; a save that died half-way (its .tmp
 // directory) never replaces or hides the previous checkpoint.
@@ -10,16 +10,16 @@
 #include <filesystem>
 #include <fstream>
 
+#include <fsdp/checkpoint/safetensors.h>
+#include <fsdp/checkpoint/sharded_checkpoint.h>
 #include <fsdp/fsdp.h>
-#include <fsdp/safetensors.h>
-#include <fsdp/sharded_checkpoint.h>
 #include <fsdp/state_dict.h>
 
+#include "checkpoint/sharded_checkpoint_hooks.h"
 #include "harness/files.h"
 #include "harness/multiprocess.h"
 #include "harness/sharding.h"
 #include "harness/small_net.h"
-#include "sharded_checkpoint_hooks.h"
 
 namespace {
 

@@ -10,13 +10,13 @@
 #include <map>
 #include <set>
 
+#include "engine/param_group.h"
+#include "engine/prefetch.h"
+#include "engine/registry.h"
+#include "engine/root_state.h"
 #include "gpt.h"
 #include "harness/multiprocess.h"
 #include "harness/sharding.h"
-#include "param_group.h"
-#include "prefetch.h"
-#include "registry.h"
-#include "root_state.h"
 
 namespace {
 

@@ -9,7 +9,7 @@
 
 #include <vector>
 
-#include <fsdp/process_group.h>
+#include <fsdp/distributed/process_group.h>
 
 namespace fsdp {
 

@@ -1,14 +1,4 @@
-// The NCCL backend for CUDA tensors, in the separate target fsdp::cuda so that CPU-only users
-// never load CUDA libraries. Link fsdp::cuda and call register_nccl_backend() once before
-// init_process_group(ProcessGroupOptions().backend("nccl")).
-//
-// This path compiles against the wheel's NCCL but has never run on a GPU: our machines have
-// none. Treat it as untested.
+// Deprecated: the old path of <fsdp/distributed/cuda.h>, kept for one release (0.1 -> 0.2).
 #pragma once
-
-namespace fsdp {
-
-/// Registers "nccl" with init_process_group(). Each rank uses CUDA device LOCAL_RANK.
-void register_nccl_backend();
-
-}  // namespace fsdp
+#pragma GCC warning "<fsdp/cuda.h> is deprecated: include <fsdp/distributed/cuda.h>"
+#include <fsdp/distributed/cuda.h>

@@ -4,19 +4,23 @@
 // modules through fsdp::forward) and docs/design.md for how a unit lives through a step.
 #pragma once
 
+// The engine: sharding a model and what a user calls around a step.
+#include <fsdp/activation_checkpoint.h>
 #include <fsdp/clip_grad.h>
-#include <fsdp/comm_stats.h>
-#include <fsdp/consolidated.h>
-#include <fsdp/durable_file.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/grad_scaler.h>
-#include <fsdp/memory.h>
 #include <fsdp/mixed_precision.h>
-#include <fsdp/nf4.h>
-#include <fsdp/process_group.h>
-#include <fsdp/safetensors.h>
-#include <fsdp/sharded_checkpoint.h>
 #include <fsdp/state_dict.h>
-#include <fsdp/step_profiler.h>
-#include <fsdp/tensor_visit.h>
 #include <fsdp/unshard.h>
+// The subsystems under and beside it (docs/design.md, "Subsystems").
+#include <fsdp/checkpoint/consolidated.h>
+#include <fsdp/checkpoint/safetensors.h>
+#include <fsdp/checkpoint/sharded_checkpoint.h>
+#include <fsdp/core/durable_file.h>
+#include <fsdp/core/memory.h>
+#include <fsdp/distributed/collectives.h>
+#include <fsdp/distributed/comm_stats.h>
+#include <fsdp/distributed/process_group.h>
+#include <fsdp/observe/step_profiler.h>
+#include <fsdp/optim/fused_optimizer.h>
+#include <fsdp/quant/nf4.h>

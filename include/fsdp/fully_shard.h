@@ -12,7 +12,7 @@
 // Apply bottom-up: blocks first, then the root (the whole model), whose unit takes what is
 // left (embeddings, final norm, head); top-down is refused, and so are units whose parent is a
 // torch::nn::Sequential (its forward cannot call fsdp::forward). Arguments and results may hold
-// tensors in containers and in structs that declare visit_tensors (fsdp/tensor_visit.h). The
+// tensors in containers and in structs that declare visit_tensors (fsdp/detail/tensor_visit.h). The
 // rules for frozen units, units called several times, and errors: docs/design.md, "One model,
 // many graphs".
 #pragma once
@@ -31,10 +31,11 @@
 #include <utility>
 #include <vector>
 
-#include <fsdp/checkpoint.h>
+#include <fsdp/activation_checkpoint.h>
+#include <fsdp/detail/enum_names.h>
+#include <fsdp/detail/tensor_visit.h>
+#include <fsdp/distributed/process_group.h>
 #include <fsdp/mixed_precision.h>
-#include <fsdp/process_group.h>
-#include <fsdp/tensor_visit.h>
 
 namespace fsdp {
 
@@ -68,8 +69,25 @@ enum class BackwardPrefetch {
   kBackwardPost,
 };
 
-const char* to_string(ShardingStrategy s);
-const char* to_string(BackwardPrefetch p);
+template <>
+struct EnumNames<ShardingStrategy> {
+  static constexpr const char* what = "sharding strategy";
+  static constexpr std::array<std::pair<ShardingStrategy, const char*>, 4> names{{
+      {ShardingStrategy::kFullShard, "full_shard"},
+      {ShardingStrategy::kShardGradOp, "shard_grad_op"},
+      {ShardingStrategy::kNoShard, "no_shard"},
+      {ShardingStrategy::kHybridShard, "hybrid_shard"},
+  }};
+};
+template <>
+struct EnumNames<BackwardPrefetch> {
+  static constexpr const char* what = "backward prefetch";
+  static constexpr std::array<std::pair<BackwardPrefetch, const char*>, 3> names{{
+      {BackwardPrefetch::kNone, "none"},
+      {BackwardPrefetch::kBackwardPre, "backward_pre"},
+      {BackwardPrefetch::kBackwardPost, "backward_post"},
+  }};
+};
 
 /// FSDP's CPU offload of parameters (FSDP2's CPUOffloadPolicy): the unit's sharded parameters
 /// and their gradients live in host memory while it computes on its device. Before each
@@ -89,18 +107,22 @@ struct FullyShardOptions {
   /// The ranks the unit spans (sharded over, replicated over, or both: see strategy).
   TORCH_ARG(std::shared_ptr<ProcessGroup>, group);
   TORCH_ARG(ShardingStrategy, strategy) = ShardingStrategy::kFullShard;
-  /// kHybridShard: ranks per shard block; must divide the group size. Blocks are consecutive
-  /// ranks, so with torchrun's rank order a block of LOCAL_WORLD_SIZE ranks is one node.
+  /// kHybridShard (and only it): ranks per shard block; must divide the group size. Blocks
+  /// are consecutive ranks, so with torchrun's rank order a block of LOCAL_WORLD_SIZE ranks is
+  /// one node.
   TORCH_ARG(int, hybrid_shard_size) = 0;
-  /// Free the unsharded parameters after forward and gather them again for backward (the
-  /// memory-saving default, ZeRO-3). The outermost unit of a forward (the root) never
-  /// reshards after forward: its backward starts right away.
-  TORCH_ARG(bool, reshard_after_forward) = true;
-  /// With reshard_after_forward and a value k > 1: after forward, keep the parameters
-  /// sharded over blocks of k consecutive ranks (one node, say) instead of over the whole
-  /// shard group, so backward's all-gather stays inside the block (FSDP2's integer
-  /// reshard_after_forward, ZeRO++ hpZ). Costs (shard size / k) x this rank's shard bytes
-  /// per unit between its forward and its backward. k must divide the shard group size.
+  /// kFullShard and kHybridShard: free the unsharded parameters after forward and gather them
+  /// again for backward (unset: true, the memory-saving default, ZeRO-3); false keeps them
+  /// from forward to backward. The outermost unit of a forward (the root) never reshards
+  /// after forward: its backward starts right away. kShardGradOp is kFullShard with false
+  /// (so true is refused with it); kNoShard never gathers (any value is refused).
+  TORCH_ARG(std::optional<bool>, reshard_after_forward);
+  /// kFullShard and kHybridShard, resharding after forward: a value k > 0 keeps the
+  /// parameters sharded over blocks of k consecutive ranks (one node, say) after forward
+  /// instead of over the whole shard group, so backward's all-gather stays inside the block
+  /// (FSDP2's integer reshard_after_forward, ZeRO++ hpZ). Costs (shard size / k) x this
+  /// rank's shard bytes per unit between its forward and its backward. k must divide the
+  /// shard group size (k = the shard group size is plain resharding). 0: off.
   TORCH_ARG(int, reshard_after_forward_size) = 0;
   /// Broadcast group rank 0's parameters and buffers before sharding, so every rank starts
   /// from the same values whatever its random seed. Parameters filled by param_init are not
@@ -115,7 +137,9 @@ struct FullyShardOptions {
   /// Rate limiter: at most this many units gathered for the compute pipeline at once (the
   /// running unit and its prefetches; the root and units kept gathered from forward into
   /// backward do not count). A prefetch beyond it waits until a unit is freed. The root's
-  /// value applies to the whole step. 1 disables prefetch; the FSDP paper uses 2.
+  /// value applies to the whole step. With 1, a unit's own gather takes the only slot, so a
+  /// prefetch waits until the running unit frees it and only fills the gap between two
+  /// units (no overlap with compute); the FSDP paper uses 2.
   TORCH_ARG(int, max_inflight_all_gathers) = 2;
   /// kNoShard and the cross-block all-reduce of kHybridShard: gradients are all-reduced in
   /// buckets of at most this many bytes (one bucket per unit when the unit is smaller).
@@ -133,8 +157,8 @@ struct FullyShardOptions {
   TORCH_ARG(MixedPrecisionPolicy, mp_policy);
   /// Keep the sharded parameters and their gradients in host memory (see CPUOffloadPolicy).
   TORCH_ARG(std::optional<CPUOffloadPolicy>, offload_policy);
-  /// Activation checkpointing of the unit's forward (fsdp/checkpoint.h): kFull keeps only its
-  /// inputs for backward and runs the forward again, on the parameters gathered for the
+  /// Activation checkpointing of the unit's forward (fsdp/activation_checkpoint.h): kFull keeps
+  /// only its inputs for backward and runs the forward again, on the parameters gathered for the
   /// unit's backward; kSelective also keeps its matmul outputs. The arguments of fsdp::forward
   /// are copied for the recomputation (std::ref arguments cannot be replayed: an error).
   TORCH_ARG(CheckpointMode, activation_checkpointing) = CheckpointMode::kNone;
@@ -150,7 +174,10 @@ struct FullyShardOptions {
   TORCH_ARG(ParamInit, param_init) = nullptr;
 };
 
-/// Makes `module` one FSDP unit over `options.group()`.
+/// Makes `module` one FSDP unit over `options.group()`. Options that contradict each other or
+/// do nothing with the strategy (hybrid_shard_size without kHybridShard, reshard_after_forward
+/// with kShardGradOp or kNoShard, reshard_after_forward_size without resharding after forward)
+/// are refused with one message naming both.
 void fully_shard(const std::shared_ptr<torch::nn::Module>& module,
                  const FullyShardOptions& options);
 template <typename M>
@@ -259,7 +286,7 @@ class ArgSlot {
   static_assert(IsRefWrapper<D>::value || kWalkable<D>,
                 "fsdp::forward: an argument's type may hold tensors fsdp cannot see. Give it a "
                 "member `template <typename F> void visit_tensors(F&& f)` that calls f on each "
-                "tensor field (see fsdp/tensor_visit.h), or pass it with std::ref");
+                "tensor field (see fsdp/detail/tensor_visit.h), or pass it with std::ref");
 
  public:
   ArgSlot(Arg&& arg) : arg_(std::forward<Arg>(arg)) {}  // NOLINT: implicit, for std::tuple
@@ -270,7 +297,7 @@ class ArgSlot {
       using T = std::remove_cv_t<typename D::type>;
       static_assert(kWalkable<T>,
                     "fsdp::forward: std::ref of a type fsdp cannot look into; give it a "
-                    "visit_tensors member (see fsdp/tensor_visit.h)");
+                    "visit_tensors member (see fsdp/detail/tensor_visit.h)");
       std::vector<torch::Tensor> inside;
       auto f = [&](torch::Tensor& t) { inside.push_back(t); };
       walk_tensors(const_cast<T&>(arg_.get()), f);
@@ -394,7 +421,7 @@ Result checkpointed_forward(Impl& impl, CheckpointMode mode, std::tuple<ArgSlot<
 
 /// Calls module->forward(args...) as an FSDP unit: parameters are gathered before and freed
 /// after, and backward is hooked. Tensors inside the arguments (nested in containers and in
-/// types that declare them, see fsdp/tensor_visit.h) that require grad pass through an
+/// types that declare them, see fsdp/detail/tensor_visit.h) that require grad pass through an
 /// autograd identity, so the unit learns when its backward has finished; tensors inside the
 /// result that require grad get a hook that gathers the unit again for backward. `module` may
 /// be a ModuleHolder (Linear, or your TORCH_MODULE), a shared_ptr, or a module. The result is
@@ -406,7 +433,7 @@ auto forward(M&& module, Args&&... args) {
   static_assert(std::is_void_v<Result> || detail::kWalkable<Result>,
                 "fsdp::forward: the module's forward returns a type that may hold tensors fsdp "
                 "cannot see. Give it a member `template <typename F> void visit_tensors(F&& f)` "
-                "(see fsdp/tensor_visit.h)");
+                "(see fsdp/detail/tensor_visit.h)");
   auto unit = detail::find_unit(impl);
   if (!unit) {
     if constexpr (std::is_void_v<Result>)

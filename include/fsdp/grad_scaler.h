@@ -25,7 +25,7 @@
 #include <memory>
 #include <vector>
 
-#include <fsdp/process_group.h>
+#include <fsdp/distributed/process_group.h>
 
 namespace fsdp {
 

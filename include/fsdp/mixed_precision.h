@@ -36,7 +36,11 @@
 #include <torch/arg.h>
 #include <torch/types.h>
 
+#include <array>
 #include <optional>
+#include <utility>
+
+#include <fsdp/detail/enum_names.h>
 
 namespace fsdp {
 
@@ -53,6 +57,17 @@ enum class GatherFormat {
   /// rows are split between ranks. Parameters whose rows have fewer than 16 elements (biases,
   /// norm weights) travel as bf16: a scale per few values would cost more than it saves.
   kInt8,
+};
+/// Named as a configuration spells them ("param_dtype": the compute dtype).
+template <>
+struct EnumNames<GatherFormat> {
+  static constexpr const char* what = "gather format";
+  static constexpr std::array<std::pair<GatherFormat, const char*>, 4> names{{
+      {GatherFormat::kComputeDtype, "param_dtype"},
+      {GatherFormat::kBFloat16, "bf16"},
+      {GatherFormat::kFloat16, "fp16"},
+      {GatherFormat::kInt8, "int8"},
+  }};
 };
 
 struct MixedPrecisionPolicy {

@@ -8,18 +8,18 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <fsdp/cuda.h>
+#include <fsdp/distributed/cuda.h>
 #include <fsdp/fsdp.h>
-#include <fsdp/fused_optimizer.h>
+#include <fsdp/optim/fused_optimizer.h>
 
-#include "collectives.h"
+#include <fsdp/distributed/collectives.h>
 #include "gpt.h"
 #include "harness/multiprocess.h"
 #include "harness/sharding.h"
 
 namespace {
 
-using fsdp::detail::ReduceOp;
+using fsdp::ReduceOp;
 
 std::shared_ptr<fsdp::ProcessGroup> nccl_group() {
   fsdp::register_nccl_backend();
@@ -51,7 +51,7 @@ FSDP_WORKER(nccl_collectives) {
     inputs.push_back(piece(rank, i, sizes[i], dtypes[i]).to(dev));
     outputs.push_back(torch::full({n * sizes[i]}, -1, torch::TensorOptions(dtypes[i]).device(dev)));
   }
-  fsdp::detail::all_gather(*pg, inputs, outputs)->wait();
+  fsdp::all_gather(*pg, inputs, outputs)->wait();
   for (int i = 0; i < 3; ++i) {
     for (int r = 0; r < n; ++r) {
       auto got = outputs[i].narrow(0, r * sizes[i], sizes[i]).cpu();
@@ -70,16 +70,16 @@ FSDP_WORKER(nccl_collectives) {
   for (int r = 0; r < n; ++r)
     expect_sum += input_of(r).narrow(0, rank * s, s);
   auto out = torch::empty({s}, dev);
-  fsdp::detail::reduce_scatter(*pg, input_of(rank).to(dev), out, ReduceOp::kSum)->wait();
+  fsdp::reduce_scatter(*pg, input_of(rank).to(dev), out, ReduceOp::kSum)->wait();
   WORKER_EXPECT_CLOSE(out.cpu(), expect_sum, 1e-6, 1e-6);
-  fsdp::detail::reduce_scatter(*pg, input_of(rank).to(dev), out, ReduceOp::kAvg)->wait();
+  fsdp::reduce_scatter(*pg, input_of(rank).to(dev), out, ReduceOp::kAvg)->wait();
   WORKER_EXPECT_CLOSE(out.cpu(), expect_sum / n, 1e-6, 1e-6);
 
   auto t = torch::full({4}, static_cast<float>(rank + 1), dev);
-  fsdp::detail::all_reduce(*pg, t, ReduceOp::kSum)->wait();
+  fsdp::all_reduce(*pg, t, ReduceOp::kSum)->wait();
   WORKER_EXPECT_CLOSE(t.cpu(), torch::full({4}, n * (n + 1) / 2.0f), 0, 0);
   auto b = torch::full({3}, static_cast<float>(rank == 1 ? 42 : rank), dev);
-  fsdp::detail::broadcast(*pg, b, /*root=*/1)->wait();
+  fsdp::broadcast(*pg, b, /*root=*/1)->wait();
   WORKER_CHECK(torch::equal(b.cpu(), torch::full({3}, 42.0f))) << b;
   std::printf("[rank %d] NCCL COLLECTIVES OK on %s\n", rank, dev.str().c_str());
   return 0;

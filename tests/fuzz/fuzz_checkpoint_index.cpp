@@ -7,9 +7,9 @@
 #include <cstdint>
 #include <string_view>
 
-#include <fsdp/safetensors.h>
+#include <fsdp/checkpoint/safetensors.h>
 
-#include "checkpoint_index.h"
+#include "checkpoint/checkpoint_index.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {

@@ -1,4 +1,4 @@
-// libFuzzer target for the GGUF parser (models/gguf.h, fsdp_models::gguf::parse): any input must
+// libFuzzer target for the GGUF parser (formats/gguf.h, fsdp_models::gguf::parse): any input must
 // either parse into a header whose tensors all lie inside the input, without overlapping, or
 // throw FormatError; every accepted tensor is then dequantised from the input (the sanitizers
 // catch any read past it). Built and run as fuzz_safetensors_header.cpp says, with

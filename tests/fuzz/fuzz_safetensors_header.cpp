@@ -15,7 +15,7 @@
 #include <cstring>
 #include <string_view>
 
-#include <fsdp/safetensors.h>
+#include <fsdp/checkpoint/safetensors.h>
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 8)

@@ -3,8 +3,8 @@
 
 #include <torch/nn/module.h>
 
-#include "param_group.h"
-#include "registry.h"
+#include "engine/param_group.h"
+#include "engine/registry.h"
 
 namespace fsdp::test {
 

@@ -1,19 +1,15 @@
 // The launcher side (run_workers) and the worker side (worker_main) of the multi-process tests.
 //
-// The parent never forks without exec: it posix_spawn()s /proc/self/exe, which is safe in a
-// process that already runs LibTorch and TCPStore threads. Every child gets its own process
-// group so that a kill reaches anything it started, and asks the kernel to kill it if the parent
-// dies, so that no rank outlives a crashed or killed test binary.
+// The ranks are started, bounded and reaped by the library's local launcher
+// (fsdp/distributed/local_launch.h, as fsdp-train --nproc): /proc/self/exe posix_spawn()ed,
+// each in its own process group so that a kill reaches anything it started, each dying with the
+// test binary (die_with_launcher), so that no rank outlives a crashed or killed test binary.
 #include "harness/multiprocess.h"
 
-#include <torch/torch.h>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <fsdp/distributed/local_launch.h>
 
-#include <fcntl.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/prctl.h>
-#include <sys/wait.h>
+#include <torch/torch.h>
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -28,13 +24,10 @@
 #include <stdexcept>
 #include <thread>
 
-extern char** environ;
-
 namespace fsdp::test {
 namespace {
 
 constexpr char kWorkerVar[] = "FSDP_TEST_WORKER";
-constexpr char kParentVar[] = "FSDP_TEST_PARENT_PID";
 constexpr char kTmpDirVar[] = "FSDP_TEST_TMPDIR";
 
 std::map<std::string, WorkerFn>& workers() {
@@ -75,31 +68,6 @@ double since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-// Children still running, killed on every way out of run_workers (a gtest ASSERT, an
-// exception); a crash of the parent is covered by the children's parent-death signal.
-class ChildGuard {
- public:
-  void add(pid_t pid) { pids_.push_back(pid); }
-  void reaped(pid_t pid) { pids_.erase(std::remove(pids_.begin(), pids_.end(), pid), pids_.end()); }
-  void kill_all() {
-    for (pid_t pid : pids_) {
-      ::kill(-pid, SIGKILL);  // its process group: anything the rank started
-      ::kill(pid, SIGKILL);   // in case it was not yet its own group leader
-    }
-  }
-  ~ChildGuard() {
-    kill_all();
-    for (pid_t pid : pids_) {
-      int status = 0;
-      while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-      }
-    }
-  }
-
- private:
-  std::vector<pid_t> pids_;
-};
-
 // The run's logs and shared files; kept for inspection when FSDP_TEST_KEEP_LOGS is set.
 struct TmpDir {
   std::string path;
@@ -120,71 +88,6 @@ struct TmpDir {
   TmpDir(const TmpDir&) = delete;
   TmpDir& operator=(const TmpDir&) = delete;
 };
-
-int decode_status(int status) {
-  if (WIFEXITED(status))
-    return WEXITSTATUS(status);
-  if (WIFSIGNALED(status))
-    return 128 + WTERMSIG(status);
-  return 255;
-}
-
-std::vector<std::string> child_environment(const std::map<std::string, std::string>& set) {
-  std::vector<std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) {
-    std::string entry(*e);
-    const std::string key = entry.substr(0, entry.find('='));
-    // A test binary run under SLURM or torchrun must not leak its own rank into the workers.
-    if (set.count(key) || key.rfind("SLURM_", 0) == 0 || key == "GROUP_RANK" ||
-        key == "LOCAL_RANK" || key == "TORCHELASTIC_RUN_ID") {
-      continue;
-    }
-    env.push_back(std::move(entry));
-  }
-  for (const auto& [k, v] : set)
-    env.push_back(k + "=" + v);
-  return env;
-}
-
-pid_t spawn_rank(const std::vector<std::string>& env, const std::string& log_path,
-                 const std::string& label) {
-  posix_spawn_file_actions_t actions;
-  posix_spawnattr_t attr;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawnattr_init(&attr);
-  posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log_path.c_str(),
-                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
-  // Own process group; default signal dispositions and an empty mask, whatever the parent
-  // (gtest, ctest) has set.
-  sigset_t none, all;
-  sigemptyset(&none);
-  sigfillset(&all);
-  posix_spawnattr_setpgroup(&attr, 0);
-  posix_spawnattr_setsigmask(&attr, &none);
-  posix_spawnattr_setsigdefault(&attr, &all);
-  posix_spawnattr_setflags(&attr,
-                           POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
-
-  std::vector<char*> envp;
-  for (const auto& e : env)
-    envp.push_back(const_cast<char*>(e.c_str()));
-  envp.push_back(nullptr);
-  // Executing /proc/self/exe works even if the binary was rebuilt meanwhile; the arguments
-  // are ignored and only make the ranks recognisable in ps.
-  char exe[] = "/proc/self/exe";
-  std::string arg0 = std::filesystem::read_symlink(exe).string();
-  std::string arg1 = label;
-  char* argv[] = {arg0.data(), arg1.data(), nullptr};
-  pid_t pid = 0;
-  const int rc = posix_spawn(&pid, exe, &actions, &attr, argv, envp.data());
-  posix_spawn_file_actions_destroy(&actions);
-  posix_spawnattr_destroy(&attr);
-  if (rc != 0)
-    throw std::runtime_error(std::string("posix_spawn: ") + std::strerror(rc));
-  return pid;
-}
 
 }  // namespace
 
@@ -303,87 +206,26 @@ RunResult run_workers(const std::string& name, int world_size, RunOptions opts) 
   TmpDir tmp;
   const std::string& tmp_dir = tmp.path;
 
-  // The parent plays torchrun's agent: it hosts the store and the ranks connect as clients.
-  c10d::TCPStoreOptions store_opts;
-  store_opts.port = 0;
-  store_opts.isServer = true;
-  store_opts.waitWorkers = false;
-  store_opts.timeout = opts.timeout;
-  auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", store_opts);
-
+  // The parent plays torchrun's agent (fsdp::launch_local_ranks, as fsdp-train --nproc):
+  // it hosts the store and re-executes this binary as the ranks.
+  fsdp::LocalLaunchOptions launch;
+  launch.nproc = world_size;
+  launch.threads_per_rank = 1;
+  launch.absent_ranks = opts.absent_ranks;
+  launch.timeout = opts.timeout;
+  launch.env = {{kWorkerVar, name}, {kTmpDirVar, tmp_dir}};
+  for (const auto& [k, v] : opts.env)
+    launch.env[k] = v;
+  // Executing /proc/self/exe works even if the binary was rebuilt meanwhile; the arguments are
+  // ignored and only make the ranks recognisable in ps.
+  launch.argv = {std::filesystem::read_symlink("/proc/self/exe").string(), "--fsdp-worker=" + name};
+  launch.log_path = [&](int r) { return tmp_dir + "/rank" + std::to_string(r) + ".log"; };
   const auto start = std::chrono::steady_clock::now();
-  {
-    ChildGuard guard;
-    std::vector<pid_t> running;
-    for (int r = 0; r < world_size; ++r) {
-      if (std::find(opts.absent_ranks.begin(), opts.absent_ranks.end(), r) !=
-          opts.absent_ranks.end()) {
-        continue;
-      }
-      std::map<std::string, std::string> vars{
-          {"RANK", std::to_string(r)},
-          {"WORLD_SIZE", std::to_string(world_size)},
-          {"LOCAL_RANK", std::to_string(r)},
-          {"LOCAL_WORLD_SIZE", std::to_string(world_size)},
-          {"MASTER_ADDR", "127.0.0.1"},
-          {"MASTER_PORT", std::to_string(store->getPort())},
-          {"TORCHELASTIC_USE_AGENT_STORE", "True"},
-          {"TORCHELASTIC_RESTART_COUNT", "0"},
-          {"OMP_NUM_THREADS", "1"},
-          {kWorkerVar, name},
-          {kParentVar, std::to_string(::getpid())},
-          {kTmpDirVar, tmp_dir},
-      };
-      for (const auto& [k, v] : opts.env)
-        vars[k] = v;
-      const std::string log = tmp_dir + "/rank" + std::to_string(r) + ".log";
-      const pid_t pid = spawn_rank(child_environment(vars), log,
-                                   "--fsdp-worker=" + name + ":rank" + std::to_string(r));
-      guard.add(pid);
-      running.push_back(pid);
-      result.pids[static_cast<size_t>(r)] = pid;
-    }
-
-    auto rank_of = [&](pid_t pid) {
-      return static_cast<size_t>(std::find(result.pids.begin(), result.pids.end(), pid) -
-                                 result.pids.begin());
-    };
-    const auto deadline = start + opts.timeout;
-    while (!running.empty()) {
-      bool reaped_any = false;
-      for (size_t i = 0; i < running.size();) {
-        int status = 0;
-        const pid_t pid = running[i];
-        if (::waitpid(pid, &status, WNOHANG) == pid) {
-          result.exit_codes[rank_of(pid)] = decode_status(status);
-          result.exit_seconds[rank_of(pid)] = since(start);
-          guard.reaped(pid);
-          running.erase(running.begin() + static_cast<std::ptrdiff_t>(i));
-          reaped_any = true;
-        } else {
-          ++i;
-        }
-      }
-      if (running.empty())
-        break;
-      if (std::chrono::steady_clock::now() >= deadline) {
-        result.timed_out = true;
-        guard.kill_all();
-        for (pid_t pid : running) {
-          int status = 0;
-          while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-          }
-          result.exit_codes[rank_of(pid)] = decode_status(status);
-          result.exit_seconds[rank_of(pid)] = since(start);
-          guard.reaped(pid);
-        }
-        running.clear();
-        break;
-      }
-      if (!reaped_any)
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-  }
+  const auto launched = fsdp::launch_local_ranks(launch);
+  result.exit_codes = launched.exit_codes;
+  result.exit_seconds = launched.exit_seconds;
+  result.pids = launched.pids;
+  result.timed_out = launched.timed_out;
   result.seconds = since(start);
 
   for (int r = 0; r < world_size; ++r) {
@@ -398,13 +240,8 @@ RunResult run_workers(const std::string& name, int world_size, RunOptions opts) 
 // ---- The worker side --------------------------------------------------------------------------
 
 int worker_main(const std::string& name) {
-  // Die with the test binary, even if it is SIGKILLed; then check it did not already die
-  // between our exec and this call.
-  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-  if (const char* parent = std::getenv(kParentVar)) {
-    if (std::to_string(::getppid()) != parent)
-      return 1;
-  }
+  // Die with the test binary, even if it is SIGKILLed (or exit if it already died).
+  fsdp::die_with_launcher();
   WorkerContext ctx;
   ctx.name = name;
   const char* rank = std::getenv("RANK");

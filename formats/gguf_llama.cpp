@@ -1,0 +1,156 @@
+#include "gguf_llama.h"
+
+#include <fsdp/quant/nf4.h>
+#include <fsdp/state_dict.h>
+
+#include <array>
+#include <map>
+
+#include <regex>
+
+namespace fsdp_models {
+
+LlamaConfig llama_config_from_gguf(const gguf::File& f) {
+  const auto& path = f.path();
+  auto key = [&](const std::string& k) { return path + ": " + k; };
+  const auto arch = f.value("general.architecture").as_string(key("general.architecture"));
+  if (arch != "llama")
+    throw gguf::FormatError(path + ": general.architecture is '" + arch + "'; only llama is read");
+  for (const char* k : {"llama.rope.scaling.type", "llama.rope.scaling.factor"})
+    if (f.metadata().count(k))
+      throw gguf::FormatError(key(k) + " is set: RoPE scaling is not modelled");
+  auto i = [&](const std::string& k) { return f.value(k).as_int(key(k)); };
+  LlamaConfig c;
+  c.n_layers = i("llama.block_count");
+  c.dim = i("llama.embedding_length");
+  c.n_heads = i("llama.attention.head_count");
+  c.n_kv_heads = f.metadata().count("llama.attention.head_count_kv")
+                     ? i("llama.attention.head_count_kv")
+                     : c.n_heads;
+  c.ffn_hidden_dim = i("llama.feed_forward_length");
+  c.max_seq_len = i("llama.context_length");
+  c.norm_eps = f.value("llama.attention.layer_norm_rms_epsilon")
+                   .as_double(key("llama.attention.layer_norm_rms_epsilon"));
+  c.rope_theta = f.metadata().count("llama.rope.freq_base")
+                     ? f.value("llama.rope.freq_base").as_double(key("llama.rope.freq_base"))
+                     : 10000.0;
+  c.vocab_size = f.tensor("token_embd.weight").shape.at(0);
+  c.tie_embeddings = !f.has_tensor("output.weight");
+  if (c.n_heads <= 0 || c.dim % c.n_heads != 0)
+    throw gguf::FormatError(key("llama.attention.head_count") + " does not divide the width");
+  if (f.metadata().count("llama.rope.dimension_count") &&
+      i("llama.rope.dimension_count") != c.head_dim())
+    throw gguf::FormatError(key("llama.rope.dimension_count") +
+                            " differs from the head dimension: partial rotary is not modelled");
+  c.validate();
+  return c;
+}
+
+std::string gguf_name(const std::string& p) {
+  static const std::vector<std::pair<std::regex, std::string>> rules = {
+      {std::regex(R"(^tok_embeddings\.weight$)"), "token_embd.weight"},
+      {std::regex(R"(^norm\.weight$)"), "output_norm.weight"},
+      {std::regex(R"(^output\.weight$)"), "output.weight"},
+      {std::regex(R"(^layers\.(\d+)\.attention\.wq\.weight$)"), "blk.$1.attn_q.weight"},
+      {std::regex(R"(^layers\.(\d+)\.attention\.wk\.weight$)"), "blk.$1.attn_k.weight"},
+      {std::regex(R"(^layers\.(\d+)\.attention\.wv\.weight$)"), "blk.$1.attn_v.weight"},
+      {std::regex(R"(^layers\.(\d+)\.attention\.wo\.weight$)"), "blk.$1.attn_output.weight"},
+      {std::regex(R"(^layers\.(\d+)\.feed_forward\.w1\.weight$)"), "blk.$1.ffn_gate.weight"},
+      {std::regex(R"(^layers\.(\d+)\.feed_forward\.w2\.weight$)"), "blk.$1.ffn_down.weight"},
+      {std::regex(R"(^layers\.(\d+)\.feed_forward\.w3\.weight$)"), "blk.$1.ffn_up.weight"},
+      {std::regex(R"(^layers\.(\d+)\.attention_norm\.weight$)"), "blk.$1.attn_norm.weight"},
+      {std::regex(R"(^layers\.(\d+)\.ffn_norm\.weight$)"), "blk.$1.ffn_norm.weight"},
+  };
+  for (const auto& [re, out] : rules)
+    if (std::regex_match(p, re))
+      return std::regex_replace(p, re, out);
+  return "";
+}
+
+namespace {
+
+constexpr const char* kNf4Parts[] = {".weight_nf4", ".weight_absmax", ".weight_absmax_scale",
+                                     ".weight_absmax_offset"};
+
+// The layer name if `name` is one of the four NF4 tensors of a Linear ("" otherwise), and
+// which of them (index into kNf4Parts).
+std::string nf4_layer(const std::string& name, size_t* part) {
+  for (size_t i = 0; i < 4; ++i) {
+    const std::string suffix = kNf4Parts[i];
+    if (name.ends_with(suffix)) {
+      *part = i;
+      return name.substr(0, name.size() - suffix.size());
+    }
+  }
+  return "";
+}
+
+// Quantizes GGUF tensor `name` into the NF4 shards of one layer. The 8-bit absmaxes need the
+// mean and the 256-block maxima of every block's absmax, so each rank streams the whole tensor
+// through a bounded buffer to compute them (the absmaxes are 1/64 of the weight); the 4-bit
+// codes of the rank's own rows need only those rows and their own absmaxes.
+void load_nf4(const gguf::File& f, const std::string& name,
+              const std::array<const fsdp::ParamShard*, 4>& parts) {
+  const auto& info = f.tensor(name);
+  if (info.shape.size() != 2)
+    throw gguf::FormatError(f.path() + ": tensor '" + name + "' is not a matrix");
+  const int64_t rows = info.shape[0], cols = info.shape[1];
+  const auto* codes = parts[0];
+  if (codes->global_shape != std::vector<int64_t>{rows, cols / 2})
+    throw gguf::FormatError(f.path() + ": tensor '" + name + "' has another shape than '" +
+                            codes->name + "' holds in NF4");
+  const int64_t per_row = cols / fsdp::nf4::kBlock;
+  const int64_t chunk = std::max<int64_t>(1, (int64_t{4} << 20) / (cols * 4));
+  std::vector<torch::Tensor> absmax;
+  for (int64_t r = 0; r < rows; r += chunk)
+    absmax.push_back(fsdp::nf4::block_absmax(f.read(name, r, std::min(chunk, rows - r))));
+  const auto all = torch::cat(absmax);
+  const auto q = fsdp::nf4::quantize_absmax(all);
+  const std::array<torch::Tensor, 4> full{torch::Tensor(), q.absmax_codes, q.scales, q.offset};
+  for (size_t i = 1; i < 4; ++i) {
+    const auto* s = parts[i];
+    if (s->global_shape != full[i].sizes().vec())
+      throw gguf::FormatError(f.path() + ": tensor '" + name + "' does not fit '" + s->name + "'");
+    if (s->rows > 0)  // the float32 scales are stored as int32 bit patterns (see use_nf4)
+      s->shard.copy_(full[i].view(s->shard.scalar_type()).narrow(0, s->row_begin, s->rows));
+  }
+  for (int64_t r = 0; r < codes->rows; r += chunk) {
+    const int64_t n = std::min(chunk, codes->rows - r), first = codes->row_begin + r;
+    auto bytes =
+        fsdp::nf4::encode(f.read(name, first, n), all.narrow(0, first * per_row, n * per_row));
+    codes->shard.narrow(0, r, n).copy_(bytes.view({n, cols / 2}));
+  }
+}
+
+}  // namespace
+
+void load_gguf(const gguf::File& f, Llama& model) {
+  torch::NoGradGuard no_grad;
+  const auto shards = fsdp::param_shards(*model);
+  std::map<std::string, std::array<const fsdp::ParamShard*, 4>> nf4;
+  for (const auto& s : shards) {
+    if (is_lora_adapter(s.name))
+      continue;  // adapters are not in the base model's file
+    size_t part = 0;
+    if (const auto layer = nf4_layer(s.name, &part); !layer.empty()) {
+      nf4[layer][part] = &s;
+      continue;
+    }
+    const auto name = gguf_name(s.name);
+    if (name.empty())
+      throw gguf::FormatError(f.path() + ": no GGUF name for parameter '" + s.name + "'");
+    const auto& t = f.tensor(name);
+    if (t.shape != s.global_shape)
+      throw gguf::FormatError(f.path() + ": tensor '" + name + "' has another shape than '" +
+                              s.name + "'");
+    if (s.rows > 0)
+      s.shard.copy_(f.read(name, s.row_begin, s.rows).view(s.shard.sizes()));
+  }
+  for (const auto& [layer, parts] : nf4) {
+    for (size_t i = 0; i < 4; ++i)
+      TORCH_CHECK(parts[i], "load_gguf: layer '", layer, "' lacks ", kNf4Parts[i]);
+    load_nf4(f, gguf_name(layer + ".weight"), parts);
+  }
+}
+
+}  // namespace fsdp_models

@@ -1,0 +1,69 @@
+// Launching the ranks of a job on this machine, the way torchrun's agent does: the launcher
+// hosts the rendezvous TCPStore and starts N processes with torchrun's environment, then reaps
+// them. fsdp-train --nproc and the multi-process tests both launch through it, so one
+// implementation decides what a rank inherits and guarantees that no process outlives a job.
+//
+// Ranks are posix_spawn()ed (never fork without exec: the launcher already runs LibTorch and
+// TCPStore threads), each the leader of its own process group so that stopping a rank stops
+// anything it started, with default signal dispositions and an empty signal mask whatever the
+// launcher has set (CTest, GoogleTest). A rank calls die_with_launcher() first thing: it then
+// dies with its launcher, even a SIGKILLed one.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace fsdp {
+
+struct LocalLaunchOptions {
+  /// The program of every rank and its arguments (argv[0] first: it only names the process).
+  std::string executable = "/proc/self/exe";
+  std::vector<std::string> argv;
+  int nproc = 1;
+  /// OMP_NUM_THREADS of each rank.
+  int threads_per_rank = 1;
+  /// Extra environment of every rank (overrides the launcher's own and torchrun's).
+  std::map<std::string, std::string> env;
+  /// Ranks not started (tests of a rank that never arrives); their exit code is kNotLaunched.
+  std::vector<int> absent_ranks;
+  /// Where rank r's stdout and stderr go; an empty path (or no function) inherits the
+  /// launcher's.
+  std::function<std::string(int rank)> log_path;
+  /// Bounds the whole job: then every rank still running is killed (zero: no bound).
+  std::chrono::milliseconds timeout{0};
+  /// After the first rank fails, the others have this long to notice a dead peer and exit on
+  /// their own before they are killed (negative: they are waited for, up to `timeout`).
+  std::chrono::milliseconds grace_after_failure{-1};
+};
+
+struct LocalLaunchResult {
+  static constexpr int kNotLaunched = -1;
+  /// Per rank: the exit status, 128 + the signal if one killed it, kNotLaunched if absent.
+  std::vector<int> exit_codes;
+  /// Per rank: seconds from the launch until the rank was reaped.
+  std::vector<double> exit_seconds;
+  /// Per rank: the process id (0 if absent). Every one has been reaped.
+  std::vector<int> pids;
+  /// The first rank (in the order they exited) that failed, or -1.
+  int first_failed = -1;
+  /// `timeout` was reached and the remaining ranks were killed.
+  bool timed_out = false;
+  double seconds = 0;
+};
+
+/// Hosts a TCPStore on a free loopback port and runs options.nproc ranks with RANK,
+/// WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+/// TORCHELASTIC_USE_AGENT_STORE=True (the store is the launcher's, as under torchrun),
+/// TORCHELASTIC_RESTART_COUNT=0 and OMP_NUM_THREADS set, and the launcher's own rank variables
+/// (SLURM_*, GROUP_RANK, TORCHELASTIC_RUN_ID) removed. Returns when every rank has exited;
+/// on any way out (an exception too) the ranks still running are killed and reaped.
+LocalLaunchResult launch_local_ranks(const LocalLaunchOptions& options);
+
+/// In a rank started by launch_local_ranks: dies with the launcher (SIGKILL on its death), and
+/// exits at once if the launcher already died. Does nothing in a process it did not start.
+void die_with_launcher();
+
+}  // namespace fsdp

@@ -1,0 +1,165 @@
+// Process groups: who this process is, how many there are, and the c10d backend they talk through.
+//
+// Ranks come from the launcher's environment (torchrun, SLURM, or our own launchers), the
+// rendezvous is a c10d TCPStore, and collectives run on a c10d backend: Gloo for CPU tensors,
+// NCCL for CUDA tensors (link fsdp::cuda to register it). Every blocking step has a timeout, so
+// a rank that never arrives or dies makes the others fail with a message instead of hanging.
+#pragma once
+
+#include <torch/arg.h>
+
+#include <c10/core/DeviceType.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fsdp/distributed/comm_stats.h>
+
+namespace c10d {
+class Backend;
+class Store;
+}  // namespace c10d
+
+namespace fsdp {
+namespace detail {
+class CollectiveCheck;
+struct GroupAccess;
+}  // namespace detail
+
+/// Where this process sits in the job, read from the environment.
+struct LaunchEnv {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  /// torchrun (and our test launcher) host the TCPStore in the agent process: no rank serves it.
+  bool agent_store = false;
+  /// Our key prefix in a store that outlives restarts (torchrun's agent store): derived from
+  /// TORCHELASTIC_RESTART_COUNT as "/worker/attempt_<n>", so a restarted job never sees the
+  /// keys of an earlier attempt.
+  std::string store_prefix;
+  /// "torchrun", "slurm" or "single": which variables were used.
+  std::string source = "single";
+};
+
+/// Reads RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun), or
+/// SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID/SLURM_NTASKS_PER_NODE/SLURM_LAUNCH_NODE_IPADDR, or
+/// defaults to a single process. A malformed value throws, naming the variable.
+LaunchEnv launch_env_from_environment();
+
+struct ProcessGroupOptions {
+  /// "gloo" (CPU tensors) or "nccl" (CUDA tensors; needs fsdp::cuda linked in).
+  TORCH_ARG(std::string, backend) = "gloo";
+  /// Bounds the rendezvous and every collective: a missing or dead rank fails the others
+  /// after this long.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
+  /// Host name or address Gloo binds to; empty: MASTER_ADDR when it is a loopback address,
+  /// else this machine's host name.
+  TORCH_ARG(std::string, gloo_hostname) = "";
+  /// Gloo: independent Gloo contexts ("lanes") per group, each with its own connections and
+  /// one worker thread; fsdp's collectives take them in turn, so up to this many run at once
+  /// (a prefetched all-gather next to a reduce-scatter, the buckets of one all-gather). One
+  /// thread per context, not c10d's several: two all-gathers running on one Gloo context at
+  /// once corrupt the heap (measured with torch 2.15: a 3-rank stress of queued
+  /// allgather_coalesced calls on 2 threads crashed in about half the runs, and never on
+  /// separate contexts). NCCL ignores it.
+  TORCH_ARG(int, gloo_lanes) = 2;
+  /// Debug mode: every this many collectives, the ranks of each group compare (through the
+  /// rendezvous store) the sequence of collectives each issued, and every rank throws one
+  /// message naming the first collective where they differ and what each rank issued there
+  /// (src/distributed/collective_check.h). 1 checks before every collective; 0 is off. When 0,
+  /// init_process_group() takes FSDP_CHECK_COLLECTIVES from the environment.
+  TORCH_ARG(int, check_collectives) = 0;
+};
+
+/// A group of ranks and the c10d backend its collectives run on. Create with
+/// init_process_group(); subgroups with new_group(). Thread-compatible, not thread-safe.
+/// Its backend is not handed out: every collective goes through fsdp/distributed/collectives.h
+/// (all_reduce, all_gather, send, ...), so that comm_stats() counts all the traffic and the
+/// collective-sequence check sees every collective.
+class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
+ public:
+  /// `lanes`: one or more backends over the same ranks (see ProcessGroupOptions::gloo_lanes).
+  ProcessGroup(c10::intrusive_ptr<c10d::Store> store,
+               std::vector<c10::intrusive_ptr<c10d::Backend>> lanes, int rank, int size,
+               std::vector<int> global_ranks, ProcessGroupOptions options);
+  ~ProcessGroup();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  /// Global rank of each member, in group-rank order.
+  const std::vector<int>& global_ranks() const { return global_ranks_; }
+  const std::string& backend_name() const { return options_.backend(); }
+  /// kCPU for Gloo, kCUDA for NCCL: where tensors handed to collectives must live.
+  c10::DeviceType device_type() const;
+  std::chrono::milliseconds timeout() const { return options_.timeout(); }
+  int num_lanes() const { return static_cast<int>(lanes_.size()); }
+  /// Whether the collective-sequence check (ProcessGroupOptions::check_collectives) is on.
+  bool checks_collectives() const { return check_ != nullptr; }
+
+  /// Counters of every collective issued through fsdp-cpp on this group.
+  CommStats& comm_stats() { return stats_; }
+  const CommStats& comm_stats() const { return stats_; }
+
+  /// A group over `ranks` (group ranks of this group, ascending). Every member of this group
+  /// must call it with the same arguments, in the same order; non-members get nullptr.
+  std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks);
+
+  /// The subgroup of `block_size` consecutive ranks that holds this rank: ranks
+  /// [r / block_size * block_size, ... + block_size). With ranks placed node by node, one
+  /// block is one node when block_size is the ranks per node. Collective the first time
+  /// (every rank creates every block, in the same order); cached after. block_size must
+  /// divide size(); block_size == size() returns this group itself.
+  std::shared_ptr<ProcessGroup> block_group(int block_size);
+  /// The subgroup of the ranks at the same position in every block of `block_size`: ranks
+  /// {r % block_size, r % block_size + block_size, ...}. Same rules as block_group();
+  /// block_size == size() gives a group of one rank (this one).
+  std::shared_ptr<ProcessGroup> strided_group(int block_size);
+
+  /// Blocks until every rank of the group arrives (bounded by timeout()).
+  void barrier();
+
+ private:
+  // The backend, the lanes, the store and the check are for src/distributed alone
+  // (src/distributed/group_access.h).
+  friend struct detail::GroupAccess;
+  c10d::Backend& first_lane() const { return *lanes_.front(); }
+  /// The lane for the next collective, in turn. Every rank issues the same collectives on a
+  /// group in the same order, so every rank picks the same lane for each of them.
+  c10d::Backend& next_lane() { return *lanes_[next_lane_++ % lanes_.size()]; }
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::vector<c10::intrusive_ptr<c10d::Backend>> lanes_;
+  size_t next_lane_ = 0;
+  int rank_;
+  int size_;
+  std::vector<int> global_ranks_;
+  ProcessGroupOptions options_;
+  CommStats stats_;
+  std::unique_ptr<detail::CollectiveCheck> check_;
+  int subgroups_created_ = 0;
+  std::map<std::pair<int, bool>, std::shared_ptr<ProcessGroup>> splits_;
+};
+
+/// Joins the job described by `env` and returns the world group. Fails with one clear
+/// message (which ranks did not arrive, which address could not be reached) after
+/// options.timeout().
+std::shared_ptr<ProcessGroup> init_process_group(const LaunchEnv& env,
+                                                 const ProcessGroupOptions& options = {});
+/// Same, with the environment read by launch_env_from_environment().
+std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& options = {});
+
+/// Creates a backend for a named c10d backend; fsdp::cuda registers "nccl".
+using BackendFactory = std::function<c10::intrusive_ptr<c10d::Backend>(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    const ProcessGroupOptions& options)>;
+void register_backend(const std::string& name, BackendFactory factory);
+
+}  // namespace fsdp

@@ -1,0 +1,386 @@
+// See include/fsdp/checkpoint/sharded_checkpoint.h for the layout and the guarantees.
+#include <fsdp/checkpoint/sharded_checkpoint.h>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include <xxhash.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <functional>
+
+#include <fsdp/checkpoint/safetensors.h>
+#include <fsdp/core/durable_file.h>
+#include <fsdp/distributed/collectives.h>
+#include <fsdp/distributed/process_group.h>
+#include <fsdp/optim/fused_optimizer.h>
+#include <fsdp/state_dict.h>
+
+#include "checkpoint_index.h"
+#include "sharded_checkpoint_hooks.h"
+
+namespace fsdp {
+namespace detail {
+std::function<void(int rank, const std::string& stage)> save_sharded_hook;
+}  // namespace detail
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+using safetensors::FormatError;
+
+// Rows per checksum block: about this many bytes, so a reader that needs a few rows reads and
+// verifies little more than those.
+constexpr uint64_t kBlockBytes = 4ull << 20;
+
+// One tensor of the checkpoint as this rank holds it: the rows of a parameter or of one of its
+// optimizer state tensors (same layout as the parameter).
+struct Entry {
+  std::string key;  // "model/<name>" or "optim/<name>/<state>"
+  ParamShard layout;
+  torch::Tensor data;  // this rank's rows, [rows, ...]
+  // State kept in a file (a fused optimizer's offload) is read only when its turn comes, so
+  // saving holds one tensor of it at a time; `data` is undefined until then.
+  std::function<torch::Tensor()> fetch;
+  torch::Dtype dtype = torch::kFloat32;
+};
+
+std::string optimizer_kind(torch::optim::Optimizer* opt) {
+  if (!opt)
+    return "";
+  // The fused optimizers save under torch's names: their checkpoints load into torch's
+  // optimizers and the other way round.
+  if (auto* fused = dynamic_cast<FusedOptimizer*>(opt))
+    return fused->state_kind();
+  if (dynamic_cast<torch::optim::AdamW*>(opt))
+    return "adamw";
+  if (dynamic_cast<torch::optim::Adam*>(opt))
+    return "adam";
+  if (dynamic_cast<torch::optim::SGD*>(opt))
+    return "sgd";
+  TORCH_CHECK(false,
+              "fsdp sharded checkpoint: optimizer state of this kind is not supported (AdamW, "
+              "Adam and SGD are)");
+}
+
+// The state tensors of one parameter, by name (missing ones: undefined), and its step.
+struct ParamOptState {
+  std::map<std::string, torch::Tensor> tensors;
+  int64_t step = 0;
+  bool exists = false;
+  torch::Dtype dtype = torch::kFloat32;  // of lazily read tensors
+};
+
+// `lazy`: a fused optimizer's offloaded state is named but not read (see Entry::fetch).
+ParamOptState read_opt_state(torch::optim::Optimizer& opt, const std::string& kind,
+                             const torch::Tensor& param, bool lazy = false) {
+  ParamOptState out;
+  if (auto* fused = dynamic_cast<FusedOptimizer*>(&opt)) {
+    if (!fused->owns(param))
+      return out;  // a frozen parameter: no state
+    if (!lazy || fused->state_in_memory()) {
+      out.tensors = fused->get_state(param, &out.step);
+    } else {  // names only: save reads each tensor from the file when it writes it
+      fused->get_state_step(param, &out.step);
+      if (out.step > 0)
+        for (const auto& name : fused->state_names())
+          out.tensors[name] = torch::Tensor();
+      out.dtype = fused->state_options().moments_dtype();
+    }
+    out.exists = out.step > 0;
+    return out;  // (torch's SGD ignores the step count FusedSGD saves)
+  }
+  auto it = opt.state().find(param.unsafeGetTensorImpl());
+  if (it == opt.state().end())
+    return out;
+  out.exists = true;
+  if (kind == "adamw") {
+    auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
+    out.step = s.step();
+    out.tensors = {{"exp_avg", s.exp_avg()}, {"exp_avg_sq", s.exp_avg_sq()}};
+    if (s.max_exp_avg_sq().defined())
+      out.tensors["max_exp_avg_sq"] = s.max_exp_avg_sq();
+  } else if (kind == "adam") {
+    auto& s = static_cast<torch::optim::AdamParamState&>(*it->second);
+    out.step = s.step();
+    out.tensors = {{"exp_avg", s.exp_avg()}, {"exp_avg_sq", s.exp_avg_sq()}};
+    if (s.max_exp_avg_sq().defined())
+      out.tensors["max_exp_avg_sq"] = s.max_exp_avg_sq();
+  } else {
+    auto& s = static_cast<torch::optim::SGDParamState&>(*it->second);
+    if (s.momentum_buffer().defined())
+      out.tensors["momentum_buffer"] = s.momentum_buffer();
+  }
+  return out;
+}
+
+// Rows of a state tensor shaped like the param's data at rest ([rows, ...]; a 0-d parameter
+// outside any unit is one row).
+torch::Tensor as_rows(const torch::Tensor& t) {
+  return t.dim() == 0 ? t.reshape({1}) : t;
+}
+
+std::vector<int64_t> rows_shape(const ParamShard& l, int64_t rows) {
+  std::vector<int64_t> shape{rows};
+  for (size_t i = 1; i < l.global_shape.size(); ++i)
+    shape.push_back(l.global_shape[i]);
+  return shape;
+}
+
+std::string hex(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+uint64_t checksum(const torch::Tensor& rows) {
+  auto c = rows.to(torch::kCPU).contiguous();
+  return XXH3_64bits(c.data_ptr(), c.numel() * c.element_size());
+}
+
+}  // namespace
+
+void save_sharded(const std::string& dir, torch::nn::Module& model,
+                  torch::optim::Optimizer* optimizer, ProcessGroup& group,
+                  const std::map<std::string, std::string>& metadata) {
+  torch::NoGradGuard no_grad;
+  const fs::path final_dir(dir);
+  const fs::path tmp = final_dir.string() + ".tmp";
+  // Every rank sees the same file system: all refuse together, before any collective.
+  TORCH_CHECK(!fs::exists(final_dir), "fsdp::save_sharded: ", dir,
+              " exists (checkpoints are never overwritten)");
+  const int rank = group.rank();
+  if (rank == 0) {
+    fs::remove_all(tmp);  // a save that died half-way
+    fs::create_directories(tmp);
+  }
+  group.barrier();
+
+  // What this rank writes: the rows it is the first holder of.
+  const std::string kind = optimizer_kind(optimizer);
+  auto params = model.named_parameters(/*recurse=*/true);
+  std::vector<Entry> entries;
+  Json steps = Json::object();
+  for (auto& l : param_shards(model)) {
+    const auto& param = params[l.name];
+    ParamOptState st;
+    if (optimizer)
+      st = read_opt_state(*optimizer, kind, param, /*lazy=*/true);
+    if (st.exists)
+      steps[l.name] = st.step;
+    if (!l.writer || l.rows == 0)
+      continue;
+    entries.push_back({"model/" + l.name, l, l.shard, {}, l.shard.scalar_type()});
+    for (auto& [name, t] : st.tensors)
+      entries.push_back({"optim/" + l.name + "/" + name, l, t.defined() ? as_rows(t) : t,
+                         t.defined() ? std::function<torch::Tensor()>()
+                                     : [fused = dynamic_cast<FusedOptimizer*>(optimizer), param,
+                                        name] { return as_rows(fused->state_tensor(param, name)); },
+                         t.defined() ? t.scalar_type() : st.dtype});
+  }
+  char file_buf[32];
+  std::snprintf(file_buf, sizeof file_buf, "rank-%05d.safetensors", rank);
+  const std::string file = file_buf;
+  Json pieces = Json::object();
+  if (!entries.empty()) {
+    std::vector<safetensors::TensorSpec> specs;
+    for (const auto& e : entries)
+      specs.push_back({e.key, e.dtype, rows_shape(e.layout, e.layout.rows)});
+    safetensors::Writer w((tmp / file).string(), specs);
+    for (auto& e : entries) {
+      if (!e.data.defined())
+        e.data = e.fetch();
+      w.write_rows(e.key, 0, e.data);
+      const uint64_t row_bytes = std::max<uint64_t>(1, w.header().find(e.key)->row_bytes());
+      const int64_t block_rows =
+          std::max<int64_t>(1, static_cast<int64_t>(kBlockBytes / row_bytes));
+      Json sums = Json::array();
+      for (int64_t r = 0; r < e.layout.rows; r += block_rows)
+        sums.push_back(hex(checksum(e.data.narrow(0, r, std::min(block_rows, e.layout.rows - r)))));
+      pieces[e.key] = {{"file", file},
+                       {"rows", {e.layout.row_begin, e.layout.row_begin + e.layout.rows}},
+                       {"block_rows", block_rows},
+                       {"xxh3", sums},
+                       {"dtype", safetensors::dtype_name(e.data.scalar_type())},
+                       {"shape", e.layout.global_shape}};
+      if (e.fetch)
+        e.data = torch::Tensor();  // the next one replaces it
+    }
+    w.finish();
+  }
+  if (detail::save_sharded_hook)
+    detail::save_sharded_hook(rank, "files_written");
+  // Rank 0 collects every rank's pieces (an all-gather of each rank's JSON).
+  const auto all_pieces = all_gather_bytes(group, pieces.dump(), "save_sharded index");
+  if (rank == 0) {
+    Json tensors = Json::object();
+    for (int r = 0; r < group.size(); ++r) {
+      auto theirs = Json::parse(all_pieces[static_cast<size_t>(r)]);
+      for (auto& [key, piece] : theirs.items()) {
+        auto& t = tensors[key];
+        if (t.is_null())
+          t = {{"dtype", piece["dtype"]}, {"shape", piece["shape"]}, {"pieces", Json::array()}};
+        piece.erase("dtype");
+        piece.erase("shape");
+        t["pieces"].push_back(piece);
+      }
+    }
+    Json index = {{"format", detail::kIndexFormat},
+                  {"version", detail::kIndexVersion},
+                  {"world_size", group.size()},
+                  {"metadata", metadata},
+                  {"optimizer", {{"kind", kind}, {"steps", steps}}},
+                  {"tensors", tensors}};
+    write_file_atomic((tmp / "index.json").string(), index.dump(1));
+    rename_durably(tmp.string(), final_dir.string());
+  }
+  group.barrier();
+}
+
+namespace {
+
+// Reads global rows [begin, begin + dst.size(0)) of `key` into dst, block by verified block.
+void read_rows_into(const fs::path& dir, const std::string& key, const detail::IndexTensor& t,
+                    int64_t begin, const torch::Tensor& dst,
+                    std::map<std::string, std::unique_ptr<safetensors::Reader>>& readers) {
+  const int64_t end = begin + dst.size(0);
+  for (const auto& p : t.pieces) {
+    const int64_t lo = std::max(begin, p.begin), hi = std::min(end, p.end);
+    if (lo >= hi)
+      continue;
+    auto& reader = readers[p.file];
+    if (!reader)
+      reader = std::make_unique<safetensors::Reader>((dir / p.file).string());
+    const auto& entry = reader->entry(key);
+    auto want_shape = t.shape;
+    if (want_shape.empty())
+      want_shape = {1};
+    want_shape[0] = p.end - p.begin;
+    if (entry.dtype != t.dtype || entry.shape != want_shape)
+      throw FormatError(reader->path() + ": tensor '" + key +
+                        "' has another dtype or shape than the index says");
+    for (int64_t b = (lo - p.begin) / p.block_rows; b * p.block_rows + p.begin < hi; ++b) {
+      const int64_t bb = p.begin + b * p.block_rows;
+      const int64_t bl = std::min(p.block_rows, p.end - bb);
+      auto block = reader->read_rows(key, bb - p.begin, bl);
+      if (checksum(block) != p.sums[static_cast<size_t>(b)])
+        throw FormatError(reader->path() + ": tensor '" + key + "' rows [" + std::to_string(bb) +
+                          ", " + std::to_string(bb + bl) +
+                          "): checksum mismatch (the file is corrupted)");
+      const int64_t ol = std::max(lo, bb), oh = std::min(hi, bb + bl);
+      if (ol < oh)
+        dst.narrow(0, ol - begin, oh - ol).copy_(block.narrow(0, ol - bb, oh - ol));
+    }
+  }
+}
+
+}  // namespace
+
+std::map<std::string, std::string> load_sharded(const std::string& dir, torch::nn::Module& model,
+                                                torch::optim::Optimizer* optimizer) {
+  torch::NoGradGuard no_grad;
+  const fs::path root(dir);
+  const auto index = detail::parse_index((root / "index.json").string());
+  std::map<std::string, std::unique_ptr<safetensors::Reader>> readers;
+  auto params = model.named_parameters(/*recurse=*/true);
+  const std::string kind = optimizer_kind(optimizer);
+  if (optimizer && index.optimizer_kind != kind)
+    throw FormatError((root / "index.json").string() + ": optimizer state is '" +
+                      index.optimizer_kind + "', the optimizer given is '" + kind + "'");
+  auto load = [&](const std::string& key, const ParamShard& l, const torch::Tensor& dst) {
+    auto it = index.tensors.find(key);
+    if (it == index.tensors.end())
+      throw FormatError(dir + ": the checkpoint has no tensor '" + key + "'");
+    if (it->second.shape != l.global_shape)
+      throw FormatError(dir + ": tensor '" + key + "' was saved with another shape");
+    auto staging =
+        it->second.dtype == dst.scalar_type() && dst.is_contiguous() && dst.is_cpu()
+            ? dst
+            : torch::empty(dst.sizes(), dst.options().dtype(it->second.dtype).device(torch::kCPU));
+    read_rows_into(root, key, it->second, l.row_begin, staging, readers);
+    if (!staging.is_same(dst))
+      dst.copy_(staging);
+  };
+  for (const auto& l : param_shards(model)) {
+    load("model/" + l.name, l, l.shard);
+    if (!optimizer)
+      continue;
+    const auto& param = params[l.name];
+    auto step = index.steps.find(l.name);
+    auto* fused = dynamic_cast<FusedOptimizer*>(optimizer);
+    if (fused && !fused->owns(param)) {  // frozen here (LoRA's base): it must have no state
+      if (step != index.steps.end())
+        throw FormatError(dir + ": the checkpoint has optimizer state for '" + l.name +
+                          "', which the optimizer given does not train");
+      continue;
+    }
+    if (step == index.steps.end()) {  // it had no state when saved
+      if (fused)
+        fused->set_state(param, {}, 0);
+      else
+        optimizer->state().erase(param.unsafeGetTensorImpl());
+      continue;
+    }
+    // State tensors the optimizer already has are loaded in place: no second copy of the
+    // state exists at any moment (a rank's extra memory stays one block of rows). A fused
+    // optimizer's in-memory state comes back as views of its buffers; offloaded state is not
+    // read at all (it is about to be replaced): each tensor is loaded into a temporary and
+    // written to the file before the next one.
+    const ParamOptState old = fused && !fused->state_in_memory()
+                                  ? ParamOptState{}
+                                  : read_opt_state(*optimizer, kind, param);
+    auto make = [&](const std::string& name) {
+      auto it = old.tensors.find(name);
+      auto t = it != old.tensors.end() && it->second.sizes() == param.sizes() &&
+                       it->second.scalar_type() == param.scalar_type()
+                   ? it->second
+                   : torch::zeros_like(param);
+      load("optim/" + l.name + "/" + name, l, as_rows(t));
+      return t;
+    };
+    auto has = [&](const std::string& name) {
+      return index.tensors.count("optim/" + l.name + "/" + name) > 0;
+    };
+    if (fused) {
+      bool any = false;
+      for (const auto& name : fused->state_names()) {
+        any = any || has(name);
+        fused->set_state_tensor(param, name, has(name) ? make(name) : torch::Tensor());
+      }
+      // torch's SGD saves no step count; a momentum buffer means it has stepped.
+      fused->set_step(param,
+                      kind == "sgd" && any ? std::max<int64_t>(step->second, 1) : step->second);
+      continue;
+    }
+    std::unique_ptr<torch::optim::OptimizerParamState> state;
+    if (kind == "adamw") {
+      auto s = std::make_unique<torch::optim::AdamWParamState>();
+      s->step(step->second).exp_avg(make("exp_avg")).exp_avg_sq(make("exp_avg_sq"));
+      if (has("max_exp_avg_sq"))
+        s->max_exp_avg_sq(make("max_exp_avg_sq"));
+      state = std::move(s);
+    } else if (kind == "adam") {
+      auto s = std::make_unique<torch::optim::AdamParamState>();
+      s->step(step->second).exp_avg(make("exp_avg")).exp_avg_sq(make("exp_avg_sq"));
+      if (has("max_exp_avg_sq"))
+        s->max_exp_avg_sq(make("max_exp_avg_sq"));
+      state = std::move(s);
+    } else {
+      auto s = std::make_unique<torch::optim::SGDParamState>();
+      if (has("momentum_buffer"))
+        s->momentum_buffer(make("momentum_buffer"));
+      state = std::move(s);
+    }
+    optimizer->state()[param.unsafeGetTensorImpl()] = std::move(state);
+  }
+  return index.metadata;
+}
+
+}  // namespace fsdp

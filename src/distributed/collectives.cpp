@@ -1,0 +1,411 @@
+// Implementation notes for collectives.h: the per-backend algorithm choices and the
+// accounting of bytes. "sent_bytes" is what the algorithm puts on the wire from this rank.
+#include <fsdp/distributed/collectives.h>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <charconv>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+
+#include "collective_check.h"
+#include "group_access.h"
+
+namespace fsdp {
+
+namespace {
+
+// FSDP_TRACE_WAITS=<ms>: print every wait for a collective of at least that many milliseconds
+// on stderr, naming the rank and the collective (-1 when unset: no tracing).
+double trace_waits_from_environment() {
+  const char* v = std::getenv("FSDP_TRACE_WAITS");
+  if (v == nullptr || *v == '\0')
+    return -1;
+  double ms = 0;
+  const char* end = v + std::char_traits<char>::length(v);
+  auto [ptr, ec] = std::from_chars(v, end, ms);
+  if (ec != std::errc() || ptr != end || !(ms >= 0)) {
+    // Read inside a wait, which must not throw for a diagnostic: say so once and trace nothing.
+    std::fprintf(stderr,
+                 "fsdp: FSDP_TRACE_WAITS=\"%s\" is not a non-negative number of milliseconds; "
+                 "ignored\n",
+                 v);
+    return -1;
+  }
+  return ms;
+}
+
+bool is_gloo(const ProcessGroup& g) {
+  return g.backend_name() == "gloo";
+}
+
+void check_contiguous(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.is_contiguous(), "fsdp collectives: ", what, " must be contiguous");
+}
+
+// "all-gather, 4096 B for unit 'h3'": what a collective is, for errors and the sequence check.
+std::string describe(const char* kind, int64_t bytes, const std::string& detail,
+                     const std::string& context) {
+  std::string s = std::string(kind) + ", " + std::to_string(bytes) + " B";
+  if (!detail.empty())
+    s += " " + detail;
+  if (!context.empty())
+    s += " for " + context;
+  return s;
+}
+
+const char* op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return "sum";
+    case ReduceOp::kAvg:
+      return "avg";
+    case ReduceOp::kMax:
+      return "max";
+    case ReduceOp::kMin:
+      return "min";
+  }
+  return "?";
+}
+
+// Called before every collective is issued (debug mode only).
+void check_sequence(ProcessGroup& group, const std::string& description) {
+  if (auto* check = detail::GroupAccess::check(group))
+    check->before(description);
+}
+
+}  // namespace
+
+torch::Tensor as_bytes(const torch::Tensor& t) {
+  check_contiguous(t, "tensor viewed as bytes");
+  // view(dtype) needs a last dimension to scale; a 1-d reshape of a contiguous tensor is free.
+  return t.reshape({-1}).view(torch::kUInt8);
+}
+
+CollectiveWork::CollectiveWork(ProcessGroup& group, CollectiveCounter& counter, std::string what,
+                               c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish)
+    : CollectiveWork(group, counter, std::move(what),
+                     std::vector<c10::intrusive_ptr<c10d::Work>>{std::move(work)},
+                     std::move(finish)) {}
+
+CollectiveWork::CollectiveWork(ProcessGroup& group, CollectiveCounter& counter, std::string what,
+                               std::vector<c10::intrusive_ptr<c10d::Work>> works,
+                               std::function<void()> finish)
+    : group_(group),
+      counter_(counter),
+      what_(std::move(what)),
+      works_(std::move(works)),
+      finish_(std::move(finish)) {
+  std::erase_if(works_, [](const auto& w) { return !w; });
+}
+
+CollectiveWork::~CollectiveWork() {
+  if (!waited_) {
+    try {
+      wait();
+    } catch (const std::exception&) {
+      // Destructors must not throw; the failure was the caller's to observe via wait().
+    }
+  }
+}
+
+void CollectiveWork::wait() {
+  if (waited_)
+    return;
+  waited_ = true;
+  auto start = std::chrono::steady_clock::now();
+  auto add_wait = [&] {
+    const double w =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    counter_.wait_seconds += w;
+    // The breakdown sums the waits; this says which collective each came from.
+    static const double trace_ms = trace_waits_from_environment();
+    if (trace_ms >= 0 && w * 1e3 >= trace_ms)
+      std::fprintf(stderr, "[rank %d] waited %.2f ms for %s\n", group_.rank(), w * 1e3,
+                   what_.c_str());
+  };
+  // Every backend call is waited for, even after one failed: the caller frees the buffers
+  // once wait() returns or throws, and a call still running would write into freed memory.
+  std::string error;
+  for (auto& w : works_) {
+    try {
+      w->wait();
+    } catch (const std::exception& e) {
+      if (error.empty())
+        error = e.what();
+    }
+  }
+  try {
+    if (error.empty() && finish_)
+      finish_();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  if (!error.empty()) {
+    works_.clear();
+    add_wait();
+    TORCH_CHECK(false, "[rank ", group_.global_ranks().at(group_.rank()), "] ", what_, " over ",
+                group_.size(), " ranks failed (timeout ", group_.timeout().count(),
+                " ms; a peer may have died): ", error);
+  }
+  if (is_gloo(group_)) {
+    // Gloo's worker thread drops its reference to the work (and so to the buffers the work
+    // holds) just after marking it complete. Waiting for that moment, a few microseconds,
+    // makes buffers die when wait() returns instead of at a racy instant after: memory
+    // accounting is then deterministic, and a freed buffer is not counted into the next peak.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(5);
+    for (auto& w : works_) {
+      while (w.use_count() > 1 && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::yield();
+      }
+    }
+  }
+  works_.clear();
+  add_wait();
+}
+
+std::unique_ptr<CollectiveWork> all_gather(ProcessGroup& group,
+                                           const std::vector<torch::Tensor>& inputs,
+                                           const std::vector<torch::Tensor>& outputs,
+                                           int64_t bucket_bytes, const std::string& context) {
+  TORCH_CHECK(!inputs.empty() && inputs.size() == outputs.size(),
+              "fsdp all_gather: need one output per input");
+  const int n = group.size();
+  int64_t in_bytes = 0;
+  std::vector<torch::Tensor> in_bytes_views, out_bytes_views;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    auto in = as_bytes(inputs[i]);
+    auto out = as_bytes(outputs[i]);
+    TORCH_CHECK(out.numel() == in.numel() * n, "fsdp all_gather: output ", i, " holds ",
+                out.numel(), " bytes, expected ", in.numel() * n);
+    in_bytes += in.numel();
+    in_bytes_views.push_back(std::move(in));
+    out_bytes_views.push_back(std::move(out));
+  }
+  const std::string what = describe("all-gather", in_bytes * n, "", context);
+  check_sequence(group, what);
+  auto& counter = group.comm_stats().all_gather;
+  counter.calls += 1;
+  counter.bytes += in_bytes * n;
+  counter.sent_bytes += in_bytes * (n - 1);
+
+  if (is_gloo(group)) {
+    // Gloo unflattens its own receive buffer straight into these views, so each parameter's
+    // unsharded storage is written exactly once. Buckets are byte ranges of this rank's
+    // pieces: piece i's bytes [a, a + len) land at [r * b_i + a, ...) of output i for rank r,
+    // contiguous on both sides, so a bucket may end in the middle of a parameter.
+    const int64_t per_bucket = bucket_bytes > 0 ? std::max<int64_t>(1, bucket_bytes / n) : in_bytes;
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    std::vector<torch::Tensor> bucket_in;
+    std::vector<std::vector<torch::Tensor>> bucket_out(n);
+    int64_t filled = 0;
+    auto flush = [&] {
+      if (bucket_in.empty())
+        return;
+      // Buckets take the lanes in turn, so consecutive buckets move at the same time.
+      works.push_back(
+          detail::GroupAccess::next_lane(group).allgather_coalesced(bucket_out, bucket_in));
+      bucket_in.clear();
+      for (auto& l : bucket_out)
+        l.clear();
+      filled = 0;
+    };
+    for (size_t i = 0; i < in_bytes_views.size(); ++i) {
+      const int64_t b = in_bytes_views[i].numel();
+      for (int64_t a = 0; a < b;) {
+        const int64_t len = std::min(b - a, per_bucket - filled);
+        bucket_in.push_back(in_bytes_views[i].narrow(0, a, len));
+        for (int r = 0; r < n; ++r)
+          bucket_out[r].push_back(out_bytes_views[i].narrow(0, r * b + a, len));
+        a += len;
+        filled += len;
+        if (filled == per_bucket)
+          flush();
+      }
+    }
+    flush();
+    return std::make_unique<CollectiveWork>(group, counter, what, std::move(works), nullptr);
+  }
+  // Backends with a native flat all-gather (NCCL): gather into one buffer, then copy out. The
+  // copy is enqueued by the waiting thread on the current stream, after the collective.
+  auto flat_in = torch::cat(in_bytes_views);
+  auto flat_out = torch::empty({in_bytes * n}, flat_in.options());
+  auto work = detail::GroupAccess::next_lane(group).all_gather_single(flat_out, flat_in);
+  auto finish = [flat_out, out_bytes_views, in_bytes, n]() {
+    auto rows = flat_out.view({n, in_bytes});
+    int64_t offset = 0;
+    for (const auto& out : out_bytes_views) {
+      const int64_t b = out.numel() / n;
+      out.view({n, b}).copy_(rows.narrow(1, offset, b));
+      offset += b;
+    }
+  };
+  return std::make_unique<CollectiveWork>(group, counter, what, std::move(work), std::move(finish));
+}
+
+std::unique_ptr<CollectiveWork> reduce_scatter(ProcessGroup& group, const torch::Tensor& input,
+                                               const torch::Tensor& output, ReduceOp op,
+                                               const std::string& context) {
+  check_contiguous(input, "reduce-scatter input");
+  check_contiguous(output, "reduce-scatter output");
+  const int n = group.size();
+  const int64_t s = output.numel();
+  TORCH_CHECK(input.numel() == s * n, "fsdp reduce_scatter: input has ", input.numel(),
+              " elements, expected ", s * n);
+  const std::string what =
+      describe("reduce-scatter", input.numel() * input.element_size(),
+               std::string(op_name(op)) + " " + c10::toString(input.scalar_type()), context);
+  TORCH_CHECK(op == ReduceOp::kSum || op == ReduceOp::kAvg,
+              "fsdp reduce_scatter: only sum and avg, got ", op_name(op));
+  check_sequence(group, what);
+  auto& counter = group.comm_stats().reduce_scatter;
+  counter.calls += 1;
+  counter.bytes += input.numel() * input.element_size();
+  counter.sent_bytes += s * (n - 1) * input.element_size();
+
+  c10d::Backend& backend = detail::GroupAccess::next_lane(group);
+  if (is_gloo(group)) {
+    // Each rank receives the N copies of its own block, then sums them locally in rank order
+    // (the same order on every run, so results are reproducible).
+    auto received = torch::empty_like(input);
+    torch::Tensor in = input;
+    std::vector<int64_t> equal_splits;
+    auto work = backend.all_to_all_single(received, in, equal_splits, equal_splits);
+    auto finish = [received, output, n, s, op]() {
+      torch::NoGradGuard no_grad;
+      auto blocks = received.view({n, s});
+      torch::sum_out(const_cast<torch::Tensor&>(output), blocks, /*dim=*/{0});
+      if (op == ReduceOp::kAvg)
+        output.div_(n);
+    };
+    return std::make_unique<CollectiveWork>(group, counter, what, std::move(work),
+                                            std::move(finish));
+  }
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = op == ReduceOp::kAvg ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+  torch::Tensor out = output, in = input;
+  auto work = backend.reduce_scatter_single(out, in, opts);
+  return std::make_unique<CollectiveWork>(group, counter, what, std::move(work), nullptr);
+}
+
+std::unique_ptr<CollectiveWork> all_reduce(ProcessGroup& group, const torch::Tensor& tensor,
+                                           ReduceOp op, const std::string& context) {
+  check_contiguous(tensor, "all-reduce tensor");
+  const int n = group.size();
+  auto& counter = group.comm_stats().all_reduce;
+  const int64_t bytes = tensor.numel() * tensor.element_size();
+  const std::string what =
+      describe("all-reduce", bytes,
+               std::string(op_name(op)) + " " + c10::toString(tensor.scalar_type()), context);
+  check_sequence(group, what);
+  counter.calls += 1;
+  counter.bytes += bytes;
+  counter.sent_bytes += 2 * bytes * (n - 1) / n;
+  std::vector<torch::Tensor> tensors{tensor};
+  c10d::AllreduceOptions opts;
+  const bool native_avg = !is_gloo(group);
+  opts.reduceOp = op == ReduceOp::kMax                 ? c10d::ReduceOp::MAX
+                  : op == ReduceOp::kMin               ? c10d::ReduceOp::MIN
+                  : op == ReduceOp::kAvg && native_avg ? c10d::ReduceOp::AVG
+                                                       : c10d::ReduceOp::SUM;
+  auto work = detail::GroupAccess::next_lane(group).allreduce(tensors, opts);
+  std::function<void()> finish;
+  if (op == ReduceOp::kAvg && !native_avg) {
+    finish = [tensor, n]() {
+      torch::NoGradGuard no_grad;
+      tensor.div_(n);
+    };
+  }
+  return std::make_unique<CollectiveWork>(group, counter, what, std::move(work), std::move(finish));
+}
+
+std::unique_ptr<CollectiveWork> broadcast(ProcessGroup& group, const torch::Tensor& tensor,
+                                          int root, const std::string& context) {
+  check_contiguous(tensor, "broadcast tensor");
+  auto& counter = group.comm_stats().broadcast;
+  const int64_t bytes = tensor.numel() * tensor.element_size();
+  const std::string what =
+      describe("broadcast", bytes, "from group rank " + std::to_string(root), context);
+  check_sequence(group, what);
+  counter.calls += 1;
+  counter.bytes += bytes;
+  counter.sent_bytes += group.rank() == root ? bytes : 0;
+  std::vector<torch::Tensor> tensors{tensor};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  auto work = detail::GroupAccess::next_lane(group).broadcast(tensors, opts);
+  return std::make_unique<CollectiveWork>(group, counter, what, std::move(work), nullptr);
+}
+
+std::unique_ptr<CollectiveWork> send(ProcessGroup& group, const torch::Tensor& tensor, int dst,
+                                     int tag, const std::string& context) {
+  check_contiguous(tensor, "send tensor");
+  TORCH_CHECK(dst >= 0 && dst < group.size() && dst != group.rank(), "fsdp send: bad peer ", dst,
+              " from group rank ", group.rank(), " of ", group.size());
+  auto& counter = group.comm_stats().point_to_point;
+  const int64_t bytes = tensor.numel() * tensor.element_size();
+  counter.calls += 1;
+  counter.bytes += bytes;
+  counter.sent_bytes += bytes;
+  std::vector<torch::Tensor> tensors{tensor};
+  auto work = detail::GroupAccess::first_lane(group).send(tensors, dst, tag);
+  return std::make_unique<CollectiveWork>(
+      group, counter, describe("send", bytes, "to group rank " + std::to_string(dst), context),
+      std::move(work), nullptr);
+}
+
+std::unique_ptr<CollectiveWork> recv(ProcessGroup& group, const torch::Tensor& tensor, int src,
+                                     int tag, const std::string& context) {
+  check_contiguous(tensor, "recv tensor");
+  TORCH_CHECK(src >= 0 && src < group.size() && src != group.rank(), "fsdp recv: bad peer ", src,
+              " at group rank ", group.rank(), " of ", group.size());
+  auto& counter = group.comm_stats().point_to_point;
+  const int64_t bytes = tensor.numel() * tensor.element_size();
+  counter.calls += 1;
+  counter.bytes += bytes;
+  std::vector<torch::Tensor> tensors{tensor};
+  auto work = detail::GroupAccess::first_lane(group).recv(tensors, src, tag);
+  return std::make_unique<CollectiveWork>(
+      group, counter, describe("recv", bytes, "from group rank " + std::to_string(src), context),
+      std::move(work), nullptr);
+}
+
+std::unique_ptr<CollectiveWork> barrier(ProcessGroup& group, const std::string& context) {
+  const std::string what = context.empty() ? "barrier" : "barrier for " + context;
+  check_sequence(group, what);
+  auto& counter = group.comm_stats().barrier;
+  counter.calls += 1;
+  auto work = detail::GroupAccess::first_lane(group).barrier();
+  return std::make_unique<CollectiveWork>(group, counter, what, std::move(work), nullptr);
+}
+
+std::vector<std::string> all_gather_bytes(ProcessGroup& group, const std::string& mine,
+                                          const std::string& context) {
+  const int n = group.size();
+  const auto options = torch::TensorOptions().device(group.device_type());
+  auto length = torch::tensor({static_cast<int64_t>(mine.size())}, torch::kLong).to(options);
+  auto lengths = torch::empty({n}, length.options());
+  all_gather(group, {length}, {lengths}, 0, context)->wait();
+  const auto sizes = lengths.cpu();
+  int64_t longest = 0;
+  for (int r = 0; r < n; ++r)
+    longest = std::max(longest, sizes[r].item<int64_t>());
+  auto padded = torch::zeros({std::max<int64_t>(longest, 1)}, torch::kUInt8);
+  std::memcpy(padded.data_ptr(), mine.data(), mine.size());
+  padded = padded.to(options);
+  auto all = torch::empty({n * padded.numel()}, padded.options());
+  all_gather(group, {padded}, {all}, 0, context)->wait();
+  const auto host = all.cpu();
+  const auto* base = static_cast<const char*>(host.data_ptr());
+  std::vector<std::string> out;
+  for (int r = 0; r < n; ++r)
+    out.emplace_back(base + r * padded.numel(), static_cast<size_t>(sizes[r].item<int64_t>()));
+  return out;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,221 @@
+// See include/fsdp/distributed/local_launch.h.
+#include <fsdp/distributed/local_launch.h>
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <thread>
+
+extern char** environ;
+
+namespace fsdp {
+namespace {
+
+// The launcher's pid, for die_with_launcher().
+constexpr char kLauncherVar[] = "FSDP_LAUNCHER_PID";
+
+double since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+int decode_status(int status) {
+  if (WIFEXITED(status))
+    return WEXITSTATUS(status);
+  if (WIFSIGNALED(status))
+    return 128 + WTERMSIG(status);
+  return 255;
+}
+
+std::vector<std::string> rank_environment(const std::map<std::string, std::string>& set) {
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    std::string entry(*e);
+    const std::string key = entry.substr(0, entry.find('='));
+    // A launcher itself run under SLURM or torchrun must not leak its own rank into the ranks.
+    if (set.count(key) || key.rfind("SLURM_", 0) == 0 || key == "GROUP_RANK" ||
+        key == "TORCHELASTIC_RUN_ID")
+      continue;
+    env.push_back(std::move(entry));
+  }
+  for (const auto& [k, v] : set)
+    env.push_back(k + "=" + v);
+  return env;
+}
+
+pid_t spawn(const std::string& exe, const std::vector<std::string>& args,
+            const std::vector<std::string>& env, const std::string& log_path) {
+  posix_spawn_file_actions_t actions;
+  posix_spawnattr_t attr;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawnattr_init(&attr);
+  posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+  if (!log_path.empty()) {
+    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log_path.c_str(),
+                                     O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+  }
+  sigset_t none, all;
+  sigemptyset(&none);
+  sigfillset(&all);
+  posix_spawnattr_setpgroup(&attr, 0);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setsigdefault(&attr, &all);
+  posix_spawnattr_setflags(&attr,
+                           POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+  std::vector<std::string> argv_store = args.empty() ? std::vector<std::string>{exe} : args;
+  std::vector<char*> argv, envp;
+  for (auto& a : argv_store)
+    argv.push_back(a.data());
+  argv.push_back(nullptr);
+  for (const auto& e : env)
+    envp.push_back(const_cast<char*>(e.c_str()));
+  envp.push_back(nullptr);
+  pid_t pid = 0;
+  const int rc = posix_spawn(&pid, exe.c_str(), &actions, &attr, argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&actions);
+  posix_spawnattr_destroy(&attr);
+  if (rc != 0)
+    throw std::runtime_error("cannot start a rank (" + exe + "): " + std::strerror(rc));
+  return pid;
+}
+
+// The ranks still running, killed and reaped on every way out of launch_local_ranks.
+class Children {
+ public:
+  void add(pid_t pid) { pids_.push_back(pid); }
+  void reaped(pid_t pid) { std::erase(pids_, pid); }
+  const std::vector<pid_t>& running() const { return pids_; }
+  void kill_all() const {
+    for (pid_t pid : pids_) {
+      ::kill(-pid, SIGKILL);  // its process group: anything the rank started
+      ::kill(pid, SIGKILL);   // in case it was not yet its own group leader
+    }
+  }
+  ~Children() {
+    kill_all();
+    for (pid_t pid : pids_) {
+      int status = 0;
+      while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+      }
+    }
+  }
+
+ private:
+  std::vector<pid_t> pids_;
+};
+
+}  // namespace
+
+LocalLaunchResult launch_local_ranks(const LocalLaunchOptions& o) {
+  if (o.nproc < 1)
+    throw std::invalid_argument("launch_local_ranks: nproc must be at least 1");
+  const auto n = static_cast<size_t>(o.nproc);
+  LocalLaunchResult result;
+  result.exit_codes.assign(n, LocalLaunchResult::kNotLaunched);
+  result.exit_seconds.assign(n, 0.0);
+  result.pids.assign(n, 0);
+
+  // The store lives here, as in torchrun's agent: port 0 picks a free port without a race.
+  c10d::TCPStoreOptions store_opts;
+  store_opts.port = 0;
+  store_opts.isServer = true;
+  store_opts.waitWorkers = false;
+  if (o.timeout.count() > 0)
+    store_opts.timeout = o.timeout;
+  auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", store_opts);
+
+  const auto start = std::chrono::steady_clock::now();
+  Children children;
+  for (int r = 0; r < o.nproc; ++r) {
+    if (std::find(o.absent_ranks.begin(), o.absent_ranks.end(), r) != o.absent_ranks.end())
+      continue;
+    std::map<std::string, std::string> vars{
+        {"RANK", std::to_string(r)},
+        {"WORLD_SIZE", std::to_string(o.nproc)},
+        {"LOCAL_RANK", std::to_string(r)},
+        {"LOCAL_WORLD_SIZE", std::to_string(o.nproc)},
+        {"MASTER_ADDR", "127.0.0.1"},
+        {"MASTER_PORT", std::to_string(store->getPort())},
+        {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+        {"TORCHELASTIC_RESTART_COUNT", "0"},
+        {"OMP_NUM_THREADS", std::to_string(o.threads_per_rank)},
+        {kLauncherVar, std::to_string(::getpid())},
+    };
+    for (const auto& [k, v] : o.env)
+      vars[k] = v;
+    const std::string log = o.log_path ? o.log_path(r) : std::string();
+    const pid_t pid = spawn(o.executable, o.argv, rank_environment(vars), log);
+    children.add(pid);
+    result.pids[static_cast<size_t>(r)] = pid;
+  }
+
+  auto rank_of = [&](pid_t pid) {
+    return static_cast<size_t>(std::find(result.pids.begin(), result.pids.end(), pid) -
+                               result.pids.begin());
+  };
+  auto record = [&](pid_t pid, int status) {
+    const size_t r = rank_of(pid);
+    result.exit_codes[r] = decode_status(status);
+    result.exit_seconds[r] = since(start);
+    children.reaped(pid);
+    if (result.exit_codes[r] != 0 && result.first_failed < 0)
+      result.first_failed = static_cast<int>(r);
+  };
+  const auto no_deadline = std::chrono::steady_clock::time_point::max();
+  const auto job_deadline = o.timeout.count() > 0 ? start + o.timeout : no_deadline;
+  auto kill_deadline = no_deadline;  // set when a rank fails and a grace period applies
+  while (!children.running().empty()) {
+    bool reaped_any = false;
+    for (pid_t pid : std::vector<pid_t>(children.running())) {
+      int status = 0;
+      if (::waitpid(pid, &status, WNOHANG) == pid) {
+        record(pid, status);
+        reaped_any = true;
+      }
+    }
+    if (children.running().empty())
+      break;
+    if (result.first_failed >= 0 && kill_deadline == no_deadline &&
+        o.grace_after_failure.count() >= 0)
+      kill_deadline = std::chrono::steady_clock::now() + o.grace_after_failure;
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= job_deadline || now >= kill_deadline) {
+      result.timed_out = now >= job_deadline;
+      children.kill_all();
+      for (pid_t pid : std::vector<pid_t>(children.running())) {
+        int status = 0;
+        while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+        }
+        record(pid, status);
+      }
+      break;
+    }
+    if (!reaped_any)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  result.seconds = since(start);
+  return result;
+}
+
+void die_with_launcher() {
+  const char* launcher = std::getenv(kLauncherVar);
+  if (!launcher)
+    return;
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  // The launcher may have died between our spawn and the prctl.
+  if (std::to_string(::getppid()) != launcher)
+    std::_Exit(1);
+}
+
+}  // namespace fsdp

@@ -1,0 +1,575 @@
+// See param_group.h for the state machines and the life of a unit through one step.
+#include "param_group.h"
+
+#include <torch/autograd.h>
+
+#include <algorithm>
+
+#include <fsdp/core/memory.h>
+
+#include "prefetch.h"
+#include "root_state.h"
+
+namespace fsdp::detail {
+namespace {
+
+// Identity over the inputs of one unit call that require grad. Its backward runs once autograd
+// has produced the gradients of all of them, i.e. when the call's backward through the unit is
+// complete. AccumulateGrad nodes run before any other ready node (they have the highest
+// priority in the engine's queue), so the parameters' gradients are in place by then.
+struct PostBackward : public torch::autograd::Function<PostBackward> {
+  // `inputs` must be a TensorList: autograd only sees tensors passed as Tensor or TensorList
+  // (a std::vector<Tensor> would count as an opaque non-tensor argument, cutting the graph).
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                c10::intrusive_ptr<CallRecord> call,
+                                                at::TensorList inputs) {
+    ctx->saved_data["call"] = c10::IValue::make_capsule(std::move(call));
+    return inputs.vec();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto call = c10::static_intrusive_pointer_cast<CallRecord>(ctx->saved_data["call"].toCapsule());
+    if (auto unit = call->unit.lock())
+      unit->post_backward(*call);
+    torch::autograd::variable_list result;
+    result.reserve(grads.size() + 1);
+    result.emplace_back();  // the call record is not a tensor
+    for (auto& g : grads)
+      result.push_back(std::move(g));
+    return result;
+  }
+};
+
+// Runs `fn`, appending what it throws to `errors` (rollback paths must go on).
+template <typename F>
+void collect_errors(std::vector<std::string>& errors, F&& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    errors.emplace_back(e.what());
+  }
+}
+
+}  // namespace
+
+bool CallRecord::alive() const {
+  return std::any_of(output_nodes.begin(), output_nodes.end(),
+                     [](const auto& w) { return !w.expired(); });
+}
+
+ParamGroup::ParamGroup(std::string name, std::vector<std::pair<std::string, torch::Tensor>> params,
+                       FullyShardOptions options, UnitGroups groups)
+    : name_(std::move(name)), options_(std::move(options)), groups_(std::move(groups)) {
+  const int rank = groups_.shard ? groups_.shard->rank() : 0;
+  const int size = shard_size();
+  params_.reserve(params.size());
+  for (auto& [fqn, p] : params) {
+    const auto& offload = options_.offload_policy();
+    params_.emplace_back(fqn, std::move(p), rank, size, options_.param_init(), options_.mp_policy(),
+                         offload.has_value(), offload.has_value() && offload->pin_memory());
+  }
+}
+
+std::string ParamGroup::context() const {
+  return "unit '" + name_ + "'";
+}
+
+void ParamGroup::fail(const std::string& msg) const {
+  const auto& g = *options_.group();
+  TORCH_CHECK(false, "[rank ", g.global_ranks().at(g.rank()), "] fsdp ", context(), ": ", msg);
+}
+
+bool ParamGroup::has_trainable_params() const {
+  return std::any_of(params_.begin(), params_.end(),
+                     [](const ShardedParam& p) { return p.requires_grad(); });
+}
+
+int64_t ParamGroup::sharded_bytes() const {
+  int64_t b = 0;
+  for (const auto& p : params_)
+    b += p.padded_shard().numel() * p.padded_shard().element_size();
+  return b;
+}
+
+int64_t ParamGroup::unsharded_bytes() const {
+  int64_t b = 0;
+  for (const auto& p : params_)
+    b += p.unsharded_nbytes();
+  return b;
+}
+
+torch::ScalarType ParamGroup::reduce_dtype(torch::ScalarType master) const {
+  const auto& mp = options_.mp_policy();
+  if (mp.reduce_dtype())
+    return *mp.reduce_dtype();
+  return mp.param_dtype() ? *mp.param_dtype() : master;
+}
+
+// ---- Gathering --------------------------------------------------------------------------------
+
+void ParamGroup::issue_unshard(bool counted) {
+  memory::CategoryScope tag(memory::Category::kGathered);
+  if (unit_state_.gathered())
+    return;
+  const bool gathers = shard_size() > 1 && !params_.empty();
+  std::vector<torch::Tensor> inputs, outputs;
+  for (auto& p : params_) {
+    p.alloc_unsharded();
+    if (!gathers) {
+      p.fill_unsharded_locally();  // nothing to gather; a cast or a format's round trip
+      continue;
+    }
+    // Mixed precision: a cast or encoded copy of the shard, kept until the gather is waited
+    // for. Block shards are already in the compute dtype (decoded, if encoded): they travel
+    // as they are.
+    if (unit_state_.block_shards()) {
+      inputs.push_back(p.block_shard());
+      outputs.push_back(p.padded_unsharded());
+    } else {
+      inputs.push_back(p.gather_input());
+      outputs.push_back(p.gather_output());
+    }
+  }
+  unit_state_.gather_issued(counted);
+  if (counted)
+    state_->prefetcher().acquire_slot();
+  if (gathers) {
+    // After a reshard to a block, backward gathers the blocks inside the (smaller) block group.
+    auto& over = unit_state_.block_shards() ? *groups_.post_forward : *groups_.shard;
+    gather_ = all_gather(over, inputs, outputs, options_.all_gather_bucket_bytes(), context());
+    gather_inputs_ = std::move(inputs);
+  }
+}
+
+void ParamGroup::wait_unshard() {
+  memory::CategoryScope tag(memory::Category::kGathered);
+  if (unit_state_.sharded() != ShardedState::kGathering)
+    return;
+  if (gather_) {
+    // reset() before the wait can throw would destroy an unwaited work; keep it until waited.
+    gather_->wait();
+    gather_.reset();
+    gather_inputs_.clear();
+    for (auto& p : params_)
+      p.finish_gather();  // decodes what arrived in a gather format (nothing otherwise)
+  }
+  drop_block_shards();
+  for (auto& p : params_)
+    p.to_unsharded();
+  unit_state_.gather_done();
+}
+
+void ParamGroup::drop_block_shards() {
+  if (!unit_state_.block_shards())
+    return;
+  for (auto& p : params_)
+    p.drop_block_shard();
+  unit_state_.dropped_block_shards();
+}
+
+void ParamGroup::reshard() {
+  if (!unit_state_.gathered())
+    return;
+  // The transfer writes into the unsharded buffers: it must land (or fail) before they are
+  // freed. CollectiveWork::wait() returns or throws only once every bucket has finished.
+  std::exception_ptr failed;
+  try {
+    wait_unshard();
+  } catch (...) {
+    failed = std::current_exception();
+    gather_.reset();
+    gather_inputs_.clear();
+  }
+  for (auto& p : params_) {
+    p.to_sharded();
+    p.free_unsharded();
+  }
+  if (unit_state_.resharded())
+    state_->prefetcher().release_slot();
+  if (failed)
+    std::rethrow_exception(failed);
+}
+
+void ParamGroup::release() {
+  if (!unit_state_.releasable())
+    return;
+  reshard();
+}
+
+void ParamGroup::set_user_held(bool held) {
+  unit_state_.set_user_held(held);
+}
+
+// ---- Forward ----------------------------------------------------------------------------------
+
+void ParamGroup::pre_forward(bool is_root_call) {
+  if (unit_state_.training() == TrainingState::kForward) {
+    fail(
+        "forward entered again before the previous one finished (a unit cannot run inside its "
+        "own forward)");
+  }
+  unit_state_.forward_entered(is_root_call);
+  try {
+    auto& prefetcher = state_->prefetcher();
+    prefetcher.record_forward(*this);
+    prefetcher.claim(*this);
+    // The root call stays gathered through the model's forward: it is not part of the pipeline.
+    unshard(/*counted=*/!is_root_call);
+    for (auto& next : prefetcher.forward_targets(*this))
+      prefetcher.request(*next);
+    forming_ = c10::make_intrusive<CallRecord>();
+    forming_->unit = weak_from_this();
+    forming_->epoch = state_->epoch();
+  } catch (...) {
+    abort_forward();
+    throw;
+  }
+}
+
+std::vector<torch::Tensor> ParamGroup::wrap_inputs(std::vector<torch::Tensor> inputs) {
+  if (inputs.empty() || !torch::GradMode::is_enabled())
+    return inputs;
+  auto wrapped = PostBackward::apply(forming_, at::TensorList(inputs));
+  for (const auto& t : wrapped) {
+    if (t.grad_fn()) {
+      forming_->post_node.emplace(t.grad_fn());
+      break;
+    }
+  }
+  return wrapped;
+}
+
+void ParamGroup::post_forward(const std::vector<torch::Tensor>& outputs) {
+  TORCH_INTERNAL_ASSERT(unit_state_.training() == TrainingState::kForward, context(),
+                        ": post_forward outside its forward");
+  std::vector<torch::Tensor> hooked;
+  if (torch::GradMode::is_enabled()) {
+    for (const auto& out : outputs) {
+      if (out.requires_grad())
+        hooked.push_back(out);
+    }
+  }
+  const bool pending = !hooked.empty();
+  if (pending && unit_state_.user_held() && has_trainable_params()) {
+    fail(
+        "is held unsharded by fsdp::unshard(), and this forward's outputs need gradients: call "
+        "fsdp::reshard() (or end the UnshardGuard) before training through it");
+  }
+  auto call = std::move(forming_);
+  if (pending) {
+    for (const auto& out : hooked) {
+      // Copy the handle: register_hook is non-const on the autograd metadata only.
+      torch::Tensor handle = out;
+      handle.register_hook([call](const torch::Tensor&) {
+        if (auto unit = call->unit.lock())
+          unit->pre_backward(*call);
+      });
+      if (out.grad_fn())
+        call->output_nodes.emplace_back(out.grad_fn());
+    }
+    calls_.push_back(call);
+  }
+  unit_state_.forward_exited();
+  if (unit_state_.training() != TrainingState::kIdle)
+    return;  // a recomputation inside this unit's backward: the backward needs it gathered
+  // kNoShard "reshards" too: it points the parameters back at their (whole) shards and frees
+  // a mixed-precision copy, which is what keeps its memory equal to DDP's.
+  const bool reshards = options_.strategy() != ShardingStrategy::kShardGradOp &&
+                        options_.reshard_after_forward().value_or(true);
+  // The root call's backward starts right after forward: resharding it would only gather it
+  // again. Held memory is the strategy's, not the prefetch pipeline's: no slot.
+  if (pending && (unit_state_.root_call() || !reshards)) {
+    if (unit_state_.hold_for_backward())
+      state_->prefetcher().release_slot();
+  }
+  if (unit_state_.held() || unit_state_.user_held())
+    return;
+  if (pending && groups_.post_forward) {
+    wait_unshard();
+    for (auto& p : params_)
+      p.keep_block_shard(groups_.post_forward->size(), groups_.post_forward->rank());
+    reshard();
+    unit_state_.kept_block_shards();
+  } else {
+    reshard();
+  }
+}
+
+void ParamGroup::abort_forward() {
+  if (unit_state_.training() != TrainingState::kForward)
+    return;  // post_forward completed before the throw
+  forming_.reset();
+  unit_state_.forward_exited();
+  // The forward fails: what the rate limiter held back is not needed (RootState::exit_forward
+  // drops it too). Dropped first, so that giving back this unit's slot issues nothing.
+  state_->prefetcher().drop_queued();
+  release();
+}
+
+// ---- Backward ---------------------------------------------------------------------------------
+
+bool ParamGroup::expects_backward() const {
+  return std::any_of(calls_.begin(), calls_.end(), [](const auto& c) { return c->alive(); });
+}
+
+bool ParamGroup::awaits_backward() const {
+  const uint64_t pass = state_->pass_id();
+  return std::any_of(calls_.begin(), calls_.end(),
+                     [&](const auto& c) { return c->pre_pass != pass && c->alive(); });
+}
+
+void ParamGroup::forget_calls(std::optional<uint64_t> failed_epoch) {
+  std::erase_if(calls_, [&](const auto& c) {
+    return !c->alive() || (failed_epoch && c->epoch == *failed_epoch);
+  });
+  if (calls_.empty()) {
+    unit_state_.release_hold();
+    drop_block_shards();
+    release();
+  }
+}
+
+void ParamGroup::begin_backward() {
+  if (!unit_state_.grads_stashed()) {
+    // Autograd is about to accumulate full-shape grads into the same parameters.
+    for (auto& p : params_)
+      p.stash_sharded_grad();
+  }
+  unit_state_.backward_began();
+}
+
+void ParamGroup::pre_backward(CallRecord& call) {
+  const uint64_t pass = state_->on_backward_hook();
+  if (call.pre_pass == pass)
+    return;  // another output of the same call
+  call.pre_pass = pass;
+  if (std::none_of(calls_.begin(), calls_.end(), [&](const auto& c) { return c.get() == &call; })) {
+    // A call processed by an earlier pass runs backward again (its graph was retained).
+    calls_.push_back(c10::intrusive_ptr<CallRecord>::reclaim_copy(&call));
+  }
+  if (unit_state_.training() == TrainingState::kIdle)
+    begin_backward();
+  auto& prefetcher = state_->prefetcher();
+  prefetcher.claim(*this);
+  unshard(/*counted=*/!unit_state_.held() && !unit_state_.user_held());
+  if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPre || backward_prefetch_list) {
+    for (auto& next : prefetcher.backward_targets(*this))
+      prefetcher.request(*next);
+  }
+}
+
+void ParamGroup::post_backward(CallRecord& call) {
+  const uint64_t pass = state_->on_backward_hook();
+  if (call.post_pass == pass)
+    return;
+  if (std::none_of(calls_.begin(), calls_.end(), [&](const auto& c) { return c.get() == &call; }))
+    return;  // a call whose outputs needed no grad: nothing of the unit ran for it
+  call.post_pass = pass;
+  if (unit_state_.training() != TrainingState::kPreBackward)
+    return;
+  // Another call of this unit is in the middle of its backward (its first output gradient
+  // arrived, its inputs' gradients are not complete): it still reads the gathered parameters,
+  // so the reduction waits for it. Otherwise each call's backward reduces on its own: a unit
+  // called twice far apart is not held gathered (with its unsharded grads) in between.
+  for (const auto& other : calls_) {
+    if (other.get() != &call && other->pre_pass == pass && other->post_pass != pass)
+      return;
+  }
+  reduce_gradients();
+}
+
+void ParamGroup::reduce_gradients() {
+  memory::CategoryScope tag(memory::Category::kGrads);
+  unit_state_.reduce_began();
+  std::vector<ShardedParam*> trainable;
+  for (auto& p : params_) {
+    if (p.requires_grad())
+      trainable.push_back(&p);
+  }
+  if (!requires_gradient_sync_) {
+    // Accumulation without communication: this pass's grads are held aside and added to the
+    // local accumulator when the pass ends well (end_backward_pass).
+    for (auto* p : trainable)
+      p->hold_pass_grad(p->take_unsharded_grad());
+  } else if (!trainable.empty()) {
+    auto dtype = trainable.front()->dtype();
+    for (auto* p : trainable) {
+      if (p->dtype() != dtype) {
+        fail("trainable parameters of one unit must share a dtype ('" + p->fqn() + "' is " +
+             c10::toString(p->dtype()) + ", '" + trainable.front()->fqn() + "' is " +
+             c10::toString(dtype) + ")");
+      }
+    }
+    state_->finish_reduce_scatters();
+    // Reduce-scatter input, rank-major: [N][param 0 chunk | param 1 chunk | ... | P flags].
+    // Every rank sends every parameter, zeros where it has no gradient, so that all ranks
+    // issue the same collectives with the same sizes.
+    const int n = shard_size();
+    const int64_t n_params = static_cast<int64_t>(trainable.size());
+    int64_t chunks = 0;
+    for (auto* p : trainable)
+      chunks += p->padded_shard_numel();
+    const int64_t s = chunks + n_params;
+    // Reduced in reduce_dtype; the results join the grads in the master dtype (add_to_stash).
+    // On the compute device, also when the shards are offloaded to the host.
+    auto opts = torch::TensorOptions()
+                    .dtype(reduce_dtype(trainable.front()->dtype()))
+                    .device(trainable.front()->compute_device());
+    PendingReduce pending;
+    pending.params = trainable;
+    {
+      torch::NoGradGuard no_grad;
+      pending.input = torch::empty({n * s}, opts);
+      auto rows = pending.input.view({n, s});
+      auto flags = rows.narrow(1, chunks, n_params);
+      int64_t offset = 0;
+      for (int64_t i = 0; i < n_params; ++i) {
+        auto* p = trainable[static_cast<size_t>(i)];
+        const int64_t len = p->padded_shard_numel();
+        auto g = p->take_unsharded_grad();
+        // Grads kept by earlier no-sync passes travel with the pass's first reduction only.
+        const bool has_grad = p->copy_grad_into(
+            g, rows.narrow(1, offset, len).view({n, p->chunk_rows(), p->row_numel()}),
+            /*add_kept=*/reduces_.empty());
+        flags.select(1, i).fill_(has_grad ? 1 : 0);
+        offset += len;
+      }
+      // The unsharded parameters are done with: free them before the collective's buffers
+      // are allocated, so a unit never holds params, grads and both buffers at once.
+      unit_state_.release_hold();
+      if (!unit_state_.user_held())
+        reshard();
+      if (n > 1) {
+        pending.output = torch::empty({s}, opts);
+        pending.reduce_scatter = reduce_scatter(*groups_.shard, pending.input, pending.output,
+                                                ReduceOp::kAvg, context());
+      } else {
+        pending.output = std::move(pending.input);  // nothing to scatter: the grads are ours
+      }
+    }
+    reduces_.push_back(std::move(pending));
+    if (n == 1)
+      issue_all_reduce();  // no reduce-scatter to wait for: overlap it with what follows
+    else
+      state_->track_reduce_scatter(*this);
+  }
+  unit_state_.release_hold();
+  unit_state_.reduce_done();
+  release();
+  if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPost && !backward_prefetch_list) {
+    auto& prefetcher = state_->prefetcher();
+    for (auto& next : prefetcher.backward_targets(*this))
+      prefetcher.request(*next);
+  }
+}
+
+void ParamGroup::issue_all_reduce() {
+  memory::CategoryScope tag(memory::Category::kGrads);
+  for (auto& r : reduces_) {
+    if (r.all_reduce_issued || r.reduce_scatter)
+      continue;
+    r.all_reduce_issued = true;
+    if (!groups_.replicate || groups_.replicate->size() == 1)
+      continue;
+    // Buckets bound the size of one collective (and of the backend's staging buffers).
+    const auto& out = r.output;
+    const int64_t per_bucket = std::max<int64_t>(
+        1, options_.all_reduce_bucket_bytes() / static_cast<int64_t>(out.element_size()));
+    for (int64_t start = 0; start < out.numel(); start += per_bucket) {
+      const int64_t len = std::min(per_bucket, out.numel() - start);
+      r.all_reduces.push_back(
+          all_reduce(*groups_.replicate, out.narrow(0, start, len), ReduceOp::kAvg, context()));
+    }
+  }
+}
+
+void ParamGroup::finish_reduce_scatter() {
+  memory::CategoryScope tag(memory::Category::kGrads);
+  for (auto& r : reduces_) {
+    if (r.reduce_scatter) {
+      r.reduce_scatter->wait();
+      r.reduce_scatter.reset();
+      r.input = torch::Tensor();
+    }
+  }
+  issue_all_reduce();
+}
+
+void ParamGroup::finish_backward() {
+  if (unit_state_.training() == TrainingState::kPreBackward)
+    reduce_gradients();
+}
+
+void ParamGroup::wait_reduces() {
+  memory::CategoryScope tag(memory::Category::kGrads);
+  finish_reduce_scatter();
+  for (auto& r : reduces_) {
+    for (auto& w : r.all_reduces)
+      w->wait();
+    r.all_reduces.clear();
+  }
+}
+
+void ParamGroup::install_grads() {
+  memory::CategoryScope tag(memory::Category::kGrads);
+  torch::NoGradGuard no_grad;
+  for (auto& r : reduces_) {
+    int64_t chunks = 0;
+    for (auto* p : r.params)
+      chunks += p->padded_shard_numel();
+    // One host copy of the flags per unit (a device sync on CUDA, at the end of backward only).
+    auto flags = r.output.narrow(0, chunks, static_cast<int64_t>(r.params.size()))
+                     .to(torch::kCPU, torch::kFloat);
+    const float* flag = flags.data_ptr<float>();
+    int64_t offset = 0;
+    for (size_t i = 0; i < r.params.size(); ++i) {
+      auto* p = r.params[i];
+      const int64_t len = p->padded_shard_numel();
+      if (flag[i] > 0)
+        p->add_to_stash(r.output.narrow(0, offset, len));
+      offset += len;
+    }
+  }
+}
+
+void ParamGroup::end_backward_pass(uint64_t pass) {
+  // A reduction in this pass sent the grads kept by earlier no-sync passes along.
+  const bool kept_consumed = !reduces_.empty();
+  for (auto& p : params_) {
+    if (unit_state_.grads_stashed())
+      p.restore_stash();
+    p.commit_pass(/*drop_kept=*/kept_consumed);
+  }
+  reduces_.clear();
+  unit_state_.pass_closed();
+  drop_block_shards();
+  release();
+  std::erase_if(calls_, [&](const auto& c) {
+    return c->pre_pass == pass || c->post_pass == pass || !c->alive();
+  });
+}
+
+void ParamGroup::abort_backward_pass(uint64_t pass, std::vector<std::string>& errors) {
+  // Every transfer must have landed (or failed) before its buffers go.
+  for (auto& r : reduces_) {
+    if (r.reduce_scatter)
+      collect_errors(errors, [&] { r.reduce_scatter->wait(); });
+    for (auto& w : r.all_reduces)
+      collect_errors(errors, [&] { w->wait(); });
+  }
+  reduces_.clear();
+  for (auto& p : params_) {
+    // The stash replaces whatever autograd accumulated in the failed pass.
+    if (unit_state_.grads_stashed())
+      p.restore_stash();
+    p.abort_pass();
+  }
+  unit_state_.pass_closed();
+  collect_errors(errors, [&] { release(); });
+  drop_block_shards();
+  std::erase_if(calls_, [&](const auto& c) {
+    return c->pre_pass == pass || c->post_pass == pass || !c->alive();
+  });
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,1123 @@
+// fsdp-train as a user runs it: config validation (one line, exit code 2), short runs that
+// write every metrics field, the same losses from --nproc and torchrun, and a reference in
+// docs/trainer.md that matches the code.
+#include <gtest/gtest.h>
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "config/config.h"
+#include "data/finetune_data.h"
+#include "harness/command.h"
+#include "harness/files.h"
+#include "observe/metrics.h"
+
+namespace {
+
+// The vocabulary of the test data (data.vocab_size below).
+constexpr int kTestVocab = 512;
+
+namespace fs = std::filesystem;
+using fsdp::test::file_bytes;
+
+using fsdp::test::CommandResult;
+
+CommandResult run(const std::string& command) {
+  return fsdp::test::run_command(command);
+}
+
+std::string train_cmd() {
+  return FSDP_TRAIN_PATH;
+}
+
+// One data directory for every run of this file: prepared once, reused (prepare is idempotent).
+std::string data_dir() {
+  return (fs::path(FSDP_TEST_WORK_DIR) / "data-kjv-512").string();
+}
+
+std::string write_config(const std::string& name, const std::string& body) {
+  const auto path = fs::path(FSDP_TEST_WORK_DIR) / (name + ".toml");
+  fs::create_directories(path.parent_path());
+  std::ofstream(path) << body;
+  return path.string();
+}
+
+// A config small enough for a few seconds per run on two cores.
+std::string tiny_config(const std::string& run_dir, const std::string& arch = "gpt",
+                        const std::string& preset = "gpt2-test") {
+  return "[model]\narch = \"" + arch + "\"\npreset = \"" + preset + "\"\n[data]\ndir = \"" +
+         data_dir() +
+         "\"\nvocab_size = 512\n[training]\nsteps = 6\nbatch_size = 2\nseq_len = 16\n"
+         "eval_every = 3\neval_batches = 2\nwarmup_steps = 2\n[logging]\nrun_dir = \"" +
+         run_dir + "\"\nprogress = \"lines\"\nlog_every = 1\n[generate]\ntokens = 8\n";
+}
+
+int line_count(const std::string& s) {
+  return static_cast<int>(std::count(s.begin(), s.end(), '\n'));
+}
+
+TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
+  const auto ok = tiny_config((fs::path(FSDP_TEST_WORK_DIR) / "unused").string());
+  struct Case {
+    std::string config, args, must_mention;
+  };
+  std::vector<Case> cases = {
+      {ok + "[training]\n", "", "training"},  // a repeated section is a TOML error
+      {"[training]\nstepz = 3\n", "",
+       "unknown key 'training.stepz' (did you mean 'training.steps'?)"},
+      {"[training]\nsteps = \"ten\"\n", "", "'training.steps' must be an integer, got string"},
+      {"[logging]\nprogress = \"fancy\"\n", "", "'logging.progress' must be one of auto, bar"},
+      {"[model]\narch = \"rnn\"\n", "", "'model.arch' must be one of gpt, llama"},
+      {"[data]\ncorpus = \"/no/such/corpus.txt\"\n", "", "data.corpus"},
+      {"[training]\nseq_len = 1\n", "", "'training.seq_len' must be >= 2"},
+      {"", "--training.steps=abc", "'training.steps' must be an integer, got 'abc'"},
+      {"", "--training.nope=1", "unknown key 'training.nope'"},
+      {"", "--training.steps", "must look like --section.key=value"},
+      {"", "--model.preset=gpt2-huge --training.steps=1",
+       "'model.preset' = 'gpt2-huge' is not a gpt preset"},
+      {"model = 3\n", "", "'model' must be a section"},
+      {"", "--fsdp.strategy=zero3", "'fsdp.strategy' must be one of full_shard, shard_grad_op"},
+      {"", "--fsdp.backward_prefetch=early", "'fsdp.backward_prefetch' must be one of none"},
+      {"", "--fsdp.max_inflight_all_gathers=0", "'fsdp.max_inflight_all_gathers' must be >= 1"},
+      {"", "--fsdp.all_reduce_bucket_mb=0", "'fsdp.all_reduce_bucket_mb' must be > 0"},
+      {"", "--fsdp.all_gather_bucket_mb=-1", "'fsdp.all_gather_bucket_mb' must be >= 0"},
+      {"", "--fsdp.gloo_lanes=0", "'fsdp.gloo_lanes' must be between 1 and 16, got 0"},
+      {"", "--fsdp.check_collectives=-1", "'fsdp.check_collectives' must be >= 0"},
+      {"", "--training.device=tpu", "'training.device' must be one of cpu, cuda"},
+      {"", "--precision.param_dtype=fp16 --precision.loss_scaling=none",
+       "'precision.loss_scaling' must not be none with precision.param_dtype = fp16"},
+      {"", "--precision.param_dtype=fp8", "'precision.param_dtype' must be one of fp32, bf16"},
+      {"", "--precision.gather_format=int4",
+       "'precision.gather_format' must be one of param_dtype, bf16, fp16, int8"},
+      {"", "--precision.int8_block=0", "'precision.int8_block' must be between 1 and 1048576"},
+      {"", "--fsdp.activation_checkpointing=some",
+       "'fsdp.activation_checkpointing' must be one of none, full, selective"},
+      {"", "--fsdp.ac_every=0", "'fsdp.ac_every' must be >= 1"},
+      {"", "--optimizer.name=lamb", "'optimizer.name' must be one of adamw, adamw_fused, sgd"},
+      {"", "--optimizer.name=adamw --optimizer.offload=file",
+       "'optimizer.offload' = file needs a fused optimizer"},
+      {"", "--optimizer.name=adamw --optimizer.moments_dtype=bf16",
+       "'optimizer.moments_dtype' = bf16 needs a fused optimizer"},
+      {"", "--optimizer.offload=file --optimizer.offload_dir=/no/such/dir",
+       "'optimizer.offload_dir' '/no/such/dir' is not an existing directory"},
+      {"", "--optimizer.chunk_mb=0", "'optimizer.chunk_mb' must be between"},
+      {"", "--optimizer.name=sgd --optimizer.momentum=0 --optimizer.nesterov=true",
+       "'optimizer.nesterov' needs optimizer.momentum > 0"},
+      // The job's shape: checked by the launcher before any rank starts...
+      {"", "--nproc 2 --fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=3",
+       "'fsdp.hybrid_shard_size' = 3 must divide the world size (2 ranks)"},
+      {"", "--nproc 2 --fsdp.hybrid_shard_size=3", "'fsdp.hybrid_shard_size'"},
+      {"", "--nproc 2 --fsdp.reshard_after_forward_size=3",
+       "'fsdp.reshard_after_forward_size' = 3 must divide the 2 ranks"},
+      // ...and by a single process (world size 1) before it joins.
+      {"", "--fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=2",
+       "'fsdp.hybrid_shard_size' = 2 must divide the world size (1 rank)"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const auto& c = cases[i];
+    std::string cmd = train_cmd();
+    if (!c.config.empty()) {
+      cmd += ' ';  // not " " + string&&: GCC 12 warns falsely (-Wrestrict) on that insert
+      cmd += write_config("bad" + std::to_string(i), c.config);
+    }
+    cmd += " " + c.args + " --data.dir=" + data_dir() + " --data.vocab_size=512";
+    if (c.must_mention.find("preset") != std::string::npos) {
+      cmd += " --logging.run_dir=" + (fs::path(FSDP_TEST_WORK_DIR) / "bad-preset").string();
+    }
+    const CommandResult r = run(cmd);
+    EXPECT_EQ(r.code, 2) << "case " << i << ": " << cmd << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.must_mention), std::string::npos)
+        << "case " << i << " should mention \"" << c.must_mention << "\":\n"
+        << r.output;
+    EXPECT_NE(r.output.find("error"), std::string::npos) << r.output;
+    // The preset error comes from a rank after data preparation; the rest before any rank starts.
+    if (c.must_mention.find("preset") == std::string::npos) {
+      EXPECT_EQ(line_count(r.output), 1) << "case " << i << ":\n" << r.output;
+    }
+  }
+  // A bad config under --nproc fails before any rank is started: once, immediately.
+  const CommandResult r = run(train_cmd() + " --nproc 2 --training.steps=0");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_EQ(line_count(r.output), 1) << r.output;
+}
+
+// training.device = "cuda" on a machine without a GPU (ours): fsdp-train hands over to
+// fsdp-train-cuda, which refuses in one line before joining the job or touching data.
+TEST(TrainerConfig, CudaDeviceWithoutGpuIsOneLineAndExitCode2) {
+  if (fs::exists("/dev/nvidiactl"))
+    GTEST_SKIP() << "this machine has an NVIDIA driver: tests/cuda covers the device path";
+  for (const int nproc : {1, 2}) {
+    std::string cmd = train_cmd();
+    if (nproc > 1)
+      cmd += " --nproc " + std::to_string(nproc);
+    cmd += " --training.device=cuda --data.dir=" + data_dir();
+    const CommandResult r = run(cmd);
+    EXPECT_EQ(r.code, 2) << cmd << "\n" << r.output;
+    EXPECT_NE(r.output.find("'training.device' = 'cuda' but"), std::string::npos) << r.output;
+    EXPECT_EQ(line_count(r.output), 1) << r.output;  // under --nproc, before any rank starts
+  }
+}
+
+TEST(TrainerConfig, PrintConfigRoundTripsAndOverridesApply) {
+  const CommandResult r = run(train_cmd() +
+                              " --print-config --training.steps=42 --model.arch=llama "
+                              "--model.preset=llama-tiny --training.lr=0.5");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto path = write_config("printed", r.output);
+  const auto c = fsdp_trainer::load_config(path, {});
+  EXPECT_EQ(c.training.steps, 42);
+  EXPECT_EQ(c.model.arch, "llama");
+  EXPECT_DOUBLE_EQ(c.training.lr, 0.5);
+  EXPECT_EQ(fsdp_trainer::to_toml(c), r.output);
+}
+
+TEST(TrainerConfig, ReferenceInDocsMatchesTheCode) {
+  std::ifstream in(fs::path(FSDP_SOURCE_DIR) / "docs" / "trainer.md");
+  ASSERT_TRUE(in) << "docs/trainer.md is missing";
+  std::stringstream doc;
+  doc << in.rdbuf();
+  const std::string reference = fsdp_trainer::reference_markdown();
+  EXPECT_NE(doc.str().find(reference), std::string::npos)
+      << "docs/trainer.md does not contain the current option reference; regenerate it with "
+         "`fsdp-train --config-reference` and paste it in:\n"
+      << reference;
+  // Every option appears in the reference exactly once.
+  for (const auto& o : fsdp_trainer::option_table()) {
+    EXPECT_NE(reference.find("`" + o.key + "`"), std::string::npos) << o.key;
+  }
+}
+
+std::vector<fsdp_trainer::StepMetrics> train_and_read(const std::string& name,
+                                                      const std::string& launch,
+                                                      const std::string& extra = "",
+                                                      const std::string& arch = "gpt",
+                                                      const std::string& preset = "gpt2-test") {
+  const auto run_dir = (fs::path(FSDP_TEST_WORK_DIR) / ("run-" + name)).string();
+  fs::remove_all(run_dir);
+  const auto config = write_config(name, tiny_config(run_dir, arch, preset));
+  const CommandResult r = run(launch + " " + config + " " + extra);
+  EXPECT_EQ(r.code, 0) << launch << " " << config << "\n" << r.output;
+  if (r.code != 0)
+    return {};
+  EXPECT_TRUE(fs::exists(fs::path(run_dir) / "config.toml"));
+  EXPECT_TRUE(fs::exists(fs::path(run_dir) / "breakdown.txt"));
+  EXPECT_TRUE(fs::exists(fs::path(run_dir) / "sample.txt"));
+  EXPECT_GT(fs::file_size(fs::path(run_dir) / "plot.png"), 1000u);
+  EXPECT_NE(r.output.find("Step-time breakdown"), std::string::npos) << r.output;
+  return fsdp_trainer::read_metrics((fs::path(run_dir) / "metrics.jsonl").string());
+}
+
+void expect_sane(const std::vector<fsdp_trainer::StepMetrics>& m) {
+  ASSERT_EQ(m.size(), 6u);
+  for (size_t i = 0; i < m.size(); ++i) {
+    const auto& s = m[i];
+    EXPECT_EQ(s.step, static_cast<int64_t>(i) + 1);
+    EXPECT_TRUE(std::isfinite(s.loss) && s.loss > 0 && s.loss < 20) << s.loss;
+    EXPECT_GT(s.lr, 0);
+    EXPECT_GT(s.tokens_per_second, 0);
+    // MFU is a fraction of what this machine's matmuls did at start-up (matmul_speed.h).
+    EXPECT_GT(s.mfu, 0);
+    EXPECT_LE(s.mfu, 1.0) << "step " << s.step;
+    EXPECT_GT(s.peak_bytes, 0);
+    // The process holds LibTorch and the tracked tensors at least.
+    ASSERT_TRUE(s.rss_bytes.has_value() && s.peak_rss_bytes.has_value());
+    EXPECT_GT(*s.rss_bytes, s.peak_bytes);
+    EXPECT_GE(*s.peak_rss_bytes, *s.rss_bytes);
+    EXPECT_GT(s.time_forward_s, 0);
+    EXPECT_GT(s.time_backward_s, 0);
+    // The exposed waits are parts of the phases they happen in, and the phases of the step.
+    EXPECT_LE(s.time_allgather_wait_forward_s, s.time_forward_s) << "step " << s.step;
+    EXPECT_LE(
+        s.time_allgather_wait_s - s.time_allgather_wait_forward_s + s.time_reducescatter_wait_s,
+        s.time_backward_s)
+        << "step " << s.step;
+    EXPECT_LE(s.time_forward_s + s.time_backward_s + s.time_optimizer_s, s.step_time_s)
+        << "step " << s.step;
+    EXPECT_GT(s.time_optimizer_s, 0);
+    EXPECT_GT(s.allgather_bytes, 0);
+    EXPECT_GT(s.reducescatter_bytes, 0);
+    EXPECT_EQ(s.allgather_bytes, m[0].allgather_bytes) << "traffic must not change per step";
+    EXPECT_EQ(s.eval_loss.has_value(), s.step % 3 == 0) << s.step;
+  }
+  // Warm-up: the learning rate rises over the first two steps.
+  EXPECT_LT(m[0].lr, m[1].lr);
+}
+
+TEST(TrainerRun, NprocTwoWritesEveryMetric) {
+  auto m = train_and_read("gpt-nproc2", train_cmd() + " --nproc 2");
+  expect_sane(m);
+}
+
+// Accumulation through the config: 2 micro-batches reduce-scatter twice per step, or once with
+// no_sync; the same sequences, so the losses agree closely (summation order differs).
+TEST(TrainerRun, MicroBatchesSyncAndNoSync) {
+  auto sync =
+      train_and_read("accum-sync", train_cmd() + " --nproc 2", "--training.micro_batches=2");
+  auto no_sync = train_and_read("accum-nosync", train_cmd() + " --nproc 2",
+                                "--training.micro_batches=2 --fsdp.sync_every_micro_batch=false");
+  auto plain = train_and_read("accum-plain", train_cmd() + " --nproc 2");
+  ASSERT_EQ(sync.size(), 6u);
+  ASSERT_EQ(no_sync.size(), 6u);
+  ASSERT_EQ(plain.size(), 6u);
+  for (size_t i = 0; i < sync.size(); ++i) {
+    EXPECT_EQ(sync[i].reducescatter_bytes, 2 * plain[i].reducescatter_bytes);
+    EXPECT_EQ(no_sync[i].reducescatter_bytes, plain[i].reducescatter_bytes);
+    EXPECT_NEAR(sync[i].loss, plain[i].loss, 1e-4 * plain[i].loss) << "step " << i + 1;
+    EXPECT_NEAR(no_sync[i].loss, plain[i].loss, 1e-4 * plain[i].loss) << "step " << i + 1;
+  }
+}
+
+// Sampling gathers the model once (generate.unshard) or once per token: the same text.
+TEST(TrainerRun, SampleIsTheSameGatheredOnceOrPerToken) {
+  std::vector<std::string> samples;
+  for (const std::string unshard : {"true", "false"}) {
+    const auto run_dir = (fs::path(FSDP_TEST_WORK_DIR) / ("run-sample-" + unshard)).string();
+    fs::remove_all(run_dir);
+    const auto config = write_config("sample-" + unshard, tiny_config(run_dir));
+    const CommandResult r = run(train_cmd() + " --nproc 2 " + config +
+                                " --training.steps=2 --training.eval_every=0 "
+                                "--training.eval_batches=1 --logging.plot=false "
+                                "--generate.tokens=12 --generate.unshard=" +
+                                unshard);
+    ASSERT_EQ(r.code, 0) << r.output;
+    std::ifstream in(fs::path(run_dir) / "sample.txt");
+    samples.emplace_back(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  EXPECT_GT(samples[0].size(), 1u);
+  EXPECT_EQ(samples[0], samples[1]);
+}
+
+// A short run without evaluation, sample or plot: only metrics.jsonl matters.
+std::vector<fsdp_trainer::StepMetrics> quick_run(const std::string& name, int nproc,
+                                                 const std::string& extra,
+                                                 const std::string& preset = "gpt2-test") {
+  const auto run_dir = (fs::path(FSDP_TEST_WORK_DIR) / ("run-" + name)).string();
+  fs::remove_all(run_dir);
+  const auto config = write_config(name, tiny_config(run_dir, "gpt", preset));
+  const std::string cmd = train_cmd() + " --nproc " + std::to_string(nproc) + " " + config +
+                          " --training.steps=3 --training.eval_every=0 --training.eval_batches=1"
+                          " --generate.tokens=0 --logging.plot=false " +
+                          extra;
+  const CommandResult r = run(cmd);
+  EXPECT_EQ(r.code, 0) << cmd << "\n" << r.output;
+  if (r.code != 0)
+    return {};
+  return fsdp_trainer::read_metrics((fs::path(run_dir) / "metrics.jsonl").string());
+}
+
+// The same model and data under three strategies, 2 ranks: memory and traffic move the
+// documented way (docs/trainer.md, "Choosing a sharding strategy"). gpt2-tiny with 8 blocks:
+// enough blocks that holding all of them gathered (shard_grad_op) outweighs full_shard's
+// prefetched ones (with 4, 2 in flight plus the gradient buffers come close).
+TEST(TrainerRun, StrategiesTradeMemoryForTraffic) {
+  const std::vector<std::string> strategies = {"full_shard", "shard_grad_op", "no_shard"};
+  std::vector<fsdp_trainer::StepMetrics> last;
+  for (const auto& s : strategies) {
+    auto m = quick_run("strategy-" + s, 2, "--model.n_layer=8 --fsdp.strategy=" + s, "gpt2-tiny");
+    ASSERT_EQ(m.size(), 3u) << s;
+    for (const auto& step : m)
+      EXPECT_TRUE(std::isfinite(step.loss)) << s << " step " << step.step;
+    last.push_back(m.back());  // after step 1: the optimizer state exists
+    std::printf(
+        "STRATEGY %-13s peak_bytes %lld allgather_bytes %lld reducescatter_bytes %lld "
+        "allreduce_bytes %lld loss %.4f\n",
+        s.c_str(), static_cast<long long>(m.back().peak_bytes),
+        static_cast<long long>(m.back().allgather_bytes),
+        static_cast<long long>(m.back().reducescatter_bytes),
+        static_cast<long long>(m.back().allreduce_bytes), m.back().loss);
+  }
+  const auto &full = last[0], &grad_op = last[1], &none = last[2];
+  EXPECT_LT(full.peak_bytes, grad_op.peak_bytes);
+  EXPECT_LT(grad_op.peak_bytes, none.peak_bytes);
+  // full_shard gathers every block twice, shard_grad_op once; the root once in both.
+  EXPECT_EQ(none.allgather_bytes, 0);
+  EXPECT_GT(grad_op.allgather_bytes, 0);
+  EXPECT_LT(grad_op.allgather_bytes, full.allgather_bytes);
+  EXPECT_GT(full.reducescatter_bytes, 0);
+  EXPECT_EQ(grad_op.reducescatter_bytes, full.reducescatter_bytes);
+  EXPECT_EQ(none.reducescatter_bytes, 0);
+  // no_shard all-reduces the whole gradient; the others only clipping's norm.
+  EXPECT_GT(none.allreduce_bytes, 0);
+  EXPECT_GT(none.allreduce_bytes, full.allreduce_bytes);
+  // The same model, data and update: the losses agree up to summation order.
+  EXPECT_NEAR(grad_op.loss, full.loss, 1e-4 * full.loss);
+  EXPECT_NEAR(none.loss, full.loss, 1e-4 * full.loss);
+}
+
+// The overlap knobs through the trainer: prefetch, the rate limiter, all-gather buckets and
+// Gloo lanes change when bytes move and what is held, never which bytes move or the math.
+TEST(TrainerRun, PrefetchKnobsMoveMemoryNotMath) {
+  struct Knob {
+    std::string name, args;
+  };
+  const std::vector<Knob> knobs = {
+      {"prefetch", ""},
+      {"no-prefetch", "--fsdp.forward_prefetch=false --fsdp.backward_prefetch=none"},
+      {"limit1", "--fsdp.max_inflight_all_gathers=1"},
+      {"one-call-one-lane", "--fsdp.all_gather_bucket_mb=0 --fsdp.gloo_lanes=1"},
+      {"tiny-buckets", "--fsdp.all_gather_bucket_mb=0.1 --fsdp.backward_prefetch=backward_post"},
+  };
+  std::vector<fsdp_trainer::StepMetrics> last;
+  for (const auto& k : knobs) {
+    auto m = quick_run("knob-" + k.name, 2, "--model.n_layer=8 " + k.args, "gpt2-tiny");
+    ASSERT_EQ(m.size(), 3u) << k.name;
+    last.push_back(m.back());
+    std::printf("KNOB %-18s peak_bytes %lld allgather_bytes %lld allgather_wait %.4f s loss %.6f\n",
+                k.name.c_str(), static_cast<long long>(m.back().peak_bytes),
+                static_cast<long long>(m.back().allgather_bytes), m.back().time_allgather_wait_s,
+                m.back().loss);
+  }
+  for (size_t i = 1; i < knobs.size(); ++i) {
+    // Same collectives, same reduction order: bit-identical losses and byte counts.
+    EXPECT_EQ(last[i].loss, last[0].loss) << knobs[i].name;
+    EXPECT_EQ(last[i].allgather_bytes, last[0].allgather_bytes) << knobs[i].name;
+    EXPECT_EQ(last[i].reducescatter_bytes, last[0].reducescatter_bytes) << knobs[i].name;
+  }
+  // Prefetch holds the next block while the current one computes; without it, or with one
+  // gather at a time, it does not.
+  EXPECT_LT(last[1].peak_bytes, last[0].peak_bytes);
+  EXPECT_LT(last[2].peak_bytes, last[0].peak_bytes);
+}
+
+// [optimizer]: the fused AdamW follows torch's within rounding; its state in a file (bf16 or
+// not) gives bitwise the in-memory run's losses, and the metrics count the streamed bytes;
+// SGD trains; a directory the state cannot be written to stops the run before its first step.
+TEST(TrainerRun, OptimizerChoicesAndOffload) {
+  const std::string shape = "--training.steps=4 ";
+  // gpt2-tiny: 3.4 MB of AdamW state per rank, against two 64 KiB chunk buffers.
+  auto torch_adamw = quick_run("opt-torch", 2, shape + "--optimizer.name=adamw", "gpt2-tiny");
+  auto fused = quick_run("opt-fused", 2, shape + "--optimizer.name=adamw_fused", "gpt2-tiny");
+  auto offload = quick_run(
+      "opt-file", 2, shape + "--optimizer.offload=file --optimizer.chunk_mb=0.0625", "gpt2-tiny");
+  auto bf16 = quick_run("opt-bf16", 2, shape + "--optimizer.moments_dtype=bf16");
+  auto bf16_file = quick_run(
+      "opt-bf16-file", 2,
+      shape + "--optimizer.moments_dtype=bf16 --optimizer.offload=file --optimizer.chunk_mb=0.1");
+  // CPU offload of the parameters too (on CPU the copies happen but change nothing).
+  auto cpu_offload = quick_run("opt-cpu-offload", 2,
+                               shape +
+                                   "--fsdp.cpu_offload=true --optimizer.offload=file "
+                                   "--optimizer.chunk_mb=0.0625",
+                               "gpt2-tiny");
+  auto sgd = quick_run("opt-sgd", 2, "--training.steps=6 --optimizer.name=sgd --training.lr=0.3");
+  for (const auto* m : {&torch_adamw, &fused, &offload, &bf16, &bf16_file, &cpu_offload})
+    ASSERT_EQ(m->size(), 4u);
+  ASSERT_EQ(sgd.size(), 6u);
+  for (size_t i = 0; i < 4; ++i) {
+    // One-ulp differences in the parameters (torch's sqrt goes through MKL) move the loss by
+    // far less than 1e-5 in 4 steps.
+    EXPECT_NEAR(fused[i].loss, torch_adamw[i].loss, 1e-5 * torch_adamw[i].loss) << i;
+    EXPECT_EQ(offload[i].loss, fused[i].loss) << "step " << i + 1;
+    EXPECT_EQ(cpu_offload[i].loss, fused[i].loss) << "step " << i + 1;
+    EXPECT_EQ(bf16_file[i].loss, bf16[i].loss) << "step " << i + 1;
+    EXPECT_FALSE(fused[i].offload_read_bytes.has_value());
+    ASSERT_TRUE(offload[i].offload_read_bytes.has_value());
+    EXPECT_GT(*offload[i].offload_read_bytes, 0);
+    EXPECT_EQ(*offload[i].offload_read_bytes, *offload[i].offload_written_bytes);
+    ASSERT_TRUE(bf16_file[i].offload_read_bytes.has_value());
+    EXPECT_EQ(*bf16_file[i].offload_read_bytes, *bf16_file[i].offload_written_bytes);
+  }
+  // With the state in the file, the optimizer's resident memory is two chunk buffers.
+  EXPECT_LT(*offload.back().mem_optimizer_bytes, *fused.back().mem_optimizer_bytes);
+  EXPECT_LT(sgd.back().loss, sgd.front().loss);
+  // The offload directory is left empty: the state files were unlinked when opened.
+  const auto dir = fs::path(FSDP_TEST_WORK_DIR) / "run-opt-file" / "offload";
+  EXPECT_TRUE(fs::is_directory(dir));
+  EXPECT_TRUE(fs::is_empty(dir));
+  // A directory on a read-only file system: every rank fails before training, naming it.
+  const CommandResult r =
+      run(train_cmd() + " --nproc 2 " +
+          write_config("opt-ro", tiny_config((fs::path(FSDP_TEST_WORK_DIR) / "run-opt-ro").string(),
+                                             "gpt", "gpt2-test")) +
+          " --optimizer.offload=file --optimizer.offload_dir=/proc");
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("optimizer offload directory '/proc': cannot create"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("step 1"), std::string::npos) << r.output;
+}
+
+// Activation checkpointing changes memory, not math: the losses are bit-identical, the traffic
+// the same, and less is held. bf16 gathers move half the bytes; fp16 runs with a loss scale.
+TEST(TrainerRun, CheckpointingAndPrecisionKnobs) {
+  const std::string shape = "--model.n_layer=4 ";
+  auto plain = quick_run("ac-none", 2, shape);
+  auto full = quick_run("ac-full", 2, shape + "--fsdp.activation_checkpointing=full");
+  auto selective = quick_run("ac-selective", 2,
+                             shape + "--fsdp.activation_checkpointing=selective --fsdp.ac_every=2");
+  auto bf16 = quick_run("bf16", 2, shape + "--precision.param_dtype=bf16");
+  auto fp16 = quick_run("fp16", 2, shape + "--precision.param_dtype=fp16");
+  // fp32 compute over an int8 all-gather and a bf16 reduce-scatter.
+  auto int8 = quick_run("int8-gather", 2,
+                        shape + "--precision.gather_format=int8 --precision.reduce_dtype=bf16");
+  for (const auto* m : {&plain, &full, &selective, &bf16, &fp16, &int8})
+    ASSERT_EQ(m->size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(full[i].loss, plain[i].loss) << "step " << i + 1;
+    EXPECT_EQ(selective[i].loss, plain[i].loss) << "step " << i + 1;
+    EXPECT_EQ(full[i].allgather_bytes, plain[i].allgather_bytes);
+    EXPECT_EQ(2 * bf16[i].allgather_bytes, plain[i].allgather_bytes);
+    // bf16 keeps 8 bits of mantissa: after 3 steps the loss moves by well under 1%.
+    EXPECT_NEAR(bf16[i].loss, plain[i].loss, 1e-2 * plain[i].loss) << "step " << i + 1;
+    EXPECT_NEAR(fp16[i].loss, plain[i].loss, 1e-2 * plain[i].loss) << "step " << i + 1;
+    // int8 with a scale per 256 values: 1 + 4/256 bytes per value (bf16 for the 1-d
+    // parameters), between a quarter and 0.3 of fp32's bytes; the reduction half.
+    EXPECT_GT(int8[i].allgather_bytes * 4, plain[i].allgather_bytes);
+    EXPECT_LT(int8[i].allgather_bytes * 10, plain[i].allgather_bytes * 3);
+    EXPECT_EQ(2 * int8[i].reducescatter_bytes, plain[i].reducescatter_bytes);
+    EXPECT_NEAR(int8[i].loss, plain[i].loss, 1e-2 * plain[i].loss) << "step " << i + 1;
+    EXPECT_FALSE(plain[i].loss_scale.has_value());
+    ASSERT_TRUE(fp16[i].loss_scale.has_value() && fp16[i].skipped_steps.has_value());
+    EXPECT_EQ(*fp16[i].loss_scale, 65536.0 / (1 << *fp16[i].skipped_steps));
+  }
+  EXPECT_LT(full.back().peak_bytes, plain.back().peak_bytes);
+  EXPECT_LT(selective.back().peak_bytes, plain.back().peak_bytes);
+  // The breakdown of the peak: it sums to the peak; checkpointing moves activations only.
+  for (const auto* m : {&plain, &full, &bf16}) {
+    const auto& s = m->back();
+    ASSERT_TRUE(s.mem_params_bytes && s.mem_grads_bytes && s.mem_optimizer_bytes &&
+                s.mem_gathered_bytes && s.mem_activations_bytes && s.mem_other_bytes);
+    EXPECT_EQ(*s.mem_params_bytes + *s.mem_grads_bytes + *s.mem_optimizer_bytes +
+                  *s.mem_gathered_bytes + *s.mem_activations_bytes + *s.mem_other_bytes,
+              s.peak_bytes);
+    EXPECT_EQ(*s.mem_params_bytes, *plain.back().mem_params_bytes);
+    EXPECT_GT(*s.mem_optimizer_bytes, *s.mem_params_bytes);  // AdamW: two moments
+  }
+  EXPECT_LT(*full.back().mem_activations_bytes, *plain.back().mem_activations_bytes);
+  std::printf("AC peak bytes: none %lld, full %lld, selective every 2 %lld; fp16 scale %g\n",
+              (long long)plain.back().peak_bytes, (long long)full.back().peak_bytes,
+              (long long)selective.back().peak_bytes, *fp16.back().loss_scale);
+}
+
+// hybrid_shard on 4 ranks in 2 groups of 2: reduce-scatter inside a group, all-reduce of the
+// shard across groups, both counted (they run on subgroups, not the world group).
+TEST(TrainerRun, HybridShardOnFourRanks) {
+  auto m =
+      quick_run("strategy-hybrid", 4, "--fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=2");
+  ASSERT_EQ(m.size(), 3u);
+  for (const auto& s : m) {
+    EXPECT_TRUE(std::isfinite(s.loss) && s.loss > 0) << "step " << s.step << ": " << s.loss;
+    EXPECT_GT(s.allgather_bytes, 0) << "step " << s.step;
+    EXPECT_GT(s.reducescatter_bytes, 0) << "step " << s.step;
+    EXPECT_GT(s.allreduce_bytes, 0) << "step " << s.step;
+  }
+  std::printf(
+      "STRATEGY hybrid_shard  peak_bytes %lld allgather_bytes %lld reducescatter_bytes "
+      "%lld allreduce_bytes %lld loss %.4f\n",
+      static_cast<long long>(m.back().peak_bytes), static_cast<long long>(m.back().allgather_bytes),
+      static_cast<long long>(m.back().reducescatter_bytes),
+      static_cast<long long>(m.back().allreduce_bytes), m.back().loss);
+}
+
+// A CPU without fast bf16 (AVX2 only), emulated on any x86 machine: oneDNN limited to AVX2 and
+// ATen's kernels to AVX2 make bf16 matmuls ~30-60x slower than fp32 here too. There,
+// precision.param_dtype = auto computes in fp32 and says why; an explicit bf16 still runs, with
+// a warning giving the measured ratio, and its MFU stays a fraction: the peak is measured on the
+// forms the model runs (on such a CPU a bf16 at::linear is ~10x faster than a bf16 at::mm, so a
+// peak taken from at::mm alone put MFU above 100%).
+TEST(TrainerRun, PrecisionAutoOnAnAvx2CpuComputesInFp32) {
+  const std::string avx2 = "ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 ";
+  const auto run_dir = (fs::path(FSDP_TEST_WORK_DIR) / "run-precision-auto").string();
+  fs::remove_all(run_dir);
+  const auto config = write_config("precision-auto", tiny_config(run_dir));
+  CommandResult r = run(avx2 + train_cmd() + " --nproc 2 " + config +
+                        " --precision.param_dtype=auto --training.steps=2 --training.eval_every=0");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("compute dtype fp32 (precision.param_dtype = auto): this machine's bf16 "
+                          "matmuls are "),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("x slower than fp32 ("), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("precision: compute fp32,"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("warning:"), std::string::npos) << r.output;
+
+  // Wide enough for the matmuls to dominate the step (at the test preset's width the step is
+  // overhead and MFU is small whatever the peak): there the old at::mm-only peak gave 203%.
+  fs::remove_all(run_dir);
+  r = run(avx2 + train_cmd() + " --nproc 2 " + config +
+          " --precision.param_dtype=bf16 --model.n_embd=256 --model.n_layer=2 "
+          "--training.seq_len=64 --training.batch_size=4 --training.steps=3 "
+          "--training.eval_every=0");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(
+      r.output.find("warning: precision.param_dtype = bf16: this machine's bf16 matmuls are "),
+      std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("precision: compute bf16,"), std::string::npos) << r.output;
+  const auto m = fsdp_trainer::read_metrics((fs::path(run_dir) / "metrics.jsonl").string());
+  ASSERT_EQ(m.size(), 3u) << r.output;
+  for (const auto& s : m) {
+    EXPECT_GT(s.mfu, 0) << "step " << s.step;
+    EXPECT_LE(s.mfu, 1.0) << "step " << s.step << "\n" << r.output;
+  }
+  std::printf("AVX2 (emulated) bf16 MFU at step 3: %.1f%%\n", 100 * m.back().mfu);
+}
+
+// The Llama family under fsdp-train: its first loss is that of a uniform guess over the
+// vocabulary (what a fresh model's small logits give), and sharding does not change its math:
+// full_shard gives no_shard's (DDP's) losses at every step, within fp32 rounding (the
+// gradients are summed in another order: a reduce-scatter instead of an all-reduce).
+TEST(TrainerRun, LlamaShardedTrainsAsReplicated) {
+  auto sharded =
+      train_and_read("llama-nproc2", train_cmd() + " --nproc 2", "", "llama", "llama-test");
+  auto replicated = train_and_read("llama-nproc2-ddp", train_cmd() + " --nproc 2",
+                                   "--fsdp.strategy=no_shard", "llama", "llama-test");
+  expect_sane(sharded);
+  ASSERT_EQ(sharded.size(), replicated.size());
+  ASSERT_GE(sharded.size(), 2u);
+  const double uniform = std::log(static_cast<double>(kTestVocab));
+  EXPECT_NEAR(sharded.front().loss, uniform, 0.1 * uniform) << "first loss vs ln(vocab)";
+  for (size_t i = 0; i < sharded.size(); ++i) {
+    EXPECT_NEAR(sharded[i].loss, replicated[i].loss, 1e-5 * std::abs(replicated[i].loss))
+        << "step " << sharded[i].step;
+  }
+  // Not the same numbers by accident: training moved the loss.
+  EXPECT_NE(sharded.front().loss, sharded.back().loss);
+}
+
+TEST(TrainerRun, TorchrunAndNprocGiveIdenticalLosses) {
+  const std::string torchrun = FSDP_TORCHRUN_PATH;
+  if (!fs::exists(torchrun))
+    GTEST_SKIP() << "torchrun not found at " << torchrun;
+  auto ours = train_and_read("launch-nproc", train_cmd() + " --nproc 2");
+  auto theirs = train_and_read("launch-torchrun",
+                               "OMP_NUM_THREADS=1 " + torchrun +
+                                   " --standalone --no-python --nproc-per-node 2 " + train_cmd());
+  ASSERT_EQ(ours.size(), theirs.size());
+  for (size_t i = 0; i < ours.size(); ++i) {
+    EXPECT_EQ(ours[i].loss, theirs[i].loss) << "step " << ours[i].step;
+    EXPECT_EQ(ours[i].eval_loss, theirs[i].eval_loss) << "step " << ours[i].step;
+  }
+  std::printf("LAUNCH OK: --nproc 2 and torchrun: %zu identical losses, last %.6f\n", ours.size(),
+              ours.empty() ? 0.0 : ours.back().loss);
+}
+
+// bench/vs_pytorch.py's claim that both sides train the same model on the same batches, kept
+// true: fsdp-train full_shard and bench/torch_gpt.py under FSDP2 (fully_shard), 2 ranks, start
+// from one GPT-2 safetensors directory that torch_gpt.py writes, read train.bin through their
+// own samplers, and must give the same loss at every step. A window or an initial value taken
+// differently would show as a difference of order 1e-2, not of rounding.
+TEST(TrainerRun, PyTorchMirrorOfTheBenchmarkTrainsTheSameLosses) {
+  const std::string torchrun = FSDP_TORCHRUN_PATH;
+  if (!fs::exists(torchrun))
+    GTEST_SKIP() << "torchrun not found at " << torchrun;
+  const auto work = fs::path(FSDP_TEST_WORK_DIR) / "pytorch-mirror";
+  fs::remove_all(work);
+  fs::create_directories(work);
+  const std::string bench = std::string(FSDP_SOURCE_DIR) + "/bench";
+  const auto init = (work / "init").string();
+  // gpt2-test's shapes with the data's vocabulary (512) and the run's context (16).
+  auto r =
+      run(std::string(FSDP_PYTHON) + " -c \"import sys; sys.path.insert(0, '" + bench +
+          "'); import torch_gpt; torch_gpt.save_gpt('" + init + "', 512, 16, 2, 2, 22, seed=7)\"");
+  ASSERT_EQ(r.code, 0) << r.output;
+  auto ours = train_and_read("pytorch-mirror", train_cmd() + " --nproc 2",
+                             "--model.init_from=" + init + " --training.eval_every=0");
+  ASSERT_EQ(ours.size(), 6u);
+  const auto steps = (work / "steps").string();
+  r = run("OMP_NUM_THREADS=1 TMPDIR=" + work.string() + " " + torchrun +
+          " --standalone --nproc-per-node 2 " + bench + "/torch_gpt.py --mode fsdp2 --hf-dir " +
+          init + " --train-bin " + data_dir() + "/train.bin --out " + steps +
+          " --steps 6 --batch 2 --seq-len 16 --warmup-steps 2");
+  ASSERT_EQ(r.code, 0) << r.output;
+  std::vector<double> theirs;
+  std::ifstream in(steps + ".0");
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("step"))
+      theirs.push_back(j.at("loss").get<double>());
+  }
+  ASSERT_EQ(theirs.size(), ours.size());
+  double worst = 0;
+  for (size_t i = 0; i < ours.size(); ++i) {
+    EXPECT_NEAR(ours[i].loss, theirs[i], 1e-5 * std::abs(theirs[i])) << "step " << i + 1;
+    worst = std::max(worst, std::abs(ours[i].loss - theirs[i]));
+  }
+  std::printf("MIRROR OK: fsdp-train full_shard vs PyTorch FSDP2, 6 steps, max |loss diff| %.2g\n",
+              worst);
+}
+
+}  // namespace
+
+namespace {
+
+// fsdp-train with checkpoints into `run_dir` (not cleared: a resumed run continues in it).
+CommandResult checkpoint_run(const std::string& name, const std::string& run_dir, int nproc,
+                             const std::string& extra) {
+  const auto config = write_config(name, tiny_config(run_dir, "gpt", "gpt2-test"));
+  const std::string cmd = train_cmd() + " --nproc " + std::to_string(nproc) + " " + config +
+                          " --training.eval_every=0 --training.eval_batches=1"
+                          " --generate.tokens=0 --logging.plot=false " +
+                          extra;
+  auto r = run(cmd);
+  EXPECT_EQ(r.code, 0) << cmd << "\n" << r.output;
+  return r;
+}
+
+}  // namespace
+
+// 6 steps in one go vs a job that resumes from its step-3 checkpoint (as after a crash there) and
+// redoes steps 4-6, under full_shard and under no_shard: the same losses bit for bit and byte-
+// identical checkpoints at step 6 (parameters, AdamW state, data position and step all restored;
+// the step-6 checkpoint it replaces is moved aside and removed only once the new one is
+// complete). Then the step-3 checkpoint resumes on 3 ranks under shard_grad_op (resharding), and
+// checkpoint.keep removes the oldest.
+TEST(TrainerRun, ResumeIsExactAndReshards) {
+  const auto work = fs::path(FSDP_TEST_WORK_DIR);
+  const auto a = work / "resume-a", b = work / "resume-b", c = work / "resume-c";
+  for (const auto& d : {a, b, c})
+    fs::remove_all(d);
+  const std::string every = " --checkpoint.every=3";
+  checkpoint_run("resume-a", a.string(), 2, "--training.steps=6" + every);
+  checkpoint_run("resume-b", b.string(), 2, "--training.steps=6" + every);
+  {
+    // The step-6 checkpoint the resumed job must write again is spoiled; its metrics lines
+    // from step 4 on are dropped by the resumed job and written anew.
+    std::ofstream(b / "checkpoints" / "step-00000006" / "rank-00000.safetensors",
+                  std::ios::binary | std::ios::trunc)
+        << "stale";
+  }
+  auto resumed = checkpoint_run("resume-b", b.string(), 2,
+                                "--training.steps=6 --checkpoint.resume=" +
+                                    (b / "checkpoints" / "step-00000003").string() + every);
+  EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
+  auto ma = fsdp_trainer::read_metrics((a / "metrics.jsonl").string());
+  auto mb = fsdp_trainer::read_metrics((b / "metrics.jsonl").string());
+  ASSERT_EQ(ma.size(), 6u);
+  ASSERT_EQ(mb.size(), 6u);
+  for (size_t i = 0; i < 6; ++i)
+    EXPECT_EQ(ma[i].loss, mb[i].loss) << "step " << i + 1;
+  for (const char* f : {"rank-00000.safetensors", "rank-00001.safetensors"}) {
+    const auto x = file_bytes(a / "checkpoints" / "step-00000006" / f);
+    EXPECT_FALSE(x.empty());
+    EXPECT_TRUE(x == file_bytes(b / "checkpoints" / "step-00000006" / f)) << f;
+  }
+  // Exact under no_shard too (replicated rows: rank 0 writes them, every rank reads them).
+  const auto d = work / "resume-d", e = work / "resume-e";
+  for (const auto& dir : {d, e})
+    fs::remove_all(dir);
+  const std::string no_shard = " --fsdp.strategy=no_shard" + every;
+  checkpoint_run("resume-d", d.string(), 2, "--training.steps=6" + no_shard);
+  checkpoint_run("resume-e", e.string(), 2, "--training.steps=6" + no_shard);
+  checkpoint_run("resume-e", e.string(), 2,
+                 "--training.steps=6 --checkpoint.resume=" +
+                     (e / "checkpoints" / "step-00000003").string() + no_shard);
+  auto md = fsdp_trainer::read_metrics((d / "metrics.jsonl").string());
+  auto me = fsdp_trainer::read_metrics((e / "metrics.jsonl").string());
+  ASSERT_EQ(md.size(), 6u);
+  ASSERT_EQ(me.size(), 6u);
+  for (size_t i = 0; i < 6; ++i)
+    EXPECT_EQ(md[i].loss, me[i].loss) << "no_shard, step " << i + 1;
+  const auto x = file_bytes(d / "checkpoints" / "step-00000006" / "rank-00000.safetensors");
+  EXPECT_FALSE(x.empty());
+  EXPECT_TRUE(x == file_bytes(e / "checkpoints" / "step-00000006" / "rank-00000.safetensors"));
+  EXPECT_FALSE(fs::exists(d / "checkpoints" / "step-00000006" / "rank-00001.safetensors"));
+
+  // Another world size and strategy, from a given directory.
+  const auto from = (a / "checkpoints" / "step-00000003").string();
+  checkpoint_run("resume-c", c.string(), 3,
+                 "--training.steps=5 --fsdp.strategy=shard_grad_op --checkpoint.every=1 "
+                 "--checkpoint.keep=1 --checkpoint.resume=" +
+                     from);
+  auto mc = fsdp_trainer::read_metrics((c / "metrics.jsonl").string());
+  ASSERT_EQ(mc.size(), 2u);
+  EXPECT_EQ(mc.front().step, 4);
+  // Same model, same position in the data: the first resumed loss is near the 2-rank one.
+  EXPECT_NEAR(mc.front().loss, ma[3].loss, 0.05 * ma[3].loss);
+  // keep = 1: only step 5 is left.
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(c / "checkpoints"))
+    left.push_back(e.path().filename().string());
+  EXPECT_EQ(left, std::vector<std::string>{"step-00000005"});
+  // Nothing to resume from is a clear error.
+  const auto config = write_config("resume-none", tiny_config((work / "resume-none").string()));
+  auto none = run(train_cmd() + " " + config + " --checkpoint.resume=latest --generate.tokens=0");
+  EXPECT_NE(none.code, 0);
+  EXPECT_NE(none.output.find("no complete checkpoint"), std::string::npos) << none.output;
+}
+
+namespace {
+
+// The line "<prefix><number>" of `output`, as the number (NaN if absent).
+double number_after(const std::string& output, const std::string& prefix) {
+  const auto at = output.find(prefix);
+  return at == std::string::npos ? std::nan("") : std::stod(output.substr(at + prefix.size()));
+}
+
+}  // namespace
+
+// A saved model used again: checkpoint.export_hf writes a Hugging Face directory at the end of
+// training; `fsdp-train export` writes the same bytes from the step-6 checkpoint on another
+// number of ranks; `fsdp-train generate` samples the run's own text from the checkpoint and
+// from the export; model.init_from starts a new run from the export with the trained model's
+// held-out loss. Misuse of the commands is one line and exit code 2.
+TEST(TrainerRun, ExportGenerateAndInitFromSavedModels) {
+  const auto work = fs::path(FSDP_TEST_WORK_DIR);
+  const auto a = work / "saved-a", b = work / "saved-b", out = work / "saved-export";
+  for (const auto& d : {a, b, out})
+    fs::remove_all(d);
+  const auto config = write_config("saved", tiny_config(a.string(), "llama", "llama-test"));
+  auto trained = run(train_cmd() + " --nproc 2 " + config +
+                     " --checkpoint.every=3 --checkpoint.export_hf=true --logging.plot=false");
+  ASSERT_EQ(trained.code, 0) << trained.output;
+  const auto hf = a / "hf";
+  ASSERT_TRUE(fs::exists(hf / "config.json") && fs::exists(hf / "model.safetensors"));
+  const auto sample = file_bytes(a / "sample.txt");
+  ASSERT_FALSE(sample.empty());
+
+  auto exported = run(train_cmd() + " export --nproc 3 " + config + " --checkpoint latest --out " +
+                      out.string());
+  ASSERT_EQ(exported.code, 0) << exported.output;
+  EXPECT_TRUE(file_bytes(out / "model.safetensors") == file_bytes(hf / "model.safetensors"));
+  EXPECT_TRUE(file_bytes(out / "config.json") == file_bytes(hf / "config.json"));
+
+  for (const auto& from : {(a / "checkpoints" / "step-00000006").string(), hf.string()}) {
+    auto g = run(train_cmd() + " generate --nproc 2 " + config + " --checkpoint " + from);
+    ASSERT_EQ(g.code, 0) << g.output;
+    EXPECT_NE(g.output.find(sample), std::string::npos) << from << "\n" << g.output;
+  }
+  // generate never writes into the run directory.
+  EXPECT_TRUE(file_bytes(a / "sample.txt") == sample);
+
+  // New runs starting from the export: on 2 ranks (the trained run's held-out batches) the
+  // step-0 held-out loss is the trained model's final one; on 3 ranks, from the export and from
+  // the step-6 checkpoint, the same.
+  const auto b_config = write_config("saved-b", tiny_config(b.string(), "llama", "llama-test"));
+  auto start_from = [&](int nproc, const std::string& from) {
+    auto r = run(train_cmd() + " --nproc " + std::to_string(nproc) + " " + b_config +
+                 " --training.steps=1 --logging.plot=false --generate.tokens=0 "
+                 "--model.init_from=" +
+                 from);
+    EXPECT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("parameters from " + from), std::string::npos) << r.output;
+    return number_after(r.output, "step 0: held-out loss ");
+  };
+  const double trained_loss = number_after(trained.output, "step 6: held-out loss ");
+  EXPECT_EQ(start_from(2, hf.string()), trained_loss) << trained.output;
+  EXPECT_EQ(start_from(3, hf.string()),
+            start_from(3, (a / "checkpoints" / "step-00000006").string()));
+
+  struct Case {
+    std::string args, message;
+  };
+  const std::vector<Case> misuse = {
+      {"export " + config + " --checkpoint latest", "export needs --out DIR"},
+      {"generate " + config, "this command needs --checkpoint PATH"},
+      {config + " --checkpoint latest", "--checkpoint and --out belong to the commands"},
+      {"export " + config + " --checkpoint " + work.string() + " --out " + (work / "x").string(),
+       "is neither a sharded checkpoint (index.json) nor a Hugging Face directory"},
+      {config + " --model.init_from=" + (work / "missing").string(),
+       "'model.init_from' '" + (work / "missing").string() + "' is not a directory"}};
+  for (const auto& c : misuse) {
+    auto r = run(train_cmd() + " " + c.args);
+    EXPECT_EQ(r.code, 2) << c.args << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.message), std::string::npos) << c.args << "\n" << r.output;
+  }
+  // An export never overwrites: exit 1, the directory untouched.
+  auto twice =
+      run(train_cmd() + " export " + config + " --checkpoint latest --out " + out.string());
+  EXPECT_EQ(twice.code, 1);
+  EXPECT_NE(twice.output.find("exists (exports are never overwritten)"), std::string::npos)
+      << twice.output;
+}
+
+namespace {
+
+// A job started in the background (sh -c), its output in `log`.
+struct BackgroundJob {
+  pid_t pid = -1;
+  std::string log;
+
+  BackgroundJob(const std::string& command, std::string log_path) : log(std::move(log_path)) {
+    const std::string line = command + " > " + log + " 2>&1";
+    pid = ::fork();
+    if (pid == 0) {
+      ::setpgid(0, 0);  // its own process group: killed whole if the test gives up
+      ::execl("/bin/sh", "sh", "-c", line.c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+  }
+  // Exit code, or -1 after `seconds` (the whole group is then killed).
+  int wait(double seconds) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+    int status = 0;
+    while (::waitpid(pid, &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() > until) {
+        ::kill(-pid, SIGKILL);
+        ::waitpid(pid, &status, 0);
+        pid = -1;
+        return -1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    pid = -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  }
+  ~BackgroundJob() {
+    if (pid > 0)
+      wait(0);
+  }
+  std::string output() const { return file_bytes(log); }
+};
+
+// The process whose environment holds every one of `vars` ("KEY=value"), or 0.
+pid_t find_process_with_env(const std::vector<std::string>& vars) {
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    const auto name = e.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos)
+      continue;
+    const auto environ_bytes = file_bytes(e.path() / "environ");
+    std::set<std::string> entries;
+    for (size_t at = 0; at < environ_bytes.size();) {
+      const auto end = environ_bytes.find('\0', at);
+      entries.insert(environ_bytes.substr(at, end - at));
+      at = end == std::string::npos ? environ_bytes.size() : end + 1;
+    }
+    if (std::all_of(vars.begin(), vars.end(), [&](const auto& v) { return entries.count(v); }))
+      return static_cast<pid_t>(std::stol(name));
+  }
+  return 0;
+}
+
+// Waits for `path` to exist; false after `seconds`.
+bool wait_for(const fs::path& path, double seconds) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (!fs::exists(path)) {
+    if (std::chrono::steady_clock::now() > until)
+      return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
+}
+
+// A 100-step job with a checkpoint every 10 steps under torchrun; once its step-10 checkpoint
+// is complete, rank `victim` of the first attempt is SIGKILLed. Returns the job's exit code.
+int torchrun_with_a_killed_rank(const std::string& name, const fs::path& run_dir, int nproc,
+                                int max_restarts, int victim, std::string* output) {
+  const std::string tag = "FSDP_TEST_TAG=" + name + "-" + std::to_string(::getpid());
+  const auto config =
+      write_config(name, tiny_config(run_dir.string(), "gpt", "gpt2-tiny") +
+                             "[checkpoint]\nevery = 10\nkeep = 3\nresume = \"auto\"\n");
+  BackgroundJob job(tag + " OMP_NUM_THREADS=1 " + std::string(FSDP_TORCHRUN_PATH) +
+                        " --standalone --no-python --max-restarts=" + std::to_string(max_restarts) +
+                        " --nproc-per-node " + std::to_string(nproc) + " " + train_cmd() + " " +
+                        config +
+                        " --training.steps=100 --training.seq_len=64 --training.batch_size=4 "
+                        "--training.eval_every=0 --generate.tokens=0 --logging.plot=false",
+                    (fs::path(FSDP_TEST_WORK_DIR) / (name + ".log")).string());
+  EXPECT_TRUE(wait_for(run_dir / "checkpoints" / "step-00000010" / "index.json", 120))
+      << job.output();
+  const pid_t pid = find_process_with_env(
+      {tag, "RANK=" + std::to_string(victim), "TORCHELASTIC_RESTART_COUNT=0"});
+  EXPECT_GT(pid, 0) << "rank " << victim << " not found";
+  // Still mid-run: far from the last step.
+  EXPECT_FALSE(fs::exists(run_dir / "checkpoints" / "step-00000050"));
+  if (pid > 0)
+    ::kill(pid, SIGKILL);
+  const int code = job.wait(240);
+  *output = job.output();
+  return code;
+}
+
+// fsdp-train finetune on SmolLM2-135M-Instruct (GGUF, found beside torch) with the shipped KJV
+// instruction set, 2 ranks, fp32 compute: LoRA lowers the held-out loss, holds optimizer state
+// for the adapters only, and writes the PEFT adapter, the merged model and the answers; QLoRA
+// gathers 4-bit block weights instead of fp32 ones and resumes exactly; a bad JSONL line and a
+// truncated model file are one-line errors naming the file, exit code 2. Three tests, each well
+// under a minute on two cores whatever the CPU's bf16 speed.
+
+// The first n of the 40 held-out conversations: the held-out loss is computed before the first
+// step and after the last, and on all 40 that took a third of each run.
+std::string small_eval_file(int n) {
+  const auto path = fs::path(FSDP_TEST_WORK_DIR) / ("kjv_eval_" + std::to_string(n) + ".jsonl");
+  std::ifstream in(fs::path(FSDP_SOURCE_DIR) / "data" / "instruct" / "kjv_eval.jsonl");
+  std::ostringstream out;
+  std::string line;
+  for (int i = 0; i < n && std::getline(in, line); ++i)
+    out << line << "\n";
+  fs::create_directories(path.parent_path());
+  std::ofstream(path) << out.str();
+  return path.string();
+}
+
+// `eval_size` held-out conversations; `samples` of them answered before and after.
+std::vector<fsdp_trainer::StepMetrics> finetune_run(const std::string& name,
+                                                    const std::string& extra, std::string* out,
+                                                    int eval_size = 8, int samples = 1) {
+  const auto run_dir = (fs::path(FSDP_TEST_WORK_DIR) / ("run-" + name)).string();
+  fs::remove_all(run_dir);
+  const auto data = fs::path(FSDP_SOURCE_DIR) / "data" / "instruct";
+  const std::string cmd =
+      train_cmd() + " finetune --nproc 2 " + FSDP_SOURCE_DIR + "/configs/smollm2-lora.toml" +
+      " --training.steps=4 --training.batch_size=2 --training.eval_every=0 --logging.plot=false" +
+      // fp32 whatever the CPU: the config's auto would make the test's time and figures depend
+      // on the machine's bf16 speed.
+      " --precision.param_dtype=fp32" + " --logging.progress=lines --finetune.answer_tokens=8" +
+      " --finetune.samples=" + std::to_string(samples) +
+      " --finetune.train_file=" + (data / "kjv_train.jsonl").string() +
+      " --finetune.eval_file=" + small_eval_file(eval_size) + " --logging.run_dir=" + run_dir +
+      " " + extra;
+  const CommandResult r = run(cmd);
+  EXPECT_EQ(r.code, 0) << cmd << "\n" << r.output;
+  *out = r.output;
+  if (r.code != 0)
+    return {};
+  return fsdp_trainer::read_metrics((fs::path(run_dir) / "metrics.jsonl").string());
+}
+
+TEST(TrainerRun, FinetunesSmolLM2WithLora) {
+  std::string lora_out;
+  const auto lora = finetune_run("ft-lora", "--finetune.export_merged=true", &lora_out);
+  ASSERT_EQ(lora.size(), 4u) << lora_out;
+  // The held-out loss over the answers falls.
+  const auto at = lora_out.find("held-out loss: ");
+  ASSERT_NE(at, std::string::npos) << lora_out;
+  double before = 0, after = 0;
+  ASSERT_EQ(std::sscanf(lora_out.c_str() + at, "held-out loss: %lf -> %lf", &before, &after), 2);
+  EXPECT_LT(after, before);
+  std::printf("LoRA held-out loss %.4f -> %.4f in 4 steps\n", before, after);
+  // Optimizer state for the adapters only: 2.44M trainable parameters, 1.22M per rank, 8 bytes
+  // each, against 538 MB for the whole model.
+  ASSERT_TRUE(lora.back().mem_optimizer_bytes.has_value());
+  EXPECT_LT(*lora.back().mem_optimizer_bytes, 12 << 20);
+  const fs::path dir = fs::path(FSDP_TEST_WORK_DIR) / "run-ft-lora";
+  for (const char* f : {"adapter/adapter_config.json", "adapter/adapter_model.safetensors",
+                        "merged/config.json", "merged/model.safetensors", "answers.txt"})
+    EXPECT_TRUE(fs::is_regular_file(dir / f)) << f;
+  std::ifstream answers(dir / "answers.txt");
+  const std::string text((std::istreambuf_iterator<char>(answers)), {});
+  EXPECT_NE(text.find("   before:"), std::string::npos) << text;
+  EXPECT_NE(text.find("   after:"), std::string::npos) << text;
+}
+
+TEST(TrainerRun, QloraGathersUnderHalfOfLorasBytesAndResumesExactly) {
+  // No answers, no adapter written and 2 held-out conversations: this test is about the gathers
+  // and the resume.
+  std::string lora_out, qlora_out;
+  const std::string lean = " --finetune.save_adapter=false";
+  const auto lora = finetune_run("ft-lora-1", "--training.steps=1" + lean, &lora_out, 2, 0);
+  ASSERT_EQ(lora.size(), 1u) << lora_out;
+  const auto ckpt = (fs::path(FSDP_TEST_WORK_DIR) / "ft-qlora-checkpoints").string();
+  fs::remove_all(ckpt);
+  const auto qlora = finetune_run(
+      "ft-qlora",
+      "--finetune.method=qlora --training.steps=2 --checkpoint.every=1 --checkpoint.dir=" + ckpt +
+          lean,
+      &qlora_out, 2, 0);
+  ASSERT_EQ(qlora.size(), 2u) << qlora_out;
+  // fp32 gathers of the dense weights against 4.13-bit ones (the embedding is gathered alike).
+  EXPECT_LT(qlora.back().allgather_bytes, lora.back().allgather_bytes / 2)
+      << qlora.back().allgather_bytes << " vs " << lora.back().allgather_bytes;
+  std::printf("all-gather bytes per step: LoRA %.1f MiB, QLoRA %.1f MiB\n",
+              lora.back().allgather_bytes / 1048576.0, qlora.back().allgather_bytes / 1048576.0);
+  // Resumed from step 1 (frozen NF4 base, adapters, their optimizer state, the data order), step
+  // 2 is the same.
+  std::string resumed_out;
+  const auto resumed =
+      finetune_run("ft-qlora-resumed",
+                   "--finetune.method=qlora --training.steps=2 --checkpoint.dir=" + ckpt +
+                       " --checkpoint.resume=" + ckpt + "/step-00000001" + lean,
+                   &resumed_out, 2, 0);
+  ASSERT_EQ(resumed.size(), 1u) << resumed_out;
+  EXPECT_EQ(resumed[0].loss, qlora[1].loss);
+}
+
+TEST(TrainerRun, FinetuneBadInputIsOneLineAndExitCode2) {
+  // A broken JSONL line, and a model file cut short.
+  const auto bad = fs::path(FSDP_TEST_WORK_DIR) / "bad-instruct.jsonl";
+  fs::create_directories(bad.parent_path());
+  std::ofstream(bad)
+      << R"({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})"
+      << "\n{\"messages\": [\n";
+  CommandResult r = run(train_cmd() + " finetune " + FSDP_SOURCE_DIR +
+                        "/configs/smollm2-lora.toml --finetune.train_file=" + bad.string() +
+                        " --finetune.eval_file=" +
+                        (fs::path(FSDP_SOURCE_DIR) / "data/instruct/kjv_eval.jsonl").string());
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find(bad.string() + ":2: "), std::string::npos) << r.output;
+  EXPECT_EQ(line_count(r.output.substr(r.output.find("config error"))), 1) << r.output;
+  const auto cut = fs::path(FSDP_TEST_WORK_DIR) / "cut.gguf";
+  {
+    const auto real = fsdp_trainer::resolve_model_file("smollm2");
+    std::ifstream in(real, std::ios::binary);
+    std::string head(1 << 20, '\0');
+    in.read(head.data(), static_cast<std::streamsize>(head.size()));
+    std::ofstream(cut, std::ios::binary) << head;
+  }
+  r = run(train_cmd() + " finetune " + FSDP_SOURCE_DIR +
+          "/configs/smollm2-lora.toml --finetune.model=" + cut.string() +
+          " --finetune.train_file=" +
+          (fs::path(FSDP_SOURCE_DIR) / "data/instruct/kjv_train.jsonl").string() +
+          " --finetune.eval_file=" +
+          (fs::path(FSDP_SOURCE_DIR) / "data/instruct/kjv_eval.jsonl").string());
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find(cut.string()), std::string::npos) << r.output;
+}
+
+}  // namespace
+
+// Restart after a failure, as torchrun does it: a rank SIGKILLed mid-run makes the agent stop
+// the job and start it again (--max-restarts=1), which resumes from its latest complete
+// checkpoint (checkpoint.resume = auto) and ends with the same parameters and optimizer state,
+// byte for byte, and the same losses as a job never interrupted.
+TEST(TrainerRun, TorchrunRestartsAKilledJobFromItsLastCheckpoint) {
+  const auto work = fs::path(FSDP_TEST_WORK_DIR);
+  const auto killed = work / "restart-killed", whole = work / "restart-whole";
+  for (const auto& d : {killed, whole})
+    fs::remove_all(d);
+  std::string output;
+  ASSERT_EQ(torchrun_with_a_killed_rank("restart-killed", killed, 2, 1, 1, &output), 0) << output;
+  EXPECT_NE(output.find("resumed from " + (killed / "checkpoints").string()), std::string::npos)
+      << output;
+  const auto config =
+      write_config("restart-whole", tiny_config(whole.string(), "gpt", "gpt2-tiny") +
+                                        "[checkpoint]\nevery = 10\nkeep = 3\n");
+  auto r = run(train_cmd() + " --nproc 2 " + config +
+               " --training.steps=100 --training.seq_len=64 --training.batch_size=4 "
+               "--training.eval_every=0 --generate.tokens=0 --logging.plot=false");
+  ASSERT_EQ(r.code, 0) << r.output;
+  for (const char* f : {"rank-00000.safetensors", "rank-00001.safetensors"}) {
+    const auto x = file_bytes(whole / "checkpoints" / "step-00000100" / f);
+    EXPECT_FALSE(x.empty());
+    EXPECT_TRUE(x == file_bytes(killed / "checkpoints" / "step-00000100" / f)) << f;
+  }
+  auto mk = fsdp_trainer::read_metrics((killed / "metrics.jsonl").string());
+  auto mw = fsdp_trainer::read_metrics((whole / "metrics.jsonl").string());
+  ASSERT_EQ(mk.size(), 100u);
+  ASSERT_EQ(mw.size(), 100u);
+  for (size_t i = 0; i < mw.size(); ++i)
+    EXPECT_EQ(mk[i].loss, mw[i].loss) << "step " << i + 1;
+}
+
+// A 4-rank job that loses a rank and is started again on 3 (fewer machines left): it resumes
+// through resharding from the checkpoint 4 ranks wrote and finishes.
+TEST(TrainerRun, AJobKilledOnFourRanksResumesOnThree) {
+  const auto dir = fs::path(FSDP_TEST_WORK_DIR) / "restart-4to3";
+  fs::remove_all(dir);
+  std::string output;
+  EXPECT_NE(torchrun_with_a_killed_rank("restart-4to3", dir, 4, 0, 2, &output), 0) << output;
+  const auto config = (fs::path(FSDP_TEST_WORK_DIR) / "restart-4to3.toml").string();
+  auto r = run("OMP_NUM_THREADS=1 " + std::string(FSDP_TORCHRUN_PATH) +
+               " --standalone --no-python --nproc-per-node 3 " + train_cmd() + " " + config +
+               " --training.steps=100 --training.seq_len=64 --training.batch_size=4 "
+               "--training.eval_every=0 --generate.tokens=0 --logging.plot=false");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("saved on 4 rank(s)"), std::string::npos) << r.output;
+  auto m = fsdp_trainer::read_metrics((dir / "metrics.jsonl").string());
+  ASSERT_EQ(m.size(), 100u);
+  EXPECT_EQ(m.back().step, 100);
+  EXPECT_TRUE(std::isfinite(m.back().loss));
+  EXPECT_TRUE(fs::exists(dir / "checkpoints" / "step-00000100" / "index.json"));
+}

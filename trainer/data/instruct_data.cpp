@@ -1,0 +1,325 @@
+#include "instruct_data.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <stdexcept>
+#include <string_view>
+#include <utility>
+
+#include "config/config.h"
+
+namespace fsdp_trainer {
+
+namespace {
+
+// The longest line accepted: about 250k tokens of text, far beyond any context length, so only a
+// file that is not JSONL (or is corrupt) reaches it; such a line is refused before it is buffered
+// whole, so that a multi-gigabyte "line" cannot exhaust memory.
+constexpr size_t kMaxLineBytes = size_t{1} << 20;
+
+// ChatML's delimiters, as ChatTemplate::render writes them.
+constexpr std::string_view kStart = "<|im_start|>";
+constexpr std::string_view kEnd = "<|im_end|>";
+
+[[noreturn]] void fail(const std::string& where, const std::string& problem) {
+  throw ConfigError(where + problem);
+}
+
+// s on one line of at most `max` bytes: control characters become spaces (an error message is
+// one line), a cut falls on a character boundary (s is valid UTF-8).
+std::string one_line(std::string s, size_t max) {
+  for (auto& c : s)
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f)
+      c = ' ';
+  if (s.size() <= max)
+    return s;
+  size_t cut = max;
+  while (cut > 0 && (static_cast<unsigned char>(s[cut]) & 0xC0) == 0x80)
+    --cut;
+  return s.substr(0, cut) + "...";
+}
+
+// A user's string in a message: JSON-quoted (escapes shown as escapes), shortened.
+std::string quoted(const std::string& s) {
+  return one_line(nlohmann::json(s).dump(), 40);
+}
+
+// What a JSON value is, for "found ..." in messages.
+std::string kind(const nlohmann::json& j) {
+  switch (j.type()) {
+    case nlohmann::json::value_t::null:
+      return "null";
+    case nlohmann::json::value_t::object:
+      return "an object";
+    case nlohmann::json::value_t::array:
+      return "an array";
+    case nlohmann::json::value_t::string:
+      return "a string";
+    case nlohmann::json::value_t::boolean:
+      return "a boolean";
+    default:
+      return "a number";
+  }
+}
+
+// "" if s is valid UTF-8 as RFC 3629 defines it (shortest form only, no UTF-16 surrogates,
+// nothing above U+10FFFF), else the first problem and its 1-based column. nlohmann's parser
+// checks strings too, but says only "ill-formed UTF-8 byte"; this names the kind of damage
+// (a file in Latin-1, a string cut mid-character, CESU-8 surrogates) and covers the whole line.
+std::string utf8_problem(std::string_view s) {
+  for (size_t i = 0; i < s.size();) {
+    const auto b = static_cast<unsigned char>(s[i]);
+    if (b < 0x80) {
+      ++i;
+      continue;
+    }
+    auto at = [&](const char* what) {
+      char byte[8];
+      std::snprintf(byte, sizeof byte, "0x%02X", b);
+      return "invalid UTF-8 at column " + std::to_string(i + 1) + " (byte " + byte + "): " + what;
+    };
+    size_t n = 0;
+    unsigned char lo = 0x80, hi = 0xBF;  // the range of the second byte (Unicode table 3-7)
+    if (b < 0xC0)
+      return at("a continuation byte with no lead byte");
+    if (b < 0xC2)
+      return at("an overlong encoding");
+    if (b < 0xE0) {
+      n = 2;
+    } else if (b < 0xF0) {
+      n = 3;
+      lo = b == 0xE0 ? 0xA0 : 0x80;
+      hi = b == 0xED ? 0x9F : 0xBF;
+    } else if (b < 0xF5) {
+      n = 4;
+      lo = b == 0xF0 ? 0x90 : 0x80;
+      hi = b == 0xF4 ? 0x8F : 0xBF;
+    } else {
+      return at("a byte that never occurs in UTF-8");
+    }
+    for (size_t k = 1; k < n; ++k) {
+      if (i + k >= s.size())
+        return at("a sequence truncated by the end of the line");
+      const auto c = static_cast<unsigned char>(s[i + k]);
+      if (c < 0x80 || c > 0xBF)
+        return at("a truncated sequence");
+      if (k == 1 && (c < lo || c > hi))
+        return at(b == 0xED   ? "a UTF-16 surrogate (U+D800..U+DFFF)"
+                  : b == 0xF4 ? "a code point above U+10FFFF"
+                              : "an overlong encoding");
+    }
+    i += n;
+  }
+  return "";
+}
+
+// nlohmann's reason without its exception tag, and with "line 1" dropped: a JSONL line is
+// parsed alone, so the column is what locates the problem.
+std::string json_reason(const nlohmann::json::exception& e) {
+  std::string r = e.what();
+  if (auto p = r.find("] "); p != std::string::npos)
+    r = r.substr(p + 2);
+  constexpr std::string_view lead = "parse error at line 1, ";
+  if (r.starts_with(lead))
+    return " at " + one_line(r.substr(lead.size()), 200);
+  return ": " + one_line(r, 200);
+}
+
+// Message `which`'s string under `key`, or an error naming what is there instead.
+const std::string& string_field(const nlohmann::json& m, const char* key, const std::string& which,
+                                const std::string& where) {
+  const auto it = m.find(key);
+  if (it == m.end())
+    fail(where, which + " has no \"" + key + "\"");
+  if (!it->is_string())
+    fail(where, which + "'s \"" + key + "\" is " + kind(*it) + ", not a string");
+  return it->get_ref<const std::string&>();
+}
+
+// The conversation on one line; `where` is "<path>:<line>: ".
+std::vector<ChatMessage> parse_line(std::string_view line, const std::string& where) {
+  if (auto nul = line.find('\0'); nul != std::string_view::npos)
+    fail(where, "NUL byte at column " + std::to_string(nul + 1) +
+                    " (a binary file, or UTF-16 rather than UTF-8?)");
+  if (auto bad = utf8_problem(line); !bad.empty())
+    fail(where, bad);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(line.begin(), line.end());
+  } catch (const nlohmann::json::exception& e) {  // parse_error, and out_of_range for 1e999
+    fail(where, "invalid JSON" + json_reason(e));
+  }
+  if (!j.is_object())
+    fail(where, "the line is " + kind(j) +
+                    ", not an object; each line is one conversation, {\"messages\": [...]}");
+  const auto it = j.find("messages");
+  if (it == j.end())
+    fail(where, "no \"messages\" key; each line is one conversation, {\"messages\": [...]}");
+  if (!it->is_array())
+    fail(where, "\"messages\" is " + kind(*it) + ", not an array");
+  std::vector<ChatMessage> messages;
+  bool has_assistant = false;
+  for (size_t k = 0; k < it->size(); ++k) {
+    const auto& m = (*it)[k];
+    const std::string which = "message " + std::to_string(k + 1);
+    if (!m.is_object())
+      fail(where, which + " is " + kind(m) + ", not an object {\"role\": ..., \"content\": ...}");
+    const auto& r = string_field(m, "role", which, where);
+    if (r != "system" && r != "user" && r != "assistant")
+      fail(where, which + " has the unknown role " + quoted(r) + " (system, user or assistant)");
+    const auto& c = string_field(m, "content", which, where);
+    // "\u0000" in JSON: valid, but no text has it; it marks binary data pasted into a data set.
+    if (c.find('\0') != std::string::npos)
+      fail(where, which + "'s content has a NUL character (\\u0000)");
+    // The tokenizer matches ChatML's delimiters anywhere in the text: content that holds one
+    // would end its message early (an answer that teaches the model to stop mid-sentence) or
+    // forge a turn of another role.
+    for (auto delim : {kStart, kEnd})
+      if (c.find(delim) != std::string::npos)
+        fail(where, which + "'s content holds ChatML's delimiter " + std::string(delim) +
+                        ", which would split the conversation differently than its messages");
+    has_assistant = has_assistant || r == "assistant";
+    messages.push_back({r, c});
+  }
+  if (!has_assistant)
+    fail(where, "no assistant message: the conversation has nothing to learn");
+  return messages;
+}
+
+bool blank(std::string_view line) {
+  return line.find_first_not_of(" \t\r\f\v") == std::string_view::npos;
+}
+
+}  // namespace
+
+InstructExample encode_conversation(const std::vector<ChatMessage>& messages,
+                                    const BpeTokenizer& tok, const ChatTemplate& tmpl) {
+  const std::string text = tmpl.render(messages, /*add_generation_prompt=*/false);
+  // render writes [the default system message] then, per message,
+  // <|im_start|>role\ncontent<|im_end|>\n: where each message starts follows from the lengths,
+  // and each piece is checked, so a change to the template cannot silently shift the mask.
+  auto expect = [](bool ok) {
+    if (!ok)
+      throw std::logic_error(
+          "encode_conversation: ChatTemplate::render is not the ChatML it expects");
+  };
+  size_t body = 0;
+  for (const auto& m : messages)
+    body += kStart.size() + m.role.size() + 1 + m.content.size() + kEnd.size() + 1;
+  expect(body <= text.size());
+  size_t at = text.size() - body;
+  expect(at == 0 || text.substr(0, at) == std::string(kStart) + "system\n" + tmpl.default_system() +
+                                              std::string(kEnd) + "\n");
+  std::vector<std::pair<size_t, size_t>> spans;  // byte ranges [begin, end) of the targets
+  for (const auto& m : messages) {
+    const std::string header = std::string(kStart) + m.role + "\n";
+    const size_t content = at + header.size(), end = content + m.content.size();
+    expect(text.compare(at, header.size(), header) == 0 &&
+           text.compare(content, m.content.size(), m.content) == 0 &&
+           text.compare(end, kEnd.size() + 1, std::string(kEnd) + "\n") == 0);
+    if (m.role == "assistant")
+      spans.emplace_back(content, end + kEnd.size());
+    at = end + kEnd.size() + 1;
+  }
+
+  InstructExample ex;
+  ex.ids = tok.encode(text);
+  ex.target.assign(ex.ids.size(), 0);
+  // Each token's bytes, in order, are the text (byte-level BPE loses nothing): a token is a
+  // target if its bytes overlap a span. Checking the bytes as we go verifies the offsets.
+  size_t pos = 0, s = 0;
+  for (size_t i = 0; i < ex.ids.size(); ++i) {
+    const std::string bytes = tok.decode({ex.ids[i]});
+    if (text.compare(pos, bytes.size(), bytes) != 0)
+      throw std::logic_error("encode_conversation: the tokens do not spell the text at byte " +
+                             std::to_string(pos));
+    const size_t end = pos + bytes.size();
+    while (s < spans.size() && spans[s].second <= pos)
+      ++s;
+    ex.target[i] = s < spans.size() && spans[s].first < end && pos < spans[s].second;
+    pos = end;
+  }
+  if (pos != text.size())
+    throw std::logic_error("encode_conversation: the tokens spell " + std::to_string(pos) +
+                           " of the text's " + std::to_string(text.size()) + " bytes");
+  return ex;
+}
+
+std::vector<InstructExample> load_instruct_jsonl(const std::string& path, const BpeTokenizer& tok,
+                                                 const ChatTemplate& tmpl, int64_t max_tokens) {
+  if (max_tokens <= 0)
+    throw std::invalid_argument("load_instruct_jsonl: max_tokens must be positive, not " +
+                                std::to_string(max_tokens));
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw ConfigError(path + ": cannot read: it is a directory");
+  std::ifstream in(path, std::ios::binary);
+  if (!in)
+    throw ConfigError(path + ": cannot read: " + std::strerror(errno));
+
+  std::vector<InstructExample> examples;
+  int64_t number = 1;  // of the line being read
+  auto where = [&] { return path + ":" + std::to_string(number) + ": "; };
+  auto too_long = [&] {
+    fail(where(), "the line is longer than 1 MiB (" + std::to_string(kMaxLineBytes) +
+                      " bytes); is this a JSONL file?");
+  };
+  auto finish = [&](std::string& line) {
+    if (!line.empty() && line.back() == '\r')  // Windows line ending
+      line.pop_back();
+    if (line.size() > kMaxLineBytes)
+      too_long();
+    if (blank(line))
+      return;
+    const auto messages = parse_line(line, where());
+    InstructExample ex;
+    try {
+      ex = encode_conversation(messages, tok, tmpl);
+    } catch (const std::runtime_error& e) {
+      // The tokenizer's own limits (ICU's regex overflows its backtracking stack on a run of
+      // some 300k spaces): still the user's line, so say which one.
+      fail(where(), std::string("the tokenizer failed on it: ") + e.what());
+    }
+    if (static_cast<int64_t>(ex.ids.size()) > max_tokens)
+      fail(where(), "the conversation is " + std::to_string(ex.ids.size()) +
+                        " tokens, more than the limit of " + std::to_string(max_tokens) +
+                        " (shorten or split it)");
+    ex.line = number;
+    examples.push_back(std::move(ex));
+  };
+
+  // Lines are cut from fixed-size blocks, not read by std::getline, which would buffer a line
+  // of any length before its size could be checked.
+  std::string line;
+  std::vector<char> block(size_t{1} << 16);
+  while (in.read(block.data(), static_cast<std::streamsize>(block.size())) || in.gcount() > 0) {
+    const size_t got = static_cast<size_t>(in.gcount());
+    for (size_t i = 0; i < got;) {
+      const auto* nl = static_cast<const char*>(std::memchr(block.data() + i, '\n', got - i));
+      const size_t end = nl ? static_cast<size_t>(nl - block.data()) : got;
+      if (line.size() + (end - i) > kMaxLineBytes + 1)  // + 1: a '\r' before the '\n'
+        too_long();
+      line.append(block.data() + i, end - i);
+      if (!nl)
+        break;
+      finish(line);
+      line.clear();
+      ++number;
+      i = end + 1;
+    }
+  }
+  if (in.bad())
+    throw ConfigError(path + ": cannot read: " + std::strerror(errno));
+  if (!line.empty())  // the last line has no newline
+    finish(line);
+  if (examples.empty())
+    throw ConfigError(path + ": no examples: the file is empty or all its lines are blank");
+  return examples;
+}
+
+}  // namespace fsdp_trainer

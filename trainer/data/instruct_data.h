@@ -1,0 +1,55 @@
+// Instruction (chat) data sets for fine-tuning: JSONL files of conversations, tokenized as the
+// model's chat template renders them, with a mask that limits the loss to the assistant's words.
+//
+// One JSON object per line, extra keys ignored (data sets carry ids, sources and the like):
+//   {"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}
+// Blank lines are skipped, Windows line endings accepted. Anything else that is wrong is a
+// ConfigError of one line, "<path>:<line>: <problem>", so that a bad line in a file of a million
+// is found at once; no input crashes the reader (lines are bounded before they are buffered,
+// UTF-8 is validated before parsing, content with ChatML's own delimiters is refused because it
+// would silently change the conversation's structure).
+//
+// Why a mask: the model should learn to answer, not to write the user's questions or the system
+// prompt, which it will always be given. Only the tokens the model emits when it answers are
+// targets: every assistant message's content and its closing <|im_end|> (so that it learns to
+// stop). The header `<|im_start|>assistant\n` is in the prompt at inference, and the newline
+// after <|im_end|> is never generated, so neither is a target.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "text/bpe_tokenizer.h"
+#include "text/chat_template.h"
+
+namespace fsdp_trainer {
+
+/// One tokenized conversation.
+///
+/// Next-token loss: position t predicts ids[t + 1], and counts only where target[t + 1] is 1:
+///   inputs  = ids[0 .. n-1)          labels = ids[1 .. n)
+///   loss    = mean over t in [0, n-1) with target[t + 1] == 1 of CE(logits[t], ids[t + 1])
+/// (in PyTorch's idiom: labels = ids[1:] with -100 where target[1:] == 0). target[0] is always 0.
+struct InstructExample {
+  std::vector<int64_t> ids;     // tok.encode(tmpl.render(messages, false)), exactly
+  std::vector<uint8_t> target;  // ids.size() entries, 1: a token the model must learn to emit
+  int64_t line = 0;             // 1-based line of the JSONL file (0: not from a file)
+};
+
+/// The conversation rendered by `tmpl` (with its default system message when there is none) and
+/// encoded as one text, so that ids are what the model sees at inference. A token is a target if
+/// any of its bytes lie in an assistant message's content or its <|im_end|>: the BPE may merge
+/// the header's newline with content that starts with whitespace ("\n\n" as one token), and that
+/// token is then a target, as transformers' assistant-token mask makes it.
+/// Throws std::logic_error if the template does not render ChatML as expected.
+InstructExample encode_conversation(const std::vector<ChatMessage>& messages,
+                                    const BpeTokenizer& tok, const ChatTemplate& tmpl);
+
+/// Every conversation of the JSONL file at `path`, in file order. `max_tokens` (> 0) bounds an
+/// example's length: a longer one is an error, not silently truncated, because a truncated
+/// answer teaches the model to stop mid-sentence. ConfigError for bad input (see above).
+std::vector<InstructExample> load_instruct_jsonl(const std::string& path, const BpeTokenizer& tok,
+                                                 const ChatTemplate& tmpl, int64_t max_tokens);
+
+}  // namespace fsdp_trainer

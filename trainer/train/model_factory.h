@@ -1,0 +1,54 @@
+// Builds the configured model (GPT or Llama), applies FSDP to it, and says how big it is.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <fsdp/fully_shard.h>
+
+#include "config/config.h"
+
+namespace fsdp_trainer {
+
+struct TrainModel {
+  std::shared_ptr<torch::nn::Module> module;
+  /// idx (B, T) -> logits (B, T, vocab), through fsdp::forward.
+  std::function<torch::Tensor(const torch::Tensor&)> forward;
+  /// Writes the model as a Hugging Face directory / loads one into it (formats/hf_format.h).
+  std::function<void(const std::string& dir, fsdp::ProcessGroup& group)> save_hf;
+  std::function<void(const std::string& dir)> load_hf;
+  /// Fine-tuning with adapters: writes them in PEFT's layout (models/lora.h); else empty.
+  std::function<void(const std::string& dir, fsdp::ProcessGroup& group)> save_adapter;
+  int64_t num_params = 0;
+  int64_t n_layer = 0;
+  int64_t n_embd = 0;
+  int64_t n_hidden = 0;     // the MLP's inner width (GPT 4 n_embd, Llama ffn_hidden_dim)
+  std::string description;  // "gpt gpt2-tiny: 4 layers, width 128, 0.85M parameters"
+};
+
+/// How the units are sharded: the blocks (activation checkpointing applies to every
+/// config.fsdp.ac_every-th of them) and the root (embeddings, final norm, head).
+struct UnitOptions {
+  fsdp::FullyShardOptions blocks;
+  fsdp::FullyShardOptions root;
+};
+
+/// The pretrained model of `gguf_path` (config.finetune: LoRA or QLoRA applied before
+/// sharding; max_seq_len finetune.max_tokens), sharded with `options`, each rank reading its
+/// rows of the file. Adapters start as PEFT's (lora_B zero, so the model starts as the
+/// file's). save_hf writes the adapters merged (lora) or the model (full). ConfigError for a
+/// file that is not a Llama GGUF or targets that match no layer.
+TrainModel build_finetune_model(const Config& config, const std::string& gguf_path,
+                                const UnitOptions& options, torch::Device device);
+
+/// The model of config.model with `vocab_size` tokens and config.training.seq_len context,
+/// initialised from config.training.seed (the same values on any number of ranks), sharded with
+/// `options`, its shards on `device`. Throws ConfigError for an unknown preset or shapes that do
+/// not fit.
+TrainModel build_model(const Config& config, int64_t vocab_size, const UnitOptions& options,
+                       torch::Device device);
+
+}  // namespace fsdp_trainer

@@ -1,0 +1,897 @@
+// See trainer.h. Per-step timing comes from fsdp::StepProfiler: scopes around forward,
+// backward and the optimizer; the waits are the time this thread blocked on the collectives of
+// the model's process groups (the part of communication not hidden), and the byte counters
+// cover every group the units use (hybrid_shard's subgroups included).
+#include "trainer.h"
+
+#include <fmt/core.h>
+
+#include <numeric>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+
+#include <fsdp/checkpoint/safetensors.h>
+#include <fsdp/checkpoint/sharded_checkpoint.h>
+#include <fsdp/clip_grad.h>
+#include <fsdp/core/durable_file.h>
+#include <fsdp/core/memory.h>
+#include <fsdp/distributed/collectives.h>
+#include <fsdp/fully_shard.h>
+#include <fsdp/observe/step_profiler.h>
+#include <fsdp/optim/fused_optimizer.h>
+#include <fsdp/unshard.h>
+
+#include "matmul_speed.h"
+#include "observe/plot.h"
+#include "optimizer_factory.h"
+
+namespace fsdp_trainer {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// The config's dtype names (validated there; an unknown one here is a bug, and says so).
+torch::ScalarType dtype_named(const std::string& name) {
+  if (name == "fp32")
+    return torch::kFloat;
+  if (name == "bf16")
+    return torch::kBFloat16;
+  if (name == "fp16")
+    return torch::kHalf;
+  TORCH_CHECK(false, "unknown dtype '", name, "' (allowed: fp32, bf16, fp16)");
+}
+
+}  // namespace
+
+Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
+    : config_(std::move(config)), device_memory_(std::move(device_memory)), purpose_(purpose) {
+  const auto& t = config_.training;
+  torch::set_num_threads(static_cast<int>(t.threads));
+  const fsdp::LaunchEnv env = fsdp::launch_env_from_environment();
+  const bool cuda = t.device == "cuda";
+  if (cuda)
+    device_ = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
+  if (!device_memory_.peak_bytes) {
+    device_memory_.reset_peak = [] { fsdp::memory::reset_peak(); };
+    device_memory_.peak_bytes = [] { return fsdp::memory::peak_bytes(); };
+  }
+  pg_ = fsdp::init_process_group(
+      fsdp::ProcessGroupOptions()
+          .backend(cuda ? "nccl" : "gloo")
+          .timeout(std::chrono::milliseconds(static_cast<int64_t>(config_.fsdp.timeout_s * 1000)))
+          .gloo_lanes(static_cast<int>(config_.fsdp.gloo_lanes))
+          .check_collectives(static_cast<int>(config_.fsdp.check_collectives)));
+  const int rank = pg_->rank(), world = pg_->size();
+  {
+    // The trainer's own reductions (losses, memory figures, the dtype choice) get a group of
+    // their own: they go through the collectives layer like all traffic (counted, and checked
+    // under fsdp.check_collectives) without mixing into the counters of the model's groups,
+    // which the step breakdown compares with what the strategy should move.
+    std::vector<int> everyone(static_cast<size_t>(world));
+    std::iota(everyone.begin(), everyone.end(), 0);
+    metrics_pg_ = pg_->new_group(everyone);
+  }
+  const int local_world = env.local_world_size;
+  validate_world(config_, world, local_world);  // main() checked already; never hang on it
+
+  std::string model_file;
+  if (config_.finetuning) {
+    model_file = resolve_model_file(config_.finetune.model);
+    if (rank == 0)
+      std::printf("fsdp-train: fine-tuning %s ...\n", model_file.c_str());
+    std::fflush(stdout);
+    finetune_ = std::make_unique<FinetuneData>(config_, model_file, rank, world);
+  } else {
+    PrepareOptions prep;
+    prep.corpus = config_.data.corpus;
+    prep.out_dir = config_.data.dir;
+    prep.vocab_size = static_cast<int>(config_.data.vocab_size);
+    prep.held_out_fraction = config_.data.held_out_fraction;
+    prep.seed = static_cast<uint64_t>(t.seed);
+    if (rank == 0)
+      std::printf("fsdp-train: preparing data in %s ...\n", prep.out_dir.c_str());
+    std::fflush(stdout);
+    data_ = prepare_data(prep, rank, [this] { pg_->barrier(); });
+    tokenizer_.load(data_.tokenizer_path);
+    train_file_ = std::make_unique<TokenFile>(data_.train_path);
+    val_file_ = std::make_unique<TokenFile>(data_.val_path);
+    sampler_ = std::make_unique<DistributedSampler>(*train_file_, t.batch_size, t.seq_len, rank,
+                                                    world, static_cast<uint64_t>(t.seed));
+    eval_set_ = eval_batches(*val_file_, t.batch_size, t.seq_len, rank, world, t.eval_batches);
+    for (auto& batch : eval_set_)
+      batch = batch.to(device_);
+  }
+
+  compute_dtype_ = resolve_compute_dtype();
+  const auto& f = config_.fsdp;
+  const int64_t hybrid_size = resolved_hybrid_shard_size(config_, local_world);
+  fsdp::FullyShardOptions fsdp_options(pg_);
+  // Each knob only where it means something: fully_shard refuses the others.
+  const auto strategy = fsdp::from_string<fsdp::ShardingStrategy>(f.strategy);
+  fsdp_options.strategy(strategy);
+  if (strategy == fsdp::ShardingStrategy::kHybridShard)
+    fsdp_options.hybrid_shard_size(static_cast<int>(hybrid_size));
+  if (strategy == fsdp::ShardingStrategy::kFullShard ||
+      strategy == fsdp::ShardingStrategy::kHybridShard) {
+    fsdp_options.reshard_after_forward(f.reshard_after_forward)
+        .reshard_after_forward_size(static_cast<int>(f.reshard_after_forward_size));
+  }
+  fsdp_options.forward_prefetch(f.forward_prefetch)
+      .backward_prefetch(fsdp::from_string<fsdp::BackwardPrefetch>(f.backward_prefetch))
+      .max_inflight_all_gathers(static_cast<int>(f.max_inflight_all_gathers))
+      .all_reduce_bucket_bytes(
+          std::max<int64_t>(1, std::llround(f.all_reduce_bucket_mb * (1 << 20))))
+      .all_gather_bucket_bytes(std::llround(f.all_gather_bucket_mb * (1 << 20)))
+      .sync_module_states(f.sync_module_states);
+  if (f.cpu_offload)
+    fsdp_options.offload_policy(fsdp::CPUOffloadPolicy());
+  // Blocks gather and compute in param_dtype; the root too unless root_fp32, and its logits
+  // come out in fp32 either way (the loss and its softmax in fp32).
+  const auto& prec = config_.precision;
+  const auto param_dtype = dtype_named(compute_dtype_.dtype);
+  const auto reduce_dtype = dtype_named(prec.reduce_dtype);
+  // gather_format applies to the root unless root_fp32 (which keeps the root exact).
+  UnitOptions units{fsdp_options, fsdp_options};
+  auto policy = fsdp::MixedPrecisionPolicy()
+                    .param_dtype(param_dtype)
+                    .reduce_dtype(reduce_dtype)
+                    .gather_format(fsdp::from_string<fsdp::GatherFormat>(prec.gather_format))
+                    .int8_block_size(prec.int8_block);
+  units.blocks.mp_policy(policy);
+  units.root.mp_policy(prec.root_fp32
+                           ? fsdp::MixedPrecisionPolicy()
+                           : fsdp::MixedPrecisionPolicy(policy).output_dtype(torch::kFloat));
+  units.blocks.activation_checkpointing(
+      fsdp::from_string<fsdp::CheckpointMode>(f.activation_checkpointing));
+  model_ = finetune_ ? build_finetune_model(config_, model_file, units, device_)
+                     : build_model(config_, data_.vocab_size, units, device_);
+  profiler_ = std::make_unique<fsdp::StepProfiler>(model_.module);
+
+  // Weight decay on matrices only (as GPT-2/nanoGPT): not on norms and biases.
+  std::vector<torch::Tensor> decay, no_decay;
+  for (const auto& p : model_.module->parameters()) {
+    if (!p.requires_grad())
+      continue;
+    params_.push_back(p);
+    (p.dim() >= 2 ? decay : no_decay).push_back(p);
+  }
+  optimizer_ = make_optimizer(config_, decay, no_decay);
+  if (uses_loss_scaling(config_)) {
+    scaler_ =
+        std::make_unique<fsdp::ShardedGradScaler>(pg_, fsdp::GradScalerOptions()
+                                                           .init_scale(prec.init_scale)
+                                                           .growth_interval(prec.growth_interval));
+  }
+
+  if (purpose_ != Purpose::kTrain)
+    return;
+  if (!config_.checkpoint.resume.empty())
+    start_step_ = resume_from_checkpoint();
+  if (start_step_ == 0 && !config_.model.init_from.empty()) {
+    const auto from = load_weights(config_.model.init_from);
+    if (rank == 0)
+      std::printf("fsdp-train: parameters from %s\n", from.c_str());
+  }
+
+  if (finetune_) {
+    // Adapters leave out the weight gradients: forward 2N and input gradients 2N of 6N.
+    flops_per_token_ = gpt_flops_per_token(model_.num_params, model_.n_layer, model_.n_embd,
+                                           config_.finetune.max_tokens / 2) *
+                       (config_.finetune.method == "full" ? 1.0 : 2.0 / 3.0);
+  } else {
+    flops_per_token_ =
+        gpt_flops_per_token(model_.num_params, model_.n_layer, model_.n_embd, t.seq_len);
+  }
+  // MFU's peak: the model's own Linear shapes in the compute dtype (matmul_speed.h), with the
+  // rows of one micro-batch (capped: larger ones run no faster and take longer to time). Every
+  // rank measures at once (after a barrier, so none is busy computing while another measures)
+  // and all use the highest: one peak for the whole job.
+  const int64_t rows = std::min<int64_t>(
+      512, finetune_ ? t.batch_size * config_.finetune.max_tokens : t.batch_size * t.seq_len);
+  const std::vector<MatmulShape> shapes{{rows, model_.n_embd, model_.n_embd},
+                                        {rows, model_.n_embd, model_.n_hidden}};
+  pg_->barrier();
+  peak_flops_per_rank_ = static_cast<double>(max_over_ranks(
+      std::llround(peak_matmul_flops(dtype_named(compute_dtype_.dtype), shapes, device_))));
+
+  if (rank == 0) {
+    std::filesystem::create_directories(config_.logging.run_dir);
+    fsdp::write_file_atomic(
+        (std::filesystem::path(config_.logging.run_dir) / "config.toml").string(),
+        to_toml(config_));
+    // A fresh run replaces the metrics of an earlier one in the same directory; a resumed one
+    // keeps the lines before the step it resumes after.
+    const auto metrics_path = std::filesystem::path(config_.logging.run_dir) / "metrics.jsonl";
+    if (start_step_ == 0) {
+      std::filesystem::remove(metrics_path);
+      metrics_ = std::make_unique<MetricsWriter>(metrics_path.string());
+    } else {
+      metrics_ = std::make_unique<MetricsWriter>(metrics_path.string(), start_step_ + 1);
+    }
+    progress_ =
+        std::make_unique<Progress>(config_.logging.progress, t.steps, config_.logging.log_every);
+    if (finetune_) {
+      progress_->message(fmt::format(
+          "fsdp-train finetune: {} on {} rank(s) | data: {} conversations ({}), {} held-out "
+          "| {} conversations per rank per step, loss on the answers only",
+          model_.description, world, finetune_->train_size(), config_.finetune.train_file,
+          finetune_->eval_examples().size(), t.batch_size));
+    } else {
+      progress_->message(fmt::format(
+          "fsdp-train: {} on {} rank(s) | data: {} train / {} held-out tokens, vocab {} | "
+          "{} x {} tokens per rank per step",
+          model_.description, world, data_.train_tokens, data_.val_tokens, data_.vocab_size,
+          t.batch_size, t.seq_len));
+    }
+    std::string sharding = f.strategy;
+    if (f.strategy == "hybrid_shard") {
+      sharding += fmt::format(" (sharded in groups of {} ranks, replicated {}x)", hybrid_size,
+                              world / hybrid_size);
+    } else if (f.strategy == "full_shard" && !f.reshard_after_forward) {
+      sharding += " (reshard_after_forward off)";
+    }
+    if (f.reshard_after_forward_size > 1 && f.reshard_after_forward &&
+        (f.strategy == "full_shard" || f.strategy == "hybrid_shard")) {
+      sharding +=
+          fmt::format(", resharded over {} ranks after forward", f.reshard_after_forward_size);
+    }
+    progress_->message(fmt::format(
+        "fsdp: {} | prefetch: forward {}, backward {}, at most {} all-gathers in flight", sharding,
+        f.forward_prefetch ? "on" : "off", f.backward_prefetch, f.max_inflight_all_gathers));
+    std::string ac = f.activation_checkpointing;
+    if (f.activation_checkpointing != "none" && f.ac_every > 1)
+      ac += fmt::format(" (every {} blocks)", f.ac_every);
+    progress_->message(fmt::format(
+        "precision: compute {}{}, gather {}, reduce {}{} | activation checkpointing: {}",
+        compute_dtype_.dtype,
+        prec.root_fp32 && compute_dtype_.dtype != "fp32" ? " (root fp32)" : "",
+        prec.gather_format == "int8" ? fmt::format("int8 (blocks of {})", prec.int8_block)
+                                     : prec.gather_format,
+        prec.reduce_dtype, scaler_ ? ", dynamic loss scaling" : "", ac));
+    const auto& o = config_.optimizer;
+    std::string optimizer = o.name == "adamw" ? "torch::optim::AdamW" : o.name;
+    if (auto* fused = dynamic_cast<fsdp::FusedOptimizer*>(optimizer_.get())) {
+      optimizer +=
+          fmt::format(" ({} kernels, {} moments", fused->kernel_capability(), o.moments_dtype);
+      optimizer += fused->state_in_memory() ? ")" : ", state in " + fused->offload_info() + ")";
+    }
+    progress_->message("optimizer: " + optimizer);
+    progress_->message(fmt::format(
+        "MFU is relative to {:.1f} GFLOP/s per rank: the fastest {} matmul of the model's shapes, "
+        "{} thread(s), measured on every rank at once (the highest)",
+        peak_flops_per_rank_ / 1e9, compute_dtype_.dtype, t.threads));
+  }
+}
+
+Trainer::~Trainer() = default;
+
+double Trainer::learning_rate(int64_t step) const {
+  // Linear warm-up to lr, then cosine decay to min_lr at the last step.
+  const auto& t = config_.training;
+  if (step <= t.warmup_steps)
+    return t.lr * static_cast<double>(step) / std::max<int64_t>(1, t.warmup_steps);
+  const double progress =
+      static_cast<double>(step - t.warmup_steps) / std::max<int64_t>(1, t.steps - t.warmup_steps);
+  return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + std::cos(M_PI * std::min(1.0, progress)));
+}
+
+double Trainer::mean_over_ranks(double v) {
+  auto t = torch::tensor({v}, torch::TensorOptions(torch::kDouble).device(device_));
+  fsdp::all_reduce(*metrics_pg_, t, fsdp::ReduceOp::kSum, "mean of a metric")->wait();
+  return t.item<double>() / metrics_pg_->size();
+}
+
+ComputeDtype Trainer::resolve_compute_dtype() {
+  const auto& requested = config_.precision.param_dtype;
+  const bool cuda = device_.is_cuda();
+  DtypeSpeeds speeds;
+  if (needs_dtype_speeds(requested, cuda)) {
+    // A transformer layer's size, whatever the model: the ratio between the dtypes is what
+    // decides, and this shape costs ~1 s where bf16 crawls and milliseconds elsewhere.
+    const MatmulShape shape{256, 512, 1024};
+    speeds.shape = fmt::format("{}x{}x{}", shape.m, shape.k, shape.n);
+    pg_->barrier();
+    speeds.fp32 = static_cast<double>(
+        max_over_ranks(std::llround(measure_matmul_speed(torch::kFloat, shape).step())));
+    speeds.low = static_cast<double>(max_over_ranks(
+        std::llround(measure_matmul_speed(dtype_named(candidate_dtype(requested)), shape).step())));
+  }
+  ComputeDtype choice = choose_compute_dtype(requested, cuda, speeds);
+  if (pg_->rank() == 0) {
+    if (requested == "auto")  // an explicit dtype shows in the "precision:" line already
+      std::printf("fsdp-train: %s\n", choice.reason.c_str());
+    if (!choice.warning.empty())
+      std::fprintf(stderr, "fsdp-train: %s\n", choice.warning.c_str());
+    std::fflush(stdout);
+    std::fflush(stderr);
+  }
+  return choice;
+}
+
+int64_t Trainer::max_over_ranks(int64_t v) {
+  auto t = torch::tensor({v}, torch::TensorOptions(torch::kLong).device(device_));
+  fsdp::all_reduce(*metrics_pg_, t, fsdp::ReduceOp::kMax, "max of a metric")->wait();
+  return t.item<int64_t>();
+}
+
+void Trainer::reduce_step_metrics(StepMetrics& m, double loss_sum, double local_tokens) {
+  // One summing all-reduce of a (world, columns) table in which each rank fills only its own
+  // row: after it every rank holds every rank's figures and takes means and maxima locally.
+  // Four separate all-reduces cost ~5 ms per step between steps at batch 1 on 2 cores (each a
+  // round trip, and a point where the faster rank waits). Doubles hold byte counts exactly
+  // below 2^53.
+  enum Col { kLoss, kTokens, kRss, kPeakRss, kPeak, kCategories };
+  constexpr int kCols = kCategories + fsdp::memory::kNumCategories;
+  const bool tracked = fsdp::memory::tracking_installed();
+  std::vector<double> mine(kCols, 0.0);
+  mine[kLoss] = loss_sum;
+  mine[kTokens] = local_tokens;
+  mine[kRss] = static_cast<double>(fsdp::memory::resident_bytes());
+  mine[kPeakRss] = static_cast<double>(fsdp::memory::peak_resident_bytes());
+  if (tracked) {
+    mine[kPeak] = static_cast<double>(fsdp::memory::peak_bytes());
+    const auto parts = fsdp::memory::at_peak_by_category();
+    for (int c = 0; c < fsdp::memory::kNumCategories; ++c)
+      mine[kCategories + c] = static_cast<double>(parts.bytes[c]);
+  } else {
+    mine[kPeak] = static_cast<double>(device_memory_.peak_bytes());
+  }
+  const int world = pg_->size();
+  auto table = torch::zeros({world, kCols}, torch::kDouble);
+  table[pg_->rank()].copy_(torch::tensor(mine, torch::kDouble));
+  // The collective runs where the backend needs its tensors (the GPU for NCCL).
+  auto on_device = table.to(device_);
+  fsdp::all_reduce(*metrics_pg_, on_device, fsdp::ReduceOp::kSum, "step metrics")->wait();
+  table = on_device.cpu();
+  const auto col = [&](int c) { return table.select(1, c); };
+  m.loss = col(kLoss).sum().item<double>() / world;
+  if (finetune_)
+    m.tokens = std::llround(col(kTokens).sum().item<double>());
+  m.rss_bytes = static_cast<int64_t>(col(kRss).max().item<double>());
+  m.peak_rss_bytes = static_cast<int64_t>(col(kPeakRss).max().item<double>());
+  // The breakdown of the rank with the highest peak (they sum to its peak).
+  const auto top = col(kPeak).argmax().item<int64_t>();
+  const auto row = table[top];
+  m.peak_bytes = static_cast<int64_t>(row[kPeak].item<double>());
+  if (!tracked)
+    return;
+  using fsdp::memory::Category;
+  auto part = [&](Category c) {
+    return static_cast<int64_t>(row[kCategories + static_cast<int>(c)].item<double>());
+  };
+  m.mem_params_bytes = part(Category::kParams);
+  m.mem_grads_bytes = part(Category::kGrads);
+  m.mem_optimizer_bytes = part(Category::kOptimizer);
+  m.mem_gathered_bytes = part(Category::kGathered);
+  m.mem_activations_bytes = part(Category::kActivations);
+  m.mem_other_bytes = part(Category::kOther);
+}
+
+double Trainer::evaluate() {
+  torch::NoGradGuard no_grad;
+  if (finetune_) {  // the mean over every held-out answer token of every rank
+    double sum = 0, count = 0;
+    for (const auto& b : finetune_->eval_batches()) {
+      auto logits = model_.forward(b.inputs.to(device_));
+      auto ce = torch::nn::functional::cross_entropy(
+          logits.reshape({-1, logits.size(-1)}), b.labels.to(device_).reshape({-1}),
+          torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+      sum += (ce.cpu() * b.mask.reshape({-1})).sum().item<double>();
+      count += static_cast<double>(b.targets);
+    }
+    const double world = pg_->size();
+    return mean_over_ranks(sum) * world / std::max(1.0, mean_over_ranks(count) * world);
+  }
+  double total = 0;
+  for (const auto& batch : eval_set_) {
+    const auto t = batch.size(1) - 1;
+    auto logits = model_.forward(batch.narrow(1, 0, t));
+    total += torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                                  batch.narrow(1, 1, t).reshape({-1}))
+                 .item<double>();
+  }
+  return mean_over_ranks(total / static_cast<double>(eval_set_.size()));
+}
+
+StepMetrics Trainer::train_step(int64_t step) {
+  const auto& t = config_.training;
+  StepMetrics m;
+  m.step = step;
+  m.lr = learning_rate(step);
+  for (auto& group : optimizer_->param_groups())
+    group.options().set_lr(m.lr);
+  device_memory_.reset_peak();
+  profiler_->begin_step();
+
+  torch::Tensor batch;
+  InstructBatch conversations;
+  if (finetune_)
+    conversations = finetune_->sampler().next();
+  else
+    batch = sampler_->next().to(device_);
+  optimizer_->zero_grad();
+  // Gradient accumulation: micro-batch losses are scaled so that their sum is the batch mean
+  // (for conversations: the mean over the batch's answer tokens).
+  const int64_t micro = t.micro_batches, rows = t.batch_size / micro;
+  double loss_sum = 0;
+  for (int64_t i = 0; i < micro; ++i) {
+    if (micro > 1 && !config_.fsdp.sync_every_micro_batch) {
+      fsdp::set_requires_gradient_sync(*model_.module, i == micro - 1);
+    }
+    torch::Tensor loss;
+    // What forward and backward allocate is activations, unless the engine tags it as its own
+    // (gathered parameters, gradients).
+    fsdp::memory::CategoryScope activations(fsdp::memory::Category::kActivations);
+    {
+      auto scope = profiler_->forward();
+      if (finetune_) {
+        auto inputs = conversations.inputs.narrow(0, i * rows, rows).to(device_);
+        auto labels = conversations.labels.narrow(0, i * rows, rows).to(device_);
+        auto mask = conversations.mask.narrow(0, i * rows, rows).to(device_);
+        auto logits = model_.forward(inputs);
+        auto ce = torch::nn::functional::cross_entropy(
+            logits.reshape({-1, logits.size(-1)}), labels.reshape({-1}),
+            torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+        loss = (ce * mask.reshape({-1})).sum() /
+               static_cast<double>(std::max<int64_t>(1, conversations.targets));
+      } else {
+        auto mb = batch.narrow(0, i * rows, rows);
+        auto logits = model_.forward(mb.narrow(1, 0, t.seq_len));
+        loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                                    mb.narrow(1, 1, t.seq_len).reshape({-1})) /
+               static_cast<double>(micro);
+      }
+    }
+    {
+      auto scope = profiler_->backward();
+      (scaler_ ? scaler_->scale(loss) : loss).backward();
+    }
+    loss_sum += loss.item<double>();
+  }
+  {
+    auto scope = profiler_->optimizer();
+    fsdp::memory::CategoryScope optimizer_state(fsdp::memory::Category::kOptimizer);
+    // With loss scaling the grads are unscaled before clipping, and a step whose grads
+    // overflowed on any rank is skipped on every rank.
+    if (scaler_)
+      scaler_->unscale_(*optimizer_);
+    if (t.grad_clip > 0)
+      m.grad_norm = fsdp::clip_grad_norm_(params_, t.grad_clip, *pg_);
+    if (scaler_) {
+      m.loss_scale = scaler_->get_scale();  // the scale this step's loss was multiplied by
+      scaler_->step(*optimizer_);
+      scaler_->update();
+      m.skipped_steps = scaler_->skipped_steps();
+    } else {
+      optimizer_->step();
+    }
+  }
+  const fsdp::StepBreakdown b = profiler_->end_step();
+
+  // StepMetrics' phase times include the waits inside them (Note [Waits inside phases] in
+  // metrics.h); the profiler's exclude them. A gradient-reduction wait inside forward
+  // (normally none) is counted in backward: the breakdown subtracts the same total from the
+  // two phases, so its rows stay disjoint and sum to the step time.
+  m.step_time_s = b.step_s;
+  m.time_forward_s = b.forward_s + b.all_gather_wait_forward_s;
+  m.time_backward_s =
+      b.backward_s + (b.all_gather_wait_s - b.all_gather_wait_forward_s) + b.reduce_wait_s;
+  m.time_allgather_wait_s = b.all_gather_wait_s;
+  m.time_allgather_wait_forward_s = b.all_gather_wait_forward_s;
+  m.time_reducescatter_wait_s = b.reduce_wait_s;
+  m.time_optimizer_s = b.optimizer_s;
+  if (auto* fused = dynamic_cast<fsdp::FusedOptimizer*>(optimizer_.get());
+      fused && !fused->state_in_memory()) {
+    const auto& o = fused->last_step();
+    m.offload_read_bytes = o.bytes_read;
+    m.offload_written_bytes = o.bytes_written;
+    m.time_offload_wait_s = o.io_wait_seconds;
+  }
+  m.allgather_bytes = b.comm.all_gather.bytes;
+  m.reducescatter_bytes = b.comm.reduce_scatter.bytes;
+  m.allreduce_bytes = b.comm.all_reduce.bytes;
+  reduce_step_metrics(m, loss_sum,
+                      finetune_ ? static_cast<double>(conversations.inputs.numel()) : 0.0);
+  if (!finetune_)
+    m.tokens = t.batch_size * t.seq_len * pg_->size();
+  m.tokens_per_second = m.tokens / m.step_time_s;
+  m.mfu = model_flops_utilization(flops_per_token_, m.tokens_per_second,
+                                  peak_flops_per_rank_ * pg_->size());
+  return m;
+}
+
+SamplerState Trainer::sampler_state() const {
+  return finetune_ ? finetune_->sampler().state() : sampler_->state();
+}
+
+void Trainer::load_sampler_state(const SamplerState& state) {
+  if (finetune_)
+    finetune_->sampler().load_state(state);
+  else
+    sampler_->load_state(state);
+}
+
+void Trainer::train() {
+  const auto& t = config_.training;
+  std::vector<std::string> answers_before;
+  if (finetune_)
+    answers_before = answer_questions();
+  const double initial_eval = evaluate();
+  if (progress_)
+    progress_->message(fmt::format("step {}: held-out loss {:.4f}", start_step_, initial_eval));
+  const auto start = Clock::now();
+  const int64_t every = config_.checkpoint.every;
+  for (int64_t step = start_step_ + 1; step <= t.steps; ++step) {
+    auto m = train_step(step);
+    const bool eval_now = step == t.steps || (t.eval_every > 0 && step % t.eval_every == 0);
+    if (eval_now)
+      m.eval_loss = evaluate();
+    history_.push_back(m);
+    // The step is logged before the checkpoint that contains it: a job killed after the
+    // checkpoint resumes after this step and must find its metrics line written.
+    if (pg_->rank() == 0) {
+      metrics_->append(m);
+      const double elapsed = seconds_since(start);
+      progress_->update({step, m.loss, m.tokens_per_second, m.mfu, m.peak_bytes,
+                         elapsed / static_cast<double>(step - start_step_) *
+                             static_cast<double>(t.steps - step)});
+      if (eval_now) {
+        progress_->message(fmt::format("step {}: held-out loss {:.4f} (train {:.4f})", step,
+                                       *m.eval_loss, m.loss));
+      }
+    }
+    // Every rank sees the same (averaged) loss, so all stop together.
+    if (!std::isfinite(m.loss))
+      throw std::runtime_error(fmt::format("loss is {} at step {}", m.loss, step));
+    if (every > 0 && (step % every == 0 || step == t.steps))
+      save_checkpoint(step);
+  }
+  if (config_.checkpoint.export_hf)
+    export_hf(export_dir(config_), /*replace=*/true);
+  if (finetune_)
+    write_finetune_outputs(answers_before, answer_questions());
+  if (pg_->rank() == 0) {
+    progress_->finish();
+    if (history_.empty()) {
+      std::printf("nothing to train: the checkpoint is at step %lld of %lld\n",
+                  static_cast<long long>(start_step_), static_cast<long long>(t.steps));
+      return;
+    }
+    std::printf("held-out loss: %.4f -> %.4f\n", initial_eval, *history_.back().eval_loss);
+    write_outputs();
+  }
+}
+
+namespace {
+
+std::string step_dir_name(int64_t step) {
+  return fmt::format("step-{:08d}", step);
+}
+
+// Complete checkpoints (their index written last) under `root`, oldest first.
+std::vector<std::filesystem::path> complete_checkpoints(const std::filesystem::path& root) {
+  std::vector<std::filesystem::path> out;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(root, ec)) {
+    const auto name = e.path().filename().string();
+    if (name.size() == 13 && name.rfind("step-", 0) == 0 &&
+        std::filesystem::exists(e.path() / "index.json"))
+      out.push_back(e.path());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// The newest complete checkpoint under checkpoint_dir, if any.
+std::optional<std::filesystem::path> latest_checkpoint(const Config& config) {
+  auto done = complete_checkpoints(checkpoint_dir(config));
+  if (done.empty())
+    return std::nullopt;
+  return done.back();
+}
+
+// A directory about to be written again (a checkpoint of the same step from an abandoned run,
+// an earlier export) is moved here first, and removed once the new one is complete: a crash in
+// between loses neither.
+std::filesystem::path aside_path(const std::filesystem::path& dir) {
+  return dir.string() + ".replaced";
+}
+
+void move_aside(const std::filesystem::path& dir) {
+  if (!std::filesystem::exists(dir))
+    return;
+  std::filesystem::remove_all(aside_path(dir));
+  std::filesystem::rename(dir, aside_path(dir));
+}
+
+std::string to_hex(const torch::Tensor& bytes) {
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  const auto* p = bytes.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < bytes.numel(); ++i) {
+    out.push_back(digits[p[i] >> 4]);
+    out.push_back(digits[p[i] & 15]);
+  }
+  return out;
+}
+
+torch::Tensor from_hex(const std::string& text, const std::string& what) {
+  if (text.size() % 2 != 0 || text.find_first_not_of("0123456789abcdef") != std::string::npos)
+    throw fsdp::safetensors::FormatError(what + " is not hex");
+  auto out = torch::empty({static_cast<int64_t>(text.size() / 2)}, torch::kUInt8);
+  auto* p = out.data_ptr<uint8_t>();
+  for (size_t i = 0; i < text.size() / 2; ++i)
+    p[i] = static_cast<uint8_t>(std::stoi(text.substr(2 * i, 2), nullptr, 16));
+  return out;
+}
+
+}  // namespace
+
+void Trainer::save_checkpoint(int64_t step) {
+  namespace fs = std::filesystem;
+  const fs::path root = checkpoint_dir(config_);
+  const fs::path dir = root / step_dir_name(step);
+  const int rank = pg_->rank();
+  // Every rank's random state, gathered, so that rank 0 writes them all.
+  torch::Tensor rng;
+  {
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    rng = gen.get_state();
+  }
+  const auto rngs = fsdp::all_gather_bytes(*metrics_pg_, to_hex(rng), "random states");
+  // A checkpoint of this step from an abandoned run (resumed from an earlier one).
+  if (rank == 0)
+    move_aside(dir);
+  pg_->barrier();
+  const auto sampler = sampler_state();
+  std::map<std::string, std::string> meta = {{"step", std::to_string(step)},
+                                             {"world_size", std::to_string(pg_->size())},
+                                             {"sampler.epoch", std::to_string(sampler.epoch)},
+                                             {"sampler.position", std::to_string(sampler.position)},
+                                             {"sampler.seed", std::to_string(sampler.seed)},
+                                             {"config", to_toml(config_)}};
+  if (scaler_) {
+    const auto st = scaler_->state();
+    meta["scaler.scale"] = fmt::format("{:.17g}", st.scale);
+    meta["scaler.growth_tracker"] = std::to_string(st.growth_tracker);
+    meta["scaler.skipped_steps"] = std::to_string(st.skipped_steps);
+  }
+  if (rank == 0) {
+    for (int r = 0; r < pg_->size(); ++r)
+      meta["rng." + std::to_string(r)] = rngs[static_cast<size_t>(r)];
+  }
+  const auto save_start = Clock::now();
+  fsdp::save_sharded(dir.string(), *model_.module, optimizer_.get(), *pg_, meta);
+  const double save_seconds = seconds_since(save_start);
+  if (rank != 0)
+    return;
+  fs::remove_all(aside_path(dir));
+  auto done = complete_checkpoints(root);
+  const auto keep = static_cast<size_t>(config_.checkpoint.keep);
+  for (size_t i = 0; i + keep < done.size(); ++i)
+    fs::remove_all(done[i]);
+  uint64_t bytes = 0;
+  for (const auto& e : fs::directory_iterator(dir))
+    bytes += e.is_regular_file() ? e.file_size() : 0;
+  if (progress_) {
+    progress_->message(fmt::format("step {}: checkpoint {} ({:.1f} MB in {:.2f} s, {:.0f} MB/s)",
+                                   step, dir.string(), bytes / 1e6, save_seconds,
+                                   bytes / 1e6 / std::max(save_seconds, 1e-9)));
+  }
+}
+
+int64_t Trainer::resume_from_checkpoint() {
+  namespace fs = std::filesystem;
+  fs::path dir = config_.checkpoint.resume;
+  if (config_.checkpoint.resume == "latest" || config_.checkpoint.resume == "auto") {
+    const auto latest = latest_checkpoint(config_);
+    if (!latest && config_.checkpoint.resume == "auto")
+      return 0;  // the first start of a job its launcher may restart
+    if (!latest)
+      throw std::runtime_error("checkpoint.resume = latest: no complete checkpoint in " +
+                               checkpoint_dir(config_));
+    dir = *latest;
+  }
+  auto meta = fsdp::load_sharded(dir.string(), *model_.module, optimizer_.get());
+  auto number = [&](const std::string& key) -> int64_t {
+    auto it = meta.find(key);
+    try {
+      if (it != meta.end())
+        return std::stoll(it->second);
+    } catch (const std::exception&) {
+    }
+    throw fsdp::safetensors::FormatError(dir.string() + ": metadata '" + key +
+                                         "' missing or not a number");
+  };
+  const int64_t step = number("step");
+  load_sampler_state({number("sampler.epoch"), number("sampler.position"),
+                      static_cast<uint64_t>(number("sampler.seed"))});
+  if (scaler_ && meta.count("scaler.scale")) {
+    scaler_->load_state({std::stod(meta["scaler.scale"]), number("scaler.growth_tracker"),
+                         number("scaler.skipped_steps")});
+  }
+  // Ranks that existed when it was saved get their random state back; others keep theirs.
+  auto rng = meta.find("rng." + std::to_string(pg_->rank()));
+  if (rng != meta.end()) {
+    at::Generator gen = at::detail::getDefaultCPUGenerator();  // a handle to the global one
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(from_hex(rng->second, "rng state"));
+  }
+  if (pg_->rank() == 0) {
+    std::printf("resumed from %s (step %lld, saved on %s rank(s))\n", dir.c_str(),
+                static_cast<long long>(step), meta["world_size"].c_str());
+  }
+  return step;
+}
+
+std::string Trainer::load_weights(const std::string& path) {
+  namespace fs = std::filesystem;
+  fs::path dir = path;
+  if (path == "latest") {
+    const auto latest = latest_checkpoint(config_);
+    if (!latest)
+      throw std::runtime_error("no complete checkpoint in " + checkpoint_dir(config_));
+    dir = *latest;
+  }
+  if (fs::exists(dir / "index.json")) {
+    fsdp::load_sharded(dir.string(), *model_.module);
+  } else if (fs::exists(dir / "config.json")) {
+    model_.load_hf(dir.string());
+  } else {
+    throw ConfigError("'" + dir.string() +
+                      "' is neither a sharded checkpoint (index.json) nor a Hugging Face "
+                      "directory (config.json)");
+  }
+  return dir.string();
+}
+
+void Trainer::export_hf(const std::string& dir, bool replace) {
+  namespace fs = std::filesystem;
+  if (replace && pg_->rank() == 0)
+    move_aside(dir);
+  pg_->barrier();
+  const auto start = Clock::now();
+  model_.save_hf(dir, *pg_);
+  const double seconds = seconds_since(start);
+  if (pg_->rank() != 0)
+    return;
+  fs::remove_all(aside_path(dir));
+  const auto bytes = fs::file_size(fs::path(dir) / "model.safetensors");
+  const auto text = fmt::format("Hugging Face directory {} ({:.1f} MB in {:.2f} s, {:.0f} MB/s)",
+                                dir, bytes / 1e6, seconds, bytes / 1e6 / std::max(seconds, 1e-9));
+  if (progress_)
+    progress_->message(text);
+  else
+    std::printf("%s\n", text.c_str());
+}
+
+void Trainer::write_outputs() {
+  const std::filesystem::path dir(config_.logging.run_dir);
+  const std::string table = breakdown_table(history_);
+  std::printf("\n%s\n", table.c_str());
+  fsdp::write_file_atomic((dir / "breakdown.txt").string(), table);
+  if (config_.logging.plot) {
+    write_plot(history_, (dir / "plot.png").string(),
+               fmt::format("fsdp-train: {} on {} rank(s)", model_.description, pg_->size()));
+  }
+  std::printf("run directory: %s (metrics.jsonl, breakdown.txt%s, config.toml)\n", dir.c_str(),
+              config_.logging.plot ? ", plot.png" : "");
+}
+
+std::vector<std::string> Trainer::answer_questions() {
+  const auto questions = finetune_->questions(config_.finetune.samples);
+  std::vector<std::string> answers;
+  if (questions.empty())
+    return answers;
+  torch::NoGradGuard no_grad;
+  // Greedy, so every rank computes the same tokens and runs the same forwards; gathered once
+  // for all of them (the model is small next to what training holds).
+  fsdp::UnshardGuard gathered(*model_.module);
+  const auto& tok = finetune_->tokenizer();
+  for (const auto& [prompt, reference] : questions) {
+    std::vector<int64_t> ids = prompt, answer;
+    for (int64_t i = 0; i < config_.finetune.answer_tokens; ++i) {
+      const int64_t n = std::min<int64_t>(config_.finetune.max_tokens, ids.size());
+      auto input = torch::tensor(std::vector<int64_t>(ids.end() - n, ids.end())).unsqueeze(0);
+      const int64_t next =
+          model_.forward(input.to(device_)).select(1, n - 1).squeeze(0).argmax().item<int64_t>();
+      if (next == finetune_->end_of_turn_id() || next == tok.eos_id())
+        break;
+      ids.push_back(next);
+      answer.push_back(next);
+    }
+    answers.push_back(tok.decode(answer));
+  }
+  return answers;
+}
+
+void Trainer::write_finetune_outputs(const std::vector<std::string>& before,
+                                     const std::vector<std::string>& after) {
+  namespace fs = std::filesystem;
+  const fs::path dir(config_.logging.run_dir);
+  const auto& f = config_.finetune;
+  if (model_.save_adapter && f.save_adapter) {
+    const auto adapter = (dir / "adapter").string();
+    if (pg_->rank() == 0)
+      move_aside(adapter);
+    pg_->barrier();
+    model_.save_adapter(adapter, *pg_);
+    if (pg_->rank() == 0) {
+      fs::remove_all(aside_path(adapter));
+      progress_->message("LoRA adapter in PEFT's layout: " + adapter);
+    }
+  }
+  if (f.export_merged)
+    export_hf((dir / "merged").string(), /*replace=*/true);
+  if (pg_->rank() != 0 || before.empty())
+    return;
+  const auto questions = finetune_->questions(f.samples);
+  std::string text;
+  for (size_t i = 0; i < questions.size() && i < before.size() && i < after.size(); ++i) {
+    // The question is the prompt's last user turn.
+    const auto prompt = finetune_->tokenizer().decode(questions[i].first);
+    const auto user = prompt.rfind("<|im_start|>user\n");
+    auto question = user == std::string::npos ? prompt : prompt.substr(user + 17);
+    question = question.substr(0, question.find("<|im_end|>"));
+    text += fmt::format("Q: {}\n   reference: {}\n   before:    {}\n   after:     {}\n\n", question,
+                        questions[i].second, before[i], after[i]);
+  }
+  fsdp::write_file_atomic((dir / "answers.txt").string(), text);
+  std::printf("\nheld-out questions, greedy answers before and after fine-tuning:\n\n%s",
+              text.c_str());
+}
+
+std::string Trainer::generate() {
+  const auto& g = config_.generate;
+  if (g.tokens == 0)
+    return "";
+  torch::NoGradGuard no_grad;
+  // Every rank samples with the same generator, so all run the same forwards (they must: each
+  // forward gathers parameters from all of them, unless the model is gathered once for the
+  // whole sample).
+  std::optional<fsdp::UnshardGuard> gathered;
+  if (g.unshard)
+    gathered.emplace(*model_.module);
+  auto gen =
+      at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config_.training.seed) + 1);
+  std::vector<int> ids = tokenizer_.encode(g.prompt);
+  if (ids.empty())
+    ids.push_back(tokenizer_.bos_id() >= 0 ? tokenizer_.bos_id() : 0);
+  const size_t prompt_len = ids.size();
+  const int64_t ctx = config_.training.seq_len;
+  for (int64_t i = 0; i < g.tokens; ++i) {
+    const int64_t n = std::min<int64_t>(ctx, static_cast<int64_t>(ids.size()));
+    auto input =
+        torch::tensor(std::vector<int64_t>(ids.end() - n, ids.end()), torch::kLong).unsqueeze(0);
+    auto logits =
+        model_.forward(input.to(device_)).select(1, n - 1).squeeze(0).cpu() / g.temperature;
+    if (g.top_k > 0 && g.top_k < logits.size(0)) {
+      auto kth = std::get<0>(logits.topk(g.top_k)).min();
+      logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
+    }
+    auto probs = torch::softmax(logits, 0);
+    ids.push_back(static_cast<int>(probs.multinomial(1, false, gen).item<int64_t>()));
+  }
+  const std::string text = tokenizer_.decode(std::vector<int>(ids.begin(), ids.end()));
+  if (pg_->rank() == 0) {
+    if (purpose_ == Purpose::kTrain)
+      fsdp::write_file_atomic(
+          (std::filesystem::path(config_.logging.run_dir) / "sample.txt").string(), text + "\n");
+    std::printf(
+        "\nsample (%lld tokens after a %zu-token prompt, temperature %.2f, top-k %lld):\n%s\n",
+        static_cast<long long>(g.tokens), prompt_len, g.temperature,
+        static_cast<long long>(g.top_k), text.c_str());
+  }
+  return text;
+}
+
+}  // namespace fsdp_trainer

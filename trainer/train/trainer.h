@@ -1,0 +1,125 @@
+// The training loop of fsdp-train: build, train, report, sample, close.
+//
+// Like torchtitan's Trainer, the entry point only parses the config and calls these; each
+// component (data, model, metrics, progress) has its own file.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fsdp/distributed/process_group.h>
+#include <fsdp/grad_scaler.h>
+#include <fsdp/observe/step_profiler.h>
+
+#include "compute_dtype.h"
+#include "config/config.h"
+#include "data/data.h"
+#include "data/finetune_data.h"
+#include "model_factory.h"
+#include "observe/metrics.h"
+#include "observe/progress.h"
+#include "text/tokenizer.h"
+
+namespace fsdp_trainer {
+
+/// The device memory counters of a runtime the trainer library does not link: CUDA lives in
+/// fsdp-train-cuda's main() only, so that CPU runs never load CUDA libraries. Empty: the CPU's
+/// (fsdp::memory's tracking allocator).
+struct DeviceMemory {
+  std::function<void()> reset_peak;
+  std::function<int64_t()> peak_bytes;
+};
+
+/// What the process is for: a training run owns the run directory (config.toml, metrics.jsonl,
+/// sample.txt...); the other commands only read a saved model and never touch it.
+enum class Purpose { kTrain, kUseSaved };
+
+class Trainer {
+ public:
+  /// Joins the job, prepares the data (rank 0; the others wait), builds and shards the model
+  /// on config.training.device (for cuda, the NCCL backend must be registered). For kTrain,
+  /// also applies model.init_from or checkpoint.resume and opens the run directory.
+  explicit Trainer(Config config, DeviceMemory device_memory = {},
+                   Purpose purpose = Purpose::kTrain);
+  ~Trainer();
+
+  /// Runs config.training.steps steps, evaluating and logging as configured; writes the run
+  /// directory's outputs at the end (rank 0).
+  void train();
+  /// Samples config.generate.tokens tokens after the prompt (all ranks take part; rank 0's text
+  /// is returned, printed and, for kTrain, written to sample.txt).
+  std::string generate();
+  /// Loads parameters only (every rank calls it; each reads its rows) from a sharded checkpoint
+  /// directory (index.json), "latest" (the newest one in checkpoint_dir), or a Hugging Face
+  /// directory (config.json + model.safetensors). Returns the directory it read.
+  std::string load_weights(const std::string& path);
+  /// Writes the model as a Hugging Face directory (every rank calls it; rank 0 writes). An
+  /// existing directory there is refused, or with `replace` moved aside and removed once the
+  /// new one is complete.
+  void export_hf(const std::string& dir, bool replace);
+
+  const std::vector<StepMetrics>& history() const { return history_; }
+  int rank() const { return pg_->rank(); }
+
+ private:
+  StepMetrics train_step(int64_t step);
+  double evaluate();
+  double learning_rate(int64_t step) const;
+  double mean_over_ranks(double v);
+  int64_t max_over_ranks(int64_t v);
+  /// Resolves precision.param_dtype ("auto", or a warning for a slow explicit one) from
+  /// matmul speeds every rank measures at once, the highest taken: every rank decides alike.
+  ComputeDtype resolve_compute_dtype();
+  /// The step's cross-rank figures, in one collective: the mean loss (of `loss_sum`) and
+  /// tokens (of `local_tokens`, finetune), the largest RSS and high-water mark, and peak_bytes
+  /// with, on CPU, its breakdown by memory category on the rank with the highest peak.
+  void reduce_step_metrics(StepMetrics& m, double loss_sum, double local_tokens);
+  void write_outputs();
+  /// finetune: rank 0's greedy answers to the first finetune.samples held-out questions (every
+  /// rank runs the forwards).
+  std::vector<std::string> answer_questions();
+  /// finetune: answers.txt (questions, reference answers, answers before and after), the PEFT
+  /// adapter and the merged export, as configured.
+  void write_finetune_outputs(const std::vector<std::string>& before,
+                              const std::vector<std::string>& after);
+  /// The data stream's position, for checkpoints.
+  SamplerState sampler_state() const;
+  void load_sampler_state(const SamplerState& state);
+  /// Saves a sharded checkpoint of the state after `step` (every rank calls it) and removes
+  /// the oldest complete ones beyond checkpoint.keep.
+  void save_checkpoint(int64_t step);
+  /// Restores checkpoint.resume (model, AdamW, sampler, loss scale, random state); returns
+  /// the step it was saved after.
+  int64_t resume_from_checkpoint();
+
+  Config config_;
+  DeviceMemory device_memory_;
+  Purpose purpose_;
+  torch::Device device_ = torch::kCPU;
+  ComputeDtype compute_dtype_;  // precision.param_dtype resolved for this machine ("auto")
+  std::shared_ptr<fsdp::ProcessGroup> pg_;
+  std::shared_ptr<fsdp::ProcessGroup> metrics_pg_;  // every rank, for the trainer's reductions
+  PreparedData data_;
+  Tokenizer tokenizer_;
+  std::unique_ptr<TokenFile> train_file_, val_file_;
+  std::unique_ptr<DistributedSampler> sampler_;
+  std::vector<torch::Tensor> eval_set_;
+  std::unique_ptr<FinetuneData> finetune_;  // fsdp-train finetune: instead of the above
+  TrainModel model_;
+  std::unique_ptr<fsdp::StepProfiler> profiler_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;  // see make_optimizer in trainer.cpp
+  std::unique_ptr<fsdp::ShardedGradScaler> scaler_;     // precision.loss_scaling
+  std::vector<torch::Tensor> params_;
+  std::unique_ptr<MetricsWriter> metrics_;
+  std::unique_ptr<Progress> progress_;
+  std::vector<StepMetrics> history_;
+  int64_t start_step_ = 0;  // the step a resumed run continues after
+  double flops_per_token_ = 0;
+  double peak_flops_per_rank_ = 0;
+};
+
+}  // namespace fsdp_trainer
