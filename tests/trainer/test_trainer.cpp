@@ -587,6 +587,24 @@ TEST(TrainerRun, LlamaShardedTrainsAsReplicated) {
   EXPECT_NE(sharded.front().loss, sharded.back().loss);
 }
 
+// Every collective of a training job, the trainer's own (losses, memory figures, the random
+// states a checkpoint gathers) included, goes through the collectives layer: under the
+// collective-sequence check (every collective compared across ranks before it runs) the job
+// trains the same losses bit for bit and moves the same bytes on the model's groups.
+TEST(TrainerRun, EveryCollectiveOfAJobPassesTheSequenceCheck) {
+  const std::string ckpt = " --checkpoint.every=3 --checkpoint.keep=1";
+  auto plain = train_and_read("seq-plain", train_cmd() + " --nproc 2", ckpt);
+  auto checked = train_and_read("seq-checked", train_cmd() + " --nproc 2",
+                                ckpt + " --fsdp.check_collectives=1");
+  ASSERT_EQ(plain.size(), checked.size());
+  ASSERT_FALSE(plain.empty());
+  for (size_t i = 0; i < plain.size(); ++i) {
+    EXPECT_EQ(plain[i].loss, checked[i].loss) << "step " << plain[i].step;
+    EXPECT_EQ(plain[i].allgather_bytes, checked[i].allgather_bytes) << "step " << plain[i].step;
+    EXPECT_EQ(plain[i].reducescatter_bytes, checked[i].reducescatter_bytes);
+  }
+}
+
 TEST(TrainerRun, TorchrunAndNprocGiveIdenticalLosses) {
   const std::string torchrun = FSDP_TORCHRUN_PATH;
   if (!fs::exists(torchrun))
