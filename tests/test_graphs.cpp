@@ -214,6 +214,16 @@ double compare_params(GNet& model, GNet& reference, int rank, int world, bool sh
   return max_diff;
 }
 
+// A model of the same spec with the same initial values (copied before sharding).
+GNet copy_of(GNet& reference) {
+  GNet model(reference->spec_);
+  torch::NoGradGuard no_grad;
+  auto ref = reference->named_parameters();
+  for (auto& item : model->named_parameters())
+    item.value().copy_(ref[item.key()]);
+  return model;
+}
+
 // One step of `net` on `b` (this rank's rows, or all of them for the reference).
 void step(GNet& net, torch::optim::Optimizer& opt, const Batch& b, bool two_losses) {
   opt.zero_grad();
@@ -501,14 +511,7 @@ FSDP_WORKER(exceptions) {
   NetSpec spec;
   torch::manual_seed(31);
   GNet reference(spec);
-  GNet model(reference->spec_);
-  // Same initial values: copy the reference's parameters before sharding.
-  {
-    torch::NoGradGuard no_grad;
-    auto ref = reference->named_parameters();
-    for (auto& item : model->named_parameters())
-      item.value().copy_(ref[item.key()]);
-  }
+  GNet model = copy_of(reference);
   shard(model, pg, ShardingStrategy::kFullShard);
   auto opt = make_optimizer("sgd", model->parameters());
   auto ref_opt = make_optimizer("sgd", reference->parameters());
@@ -579,13 +582,7 @@ FSDP_WORKER(rollback_with_queued_prefetch) {
   NetSpec spec;
   torch::manual_seed(37);
   GNet reference(spec);
-  GNet model(reference->spec_);
-  {
-    torch::NoGradGuard no_grad;
-    auto ref = reference->named_parameters();
-    for (auto& item : model->named_parameters())
-      item.value().copy_(ref[item.key()]);
-  }
+  GNet model = copy_of(reference);
   auto opts = fsdp::FullyShardOptions(pg).max_inflight_all_gathers(1);
   for (auto& b : model->blocks)
     fsdp::fully_shard(b, opts);
