@@ -1,6 +1,7 @@
 // fsdp::plan (issue 26): the model states a rank holds between steps, predicted from the units
 // alone, against what the tracking allocator measures on the same run, byte for byte, across
-// strategies, optimizers, moment dtypes, reduce dtypes and CPU offload.
+// strategies, optimizers, moment dtypes, reduce dtypes, CPU offload and optimizer state in a
+// file.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -26,6 +27,7 @@ FSDP_WORKER(plan_model_states) {
   const bool bf16_moments = ctx.env("FSDP_BF16_MOMENTS", "0") == "1";
   const bool reduce_bf16 = ctx.env("FSDP_REDUCE_BF16", "0") == "1";
   const bool offload = ctx.env("FSDP_OFFLOAD", "0") == "1";
+  const bool state_file = ctx.env("FSDP_STATE_FILE", "0") == "1";
 
   fsdp::plan::StateOptions plan;
   plan.world_size = world;
@@ -38,6 +40,8 @@ FSDP_WORKER(plan_model_states) {
   plan.moments_dtype = bf16_moments ? torch::kBFloat16 : torch::kFloat32;
   if (reduce_bf16)
     plan.reduce_dtype = torch::kBFloat16;
+  plan.optimizer_in_file = state_file;
+  plan.chunk_bytes = 16 << 10;  // small chunks: several per step on this model
 
   const auto base = mem::current_by_category();
   auto cfg = GPTConfig::preset("gpt2-test");
@@ -66,7 +70,9 @@ FSDP_WORKER(plan_model_states) {
       mem::current_by_category()[mem::Category::kParams] - base[mem::Category::kParams];
 
   std::unique_ptr<torch::optim::Optimizer> opt;
-  const auto state = fsdp::OptimizerStateOptions().moments_dtype(plan.moments_dtype);
+  auto state = fsdp::OptimizerStateOptions().moments_dtype(plan.moments_dtype);
+  if (state_file)
+    state.offload_dir(ctx.tmp_dir).chunk_bytes(plan.chunk_bytes);
   if (optimizer == "fused_sgd") {
     opt = std::make_unique<fsdp::FusedSGD>(model->parameters(),
                                            torch::optim::SGDOptions(0.1).momentum(0.9), state);
@@ -120,6 +126,7 @@ TEST(PlanModelStates, PredictedBytesEqualMeasuredPerRank) {
         {"FSDP_BF16_MOMENTS", "1"}}},
       {4, {{"FSDP_STRATEGY", "hybrid_shard"}, {"FSDP_REDUCE_BF16", "1"}}},
       {2, {{"FSDP_STRATEGY", "full_shard"}, {"FSDP_OFFLOAD", "1"}}},
+      {2, {{"FSDP_STRATEGY", "full_shard"}, {"FSDP_STATE_FILE", "1"}}},
   };
   for (const auto& v : variants) {
     fsdp::test::RunOptions opts;

@@ -92,9 +92,21 @@ RankStates model_states(const std::vector<UnitInfo>& units, const StateOptions& 
                       : o.optimizer == Optimizer::kSgdMomentum ? 1
                                                                : 0;
   if (o.fused) {
-    // src/optim/optimizer_state_store.cpp, MemoryStore: one buffer per moment, at least a byte.
-    if (moments > 0)
-      out.optimizer = moments * std::max<int64_t>(slot_elements * element_size(o.moments_dtype), 1);
+    const int64_t esize = element_size(o.moments_dtype);
+    if (moments > 0 && o.optimizer_in_file) {
+      // src/optim/optimizer_state_store.cpp, FileStore: two chunk buffers (every moment's part
+      // of a chunk), chunks of whole 4096-element blocks, each buffer 4096 bytes over for
+      // O_DIRECT alignment. The file itself is not memory.
+      constexpr int64_t kAlign = 4096;
+      const int64_t per_element = moments * esize;
+      int64_t chunk = std::max<int64_t>(1, o.chunk_bytes / per_element / kAlign) * kAlign;
+      chunk = std::min(chunk, ceil_div(slot_elements, kAlign) * kAlign);
+      chunk = std::max(chunk, kAlign);
+      out.optimizer = 2 * (chunk * per_element + kAlign);
+    } else if (moments > 0) {
+      // MemoryStore: one buffer per moment, at least a byte.
+      out.optimizer = moments * std::max<int64_t>(slot_elements * esize, 1);
+    }
   } else {
     out.optimizer = moments * torch_state_bytes;  // zeros_like(param) per moment
   }

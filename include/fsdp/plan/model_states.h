@@ -42,6 +42,10 @@ struct StateOptions {
   bool fused = true;
   /// Fused optimizers: OptimizerStateOptions::moments_dtype.
   torch::ScalarType moments_dtype = torch::kFloat32;
+  /// Fused optimizers: the state in a file (OptimizerStateOptions::offload_dir set), streamed
+  /// through two chunk buffers of about chunk_bytes (OptimizerStateOptions::chunk_bytes).
+  bool optimizer_in_file = false;
+  int64_t chunk_bytes = int64_t{64} << 20;
 };
 
 struct RankStates {
