@@ -172,8 +172,8 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   /// Frees the unsharded parameters (waiting for an in-flight gather first). Does not look at
   /// why the unit is gathered: callers decide (see release()).
   void reshard();
-  /// Reshards unless something still holds the unit (user_held_, held_, in a forward or a
-  /// backward).
+  /// Reshards unless something still holds the unit (UnitState::releasable: user-held, held, in a
+  /// forward or a backward).
   void release();
   /// fsdp::unshard / fsdp::reshard.
   void set_user_held(bool held);
