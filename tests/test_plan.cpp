@@ -1,7 +1,7 @@
 // fsdp::plan (issue 26): the model states a rank holds between steps, predicted from the units
 // alone, against what the tracking allocator measures on the same run, byte for byte, across
-// strategies, optimizers, moment dtypes, reduce dtypes, CPU offload and optimizer state in a
-// file.
+// strategies, optimizers, moment dtypes, reduce dtypes, CPU offload, optimizer state in a file,
+// and QLoRA (NF4 frozen weights, LoRA adapters).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -11,12 +11,69 @@
 
 #include "gpt.h"
 #include "harness/multiprocess.h"
+#include "llama.h"
+#include "lora.h"
 
 namespace {
 
 namespace mem = fsdp::memory;
 using fsdp_models::GPT;
 using fsdp_models::GPTConfig;
+using fsdp_models::Llama;
+using fsdp_models::LlamaConfig;
+
+// QLoRA: a Llama whose block Linears are NF4 (frozen, packed) with LoRA adapters (the only
+// trainable parameters, the only ones the optimizer gets).
+int qlora_states(const std::shared_ptr<fsdp::ProcessGroup>& pg,
+                 const fsdp::plan::StateOptions& plan) {
+  const int rank = pg->rank();
+  const auto base = mem::current_by_category();
+  // Widths that are multiples of 64 (whole NF4 blocks per row), rows 3 ranks do not divide.
+  LlamaConfig cfg;
+  cfg.vocab_size = 67, cfg.max_seq_len = 16, cfg.dim = 64, cfg.n_layers = 2, cfg.n_heads = 2;
+  cfg.n_kv_heads = 1, cfg.ffn_hidden_dim = 192;
+  torch::manual_seed(9);
+  Llama model(cfg);
+  fsdp_models::use_nf4(*model, /*quantize=*/true);
+  fsdp_models::add_lora(*model, "wq|wv", fsdp_models::LoraOptions().rank(4).alpha(8));
+  std::vector<std::string> paths;
+  for (int64_t i = 0; i < cfg.n_layers; ++i) {
+    std::string path("layers.");
+    path += std::to_string(i);
+    paths.push_back(path);
+  }
+  paths.push_back("");
+  const auto units = fsdp::plan::describe_units(*model, paths);
+  const auto predicted = fsdp::plan::model_states(units, plan, rank);
+  fsdp_models::parallelize_llama(model, fsdp::FullyShardOptions(pg));
+  const int64_t params =
+      mem::current_by_category()[mem::Category::kParams] - base[mem::Category::kParams];
+  fsdp::FusedAdamW opt(fsdp_models::trainable_parameters(*model), torch::optim::AdamWOptions(1e-3));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(200 + rank);
+  auto t = torch::randint(cfg.vocab_size, {2, 16}, gen, torch::TensorOptions().dtype(torch::kLong));
+  auto logits = fsdp::forward(model, t);
+  torch::nn::functional::cross_entropy(logits.reshape({-1, cfg.vocab_size}), t.reshape({-1}))
+      .backward();
+  const int64_t grads =
+      mem::current_by_category()[mem::Category::kGrads] - base[mem::Category::kGrads];
+  {
+    mem::CategoryScope tag(mem::Category::kOptimizer);
+    opt.step();
+  }
+  const int64_t optim =
+      mem::current_by_category()[mem::Category::kOptimizer] - base[mem::Category::kOptimizer];
+  WORKER_CHECK(params == predicted.params)
+      << "params: measured " << params << " B, predicted " << predicted.params;
+  WORKER_CHECK(grads == predicted.grads)
+      << "grads: measured " << grads << " B, predicted " << predicted.grads;
+  WORKER_CHECK(optim == predicted.optimizer)
+      << "optimizer: measured " << optim << " B, predicted " << predicted.optimizer;
+  std::printf(
+      "[rank %d] PLAN OK (llama qlora): params %lld, grads %lld, optimizer %lld B, as "
+      "predicted\n",
+      rank, (long long)params, (long long)grads, (long long)optim);
+  return 0;
+}
 
 FSDP_WORKER(plan_model_states) {
   mem::install_tracking_allocator();
@@ -43,6 +100,8 @@ FSDP_WORKER(plan_model_states) {
   plan.optimizer_in_file = state_file;
   plan.chunk_bytes = 16 << 10;  // small chunks: several per step on this model
 
+  if (ctx.env("FSDP_MODEL", "gpt") == "llama_qlora")
+    return qlora_states(pg, plan);
   const auto base = mem::current_by_category();
   auto cfg = GPTConfig::preset("gpt2-test");
   cfg.n_layer = 3;
@@ -127,6 +186,7 @@ TEST(PlanModelStates, PredictedBytesEqualMeasuredPerRank) {
       {4, {{"FSDP_STRATEGY", "hybrid_shard"}, {"FSDP_REDUCE_BF16", "1"}}},
       {2, {{"FSDP_STRATEGY", "full_shard"}, {"FSDP_OFFLOAD", "1"}}},
       {2, {{"FSDP_STRATEGY", "full_shard"}, {"FSDP_STATE_FILE", "1"}}},
+      {3, {{"FSDP_MODEL", "llama_qlora"}}},
   };
   for (const auto& v : variants) {
     fsdp::test::RunOptions opts;
