@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <functional>
+
 #include <fsdp/fsdp.h>
 #include <fsdp/plan/model_states.h>
 #include <fsdp/plan/units.h>
@@ -22,38 +24,24 @@ using fsdp_models::GPTConfig;
 using fsdp_models::Llama;
 using fsdp_models::LlamaConfig;
 
-// QLoRA: a Llama whose block Linears are NF4 (frozen, packed) with LoRA adapters (the only
-// trainable parameters, the only ones the optimizer gets).
-int qlora_states(const std::shared_ptr<fsdp::ProcessGroup>& pg,
-                 const fsdp::plan::StateOptions& plan) {
-  const int rank = pg->rank();
-  const auto base = mem::current_by_category();
-  // Widths that are multiples of 64 (whole NF4 blocks per row), rows 3 ranks do not divide.
-  LlamaConfig cfg;
-  cfg.vocab_size = 67, cfg.max_seq_len = 16, cfg.dim = 64, cfg.n_layers = 2, cfg.n_heads = 2;
-  cfg.n_kv_heads = 1, cfg.ffn_hidden_dim = 192;
-  torch::manual_seed(9);
-  Llama model(cfg);
-  fsdp_models::use_nf4(*model, /*quantize=*/true);
-  fsdp_models::add_lora(*model, "wq|wv", fsdp_models::LoraOptions().rank(4).alpha(8));
+// "<prefix>0" ... "<prefix>n-1", then "" (the root): the units parallelize_* makes.
+std::vector<std::string> block_units(const std::string& prefix, int64_t n) {
   std::vector<std::string> paths;
-  for (int64_t i = 0; i < cfg.n_layers; ++i) {
-    std::string path("layers.");
+  for (int64_t i = 0; i < n; ++i) {
+    std::string path(prefix);  // (appended: GCC 12 misreports prefix + string as an overflow)
     path += std::to_string(i);
     paths.push_back(path);
   }
   paths.push_back("");
-  const auto units = fsdp::plan::describe_units(*model, paths);
-  const auto predicted = fsdp::plan::model_states(units, plan, rank);
-  fsdp_models::parallelize_llama(model, fsdp::FullyShardOptions(pg));
-  const int64_t params =
-      mem::current_by_category()[mem::Category::kParams] - base[mem::Category::kParams];
-  fsdp::FusedAdamW opt(fsdp_models::trainable_parameters(*model), torch::optim::AdamWOptions(1e-3));
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(200 + rank);
-  auto t = torch::randint(cfg.vocab_size, {2, 16}, gen, torch::TensorOptions().dtype(torch::kLong));
-  auto logits = fsdp::forward(model, t);
-  torch::nn::functional::cross_entropy(logits.reshape({-1, cfg.vocab_size}), t.reshape({-1}))
-      .backward();
+  return paths;
+}
+
+// After sharding (`params` measured since `base`): runs `backward`, then the optimizer step
+// (tagged as the trainer tags it), and compares the three categories with the prediction.
+int check_states(const std::string& what, int rank, const mem::CategoryBytes& base, int64_t params,
+                 const fsdp::plan::RankStates& predicted, const std::function<void()>& backward,
+                 torch::optim::Optimizer& opt) {
+  backward();
   const int64_t grads =
       mem::current_by_category()[mem::Category::kGrads] - base[mem::Category::kGrads];
   {
@@ -68,11 +56,42 @@ int qlora_states(const std::shared_ptr<fsdp::ProcessGroup>& pg,
       << "grads: measured " << grads << " B, predicted " << predicted.grads;
   WORKER_CHECK(optim == predicted.optimizer)
       << "optimizer: measured " << optim << " B, predicted " << predicted.optimizer;
-  std::printf(
-      "[rank %d] PLAN OK (llama qlora): params %lld, grads %lld, optimizer %lld B, as "
-      "predicted\n",
-      rank, (long long)params, (long long)grads, (long long)optim);
+  std::printf("[rank %d] PLAN OK (%s): params %lld, grads %lld, optimizer %lld B, as predicted\n",
+              rank, what.c_str(), (long long)params, (long long)grads, (long long)optim);
   return 0;
+}
+
+// QLoRA: a Llama whose block Linears are NF4 (frozen, packed) with LoRA adapters (the only
+// trainable parameters, the only ones the optimizer gets).
+int qlora_states(const std::shared_ptr<fsdp::ProcessGroup>& pg,
+                 const fsdp::plan::StateOptions& plan) {
+  const int rank = pg->rank();
+  const auto base = mem::current_by_category();
+  // Widths that are multiples of 64 (whole NF4 blocks per row), rows 3 ranks do not divide.
+  LlamaConfig cfg;
+  cfg.vocab_size = 67, cfg.max_seq_len = 16, cfg.dim = 64, cfg.n_layers = 2, cfg.n_heads = 2;
+  cfg.n_kv_heads = 1, cfg.ffn_hidden_dim = 192;
+  torch::manual_seed(9);
+  Llama model(cfg);
+  fsdp_models::use_nf4(*model, /*quantize=*/true);
+  fsdp_models::add_lora(*model, "wq|wv", fsdp_models::LoraOptions().rank(4).alpha(8));
+  const auto paths = block_units("layers.", cfg.n_layers);
+  const auto units = fsdp::plan::describe_units(*model, paths);
+  const auto predicted = fsdp::plan::model_states(units, plan, rank);
+  fsdp_models::parallelize_llama(model, fsdp::FullyShardOptions(pg));
+  const int64_t params =
+      mem::current_by_category()[mem::Category::kParams] - base[mem::Category::kParams];
+  fsdp::FusedAdamW opt(fsdp_models::trainable_parameters(*model), torch::optim::AdamWOptions(1e-3));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(200 + rank);
+  auto t = torch::randint(cfg.vocab_size, {2, 16}, gen, torch::TensorOptions().dtype(torch::kLong));
+  return check_states(
+      "llama qlora", rank, base, params, predicted,
+      [&] {
+        auto logits = fsdp::forward(model, t);
+        torch::nn::functional::cross_entropy(logits.reshape({-1, cfg.vocab_size}), t.reshape({-1}))
+            .backward();
+      },
+      opt);
 }
 
 FSDP_WORKER(plan_model_states) {
@@ -107,13 +126,7 @@ FSDP_WORKER(plan_model_states) {
   cfg.n_layer = 3;
   torch::manual_seed(8);
   GPT model(cfg);
-  std::vector<std::string> paths;
-  for (int64_t i = 0; i < cfg.n_layer; ++i) {
-    std::string path("h");  // (appended: GCC 12 misreports "h" + string as an overflow)
-    path += std::to_string(i);
-    paths.push_back(path);
-  }
-  paths.push_back("");
+  const auto paths = block_units("h", cfg.n_layer);
   const auto units = fsdp::plan::describe_units(*model, paths);
   const auto predicted = fsdp::plan::model_states(units, plan, rank);
 
@@ -146,28 +159,9 @@ FSDP_WORKER(plan_model_states) {
   auto tokens = torch::randint(cfg.vocab_size, {2, cfg.block_size + 1}, gen,
                                torch::TensorOptions().dtype(torch::kLong));
   auto x = tokens.narrow(1, 0, cfg.block_size), y = tokens.narrow(1, 1, cfg.block_size);
-  fsdp_models::lm_loss(fsdp::forward(model, x), y).backward();
-  const int64_t grads =
-      mem::current_by_category()[mem::Category::kGrads] - base[mem::Category::kGrads];
-  {
-    mem::CategoryScope tag(mem::Category::kOptimizer);
-    opt->step();
-  }
-  const int64_t optim =
-      mem::current_by_category()[mem::Category::kOptimizer] - base[mem::Category::kOptimizer];
-
-  WORKER_CHECK(params == predicted.params)
-      << "params: measured " << params << " B, predicted " << predicted.params;
-  WORKER_CHECK(grads == predicted.grads)
-      << "grads: measured " << grads << " B, predicted " << predicted.grads;
-  WORKER_CHECK(optim == predicted.optimizer)
-      << "optimizer: measured " << optim << " B, predicted " << predicted.optimizer;
-  std::printf(
-      "[rank %d/%d] PLAN OK (%s, %s): params %lld, grads %lld, optimizer %lld B, as "
-      "predicted\n",
-      rank, world, strategy.c_str(), optimizer.c_str(), (long long)params, (long long)grads,
-      (long long)optim);
-  return 0;
+  return check_states(
+      strategy + ", " + optimizer, rank, base, params, predicted,
+      [&] { fsdp_models::lm_loss(fsdp::forward(model, x), y).backward(); }, *opt);
 }
 
 struct Variant {
