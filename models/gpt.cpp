@@ -126,17 +126,25 @@ void GPTImpl::init_weights(uint64_t seed) {
   fsdp_models::init_weights(*this, gpt_init_scheme(cfg_), seed);
 }
 
-torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
+torch::Tensor GPTImpl::embed(const torch::Tensor& idx) {
   const auto t = idx.size(1);
   TORCH_CHECK(t <= cfg_.block_size, "sequence of ", t, " tokens exceeds block_size ",
               cfg_.block_size);
   auto pos = torch::arange(t, idx.options().dtype(torch::kLong));
-  auto x = wte(idx) + wpe(pos);  // (B, T, C)
+  return wte(idx) + wpe(pos);  // (B, T, C)
+}
+
+torch::Tensor GPTImpl::head(const torch::Tensor& x) {
+  auto h = ln_f(x);
+  // Tied head: the embedding matrix, used inside the same (root) unit as the embedding.
+  return cfg_.tie_embeddings ? torch::nn::functional::linear(h, wte->weight) : lm_head(h);
+}
+
+torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
+  auto x = embed(idx);
   for (auto& block : blocks)
     x = fsdp::forward(block, x);
-  x = ln_f(x);
-  // Tied head: the embedding matrix, used inside the same (root) unit as the embedding.
-  return cfg_.tie_embeddings ? torch::nn::functional::linear(x, wte->weight) : lm_head(x);
+  return head(x);
 }
 
 torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets) {

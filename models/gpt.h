@@ -78,6 +78,10 @@ class GPTImpl : public torch::nn::Module {
   explicit GPTImpl(const GPTConfig& cfg, const ModelInit& init = {});
   /// idx: (B, T) token ids -> logits (B, T, vocab).
   torch::Tensor forward(const torch::Tensor& idx);
+  /// forward() in its three parts, for code that runs them apart (the planner's calibration):
+  /// embed(idx) -> each block -> head(x) is forward(idx).
+  torch::Tensor embed(const torch::Tensor& idx);  // (B, T) -> (B, T, C)
+  torch::Tensor head(const torch::Tensor& x);     // (B, T, C) -> (B, T, V)
 
   const GPTConfig& config() const { return cfg_; }
   int64_t num_params() const { return cfg_.num_params(); }

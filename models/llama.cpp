@@ -192,22 +192,32 @@ void LlamaImpl::init_weights(uint64_t seed) {
   fsdp_models::init_weights(*this, llama_init_scheme(cfg_), seed);
 }
 
-torch::Tensor LlamaImpl::forward(const torch::Tensor& tokens) {
-  const int64_t t = tokens.size(1);
+RopeTables LlamaImpl::rope(int64_t t) {
   TORCH_CHECK(t <= cfg_.max_seq_len, "sequence of ", t, " tokens exceeds max_seq_len ",
               cfg_.max_seq_len);
   const auto device = tok_embeddings->weight.device();
   if (!rope_.cos.defined() || rope_.seq_len() < t || rope_.cos.device() != device)
     rope_ = rope_tables(t, cfg_.head_dim(), cfg_.rope_theta, device);
-  const RopeTables rope = rope_.prefix(t);
+  return rope_.prefix(t);
+}
 
-  auto h = tok_embeddings(tokens);  // (B, T, dim)
-  for (auto& block : blocks)
-    h = fsdp::forward(block, h, rope);
-  h = norm(h);
+torch::Tensor LlamaImpl::embed(const torch::Tensor& tokens) {
+  return tok_embeddings(tokens);  // (B, T, dim)
+}
+
+torch::Tensor LlamaImpl::head(const torch::Tensor& h) {
+  auto x = norm(h);
   // Tied head: the embedding matrix, inside the same (root) unit as the embedding.
-  return cfg_.tie_embeddings ? torch::nn::functional::linear(h, tok_embeddings->weight)
-                             : output(h);  // (B, T, V)
+  return cfg_.tie_embeddings ? torch::nn::functional::linear(x, tok_embeddings->weight)
+                             : output(x);  // (B, T, V)
+}
+
+torch::Tensor LlamaImpl::forward(const torch::Tensor& tokens) {
+  const RopeTables tables = rope(tokens.size(1));
+  auto h = embed(tokens);
+  for (auto& block : blocks)
+    h = fsdp::forward(block, h, tables);
+  return head(h);
 }
 
 }  // namespace fsdp_models

@@ -123,6 +123,11 @@ class LlamaImpl : public torch::nn::Module {
   explicit LlamaImpl(const LlamaConfig& cfg, const ModelInit& init = {});
   /// tokens: (B, T) ids -> logits (B, T, vocab).
   torch::Tensor forward(const torch::Tensor& tokens);
+  /// forward() in its three parts, for code that runs them apart (the planner's calibration):
+  /// embed(tokens) -> each block with rope(T) -> head(h) is forward(tokens).
+  torch::Tensor embed(const torch::Tensor& tokens);  // (B, T) -> (B, T, dim)
+  RopeTables rope(int64_t t);                        // the tables of the first t positions
+  torch::Tensor head(const torch::Tensor& h);        // (B, T, dim) -> (B, T, V)
 
   const LlamaConfig& config() const { return cfg_; }
   int64_t num_params() const { return cfg_.num_params(); }

@@ -9,12 +9,14 @@
 
 #include <fsdp/fsdp.h>
 #include <fsdp/plan/model_states.h>
+#include <fsdp/plan/step_memory.h>
 #include <fsdp/plan/units.h>
 
 #include "gpt.h"
 #include "harness/multiprocess.h"
 #include "llama.h"
 #include "lora.h"
+#include "plan_pieces.h"
 
 namespace {
 
@@ -164,6 +166,181 @@ FSDP_WORKER(plan_model_states) {
       [&] { fsdp_models::lm_loss(fsdp::forward(model, x), y).backward(); }, *opt);
 }
 
+// ---- A step's peak: predicted from the units and a calibration, measured on a real step ----
+
+// Runs `steps` training steps as fsdp-train does (gradients set to none, forward and backward
+// tagged as activations, the optimizer step as optimizer) and returns the last one's peak and
+// its breakdown.
+struct Measured {
+  int64_t peak = 0;
+  mem::CategoryBytes at_peak;
+};
+
+FSDP_WORKER(plan_step_memory) {
+  mem::install_tracking_allocator();
+  auto pg = fsdp::init_process_group();
+  const int rank = pg->rank(), world = pg->size();
+  const std::string arch = ctx.env("FSDP_ARCH", "gpt");
+  const std::string strategy = ctx.env("FSDP_STRATEGY", "full_shard");
+  const auto ac = fsdp::from_string<fsdp::CheckpointMode>(ctx.env("FSDP_AC", "none"));
+  const int64_t ac_every = std::stoll(ctx.env("FSDP_AC_EVERY", "1"));
+  const auto dtype = ctx.env("FSDP_DTYPE", "fp32") == "bf16" ? torch::kBFloat16 : torch::kFloat;
+  const auto gather = fsdp::from_string<fsdp::GatherFormat>(ctx.env("FSDP_GATHER", "param_dtype"));
+  const int64_t b = std::stoll(ctx.env("FSDP_B", "4")), t = std::stoll(ctx.env("FSDP_T", "64"));
+  const int micro = std::stoi(ctx.env("FSDP_MICRO", "1"));
+  const int k = std::stoi(ctx.env("FSDP_RESHARD_K", "0"));
+
+  fsdp::plan::StepOptions plan;
+  auto& st = plan.states;
+  st.world_size = world;
+  st.strategy = fsdp::from_string<fsdp::ShardingStrategy>(strategy);
+  st.hybrid_shard_size = st.strategy == fsdp::ShardingStrategy::kHybridShard ? 2 : 0;
+  if (dtype != torch::kFloat)
+    st.param_dtype = dtype;
+  st.reduce_dtype = torch::kFloat;
+  plan.gather_format = gather;
+  plan.reshard_after_forward_size = k;
+  plan.batch_rows = b, plan.seq_len = t, plan.micro_batches = micro;
+
+  auto opts = fsdp::FullyShardOptions(pg).strategy(st.strategy);
+  if (st.hybrid_shard_size > 0)
+    opts.hybrid_shard_size(st.hybrid_shard_size);
+  if (k > 0)
+    opts.reshard_after_forward_size(k);
+  auto policy = fsdp::MixedPrecisionPolicy().reduce_dtype(torch::kFloat).gather_format(gather);
+  if (dtype != torch::kFloat)
+    policy.param_dtype(dtype);
+  auto block_opts = opts;
+  block_opts.mp_policy(policy).activation_checkpointing(ac);
+  auto root_opts = opts;
+  root_opts.mp_policy(fsdp::MixedPrecisionPolicy(policy).output_dtype(torch::kFloat));
+  auto loss_of = [&](const torch::Tensor& logits, const torch::Tensor& targets) {
+    return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                                targets.reshape({-1})) /
+           static_cast<double>(micro);
+  };
+  fsdp_models::PlanLoss plan_loss = [&](const torch::Tensor& logits, int64_t bb, int64_t tt) {
+    auto targets = torch::randint(logits.size(-1), {bb, tt}, torch::kLong);
+    return loss_of(logits, targets);
+  };
+
+  std::vector<std::string> paths;
+  fsdp::plan::ActivationModel acts;
+  std::function<torch::Tensor(const torch::Tensor&)> forward;
+  std::shared_ptr<torch::nn::Module> module;
+  int64_t vocab = 0, layers = 0;
+  if (arch == "gpt") {
+    auto cfg = GPTConfig::preset("gpt2-tiny");
+    cfg.block_size = 2 * t;
+    vocab = cfg.vocab_size, layers = cfg.n_layer;
+    {
+      auto one = cfg;
+      one.n_layer = 1;
+      GPT small(one);
+      small->blocks[0]->to(dtype);
+      if (dtype != torch::kFloat)
+        small->to(dtype);
+      acts = fsdp::plan::calibrate_activations(
+          fsdp_models::calibration_pieces(small, dtype, plan_loss));
+    }
+    torch::manual_seed(3);
+    GPT model(cfg);
+    paths = block_units("h", cfg.n_layer);
+    fsdp_models::parallelize_gpt(model, block_opts, root_opts, ac_every);
+    module = model.ptr();
+    forward = [model](const torch::Tensor& x) mutable { return fsdp::forward(model, x); };
+  } else {
+    LlamaConfig cfg;
+    cfg.vocab_size = 384, cfg.max_seq_len = 2 * t, cfg.dim = 128, cfg.n_layers = 3;
+    cfg.n_heads = 4, cfg.n_kv_heads = 2, cfg.ffn_hidden_dim = 352;
+    vocab = cfg.vocab_size, layers = cfg.n_layers;
+    {
+      auto one = cfg;
+      one.n_layers = 1;
+      Llama small(one);
+      if (dtype != torch::kFloat)
+        small->to(dtype);
+      acts = fsdp::plan::calibrate_activations(
+          fsdp_models::calibration_pieces(small, dtype, plan_loss));
+    }
+    torch::manual_seed(3);
+    Llama model(cfg);
+    paths = block_units("layers.", cfg.n_layers);
+    fsdp_models::parallelize_llama(model, block_opts, root_opts, ac_every);
+    module = model.ptr();
+    forward = [model](const torch::Tensor& x) mutable { return fsdp::forward(model, x); };
+  }
+  for (int64_t i = 0; i < layers; ++i)
+    plan.checkpoint.push_back(i % ac_every == 0 ? ac : fsdp::CheckpointMode::kNone);
+
+  // The units from a model of the same shapes that is not sharded (the planner's input).
+  std::vector<fsdp::plan::UnitInfo> units;
+  if (arch == "gpt") {
+    auto cfg = GPTConfig::preset("gpt2-tiny");
+    cfg.block_size = 2 * t;
+    GPT meta(cfg, fsdp_models::ModelInit().device(torch::kMeta));
+    units = fsdp::plan::describe_units(*meta, paths);
+  } else {
+    LlamaConfig cfg;
+    cfg.vocab_size = 384, cfg.max_seq_len = 2 * t, cfg.dim = 128, cfg.n_layers = 3;
+    cfg.n_heads = 4, cfg.n_kv_heads = 2, cfg.ffn_hidden_dim = 352;
+    Llama meta(cfg, fsdp_models::ModelInit().device(torch::kMeta));
+    units = fsdp::plan::describe_units(*meta, paths);
+  }
+
+  fsdp::FusedAdamW opt(module->parameters(), torch::optim::AdamWOptions(1e-3));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(50 + rank);
+  Measured measured;
+  for (int step = 0; step < 3; ++step) {
+    auto batch = torch::randint(vocab, {b * micro, t + 1}, gen, torch::kLong);
+    if (step == 2) {
+      plan.other_bytes = mem::current_by_category()[mem::Category::kOther];
+      mem::reset_peak();
+    }
+    opt.zero_grad();
+    for (int i = 0; i < micro; ++i) {
+      if (micro > 1)
+        fsdp::set_requires_gradient_sync(*module, i == micro - 1);
+      mem::CategoryScope tag(mem::Category::kActivations);
+      torch::Tensor loss;
+      {  // as fsdp-train: the logits go before backward
+        auto mb = batch.narrow(0, i * b, b);
+        auto logits = forward(mb.narrow(1, 0, t));
+        loss = loss_of(logits, mb.narrow(1, 1, t));
+      }
+      loss.backward();
+    }
+    mem::CategoryScope tag(mem::Category::kOptimizer);
+    mem::set_moment(mem::moment_id("optimizer"));
+    opt.step();
+  }
+  measured.peak = mem::peak_bytes();
+  measured.at_peak = mem::at_peak_by_category();
+  const auto p = fsdp::plan::predict_step_memory(units, plan, acts, rank);
+  std::printf("[rank %d] %s | predicted peak %lld at %s %s '%s' | measured %lld at %s | error %+.2f%%\n",
+              rank, ctx.env("FSDP_LABEL", "").c_str(), (long long)p.peak,
+              fsdp::plan::to_string(p.moment.phase), p.moment.what.c_str(), p.moment.unit.c_str(),
+              (long long)measured.peak, mem::at_peak_moment().c_str(),
+              100.0 * (double(p.peak) - double(measured.peak)) / double(measured.peak));
+  for (int c = 0; c < mem::kNumCategories; ++c) {
+    std::printf("[rank %d]   %-20s predicted %10lld measured %10lld\n", rank,
+                mem::to_string(static_cast<mem::Category>(c)), (long long)p.at_peak.bytes[c],
+                (long long)measured.at_peak.bytes[c]);
+  }
+  if (ctx.env("FSDP_TIMELINE", "0") == "1" && rank == 0) {
+    for (const auto& [m, bytes] : p.timeline) {
+      std::printf("  %-9s %-10s %-8s mb%d |", fsdp::plan::to_string(m.phase), m.unit.c_str(),
+                  m.what.c_str(), m.micro_batch);
+      for (int c = 0; c < mem::kNumCategories; ++c)
+        std::printf(" %9lld", (long long)bytes.bytes[c]);
+      std::printf(" | %lld\n", (long long)bytes.total());
+    }
+  }
+  WORKER_CHECK(std::abs(double(p.peak) - double(measured.peak)) <= 0.05 * double(measured.peak))
+      << "predicted peak " << p.peak << " B, measured " << measured.peak;
+  return 0;
+}
+
 struct Variant {
   int world;
   std::vector<std::pair<std::string, std::string>> env;
@@ -186,6 +363,29 @@ TEST(PlanModelStates, PredictedBytesEqualMeasuredPerRank) {
     fsdp::test::RunOptions opts;
     opts.env = v.env;
     EXPECT_WORKERS_OK(fsdp::test::run_workers("plan_model_states", v.world, opts));
+  }
+}
+
+TEST(PlanStepMemory, PeakWithinFivePercentOfMeasured) {
+  const std::vector<Variant> variants{
+      {2, {{"FSDP_LABEL", "gpt full_shard fp32"}}},
+      {3, {{"FSDP_LABEL", "gpt shard_grad_op ac full"}, {"FSDP_STRATEGY", "shard_grad_op"}, {"FSDP_AC", "full"}}},
+      {2, {{"FSDP_LABEL", "gpt no_shard selective"}, {"FSDP_STRATEGY", "no_shard"}, {"FSDP_AC", "selective"}}},
+      {4, {{"FSDP_LABEL", "gpt hybrid bf16"}, {"FSDP_STRATEGY", "hybrid_shard"}, {"FSDP_DTYPE", "bf16"}}},
+      {4, {{"FSDP_LABEL", "gpt full reshard-2 int8"}, {"FSDP_RESHARD_K", "2"}, {"FSDP_GATHER", "int8"}}},
+      {2, {{"FSDP_LABEL", "gpt full every-2 micro 2"}, {"FSDP_AC", "full"}, {"FSDP_AC_EVERY", "2"}, {"FSDP_MICRO", "2"}}},
+      {3, {{"FSDP_LABEL", "llama full fp32"}, {"FSDP_ARCH", "llama"}}},
+      {2, {{"FSDP_LABEL", "llama full bf16 selective"}, {"FSDP_ARCH", "llama"}, {"FSDP_DTYPE", "bf16"}, {"FSDP_AC", "selective"}}},
+      {1, {{"FSDP_LABEL", "llama world 1"}, {"FSDP_ARCH", "llama"}, {"FSDP_B", "8"}}},
+  };
+  for (const auto& v : variants) {
+    fsdp::test::RunOptions opts;
+    opts.env = v.env;
+    opts.timeout = std::chrono::seconds(120);
+    auto r = fsdp::test::run_workers("plan_step_memory", v.world, opts);
+    for (const auto& out : r.outputs)
+      std::printf("%s", out.c_str());
+    EXPECT_WORKERS_OK(r);
   }
 }
 

@@ -9,6 +9,7 @@
 #include <string>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include <c10/core/Allocator.h>
 #include <c10/core/DeviceType.h>
@@ -33,6 +34,11 @@ std::array<std::atomic<int64_t>, kNumCategories> g_cat_at_peak{};
 
 thread_local Category t_category = Category::kOther;
 
+// Moments: the label in force (an index into the registered labels) and the one in force when
+// the overall peak was last raised.
+std::atomic<int> g_moment{0};
+std::atomic<int> g_moment_at_peak{0};
+
 void raise_to(std::atomic<int64_t>& peak, int64_t value) {
   int64_t seen = peak.load(std::memory_order_relaxed);
   while (seen < value && !peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
@@ -40,6 +46,7 @@ void raise_to(std::atomic<int64_t>& peak, int64_t value) {
 }
 
 void snapshot_categories() {
+  g_moment_at_peak.store(g_moment.load(std::memory_order_relaxed), std::memory_order_relaxed);
   for (int c = 0; c < kNumCategories; ++c)
     g_cat_at_peak[c].store(g_cat_current[c].load(std::memory_order_relaxed),
                            std::memory_order_relaxed);
@@ -312,6 +319,43 @@ CategoryBytes peak_by_category() {
 
 CategoryBytes at_peak_by_category() {
   return load(g_cat_at_peak);
+}
+
+namespace {
+struct MomentLabels {
+  std::mutex mutex;
+  std::vector<std::string> labels{""};
+  std::unordered_map<std::string, int> ids{{"", 0}};
+};
+MomentLabels& moment_labels() {
+  static auto* labels = new MomentLabels();  // never destroyed, as the shards
+  return *labels;
+}
+}  // namespace
+
+int moment_id(const std::string& label) {
+  auto& m = moment_labels();
+  std::lock_guard<std::mutex> lock(m.mutex);
+  auto [it, added] = m.ids.emplace(label, static_cast<int>(m.labels.size()));
+  if (added)
+    m.labels.push_back(label);
+  return it->second;
+}
+
+void set_moment(int id) {
+  g_moment.store(id, std::memory_order_relaxed);
+}
+
+int current_moment() {
+  return g_moment.load(std::memory_order_relaxed);
+}
+
+std::string at_peak_moment() {
+  const int id = g_moment_at_peak.load(std::memory_order_relaxed);
+  auto& m = moment_labels();
+  std::lock_guard<std::mutex> lock(m.mutex);
+  return id >= 0 && id < static_cast<int>(m.labels.size()) ? m.labels[static_cast<size_t>(id)]
+                                                           : std::string();
 }
 
 PeakScope::PeakScope() {

@@ -2,6 +2,7 @@
 #include "param_group.h"
 
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
 
@@ -68,6 +69,21 @@ ParamGroup::ParamGroup(std::string name, std::vector<std::pair<std::string, torc
     params_.emplace_back(fqn, std::move(p), rank, size, options_.param_init(), options_.mp_policy(),
                          offload.has_value(), offload.has_value() && offload->pin_memory());
   }
+}
+
+const ParamGroup::Moments& ParamGroup::moments() {
+  if (!moments_) {
+    const bool root = state_ && state_->root_unit().get() == this;
+    const std::string unit = root ? "(root)" : name_;
+    moments_ = Moments{memory::moment_id("forward " + unit), memory::moment_id("backward " + unit),
+                       memory::moment_id("recompute " + unit)};
+  }
+  return *moments_;
+}
+
+void ParamGroup::set_backward_moment_of_root() {
+  if (auto root = state_->root_unit())
+    memory::set_moment(root->moments().backward);
 }
 
 std::string ParamGroup::context() const {
@@ -209,6 +225,9 @@ void ParamGroup::pre_forward(bool is_root_call) {
         "own forward)");
   }
   unit_state_.forward_entered(is_root_call);
+  moment_before_forward_ = memory::current_moment();
+  memory::set_moment(torch::autograd::get_current_graph_task_id() != -1 ? moments().recompute
+                                                                         : moments().forward);
   try {
     auto& prefetcher = state_->prefetcher();
     prefetcher.record_forward(*this);
@@ -256,6 +275,7 @@ void ParamGroup::post_forward(const std::vector<torch::Tensor>& outputs) {
         "fsdp::reshard() (or end the UnshardGuard) before training through it");
   }
   auto call = std::move(forming_);
+  memory::set_moment(moment_before_forward_);
   if (pending) {
     for (const auto& out : hooked) {
       // Copy the handle: register_hook is non-const on the autograd metadata only.
@@ -286,6 +306,7 @@ void ParamGroup::post_forward(const std::vector<torch::Tensor>& outputs) {
     return;
   if (pending && groups_.post_forward) {
     wait_unshard();
+    memory::CategoryScope tag(memory::Category::kGathered);  // a part of the gathered unit
     for (auto& p : params_)
       p.keep_block_shard(groups_.post_forward->size(), groups_.post_forward->rank());
     reshard();
@@ -349,6 +370,7 @@ void ParamGroup::pre_backward(CallRecord& call) {
   }
   if (unit_state_.training() == TrainingState::kIdle)
     begin_backward();
+  memory::set_moment(moments().backward);
   auto& prefetcher = state_->prefetcher();
   prefetcher.claim(*this);
   unshard(/*counted=*/!unit_state_.held() && !unit_state_.user_held());
@@ -456,6 +478,7 @@ void ParamGroup::reduce_gradients() {
   unit_state_.release_hold();
   unit_state_.reduce_done();
   release();
+  set_backward_moment_of_root();  // what runs next belongs to the enclosing unit
   if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPost && !backward_prefetch_list) {
     auto& prefetcher = state_->prefetcher();
     for (auto& next : prefetcher.backward_targets(*this))

@@ -97,7 +97,10 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
 
   /// The unit's module path inside the model (e.g. "h3"), or its class name for a root.
   const std::string& name() const { return name_; }
-  void set_name(std::string name) { name_ = std::move(name); }
+  void set_name(std::string name) {
+    name_ = std::move(name);
+    moments_.reset();
+  }
   const FullyShardOptions& options() const { return options_; }
   const UnitGroups& groups() const { return groups_; }
   int shard_size() const { return groups_.shard ? groups_.shard->size() : 1; }
@@ -111,7 +114,10 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   /// The model state this unit belongs to (changes once, when an enclosing module is sharded).
   RootState& state() const { return *state_; }
   const std::shared_ptr<RootState>& state_ptr() const { return state_; }
-  void set_state(std::shared_ptr<RootState> state) { state_ = std::move(state); }
+  void set_state(std::shared_ptr<RootState> state) {
+    state_ = std::move(state);
+    moments_.reset();
+  }
 
   // ---- Forward (called by fsdp::forward through ForwardCall) ----
   /// Gathers the unit, prefetches; `is_root_call`: the outermost fsdp::forward of the model.
@@ -208,6 +214,13 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   void drop_block_shards();
   [[noreturn]] void fail(const std::string& msg) const;
   std::string context() const;
+  // fsdp::memory moments ("forward h3", "backward (root)", "recompute h3"), registered on first
+  // use and again after a rename or a change of model.
+  struct Moments {
+    int forward, backward, recompute;
+  };
+  const Moments& moments();
+  void set_backward_moment_of_root();
 
   std::string name_;
   FullyShardOptions options_;
@@ -221,6 +234,8 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   std::vector<c10::intrusive_ptr<CallRecord>> calls_;
   c10::intrusive_ptr<CallRecord> forming_;
   bool requires_gradient_sync_ = true;
+  std::optional<Moments> moments_;
+  int moment_before_forward_ = 0;
   // One per reduction of this pass: one per call whose backward ran on its own.
   std::vector<PendingReduce> reduces_;
 };

@@ -61,6 +61,17 @@ CategoryBytes peak_by_category();
 /// sum to it.
 CategoryBytes at_peak_by_category();
 
+/// Moments: a label for where the program is ("forward h3", "optimizer"), recorded with the
+/// overall peak, so a run can say when its peak happened (the planner predicts it). The engine
+/// sets "forward <unit>" and "backward <unit>" as units start; whoever runs other phases sets
+/// theirs. Labels are registered once (moment_id, thread-safe) and set by id (one relaxed store:
+/// cheap enough for every unit call). Process-wide, as the counters.
+int moment_id(const std::string& label);
+void set_moment(int id);
+int current_moment();
+/// The label in force when the overall peak was last raised ("" if none was set).
+std::string at_peak_moment();
+
 struct Stats {
   /// Bytes of tracked allocations that are still alive.
   int64_t current_bytes = 0;

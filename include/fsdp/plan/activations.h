@@ -1,0 +1,107 @@
+// The activation memory of a training step, as the planner (fsdp::plan, issue 26) models it: the
+// model's forward is a chain of pieces (the root's part before the blocks, each block, the root's
+// part after them, loss included), and each piece is described by four byte counts, measured by
+// running that piece once at a small size with the tracking allocator and scaled in micro-batch
+// rows B and sequence length T.
+//
+// Why measured rather than derived from the module's code: what autograd keeps for backward
+// depends on every op's derivative formula and on the kernels ATen picks (CPU flash attention
+// keeps its output and log-sum-exp, a bias add keeps nothing, a .contiguous() keeps a copy), so a
+// formula written from the model's source is right only until someone edits the model. One
+// forward and backward of one piece at three sizes (B,T), (2B,T), (B,2T) gives the three
+// coefficients of bytes = c + a·B·T + q·B·T², which is exact for everything a transformer keeps
+// (per-token tensors, and attention scores where a kernel materialises them).
+#pragma once
+
+#include <torch/types.h>
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <fsdp/activation_checkpoint.h>
+
+namespace fsdp::plan {
+
+/// bytes(B, T) = c + a·B·T + q·B·T², rounded to the byte.
+struct Scaling {
+  double c = 0, a = 0, q = 0;
+  int64_t at(int64_t b, int64_t t) const;
+  /// The coefficients through three measurements at (b, t), (2b, t) and (b, 2t).
+  static Scaling fit(int64_t b, int64_t t, double at_bt, double at_2b, double at_2t);
+};
+
+/// One piece of the chain at one size, in bytes of the activations category (gradients of
+/// parameters excluded: the engine counts those as kGrads).
+struct PieceBytes {
+  /// Live after its forward, above what was live before it: what it keeps for backward, its
+  /// output included (the next piece reads it; its own input is the previous piece's output).
+  int64_t saved = 0;
+  /// The forward's high-water mark above what was live before it.
+  int64_t forward_peak = 0;
+  /// The backward's high-water mark above what was live when it began (the gradient of its
+  /// output included), counting the gradients of parameters it has made by then (they grow
+  /// while the activations shrink: the sum is what peaks) ...
+  int64_t backward_peak = 0;
+  /// ... of which those gradients.
+  int64_t backward_peak_grads = 0;
+  /// Freed by its backward: what was live when it began (saved, the output's gradient) minus
+  /// what it leaves (the gradient of its input).
+  int64_t backward_release = 0;
+};
+
+/// A piece's four counts as functions of (B, T).
+struct PieceScaling {
+  Scaling saved, forward_peak, backward_peak, backward_peak_grads, backward_release;
+  PieceBytes at(int64_t b, int64_t t) const;
+};
+
+/// The chain of a model whose forward is pre -> block 0 -> ... -> block L-1 -> post (loss), all
+/// blocks alike: the shape of every model sharded one unit per block (fsdp_models' GPT and Llama,
+/// torchtitan's). Blocks have one entry per CheckpointMode, as the unit's option changes what its
+/// forward keeps.
+struct ActivationModel {
+  PieceScaling pre, post;
+  /// The parameters (by name) whose gradients the post piece makes: the root's gradients that
+  /// exist from the start of backward (the head's); the root's others come with the pre piece.
+  std::vector<std::string> post_parameters;
+  std::array<PieceScaling, 3> block;  // indexed by CheckpointMode
+  const PieceScaling& block_with(CheckpointMode mode) const {
+    return block[static_cast<size_t>(mode)];
+  }
+};
+
+/// How to run each piece for calibration, on real tensors at the caller's width. Each function
+/// runs under the caller's grad mode and must use the module's real parameters (requiring grad
+/// where they train), so that autograd keeps what it keeps in training.
+struct CalibrationPieces {
+  /// (B, T) -> the input of the first block (e.g. the embeddings of random token ids).
+  std::function<torch::Tensor(int64_t b, int64_t t)> pre;
+  /// One block: its input -> its output. `t` is the sequence length (position tables).
+  std::function<torch::Tensor(const torch::Tensor& x, int64_t t)> block;
+  /// The last block's output -> the scalar loss the trainer calls backward on.
+  std::function<torch::Tensor(const torch::Tensor& x, int64_t t)> post;
+  /// The model's parameters, named as in the model the planner describes (the root's names
+  /// must match): their gradients are counted as gradients (retagged while measuring).
+  std::vector<std::pair<std::string, torch::Tensor>> parameters;
+};
+
+/// Measures the pieces at (b, t), (2b, t) and (b, 2t) and fits each count. Needs the tracking
+/// allocator (fsdp::memory::install_tracking_allocator); block checkpoint modes are measured
+/// through fsdp::checkpoint, the function the engine uses for a unit's option. Throws if the
+/// allocator is not installed.
+ActivationModel calibrate_activations(const CalibrationPieces& pieces, int64_t b = 1,
+                                      int64_t t = 32);
+
+/// One piece measured once: runs forward(x0) where x0 = make_input() (not counted), keeps the
+/// output, then backward from a gradient of ones. Exposed for tests.
+/// `with_grads` receives the names of the parameters that got a gradient.
+PieceBytes measure_piece(const std::function<torch::Tensor()>& make_input,
+                         const std::function<torch::Tensor(const torch::Tensor&)>& forward,
+                         const std::vector<std::pair<std::string, torch::Tensor>>& parameters,
+                         std::vector<std::string>* with_grads = nullptr);
+
+}  // namespace fsdp::plan

@@ -1,0 +1,91 @@
+// A training step's memory on one rank, predicted (fsdp::plan, issue 26): the engine's schedule
+// replayed on byte counters. Every allocation the engine makes for a unit (its gathered
+// parameters, the cast or encoded copy it sends, its unsharded gradients, the reduce-scatter's
+// input and output, a reshard-to-k block, an offload staging copy) is an event at the point of
+// the step where the engine makes it, in the order the prefetcher and the rate limiter issue
+// them; the activations come from an ActivationModel. The counters are the categories
+// fsdp::memory measures, and the prediction is their values at the highest total, with the
+// moment it happens.
+//
+// The model's shape is the one fsdp_models::parallelize_* makes: units[0..L-1] are blocks run
+// in that order, units.back() is the root ("") holding the rest (embeddings before the blocks,
+// final norm, head and loss after them).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <fsdp/activation_checkpoint.h>
+#include <fsdp/core/memory.h>
+#include <fsdp/fully_shard.h>
+#include <fsdp/mixed_precision.h>
+#include <fsdp/plan/activations.h>
+#include <fsdp/plan/model_states.h>
+#include <fsdp/plan/units.h>
+
+namespace fsdp::plan {
+
+struct StepOptions {
+  /// Strategy, world, dtypes, offload and optimizer (what model_states needs).
+  StateOptions states;
+  /// FullyShardOptions of the blocks (the root never reshards after forward).
+  std::optional<bool> reshard_after_forward;
+  int reshard_after_forward_size = 0;
+  bool forward_prefetch = true;
+  BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
+  int max_inflight_all_gathers = 2;
+  GatherFormat gather_format = GatherFormat::kComputeDtype;
+  int64_t int8_block_size = 256;
+  /// Per block (units[0..L-1]); missing entries are kNone.
+  std::vector<CheckpointMode> checkpoint;
+  /// The micro-batch (rows B, sequence T) and how many run per step.
+  int64_t batch_rows = 1;
+  int64_t seq_len = 1;
+  int micro_batches = 1;
+  /// Micro-batches reduce-scatter every time (true) or keep unsharded gradients until the
+  /// last one (fsdp::set_requires_gradient_sync(false) on the others).
+  bool sync_every_micro_batch = false;
+  /// Tracked bytes outside the model (kOther) live through the step, e.g. the input batch.
+  int64_t other_bytes = 0;
+  /// Gloo stages each all-gather call in flat buffers of its own, on its worker threads (so in
+  /// kOther): (1 + 1/N) x the call's output, calls of at most all_gather_bucket_bytes
+  /// (FullyShardOptions). Counted from a gather's issue to its wait. False for NCCL.
+  bool gloo_staging = true;
+  int64_t all_gather_bucket_bytes = int64_t{4} << 20;
+};
+
+enum class StepPhase { kForward, kBackward, kOptimizer };
+const char* to_string(StepPhase phase);
+
+/// Where in the step an event happens.
+struct Moment {
+  StepPhase phase = StepPhase::kForward;
+  std::string unit;  // the unit's path ("" the root)
+  std::string what;  // "compute", "gather", "reduce", "recompute"...
+  int micro_batch = 0;
+};
+
+struct MemoryPrediction {
+  /// Bytes by fsdp::memory::Category at the highest total; they sum to `peak`.
+  memory::CategoryBytes at_peak;
+  int64_t peak = 0;
+  Moment moment;
+  /// Each category's own highest value during the step.
+  memory::CategoryBytes category_peaks;
+  /// The model states between steps (model_states()).
+  RankStates states;
+  /// Every event of the replay: where it happened and the counters after it (a spike's entry
+  /// holds its high-water mark).
+  std::vector<std::pair<Moment, memory::CategoryBytes>> timeline;
+};
+
+/// The peak of one steady-state training step (optimizer state already created, gradients set
+/// to none before it) on `rank`. Throws for a unit list that is not blocks then the root, and for
+/// options that fully_shard would refuse.
+MemoryPrediction predict_step_memory(const std::vector<UnitInfo>& units, const StepOptions& options,
+                                     const ActivationModel& activations, int rank);
+
+}  // namespace fsdp::plan

@@ -1,0 +1,45 @@
+// See plan_pieces.h.
+#include "plan_pieces.h"
+
+namespace fsdp_models {
+namespace {
+
+template <typename Model, typename Block>
+fsdp::plan::CalibrationPieces pieces(Model& model, torch::ScalarType block_dtype, PlanLoss loss,
+                                     int64_t vocab, Block block) {
+  TORCH_CHECK(!model->blocks.empty(), "calibration_pieces: the model has no block");
+  fsdp::plan::CalibrationPieces p;
+  auto tokens = [vocab](int64_t b, int64_t t) {
+    return torch::randint(vocab, {b, t}, torch::TensorOptions().dtype(torch::kLong));
+  };
+  p.pre = [model, tokens](int64_t b, int64_t t) mutable { return model->embed(tokens(b, t)); };
+  p.block = [block, block_dtype](const torch::Tensor& x, int64_t t) mutable {
+    return block(x.to(block_dtype), t);
+  };
+  p.post = [model, loss](const torch::Tensor& x, int64_t t) mutable {
+    return loss(model->head(x).to(torch::kFloat), x.size(0), t);
+  };
+  for (const auto& item : model->named_parameters())
+    p.parameters.emplace_back(item.key(), item.value());
+  return p;
+}
+
+}  // namespace
+
+fsdp::plan::CalibrationPieces calibration_pieces(GPT& model, torch::ScalarType block_dtype,
+                                                 PlanLoss loss) {
+  auto first = model->blocks.empty() ? Block(nullptr) : model->blocks.front();
+  return pieces(model, block_dtype, std::move(loss), model->config().vocab_size,
+                [first](const torch::Tensor& x, int64_t) mutable { return first(x); });
+}
+
+fsdp::plan::CalibrationPieces calibration_pieces(Llama& model, torch::ScalarType block_dtype,
+                                                 PlanLoss loss) {
+  auto first = model->blocks.empty() ? LlamaBlock(nullptr) : model->blocks.front();
+  return pieces(model, block_dtype, std::move(loss), model->config().vocab_size,
+                [first, model](const torch::Tensor& x, int64_t t) mutable {
+                  return first(x, model->rope(t));
+                });
+}
+
+}  // namespace fsdp_models

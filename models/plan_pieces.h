@@ -1,0 +1,29 @@
+// Our model families run piece by piece for the planner's activation calibration
+// (fsdp/plan/activations.h): the embeddings, one block, the head with the trainer's loss.
+#pragma once
+
+#include <torch/types.h>
+
+#include <functional>
+
+#include <fsdp/plan/activations.h>
+
+#include "gpt.h"
+#include "llama.h"
+
+namespace fsdp_models {
+
+/// The loss the trainer takes of fp32 logits (B, T, V) for a micro-batch of b rows of t tokens.
+using PlanLoss = std::function<torch::Tensor(const torch::Tensor& logits, int64_t b, int64_t t)>;
+
+/// The pieces of `model` (its first block stands for every block): blocks compute in
+/// `block_dtype` (their input cast on entry, as fsdp::forward casts a unit's inputs), the root's
+/// parts in the dtype of its parameters, the logits cast to fp32 before `loss`. The model must
+/// hold real tensors (not the meta device) and at least one block; its parameters are used as
+/// they are (convert them to the compute dtypes first).
+fsdp::plan::CalibrationPieces calibration_pieces(GPT& model, torch::ScalarType block_dtype,
+                                                 PlanLoss loss);
+fsdp::plan::CalibrationPieces calibration_pieces(Llama& model, torch::ScalarType block_dtype,
+                                                 PlanLoss loss);
+
+}  // namespace fsdp_models

@@ -1,0 +1,472 @@
+// See include/fsdp/plan/step_memory.h. Each event below names the engine function that makes the
+// allocation it counts (src/engine/param_group.cpp, sharded_param.cpp, prefetch.cpp): a change
+// there must change this, and tests/test_plan.cpp compares the two.
+#include <fsdp/plan/step_memory.h>
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <deque>
+#include <map>
+#include <set>
+
+namespace fsdp::plan {
+namespace {
+
+namespace mem = fsdp::memory;
+using mem::Category;
+
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+int64_t esize(torch::ScalarType t) {
+  return static_cast<int64_t>(c10::elementSize(t));
+}
+
+// What one unit allocates on this rank, in bytes (sharded_param.cpp and param_group.cpp).
+struct UnitBytes {
+  int64_t gathered = 0;       // the padded unsharded parameters (alloc_unsharded)
+  int64_t gather_inputs = 0;  // sent and received copies alive from issue to wait
+  int64_t gather_wire = 0;    // bytes the gather outputs (the backend's view of it)
+  int64_t staging = 0;        // Gloo's flat buffers for one call of the gather (kOther)
+  int64_t block_staging = 0;  // the same for the gather from a kept block
+  int64_t block_shard = 0;    // reshard_after_forward_size: kept between forward and backward
+  int64_t unsharded_grads = 0;
+  int64_t unsharded_grads_post = 0;  // root: of which the head's (made by the post piece)
+  int64_t reduce_input = 0;   // [N][chunks | flags] in the reduce dtype
+  int64_t reduce_output = 0;  // [chunks | flags]: 0 when N == 1 (the input is the output)
+  int64_t final_grads = 0;    // what the stash holds after install_grads
+  int64_t kept_grads = 0;     // no-sync micro-batches: unsharded grads in the master dtype
+  bool trainable = false;
+};
+
+struct Geometry {
+  int n = 1;  // shard group size
+  int r = 0;  // rank in it
+};
+
+UnitBytes unit_bytes(const UnitInfo& unit, const StepOptions& o, const Geometry& g,
+                     const std::optional<int>& block_k, const std::set<std::string>& post) {
+  UnitBytes u;
+  const auto& s = o.states;
+  const int n = g.n;
+  int64_t flags = 0, chunk_elems = 0, local_grad_bytes = 0;
+  torch::ScalarType master = torch::kFloat32;
+  for (const auto& p : unit.params) {
+    const int64_t rows = p.shape.empty() ? 1 : p.shape[0];
+    int64_t numel = 1;
+    for (auto d : p.shape)
+      numel *= d;
+    const int64_t row_numel = rows == 0 ? (p.shape.empty() ? 0 : 1) : numel / rows;
+    const int64_t chunk_rows = ceil_div(rows, n);
+    const int64_t local_rows = std::clamp<int64_t>(rows - g.r * chunk_rows, 0, chunk_rows);
+    const bool floating = c10::isFloatingType(p.dtype);
+    const torch::ScalarType unsharded = s.param_dtype && floating ? *s.param_dtype : p.dtype;
+    // GatherCodec::make: a wire format other than the compute dtype, for floating parameters.
+    std::optional<torch::ScalarType> wire;
+    bool int8 = false;
+    if (floating) {
+      switch (o.gather_format) {
+        case GatherFormat::kComputeDtype:
+          break;
+        case GatherFormat::kBFloat16:
+          wire = torch::kBFloat16;
+          break;
+        case GatherFormat::kFloat16:
+          wire = torch::kHalf;
+          break;
+        case GatherFormat::kInt8:
+          if (row_numel >= 16)  // gather_codec.cpp, kMinInt8Row
+            int8 = true;
+          else
+            wire = torch::kBFloat16;
+          break;
+      }
+      if (wire && *wire == unsharded)
+        wire.reset();
+    }
+    const bool codec = int8 || wire.has_value();
+    const bool owns = n > 1 || unsharded != p.dtype || codec || s.cpu_offload;
+    const int64_t padded_full = chunk_rows * n * row_numel;
+    if (owns)
+      u.gathered += padded_full * esize(unsharded);
+    if (n > 1) {
+      // issue_unshard: gather_input() (staged host copy under offload, then cast or encoded) and
+      // gather_output() (the wire buffer of a codec), both kept until wait_unshard.
+      const int64_t shard_elems = chunk_rows * row_numel;
+      int64_t input = 0, output = 0;
+      if (int8) {
+        const int64_t blocks = ceil_div(row_numel, o.int8_block_size);
+        const int64_t wire_numel = (chunk_rows * blocks * 4 + chunk_rows * row_numel + 3) / 4 * 4;
+        input = wire_numel;
+        output = n * wire_numel;
+      } else if (wire) {
+        input = shard_elems * esize(*wire);
+        output = n * input;
+      } else if (unsharded != p.dtype) {
+        input = shard_elems * esize(unsharded);
+      } else if (s.cpu_offload) {
+        input = shard_elems * esize(p.dtype);  // the staged copy is what is sent
+      }
+      u.gather_inputs += input + output;
+      u.gather_wire += output > 0 ? output : padded_full * esize(unsharded);
+      if (block_k)
+        u.block_shard += padded_full / *block_k * esize(unsharded);
+    }
+    if (!p.trainable)
+      continue;
+    u.trainable = true;
+    master = p.dtype;
+    ++flags;
+    chunk_elems += chunk_rows * row_numel;
+    u.unsharded_grads += numel * esize(unsharded);
+    if (post.count(p.name))
+      u.unsharded_grads_post += numel * esize(unsharded);
+    u.kept_grads += numel * esize(p.dtype);
+    local_grad_bytes += local_rows * row_numel * esize(p.dtype);
+  }
+  if (o.gloo_staging && n > 1) {
+    auto staged = [&](int64_t wire, int group) {
+      const int64_t call = o.all_gather_bucket_bytes > 0 ? std::min(wire, o.all_gather_bucket_bytes)
+                                                         : wire;
+      return call + call / group;
+    };
+    u.staging = staged(u.gather_wire, n);
+    if (block_k)
+      u.block_staging = staged(u.gathered, *block_k);
+  }
+  if (!u.trainable)
+    return u;
+  const torch::ScalarType reduce =
+      s.reduce_dtype ? *s.reduce_dtype : (s.param_dtype ? *s.param_dtype : master);
+  const int64_t row = chunk_elems + flags;
+  u.reduce_input = n * row * esize(reduce);
+  u.reduce_output = n > 1 ? row * esize(reduce) : 0;
+  // install_grads / add_to_stash: aliases of the output when it is in the master dtype, else a
+  // tensor of the real rows (a host copy under offload).
+  const bool alias = !s.cpu_offload && reduce == master;
+  u.final_grads = alias ? (n > 1 ? u.reduce_output : u.reduce_input) : local_grad_bytes;
+  return u;
+}
+
+// The byte counters and the highest total seen, with its moment.
+class Ledger {
+ public:
+  explicit Ledger(MemoryPrediction& out) : out_(out) {}
+
+  void add(Category c, int64_t bytes, const Moment& at) {
+    cur_.bytes[static_cast<int>(c)] += bytes;
+    observe(at);
+  }
+  // A high-water mark that is gone again when the event ends (a kernel's temporaries).
+  void spike(Category c, int64_t bytes, const Moment& at) {
+    add(c, bytes, at);
+    cur_.bytes[static_cast<int>(c)] -= bytes;
+  }
+  int64_t current(Category c) const { return cur_[c]; }
+
+ private:
+  void observe(const Moment& at) {
+    out_.timeline.emplace_back(at, cur_);
+    for (int c = 0; c < mem::kNumCategories; ++c)
+      out_.category_peaks.bytes[c] = std::max(out_.category_peaks.bytes[c], cur_.bytes[c]);
+    const int64_t total = cur_.total();
+    if (total > out_.peak) {
+      out_.peak = total;
+      out_.at_peak = cur_;
+      out_.moment = at;
+    }
+  }
+
+  MemoryPrediction& out_;
+  mem::CategoryBytes cur_;
+};
+
+enum class Gather { kSharded, kGathering, kGathered };
+
+// The units' gathered state, the rate limiter's slots and its queue (prefetch.cpp).
+class Schedule {
+ public:
+  Schedule(const std::vector<UnitBytes>& bytes, int limit, Ledger& ledger)
+      : bytes_(bytes), state_(bytes.size(), Gather::kSharded), block_(bytes.size(), false),
+        limit_(std::max(1, limit)), ledger_(ledger) {}
+
+  bool sharded(size_t u) const { return state_[u] == Gather::kSharded; }
+
+  // issue_unshard: the unsharded buffers and the copies in flight.
+  void issue(size_t u, bool counted, const Moment& at) {
+    if (state_[u] != Gather::kSharded)
+      return;
+    state_[u] = Gather::kGathering;
+    ledger_.add(Category::kGathered, bytes_[u].gathered, at);
+    if (!block_[u])  // from a kept block: the block itself is sent
+      ledger_.add(Category::kGathered, bytes_[u].gather_inputs, at);
+    ledger_.add(Category::kOther, block_[u] ? bytes_[u].block_staging : bytes_[u].staging, at);
+    if (counted) {
+      ++in_use_;
+      counted_[u] = true;
+    }
+  }
+  // wait_unshard: the copies in flight are gone; a kept block is dropped.
+  void wait(size_t u, const Moment& at) {
+    if (state_[u] != Gather::kGathering)
+      return;
+    ledger_.add(Category::kOther, -(block_[u] ? bytes_[u].block_staging : bytes_[u].staging), at);
+    if (block_[u]) {
+      ledger_.add(Category::kGathered, -bytes_[u].block_shard, at);
+      block_[u] = false;
+    } else {
+      ledger_.add(Category::kGathered, -bytes_[u].gather_inputs, at);
+    }
+    state_[u] = Gather::kGathered;
+  }
+  void unshard(size_t u, bool counted, const Moment& at) {
+    queue_.erase(std::remove(queue_.begin(), queue_.end(), u), queue_.end());  // claim
+    issue(u, counted, at);
+    wait(u, at);
+  }
+  void request(size_t u, const Moment& at) {
+    if (state_[u] != Gather::kSharded ||
+        std::find(queue_.begin(), queue_.end(), u) != queue_.end())
+      return;
+    if (in_use_ < limit_)
+      issue(u, true, at);
+    else
+      queue_.push_back(u);
+  }
+  // reshard (optionally keeping a block of it, post_forward with reshard_after_forward_size).
+  void reshard(size_t u, bool keep_block, const Moment& at) {
+    if (state_[u] == Gather::kSharded)
+      return;
+    wait(u, at);
+    if (keep_block) {
+      ledger_.add(Category::kGathered, bytes_[u].block_shard, at);
+      block_[u] = true;
+    }
+    ledger_.add(Category::kGathered, -bytes_[u].gathered, at);
+    state_[u] = Gather::kSharded;
+    release(u, at);
+  }
+  // A unit held from forward to backward gives its slot back without resharding.
+  void release(size_t u, const Moment& at) {
+    if (!counted_[u])
+      return;
+    counted_[u] = false;
+    --in_use_;
+    while (!queue_.empty() && in_use_ < limit_) {
+      const size_t next = queue_.front();
+      queue_.pop_front();
+      issue(next, true, at);
+    }
+  }
+  void drop_queue() { queue_.clear(); }
+
+ private:
+  const std::vector<UnitBytes>& bytes_;
+  std::vector<Gather> state_;
+  std::vector<bool> block_;
+  std::map<size_t, bool> counted_;
+  std::deque<size_t> queue_;
+  int in_use_ = 0;
+  int limit_;
+  Ledger& ledger_;
+};
+
+}  // namespace
+
+const char* to_string(StepPhase phase) {
+  switch (phase) {
+    case StepPhase::kForward:
+      return "forward";
+    case StepPhase::kBackward:
+      return "backward";
+    case StepPhase::kOptimizer:
+      return "optimizer";
+  }
+  return "?";
+}
+
+MemoryPrediction predict_step_memory(const std::vector<UnitInfo>& units, const StepOptions& o,
+                                     const ActivationModel& activations, int rank) {
+  TORCH_CHECK(!units.empty() && units.back().path.empty(),
+              "fsdp::plan: the units must be the blocks, then the root (\"\")");
+  TORCH_CHECK(o.batch_rows >= 1 && o.seq_len >= 1 && o.micro_batches >= 1,
+              "fsdp::plan: micro-batch ", o.batch_rows, " x ", o.seq_len, ", ", o.micro_batches,
+              " micro-batches");
+  const auto& s = o.states;
+  MemoryPrediction out;
+  out.states = model_states(units, s, rank);  // also checks the world and hybrid size
+  Geometry g;
+  g.n = s.strategy == ShardingStrategy::kNoShard     ? 1
+        : s.strategy == ShardingStrategy::kHybridShard ? s.hybrid_shard_size
+                                                       : s.world_size;
+  g.r = rank % g.n;
+  const bool resharding_kind = s.strategy == ShardingStrategy::kFullShard ||
+                               s.strategy == ShardingStrategy::kHybridShard;
+  const bool blocks_reshard = resharding_kind && o.reshard_after_forward.value_or(true);
+  std::optional<int> block_k;
+  if (blocks_reshard && o.reshard_after_forward_size > 0 && o.reshard_after_forward_size < g.n) {
+    TORCH_CHECK(g.n % o.reshard_after_forward_size == 0, "fsdp::plan: reshard_after_forward_size ",
+                o.reshard_after_forward_size, " does not divide the shard group size ", g.n);
+    block_k = o.reshard_after_forward_size;
+  }
+
+  const size_t n_blocks = units.size() - 1, root = n_blocks;
+  const std::set<std::string> post_params(activations.post_parameters.begin(),
+                                          activations.post_parameters.end());
+  std::vector<UnitBytes> bytes;
+  for (size_t u = 0; u < units.size(); ++u) {
+    bytes.push_back(unit_bytes(units[u], o, g, u == root ? std::nullopt : block_k,
+                               u == root ? post_params : std::set<std::string>{}));
+  }
+
+  Ledger ledger(out);
+  const Moment start{StepPhase::kForward, "", "start", 0};
+  ledger.add(Category::kParams, out.states.params, start);
+  ledger.add(Category::kOptimizer, out.states.optimizer, start);
+  ledger.add(Category::kOther, o.other_bytes, start);
+
+  const auto mode = [&](size_t u) {
+    return u < o.checkpoint.size() ? o.checkpoint[u] : CheckpointMode::kNone;
+  };
+  const auto& act = activations;
+  const PieceBytes pre = act.pre.at(o.batch_rows, o.seq_len);
+  const PieceBytes post = act.post.at(o.batch_rows, o.seq_len);
+  std::array<PieceBytes, 3> block_acts;
+  for (size_t m = 0; m < 3; ++m)
+    block_acts[m] = act.block[m].at(o.batch_rows, o.seq_len);
+  const auto& A = Category::kActivations;
+  const auto& G = Category::kGrads;
+
+  // The gradients the engine holds across micro-batches: reduced shards (stash) and, without
+  // sync, the kept unsharded ones.
+  std::vector<bool> stash(units.size(), false), kept(units.size(), false);
+  for (int mb = 0; mb < o.micro_batches; ++mb) {
+    const bool sync = o.sync_every_micro_batch || mb == o.micro_batches - 1;
+    auto at = [&](StepPhase phase, size_t u, const char* what) {
+      return Moment{phase, units[u].path, what, mb};
+    };
+    Schedule sched(bytes, o.max_inflight_all_gathers, ledger);
+    // ---- Forward (pre_forward, post_forward) ----
+    {
+      const auto m = at(StepPhase::kForward, root, "gather");
+      sched.unshard(root, /*counted=*/false, m);
+      if (o.forward_prefetch && n_blocks > 0)
+        sched.request(0, m);
+      const auto c = at(StepPhase::kForward, root, "compute");
+      ledger.spike(A, pre.forward_peak, c);
+      ledger.add(A, pre.saved, c);
+    }
+    for (size_t i = 0; i < n_blocks; ++i) {
+      const auto m = at(StepPhase::kForward, i, "gather");
+      sched.unshard(i, /*counted=*/true, m);
+      if (o.forward_prefetch && i + 1 < n_blocks)
+        sched.request(i + 1, m);
+      const auto& a = block_acts[static_cast<size_t>(mode(i))];
+      const auto c = at(StepPhase::kForward, i, "compute");
+      ledger.spike(A, a.forward_peak, c);
+      ledger.add(A, a.saved, c);
+      if (blocks_reshard)
+        sched.reshard(i, /*keep_block=*/block_k.has_value(), c);
+      else
+        sched.release(i, c);  // held for backward: the slot goes back
+    }
+    {
+      const auto c = at(StepPhase::kForward, root, "compute");
+      ledger.spike(A, post.forward_peak, c);
+      ledger.add(A, post.saved, c);
+      sched.drop_queue();  // end_forward
+    }
+    // ---- Backward (pre_backward, reduce_gradients, end_backward_pass) ----
+    size_t pending_reduce = units.size();  // the unit whose reduce-scatter input is alive
+    auto reduce = [&](size_t u, const Moment& m) {
+      const auto& b = bytes[u];
+      if (!b.trainable) {
+        sched.reshard(u, false, m);
+        return;
+      }
+      if (!sync) {
+        // hold_pass_grad: the unsharded grads become the kept ones (cast to the master dtype).
+        ledger.add(G, b.kept_grads - b.unsharded_grads, m);
+        kept[u] = true;
+        sched.reshard(u, false, m);
+        return;
+      }
+      // finish_reduce_scatters: the previous unit's input goes when its collective is done.
+      if (pending_reduce < units.size()) {
+        ledger.add(G, -bytes[pending_reduce].reduce_input, m);
+        pending_reduce = units.size();
+      }
+      ledger.add(G, b.reduce_input, m);  // copied into, grad by grad, then the grads go
+      ledger.add(G, -b.unsharded_grads, m);
+      if (kept[u]) {
+        ledger.add(G, -b.kept_grads, m);  // commit_pass drops them at the end of the pass
+        kept[u] = false;
+      }
+      sched.reshard(u, false, m);
+      ledger.add(G, b.reduce_output, m);
+      if (b.reduce_output > 0)  // with N == 1 the input is the output, kept to the end
+        pending_reduce = u;
+    };
+    // A piece's backward: at its high-water mark the gradients it has made by then, and its
+    // activation temporaries; after it, all its gradients and what it freed.
+    auto piece_backward = [&](const PieceBytes& p, int64_t grads, const Moment& m) {
+      const int64_t grads_at_peak = std::min(p.backward_peak_grads, grads);
+      ledger.add(G, grads_at_peak, m);
+      ledger.spike(A, p.backward_peak - grads_at_peak, m);
+      ledger.add(G, grads - grads_at_peak, m);
+      ledger.add(A, -p.backward_release, m);
+    };
+    {
+      const auto m = at(StepPhase::kBackward, root, "compute");
+      if (o.backward_prefetch == BackwardPrefetch::kBackwardPre && n_blocks > 0)
+        sched.request(n_blocks - 1, m);
+      // The head's parameters get their gradients here (the root's others at the end).
+      piece_backward(post, bytes[root].unsharded_grads_post, m);
+    }
+    for (size_t i = n_blocks; i-- > 0;) {
+      const auto m = at(StepPhase::kBackward, i, "gather");
+      sched.unshard(i, /*counted=*/blocks_reshard, m);
+      if (o.backward_prefetch == BackwardPrefetch::kBackwardPre && i > 0)
+        sched.request(i - 1, m);
+      const auto& a = block_acts[static_cast<size_t>(mode(i))];
+      const auto c = at(StepPhase::kBackward, i,
+                        mode(i) == CheckpointMode::kNone ? "compute" : "recompute");
+      piece_backward(a, bytes[i].unsharded_grads, c);
+      const auto r = at(StepPhase::kBackward, i, "reduce");
+      reduce(i, r);
+      if (o.backward_prefetch == BackwardPrefetch::kBackwardPost && i > 0)
+        sched.request(i - 1, r);
+    }
+    {
+      const auto c = at(StepPhase::kBackward, root, "compute");
+      piece_backward(pre, bytes[root].unsharded_grads - bytes[root].unsharded_grads_post, c);
+      reduce(root, at(StepPhase::kBackward, root, "reduce"));
+    }
+    // end_backward_pass: the last reduce-scatter input goes, the outputs become the grads.
+    const auto e = at(StepPhase::kBackward, root, "end");
+    if (pending_reduce < units.size())
+      ledger.add(G, -bytes[pending_reduce].reduce_input, e);
+    if (sync) {
+      for (size_t u = 0; u < units.size(); ++u) {
+        const auto& b = bytes[u];
+        if (!b.trainable)
+          continue;
+        const int64_t output = b.reduce_output > 0 ? b.reduce_output : b.reduce_input;
+        if (stash[u]) {
+          ledger.add(G, -output, e);  // added into the stash, then freed
+        } else {
+          ledger.add(G, b.final_grads, e);
+          ledger.add(G, -output, e);
+          stash[u] = true;
+        }
+      }
+    }
+    // Whatever the activations model leaves (rounding) is not carried into the next micro-batch.
+    ledger.add(A, -ledger.current(A), e);
+  }
+  return out;
+}
+
+}  // namespace fsdp::plan
