@@ -16,8 +16,11 @@ fsdp::plan::CalibrationPieces pieces(Model& model, torch::ScalarType block_dtype
   p.block = [block, block_dtype](const torch::Tensor& x, int64_t t) mutable {
     return block(x.to(block_dtype), t);
   };
-  p.post = [model, loss](const torch::Tensor& x, int64_t t) mutable {
-    return loss(model->head(x).to(torch::kFloat), x.size(0), t);
+  p.head = [model](const torch::Tensor& x, int64_t) mutable {
+    return model->head(x).to(torch::kFloat);
+  };
+  p.loss = [loss](const torch::Tensor& logits, int64_t t) {
+    return loss(logits, logits.size(0), t);
   };
   for (const auto& item : model->named_parameters())
     p.parameters.emplace_back(item.key(), item.value());

@@ -227,7 +227,7 @@ void ParamGroup::pre_forward(bool is_root_call) {
   unit_state_.forward_entered(is_root_call);
   moment_before_forward_ = memory::current_moment();
   memory::set_moment(torch::autograd::get_current_graph_task_id() != -1 ? moments().recompute
-                                                                         : moments().forward);
+                                                                        : moments().forward);
   try {
     auto& prefetcher = state_->prefetcher();
     prefetcher.record_forward(*this);
@@ -275,7 +275,11 @@ void ParamGroup::post_forward(const std::vector<torch::Tensor>& outputs) {
         "fsdp::reshard() (or end the UnshardGuard) before training through it");
   }
   auto call = std::move(forming_);
-  memory::set_moment(moment_before_forward_);
+  // A nested unit hands the moment back to its caller. After the root call of a training
+  // forward, what runs until the root's backward hook (the loss and its backward) is counted as
+  // the root's backward.
+  memory::set_moment(unit_state_.root_call() && pending ? moments().backward
+                                                        : moment_before_forward_);
   if (pending) {
     for (const auto& out : hooked) {
       // Copy the handle: register_hook is non-const on the autograd metadata only.

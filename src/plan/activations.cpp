@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
+#include <atomic>
 #include <cmath>
 
 namespace fsdp::plan {
@@ -23,13 +24,38 @@ int64_t activations_peak() {
 }
 
 // While measuring, a parameter's gradient is counted as a gradient from the moment autograd
-// accumulates it, as the engine counts it (sharded_param.cpp, TagGradAsGradient): the
-// activations category then holds activations only.
+// accumulates it, as the engine counts it (sharded_param.cpp, TagGradAsGradient), and each
+// accumulation closes a segment of the backward (PieceBytes::backward).
+struct Segments {
+  int64_t start = 0;  // the activations when the backward began
+  int64_t grads = 0;  // accumulated so far
+  std::vector<PieceBytes::Segment> list;
+
+  int64_t before_output = 0;
+  void close() { list.push_back({activations_peak() - start, grads}); }
+  // The gradient reached the unit's output: where the engine's pre-backward hook runs.
+  void output_reached() {
+    close();
+    before_output = static_cast<int64_t>(list.size());
+    mem::reset_peak();
+  }
+};
+std::atomic<Segments*> g_segments{nullptr};
+
 struct TagAsGradient : torch::autograd::PostAccumulateGradHook {
   void operator()(const torch::autograd::Variable& param) override {
     const auto& g = param.grad();
-    if (g.defined() && g.has_storage())
-      mem::retag(g.storage().data(), mem::Category::kGrads);
+    if (!g.defined() || !g.has_storage())
+      return;
+    Segments* segments = g_segments.load();
+    if (segments)
+      segments->close();
+    const int64_t before = mem::current_by_category()[mem::Category::kGrads];
+    mem::retag(g.storage().data(), mem::Category::kGrads);
+    if (segments) {
+      segments->grads += mem::current_by_category()[mem::Category::kGrads] - before;
+      mem::reset_peak();
+    }
   }
 };
 
@@ -47,6 +73,7 @@ class GradientTagging {
     }
   }
   ~GradientTagging() {
+    g_segments.store(nullptr);
     for (auto& p : tagged_)
       torch::autograd::impl::set_post_acc_grad_hooks(p, nullptr);
     for (auto& p : params_)
@@ -68,9 +95,19 @@ PieceScaling fit(int64_t b, int64_t t, const PieceBytes& m, const PieceBytes& m2
   PieceScaling s;
   s.saved = one(&PieceBytes::saved);
   s.forward_peak = one(&PieceBytes::forward_peak);
-  s.backward_peak = one(&PieceBytes::backward_peak);
-  s.backward_peak_grads = one(&PieceBytes::backward_peak_grads);
+  s.output = one(&PieceBytes::output);
   s.backward_release = one(&PieceBytes::backward_release);
+  TORCH_CHECK(m.backward.size() == m2b.backward.size() && m.backward.size() == m2t.backward.size(),
+              "fsdp::plan: a calibration piece accumulated ", m.backward.size() - 1, ", ",
+              m2b.backward.size() - 1, " and ", m2t.backward.size() - 1,
+              " parameter gradients at three sizes (it must take the same path at every size)");
+  s.segments_before_output = m.segments_before_output;
+  for (size_t i = 0; i < m.backward.size(); ++i) {
+    s.backward.emplace_back(Scaling::fit(b, t, static_cast<double>(m.backward[i].activations),
+                                         static_cast<double>(m2b.backward[i].activations),
+                                         static_cast<double>(m2t.backward[i].activations)),
+                            m.backward[i].grads);
+  }
   return s;
 }
 
@@ -93,8 +130,26 @@ Scaling Scaling::fit(int64_t b, int64_t t, double at_bt, double at_2b, double at
 }
 
 PieceBytes PieceScaling::at(int64_t b, int64_t t) const {
-  return {saved.at(b, t), forward_peak.at(b, t), backward_peak.at(b, t),
-          backward_peak_grads.at(b, t), backward_release.at(b, t)};
+  PieceBytes p;
+  p.saved = saved.at(b, t);
+  p.forward_peak = forward_peak.at(b, t);
+  p.output = output.at(b, t);
+  p.backward_release = backward_release.at(b, t);
+  p.segments_before_output = segments_before_output;
+  for (const auto& [activations, grads] : backward)
+    p.backward.push_back({activations.at(b, t), grads});
+  return p;
+}
+
+PieceBytes::Segment PieceBytes::backward_peak() const {
+  Segment best;
+  bool any = false;
+  for (const auto& s : backward) {
+    if (!any || s.activations + s.grads > best.activations + best.grads)
+      best = s;
+    any = true;
+  }
+  return best;
 }
 
 PieceBytes measure_piece(const std::function<torch::Tensor()>& make_input,
@@ -108,25 +163,26 @@ PieceBytes measure_piece(const std::function<torch::Tensor()>& make_input,
   PieceBytes out;
   torch::Tensor x = make_input();
   {
-    // Totals, not the activations category alone: in backward the parameters' gradients grow
-    // while the activations shrink, and the planner needs the moment their sum is highest.
-    int64_t before = mem::current_bytes();
+    const int64_t before = activations_now();
     mem::reset_peak();
     torch::Tensor y = forward(x);
-    out.saved = mem::current_bytes() - before;
-    out.forward_peak = mem::peak_bytes() - before;
+    out.saved = activations_now() - before;
+    out.forward_peak = activations_peak() - before;
     TORCH_CHECK(y.requires_grad(), "fsdp::plan: a calibration piece's output needs no gradient");
+    out.output = static_cast<int64_t>(y.storage().nbytes());
     torch::Tensor grad = torch::ones_like(y);
-    const int64_t start = mem::current_bytes();
-    const int64_t grads_at_start = mem::current_by_category()[mem::Category::kGrads];
+    Segments segments;
+    segments.start = activations_now();
     mem::reset_peak();
+    g_segments.store(&segments);
     y.backward(grad);
-    out.backward_peak = mem::peak_bytes() - start;
-    out.backward_peak_grads = mem::at_peak_by_category()[mem::Category::kGrads] - grads_at_start;
-    const int64_t grads_made = mem::current_by_category()[mem::Category::kGrads] - grads_at_start;
+    g_segments.store(nullptr);
+    segments.close();
+    out.backward = std::move(segments.list);
+    out.segments_before_output = segments.before_output;
     y = torch::Tensor();
     grad = torch::Tensor();
-    out.backward_release = start - (mem::current_bytes() - grads_made);
+    out.backward_release = segments.start - activations_now();
   }
   if (with_grads) {
     for (const auto& [name, p] : parameters) {
@@ -154,25 +210,32 @@ ActivationModel calibrate_activations(const CalibrationPieces& pieces, int64_t b
     struct All {
       PieceBytes pre, post;
       std::array<PieceBytes, 3> block;
-      std::vector<std::string> post_parameters;
+      std::vector<std::string> post_parameters, pre_parameters;
     } all;
     all.pre = measure_piece([] { return torch::Tensor(); },
                             [&](const torch::Tensor&) { return pieces.pre(bb, tt); },
-                            pieces.parameters);
+                            pieces.parameters, &all.pre_parameters);
     for (auto mode : {CheckpointMode::kNone, CheckpointMode::kFull, CheckpointMode::kSelective}) {
-      all.block[static_cast<size_t>(mode)] = measure_piece(
-          [&] { return hidden(bb, tt); },
-          [&](const torch::Tensor& x) {
-            return fsdp::checkpoint(
-                [&](const std::vector<torch::Tensor>& in) {
-                  return std::vector<torch::Tensor>{pieces.block(in[0], tt)};
-                },
-                {x}, mode)[0];
-          },
-          pieces.parameters);
+      all.block[static_cast<size_t>(mode)] =
+          measure_piece([&] { return hidden(bb, tt); },
+                        [&](const torch::Tensor& x) {
+                          return fsdp::checkpoint(
+                              [&](const std::vector<torch::Tensor>& in) {
+                                return std::vector<torch::Tensor>{pieces.block(in[0], tt)};
+                              },
+                              {x}, mode)[0];
+                        },
+                        pieces.parameters);
     }
     all.post = measure_piece([&] { return hidden(bb, tt); },
-                             [&](const torch::Tensor& x) { return pieces.post(x, tt); },
+                             [&](const torch::Tensor& x) {
+                               auto out = pieces.head(x, tt);
+                               out.register_hook([](const torch::Tensor&) {
+                                 if (auto* segments = g_segments.load())
+                                   segments->output_reached();
+                               });
+                               return pieces.loss(out, tt);
+                             },
                              pieces.parameters, &all.post_parameters);
     return all;
   };
@@ -180,6 +243,7 @@ ActivationModel calibrate_activations(const CalibrationPieces& pieces, int64_t b
   model.pre = fit(b, t, m.pre, m2b.pre, m2t.pre);
   model.post = fit(b, t, m.post, m2b.post, m2t.post);
   model.post_parameters = m.post_parameters;
+  model.pre_parameters = m.pre_parameters;
   for (size_t i = 0; i < 3; ++i)
     model.block[i] = fit(b, t, m.block[i], m2b.block[i], m2t.block[i]);
   return model;

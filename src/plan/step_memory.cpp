@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <functional>
 #include <map>
 #include <set>
 
@@ -34,10 +35,12 @@ struct UnitBytes {
   int64_t block_shard = 0;    // reshard_after_forward_size: kept between forward and backward
   int64_t unsharded_grads = 0;
   int64_t unsharded_grads_post = 0;  // root: of which the head's (made by the post piece)
-  int64_t reduce_input = 0;   // [N][chunks | flags] in the reduce dtype
-  int64_t reduce_output = 0;  // [chunks | flags]: 0 when N == 1 (the input is the output)
-  int64_t final_grads = 0;    // what the stash holds after install_grads
-  int64_t kept_grads = 0;     // no-sync micro-batches: unsharded grads in the master dtype
+  int64_t unsharded_grads_tied = 0;  // root: of those, the ones the embedding adds to
+  int64_t reduce_input = 0;          // [N][chunks | flags] in the reduce dtype
+  int64_t reduce_received = 0;       // Gloo: the all-to-all's receive buffer, as large
+  int64_t reduce_output = 0;         // [chunks | flags]: 0 when N == 1 (the input is the output)
+  int64_t final_grads = 0;           // what the stash holds after install_grads
+  int64_t kept_grads = 0;            // no-sync micro-batches: unsharded grads in the master dtype
   bool trainable = false;
 };
 
@@ -47,7 +50,8 @@ struct Geometry {
 };
 
 UnitBytes unit_bytes(const UnitInfo& unit, const StepOptions& o, const Geometry& g,
-                     const std::optional<int>& block_k, const std::set<std::string>& post) {
+                     const std::optional<int>& block_k, const std::set<std::string>& post,
+                     const std::set<std::string>& pre) {
   UnitBytes u;
   const auto& s = o.states;
   const int n = g.n;
@@ -123,13 +127,15 @@ UnitBytes unit_bytes(const UnitInfo& unit, const StepOptions& o, const Geometry&
     u.unsharded_grads += numel * esize(unsharded);
     if (post.count(p.name))
       u.unsharded_grads_post += numel * esize(unsharded);
+    if (post.count(p.name) && pre.count(p.name))
+      u.unsharded_grads_tied += numel * esize(unsharded);
     u.kept_grads += numel * esize(p.dtype);
     local_grad_bytes += local_rows * row_numel * esize(p.dtype);
   }
   if (o.gloo_staging && n > 1) {
     auto staged = [&](int64_t wire, int group) {
-      const int64_t call = o.all_gather_bucket_bytes > 0 ? std::min(wire, o.all_gather_bucket_bytes)
-                                                         : wire;
+      const int64_t call =
+          o.all_gather_bucket_bytes > 0 ? std::min(wire, o.all_gather_bucket_bytes) : wire;
       return call + call / group;
     };
     u.staging = staged(u.gather_wire, n);
@@ -142,6 +148,7 @@ UnitBytes unit_bytes(const UnitInfo& unit, const StepOptions& o, const Geometry&
       s.reduce_dtype ? *s.reduce_dtype : (s.param_dtype ? *s.param_dtype : master);
   const int64_t row = chunk_elems + flags;
   u.reduce_input = n * row * esize(reduce);
+  u.reduce_received = o.gloo_reduce_scatter && n > 1 ? u.reduce_input : 0;
   u.reduce_output = n > 1 ? row * esize(reduce) : 0;
   // install_grads / add_to_stash: aliases of the output when it is in the master dtype, else a
   // tensor of the real rows (a host copy under offload).
@@ -189,8 +196,11 @@ enum class Gather { kSharded, kGathering, kGathered };
 class Schedule {
  public:
   Schedule(const std::vector<UnitBytes>& bytes, int limit, Ledger& ledger)
-      : bytes_(bytes), state_(bytes.size(), Gather::kSharded), block_(bytes.size(), false),
-        limit_(std::max(1, limit)), ledger_(ledger) {}
+      : bytes_(bytes),
+        state_(bytes.size(), Gather::kSharded),
+        block_(bytes.size(), false),
+        limit_(std::max(1, limit)),
+        ledger_(ledger) {}
 
   bool sharded(size_t u) const { return state_[u] == Gather::kSharded; }
 
@@ -227,8 +237,7 @@ class Schedule {
     wait(u, at);
   }
   void request(size_t u, const Moment& at) {
-    if (state_[u] != Gather::kSharded ||
-        std::find(queue_.begin(), queue_.end(), u) != queue_.end())
+    if (state_[u] != Gather::kSharded || std::find(queue_.begin(), queue_.end(), u) != queue_.end())
       return;
     if (in_use_ < limit_)
       issue(u, true, at);
@@ -275,6 +284,30 @@ class Schedule {
 
 }  // namespace
 
+std::string moment_label(const Moment& m) {
+  if (m.phase == StepPhase::kOptimizer)
+    return "optimizer";
+  return std::string(to_string(m.phase)) + " " + (m.unit.empty() ? "(root)" : m.unit);
+}
+
+int64_t MemoryPrediction::highest_at(const std::string& label) const {
+  int64_t best = -1;
+  for (const auto& [m, bytes] : timeline) {
+    if (moment_label(m) == label)
+      best = std::max(best, bytes.total());
+  }
+  return best;
+}
+
+memory::Category MemoryPrediction::largest_category() const {
+  int best = 0;
+  for (int c = 1; c < mem::kNumCategories; ++c) {
+    if (at_peak.bytes[c] > at_peak.bytes[best])
+      best = c;
+  }
+  return static_cast<memory::Category>(best);
+}
+
 const char* to_string(StepPhase phase) {
   switch (phase) {
     case StepPhase::kForward:
@@ -298,12 +331,12 @@ MemoryPrediction predict_step_memory(const std::vector<UnitInfo>& units, const S
   MemoryPrediction out;
   out.states = model_states(units, s, rank);  // also checks the world and hybrid size
   Geometry g;
-  g.n = s.strategy == ShardingStrategy::kNoShard     ? 1
+  g.n = s.strategy == ShardingStrategy::kNoShard       ? 1
         : s.strategy == ShardingStrategy::kHybridShard ? s.hybrid_shard_size
                                                        : s.world_size;
   g.r = rank % g.n;
-  const bool resharding_kind = s.strategy == ShardingStrategy::kFullShard ||
-                               s.strategy == ShardingStrategy::kHybridShard;
+  const bool resharding_kind =
+      s.strategy == ShardingStrategy::kFullShard || s.strategy == ShardingStrategy::kHybridShard;
   const bool blocks_reshard = resharding_kind && o.reshard_after_forward.value_or(true);
   std::optional<int> block_k;
   if (blocks_reshard && o.reshard_after_forward_size > 0 && o.reshard_after_forward_size < g.n) {
@@ -315,10 +348,13 @@ MemoryPrediction predict_step_memory(const std::vector<UnitInfo>& units, const S
   const size_t n_blocks = units.size() - 1, root = n_blocks;
   const std::set<std::string> post_params(activations.post_parameters.begin(),
                                           activations.post_parameters.end());
+  const std::set<std::string> pre_params(activations.pre_parameters.begin(),
+                                         activations.pre_parameters.end());
   std::vector<UnitBytes> bytes;
   for (size_t u = 0; u < units.size(); ++u) {
     bytes.push_back(unit_bytes(units[u], o, g, u == root ? std::nullopt : block_k,
-                               u == root ? post_params : std::set<std::string>{}));
+                               u == root ? post_params : std::set<std::string>{},
+                               u == root ? pre_params : std::set<std::string>{}));
   }
 
   Ledger ledger(out);
@@ -395,7 +431,8 @@ MemoryPrediction predict_step_memory(const std::vector<UnitInfo>& units, const S
       }
       // finish_reduce_scatters: the previous unit's input goes when its collective is done.
       if (pending_reduce < units.size()) {
-        ledger.add(G, -bytes[pending_reduce].reduce_input, m);
+        ledger.add(G, -bytes[pending_reduce].reduce_input - bytes[pending_reduce].reduce_received,
+                   m);
         pending_reduce = units.size();
       }
       ledger.add(G, b.reduce_input, m);  // copied into, grad by grad, then the grads go
@@ -405,25 +442,51 @@ MemoryPrediction predict_step_memory(const std::vector<UnitInfo>& units, const S
         kept[u] = false;
       }
       sched.reshard(u, false, m);
-      ledger.add(G, b.reduce_output, m);
+      ledger.add(G, b.reduce_output + b.reduce_received, m);
       if (b.reduce_output > 0)  // with N == 1 the input is the output, kept to the end
         pending_reduce = u;
     };
-    // A piece's backward: at its high-water mark the gradients it has made by then, and its
-    // activation temporaries; after it, all its gradients and what it freed.
-    auto piece_backward = [&](const PieceBytes& p, int64_t grads, const Moment& m) {
-      const int64_t grads_at_peak = std::min(p.backward_peak_grads, grads);
-      ledger.add(G, grads_at_peak, m);
-      ledger.spike(A, p.backward_peak - grads_at_peak, m);
-      ledger.add(G, grads - grads_at_peak, m);
-      ledger.add(A, -p.backward_release, m);
+    // A piece's backward, segment by segment (PieceBytes::backward): the gradients made so far
+    // and the activations' high-water mark; after it, all its gradients and what it freed. A
+    // checkpointed block keeps its input (the previous piece's output) until the backward pass
+    // ends: the checkpoint node holds it for a recomputation (activation_checkpoint.cpp).
+    int64_t held_inputs = 0;
+    auto piece_backward = [&](const PieceBytes& p, int64_t grads, bool output_held, const Moment& m,
+                              const std::function<void()>& at_output) {
+      int64_t made = 0;
+      bool reached = !at_output;
+      for (size_t k = 0; k < p.backward.size(); ++k) {
+        if (!reached && static_cast<int64_t>(k) >= p.segments_before_output) {
+          at_output();
+          reached = true;
+        }
+        const auto& seg = p.backward[k];
+        const int64_t g = std::min(seg.grads, grads);
+        ledger.add(G, g - made, m);
+        made = g;
+        ledger.spike(A, seg.activations, m);
+      }
+      if (!reached)
+        at_output();
+      ledger.add(G, grads - made, m);
+      const int64_t held = output_held ? std::min(p.output, p.backward_release) : 0;
+      held_inputs += held;
+      ledger.add(A, -(p.backward_release - held), m);
+    };
+    const auto checkpointed = [&](size_t i) {
+      return i < n_blocks && mode(i) != CheckpointMode::kNone;
     };
     {
       const auto m = at(StepPhase::kBackward, root, "compute");
-      if (o.backward_prefetch == BackwardPrefetch::kBackwardPre && n_blocks > 0)
-        sched.request(n_blocks - 1, m);
-      // The head's parameters get their gradients here (the root's others at the end).
-      piece_backward(post, bytes[root].unsharded_grads_post, m);
+      // The loss's backward, then the root's backward hook (its prefetch), then the head's
+      // backward, whose parameters get their gradients here (the root's others at the end).
+      piece_backward(post, bytes[root].unsharded_grads_post, false, m, [&] {
+        if (o.backward_prefetch == BackwardPrefetch::kBackwardPre && n_blocks > 0)
+          sched.request(n_blocks - 1, m);
+      });
+      // A tied head's gradient waits in autograd's buffers for the embedding's part.
+      ledger.add(G, -bytes[root].unsharded_grads_tied, m);
+      ledger.add(A, bytes[root].unsharded_grads_tied, m);
     }
     for (size_t i = n_blocks; i-- > 0;) {
       const auto m = at(StepPhase::kBackward, i, "gather");
@@ -431,9 +494,9 @@ MemoryPrediction predict_step_memory(const std::vector<UnitInfo>& units, const S
       if (o.backward_prefetch == BackwardPrefetch::kBackwardPre && i > 0)
         sched.request(i - 1, m);
       const auto& a = block_acts[static_cast<size_t>(mode(i))];
-      const auto c = at(StepPhase::kBackward, i,
-                        mode(i) == CheckpointMode::kNone ? "compute" : "recompute");
-      piece_backward(a, bytes[i].unsharded_grads, c);
+      const auto c =
+          at(StepPhase::kBackward, i, mode(i) == CheckpointMode::kNone ? "compute" : "recompute");
+      piece_backward(a, bytes[i].unsharded_grads, checkpointed(i + 1), c, nullptr);
       const auto r = at(StepPhase::kBackward, i, "reduce");
       reduce(i, r);
       if (o.backward_prefetch == BackwardPrefetch::kBackwardPost && i > 0)
@@ -441,13 +504,17 @@ MemoryPrediction predict_step_memory(const std::vector<UnitInfo>& units, const S
     }
     {
       const auto c = at(StepPhase::kBackward, root, "compute");
-      piece_backward(pre, bytes[root].unsharded_grads - bytes[root].unsharded_grads_post, c);
+      piece_backward(pre, bytes[root].unsharded_grads - bytes[root].unsharded_grads_post,
+                     checkpointed(0), c, nullptr);
+      ledger.add(A, -bytes[root].unsharded_grads_tied, c);
+      ledger.add(G, bytes[root].unsharded_grads_tied, c);
       reduce(root, at(StepPhase::kBackward, root, "reduce"));
     }
     // end_backward_pass: the last reduce-scatter input goes, the outputs become the grads.
     const auto e = at(StepPhase::kBackward, root, "end");
+    ledger.add(A, -held_inputs, e);
     if (pending_reduce < units.size())
-      ledger.add(G, -bytes[pending_reduce].reduce_input, e);
+      ledger.add(G, -bytes[pending_reduce].reduce_input - bytes[pending_reduce].reduce_received, e);
     if (sync) {
       for (size_t u = 0; u < units.size(); ++u) {
         const auto& b = bytes[u];
@@ -465,6 +532,12 @@ MemoryPrediction predict_step_memory(const std::vector<UnitInfo>& units, const S
     }
     // Whatever the activations model leaves (rounding) is not carried into the next micro-batch.
     ledger.add(A, -ledger.current(A), e);
+  }
+  out.peak_without_staging = out.peak;
+  if (o.gloo_staging && out.states.params >= 0) {
+    StepOptions without = o;
+    without.gloo_staging = false;
+    out.peak_without_staging = predict_step_memory(units, without, activations, rank).peak;
   }
   return out;
 }

@@ -35,27 +35,40 @@ struct Scaling {
 };
 
 /// One piece of the chain at one size, in bytes of the activations category (gradients of
-/// parameters excluded: the engine counts those as kGrads).
+/// parameters apart: the engine counts those as kGrads).
 struct PieceBytes {
   /// Live after its forward, above what was live before it: what it keeps for backward, its
   /// output included (the next piece reads it; its own input is the previous piece's output).
   int64_t saved = 0;
   /// The forward's high-water mark above what was live before it.
   int64_t forward_peak = 0;
-  /// The backward's high-water mark above what was live when it began (the gradient of its
-  /// output included), counting the gradients of parameters it has made by then (they grow
-  /// while the activations shrink: the sum is what peaks) ...
-  int64_t backward_peak = 0;
-  /// ... of which those gradients.
-  int64_t backward_peak_grads = 0;
+  /// The output's bytes (part of saved).
+  int64_t output = 0;
+  /// The backward, cut where each parameter gradient is accumulated: in each segment the
+  /// activations' high-water mark above what was live when the backward began (the gradient of
+  /// the output included), and the bytes of the gradients accumulated before it. Gradients grow
+  /// while activations shrink, so the highest sum can be in any segment; the activations of a
+  /// segment scale with the micro-batch, its gradients do not, which is why they are kept apart.
+  struct Segment {
+    int64_t activations = 0;
+    int64_t grads = 0;
+  };
+  std::vector<Segment> backward;
+  /// How many of those segments run before the gradient reaches the piece's unit output (the
+  /// post piece: the loss's backward, before the root's backward hook issues its prefetch).
+  int64_t segments_before_output = 0;
   /// Freed by its backward: what was live when it began (saved, the output's gradient) minus
   /// what it leaves (the gradient of its input).
   int64_t backward_release = 0;
+  /// The segment with the highest activations + gradients ({0, 0} if none).
+  Segment backward_peak() const;
 };
 
-/// A piece's four counts as functions of (B, T).
+/// A piece's counts as functions of (B, T) (a segment's gradients are the same at every size).
 struct PieceScaling {
-  Scaling saved, forward_peak, backward_peak, backward_peak_grads, backward_release;
+  Scaling saved, forward_peak, output, backward_release;
+  std::vector<std::pair<Scaling, int64_t>> backward;
+  int64_t segments_before_output = 0;
   PieceBytes at(int64_t b, int64_t t) const;
 };
 
@@ -68,6 +81,11 @@ struct ActivationModel {
   /// The parameters (by name) whose gradients the post piece makes: the root's gradients that
   /// exist from the start of backward (the head's); the root's others come with the pre piece.
   std::vector<std::string> post_parameters;
+  /// The parameters whose gradients the pre piece makes (the embeddings). One in both lists is
+  /// tied (the head reuses the embedding matrix): autograd holds its head gradient in the
+  /// backward's buffers (not yet a .grad, so counted as activations) until the embedding's adds
+  /// to it.
+  std::vector<std::string> pre_parameters;
   std::array<PieceScaling, 3> block;  // indexed by CheckpointMode
   const PieceScaling& block_with(CheckpointMode mode) const {
     return block[static_cast<size_t>(mode)];
@@ -82,19 +100,25 @@ struct CalibrationPieces {
   std::function<torch::Tensor(int64_t b, int64_t t)> pre;
   /// One block: its input -> its output. `t` is the sequence length (position tables).
   std::function<torch::Tensor(const torch::Tensor& x, int64_t t)> block;
-  /// The last block's output -> the scalar loss the trainer calls backward on.
-  std::function<torch::Tensor(const torch::Tensor& x, int64_t t)> post;
+  /// The last block's output -> the root's output (the logits): the rest of the root's forward.
+  std::function<torch::Tensor(const torch::Tensor& x, int64_t t)> head;
+  /// The root's output -> the scalar loss the trainer calls backward on (outside every unit).
+  std::function<torch::Tensor(const torch::Tensor& out, int64_t t)> loss;
   /// The model's parameters, named as in the model the planner describes (the root's names
   /// must match): their gradients are counted as gradients (retagged while measuring).
   std::vector<std::pair<std::string, torch::Tensor>> parameters;
 };
 
-/// Measures the pieces at (b, t), (2b, t) and (b, 2t) and fits each count. Needs the tracking
+/// Measures the pieces at (b, t), (2b, t) and (b, 2t) and fits each count. The sizes must be
+/// large enough for ATen's kernels to take their general paths: below ~128 tokens (b·t) some
+/// backward kernels keep fewer temporaries, and a fit from there under-predicts larger sizes
+/// (measured: a 512-token GPT step's loss backward 1.5 MB low from (1, 16); exact from (2, 64)).
+/// Needs the tracking
 /// allocator (fsdp::memory::install_tracking_allocator); block checkpoint modes are measured
 /// through fsdp::checkpoint, the function the engine uses for a unit's option. Throws if the
 /// allocator is not installed.
-ActivationModel calibrate_activations(const CalibrationPieces& pieces, int64_t b = 1,
-                                      int64_t t = 32);
+ActivationModel calibrate_activations(const CalibrationPieces& pieces, int64_t b = 2,
+                                      int64_t t = 64);
 
 /// One piece measured once: runs forward(x0) where x0 = make_input() (not counted), keeps the
 /// output, then backward from a gradient of ones. Exposed for tests.

@@ -54,6 +54,9 @@ struct StepOptions {
   /// kOther): (1 + 1/N) x the call's output, calls of at most all_gather_bucket_bytes
   /// (FullyShardOptions). Counted from a gather's issue to its wait. False for NCCL.
   bool gloo_staging = true;
+  /// Gloo has no reduce-scatter: it is an all-to-all into a buffer the size of the input, kept
+  /// until the collective is waited for (src/distributed/collectives.cpp). False for NCCL.
+  bool gloo_reduce_scatter = true;
   int64_t all_gather_bucket_bytes = int64_t{4} << 20;
 };
 
@@ -72,6 +75,11 @@ struct MemoryPrediction {
   /// Bytes by fsdp::memory::Category at the highest total; they sum to `peak`.
   memory::CategoryBytes at_peak;
   int64_t peak = 0;
+  /// The peak if Gloo's staging buffers (StepOptions::gloo_staging) are already freed when the
+  /// step peaks: a gather in flight during a unit's compute usually finishes before the compute's
+  /// high-water mark, but not always, so a measured peak lies between the two (equal to `peak`
+  /// without staging).
+  int64_t peak_without_staging = 0;
   Moment moment;
   /// Each category's own highest value during the step.
   memory::CategoryBytes category_peaks;
@@ -80,7 +88,18 @@ struct MemoryPrediction {
   /// Every event of the replay: where it happened and the counters after it (a spike's entry
   /// holds its high-water mark).
   std::vector<std::pair<Moment, memory::CategoryBytes>> timeline;
+
+  /// The highest predicted total at the moments fsdp::memory labels `label` (the engine's
+  /// "forward h3", "backward (root)"; see moment_label), -1 if none: how close to the peak the
+  /// prediction puts a moment a run measured.
+  int64_t highest_at(const std::string& label) const;
+  /// The category holding the most bytes at the peak.
+  memory::Category largest_category() const;
 };
+
+/// The label fsdp::memory::at_peak_moment() gives the same moment: "<phase> <unit>", the root
+/// as "(root)"; "optimizer" for the optimizer step.
+std::string moment_label(const Moment& moment);
 
 /// The peak of one steady-state training step (optimizer state already created, gradients set
 /// to none before it) on `rank`. Throws for a unit list that is not blocks then the root, and for
