@@ -82,8 +82,11 @@ RankStates model_states(const std::vector<UnitInfo>& units, const StateOptions& 
     // [padded shards | one flag per parameter] in the reduce dtype. The grads alias it when that
     // is the master dtype (ShardedParam::add_to_stash); otherwise, and under CPU offload, each
     // gets a tensor of its own real rows and the output is freed.
-    const torch::ScalarType reduce =
-        o.reduce_dtype ? *o.reduce_dtype : (o.param_dtype ? *o.param_dtype : master);
+    const bool mixed = !(o.root_full_precision && unit.path.empty());
+    const torch::ScalarType reduce = !mixed           ? master
+                                     : o.reduce_dtype ? *o.reduce_dtype
+                                     : o.param_dtype  ? *o.param_dtype
+                                                      : master;
     out.grads += o.cpu_offload || reduce != master
                      ? local_grad_bytes
                      : (reduce_elements + trainable) * element_size(reduce);

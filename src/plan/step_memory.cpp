@@ -55,6 +55,8 @@ UnitBytes unit_bytes(const UnitInfo& unit, const StepOptions& o, const Geometry&
   UnitBytes u;
   const auto& s = o.states;
   const int n = g.n;
+  // precision.root_fp32: the root has no MixedPrecisionPolicy (no cast, no gather format).
+  const bool mixed = !(s.root_full_precision && unit.path.empty());
   int64_t flags = 0, chunk_elems = 0, local_grad_bytes = 0;
   torch::ScalarType master = torch::kFloat32;
   for (const auto& p : unit.params) {
@@ -66,11 +68,12 @@ UnitBytes unit_bytes(const UnitInfo& unit, const StepOptions& o, const Geometry&
     const int64_t chunk_rows = ceil_div(rows, n);
     const int64_t local_rows = std::clamp<int64_t>(rows - g.r * chunk_rows, 0, chunk_rows);
     const bool floating = c10::isFloatingType(p.dtype);
-    const torch::ScalarType unsharded = s.param_dtype && floating ? *s.param_dtype : p.dtype;
+    const torch::ScalarType unsharded =
+        mixed && s.param_dtype && floating ? *s.param_dtype : p.dtype;
     // GatherCodec::make: a wire format other than the compute dtype, for floating parameters.
     std::optional<torch::ScalarType> wire;
     bool int8 = false;
-    if (floating) {
+    if (floating && mixed) {
       switch (o.gather_format) {
         case GatherFormat::kComputeDtype:
           break;
@@ -144,8 +147,10 @@ UnitBytes unit_bytes(const UnitInfo& unit, const StepOptions& o, const Geometry&
   }
   if (!u.trainable)
     return u;
-  const torch::ScalarType reduce =
-      s.reduce_dtype ? *s.reduce_dtype : (s.param_dtype ? *s.param_dtype : master);
+  const torch::ScalarType reduce = !mixed           ? master
+                                   : s.reduce_dtype ? *s.reduce_dtype
+                                   : s.param_dtype  ? *s.param_dtype
+                                                    : master;
   const int64_t row = chunk_elems + flags;
   u.reduce_input = n * row * esize(reduce);
   u.reduce_received = o.gloo_reduce_scatter && n > 1 ? u.reduce_input : 0;

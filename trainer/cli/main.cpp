@@ -134,7 +134,7 @@ int main(int argc, char** argv) {
   app.allow_extras();
   std::string config_path, checkpoint, out_dir;
   int nproc = 0;
-  bool print_config = false, print_reference = false;
+  bool print_config = false, print_reference = false, plan = false;
   app.add_option("--checkpoint", checkpoint,
                  "export, generate: the saved model (a sharded checkpoint directory, 'latest', or "
                  "a Hugging Face directory)");
@@ -143,6 +143,9 @@ int main(int argc, char** argv) {
   app.add_option("--nproc", nproc, "Start this many local ranks (like torchrun --nproc-per-node)")
       ->check(CLI::Range(1, 1024));
   app.add_flag("--print-config", print_config, "Print the resolved configuration and exit");
+  app.add_flag("--plan", plan,
+               "Print the predicted per-rank peak memory before step 1 and predicted vs "
+               "measured at the end (logging.plan)");
   app.add_flag("--config-reference", print_reference, "Print the option reference (Markdown)");
   app.footer(
       "Any option can be overridden: --training.steps=200 --model.preset=gpt2-small\n"
@@ -173,6 +176,8 @@ int main(int argc, char** argv) {
     }
     overrides.push_back(extra.substr(2));
   }
+  if (plan)
+    overrides.push_back("logging.plan=true");
 
   const char* misuse = nullptr;
   if ((command == "train" || command == "finetune") && (!checkpoint.empty() || !out_dir.empty()))

@@ -6,7 +6,9 @@
 #include <fsdp/fully_shard.h>
 
 #include <algorithm>
+#include <cctype>
 #include <charconv>
+#include <cmath>
 #include <filesystem>
 #include <functional>
 #include <sstream>
@@ -185,6 +187,10 @@ const std::vector<Option>& options() {
       opt("training.eval_batches", FIELD(training.eval_batches),
           "Held-out batches per rank per evaluation."),
       opt("training.threads", FIELD(training.threads), "Intra-op threads per rank."),
+      opt("training.memory_budget", FIELD(training.memory_budget),
+          "Memory each rank may use (e.g. \"16GiB\"; empty: no budget). Before step 1 the "
+          "planner (fsdp::plan) predicts the run's per-rank peak; above the budget, fsdp-train "
+          "warns, naming the largest categories and the first single change predicted to fit."),
       opt("training.device", FIELD(training.device),
           "Where each rank computes: cpu (Gloo collectives) or cuda (the GPU LOCAL_RANK, NCCL "
           "collectives; needs fsdp-train-cuda, built when the CUDA toolkit is found, which "
@@ -334,6 +340,10 @@ const std::vector<Option>& options() {
           "Steps between progress lines when not drawing a bar."),
       opt("logging.plot", FIELD(logging.plot),
           "Draw plot.png (loss, throughput, memory) at the end (needs gnuplot)."),
+      opt("logging.plan", FIELD(logging.plan),
+          "Print the planner's prediction of the per-rank peak memory by category before step "
+          "1, and predicted against measured at the end (fsdp-train --plan sets it). CPU "
+          "runs."),
       opt("checkpoint.every", FIELD(checkpoint.every),
           "Save a sharded checkpoint every this many steps, and after the last (0: never). Each "
           "rank writes its own rows; any number of ranks can resume from it."),
@@ -547,6 +557,8 @@ void validate(const Config& c) {
   require(c.training.eval_every >= 0, "training.eval_every", "must be >= 0");
   require(c.training.eval_batches >= 1, "training.eval_batches", "must be >= 1");
   require(c.training.threads >= 1, "training.threads", "must be >= 1");
+  if (!c.training.memory_budget.empty())
+    parse_bytes(c.training.memory_budget, "training.memory_budget");
   require(c.fsdp.hybrid_shard_size >= 0, "fsdp.hybrid_shard_size",
           "must be >= 0 (0: the ranks per node), got " + std::to_string(c.fsdp.hybrid_shard_size));
   require(c.fsdp.reshard_after_forward_size >= 0, "fsdp.reshard_after_forward_size",
@@ -634,6 +646,31 @@ std::string export_dir(const Config& c) {
   if (!c.checkpoint.export_dir.empty())
     return c.checkpoint.export_dir;
   return (std::filesystem::path(c.logging.run_dir) / "hf").string();
+}
+
+int64_t parse_bytes(const std::string& text, const std::string& key) {
+  size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    throw ConfigError("'" + key + "' = '" + text + "' is not a size (e.g. 16GiB, 512MiB)");
+  }
+  std::string unit = text.substr(used);
+  std::erase_if(unit, [](unsigned char c) { return std::isspace(c); });
+  static const std::vector<std::pair<std::string, double>> kUnits{
+      {"", 1},     {"B", 1},    {"KiB", 0x1p10}, {"MiB", 0x1p20}, {"GiB", 0x1p30}, {"TiB", 0x1p40},
+      {"KB", 1e3}, {"kB", 1e3}, {"MB", 1e6},     {"GB", 1e9},     {"TB", 1e12}};
+  for (const auto& [name, scale] : kUnits) {
+    if (unit != name)
+      continue;
+    const double bytes = value * scale;
+    if (!(bytes >= 1) || bytes > 0x1p62)
+      throw ConfigError("'" + key + "' = '" + text + "' must be a positive size");
+    return static_cast<int64_t>(std::llround(bytes));
+  }
+  throw ConfigError("'" + key + "' = '" + text + "': unknown unit '" + unit +
+                    "' (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)");
 }
 
 std::string offload_dir(const Config& c) {

@@ -51,6 +51,7 @@ struct TrainingConfig {
   int64_t eval_every = 50;
   int64_t eval_batches = 4;
   int64_t threads = 1;
+  std::string memory_budget;   // "" : none; "16GiB" (parse_bytes)
   std::string device = "cpu";  // cpu, cuda
 };
 
@@ -101,6 +102,7 @@ struct LoggingConfig {
   std::string progress = "auto";
   int64_t log_every = 10;
   bool plot = true;
+  bool plan = false;  // fsdp-train --plan
 };
 
 struct GenerateConfig {
@@ -155,6 +157,10 @@ struct Config {
 
 /// The directory optimizer.offload = file puts its state files in.
 std::string offload_dir(const Config& c);
+
+/// "16GiB", "512 MiB", "2GB", "1e9": bytes (binary and decimal units; a plain number is bytes).
+/// ConfigError naming `key` for anything else or a size that is not positive.
+int64_t parse_bytes(const std::string& text, const std::string& key);
 
 /// The directory checkpoints are written to (checkpoint.dir, or under the run directory).
 std::string checkpoint_dir(const Config& c);

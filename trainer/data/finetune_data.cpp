@@ -213,4 +213,11 @@ std::vector<std::pair<std::vector<int64_t>, std::string>> FinetuneData::question
   return out;
 }
 
+int64_t FinetuneData::longest_train_input() const {
+  int64_t longest = 0;
+  for (const auto& e : train_)
+    longest = std::max<int64_t>(longest, static_cast<int64_t>(e.ids.size()) - 1);
+  return longest;
+}
+
 }  // namespace fsdp_trainer

@@ -90,6 +90,9 @@ class FinetuneData {
   /// ending with the assistant's opener that generation continues from, and that answer's text.
   std::vector<std::pair<std::vector<int64_t>, std::string>> questions(int64_t n) const;
   int64_t train_size() const { return static_cast<int64_t>(train_.size()); }
+  /// The longest model input of a training conversation (its tokens minus one): the widest a
+  /// padded training batch gets.
+  int64_t longest_train_input() const;
   int64_t end_of_turn_id() const { return end_of_turn_; }
 
  private:

@@ -4,6 +4,16 @@
 #include <fmt/core.h>
 
 namespace fsdp_trainer {
+
+torch::ScalarType dtype_named(const std::string& name) {
+  if (name == "fp32")
+    return torch::kFloat;
+  if (name == "bf16")
+    return torch::kBFloat16;
+  if (name == "fp16")
+    return torch::kHalf;
+  TORCH_CHECK(false, "unknown dtype '", name, "' (allowed: fp32, bf16, fp16)");
+}
 namespace {
 
 // "36.0x slower than fp32 (1.7 vs 60.8 GFLOP/s, ...)" or "2.2x faster than fp32 (...)".

@@ -4,6 +4,8 @@
 // warning that gives the measured ratio.
 #pragma once
 
+#include <torch/types.h>
+
 #include <string>
 
 namespace fsdp_trainer {
@@ -25,6 +27,9 @@ struct ComputeDtype {
 
 /// Whether `requested` (fp32, bf16, fp16 or auto) needs speeds measured on this machine: auto,
 /// and an explicit bf16/fp16 on CPU (for the warning).
+/// The config's dtype names (fp32, bf16, fp16; validated there: another one is a bug).
+torch::ScalarType dtype_named(const std::string& name);
+
 bool needs_dtype_speeds(const std::string& requested, bool cuda);
 
 /// The low precision `requested` is compared with fp32 in: bf16 for auto, else itself.

@@ -52,27 +52,52 @@ void build_sharded(TrainModel& out, const Cfg& cfg, fsdp_models::InitScheme sche
 
 }  // namespace
 
+fsdp_models::GPTConfig gpt_config(const Config& config, int64_t vocab_size) {
+  const auto& m = config.model;
+  auto cfg = preset_or_config_error<fsdp_models::GPTConfig>("gpt", m.preset);
+  if (m.n_layer > 0)
+    cfg.n_layer = m.n_layer;
+  if (m.n_embd > 0)
+    cfg.n_embd = m.n_embd;
+  if (m.n_head > 0)
+    cfg.n_head = m.n_head;
+  cfg.vocab_size = vocab_size;
+  cfg.block_size = config.training.seq_len;
+  if (cfg.n_embd % cfg.n_head != 0) {
+    throw ConfigError(
+        fmt::format("model width {} is not a multiple of the head count {} "
+                    "('model.n_embd', 'model.n_head')",
+                    cfg.n_embd, cfg.n_head));
+  }
+  return cfg;
+}
+
+fsdp_models::LlamaConfig llama_config(const Config& config, int64_t vocab_size) {
+  const auto& m = config.model;
+  auto cfg = preset_or_config_error<fsdp_models::LlamaConfig>("llama", m.preset);
+  if (m.n_layer > 0)
+    cfg.n_layers = m.n_layer;
+  if (m.n_embd > 0)
+    cfg.dim = m.n_embd;
+  if (m.n_head > 0)
+    cfg.n_heads = m.n_head, cfg.n_kv_heads = std::min(cfg.n_kv_heads, m.n_head);
+  cfg.vocab_size = vocab_size;
+  cfg.max_seq_len = config.training.seq_len;
+  try {
+    cfg.validate();
+  } catch (const std::exception& e) {
+    throw ConfigError(std::string("llama shapes do not fit: ") + e.what());
+  }
+  return cfg;
+}
+
 TrainModel build_model(const Config& config, int64_t vocab_size, const UnitOptions& options,
                        torch::Device device) {
   const auto& m = config.model;
   TrainModel out;
   const auto seed = static_cast<uint64_t>(config.training.seed);
   if (m.arch == "gpt") {
-    auto cfg = preset_or_config_error<fsdp_models::GPTConfig>("gpt", m.preset);
-    if (m.n_layer > 0)
-      cfg.n_layer = m.n_layer;
-    if (m.n_embd > 0)
-      cfg.n_embd = m.n_embd;
-    if (m.n_head > 0)
-      cfg.n_head = m.n_head;
-    cfg.vocab_size = vocab_size;
-    cfg.block_size = config.training.seq_len;
-    if (cfg.n_embd % cfg.n_head != 0) {
-      throw ConfigError(
-          fmt::format("model width {} is not a multiple of the head count {} "
-                      "('model.n_embd', 'model.n_head')",
-                      cfg.n_embd, cfg.n_head));
-    }
+    const auto cfg = gpt_config(config, vocab_size);
     build_sharded<fsdp_models::GPT>(
         out, cfg, fsdp_models::gpt_init_scheme(cfg), seed, options, config.fsdp.ac_every, device,
         [](auto& model, const auto& blocks, const auto& root, int64_t every) {
@@ -82,20 +107,7 @@ TrainModel build_model(const Config& config, int64_t vocab_size, const UnitOptio
     out.n_embd = cfg.n_embd;
     out.n_hidden = 4 * cfg.n_embd;
   } else {
-    auto cfg = preset_or_config_error<fsdp_models::LlamaConfig>("llama", m.preset);
-    if (m.n_layer > 0)
-      cfg.n_layers = m.n_layer;
-    if (m.n_embd > 0)
-      cfg.dim = m.n_embd;
-    if (m.n_head > 0)
-      cfg.n_heads = m.n_head, cfg.n_kv_heads = std::min(cfg.n_kv_heads, m.n_head);
-    cfg.vocab_size = vocab_size;
-    cfg.max_seq_len = config.training.seq_len;
-    try {
-      cfg.validate();
-    } catch (const std::exception& e) {
-      throw ConfigError(std::string("llama shapes do not fit: ") + e.what());
-    }
+    const auto cfg = llama_config(config, vocab_size);
     build_sharded<fsdp_models::Llama>(
         out, cfg, fsdp_models::llama_init_scheme(cfg), seed, options, config.fsdp.ac_every, device,
         [](auto& model, const auto& blocks, const auto& root, int64_t every) {

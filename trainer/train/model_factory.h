@@ -10,6 +10,8 @@
 #include <fsdp/fully_shard.h>
 
 #include "config/config.h"
+#include "gpt.h"
+#include "llama.h"
 
 namespace fsdp_trainer {
 
@@ -43,6 +45,11 @@ struct UnitOptions {
 /// file that is not a Llama GGUF or targets that match no layer.
 TrainModel build_finetune_model(const Config& config, const std::string& gguf_path,
                                 const UnitOptions& options, torch::Device device);
+
+/// config.model's shapes (preset and overrides) with `vocab_size` tokens and
+/// config.training.seq_len context. ConfigError for an unknown preset or shapes that do not fit.
+fsdp_models::GPTConfig gpt_config(const Config& config, int64_t vocab_size);
+fsdp_models::LlamaConfig llama_config(const Config& config, int64_t vocab_size);
 
 /// The model of config.model with `vocab_size` tokens and config.training.seq_len context,
 /// initialised from config.training.seed (the same values on any number of ranks), sharded with

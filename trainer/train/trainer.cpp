@@ -38,17 +38,6 @@ double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-// The config's dtype names (validated there; an unknown one here is a bug, and says so).
-torch::ScalarType dtype_named(const std::string& name) {
-  if (name == "fp32")
-    return torch::kFloat;
-  if (name == "bf16")
-    return torch::kBFloat16;
-  if (name == "fp16")
-    return torch::kHalf;
-  TORCH_CHECK(false, "unknown dtype '", name, "' (allowed: fp32, bf16, fp16)");
-}
-
 }  // namespace
 
 Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
@@ -269,9 +258,47 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
         "{} thread(s), measured on every rank at once (the highest)",
         peak_flops_per_rank_ / 1e9, compute_dtype_.dtype, t.threads));
   }
+  plan_memory(model_file);
 }
 
 Trainer::~Trainer() = default;
+
+void Trainer::plan_memory(const std::string& model_file) {
+  const auto& t = config_.training;
+  if (!config_.logging.plan && t.memory_budget.empty())
+    return;
+  if (!device_.is_cpu() || !fsdp::memory::tracking_installed()) {
+    if (pg_->rank() == 0) {
+      std::fprintf(stderr,
+                   "fsdp-train: the memory planner models CPU runs (Gloo, the tracking "
+                   "allocator); no prediction for training.device = '%s'\n",
+                   t.device.c_str());
+    }
+    return;
+  }
+  const int64_t other = fsdp::memory::current_by_category()[fsdp::memory::Category::kOther];
+  auto run =
+      plan_run(config_, finetune_ ? 0 : data_.vocab_size, model_file, pg_->size(),
+               fsdp::launch_env_from_environment().local_world_size, compute_dtype_.dtype, other);
+  if (finetune_)  // batches are padded to their longest conversation
+    run.options.seq_len = std::min(run.options.seq_len, finetune_->longest_train_input());
+  prediction_ =
+      fsdp::plan::predict_step_memory(run.units, run.options, run.activations, pg_->rank());
+  if (config_.logging.plan && pg_->rank() == 0)
+    progress_->message(describe_prediction(*prediction_));
+  if (!t.memory_budget.empty()) {
+    const int64_t budget = parse_bytes(t.memory_budget, "training.memory_budget");
+    const int64_t highest = max_over_ranks(prediction_->peak);
+    // Every rank takes part in the reduction; the rank with the highest peak explains it.
+    const int64_t mine = highest == prediction_->peak ? pg_->rank() : pg_->size();
+    const int64_t who = -max_over_ranks(-mine);
+    if (highest > budget && pg_->rank() == who) {
+      std::fprintf(stderr, "fsdp-train: warning: rank %d: %s\n", pg_->rank(),
+                   budget_warning(run, *prediction_, budget, pg_->rank()).c_str());
+      std::fflush(stderr);
+    }
+  }
+}
 
 double Trainer::learning_rate(int64_t step) const {
   // Linear warm-up to lr, then cosine decay to min_lr at the last step.
@@ -459,6 +486,8 @@ StepMetrics Trainer::train_step(int64_t step) {
   {
     auto scope = profiler_->optimizer();
     fsdp::memory::CategoryScope optimizer_state(fsdp::memory::Category::kOptimizer);
+    static const int optimizer_moment = fsdp::memory::moment_id("optimizer");
+    fsdp::memory::set_moment(optimizer_moment);
     // With loss scaling the grads are unscaled before clipping, and a step whose grads
     // overflowed on any rank is skipped on every rank.
     if (scaler_)
@@ -498,6 +527,15 @@ StepMetrics Trainer::train_step(int64_t step) {
   m.allgather_bytes = b.comm.all_gather.bytes;
   m.reducescatter_bytes = b.comm.reduce_scatter.bytes;
   m.allreduce_bytes = b.comm.all_reduce.bytes;
+  // This rank's own peak, for the planner's comparison: steady steps only (the first one
+  // creates the optimizer state, which the prediction already counts).
+  if (prediction_ && step > start_step_ + 1 && fsdp::memory::peak_bytes() > measured_.peak) {
+    measured_.peak = fsdp::memory::peak_bytes();
+    measured_.at_peak = fsdp::memory::at_peak_by_category();
+    measured_.moment = fsdp::memory::at_peak_moment();
+  }
+  if (prediction_ && step > start_step_ + 1)
+    ++measured_.steps;
   reduce_step_metrics(m, loss_sum,
                       finetune_ ? static_cast<double>(conversations.inputs.numel()) : 0.0);
   if (!finetune_)
@@ -553,6 +591,11 @@ void Trainer::train() {
       throw std::runtime_error(fmt::format("loss is {} at step {}", m.loss, step));
     if (every > 0 && (step % every == 0 || step == t.steps))
       save_checkpoint(step);
+  }
+  if (prediction_ && config_.logging.plan && pg_->rank() == 0 && measured_.steps > 0) {
+    progress_->message(compare_prediction(*prediction_, measured_));
+    fsdp::write_file_atomic((std::filesystem::path(config_.logging.run_dir) / "plan.json").string(),
+                            plan_json(*prediction_, measured_));
   }
   if (config_.checkpoint.export_hf)
     export_hf(export_dir(config_), /*replace=*/true);

@@ -8,6 +8,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,7 @@
 #include "model_factory.h"
 #include "observe/metrics.h"
 #include "observe/progress.h"
+#include "step_plan.h"
 #include "text/tokenizer.h"
 
 namespace fsdp_trainer {
@@ -95,6 +97,9 @@ class Trainer {
   /// Restores checkpoint.resume (model, AdamW, sampler, loss scale, random state); returns
   /// the step it was saved after.
   int64_t resume_from_checkpoint();
+  /// --plan and training.memory_budget: predicts this rank's peak (fsdp::plan) before step 1,
+  /// prints it (rank 0) and warns if any rank's exceeds the budget.
+  void plan_memory(const std::string& model_file);
 
   Config config_;
   DeviceMemory device_memory_;
@@ -120,6 +125,8 @@ class Trainer {
   int64_t start_step_ = 0;  // the step a resumed run continues after
   double flops_per_token_ = 0;
   double peak_flops_per_rank_ = 0;
+  std::optional<fsdp::plan::MemoryPrediction> prediction_;  // plan_memory()
+  MeasuredPeak measured_;  // this rank's highest steady-step peak, for the comparison
 };
 
 }  // namespace fsdp_trainer

@@ -34,6 +34,9 @@ struct StateOptions {
   /// param_dtype, else the parameter's own).
   std::optional<torch::ScalarType> param_dtype;
   std::optional<torch::ScalarType> reduce_dtype;
+  /// The root unit (path "") without mixed precision (fsdp-train's precision.root_fp32): it
+  /// gathers, computes and reduces in its parameters' own dtype.
+  bool root_full_precision = false;
   /// CPUOffloadPolicy: the reduced gradients are copied to host tensors of their own.
   bool cpu_offload = false;
   Optimizer optimizer = Optimizer::kAdamW;

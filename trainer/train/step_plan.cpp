@@ -1,0 +1,341 @@
+// See step_plan.h.
+#include "step_plan.h"
+
+#include <fmt/core.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <functional>
+
+#include <fsdp/activation_checkpoint.h>
+#include <fsdp/fully_shard.h>
+
+#include "compute_dtype.h"
+#include "gguf_llama.h"
+#include "gpt.h"
+#include "llama.h"
+#include "lora.h"
+#include "model_factory.h"
+#include "plan_pieces.h"
+
+namespace fsdp_trainer {
+namespace {
+
+namespace mem = fsdp::memory;
+namespace plan = fsdp::plan;
+
+std::vector<std::string> block_paths(const std::string& prefix, int64_t n) {
+  std::vector<std::string> paths;
+  for (int64_t i = 0; i < n; ++i) {
+    std::string path(prefix);  // (appended: GCC 12 misreports prefix + string as an overflow)
+    path += std::to_string(i);
+    paths.push_back(path);
+  }
+  paths.push_back("");
+  return paths;
+}
+
+// The calibration's sizes: (b, t), (2b, t) and (b, 2t) within the model's context, at least 128
+// tokens each (fsdp/plan/activations.h says why).
+std::pair<int64_t, int64_t> calibration_size(int64_t seq_len) {
+  const int64_t t = std::max<int64_t>(1, std::min<int64_t>(64, seq_len / 2));
+  return {std::max<int64_t>(1, (128 + t - 1) / t), t};
+}
+
+// The one-block model in the dtypes the engine computes in: blocks in the compute dtype; the
+// root too, unless precision.root_fp32.
+void to_compute_dtypes(torch::nn::Module& model, torch::ScalarType dtype, bool root_fp32,
+                       const std::function<bool(const std::string&)>& is_blocks) {
+  if (dtype == torch::kFloat)
+    return;
+  for (const auto& child : model.named_children()) {
+    if (is_blocks(child.key()) || !root_fp32)
+      child.value()->to(dtype);
+  }
+}
+
+// The loss fsdp-train takes (train_step): the mean cross-entropy over a micro-batch divided by
+// the number of micro-batches, or for conversations the masked sum over the batch's answer
+// tokens divided by their count.
+fsdp_models::PlanLoss trainer_loss(const Config& config) {
+  const bool finetune = config.finetuning;
+  const double micro = static_cast<double>(config.training.micro_batches);
+  return [finetune, micro](const torch::Tensor& logits, int64_t b, int64_t t) {
+    const int64_t vocab = logits.size(-1);
+    auto targets = torch::randint(vocab, {b * t}, torch::TensorOptions().dtype(torch::kLong));
+    auto flat = logits.reshape({-1, vocab});
+    if (!finetune)
+      return torch::nn::functional::cross_entropy(flat, targets) / micro;
+    auto mask = torch::ones({b * t});
+    auto ce = torch::nn::functional::cross_entropy(
+        flat, targets, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+    return (ce * mask).sum() / static_cast<double>(b * t);
+  };
+}
+
+template <typename Model>
+plan::ActivationModel calibrate(Model& model, const Config& config, torch::ScalarType dtype,
+                                int64_t seq_len,
+                                const std::function<bool(const std::string&)>& is_blocks) {
+  to_compute_dtypes(*model, dtype, config.precision.root_fp32, is_blocks);
+  const auto [b, t] = calibration_size(seq_len);
+  return plan::calibrate_activations(
+      fsdp_models::calibration_pieces(model, dtype, trainer_loss(config)), b, t);
+}
+
+bool is_gpt_block(const std::string& name) {
+  return name.size() > 1 && name[0] == 'h' && std::isdigit(static_cast<unsigned char>(name[1]));
+}
+
+bool is_llama_blocks(const std::string& name) {
+  return name == "layers";
+}
+
+}  // namespace
+
+RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& gguf_path,
+                 int world_size, int local_world_size, const std::string& compute_dtype,
+                 int64_t other_bytes) {
+  RunPlan out;
+  auto& o = out.options;
+  auto& s = o.states;
+  const auto& f = config.fsdp;
+  const auto& prec = config.precision;
+  const auto& t = config.training;
+  const auto& opt = config.optimizer;
+  const auto dtype = dtype_named(compute_dtype);
+
+  s.world_size = world_size;
+  s.strategy = fsdp::from_string<fsdp::ShardingStrategy>(f.strategy);
+  if (s.strategy == fsdp::ShardingStrategy::kHybridShard)
+    s.hybrid_shard_size = static_cast<int>(resolved_hybrid_shard_size(config, local_world_size));
+  s.param_dtype = dtype;
+  s.reduce_dtype = dtype_named(prec.reduce_dtype);
+  s.root_full_precision = prec.root_fp32;
+  s.cpu_offload = f.cpu_offload;
+  if (opt.name == "sgd") {
+    s.optimizer = opt.momentum > 0 ? plan::Optimizer::kSgdMomentum : plan::Optimizer::kSgd;
+  } else {
+    s.optimizer = plan::Optimizer::kAdamW;
+    s.fused = opt.name == "adamw_fused";
+  }
+  s.moments_dtype = opt.moments_dtype == "bf16" ? torch::kBFloat16 : torch::kFloat;
+  s.optimizer_in_file = opt.offload == "file";
+  s.chunk_bytes = std::llround(opt.chunk_mb * (1 << 20));
+  if (s.strategy == fsdp::ShardingStrategy::kFullShard ||
+      s.strategy == fsdp::ShardingStrategy::kHybridShard) {
+    o.reshard_after_forward = f.reshard_after_forward;
+    o.reshard_after_forward_size = static_cast<int>(f.reshard_after_forward_size);
+  }
+  o.forward_prefetch = f.forward_prefetch;
+  o.backward_prefetch = fsdp::from_string<fsdp::BackwardPrefetch>(f.backward_prefetch);
+  o.max_inflight_all_gathers = static_cast<int>(f.max_inflight_all_gathers);
+  o.gather_format = fsdp::from_string<fsdp::GatherFormat>(prec.gather_format);
+  o.int8_block_size = prec.int8_block;
+  o.all_gather_bucket_bytes = std::llround(f.all_gather_bucket_mb * (1 << 20));
+  o.gloo_staging = o.gloo_reduce_scatter = t.device == "cpu";
+  o.micro_batches = static_cast<int>(t.micro_batches);
+  o.sync_every_micro_batch = f.sync_every_micro_batch;
+  o.batch_rows = t.batch_size / t.micro_batches;
+
+  const auto ac = fsdp::from_string<fsdp::CheckpointMode>(f.activation_checkpointing);
+  auto checkpointing = [&](int64_t blocks) {
+    for (int64_t i = 0; i < blocks; ++i)
+      o.checkpoint.push_back(i % f.ac_every == 0 ? ac : fsdp::CheckpointMode::kNone);
+  };
+  const fsdp_models::ModelInit meta = fsdp_models::ModelInit().device(torch::kMeta);
+  if (config.finetuning) {
+    const auto& ft = config.finetune;
+    fsdp_models::gguf::File file(gguf_path);
+    auto cfg = fsdp_models::llama_config_from_gguf(file);
+    cfg.max_seq_len = ft.max_tokens;
+    o.seq_len = ft.max_tokens;
+    // The batch: (rows, max_tokens) token ids, labels and a float mask.
+    o.other_bytes = other_bytes + t.batch_size * ft.max_tokens * (8 + 8 + 4);
+    const bool adapters = ft.method != "full";
+    auto shape = [&](fsdp_models::Llama& model, const fsdp_models::ModelInit& init, bool real) {
+      if (ft.method == "qlora")
+        fsdp_models::use_nf4(*model, /*quantize=*/real);
+      if (adapters) {
+        fsdp_models::add_lora(*model, ft.targets,
+                              fsdp_models::LoraOptions()
+                                  .rank(ft.lora_rank)
+                                  .alpha(ft.lora_alpha)
+                                  .dropout(ft.lora_dropout),
+                              init);
+      }
+    };
+    {
+      fsdp_models::Llama model(cfg, meta);
+      shape(model, meta, false);
+      out.units = plan::describe_units(*model, block_paths("layers.", cfg.n_layers));
+    }
+    auto one = cfg;
+    one.n_layers = 1;
+    fsdp_models::Llama model(one);
+    shape(model, fsdp_models::ModelInit(), true);
+    out.activations = calibrate(model, config, dtype, o.seq_len, is_llama_blocks);
+    checkpointing(cfg.n_layers);
+  } else if (config.model.arch == "gpt") {
+    const auto cfg = gpt_config(config, vocab_size);
+    o.seq_len = t.seq_len;
+    o.other_bytes = other_bytes + t.batch_size * (t.seq_len + 1) * 8;  // the batch's token ids
+    {
+      fsdp_models::GPT model(cfg, meta);
+      out.units = plan::describe_units(*model, block_paths("h", cfg.n_layer));
+    }
+    auto one = cfg;
+    one.n_layer = 1;
+    fsdp_models::GPT model(one);
+    out.activations = calibrate(model, config, dtype, o.seq_len, is_gpt_block);
+    checkpointing(cfg.n_layer);
+  } else {
+    const auto cfg = llama_config(config, vocab_size);
+    o.seq_len = t.seq_len;
+    o.other_bytes = other_bytes + t.batch_size * (t.seq_len + 1) * 8;
+    {
+      fsdp_models::Llama model(cfg, meta);
+      out.units = plan::describe_units(*model, block_paths("layers.", cfg.n_layers));
+    }
+    auto one = cfg;
+    one.n_layers = 1;
+    fsdp_models::Llama model(one);
+    out.activations = calibrate(model, config, dtype, o.seq_len, is_llama_blocks);
+    checkpointing(cfg.n_layers);
+  }
+  return out;
+}
+
+std::string describe_prediction(const plan::MemoryPrediction& p) {
+  std::string out = fmt::format("predicted peak per rank {} at {} ({})", mem::format_bytes(p.peak),
+                                plan::moment_label(p.moment), p.moment.what);
+  if (p.peak_without_staging != p.peak) {
+    out += fmt::format("; {} if Gloo's staging buffers are freed by then",
+                       mem::format_bytes(p.peak_without_staging));
+  }
+  out += "\n ";
+  for (int c = 1; c <= mem::kNumCategories; ++c) {
+    const int cat = c % mem::kNumCategories;  // "other" last
+    out +=
+        fmt::format(" {} {}{}", mem::to_string(static_cast<mem::Category>(cat)),
+                    mem::format_bytes(p.at_peak.bytes[cat]), c < mem::kNumCategories ? " |" : "");
+  }
+  return out;
+}
+
+std::string compare_prediction(const plan::MemoryPrediction& p, const MeasuredPeak& m) {
+  std::string out = fmt::format(
+      "Memory per rank (rank 0), predicted by fsdp::plan before step 1 vs measured (the highest "
+      "tracked peak of {} steady step(s)):\n{:<22}{:>18}{:>18}\n",
+      m.steps, "", "predicted", "measured");
+  for (int c = 1; c <= mem::kNumCategories; ++c) {
+    const int cat = c % mem::kNumCategories;
+    out += fmt::format("{:<22}{:>18}{:>18}\n", mem::to_string(static_cast<mem::Category>(cat)),
+                       mem::format_bytes(p.at_peak.bytes[cat]),
+                       mem::format_bytes(m.at_peak.bytes[cat]));
+  }
+  const double error =
+      m.peak > 0 ? 100.0 * static_cast<double>(p.peak - m.peak) / static_cast<double>(m.peak) : 0;
+  out += fmt::format("{:<22}{:>18}{:>18}   error {:+.1f}%", "peak", mem::format_bytes(p.peak),
+                     mem::format_bytes(m.peak), error);
+  if (p.peak_without_staging != p.peak) {
+    out += fmt::format(" (predicted {} without Gloo's staging buffers)",
+                       mem::format_bytes(p.peak_without_staging));
+  }
+  out += fmt::format("\n{:<22}{:>18}{:>18}", "moment", plan::moment_label(p.moment), m.moment);
+  return out;
+}
+
+std::string plan_json(const plan::MemoryPrediction& p, const MeasuredPeak& m) {
+  auto categories = [](const mem::CategoryBytes& bytes) {
+    std::string out = "{";
+    for (int c = 0; c < mem::kNumCategories; ++c) {
+      out += fmt::format("{}\"{}\":{}", c ? "," : "", mem::to_string(static_cast<mem::Category>(c)),
+                         bytes.bytes[c]);
+    }
+    return out + "}";
+  };
+  return fmt::format(
+      "{{\"predicted\":{{\"peak\":{},\"peak_without_staging\":{},\"moment\":\"{}\","
+      "\"categories\":{}}},\"measured\":{{\"peak\":{},\"moment\":\"{}\",\"steps\":{},"
+      "\"categories\":{}}}}}\n",
+      p.peak, p.peak_without_staging, plan::moment_label(p.moment), categories(p.at_peak), m.peak,
+      m.moment, m.steps, categories(m.at_peak));
+}
+
+std::string budget_warning(const RunPlan& run, const plan::MemoryPrediction& p, int64_t budget,
+                           int rank) {
+  // The two largest categories at the peak.
+  std::vector<int> order(mem::kNumCategories);
+  for (int c = 0; c < mem::kNumCategories; ++c)
+    order[static_cast<size_t>(c)] = c;
+  std::sort(order.begin(), order.end(),
+            [&](int a, int b) { return p.at_peak.bytes[a] > p.at_peak.bytes[b]; });
+  std::string out = fmt::format(
+      "the predicted peak per rank, {} at {}, exceeds training.memory_budget = {} (largest: {} "
+      "{}, {} {})",
+      mem::format_bytes(p.peak), plan::moment_label(p.moment), mem::format_bytes(budget),
+      mem::to_string(static_cast<mem::Category>(order[0])),
+      mem::format_bytes(p.at_peak.bytes[order[0]]),
+      mem::to_string(static_cast<mem::Category>(order[1])),
+      mem::format_bytes(p.at_peak.bytes[order[1]]));
+  // Changes in the order of what they cost in speed, each alone.
+  struct Change {
+    std::string toml;
+    std::function<void(plan::StepOptions&)> apply;
+  };
+  const auto& o = run.options;
+  std::vector<Change> changes;
+  auto all_blocks = [](fsdp::CheckpointMode mode) {
+    return [mode](plan::StepOptions& s) {
+      for (auto& m : s.checkpoint)
+        m = mode;
+    };
+  };
+  const bool any_ac = std::any_of(o.checkpoint.begin(), o.checkpoint.end(),
+                                  [](auto m) { return m != fsdp::CheckpointMode::kNone; });
+  if (!any_ac) {
+    changes.push_back({"fsdp.activation_checkpointing = \"selective\"",
+                       all_blocks(fsdp::CheckpointMode::kSelective)});
+  }
+  changes.push_back({"fsdp.activation_checkpointing = \"full\", fsdp.ac_every = 1",
+                     all_blocks(fsdp::CheckpointMode::kFull)});
+  if (o.states.strategy != fsdp::ShardingStrategy::kFullShard) {
+    changes.push_back({"fsdp.strategy = \"full_shard\"", [](plan::StepOptions& s) {
+                         s.states.strategy = fsdp::ShardingStrategy::kFullShard;
+                         s.reshard_after_forward = true;
+                       }});
+  }
+  if (o.batch_rows % 2 == 0) {
+    changes.push_back(
+        {fmt::format("training.micro_batches = {}", o.micro_batches * 2), [](plan::StepOptions& s) {
+           s.batch_rows /= 2;
+           s.micro_batches *= 2;
+         }});
+  }
+  if (o.states.optimizer != plan::Optimizer::kSgd && o.states.fused &&
+      o.states.moments_dtype == torch::kFloat) {
+    changes.push_back({"optimizer.moments_dtype = \"bf16\"",
+                       [](plan::StepOptions& s) { s.states.moments_dtype = torch::kBFloat16; }});
+  }
+  if (o.states.fused && !o.states.optimizer_in_file) {
+    changes.push_back({"optimizer.offload = \"file\"",
+                       [](plan::StepOptions& s) { s.states.optimizer_in_file = true; }});
+  }
+  for (const auto& change : changes) {
+    auto changed = o;
+    change.apply(changed);
+    const auto q = plan::predict_step_memory(run.units, changed, run.activations, rank);
+    if (q.peak <= budget) {
+      return out + fmt::format("; with {} the planner predicts {}", change.toml,
+                               mem::format_bytes(q.peak));
+    }
+  }
+  return out +
+         "; no single change the planner tries (activation checkpointing, smaller "
+         "micro-batches, full_shard, bf16 moments, optimizer state in a file) fits it";
+}
+
+}  // namespace fsdp_trainer

@@ -1,0 +1,62 @@
+// fsdp-train's use of the planner (fsdp::plan, issue 26): the prediction of a run's per-rank
+// memory from its config, before it starts (--plan, training.memory_budget), and the comparison
+// with what the run measured.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <fsdp/core/memory.h>
+#include <fsdp/plan/activations.h>
+#include <fsdp/plan/step_memory.h>
+#include <fsdp/plan/units.h>
+
+#include "config/config.h"
+
+namespace fsdp_trainer {
+
+/// What the planner needs to know about a run.
+struct RunPlan {
+  std::vector<fsdp::plan::UnitInfo> units;
+  fsdp::plan::ActivationModel activations;
+  fsdp::plan::StepOptions options;
+};
+
+/// The run's units (its model built on the meta device, as model_factory builds it: GPT or
+/// Llama, or the fine-tuned GGUF model with LoRA/QLoRA), its activations calibrated on a
+/// one-block model of the same widths in the compute dtype (fsdp/plan/activations.h; needs the
+/// tracking allocator), and the step options of `config` on `world_size` ranks. `gguf_path`:
+/// the fine-tuned model's file (fine-tuning only). `other_bytes`: tracked memory outside the
+/// model at the start of a step (fsdp::memory kOther: the data). ConfigError as model_factory.
+RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& gguf_path,
+                 int world_size, int local_world_size, const std::string& compute_dtype,
+                 int64_t other_bytes);
+
+/// The prediction as fsdp-train prints it: the peak, its moment and the categories.
+std::string describe_prediction(const fsdp::plan::MemoryPrediction& p);
+
+/// What a run measured on one rank: the highest tracked peak of its steady steps (the optimizer
+/// state exists), the categories at it and its moment.
+struct MeasuredPeak {
+  int64_t peak = 0;
+  fsdp::memory::CategoryBytes at_peak;
+  std::string moment;
+  int64_t steps = 0;
+};
+
+/// Predicted next to measured, by category, with the error of the peak.
+std::string compare_prediction(const fsdp::plan::MemoryPrediction& p, const MeasuredPeak& m);
+
+/// Both as JSON (plan.json in the run directory): {"predicted": {"peak", "peak_without_staging",
+/// "moment", "categories": {name: bytes}}, "measured": {"peak", "moment", "steps",
+/// "categories"}}. Moments are fsdp::memory labels; names fsdp::memory::to_string's.
+std::string plan_json(const fsdp::plan::MemoryPrediction& p, const MeasuredPeak& m);
+
+/// training.memory_budget exceeded: a one-paragraph warning naming the largest categories at the
+/// predicted peak and the first of the cheaper configurations (activation checkpointing, a
+/// smaller micro-batch, full_shard, bf16 moments, offload) that the planner predicts to fit.
+std::string budget_warning(const RunPlan& plan, const fsdp::plan::MemoryPrediction& p,
+                           int64_t budget, int rank);
+
+}  // namespace fsdp_trainer
