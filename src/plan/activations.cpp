@@ -168,8 +168,13 @@ PieceBytes measure_piece(const std::function<torch::Tensor()>& make_input,
     torch::Tensor y = forward(x);
     out.saved = activations_now() - before;
     out.forward_peak = activations_peak() - before;
-    TORCH_CHECK(y.requires_grad(), "fsdp::plan: a calibration piece's output needs no gradient");
     out.output = static_cast<int64_t>(y.storage().nbytes());
+    if (!y.requires_grad()) {
+      // Nothing before it trains (frozen embeddings under LoRA): no backward runs through it;
+      // what it keeps goes with the graph at the end of the step's backward.
+      out.backward_release = out.saved;
+      return out;
+    }
     torch::Tensor grad = torch::ones_like(y);
     Segments segments;
     segments.start = activations_now();

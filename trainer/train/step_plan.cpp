@@ -227,9 +227,9 @@ std::string describe_prediction(const plan::MemoryPrediction& p) {
 
 std::string compare_prediction(const plan::MemoryPrediction& p, const MeasuredPeak& m) {
   std::string out = fmt::format(
-      "Memory per rank (rank 0), predicted by fsdp::plan before step 1 vs measured (the highest "
-      "tracked peak of {} steady step(s)):\n{:<22}{:>18}{:>18}\n",
-      m.steps, "", "predicted", "measured");
+      "Memory per rank (rank 0), predicted by fsdp::plan vs measured (the highest tracked peak "
+      "of {} steady step(s), whose sequences had {} tokens):\n{:<22}{:>18}{:>18}\n",
+      m.steps, m.seq_len, "", "predicted", "measured");
   for (int c = 1; c <= mem::kNumCategories; ++c) {
     const int cat = c % mem::kNumCategories;
     out += fmt::format("{:<22}{:>18}{:>18}\n", mem::to_string(static_cast<mem::Category>(cat)),
@@ -260,9 +260,9 @@ std::string plan_json(const plan::MemoryPrediction& p, const MeasuredPeak& m) {
   return fmt::format(
       "{{\"predicted\":{{\"peak\":{},\"peak_without_staging\":{},\"moment\":\"{}\","
       "\"categories\":{}}},\"measured\":{{\"peak\":{},\"moment\":\"{}\",\"steps\":{},"
-      "\"categories\":{}}}}}\n",
+      "\"seq_len\":{},\"categories\":{}}}}}\n",
       p.peak, p.peak_without_staging, plan::moment_label(p.moment), categories(p.at_peak), m.peak,
-      m.moment, m.steps, categories(m.at_peak));
+      m.moment, m.steps, m.seq_len, categories(m.at_peak));
 }
 
 std::string budget_warning(const RunPlan& run, const plan::MemoryPrediction& p, int64_t budget,

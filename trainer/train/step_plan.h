@@ -43,6 +43,9 @@ struct MeasuredPeak {
   fsdp::memory::CategoryBytes at_peak;
   std::string moment;
   int64_t steps = 0;
+  /// The micro-batch's sequence length in that step (fine-tuning pads each batch to its longest
+  /// conversation; pretraining: training.seq_len).
+  int64_t seq_len = 0;
 };
 
 /// Predicted next to measured, by category, with the error of the peak.

@@ -284,6 +284,7 @@ void Trainer::plan_memory(const std::string& model_file) {
     run.options.seq_len = std::min(run.options.seq_len, finetune_->longest_train_input());
   prediction_ =
       fsdp::plan::predict_step_memory(run.units, run.options, run.activations, pg_->rank());
+  plan_ = run;
   if (config_.logging.plan && pg_->rank() == 0)
     progress_->message(describe_prediction(*prediction_));
   if (!t.memory_budget.empty()) {
@@ -533,6 +534,7 @@ StepMetrics Trainer::train_step(int64_t step) {
     measured_.peak = fsdp::memory::peak_bytes();
     measured_.at_peak = fsdp::memory::at_peak_by_category();
     measured_.moment = fsdp::memory::at_peak_moment();
+    measured_.seq_len = finetune_ ? conversations.inputs.size(1) : t.seq_len;
   }
   if (prediction_ && step > start_step_ + 1)
     ++measured_.steps;
@@ -593,9 +595,15 @@ void Trainer::train() {
       save_checkpoint(step);
   }
   if (prediction_ && config_.logging.plan && pg_->rank() == 0 && measured_.steps > 0) {
-    progress_->message(compare_prediction(*prediction_, measured_));
+    // Compared at the length the measured step had (fine-tuning batches vary; the prediction
+    // before step 1 is for the longest).
+    auto options = plan_->options;
+    options.seq_len = measured_.seq_len;
+    const auto at_measured =
+        fsdp::plan::predict_step_memory(plan_->units, options, plan_->activations, 0);
+    progress_->message(compare_prediction(at_measured, measured_));
     fsdp::write_file_atomic((std::filesystem::path(config_.logging.run_dir) / "plan.json").string(),
-                            plan_json(*prediction_, measured_));
+                            plan_json(at_measured, measured_));
   }
   if (config_.checkpoint.export_hf)
     export_hf(export_dir(config_), /*replace=*/true);

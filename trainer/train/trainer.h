@@ -125,7 +125,8 @@ class Trainer {
   int64_t start_step_ = 0;  // the step a resumed run continues after
   double flops_per_token_ = 0;
   double peak_flops_per_rank_ = 0;
-  std::optional<fsdp::plan::MemoryPrediction> prediction_;  // plan_memory()
+  std::optional<RunPlan> plan_;                             // plan_memory()
+  std::optional<fsdp::plan::MemoryPrediction> prediction_;  // of plan_, before step 1
   MeasuredPeak measured_;  // this rank's highest steady-step peak, for the comparison
 };
 

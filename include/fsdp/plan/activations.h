@@ -121,7 +121,9 @@ ActivationModel calibrate_activations(const CalibrationPieces& pieces, int64_t b
                                       int64_t t = 64);
 
 /// One piece measured once: runs forward(x0) where x0 = make_input() (not counted), keeps the
-/// output, then backward from a gradient of ones. Exposed for tests.
+/// output, then backward from a gradient of ones (none if the output needs no gradient, e.g.
+/// frozen embeddings: then it has no backward segments and releases what it saved). Exposed for
+/// tests.
 /// `with_grads` receives the names of the parameters that got a gradient.
 PieceBytes measure_piece(const std::function<torch::Tensor()>& make_input,
                          const std::function<torch::Tensor(const torch::Tensor&)>& forward,
