@@ -6,15 +6,17 @@ namespace {
 
 template <typename Model, typename Block>
 fsdp::plan::CalibrationPieces pieces(Model& model, torch::ScalarType block_dtype, PlanLoss loss,
-                                     int64_t vocab, Block block) {
+                                     std::optional<torch::ScalarType> block_output, int64_t vocab,
+                                     Block block) {
   TORCH_CHECK(!model->blocks.empty(), "calibration_pieces: the model has no block");
   fsdp::plan::CalibrationPieces p;
   auto tokens = [vocab](int64_t b, int64_t t) {
     return torch::randint(vocab, {b, t}, torch::TensorOptions().dtype(torch::kLong));
   };
   p.pre = [model, tokens](int64_t b, int64_t t) mutable { return model->embed(tokens(b, t)); };
-  p.block = [block, block_dtype](const torch::Tensor& x, int64_t t) mutable {
-    return block(x.to(block_dtype), t);
+  p.block = [block, block_dtype, block_output](const torch::Tensor& x, int64_t t) mutable {
+    auto y = block(x.to(block_dtype), t);
+    return block_output ? y.to(*block_output) : y;
   };
   p.head = [model](const torch::Tensor& x, int64_t) mutable {
     return model->head(x).to(torch::kFloat);
@@ -30,16 +32,18 @@ fsdp::plan::CalibrationPieces pieces(Model& model, torch::ScalarType block_dtype
 }  // namespace
 
 fsdp::plan::CalibrationPieces calibration_pieces(GPT& model, torch::ScalarType block_dtype,
-                                                 PlanLoss loss) {
+                                                 PlanLoss loss,
+                                                 std::optional<torch::ScalarType> block_output) {
   auto first = model->blocks.empty() ? Block(nullptr) : model->blocks.front();
-  return pieces(model, block_dtype, std::move(loss), model->config().vocab_size,
+  return pieces(model, block_dtype, std::move(loss), block_output, model->config().vocab_size,
                 [first](const torch::Tensor& x, int64_t) mutable { return first(x); });
 }
 
 fsdp::plan::CalibrationPieces calibration_pieces(Llama& model, torch::ScalarType block_dtype,
-                                                 PlanLoss loss) {
+                                                 PlanLoss loss,
+                                                 std::optional<torch::ScalarType> block_output) {
   auto first = model->blocks.empty() ? LlamaBlock(nullptr) : model->blocks.front();
-  return pieces(model, block_dtype, std::move(loss), model->config().vocab_size,
+  return pieces(model, block_dtype, std::move(loss), block_output, model->config().vocab_size,
                 [first, model](const torch::Tensor& x, int64_t t) mutable {
                   return first(x, model->rope(t));
                 });

@@ -5,6 +5,7 @@
 #include <torch/types.h>
 
 #include <functional>
+#include <optional>
 
 #include <fsdp/plan/activations.h>
 
@@ -17,13 +18,16 @@ namespace fsdp_models {
 using PlanLoss = std::function<torch::Tensor(const torch::Tensor& logits, int64_t b, int64_t t)>;
 
 /// The pieces of `model` (its first block stands for every block): blocks compute in
-/// `block_dtype` (their input cast on entry, as fsdp::forward casts a unit's inputs), the root's
-/// parts in the dtype of its parameters, the logits cast to fp32 before `loss`. The model must
-/// hold real tensors (not the meta device) and at least one block; its parameters are used as
-/// they are (convert them to the compute dtypes first).
-fsdp::plan::CalibrationPieces calibration_pieces(GPT& model, torch::ScalarType block_dtype,
-                                                 PlanLoss loss);
-fsdp::plan::CalibrationPieces calibration_pieces(Llama& model, torch::ScalarType block_dtype,
-                                                 PlanLoss loss);
+/// `block_dtype` (their input cast on entry, as fsdp::forward casts a unit's inputs) and return
+/// `block_output` if set (MixedPrecisionPolicy::output_dtype), the root's parts in the dtype of
+/// its parameters, the logits cast to fp32 before `loss`. The model must hold real tensors (not
+/// the meta device) and at least one block; its parameters are used as they are (convert them
+/// to the compute dtypes first).
+fsdp::plan::CalibrationPieces calibration_pieces(
+    GPT& model, torch::ScalarType block_dtype, PlanLoss loss,
+    std::optional<torch::ScalarType> block_output = std::nullopt);
+fsdp::plan::CalibrationPieces calibration_pieces(
+    Llama& model, torch::ScalarType block_dtype, PlanLoss loss,
+    std::optional<torch::ScalarType> block_output = std::nullopt);
 
 }  // namespace fsdp_models

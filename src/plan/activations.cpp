@@ -221,16 +221,30 @@ ActivationModel calibrate_activations(const CalibrationPieces& pieces, int64_t b
                             [&](const torch::Tensor&) { return pieces.pre(bb, tt); },
                             pieces.parameters, &all.pre_parameters);
     for (auto mode : {CheckpointMode::kNone, CheckpointMode::kFull, CheckpointMode::kSelective}) {
-      all.block[static_cast<size_t>(mode)] =
-          measure_piece([&] { return hidden(bb, tt); },
-                        [&](const torch::Tensor& x) {
-                          return fsdp::checkpoint(
-                              [&](const std::vector<torch::Tensor>& in) {
-                                return std::vector<torch::Tensor>{pieces.block(in[0], tt)};
-                              },
-                              {x}, mode)[0];
-                        },
-                        pieces.parameters);
+      auto run = [&, mode](const torch::Tensor& x) {
+        return fsdp::checkpoint(
+            [&](const std::vector<torch::Tensor>& in) {
+              return std::vector<torch::Tensor>{pieces.block(in[0], tt)};
+            },
+            {x}, mode)[0];
+      };
+      auto& block = all.block[static_cast<size_t>(mode)];
+      block = measure_piece([&] { return hidden(bb, tt); }, run, pieces.parameters);
+      // A block's output stays alive only if the next block keeps it for its backward; one that
+      // casts it on entry (output_dtype) keeps the cast copy and the output goes. Two blocks in
+      // a row tell: the second's increment is what each block adds to a chain.
+      int64_t two = 0;
+      {
+        GradientTagging tagging(pieces.parameters);
+        mem::CategoryScope scope(mem::Category::kActivations);
+        torch::Tensor x = hidden(bb, tt);
+        const int64_t before = activations_now();
+        torch::Tensor y = run(run(x));
+        two = activations_now() - before;
+      }
+      const int64_t dropped = 2 * block.saved - two;  // the first output, if the second let go
+      block.saved -= dropped;
+      block.backward_release -= dropped;
     }
     all.post = measure_piece([&] { return hidden(bb, tt); },
                              [&](const torch::Tensor& x) {

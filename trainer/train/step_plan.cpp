@@ -8,6 +8,7 @@
 #include <cctype>
 #include <cmath>
 #include <functional>
+#include <optional>
 
 #include <fsdp/activation_checkpoint.h>
 #include <fsdp/fully_shard.h>
@@ -44,15 +45,21 @@ std::pair<int64_t, int64_t> calibration_size(int64_t seq_len) {
   return {std::max<int64_t>(1, (128 + t - 1) / t), t};
 }
 
-// The one-block model in the dtypes the engine computes in: blocks in the compute dtype; the
-// root too, unless precision.root_fp32.
+// The one-block model in the dtypes the engine computes in: the floating parameters of the
+// blocks in the compute dtype, the root's too unless precision.root_fp32. Parameters only, as
+// the engine casts them (buffers, such as NF4's packed scales, stay as they are).
 void to_compute_dtypes(torch::nn::Module& model, torch::ScalarType dtype, bool root_fp32,
                        const std::function<bool(const std::string&)>& is_blocks) {
   if (dtype == torch::kFloat)
     return;
+  torch::NoGradGuard no_grad;
   for (const auto& child : model.named_children()) {
-    if (is_blocks(child.key()) || !root_fp32)
-      child.value()->to(dtype);
+    if (!is_blocks(child.key()) && root_fp32)
+      continue;
+    for (auto& p : child.value()->parameters()) {
+      if (p.is_floating_point())
+        p.set_data(p.detach().to(dtype));
+    }
   }
 }
 
@@ -81,8 +88,13 @@ plan::ActivationModel calibrate(Model& model, const Config& config, torch::Scala
                                 const std::function<bool(const std::string&)>& is_blocks) {
   to_compute_dtypes(*model, dtype, config.precision.root_fp32, is_blocks);
   const auto [b, t] = calibration_size(seq_len);
+  // With root_fp32 the blocks hand fp32 to each other and to the root (output_dtype, as
+  // trainer.cpp sets it).
+  const auto output = config.precision.root_fp32 && dtype != torch::kFloat
+                          ? std::optional<torch::ScalarType>(torch::kFloat)
+                          : std::nullopt;
   return plan::calibrate_activations(
-      fsdp_models::calibration_pieces(model, dtype, trainer_loss(config)), b, t);
+      fsdp_models::calibration_pieces(model, dtype, trainer_loss(config), output), b, t);
 }
 
 bool is_gpt_block(const std::string& name) {

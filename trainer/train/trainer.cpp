@@ -134,7 +134,11 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
                     .reduce_dtype(reduce_dtype)
                     .gather_format(fsdp::from_string<fsdp::GatherFormat>(prec.gather_format))
                     .int8_block_size(prec.int8_block);
-  units.blocks.mp_policy(policy);
+  // With an fp32 root the blocks hand it fp32 (the last block's output meets fp32 weights);
+  // each block casts its input back to param_dtype on entry.
+  units.blocks.mp_policy(prec.root_fp32 ? fsdp::MixedPrecisionPolicy(policy).output_dtype(
+                                              torch::kFloat)
+                                        : policy);
   units.root.mp_policy(prec.root_fp32
                            ? fsdp::MixedPrecisionPolicy()
                            : fsdp::MixedPrecisionPolicy(policy).output_dtype(torch::kFloat));
