@@ -123,8 +123,12 @@ def main():
         err = 100.0 * (p["peak"] - m["peak"]) / m["peak"]
         errors.append(abs(err))
         same = largest(p["categories"]) == largest(m["categories"])
+        # The measured moment's predicted height, as a fraction of the predicted peak.
+        there = p["moments"].get(m["moment"], -1) / p["peak"]
         row = (f"| {name} | {world} | {mib(p['peak'])} | {mib(m['peak'])} | {err:+.1f}% | "
-               f"{p['moment']} | {m['moment']} | {largest(m['categories'])}"
+               f"{p['moment']} | {m['moment']}"
+               f"{'' if m['moment'] == p['moment'] else f' ({100 * there:.1f}% of the peak there)'}"
+               f" | {largest(m['categories'])}"
                f"{'' if same else ' (predicted ' + largest(p['categories']) + ')'} |")
         lines.append(row)
         print(row, flush=True)

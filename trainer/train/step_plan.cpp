@@ -269,12 +269,23 @@ std::string plan_json(const plan::MemoryPrediction& p, const MeasuredPeak& m) {
     }
     return out + "}";
   };
+  // The highest predicted total at each moment, by fsdp::memory label.
+  std::vector<std::string> labels;
+  for (const auto& [moment, bytes] : p.timeline) {
+    const auto label = plan::moment_label(moment);
+    if (std::find(labels.begin(), labels.end(), label) == labels.end())
+      labels.push_back(label);
+  }
+  std::string moments = "{";
+  for (size_t i = 0; i < labels.size(); ++i)
+    moments += fmt::format("{}\"{}\":{}", i ? "," : "", labels[i], p.highest_at(labels[i]));
+  moments += "}";
   return fmt::format(
       "{{\"predicted\":{{\"peak\":{},\"peak_without_staging\":{},\"moment\":\"{}\","
-      "\"categories\":{}}},\"measured\":{{\"peak\":{},\"moment\":\"{}\",\"steps\":{},"
-      "\"seq_len\":{},\"categories\":{}}}}}\n",
-      p.peak, p.peak_without_staging, plan::moment_label(p.moment), categories(p.at_peak), m.peak,
-      m.moment, m.steps, m.seq_len, categories(m.at_peak));
+      "\"categories\":{},\"moments\":{}}},\"measured\":{{\"peak\":{},\"moment\":\"{}\","
+      "\"steps\":{},\"seq_len\":{},\"categories\":{}}}}}\n",
+      p.peak, p.peak_without_staging, plan::moment_label(p.moment), categories(p.at_peak), moments,
+      m.peak, m.moment, m.steps, m.seq_len, categories(m.at_peak));
 }
 
 std::string budget_warning(const RunPlan& run, const plan::MemoryPrediction& p, int64_t budget,

@@ -52,8 +52,9 @@ struct MeasuredPeak {
 std::string compare_prediction(const fsdp::plan::MemoryPrediction& p, const MeasuredPeak& m);
 
 /// Both as JSON (plan.json in the run directory): {"predicted": {"peak", "peak_without_staging",
-/// "moment", "categories": {name: bytes}}, "measured": {"peak", "moment", "steps",
-/// "categories"}}. Moments are fsdp::memory labels; names fsdp::memory::to_string's.
+/// "moment", "categories": {name: bytes}, "moments": {label: the highest predicted total
+/// there}}, "measured": {"peak", "moment", "steps", "seq_len", "categories"}}. Moments are
+/// fsdp::memory labels; category names fsdp::memory::to_string's.
 std::string plan_json(const fsdp::plan::MemoryPrediction& p, const MeasuredPeak& m);
 
 /// training.memory_budget exceeded: a one-paragraph warning naming the largest categories at the
