@@ -582,6 +582,49 @@ TEST(TrainerRun, PlanPredictsThePeakWithinFivePercent) {
   EXPECT_NE(r.output.find("the planner predicts"), std::string::npos) << r.output;
 }
 
+// fsdp-plan: the per-rank table of a config, one row per rank that predicts differently (3 ranks
+// do not divide gpt2-tiny's rows: rank 2 holds less), and the same peak fsdp-train --plan
+// predicts for rank 0; bad input is one line and exit code 2.
+TEST(FsdpPlan, PrintsEachRanksPeakAndRefusesBadInputInOneLine) {
+  const auto run_dir = (fs::path(FSDP_TEST_WORK_DIR) / "run-fsdp-plan").string();
+  const auto config = write_config("fsdp-plan", tiny_config(run_dir, "gpt", "gpt2-tiny"));
+  const std::string plan = std::string(FSDP_PLAN_PATH) + " " + config;
+  const auto r = run(plan +
+                     " --world 3 --training.batch_size=8 --training.seq_len=64 "
+                     "--budget 1GiB");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("on 3 rank(s), full_shard, compute fp32, 8 x 64 tokens"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("\n0 "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("\n2 "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("fits: the highest predicted peak"), std::string::npos) << r.output;
+  const auto over = run(plan +
+                        " --world 2 --training.batch_size=8 --training.seq_len=64 "
+                        "--budget 12MiB");
+  ASSERT_EQ(over.code, 0) << over.output;
+  EXPECT_NE(over.output.find("over budget: rank 0: the predicted peak per rank"), std::string::npos)
+      << over.output;
+  EXPECT_NE(over.output.find("exceeds --budget = 12.00 MiB"), std::string::npos) << over.output;
+  struct Case {
+    std::string args, must_mention;
+  };
+  const std::vector<Case> bad = {
+      {"--world 2 --model.preset=gpt9", "'model.preset' = 'gpt9' is not a gpt preset"},
+      {"--world 2 --budget 1KiB", "--budget = 1.00 KiB is below rank 0's model states alone"},
+      {"--world 3 --fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=2",
+       "'fsdp.hybrid_shard_size' = 2 must divide the world size (3 ranks)"},
+      {"--world 2 --budget lots", "'--budget' = 'lots' is not a size"},
+      {"", "--world is required"},
+  };
+  for (const auto& c : bad) {
+    const auto b = run(plan + " " + c.args);
+    EXPECT_EQ(b.code, 2) << c.args << "\n" << b.output;
+    EXPECT_EQ(line_count(b.output), 1) << c.args << "\n" << b.output;
+    EXPECT_NE(b.output.find(c.must_mention), std::string::npos) << c.args << "\n" << b.output;
+  }
+}
+
 // hybrid_shard on 4 ranks in 2 groups of 2: reduce-scatter inside a group, all-reduce of the
 // shard across groups, both counted (they run on subgroups, not the world group).
 TEST(TrainerRun, HybridShardOnFourRanks) {

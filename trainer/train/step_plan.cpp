@@ -289,21 +289,20 @@ std::string plan_json(const plan::MemoryPrediction& p, const MeasuredPeak& m) {
 }
 
 std::string budget_warning(const RunPlan& run, const plan::MemoryPrediction& p, int64_t budget,
-                           int rank) {
+                           int rank, const std::string& budget_name) {
   // The two largest categories at the peak.
   std::vector<int> order(mem::kNumCategories);
   for (int c = 0; c < mem::kNumCategories; ++c)
     order[static_cast<size_t>(c)] = c;
   std::sort(order.begin(), order.end(),
             [&](int a, int b) { return p.at_peak.bytes[a] > p.at_peak.bytes[b]; });
-  std::string out = fmt::format(
-      "the predicted peak per rank, {} at {}, exceeds training.memory_budget = {} (largest: {} "
-      "{}, {} {})",
-      mem::format_bytes(p.peak), plan::moment_label(p.moment), mem::format_bytes(budget),
-      mem::to_string(static_cast<mem::Category>(order[0])),
-      mem::format_bytes(p.at_peak.bytes[order[0]]),
-      mem::to_string(static_cast<mem::Category>(order[1])),
-      mem::format_bytes(p.at_peak.bytes[order[1]]));
+  std::string out =
+      fmt::format("the predicted peak per rank, {} at {}, exceeds {} = {} (largest: {} {}, {} {})",
+                  mem::format_bytes(p.peak), plan::moment_label(p.moment), budget_name,
+                  mem::format_bytes(budget), mem::to_string(static_cast<mem::Category>(order[0])),
+                  mem::format_bytes(p.at_peak.bytes[order[0]]),
+                  mem::to_string(static_cast<mem::Category>(order[1])),
+                  mem::format_bytes(p.at_peak.bytes[order[1]]));
   // Changes in the order of what they cost in speed, each alone.
   struct Change {
     std::string toml;

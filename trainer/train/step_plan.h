@@ -61,6 +61,7 @@ std::string plan_json(const fsdp::plan::MemoryPrediction& p, const MeasuredPeak&
 /// predicted peak and the first of the cheaper configurations (activation checkpointing, a
 /// smaller micro-batch, full_shard, bf16 moments, offload) that the planner predicts to fit.
 std::string budget_warning(const RunPlan& plan, const fsdp::plan::MemoryPrediction& p,
-                           int64_t budget, int rank);
+                           int64_t budget, int rank,
+                           const std::string& budget_name = "training.memory_budget");
 
 }  // namespace fsdp_trainer
