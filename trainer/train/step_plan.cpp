@@ -85,7 +85,10 @@ fsdp_models::PlanLoss trainer_loss(const Config& config) {
 template <typename Model>
 plan::ActivationModel calibrate(Model& model, const Config& config, torch::ScalarType dtype,
                                 int64_t seq_len,
-                                const std::function<bool(const std::string&)>& is_blocks) {
+                                const std::function<bool(const std::string&)>& is_blocks,
+                                std::optional<plan::ComputeTimes>* times, int64_t rows,
+                                const std::function<void()>& before_timing,
+                                std::shared_ptr<const plan::CalibrationPieces>* keep) {
   to_compute_dtypes(*model, dtype, config.precision.root_fp32, is_blocks);
   const auto [b, t] = calibration_size(seq_len);
   // With root_fp32 the blocks hand fp32 to each other and to the root (output_dtype, as
@@ -93,8 +96,14 @@ plan::ActivationModel calibrate(Model& model, const Config& config, torch::Scala
   const auto output = config.precision.root_fp32 && dtype != torch::kFloat
                           ? std::optional<torch::ScalarType>(torch::kFloat)
                           : std::nullopt;
-  return plan::calibrate_activations(
-      fsdp_models::calibration_pieces(model, dtype, trainer_loss(config), output), b, t);
+  const auto pieces = fsdp_models::calibration_pieces(model, dtype, trainer_loss(config), output);
+  if (times) {
+    if (before_timing)
+      before_timing();
+    *times = plan::time_pieces(pieces, rows, seq_len);
+    *keep = std::make_shared<const plan::CalibrationPieces>(pieces);
+  }
+  return plan::calibrate_activations(pieces, b, t);
 }
 
 bool is_gpt_block(const std::string& name) {
@@ -109,7 +118,8 @@ bool is_llama_blocks(const std::string& name) {
 
 RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& gguf_path,
                  int world_size, int local_world_size, const std::string& compute_dtype,
-                 int64_t other_bytes) {
+                 int64_t other_bytes, bool time_compute,
+                 const std::function<void()>& before_timing) {
   RunPlan out;
   auto& o = out.options;
   auto& s = o.states;
@@ -188,7 +198,9 @@ RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& gg
     one.n_layers = 1;
     fsdp_models::Llama model(one);
     shape(model, fsdp_models::ModelInit(), true);
-    out.activations = calibrate(model, config, dtype, o.seq_len, is_llama_blocks);
+    out.activations = calibrate(model, config, dtype, o.seq_len, is_llama_blocks,
+                                time_compute ? &out.compute : nullptr, o.batch_rows, before_timing,
+                                &out.pieces);
     checkpointing(cfg.n_layers);
   } else if (config.model.arch == "gpt") {
     const auto cfg = gpt_config(config, vocab_size);
@@ -201,7 +213,9 @@ RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& gg
     auto one = cfg;
     one.n_layer = 1;
     fsdp_models::GPT model(one);
-    out.activations = calibrate(model, config, dtype, o.seq_len, is_gpt_block);
+    out.activations = calibrate(model, config, dtype, o.seq_len, is_gpt_block,
+                                time_compute ? &out.compute : nullptr, o.batch_rows, before_timing,
+                                &out.pieces);
     checkpointing(cfg.n_layer);
   } else {
     const auto cfg = llama_config(config, vocab_size);
@@ -214,7 +228,9 @@ RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& gg
     auto one = cfg;
     one.n_layers = 1;
     fsdp_models::Llama model(one);
-    out.activations = calibrate(model, config, dtype, o.seq_len, is_llama_blocks);
+    out.activations = calibrate(model, config, dtype, o.seq_len, is_llama_blocks,
+                                time_compute ? &out.compute : nullptr, o.batch_rows, before_timing,
+                                &out.pieces);
     checkpointing(cfg.n_layers);
   }
   return out;
@@ -260,7 +276,8 @@ std::string compare_prediction(const plan::MemoryPrediction& p, const MeasuredPe
   return out;
 }
 
-std::string plan_json(const plan::MemoryPrediction& p, const MeasuredPeak& m) {
+std::string plan_json(const plan::MemoryPrediction& p, const MeasuredPeak& m,
+                      const std::optional<plan::TimePrediction>& time, const MeasuredTime& mt) {
   auto categories = [](const mem::CategoryBytes& bytes) {
     std::string out = "{";
     for (int c = 0; c < mem::kNumCategories; ++c) {
@@ -280,12 +297,44 @@ std::string plan_json(const plan::MemoryPrediction& p, const MeasuredPeak& m) {
   for (size_t i = 0; i < labels.size(); ++i)
     moments += fmt::format("{}\"{}\":{}", i ? "," : "", labels[i], p.highest_at(labels[i]));
   moments += "}";
+  std::string times;
+  if (time) {
+    times = fmt::format(
+        ",\"time\":{{\"predicted\":{{\"forward\":{},\"backward\":{},\"recompute\":{},"
+        "\"all_gather_wait\":{},\"reduce_wait\":{},\"optimizer\":{},\"step\":{},"
+        "\"all_gather_bytes\":{},\"reduce_scatter_bytes\":{},\"all_reduce_bytes\":{}}},"
+        "\"measured\":{{\"forward\":{},\"backward\":{},\"all_gather_wait\":{},"
+        "\"reduce_wait\":{},\"optimizer\":{},\"other\":{},\"step\":{},\"steps\":{}}}}}",
+        time->forward_s, time->backward_s, time->recompute_s, time->all_gather_exposed_s,
+        time->reduce_exposed_s, time->optimizer_s, time->step_s, time->all_gather_bytes,
+        time->reduce_scatter_bytes, time->all_reduce_bytes, mt.forward, mt.backward,
+        mt.all_gather_wait, mt.reduce_wait, mt.optimizer, mt.other, mt.step, mt.steps);
+  }
   return fmt::format(
       "{{\"predicted\":{{\"peak\":{},\"peak_without_staging\":{},\"moment\":\"{}\","
       "\"categories\":{},\"moments\":{}}},\"measured\":{{\"peak\":{},\"moment\":\"{}\","
-      "\"steps\":{},\"seq_len\":{},\"categories\":{}}}}}\n",
+      "\"steps\":{},\"seq_len\":{},\"categories\":{}}}{}}}\n",
       p.peak, p.peak_without_staging, plan::moment_label(p.moment), categories(p.at_peak), moments,
-      m.peak, m.moment, m.steps, m.seq_len, categories(m.at_peak));
+      m.peak, m.moment, m.steps, m.seq_len, categories(m.at_peak), times);
+}
+
+std::string compare_time(const plan::TimePrediction& p, const MeasuredTime& m) {
+  auto row = [](const char* name, double predicted, double measured) {
+    return fmt::format("{:<30}{:>12.4f}{:>12.4f}\n", name, predicted, measured);
+  };
+  std::string out = fmt::format(
+      "Step time (rank 0), predicted by fsdp::plan from timed pieces and links vs measured (mean "
+      "of {} steady step(s)), seconds:\n{:<30}{:>12}{:>12}\n",
+      m.steps, "", "predicted", "measured");
+  out += row("forward", p.forward_s, m.forward);
+  out += row("backward (recomputation incl.)", p.backward_s, m.backward);
+  out += row("all-gather wait", p.all_gather_exposed_s, m.all_gather_wait);
+  out += row("reduce wait", p.reduce_exposed_s, m.reduce_wait);
+  out += row("optimizer", p.optimizer_s, m.optimizer);
+  out += row("other", 0, m.other);
+  const double error = m.step > 0 ? 100.0 * (p.step_s - m.step) / m.step : 0;
+  out += fmt::format("{:<30}{:>12.4f}{:>12.4f}   error {:+.1f}%", "step", p.step_s, m.step, error);
+  return out;
 }
 
 std::string budget_warning(const RunPlan& run, const plan::MemoryPrediction& p, int64_t budget,

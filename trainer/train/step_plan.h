@@ -4,12 +4,16 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <fsdp/core/memory.h>
 #include <fsdp/plan/activations.h>
 #include <fsdp/plan/step_memory.h>
+#include <fsdp/plan/step_time.h>
 #include <fsdp/plan/units.h>
 
 #include "config/config.h"
@@ -21,6 +25,10 @@ struct RunPlan {
   std::vector<fsdp::plan::UnitInfo> units;
   fsdp::plan::ActivationModel activations;
   fsdp::plan::StepOptions options;
+  /// The pieces timed at the run's micro-batch (plan_run with time_compute).
+  std::optional<fsdp::plan::ComputeTimes> compute;
+  /// The one-block model's pieces (time_compute), for measurements with the job's groups.
+  std::shared_ptr<const fsdp::plan::CalibrationPieces> pieces;
 };
 
 /// The run's units (its model built on the meta device, as model_factory builds it: GPT or
@@ -29,9 +37,24 @@ struct RunPlan {
 /// tracking allocator), and the step options of `config` on `world_size` ranks. `gguf_path`:
 /// the fine-tuned model's file (fine-tuning only). `other_bytes`: tracked memory outside the
 /// model at the start of a step (fsdp::memory kOther: the data). ConfigError as model_factory.
+/// `time_compute`: also time the pieces at the run's micro-batch (fsdp::plan::time_pieces; every
+/// rank of a machine at once).
+/// `before_timing` runs right before (a barrier, so that every rank times at once).
 RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& gguf_path,
                  int world_size, int local_world_size, const std::string& compute_dtype,
-                 int64_t other_bytes);
+                 int64_t other_bytes, bool time_compute = false,
+                 const std::function<void()>& before_timing = nullptr);
+
+/// Mean seconds per steady step by phase, as fsdp::StepProfiler measures them (forward and
+/// backward without the waits inside them).
+struct MeasuredTime {
+  double forward = 0, backward = 0, all_gather_wait = 0, reduce_wait = 0, optimizer = 0,
+         other = 0, step = 0;
+  int64_t steps = 0;
+};
+
+/// Predicted next to measured, by phase, with the error of the step time.
+std::string compare_time(const fsdp::plan::TimePrediction& p, const MeasuredTime& m);
 
 /// The prediction as fsdp-train prints it: the peak, its moment and the categories.
 std::string describe_prediction(const fsdp::plan::MemoryPrediction& p);
@@ -55,7 +78,9 @@ std::string compare_prediction(const fsdp::plan::MemoryPrediction& p, const Meas
 /// "moment", "categories": {name: bytes}, "moments": {label: the highest predicted total
 /// there}}, "measured": {"peak", "moment", "steps", "seq_len", "categories"}}. Moments are
 /// fsdp::memory labels; category names fsdp::memory::to_string's.
-std::string plan_json(const fsdp::plan::MemoryPrediction& p, const MeasuredPeak& m);
+std::string plan_json(const fsdp::plan::MemoryPrediction& p, const MeasuredPeak& m,
+                      const std::optional<fsdp::plan::TimePrediction>& time = std::nullopt,
+                      const MeasuredTime& measured_time = {});
 
 /// training.memory_budget exceeded: a one-paragraph warning naming the largest categories at the
 /// predicted peak and the first of the cheaper configurations (activation checkpointing, a

@@ -267,6 +267,79 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
 
 Trainer::~Trainer() = default;
 
+fsdp::plan::TimePrediction Trainer::predict_time(const RunPlan& run) {
+  fsdp::plan::TimeInputs in;
+  in.compute = *run.compute;
+  // The links: the engine's own groups (fully_shard's resolve_groups makes the same blocks).
+  const auto& s = run.options.states;
+  const int world = pg_->size();
+  const int n = s.strategy == fsdp::ShardingStrategy::kNoShard       ? 1
+                : s.strategy == fsdp::ShardingStrategy::kHybridShard ? s.hybrid_shard_size
+                                                                     : world;
+  if (n > 1)
+    in.shard = fsdp::plan::measure_link(*pg_->block_group(n));
+  if (world / n > 1)
+    in.replicate = fsdp::plan::measure_link(*pg_->strided_group(n));
+  // The optimizer phase as train_step runs it (gradient clipping, its all-reduce, the step),
+  // on copies of this rank's trainable shards with zero gradients, timed after the step that
+  // creates the state. Above 16M elements, on one flat tensor of 16M, scaled linearly.
+  int64_t elements = 0;
+  for (const auto& p : params_)
+    elements += p.numel();
+  constexpr int64_t kMostTimed = int64_t{1} << 24;
+  std::vector<torch::Tensor> copies;
+  if (elements <= kMostTimed) {
+    for (const auto& p : params_)
+      copies.push_back(torch::zeros_like(p).requires_grad_());
+  } else {
+    copies.push_back(torch::zeros({kMostTimed}, params_.front().options()).requires_grad_());
+  }
+  int64_t timed = 0;
+  for (auto& c : copies) {
+    c.mutable_grad() = torch::full_like(c, 1e-3);
+    timed += c.numel();
+  }
+  {
+    auto opt = make_optimizer(config_, copies, {});
+    auto phase = [&] {
+      if (config_.training.grad_clip > 0)
+        fsdp::clip_grad_norm_(copies, config_.training.grad_clip, *pg_);
+      opt->step();
+    };
+    phase();
+    double total = 0;
+    constexpr int kRuns = 3;
+    for (int i = 0; i < kRuns; ++i) {
+      const auto start = Clock::now();
+      phase();
+      total += seconds_since(start);
+    }
+    in.optimizer_s = total / kRuns * static_cast<double>(elements) /
+                     static_cast<double>(std::max<int64_t>(1, timed));
+  }
+  // What the collectives cost while a block computes, from the first block's traffic.
+  if (n > 1) {
+    const auto& c = in.compute.block[0];
+    in.comm_factor = fsdp::plan::measure_comm_factor(
+        *pg_->block_group(n), *run.pieces, run.options.batch_rows, run.options.seq_len,
+        fsdp::plan::unit_traffic(run.units.front(), run.options, pg_->rank()), in.shard,
+        c.forward + c.backward);
+  }
+  if (pg_->rank() == 0 && progress_) {
+    auto link = [](const fsdp::plan::LinkCost& c) {
+      return fmt::format("{:.0f} us + {:.2f} GB/s", c.latency_s * 1e6, c.bytes_per_s / 1e9);
+    };
+    progress_->message(fmt::format(
+        "planner's measurements: all-gather {}, reduce-scatter {}, all-reduce {} (shard group "
+        "of {}); optimizer step {:.4f} s; a block's forward {:.4f} s, backward {:.4f} s; "
+        "collectives under compute cost {:.2f}x their time alone",
+        link(in.shard.all_gather), link(in.shard.reduce_scatter),
+        link(in.replicate.all_reduce), n, in.optimizer_s, in.compute.block[0].forward,
+        in.compute.block[0].backward, in.comm_factor));
+  }
+  return fsdp::plan::predict_step_time(run.units, run.options, in, pg_->rank());
+}
+
 void Trainer::plan_memory(const std::string& model_file) {
   const auto& t = config_.training;
   if (!config_.logging.plan && t.memory_budget.empty())
@@ -281,16 +354,30 @@ void Trainer::plan_memory(const std::string& model_file) {
     return;
   }
   const int64_t other = fsdp::memory::current_by_category()[fsdp::memory::Category::kOther];
-  auto run =
-      plan_run(config_, finetune_ ? 0 : data_.vocab_size, model_file, pg_->size(),
-               fsdp::launch_env_from_environment().local_world_size, compute_dtype_.dtype, other);
+  // Timing the pieces (--plan) happens on every rank at once, as the step will.
+  const bool timed = config_.logging.plan;
+  auto run = plan_run(config_, finetune_ ? 0 : data_.vocab_size, model_file, pg_->size(),
+                      fsdp::launch_env_from_environment().local_world_size, compute_dtype_.dtype,
+                      other, timed, [this] { pg_->barrier(); });
   if (finetune_)  // batches are padded to their longest conversation
     run.options.seq_len = std::min(run.options.seq_len, finetune_->longest_train_input());
   prediction_ =
       fsdp::plan::predict_step_memory(run.units, run.options, run.activations, pg_->rank());
   plan_ = run;
-  if (config_.logging.plan && pg_->rank() == 0)
+  if (timed)
+    time_prediction_ = predict_time(run);
+  if (config_.logging.plan && pg_->rank() == 0) {
     progress_->message(describe_prediction(*prediction_));
+    const auto& p = *time_prediction_;
+    progress_->message(fmt::format(
+        "predicted step {:.4f} s: forward {:.4f}, backward {:.4f} (recomputation {:.4f}), "
+        "all-gather wait {:.4f}, reduce wait {:.4f}, optimizer {:.4f}; per step all-gather {}, "
+        "reduce-scatter {}, all-reduce {}",
+        p.step_s, p.forward_s, p.backward_s, p.recompute_s, p.all_gather_exposed_s,
+        p.reduce_exposed_s, p.optimizer_s, fsdp::memory::format_bytes(p.all_gather_bytes),
+        fsdp::memory::format_bytes(p.reduce_scatter_bytes),
+        fsdp::memory::format_bytes(p.all_reduce_bytes)));
+  }
   if (!t.memory_budget.empty()) {
     const int64_t budget = parse_bytes(t.memory_budget, "training.memory_budget");
     const int64_t highest = max_over_ranks(prediction_->peak);
@@ -433,6 +520,71 @@ double Trainer::evaluate() {
   return mean_over_ranks(total / static_cast<double>(eval_set_.size()));
 }
 
+double Trainer::run_step(const StepParts& parts, const torch::Tensor& batch,
+                         const InstructBatch& conversations, StepMetrics& m) {
+  const auto& t = config_.training;
+  parts.optimizer.zero_grad();
+  // Gradient accumulation: micro-batch losses are scaled so that their sum is the batch mean
+  // (for conversations: the mean over the batch's answer tokens).
+  const int64_t micro = t.micro_batches, rows = t.batch_size / micro;
+  double loss_sum = 0;
+  for (int64_t i = 0; i < micro; ++i) {
+    if (micro > 1 && !config_.fsdp.sync_every_micro_batch) {
+      fsdp::set_requires_gradient_sync(*parts.model.module, i == micro - 1);
+    }
+    torch::Tensor loss;
+    // What forward and backward allocate is activations, unless the engine tags it as its own
+    // (gathered parameters, gradients).
+    fsdp::memory::CategoryScope activations(fsdp::memory::Category::kActivations);
+    {
+      auto scope = parts.profiler.forward();
+      if (finetune_) {
+        auto inputs = conversations.inputs.narrow(0, i * rows, rows).to(device_);
+        auto labels = conversations.labels.narrow(0, i * rows, rows).to(device_);
+        auto mask = conversations.mask.narrow(0, i * rows, rows).to(device_);
+        auto logits = parts.model.forward(inputs);
+        auto ce = torch::nn::functional::cross_entropy(
+            logits.reshape({-1, logits.size(-1)}), labels.reshape({-1}),
+            torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+        loss = (ce * mask.reshape({-1})).sum() /
+               static_cast<double>(std::max<int64_t>(1, conversations.targets));
+      } else {
+        auto mb = batch.narrow(0, i * rows, rows);
+        auto logits = parts.model.forward(mb.narrow(1, 0, t.seq_len));
+        loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                                    mb.narrow(1, 1, t.seq_len).reshape({-1})) /
+               static_cast<double>(micro);
+      }
+    }
+    {
+      auto scope = parts.profiler.backward();
+      (parts.scaler ? parts.scaler->scale(loss) : loss).backward();
+    }
+    loss_sum += loss.item<double>();
+  }
+  {
+    auto scope = parts.profiler.optimizer();
+    fsdp::memory::CategoryScope optimizer_state(fsdp::memory::Category::kOptimizer);
+    static const int optimizer_moment = fsdp::memory::moment_id("optimizer");
+    fsdp::memory::set_moment(optimizer_moment);
+    // With loss scaling the grads are unscaled before clipping, and a step whose grads
+    // overflowed on any rank is skipped on every rank.
+    if (parts.scaler)
+      parts.scaler->unscale_(parts.optimizer);
+    if (t.grad_clip > 0)
+      m.grad_norm = fsdp::clip_grad_norm_(parts.params, t.grad_clip, *pg_);
+    if (parts.scaler) {
+      m.loss_scale = parts.scaler->get_scale();  // the scale this step's loss was multiplied by
+      parts.scaler->step(parts.optimizer);
+      parts.scaler->update();
+      m.skipped_steps = parts.scaler->skipped_steps();
+    } else {
+      parts.optimizer.step();
+    }
+  }
+  return loss_sum;
+}
+
 StepMetrics Trainer::train_step(int64_t step) {
   const auto& t = config_.training;
   StepMetrics m;
@@ -449,65 +601,8 @@ StepMetrics Trainer::train_step(int64_t step) {
     conversations = finetune_->sampler().next();
   else
     batch = sampler_->next().to(device_);
-  optimizer_->zero_grad();
-  // Gradient accumulation: micro-batch losses are scaled so that their sum is the batch mean
-  // (for conversations: the mean over the batch's answer tokens).
-  const int64_t micro = t.micro_batches, rows = t.batch_size / micro;
-  double loss_sum = 0;
-  for (int64_t i = 0; i < micro; ++i) {
-    if (micro > 1 && !config_.fsdp.sync_every_micro_batch) {
-      fsdp::set_requires_gradient_sync(*model_.module, i == micro - 1);
-    }
-    torch::Tensor loss;
-    // What forward and backward allocate is activations, unless the engine tags it as its own
-    // (gathered parameters, gradients).
-    fsdp::memory::CategoryScope activations(fsdp::memory::Category::kActivations);
-    {
-      auto scope = profiler_->forward();
-      if (finetune_) {
-        auto inputs = conversations.inputs.narrow(0, i * rows, rows).to(device_);
-        auto labels = conversations.labels.narrow(0, i * rows, rows).to(device_);
-        auto mask = conversations.mask.narrow(0, i * rows, rows).to(device_);
-        auto logits = model_.forward(inputs);
-        auto ce = torch::nn::functional::cross_entropy(
-            logits.reshape({-1, logits.size(-1)}), labels.reshape({-1}),
-            torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
-        loss = (ce * mask.reshape({-1})).sum() /
-               static_cast<double>(std::max<int64_t>(1, conversations.targets));
-      } else {
-        auto mb = batch.narrow(0, i * rows, rows);
-        auto logits = model_.forward(mb.narrow(1, 0, t.seq_len));
-        loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                                    mb.narrow(1, 1, t.seq_len).reshape({-1})) /
-               static_cast<double>(micro);
-      }
-    }
-    {
-      auto scope = profiler_->backward();
-      (scaler_ ? scaler_->scale(loss) : loss).backward();
-    }
-    loss_sum += loss.item<double>();
-  }
-  {
-    auto scope = profiler_->optimizer();
-    fsdp::memory::CategoryScope optimizer_state(fsdp::memory::Category::kOptimizer);
-    static const int optimizer_moment = fsdp::memory::moment_id("optimizer");
-    fsdp::memory::set_moment(optimizer_moment);
-    // With loss scaling the grads are unscaled before clipping, and a step whose grads
-    // overflowed on any rank is skipped on every rank.
-    if (scaler_)
-      scaler_->unscale_(*optimizer_);
-    if (t.grad_clip > 0)
-      m.grad_norm = fsdp::clip_grad_norm_(params_, t.grad_clip, *pg_);
-    if (scaler_) {
-      m.loss_scale = scaler_->get_scale();  // the scale this step's loss was multiplied by
-      scaler_->step(*optimizer_);
-      scaler_->update();
-      m.skipped_steps = scaler_->skipped_steps();
-    } else {
-      optimizer_->step();
-    }
-  }
+  const double loss_sum = run_step(
+      StepParts{model_, *optimizer_, params_, *profiler_, scaler_.get()}, batch, conversations, m);
   const fsdp::StepBreakdown b = profiler_->end_step();
 
   // StepMetrics' phase times include the waits inside them (Note [Waits inside phases] in
@@ -542,6 +637,17 @@ StepMetrics Trainer::train_step(int64_t step) {
   }
   if (prediction_ && step > start_step_ + 1)
     ++measured_.steps;
+  if (time_prediction_ && step > start_step_ + 1) {
+    auto& mt = measured_time_;
+    mt.forward += b.forward_s;
+    mt.backward += b.backward_s;
+    mt.all_gather_wait += b.all_gather_wait_s;
+    mt.reduce_wait += b.reduce_wait_s;
+    mt.optimizer += b.optimizer_s;
+    mt.other += b.other_s;
+    mt.step += b.step_s;
+    ++mt.steps;
+  }
   reduce_step_metrics(m, loss_sum,
                       finetune_ ? static_cast<double>(conversations.inputs.numel()) : 0.0);
   if (!finetune_)
@@ -606,8 +712,16 @@ void Trainer::train() {
     const auto at_measured =
         fsdp::plan::predict_step_memory(plan_->units, options, plan_->activations, 0);
     progress_->message(compare_prediction(at_measured, measured_));
+    MeasuredTime mean = measured_time_;
+    if (mean.steps > 0) {
+      for (double* v : {&mean.forward, &mean.backward, &mean.all_gather_wait, &mean.reduce_wait,
+                        &mean.optimizer, &mean.other, &mean.step})
+        *v /= static_cast<double>(mean.steps);
+      if (time_prediction_)
+        progress_->message(compare_time(*time_prediction_, mean));
+    }
     fsdp::write_file_atomic((std::filesystem::path(config_.logging.run_dir) / "plan.json").string(),
-                            plan_json(at_measured, measured_));
+                            plan_json(at_measured, measured_, time_prediction_, mean));
   }
   if (config_.checkpoint.export_hf)
     export_hf(export_dir(config_), /*replace=*/true);

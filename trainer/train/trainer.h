@@ -69,6 +69,19 @@ class Trainer {
 
  private:
   StepMetrics train_step(int64_t step);
+  /// What a training step runs on: the job's model, optimizer, trainable parameters, profiler
+  /// and loss scaler (or a smaller model's, for the planner's timing).
+  struct StepParts {
+    TrainModel& model;
+    torch::optim::Optimizer& optimizer;
+    std::vector<torch::Tensor>& params;
+    fsdp::StepProfiler& profiler;
+    fsdp::ShardedGradScaler* scaler;
+  };
+  /// The micro-batches' forward and backward and the optimizer phase of one step (between the
+  /// profiler's begin_step and end_step); returns the sum of the micro-batch losses.
+  double run_step(const StepParts& parts, const torch::Tensor& batch,
+                  const InstructBatch& conversations, StepMetrics& m);
   double evaluate();
   double learning_rate(int64_t step) const;
   double mean_over_ranks(double v);
@@ -100,6 +113,9 @@ class Trainer {
   /// --plan and training.memory_budget: predicts this rank's peak (fsdp::plan) before step 1,
   /// prints it (rank 0) and warns if any rank's exceeds the budget.
   void plan_memory(const std::string& model_file);
+  /// --plan: the step time of `run` (its pieces timed), with this job's links and optimizer
+  /// timed here (every rank calls it).
+  fsdp::plan::TimePrediction predict_time(const RunPlan& run);
 
   Config config_;
   DeviceMemory device_memory_;
@@ -128,6 +144,8 @@ class Trainer {
   std::optional<RunPlan> plan_;                             // plan_memory()
   std::optional<fsdp::plan::MemoryPrediction> prediction_;  // of plan_, before step 1
   MeasuredPeak measured_;  // this rank's highest steady-step peak, for the comparison
+  std::optional<fsdp::plan::TimePrediction> time_prediction_;  // --plan
+  MeasuredTime measured_time_;  // sums over the steady steps (means at the end)
 };
 
 }  // namespace fsdp_trainer

@@ -1,0 +1,194 @@
+// What one unit allocates on one rank, in bytes, by the engine's rules (sharded_param.cpp,
+// param_group.cpp, gather_codec.cpp): shared by the memory replay (step_memory.cpp) and the
+// time model (step_time.cpp), which needs the same bytes as traffic.
+#pragma once
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <set>
+#include <string>
+
+#include <fsdp/plan/step_memory.h>
+
+namespace fsdp::plan::detail {
+
+inline int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+inline int64_t esize(torch::ScalarType t) {
+  return static_cast<int64_t>(c10::elementSize(t));
+}
+
+// What one unit allocates on this rank, in bytes (sharded_param.cpp and param_group.cpp).
+struct UnitBytes {
+  int64_t gathered = 0;       // the padded unsharded parameters (alloc_unsharded)
+  int64_t gather_inputs = 0;  // sent and received copies alive from issue to wait
+  int64_t gather_wire = 0;    // bytes the gather outputs (the backend's view of it)
+  int64_t staging = 0;        // Gloo's flat buffers for one call of the gather (kOther)
+  int64_t block_staging = 0;  // the same for the gather from a kept block
+  int64_t block_shard = 0;    // reshard_after_forward_size: kept between forward and backward
+  int64_t unsharded_grads = 0;
+  int64_t unsharded_grads_post = 0;  // root: of which the head's (made by the post piece)
+  int64_t unsharded_grads_tied = 0;  // root: of those, the ones the embedding adds to
+  int64_t reduce_input = 0;          // [N][chunks | flags] in the reduce dtype
+  int64_t reduce_received = 0;       // Gloo: the all-to-all's receive buffer, as large
+  int64_t reduce_output = 0;         // [chunks | flags]: 0 when N == 1 (the input is the output)
+  int64_t final_grads = 0;           // what the stash holds after install_grads
+  int64_t kept_grads = 0;            // no-sync micro-batches: unsharded grads in the master dtype
+  bool trainable = false;
+};
+
+struct Geometry {
+  int n = 1;  // shard group size
+  int r = 0;  // rank in it
+};
+
+inline UnitBytes unit_bytes(const UnitInfo& unit, const StepOptions& o, const Geometry& g,
+                     const std::optional<int>& block_k, const std::set<std::string>& post,
+                     const std::set<std::string>& pre) {
+  UnitBytes u;
+  const auto& s = o.states;
+  const int n = g.n;
+  // precision.root_fp32: the root has no MixedPrecisionPolicy (no cast, no gather format).
+  const bool mixed = !(s.root_full_precision && unit.path.empty());
+  int64_t flags = 0, chunk_elems = 0, local_grad_bytes = 0;
+  torch::ScalarType master = torch::kFloat32;
+  for (const auto& p : unit.params) {
+    const int64_t rows = p.shape.empty() ? 1 : p.shape[0];
+    int64_t numel = 1;
+    for (auto d : p.shape)
+      numel *= d;
+    const int64_t row_numel = rows == 0 ? (p.shape.empty() ? 0 : 1) : numel / rows;
+    const int64_t chunk_rows = ceil_div(rows, n);
+    const int64_t local_rows = std::clamp<int64_t>(rows - g.r * chunk_rows, 0, chunk_rows);
+    const bool floating = c10::isFloatingType(p.dtype);
+    const torch::ScalarType unsharded =
+        mixed && s.param_dtype && floating ? *s.param_dtype : p.dtype;
+    // GatherCodec::make: a wire format other than the compute dtype, for floating parameters.
+    std::optional<torch::ScalarType> wire;
+    bool int8 = false;
+    if (floating && mixed) {
+      switch (o.gather_format) {
+        case GatherFormat::kComputeDtype:
+          break;
+        case GatherFormat::kBFloat16:
+          wire = torch::kBFloat16;
+          break;
+        case GatherFormat::kFloat16:
+          wire = torch::kHalf;
+          break;
+        case GatherFormat::kInt8:
+          if (row_numel >= 16)  // gather_codec.cpp, kMinInt8Row
+            int8 = true;
+          else
+            wire = torch::kBFloat16;
+          break;
+      }
+      if (wire && *wire == unsharded)
+        wire.reset();
+    }
+    const bool codec = int8 || wire.has_value();
+    const bool owns = n > 1 || unsharded != p.dtype || codec || s.cpu_offload;
+    const int64_t padded_full = chunk_rows * n * row_numel;
+    if (owns)
+      u.gathered += padded_full * esize(unsharded);
+    if (n > 1) {
+      // issue_unshard: gather_input() (staged host copy under offload, then cast or encoded) and
+      // gather_output() (the wire buffer of a codec), both kept until wait_unshard.
+      const int64_t shard_elems = chunk_rows * row_numel;
+      int64_t input = 0, output = 0;
+      if (int8) {
+        const int64_t blocks = ceil_div(row_numel, o.int8_block_size);
+        const int64_t wire_numel = (chunk_rows * blocks * 4 + chunk_rows * row_numel + 3) / 4 * 4;
+        input = wire_numel;
+        output = n * wire_numel;
+      } else if (wire) {
+        input = shard_elems * esize(*wire);
+        output = n * input;
+      } else if (unsharded != p.dtype) {
+        input = shard_elems * esize(unsharded);
+      } else if (s.cpu_offload) {
+        input = shard_elems * esize(p.dtype);  // the staged copy is what is sent
+      }
+      u.gather_inputs += input + output;
+      u.gather_wire += output > 0 ? output : padded_full * esize(unsharded);
+      if (block_k)
+        u.block_shard += padded_full / *block_k * esize(unsharded);
+    }
+    if (!p.trainable)
+      continue;
+    u.trainable = true;
+    master = p.dtype;
+    ++flags;
+    chunk_elems += chunk_rows * row_numel;
+    u.unsharded_grads += numel * esize(unsharded);
+    if (post.count(p.name))
+      u.unsharded_grads_post += numel * esize(unsharded);
+    if (post.count(p.name) && pre.count(p.name))
+      u.unsharded_grads_tied += numel * esize(unsharded);
+    u.kept_grads += numel * esize(p.dtype);
+    local_grad_bytes += local_rows * row_numel * esize(p.dtype);
+  }
+  if (o.gloo_staging && n > 1) {
+    auto staged = [&](int64_t wire, int group) {
+      const int64_t call =
+          o.all_gather_bucket_bytes > 0 ? std::min(wire, o.all_gather_bucket_bytes) : wire;
+      return call + call / group;
+    };
+    u.staging = staged(u.gather_wire, n);
+    if (block_k)
+      u.block_staging = staged(u.gathered, *block_k);
+  }
+  if (!u.trainable)
+    return u;
+  const torch::ScalarType reduce = !mixed           ? master
+                                   : s.reduce_dtype ? *s.reduce_dtype
+                                   : s.param_dtype  ? *s.param_dtype
+                                                    : master;
+  const int64_t row = chunk_elems + flags;
+  u.reduce_input = n * row * esize(reduce);
+  u.reduce_received = o.gloo_reduce_scatter && n > 1 ? u.reduce_input : 0;
+  u.reduce_output = n > 1 ? row * esize(reduce) : 0;
+  // install_grads / add_to_stash: aliases of the output when it is in the master dtype, else a
+  // tensor of the real rows (a host copy under offload).
+  const bool alias = !s.cpu_offload && reduce == master;
+  u.final_grads = alias ? (n > 1 ? u.reduce_output : u.reduce_input) : local_grad_bytes;
+  return u;
+}
+
+
+/// The shard group of `rank` under the strategy, and the reshard-to-k block size if it applies.
+struct Layout {
+  Geometry geometry;
+  std::optional<int> block_k;
+  bool blocks_reshard = true;
+};
+
+inline Layout layout_of(const StepOptions& o, int rank) {
+  const auto& s = o.states;
+  Layout l;
+  auto& g = l.geometry;
+  g.n = s.strategy == ShardingStrategy::kNoShard       ? 1
+        : s.strategy == ShardingStrategy::kHybridShard ? s.hybrid_shard_size
+                                                       : s.world_size;
+  TORCH_CHECK(g.n >= 1 && s.world_size % g.n == 0, "fsdp::plan: a shard group of ", g.n,
+              " does not divide the world size ", s.world_size);
+  g.r = rank % g.n;
+  const bool resharding_kind = s.strategy == ShardingStrategy::kFullShard ||
+                               s.strategy == ShardingStrategy::kHybridShard;
+  l.blocks_reshard = resharding_kind && o.reshard_after_forward.value_or(true);
+  if (l.blocks_reshard && o.reshard_after_forward_size > 0 &&
+      o.reshard_after_forward_size < g.n) {
+    TORCH_CHECK(g.n % o.reshard_after_forward_size == 0,
+                "fsdp::plan: reshard_after_forward_size ", o.reshard_after_forward_size,
+                " does not divide the shard group size ", g.n);
+    l.block_k = o.reshard_after_forward_size;
+  }
+  return l;
+}
+
+}  // namespace fsdp::plan::detail
