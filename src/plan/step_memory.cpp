@@ -20,8 +20,8 @@ namespace mem = fsdp::memory;
 using mem::Category;
 
 using detail::Geometry;
-using detail::UnitBytes;
 using detail::unit_bytes;
+using detail::UnitBytes;
 
 // The byte counters and the highest total seen, with its moment.
 class Ledger {

@@ -217,8 +217,8 @@ double measure_comm_factor(ProcessGroup& group, const CalibrationPieces& pieces,
     total += seconds_since(start);
   }
   // Every rank uses the slowest rank's figure, so all predict alike.
-  auto mean = torch::tensor({total / repeats}, torch::TensorOptions().dtype(torch::kDouble))
-                  .to(device);
+  auto mean =
+      torch::tensor({total / repeats}, torch::TensorOptions().dtype(torch::kDouble)).to(device);
   all_reduce(group, mean, ReduceOp::kMax, "planner: overlap")->wait();
   const double both = mean.cpu().template item<double>();
   return std::max(0.0, both - compute_s) / alone;
@@ -249,14 +249,15 @@ TimePrediction predict_step_time(const std::vector<UnitInfo>& units, const StepO
       out.backward_s += t.backward;
       if (mode(i) != CheckpointMode::kNone) {
         out.recompute_s += std::max(
-            0.0, t.backward - in.compute.block[static_cast<size_t>(CheckpointMode::kNone)].backward);
+            0.0,
+            t.backward - in.compute.block[static_cast<size_t>(CheckpointMode::kNone)].backward);
       }
     }
     // Traffic, unit by unit: the gathers (the root once, a block twice when it reshards after
     // forward), the reduce-scatter of its gradients, the all-reduce across replicas.
     for (size_t u = 0; u < units.size(); ++u) {
-      const auto b = detail::unit_bytes(units[u], o, g, u == root ? std::nullopt : layout.block_k,
-                                        {}, {});
+      const auto b =
+          detail::unit_bytes(units[u], o, g, u == root ? std::nullopt : layout.block_k, {}, {});
       if (g.n > 1 && b.gathered > 0) {
         const int gathers = u == root || !layout.blocks_reshard ? 1 : 2;
         // Gloo carries a gather in calls of at most all_gather_bucket_bytes.

@@ -48,8 +48,8 @@ struct Geometry {
 };
 
 inline UnitBytes unit_bytes(const UnitInfo& unit, const StepOptions& o, const Geometry& g,
-                     const std::optional<int>& block_k, const std::set<std::string>& post,
-                     const std::set<std::string>& pre) {
+                            const std::optional<int>& block_k, const std::set<std::string>& post,
+                            const std::set<std::string>& pre) {
   UnitBytes u;
   const auto& s = o.states;
   const int n = g.n;
@@ -160,7 +160,6 @@ inline UnitBytes unit_bytes(const UnitInfo& unit, const StepOptions& o, const Ge
   return u;
 }
 
-
 /// The shard group of `rank` under the strategy, and the reshard-to-k block size if it applies.
 struct Layout {
   Geometry geometry;
@@ -178,14 +177,12 @@ inline Layout layout_of(const StepOptions& o, int rank) {
   TORCH_CHECK(g.n >= 1 && s.world_size % g.n == 0, "fsdp::plan: a shard group of ", g.n,
               " does not divide the world size ", s.world_size);
   g.r = rank % g.n;
-  const bool resharding_kind = s.strategy == ShardingStrategy::kFullShard ||
-                               s.strategy == ShardingStrategy::kHybridShard;
+  const bool resharding_kind =
+      s.strategy == ShardingStrategy::kFullShard || s.strategy == ShardingStrategy::kHybridShard;
   l.blocks_reshard = resharding_kind && o.reshard_after_forward.value_or(true);
-  if (l.blocks_reshard && o.reshard_after_forward_size > 0 &&
-      o.reshard_after_forward_size < g.n) {
-    TORCH_CHECK(g.n % o.reshard_after_forward_size == 0,
-                "fsdp::plan: reshard_after_forward_size ", o.reshard_after_forward_size,
-                " does not divide the shard group size ", g.n);
+  if (l.blocks_reshard && o.reshard_after_forward_size > 0 && o.reshard_after_forward_size < g.n) {
+    TORCH_CHECK(g.n % o.reshard_after_forward_size == 0, "fsdp::plan: reshard_after_forward_size ",
+                o.reshard_after_forward_size, " does not divide the shard group size ", g.n);
     l.block_k = o.reshard_after_forward_size;
   }
   return l;

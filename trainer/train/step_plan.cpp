@@ -198,9 +198,9 @@ RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& gg
     one.n_layers = 1;
     fsdp_models::Llama model(one);
     shape(model, fsdp_models::ModelInit(), true);
-    out.activations = calibrate(model, config, dtype, o.seq_len, is_llama_blocks,
-                                time_compute ? &out.compute : nullptr, o.batch_rows, before_timing,
-                                &out.pieces);
+    out.activations =
+        calibrate(model, config, dtype, o.seq_len, is_llama_blocks,
+                  time_compute ? &out.compute : nullptr, o.batch_rows, before_timing, &out.pieces);
     checkpointing(cfg.n_layers);
   } else if (config.model.arch == "gpt") {
     const auto cfg = gpt_config(config, vocab_size);
@@ -213,9 +213,9 @@ RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& gg
     auto one = cfg;
     one.n_layer = 1;
     fsdp_models::GPT model(one);
-    out.activations = calibrate(model, config, dtype, o.seq_len, is_gpt_block,
-                                time_compute ? &out.compute : nullptr, o.batch_rows, before_timing,
-                                &out.pieces);
+    out.activations =
+        calibrate(model, config, dtype, o.seq_len, is_gpt_block,
+                  time_compute ? &out.compute : nullptr, o.batch_rows, before_timing, &out.pieces);
     checkpointing(cfg.n_layer);
   } else {
     const auto cfg = llama_config(config, vocab_size);
@@ -228,9 +228,9 @@ RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& gg
     auto one = cfg;
     one.n_layers = 1;
     fsdp_models::Llama model(one);
-    out.activations = calibrate(model, config, dtype, o.seq_len, is_llama_blocks,
-                                time_compute ? &out.compute : nullptr, o.batch_rows, before_timing,
-                                &out.pieces);
+    out.activations =
+        calibrate(model, config, dtype, o.seq_len, is_llama_blocks,
+                  time_compute ? &out.compute : nullptr, o.batch_rows, before_timing, &out.pieces);
     checkpointing(cfg.n_layers);
   }
   return out;
@@ -276,8 +276,20 @@ std::string compare_prediction(const plan::MemoryPrediction& p, const MeasuredPe
   return out;
 }
 
+MeasuredTime as_phases(const plan::TimePrediction& p) {
+  MeasuredTime t;
+  t.forward = p.forward_s;
+  t.backward = p.backward_s;
+  t.all_gather_wait = p.all_gather_exposed_s;
+  t.reduce_wait = p.reduce_exposed_s;
+  t.optimizer = p.optimizer_s;
+  t.step = p.step_s;
+  return t;
+}
+
 std::string plan_json(const plan::MemoryPrediction& p, const MeasuredPeak& m,
-                      const std::optional<plan::TimePrediction>& time, const MeasuredTime& mt) {
+                      const std::optional<MeasuredTime>& time, const MeasuredTime& mt,
+                      const std::string& method) {
   auto categories = [](const mem::CategoryBytes& bytes) {
     std::string out = "{";
     for (int c = 0; c < mem::kNumCategories; ++c) {
@@ -286,6 +298,19 @@ std::string plan_json(const plan::MemoryPrediction& p, const MeasuredPeak& m,
     }
     return out + "}";
   };
+  auto phases = [](const MeasuredTime& t) {
+    return fmt::format(
+        "\"forward\":{},\"backward\":{},\"all_gather_wait\":{},\"reduce_wait\":{},"
+        "\"optimizer\":{},\"other\":{},\"step\":{}",
+        t.forward, t.backward, t.all_gather_wait, t.reduce_wait, t.optimizer, t.other, t.step);
+  };
+  std::string times;
+  if (time) {
+    times = fmt::format(
+        ",\"time\":{{\"method\":\"{}\",\"predicted\":{{{}}},\"measured\":{{{},"
+        "\"steps\":{}}}}}",
+        method, phases(*time), phases(mt), mt.steps);
+  }
   // The highest predicted total at each moment, by fsdp::memory label.
   std::vector<std::string> labels;
   for (const auto& [moment, bytes] : p.timeline) {
@@ -297,19 +322,6 @@ std::string plan_json(const plan::MemoryPrediction& p, const MeasuredPeak& m,
   for (size_t i = 0; i < labels.size(); ++i)
     moments += fmt::format("{}\"{}\":{}", i ? "," : "", labels[i], p.highest_at(labels[i]));
   moments += "}";
-  std::string times;
-  if (time) {
-    times = fmt::format(
-        ",\"time\":{{\"predicted\":{{\"forward\":{},\"backward\":{},\"recompute\":{},"
-        "\"all_gather_wait\":{},\"reduce_wait\":{},\"optimizer\":{},\"step\":{},"
-        "\"all_gather_bytes\":{},\"reduce_scatter_bytes\":{},\"all_reduce_bytes\":{}}},"
-        "\"measured\":{{\"forward\":{},\"backward\":{},\"all_gather_wait\":{},"
-        "\"reduce_wait\":{},\"optimizer\":{},\"other\":{},\"step\":{},\"steps\":{}}}}}",
-        time->forward_s, time->backward_s, time->recompute_s, time->all_gather_exposed_s,
-        time->reduce_exposed_s, time->optimizer_s, time->step_s, time->all_gather_bytes,
-        time->reduce_scatter_bytes, time->all_reduce_bytes, mt.forward, mt.backward,
-        mt.all_gather_wait, mt.reduce_wait, mt.optimizer, mt.other, mt.step, mt.steps);
-  }
   return fmt::format(
       "{{\"predicted\":{{\"peak\":{},\"peak_without_staging\":{},\"moment\":\"{}\","
       "\"categories\":{},\"moments\":{}}},\"measured\":{{\"peak\":{},\"moment\":\"{}\","
@@ -334,6 +346,25 @@ std::string compare_time(const plan::TimePrediction& p, const MeasuredTime& m) {
   out += row("other", 0, m.other);
   const double error = m.step > 0 ? 100.0 * (p.step_s - m.step) / m.step : 0;
   out += fmt::format("{:<30}{:>12.4f}{:>12.4f}   error {:+.1f}%", "step", p.step_s, m.step, error);
+  return out;
+}
+
+std::string compare_time(const MeasuredTime& p, const MeasuredTime& m) {
+  auto row = [](const char* name, double predicted, double measured) {
+    return fmt::format("{:<30}{:>12.4f}{:>12.4f}\n", name, predicted, measured);
+  };
+  std::string out = fmt::format(
+      "Step time (rank 0), predicted from this job run with 1 and 2 blocks vs measured (mean of "
+      "{} steady step(s)), seconds:\n{:<30}{:>12}{:>12}\n",
+      m.steps, "", "predicted", "measured");
+  out += row("forward", p.forward, m.forward);
+  out += row("backward (recomputation incl.)", p.backward, m.backward);
+  out += row("all-gather wait", p.all_gather_wait, m.all_gather_wait);
+  out += row("reduce wait", p.reduce_wait, m.reduce_wait);
+  out += row("optimizer", p.optimizer, m.optimizer);
+  out += row("other", p.other, m.other);
+  const double error = m.step > 0 ? 100.0 * (p.step - m.step) / m.step : 0;
+  out += fmt::format("{:<30}{:>12.4f}{:>12.4f}   error {:+.1f}%", "step", p.step, m.step, error);
   return out;
 }
 

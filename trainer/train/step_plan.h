@@ -48,13 +48,15 @@ RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& gg
 /// Mean seconds per steady step by phase, as fsdp::StepProfiler measures them (forward and
 /// backward without the waits inside them).
 struct MeasuredTime {
-  double forward = 0, backward = 0, all_gather_wait = 0, reduce_wait = 0, optimizer = 0,
-         other = 0, step = 0;
+  double forward = 0, backward = 0, all_gather_wait = 0, reduce_wait = 0, optimizer = 0, other = 0,
+         step = 0;
   int64_t steps = 0;
 };
 
 /// Predicted next to measured, by phase, with the error of the step time.
 std::string compare_time(const fsdp::plan::TimePrediction& p, const MeasuredTime& m);
+/// The same for a prediction made of measured phases (fsdp-train's time by blocks).
+std::string compare_time(const MeasuredTime& predicted, const MeasuredTime& m);
 
 /// The prediction as fsdp-train prints it: the peak, its moment and the categories.
 std::string describe_prediction(const fsdp::plan::MemoryPrediction& p);
@@ -78,9 +80,14 @@ std::string compare_prediction(const fsdp::plan::MemoryPrediction& p, const Meas
 /// "moment", "categories": {name: bytes}, "moments": {label: the highest predicted total
 /// there}}, "measured": {"peak", "moment", "steps", "seq_len", "categories"}}. Moments are
 /// fsdp::memory labels; category names fsdp::memory::to_string's.
+/// With `time` (seconds by phase, predicted) and `measured_time`: a "time" object too,
+/// {"method", "predicted": {phase: s}, "measured": {phase: s, "steps"}}.
 std::string plan_json(const fsdp::plan::MemoryPrediction& p, const MeasuredPeak& m,
-                      const std::optional<fsdp::plan::TimePrediction>& time = std::nullopt,
-                      const MeasuredTime& measured_time = {});
+                      const std::optional<MeasuredTime>& time = std::nullopt,
+                      const MeasuredTime& measured_time = {}, const std::string& method = "");
+
+/// The phases of a TimePrediction as MeasuredTime's.
+MeasuredTime as_phases(const fsdp::plan::TimePrediction& p);
 
 /// training.memory_budget exceeded: a one-paragraph warning naming the largest categories at the
 /// predicted peak and the first of the cheaper configurations (activation checkpointing, a

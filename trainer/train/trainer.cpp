@@ -136,9 +136,8 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
                     .int8_block_size(prec.int8_block);
   // With an fp32 root the blocks hand it fp32 (the last block's output meets fp32 weights);
   // each block casts its input back to param_dtype on entry.
-  units.blocks.mp_policy(prec.root_fp32 ? fsdp::MixedPrecisionPolicy(policy).output_dtype(
-                                              torch::kFloat)
-                                        : policy);
+  units.blocks.mp_policy(
+      prec.root_fp32 ? fsdp::MixedPrecisionPolicy(policy).output_dtype(torch::kFloat) : policy);
   units.root.mp_policy(prec.root_fp32
                            ? fsdp::MixedPrecisionPolicy()
                            : fsdp::MixedPrecisionPolicy(policy).output_dtype(torch::kFloat));
@@ -146,6 +145,7 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
       fsdp::from_string<fsdp::CheckpointMode>(f.activation_checkpointing));
   model_ = finetune_ ? build_finetune_model(config_, model_file, units, device_)
                      : build_model(config_, data_.vocab_size, units, device_);
+  units_ = units;
   profiler_ = std::make_unique<fsdp::StepProfiler>(model_.module);
 
   // Weight decay on matrices only (as GPT-2/nanoGPT): not on norms and biases.
@@ -333,9 +333,8 @@ fsdp::plan::TimePrediction Trainer::predict_time(const RunPlan& run) {
         "planner's measurements: all-gather {}, reduce-scatter {}, all-reduce {} (shard group "
         "of {}); optimizer step {:.4f} s; a block's forward {:.4f} s, backward {:.4f} s; "
         "collectives under compute cost {:.2f}x their time alone",
-        link(in.shard.all_gather), link(in.shard.reduce_scatter),
-        link(in.replicate.all_reduce), n, in.optimizer_s, in.compute.block[0].forward,
-        in.compute.block[0].backward, in.comm_factor));
+        link(in.shard.all_gather), link(in.shard.reduce_scatter), link(in.replicate.all_reduce), n,
+        in.optimizer_s, in.compute.block[0].forward, in.compute.block[0].backward, in.comm_factor));
   }
   return fsdp::plan::predict_step_time(run.units, run.options, in, pg_->rank());
 }
@@ -364,8 +363,11 @@ void Trainer::plan_memory(const std::string& model_file) {
   prediction_ =
       fsdp::plan::predict_step_memory(run.units, run.options, run.activations, pg_->rank());
   plan_ = run;
-  if (timed)
+  if (timed) {
     time_prediction_ = predict_time(run);
+    if (!finetune_)
+      step_time_ = time_by_blocks();
+  }
   if (config_.logging.plan && pg_->rank() == 0) {
     progress_->message(describe_prediction(*prediction_));
     const auto& p = *time_prediction_;
@@ -518,6 +520,73 @@ double Trainer::evaluate() {
                  .item<double>();
   }
   return mean_over_ranks(total / static_cast<double>(eval_set_.size()));
+}
+
+MeasuredTime Trainer::time_by_blocks() {
+  // The job with 1 and then 3 blocks (2 if it has fewer), on the job's ranks with the job's
+  // options and batch shape (random tokens), timed by its own profiler, the median of 4 steps
+  // after 2 warm-up steps per phase; each phase is the root's part plus a part per block, which
+  // the two sizes give (3 rather than 2: the noise of the difference is multiplied by the blocks
+  // it is extrapolated to).
+  const auto& t = config_.training;
+  const std::array<int64_t, 2> sizes{1, std::min<int64_t>(3, std::max<int64_t>(2, model_.n_layer))};
+  std::array<MeasuredTime, 2> at;
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    Config small = config_;
+    small.model.n_layer = sizes[k];
+    TrainModel model = build_model(small, data_.vocab_size, *units_, device_);
+    std::vector<torch::Tensor> decay, no_decay, params;
+    for (const auto& p : model.module->parameters()) {
+      if (!p.requires_grad())
+        continue;
+      params.push_back(p);
+      (p.dim() >= 2 ? decay : no_decay).push_back(p);
+    }
+    auto optimizer = make_optimizer(small, decay, no_decay);
+    fsdp::StepProfiler profiler(model.module);
+    constexpr int kWarmup = 2, kTimed = 4;
+    std::vector<fsdp::StepBreakdown> runs;
+    for (int step = 0; step < kWarmup + kTimed; ++step) {
+      auto batch = torch::randint(data_.vocab_size, {t.batch_size, t.seq_len + 1},
+                                  torch::TensorOptions().dtype(torch::kLong))
+                       .to(device_);
+      StepMetrics unused;
+      pg_->barrier();
+      profiler.begin_step();
+      run_step(StepParts{model, *optimizer, params, profiler, nullptr}, batch, {}, unused);
+      const auto b = profiler.end_step();
+      if (step >= kWarmup)
+        runs.push_back(b);
+    }
+    auto median = [&](double fsdp::StepBreakdown::*f) {
+      std::vector<double> v;
+      for (const auto& b : runs)
+        v.push_back(b.*f);
+      std::sort(v.begin(), v.end());
+      return (v[v.size() / 2] + v[(v.size() - 1) / 2]) / 2;
+    };
+    auto& m = at[k];
+    m.forward = median(&fsdp::StepBreakdown::forward_s);
+    m.backward = median(&fsdp::StepBreakdown::backward_s);
+    m.all_gather_wait = median(&fsdp::StepBreakdown::all_gather_wait_s);
+    m.reduce_wait = median(&fsdp::StepBreakdown::reduce_wait_s);
+    m.optimizer = median(&fsdp::StepBreakdown::optimizer_s);
+    m.other = median(&fsdp::StepBreakdown::other_s);
+  }
+  const double n = static_cast<double>(model_.n_layer);
+  const double apart = static_cast<double>(sizes[1] - sizes[0]);
+  auto scale = [&](double MeasuredTime::*f) {
+    const double block = (at[1].*f - at[0].*f) / apart;
+    return std::max(0.0, at[0].*f + (n - 1) * block);
+  };
+  MeasuredTime out;
+  for (auto f : {&MeasuredTime::forward, &MeasuredTime::backward, &MeasuredTime::all_gather_wait,
+                 &MeasuredTime::reduce_wait, &MeasuredTime::optimizer, &MeasuredTime::other})
+    out.*f = scale(f);
+  out.step = out.forward + out.backward + out.all_gather_wait + out.reduce_wait + out.optimizer +
+             out.other;
+  out.steps = 2 * 4;
+  return out;
 }
 
 double Trainer::run_step(const StepParts& parts, const torch::Tensor& batch,
@@ -717,11 +786,18 @@ void Trainer::train() {
       for (double* v : {&mean.forward, &mean.backward, &mean.all_gather_wait, &mean.reduce_wait,
                         &mean.optimizer, &mean.other, &mean.step})
         *v /= static_cast<double>(mean.steps);
-      if (time_prediction_)
+      if (step_time_)
+        progress_->message(compare_time(*step_time_, mean));
+      else if (time_prediction_)
         progress_->message(compare_time(*time_prediction_, mean));
     }
-    fsdp::write_file_atomic((std::filesystem::path(config_.logging.run_dir) / "plan.json").string(),
-                            plan_json(at_measured, measured_, time_prediction_, mean));
+    fsdp::write_file_atomic(
+        (std::filesystem::path(config_.logging.run_dir) / "plan.json").string(),
+        plan_json(at_measured, measured_,
+                  step_time_         ? step_time_
+                  : time_prediction_ ? std::optional<MeasuredTime>(as_phases(*time_prediction_))
+                                     : std::nullopt,
+                  mean, step_time_ ? "the job with 1 and 3 blocks" : "timed pieces and links"));
   }
   if (config_.checkpoint.export_hf)
     export_hf(export_dir(config_), /*replace=*/true);

@@ -116,6 +116,9 @@ class Trainer {
   /// --plan: the step time of `run` (its pieces timed), with this job's links and optimizer
   /// timed here (every rank calls it).
   fsdp::plan::TimePrediction predict_time(const RunPlan& run);
+  /// --plan, pretraining: the step time by phase, from the same job with 1 and 2 blocks run on
+  /// these ranks (each phase is the root's part plus a part per block).
+  MeasuredTime time_by_blocks();
 
   Config config_;
   DeviceMemory device_memory_;
@@ -145,7 +148,9 @@ class Trainer {
   std::optional<fsdp::plan::MemoryPrediction> prediction_;  // of plan_, before step 1
   MeasuredPeak measured_;  // this rank's highest steady-step peak, for the comparison
   std::optional<fsdp::plan::TimePrediction> time_prediction_;  // --plan
-  MeasuredTime measured_time_;  // sums over the steady steps (means at the end)
+  MeasuredTime measured_time_;             // sums over the steady steps (means at the end)
+  std::optional<MeasuredTime> step_time_;  // time_by_blocks()
+  std::optional<UnitOptions> units_;       // how the job's units are sharded
 };
 
 }  // namespace fsdp_trainer

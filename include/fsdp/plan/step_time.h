@@ -90,7 +90,7 @@ struct TimeInputs {
 
 struct TimePrediction {
   double forward_s = 0;
-  double backward_s = 0;  // recomputation included
+  double backward_s = 0;   // recomputation included
   double recompute_s = 0;  // of which recomputation
   double all_gather_exposed_s = 0;
   double reduce_exposed_s = 0;
