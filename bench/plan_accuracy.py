@@ -96,10 +96,11 @@ def main():
     trainer = os.path.join(args.build, "trainer", "fsdp-train")
     lines = [f"Machine: {cpu_description()}", "",
              "| configuration | ranks | predicted peak MiB | without Gloo staging | measured MiB | "
-             "error | predicted moment | measured moment | largest category |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "error | predicted moment | measured moment | largest category | predicted step s | "
+             "measured s | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
-    errors = []
+    errors, time_errors = [], []
     started = time.time()
     for name, world, cfg in GRID:
         if args.only and args.only not in name:
@@ -131,12 +132,31 @@ def main():
                f"{'' if m['moment'] == p['moment'] else f' ({100 * there:.1f}% of the peak there)'}"
                f" | {largest(m['categories'])}"
                f"{'' if same else ' (predicted ' + largest(p['categories']) + ')'} |")
+        timing = plan.get("time")
+        if timing and timing["measured"]["step"] > 0:
+            terr = 100.0 * (timing["predicted"]["step"] - timing["measured"]["step"]) / \
+                timing["measured"]["step"]
+            time_errors.append((abs(terr), timing["method"]))
+            row += (f" {timing['predicted']['step']:.4f} | {timing['measured']['step']:.4f} | "
+                    f"{terr:+.1f}%{'' if 'blocks' in timing['method'] else ' (pieces)'} |")
+        else:
+            row += " | | |"
         lines.append(row)
         print(row, flush=True)
     finite = [e for e in errors if e != float("inf")]
     summary = (f"\n{len(finite)} of {len(errors)} configurations ran; |error| median "
                f"{statistics.median(finite):.1f}%, worst {max(finite):.1f}% "
                f"({time.time() - started:.0f} s)" if finite else "\nnothing ran")
+    by_blocks = [e for e, method in time_errors if "blocks" in method]
+    if by_blocks:
+        summary += (f"\nstep time (the job with 1 and 3 blocks, {len(by_blocks)} configurations): "
+                    f"|error| median {statistics.median(by_blocks):.1f}%, worst "
+                    f"{max(by_blocks):.1f}%")
+    pieces = [e for e, method in time_errors if "blocks" not in method]
+    if pieces:
+        summary += (f"\nstep time (timed pieces and links, fine-tuning, {len(pieces)} "
+                    f"configurations): |error| median {statistics.median(pieces):.1f}%, worst "
+                    f"{max(pieces):.1f}%")
     lines.append(summary)
     print(summary)
     if args.out:

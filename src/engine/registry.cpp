@@ -38,7 +38,8 @@ void erase_locked(std::unordered_map<const torch::nn::Module*, Entry>::iterator 
 }
 
 // Drops units whose module died (their parameters die with them). O(units): only where a
-// listing is built anyway.
+// listing is built anyway (units_under runs once per step in StepProfiler, so a model that
+// died is released at the latest by the next step of another one).
 void prune_locked() {
   for (auto it = g_by_module.begin(); it != g_by_module.end();) {
     auto next = std::next(it);
@@ -112,6 +113,7 @@ std::vector<std::shared_ptr<ParamGroup>> units_under(const torch::nn::Module& mo
   std::vector<std::pair<uint64_t, std::shared_ptr<ParamGroup>>> found;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
+    prune_locked();
     std::unordered_set<const torch::nn::Module*> seen;  // a shared submodule appears twice
     auto add = [&](const torch::nn::Module* m) {
       if (!seen.insert(m).second)

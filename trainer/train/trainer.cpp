@@ -352,22 +352,27 @@ void Trainer::plan_memory(const std::string& model_file) {
     }
     return;
   }
-  const int64_t other = fsdp::memory::current_by_category()[fsdp::memory::Category::kOther];
   // Timing the pieces (--plan) happens on every rank at once, as the step will.
   const bool timed = config_.logging.plan;
   auto run = plan_run(config_, finetune_ ? 0 : data_.vocab_size, model_file, pg_->size(),
                       fsdp::launch_env_from_environment().local_world_size, compute_dtype_.dtype,
-                      other, timed, [this] { pg_->barrier(); });
+                      /*other_bytes=*/0, timed, [this] { pg_->barrier(); });
   if (finetune_)  // batches are padded to their longest conversation
     run.options.seq_len = std::min(run.options.seq_len, finetune_->longest_train_input());
-  prediction_ =
-      fsdp::plan::predict_step_memory(run.units, run.options, run.activations, pg_->rank());
-  plan_ = run;
   if (timed) {
     time_prediction_ = predict_time(run);
     if (!finetune_)
       step_time_ = time_by_blocks();
   }
+  run.pieces.reset();  // the one-block model goes
+  // The timing models' units go with them: listing units drops those of dead models.
+  fsdp::comm_stats(*model_.module);
+  // What is tracked outside the model when step 1 starts (the data, and what the timing runs
+  // leave behind: Gloo keeps buffers for the groups they used), after all of the above.
+  run.options.other_bytes += fsdp::memory::current_by_category()[fsdp::memory::Category::kOther];
+  prediction_ =
+      fsdp::plan::predict_step_memory(run.units, run.options, run.activations, pg_->rank());
+  plan_ = run;
   if (config_.logging.plan && pg_->rank() == 0) {
     progress_->message(describe_prediction(*prediction_));
     const auto& p = *time_prediction_;
