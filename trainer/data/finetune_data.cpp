@@ -220,4 +220,20 @@ int64_t FinetuneData::longest_train_input() const {
   return longest;
 }
 
+int64_t FinetuneData::typical_batch_input(int64_t rows) const {
+  if (train_.empty())
+    return 1;
+  std::mt19937_64 gen(12345);
+  std::uniform_int_distribution<size_t> pick(0, train_.size() - 1);
+  double sum = 0;
+  constexpr int kDraws = 64;
+  for (int d = 0; d < kDraws; ++d) {
+    int64_t longest = 1;
+    for (int64_t r = 0; r < rows; ++r)
+      longest = std::max<int64_t>(longest, static_cast<int64_t>(train_[pick(gen)].ids.size()) - 1);
+    sum += static_cast<double>(longest);
+  }
+  return std::llround(sum / kDraws);
+}
+
 }  // namespace fsdp_trainer

@@ -93,6 +93,9 @@ class FinetuneData {
   /// The longest model input of a training conversation (its tokens minus one): the widest a
   /// padded training batch gets.
   int64_t longest_train_input() const;
+  /// The padded length of a typical training batch of `rows` conversations: the mean, over 64
+  /// batches drawn with a fixed seed, of their longest input.
+  int64_t typical_batch_input(int64_t rows) const;
   int64_t end_of_turn_id() const { return end_of_turn_; }
 
  private:

@@ -123,7 +123,8 @@ TrainModel build_model(const Config& config, int64_t vocab_size, const UnitOptio
 }
 
 TrainModel build_finetune_model(const Config& config, const std::string& gguf_path,
-                                const UnitOptions& options, torch::Device device) {
+                                const UnitOptions& options, torch::Device device,
+                                int64_t only_blocks) {
   const auto& f = config.finetune;
   namespace fm = fsdp_models;
   std::optional<fm::gguf::File> file;
@@ -135,6 +136,8 @@ TrainModel build_finetune_model(const Config& config, const std::string& gguf_pa
     throw ConfigError(std::string("'finetune.model': ") + e.what());
   }
   cfg.max_seq_len = f.max_tokens;
+  if (only_blocks > 0)  // the planner's timing: that many blocks, weights left at zero
+    cfg.n_layers = only_blocks;
   fm::Llama model(cfg, fm::ModelInit().device(torch::kMeta));
   const bool adapters = f.method != "full";
   if (f.method == "qlora")
@@ -161,7 +164,8 @@ TrainModel build_finetune_model(const Config& config, const std::string& gguf_pa
   root.param_init(init);
   fm::parallelize_llama(model, blocks, root, config.fsdp.ac_every);
   try {
-    fm::load_gguf(*file, model);
+    if (only_blocks == 0)
+      fm::load_gguf(*file, model);
   } catch (const fm::gguf::FormatError& e) {
     throw ConfigError(std::string("'finetune.model': ") + e.what());
   }

@@ -361,8 +361,7 @@ void Trainer::plan_memory(const std::string& model_file) {
     run.options.seq_len = std::min(run.options.seq_len, finetune_->longest_train_input());
   if (timed) {
     time_prediction_ = predict_time(run);
-    if (!finetune_)
-      step_time_ = time_by_blocks();
+    step_time_ = time_by_blocks(model_file);
   }
   run.pieces.reset();  // the one-block model goes
   // The timing models' units go with them: listing units drops those of dead models.
@@ -527,7 +526,7 @@ double Trainer::evaluate() {
   return mean_over_ranks(total / static_cast<double>(eval_set_.size()));
 }
 
-MeasuredTime Trainer::time_by_blocks() {
+MeasuredTime Trainer::time_by_blocks(const std::string& model_file) {
   // The job with 1 and then 3 blocks (2 if it has fewer), on the job's ranks with the job's
   // options and batch shape (random tokens), timed by its own profiler, the median of 4 steps
   // after 2 warm-up steps per phase; each phase is the root's part plus a part per block, which
@@ -539,7 +538,9 @@ MeasuredTime Trainer::time_by_blocks() {
   for (size_t k = 0; k < sizes.size(); ++k) {
     Config small = config_;
     small.model.n_layer = sizes[k];
-    TrainModel model = build_model(small, data_.vocab_size, *units_, device_);
+    TrainModel model = finetune_
+                           ? build_finetune_model(config_, model_file, *units_, device_, sizes[k])
+                           : build_model(small, data_.vocab_size, *units_, device_);
     std::vector<torch::Tensor> decay, no_decay, params;
     for (const auto& p : model.module->parameters()) {
       if (!p.requires_grad())
@@ -552,13 +553,25 @@ MeasuredTime Trainer::time_by_blocks() {
     constexpr int kWarmup = 2, kTimed = 4;
     std::vector<fsdp::StepBreakdown> runs;
     for (int step = 0; step < kWarmup + kTimed; ++step) {
-      auto batch = torch::randint(data_.vocab_size, {t.batch_size, t.seq_len + 1},
-                                  torch::TensorOptions().dtype(torch::kLong))
-                       .to(device_);
+      // Random tokens of the job's batch shape; for conversations, a typical padded length and
+      // ids below 256 (byte tokens, in every vocabulary).
+      torch::Tensor batch;
+      InstructBatch conversations;
+      const auto ids = torch::TensorOptions().dtype(torch::kLong);
+      if (finetune_) {
+        const int64_t length = finetune_->typical_batch_input(t.batch_size);
+        conversations.inputs = torch::randint(256, {t.batch_size, length}, ids);
+        conversations.labels = torch::randint(256, {t.batch_size, length}, ids);
+        conversations.mask = torch::ones({t.batch_size, length});
+        conversations.targets = t.batch_size * length;
+      } else {
+        batch = torch::randint(data_.vocab_size, {t.batch_size, t.seq_len + 1}, ids).to(device_);
+      }
       StepMetrics unused;
       pg_->barrier();
       profiler.begin_step();
-      run_step(StepParts{model, *optimizer, params, profiler, nullptr}, batch, {}, unused);
+      run_step(StepParts{model, *optimizer, params, profiler, nullptr}, batch, conversations,
+               unused);
       const auto b = profiler.end_step();
       if (step >= kWarmup)
         runs.push_back(b);

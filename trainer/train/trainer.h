@@ -116,9 +116,10 @@ class Trainer {
   /// --plan: the step time of `run` (its pieces timed), with this job's links and optimizer
   /// timed here (every rank calls it).
   fsdp::plan::TimePrediction predict_time(const RunPlan& run);
-  /// --plan, pretraining: the step time by phase, from the same job with 1 and 2 blocks run on
-  /// these ranks (each phase is the root's part plus a part per block).
-  MeasuredTime time_by_blocks();
+  /// --plan: the step time by phase, from the same job with 1 and 3 blocks run on these ranks
+  /// (each phase is the root's part plus a part per block; fine-tuning: the blocks' weights not
+  /// read, batches of a typical padded length).
+  MeasuredTime time_by_blocks(const std::string& model_file);
 
   Config config_;
   DeviceMemory device_memory_;
