@@ -562,6 +562,17 @@ TEST(TrainerRun, PlanPredictsThePeakWithinFivePercent) {
       return best;
     };
     EXPECT_EQ(largest(p["categories"]), largest(m["categories"])) << c.name << ": " << plan;
+    // The step time by phase (a figure, not a check: bench/plan_accuracy.py measures it), and
+    // the bytes each kind of collective moves per step, exactly as the run counted them.
+    ASSERT_TRUE(plan.contains("time") && plan.contains("traffic")) << plan;
+    EXPECT_GT(plan["time"]["predicted"]["step"].get<double>(), 0) << plan;
+    const auto metrics = fsdp_trainer::read_metrics((fs::path(run_dir) / "metrics.jsonl").string());
+    ASSERT_FALSE(metrics.empty());
+    const auto& last = metrics.back();
+    EXPECT_EQ(plan["traffic"]["all_gather"].get<int64_t>(), last.allgather_bytes) << c.name;
+    EXPECT_EQ(plan["traffic"]["reduce_scatter"].get<int64_t>(), last.reducescatter_bytes) << c.name;
+    // The global norm's all-reduce (8 bytes) is the trainer's, not the model's.
+    EXPECT_EQ(plan["traffic"]["all_reduce"].get<int64_t>() + 8, last.allreduce_bytes) << c.name;
     std::printf("%s: predicted %lld B, measured %lld B at %s\n", c.name.c_str(),
                 (long long)p["peak"].get<int64_t>(), (long long)m["peak"].get<int64_t>(),
                 m["moment"].get<std::string>().c_str());

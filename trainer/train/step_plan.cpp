@@ -289,7 +289,8 @@ MeasuredTime as_phases(const plan::TimePrediction& p) {
 
 std::string plan_json(const plan::MemoryPrediction& p, const MeasuredPeak& m,
                       const std::optional<MeasuredTime>& time, const MeasuredTime& mt,
-                      const std::string& method) {
+                      const std::string& method,
+                      const std::optional<plan::TimePrediction>& traffic) {
   auto categories = [](const mem::CategoryBytes& bytes) {
     std::string out = "{";
     for (int c = 0; c < mem::kNumCategories; ++c) {
@@ -310,6 +311,11 @@ std::string plan_json(const plan::MemoryPrediction& p, const MeasuredPeak& m,
         ",\"time\":{{\"method\":\"{}\",\"predicted\":{{{}}},\"measured\":{{{},"
         "\"steps\":{}}}}}",
         method, phases(*time), phases(mt), mt.steps);
+  }
+  if (traffic) {
+    times += fmt::format(
+        ",\"traffic\":{{\"all_gather\":{},\"reduce_scatter\":{},\"all_reduce\":{}}}",
+        traffic->all_gather_bytes, traffic->reduce_scatter_bytes, traffic->all_reduce_bytes);
   }
   // The highest predicted total at each moment, by fsdp::memory label.
   std::vector<std::string> labels;

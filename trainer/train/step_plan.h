@@ -81,10 +81,13 @@ std::string compare_prediction(const fsdp::plan::MemoryPrediction& p, const Meas
 /// there}}, "measured": {"peak", "moment", "steps", "seq_len", "categories"}}. Moments are
 /// fsdp::memory labels; category names fsdp::memory::to_string's.
 /// With `time` (seconds by phase, predicted) and `measured_time`: a "time" object too,
-/// {"method", "predicted": {phase: s}, "measured": {phase: s, "steps"}}.
+/// {"method", "predicted": {phase: s}, "measured": {phase: s, "steps"}}; with `traffic`, a
+/// "traffic" object: the bytes per step the planner predicts each kind of collective moves
+/// ({"all_gather", "reduce_scatter", "all_reduce"}, as CommStats counts them).
 std::string plan_json(const fsdp::plan::MemoryPrediction& p, const MeasuredPeak& m,
                       const std::optional<MeasuredTime>& time = std::nullopt,
-                      const MeasuredTime& measured_time = {}, const std::string& method = "");
+                      const MeasuredTime& measured_time = {}, const std::string& method = "",
+                      const std::optional<fsdp::plan::TimePrediction>& traffic = std::nullopt);
 
 /// The phases of a TimePrediction as MeasuredTime's.
 MeasuredTime as_phases(const fsdp::plan::TimePrediction& p);

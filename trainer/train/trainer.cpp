@@ -815,7 +815,8 @@ void Trainer::train() {
                   step_time_         ? step_time_
                   : time_prediction_ ? std::optional<MeasuredTime>(as_phases(*time_prediction_))
                                      : std::nullopt,
-                  mean, step_time_ ? "the job with 1 and 3 blocks" : "timed pieces and links"));
+                  mean, step_time_ ? "the job with 1 and 3 blocks" : "timed pieces and links",
+                  time_prediction_));
   }
   if (config_.checkpoint.export_hf)
     export_hf(export_dir(config_), /*replace=*/true);
