@@ -457,6 +457,42 @@ TEST(PlanActivations, ScalingPredictsAnotherSizeAndCheckpointingKeepsLess) {
   show("full", acts.block[1].at(b, t));
   show("selective", acts.block[2].at(b, t));
   show("post", acts.post.at(b, t));
+  // Checkpointing keeps less: full keeps the input only, selective the products too.
+  const auto none = acts.block[0].at(b, t), full = acts.block[1].at(b, t),
+             selective = acts.block[2].at(b, t);
+  EXPECT_LT(full.saved, selective.saved);
+  EXPECT_LT(selective.saved, none.saved);
+  // ... and recomputes in backward: its high-water mark is the plain block's kept bytes more.
+  EXPECT_GT(full.backward_peak().activations, none.backward_peak().activations);
+  // A size the calibration never ran, measured: the fit from (2, 32), (4, 32), (2, 64) holds.
+  auto x_at = [&](int64_t bb, int64_t tt) {
+    torch::Tensor x;
+    {
+      torch::NoGradGuard no_grad;
+      x = pieces.block(pieces.pre(bb, tt), tt).detach().clone();
+    }
+    return x.requires_grad_(true);
+  };
+  const auto measured = fsdp::plan::measure_piece(
+      [&] { return x_at(b, t); }, [&](const torch::Tensor& x) { return pieces.block(x, t); },
+      pieces.parameters);
+  show("measured", measured);
+  auto near = [](int64_t predicted, int64_t actual, double tolerance) {
+    return std::abs(static_cast<double>(predicted - actual)) <=
+           tolerance * static_cast<double>(std::max<int64_t>(1, std::abs(actual)));
+  };
+  EXPECT_TRUE(near(none.saved, measured.saved, 0.01)) << none.saved << " vs " << measured.saved;
+  EXPECT_TRUE(near(none.forward_peak, measured.forward_peak, 0.01))
+      << none.forward_peak << " vs " << measured.forward_peak;
+  const auto peak_fit = none.backward_peak(), peak_measured = measured.backward_peak();
+  EXPECT_TRUE(near(peak_fit.activations + peak_fit.grads,
+                   peak_measured.activations + peak_measured.grads, 0.02))
+      << peak_fit.activations << " + " << peak_fit.grads << " vs " << peak_measured.activations
+      << " + " << peak_measured.grads;
+  // One block's output, once the next block has it, is what stays (single-piece release minus
+  // the chain correction the calibration makes; within 1%).
+  EXPECT_TRUE(near(none.backward_release, measured.backward_release, 0.01))
+      << none.backward_release << " vs " << measured.backward_release;
 }
 
 TEST(PlanUnits, EveryParameterInItsInnermostUnitAndBadPathsNamed) {
