@@ -23,6 +23,9 @@
 #include <fsdp/distributed/process_group.h>
 #include <fsdp/observe/step_profiler.h>
 #include <fsdp/optim/fused_optimizer.h>
+#include <fsdp/plan/activations.h>
 #include <fsdp/plan/model_states.h>
+#include <fsdp/plan/step_memory.h>
+#include <fsdp/plan/step_time.h>
 #include <fsdp/plan/units.h>
 #include <fsdp/quant/nf4.h>
