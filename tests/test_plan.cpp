@@ -465,17 +465,9 @@ TEST(PlanActivations, ScalingPredictsAnotherSizeAndCheckpointingKeepsLess) {
   // ... and recomputes in backward: its high-water mark is the plain block's kept bytes more.
   EXPECT_GT(full.backward_peak().activations, none.backward_peak().activations);
   // A size the calibration never ran, measured: the fit from (2, 32), (4, 32), (2, 64) holds.
-  auto x_at = [&](int64_t bb, int64_t tt) {
-    torch::Tensor x;
-    {
-      torch::NoGradGuard no_grad;
-      x = pieces.block(pieces.pre(bb, tt), tt).detach().clone();
-    }
-    return x.requires_grad_(true);
-  };
   const auto measured = fsdp::plan::measure_piece(
-      [&] { return x_at(b, t); }, [&](const torch::Tensor& x) { return pieces.block(x, t); },
-      pieces.parameters);
+      [&] { return fsdp::plan::calibration_input(pieces, b, t); },
+      [&](const torch::Tensor& x) { return pieces.block(x, t); }, pieces.parameters);
   show("measured", measured);
   auto near = [](int64_t predicted, int64_t actual, double tolerance) {
     return std::abs(static_cast<double>(predicted - actual)) <=

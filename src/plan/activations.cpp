@@ -198,19 +198,19 @@ PieceBytes measure_piece(const std::function<torch::Tensor()>& make_input,
   return out;
 }
 
+torch::Tensor calibration_input(const CalibrationPieces& pieces, int64_t b, int64_t t) {
+  torch::Tensor x;
+  {
+    torch::NoGradGuard no_grad;
+    x = pieces.block(pieces.pre(b, t), t).detach().clone();
+  }
+  return x.requires_grad_(true);
+}
+
 ActivationModel calibrate_activations(const CalibrationPieces& pieces, int64_t b, int64_t t) {
   TORCH_CHECK(b >= 1 && t >= 2, "fsdp::plan: calibration at B=", b, ", T=", t);
   ActivationModel model;
-  // The input of a block or of the head: a block's output (in the blocks' dtype), detached into
-  // a leaf that requires grad (its gradient is the "gradient of the input" the piece leaves).
-  auto hidden = [&](int64_t bb, int64_t tt) {
-    torch::Tensor x;
-    {
-      torch::NoGradGuard no_grad;
-      x = pieces.block(pieces.pre(bb, tt), tt).detach().clone();
-    }
-    return x.requires_grad_(true);
-  };
+  auto hidden = [&](int64_t bb, int64_t tt) { return calibration_input(pieces, bb, tt); };
   auto measure_all = [&](int64_t bb, int64_t tt) {
     struct All {
       PieceBytes pre, post;

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <deque>
 #include <functional>
-#include <map>
 #include <set>
 
 #include "unit_bytes.h"
@@ -65,6 +64,7 @@ class Schedule {
       : bytes_(bytes),
         state_(bytes.size(), Gather::kSharded),
         block_(bytes.size(), false),
+        counted_(bytes.size(), false),
         limit_(std::max(1, limit)),
         ledger_(ledger) {}
 
@@ -141,7 +141,7 @@ class Schedule {
   const std::vector<UnitBytes>& bytes_;
   std::vector<Gather> state_;
   std::vector<bool> block_;
-  std::map<size_t, bool> counted_;
+  std::vector<bool> counted_;  // holds a rate-limiter slot
   std::deque<size_t> queue_;
   int in_use_ = 0;
   int limit_;
@@ -390,7 +390,7 @@ MemoryPrediction predict_step_memory(const std::vector<UnitInfo>& units, const S
     ledger.add(A, -ledger.current(A), e);
   }
   out.peak_without_staging = out.peak;
-  if (o.gloo_staging && out.states.params >= 0) {
+  if (o.gloo_staging) {
     StepOptions without = o;
     without.gloo_staging = false;
     out.peak_without_staging = predict_step_memory(units, without, activations, rank).peak;

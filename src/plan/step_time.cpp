@@ -54,14 +54,7 @@ PieceTime time_piece(const std::function<torch::Tensor()>& make_input,
 ComputeTimes time_pieces(const CalibrationPieces& pieces, int64_t b, int64_t t, int repeats) {
   TORCH_CHECK(b >= 1 && t >= 1 && repeats >= 1, "fsdp::plan: timing at B=", b, ", T=", t);
   ComputeTimes out;
-  auto hidden = [&] {
-    torch::Tensor x;
-    {
-      torch::NoGradGuard no_grad;
-      x = pieces.block(pieces.pre(b, t), t).detach().clone();
-    }
-    return x.requires_grad_(true);
-  };
+  auto hidden = [&] { return calibration_input(pieces, b, t); };
   out.pre = time_piece([] { return torch::Tensor(); },
                        [&](const torch::Tensor&) { return pieces.pre(b, t); }, pieces.parameters,
                        repeats);
@@ -192,11 +185,7 @@ double measure_comm_factor(ProcessGroup& group, const CalibrationPieces& pieces,
   auto whole = torch::empty({gather_per_rank * n}, options);
   auto grads = torch::ones({reduce_per_rank * n}, options);
   auto shard = torch::empty({reduce_per_rank}, options);
-  torch::Tensor x;
-  {
-    torch::NoGradGuard no_grad;
-    x = pieces.block(pieces.pre(b, t), t).detach().clone();
-  }
+  const torch::Tensor x = calibration_input(pieces, b, t);
   auto one = [&] {
     auto input = x.detach().requires_grad_(true);
     auto gather = all_gather(group, {piece}, {whole}, int64_t{4} << 20, "planner: overlap");
@@ -234,7 +223,7 @@ TimePrediction predict_step_time(const std::vector<UnitInfo>& units, const StepO
   const int world = o.states.world_size;
   const int replicas = world / g.n;
   TimePrediction out;
-  const double hidden = std::max(0.0, in.comm_factor);
+  const double factor = std::max(0.0, in.comm_factor);
   const auto mode = [&](size_t u) {
     return u < o.checkpoint.size() ? o.checkpoint[u] : CheckpointMode::kNone;
   };
@@ -267,26 +256,26 @@ TimePrediction predict_step_time(const std::vector<UnitInfo>& units, const StepO
                 : 1;
         out.all_gather_bytes += b.gather_wire;  // forward
         out.all_gather_calls += 1;
-        out.all_gather_exposed_s += hidden * in.shard.all_gather.seconds(b.gather_wire, calls);
+        out.all_gather_exposed_s += factor * in.shard.all_gather.seconds(b.gather_wire, calls);
         if (gathers == 2) {
           // Backward: from a kept block (reshard-to-k) the unit travels in the compute dtype.
           const int64_t bytes = layout.block_k ? b.gathered : b.gather_wire;
           out.all_gather_bytes += bytes;
           out.all_gather_calls += 1;
-          out.all_gather_exposed_s += hidden * in.shard.all_gather.seconds(bytes, calls);
+          out.all_gather_exposed_s += factor * in.shard.all_gather.seconds(bytes, calls);
         }
       }
       if (!b.trainable || !sync)
         continue;
       if (g.n > 1) {
         out.reduce_scatter_bytes += b.reduce_input;
-        out.reduce_exposed_s += hidden * in.shard.reduce_scatter.seconds(b.reduce_input);
+        out.reduce_exposed_s += factor * in.shard.reduce_scatter.seconds(b.reduce_input);
       }
       if (replicas > 1) {
         const int64_t bytes = g.n > 1 ? b.reduce_output : b.reduce_input;
         // Gloo all-reduces in buckets of all_reduce_bucket_bytes (FullyShardOptions).
         out.all_reduce_bytes += bytes;
-        out.reduce_exposed_s += hidden * in.replicate.all_reduce.seconds(bytes);
+        out.reduce_exposed_s += factor * in.replicate.all_reduce.seconds(bytes);
       }
     }
   }

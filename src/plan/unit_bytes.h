@@ -23,6 +23,26 @@ inline int64_t esize(torch::ScalarType t) {
   return static_cast<int64_t>(c10::elementSize(t));
 }
 
+// A parameter's dim-0 sharding over `n` ranks, seen from shard rank `r`
+// (src/engine/sharded_param.cpp, the ShardedParam constructor).
+struct Shard {
+  int64_t chunk_rows = 0;  // rows of the padded shard
+  int64_t local_rows = 0;  // real rows on this rank
+  int64_t row_numel = 0;
+};
+
+inline Shard shard_of(const ParamInfo& p, int n, int r) {
+  Shard s;
+  const int64_t rows = p.shape.empty() ? 1 : p.shape[0];
+  int64_t numel = 1;
+  for (auto d : p.shape)
+    numel *= d;
+  s.row_numel = rows == 0 ? (p.shape.empty() ? 0 : 1) : numel / rows;
+  s.chunk_rows = ceil_div(rows, n);
+  s.local_rows = std::clamp<int64_t>(rows - r * s.chunk_rows, 0, s.chunk_rows);
+  return s;
+}
+
 // What one unit allocates on this rank, in bytes (sharded_param.cpp and param_group.cpp).
 struct UnitBytes {
   int64_t gathered = 0;       // the padded unsharded parameters (alloc_unsharded)
@@ -47,6 +67,24 @@ struct Geometry {
   int r = 0;  // rank in it
 };
 
+/// The shard group of `rank` (src/engine/fully_shard.cpp, resolve_groups): blocks of
+/// consecutive ranks under kHybridShard, the world under kFullShard and kShardGradOp, one rank
+/// (nothing sharded) under kNoShard.
+inline Geometry shard_group(const StateOptions& s, int rank) {
+  Geometry g;
+  g.n = s.world_size;
+  if (s.strategy == ShardingStrategy::kNoShard) {
+    g.n = 1;
+  } else if (s.strategy == ShardingStrategy::kHybridShard) {
+    TORCH_CHECK(s.hybrid_shard_size >= 1 && s.world_size % s.hybrid_shard_size == 0,
+                "fsdp::plan: hybrid_shard_size ", s.hybrid_shard_size,
+                " does not divide the world size ", s.world_size);
+    g.n = s.hybrid_shard_size;
+  }
+  g.r = rank % g.n;
+  return g;
+}
+
 inline UnitBytes unit_bytes(const UnitInfo& unit, const StepOptions& o, const Geometry& g,
                             const std::optional<int>& block_k, const std::set<std::string>& post,
                             const std::set<std::string>& pre) {
@@ -58,13 +96,12 @@ inline UnitBytes unit_bytes(const UnitInfo& unit, const StepOptions& o, const Ge
   int64_t flags = 0, chunk_elems = 0, local_grad_bytes = 0;
   torch::ScalarType master = torch::kFloat32;
   for (const auto& p : unit.params) {
-    const int64_t rows = p.shape.empty() ? 1 : p.shape[0];
+    const Shard shard = shard_of(p, n, g.r);
+    const int64_t row_numel = shard.row_numel, chunk_rows = shard.chunk_rows,
+                  local_rows = shard.local_rows;
     int64_t numel = 1;
     for (auto d : p.shape)
       numel *= d;
-    const int64_t row_numel = rows == 0 ? (p.shape.empty() ? 0 : 1) : numel / rows;
-    const int64_t chunk_rows = ceil_div(rows, n);
-    const int64_t local_rows = std::clamp<int64_t>(rows - g.r * chunk_rows, 0, chunk_rows);
     const bool floating = c10::isFloatingType(p.dtype);
     const torch::ScalarType unsharded =
         mixed && s.param_dtype && floating ? *s.param_dtype : p.dtype;
@@ -170,13 +207,8 @@ struct Layout {
 inline Layout layout_of(const StepOptions& o, int rank) {
   const auto& s = o.states;
   Layout l;
-  auto& g = l.geometry;
-  g.n = s.strategy == ShardingStrategy::kNoShard       ? 1
-        : s.strategy == ShardingStrategy::kHybridShard ? s.hybrid_shard_size
-                                                       : s.world_size;
-  TORCH_CHECK(g.n >= 1 && s.world_size % g.n == 0, "fsdp::plan: a shard group of ", g.n,
-              " does not divide the world size ", s.world_size);
-  g.r = rank % g.n;
+  l.geometry = shard_group(s, rank);
+  const Geometry& g = l.geometry;
   const bool resharding_kind =
       s.strategy == ShardingStrategy::kFullShard || s.strategy == ShardingStrategy::kHybridShard;
   l.blocks_reshard = resharding_kind && o.reshard_after_forward.value_or(true);

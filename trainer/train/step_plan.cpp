@@ -276,17 +276,6 @@ std::string compare_prediction(const plan::MemoryPrediction& p, const MeasuredPe
   return out;
 }
 
-MeasuredTime as_phases(const plan::TimePrediction& p) {
-  MeasuredTime t;
-  t.forward = p.forward_s;
-  t.backward = p.backward_s;
-  t.all_gather_wait = p.all_gather_exposed_s;
-  t.reduce_wait = p.reduce_exposed_s;
-  t.optimizer = p.optimizer_s;
-  t.step = p.step_s;
-  return t;
-}
-
 std::string plan_json(const plan::MemoryPrediction& p, const MeasuredPeak& m,
                       const std::optional<MeasuredTime>& time, const MeasuredTime& mt,
                       const std::string& method,
@@ -336,33 +325,14 @@ std::string plan_json(const plan::MemoryPrediction& p, const MeasuredPeak& m,
       m.peak, m.moment, m.steps, m.seq_len, categories(m.at_peak), times);
 }
 
-std::string compare_time(const plan::TimePrediction& p, const MeasuredTime& m) {
+std::string compare_time(const MeasuredTime& p, const MeasuredTime& m, const std::string& method) {
   auto row = [](const char* name, double predicted, double measured) {
     return fmt::format("{:<30}{:>12.4f}{:>12.4f}\n", name, predicted, measured);
   };
   std::string out = fmt::format(
-      "Step time (rank 0), predicted by fsdp::plan from timed pieces and links vs measured (mean "
-      "of {} steady step(s)), seconds:\n{:<30}{:>12}{:>12}\n",
-      m.steps, "", "predicted", "measured");
-  out += row("forward", p.forward_s, m.forward);
-  out += row("backward (recomputation incl.)", p.backward_s, m.backward);
-  out += row("all-gather wait", p.all_gather_exposed_s, m.all_gather_wait);
-  out += row("reduce wait", p.reduce_exposed_s, m.reduce_wait);
-  out += row("optimizer", p.optimizer_s, m.optimizer);
-  out += row("other", 0, m.other);
-  const double error = m.step > 0 ? 100.0 * (p.step_s - m.step) / m.step : 0;
-  out += fmt::format("{:<30}{:>12.4f}{:>12.4f}   error {:+.1f}%", "step", p.step_s, m.step, error);
-  return out;
-}
-
-std::string compare_time(const MeasuredTime& p, const MeasuredTime& m) {
-  auto row = [](const char* name, double predicted, double measured) {
-    return fmt::format("{:<30}{:>12.4f}{:>12.4f}\n", name, predicted, measured);
-  };
-  std::string out = fmt::format(
-      "Step time (rank 0), predicted from this job run with 1 and 2 blocks vs measured (mean of "
-      "{} steady step(s)), seconds:\n{:<30}{:>12}{:>12}\n",
-      m.steps, "", "predicted", "measured");
+      "Step time (rank 0), predicted from {} vs measured (mean of {} steady step(s)), "
+      "seconds:\n{:<30}{:>12}{:>12}\n",
+      method, m.steps, "", "predicted", "measured");
   out += row("forward", p.forward, m.forward);
   out += row("backward (recomputation incl.)", p.backward, m.backward);
   out += row("all-gather wait", p.all_gather_wait, m.all_gather_wait);

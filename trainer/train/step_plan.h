@@ -53,10 +53,9 @@ struct MeasuredTime {
   int64_t steps = 0;
 };
 
-/// Predicted next to measured, by phase, with the error of the step time.
-std::string compare_time(const fsdp::plan::TimePrediction& p, const MeasuredTime& m);
-/// The same for a prediction made of measured phases (fsdp-train's time by blocks).
-std::string compare_time(const MeasuredTime& predicted, const MeasuredTime& m);
+/// Predicted (by `method`) next to measured, by phase, with the error of the step time.
+std::string compare_time(const MeasuredTime& predicted, const MeasuredTime& m,
+                         const std::string& method);
 
 /// The prediction as fsdp-train prints it: the peak, its moment and the categories.
 std::string describe_prediction(const fsdp::plan::MemoryPrediction& p);
@@ -88,9 +87,6 @@ std::string plan_json(const fsdp::plan::MemoryPrediction& p, const MeasuredPeak&
                       const std::optional<MeasuredTime>& time = std::nullopt,
                       const MeasuredTime& measured_time = {}, const std::string& method = "",
                       const std::optional<fsdp::plan::TimePrediction>& traffic = std::nullopt);
-
-/// The phases of a TimePrediction as MeasuredTime's.
-MeasuredTime as_phases(const fsdp::plan::TimePrediction& p);
 
 /// training.memory_budget exceeded: a one-paragraph warning naming the largest categories at the
 /// predicted peak and the first of the cheaper configurations (activation checkpointing, a

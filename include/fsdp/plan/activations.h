@@ -109,6 +109,11 @@ struct CalibrationPieces {
   std::vector<std::pair<std::string, torch::Tensor>> parameters;
 };
 
+/// The input of a block or of the head at (b, t), as the chain gives it: a block's output (in the
+/// blocks' dtype), detached into a leaf that requires grad (its gradient is the "gradient of the
+/// input" a piece leaves behind).
+torch::Tensor calibration_input(const CalibrationPieces& pieces, int64_t b, int64_t t);
+
 /// Measures the pieces at (b, t), (2b, t) and (b, 2t) and fits each count. The sizes must be
 /// large enough for ATen's kernels to take their general paths: below ~128 tokens (b·t) some
 /// backward kernels keep fewer temporaries, and a fit from there under-predicts larger sizes
