@@ -227,6 +227,10 @@ TimePrediction predict_step_time(const std::vector<UnitInfo>& units, const StepO
   const auto mode = [&](size_t u) {
     return u < o.checkpoint.size() ? o.checkpoint[u] : CheckpointMode::kNone;
   };
+  std::vector<detail::UnitBytes> bytes;
+  for (size_t u = 0; u < units.size(); ++u)
+    bytes.push_back(
+        detail::unit_bytes(units[u], o, g, u == root ? std::nullopt : layout.block_k, {}, {}));
   for (int mb = 0; mb < o.micro_batches; ++mb) {
     const bool sync = o.sync_every_micro_batch || mb == o.micro_batches - 1;
     // Compute: the pieces in the order they run.
@@ -245,8 +249,7 @@ TimePrediction predict_step_time(const std::vector<UnitInfo>& units, const StepO
     // Traffic, unit by unit: the gathers (the root once, a block twice when it reshards after
     // forward), the reduce-scatter of its gradients, the all-reduce across replicas.
     for (size_t u = 0; u < units.size(); ++u) {
-      const auto b =
-          detail::unit_bytes(units[u], o, g, u == root ? std::nullopt : layout.block_k, {}, {});
+      const auto& b = bytes[u];
       if (g.n > 1 && b.gathered > 0) {
         const int gathers = u == root || !layout.blocks_reshard ? 1 : 2;
         // Gloo carries a gather in calls of at most all_gather_bucket_bytes.
