@@ -63,10 +63,13 @@ LlamaConfig LlamaConfig::preset(const std::string& name) {
   } else if (name == "llama-13b") {  // Llama 2 13B
     c.vocab_size = 32000, c.max_seq_len = 4096, c.dim = 5120, c.n_layers = 40, c.n_heads = 40;
     c.n_kv_heads = 40, c.ffn_hidden_dim = 13824;
+  } else if (name == "llama-70b") {  // Llama 2 70B
+    c.vocab_size = 32000, c.max_seq_len = 4096, c.dim = 8192, c.n_layers = 80, c.n_heads = 64;
+    c.n_kv_heads = 8, c.ffn_hidden_dim = 28672;
   } else {
     throw std::invalid_argument("unknown Llama preset '" + name +
                                 "' (known: llama-test, llama-tiny, llama-1b, llama-7b, "
-                                "llama-13b)");
+                                "llama-13b, llama-70b)");
   }
   c.validate();
   return c;

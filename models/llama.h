@@ -43,7 +43,7 @@ struct LlamaConfig {
   int64_t num_params() const;
   /// "llama-test" (tiny, sizes 2, 3 and 4 ranks do not divide), "llama-tiny" (demo, 2.6M),
   /// and real shapes: "llama-1b" (Llama 3.2 1B), "llama-7b" (Llama 2 7B), "llama-13b"
-  /// (Llama 2 13B).
+  /// (Llama 2 13B), "llama-70b" (Llama 2 70B).
   static LlamaConfig preset(const std::string& name);
 };
 

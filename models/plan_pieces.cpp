@@ -49,4 +49,25 @@ fsdp::plan::CalibrationPieces calibration_pieces(Llama& model, torch::ScalarType
                 });
 }
 
+fsdp::plan::PieceFlops piece_flops(const GPTConfig& cfg, int64_t b, int64_t t) {
+  const double tokens = static_cast<double>(b * t), d = static_cast<double>(cfg.n_embd);
+  fsdp::plan::PieceFlops f;
+  // q, k, v and the output projection (4 d^2), the MLP (8 d^2); scores and their use of v.
+  f.block = 2 * tokens * 12 * d * d + 4 * tokens * static_cast<double>(t) * d;
+  f.post = 2 * tokens * d * static_cast<double>(cfg.vocab_size);  // the head
+  return f;
+}
+
+fsdp::plan::PieceFlops piece_flops(const LlamaConfig& cfg, int64_t b, int64_t t) {
+  const double tokens = static_cast<double>(b * t), d = static_cast<double>(cfg.dim);
+  const double kv = static_cast<double>(cfg.n_kv_heads * cfg.head_dim());
+  const double ffn = static_cast<double>(cfg.ffn_hidden_dim);
+  fsdp::plan::PieceFlops f;
+  // wq and wo (d x d each), wk and wv (d x kv each), w1, w2, w3 (d x ffn each); attention.
+  f.block =
+      2 * tokens * (2 * d * d + 2 * d * kv + 3 * d * ffn) + 4 * tokens * static_cast<double>(t) * d;
+  f.post = 2 * tokens * d * static_cast<double>(cfg.vocab_size);
+  return f;
+}
+
 }  // namespace fsdp_models

@@ -8,6 +8,7 @@
 #include <optional>
 
 #include <fsdp/plan/activations.h>
+#include <fsdp/plan/hardware.h>
 
 #include "gpt.h"
 #include "llama.h"
@@ -29,5 +30,12 @@ fsdp::plan::CalibrationPieces calibration_pieces(
 fsdp::plan::CalibrationPieces calibration_pieces(
     Llama& model, torch::ScalarType block_dtype, PlanLoss loss,
     std::optional<torch::ScalarType> block_output = std::nullopt);
+
+/// Forward FLOPs of a micro-batch of b rows of t tokens through each piece, for the planner's
+/// data-sheet time model (fsdp/plan/hardware.h): the matrix products only, 2 per multiply-add,
+/// attention's two products over the whole t x t (causal masking saves nothing in the kernels
+/// we time). Selective checkpointing keeps every product, so it recomputes none of these.
+fsdp::plan::PieceFlops piece_flops(const GPTConfig& cfg, int64_t b, int64_t t);
+fsdp::plan::PieceFlops piece_flops(const LlamaConfig& cfg, int64_t b, int64_t t);
 
 }  // namespace fsdp_models

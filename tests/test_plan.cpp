@@ -5,9 +5,15 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <filesystem>
+#include <fstream>
 #include <functional>
 
+#include <unistd.h>
+
 #include <fsdp/fsdp.h>
+#include <fsdp/plan/hardware.h>
+#include <fsdp/plan/machine_profile.h>
 #include <fsdp/plan/model_states.h>
 #include <fsdp/plan/step_memory.h>
 #include <fsdp/plan/units.h>
@@ -521,3 +527,122 @@ TEST(PlanUnits, EveryParameterInItsInnermostUnitAndBadPathsNamed) {
 }
 
 }  // namespace
+
+// The data-sheet model (fsdp/plan/hardware.h) against the same arithmetic by hand: profiles by
+// name, ring collectives on NVLink, backward = 2 forwards (+1 under full checkpointing), the
+// FLOPs of a Llama block from its shapes, and overlap exposing only what compute cannot hide.
+TEST(PlanHardware, DataSheetModelIsTheArithmeticByHand) {
+  namespace plan = fsdp::plan;
+  const auto& a100 = plan::builtin_device("a100-80gb");
+  EXPECT_EQ(a100.bf16_flops, 312e12);
+  EXPECT_EQ(a100.flops(torch::kFloat), 19.5e12);
+  EXPECT_FALSE(a100.source.empty());
+  EXPECT_EQ(plan::builtin_devices().size(), 5u);
+  try {
+    plan::builtin_device("tpu");
+    ADD_FAILURE() << "an unknown profile was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("known: a100-40gb"), std::string::npos);
+  }
+  // 4 ranks on NVLink (300 GB/s a direction): a 1 GB all-gather moves 3/4 GB per link.
+  const auto link = plan::device_link(a100, 4, false);
+  EXPECT_NEAR(link.all_gather.seconds(1000000000), 8.4e-6 + 3 * 3.4e-6 + 0.75 / 300, 1e-12);
+  EXPECT_NEAR(link.all_reduce.seconds(1000000000), 8.4e-6 + 6 * 3.4e-6 + 1.5 / 300, 1e-12);
+  EXPECT_THROW(plan::device_link(plan::builtin_device("l40s"), 4, true), c10::Error);
+  // Across two DGX H100 nodes the ring's slowest link is a 400 Gb/s port.
+  const auto h100 = plan::device_link(plan::builtin_device("h100-80gb"), 16, true);
+  EXPECT_NEAR(h100.reduce_scatter.bytes_per_s, 50e9 * 16 / 15, 1);
+
+  const auto cfg = LlamaConfig::preset("llama-13b");
+  const int64_t b = 2, t = 2048;
+  const auto f = fsdp_models::piece_flops(cfg, b, t);
+  // 2 FLOPs per multiply-add of every matrix (all but the embedding table and the norms), and
+  // attention's two t x t products per layer.
+  const double d = static_cast<double>(cfg.dim), tokens = static_cast<double>(b * t);
+  const double matrices = static_cast<double>(cfg.num_params()) -
+                          static_cast<double>(cfg.vocab_size) * d -
+                          static_cast<double>(2 * cfg.n_layers + 1) * d;
+  EXPECT_NEAR((cfg.n_layers * f.block + f.post) / tokens,
+              2 * matrices + 4.0 * t * d * static_cast<double>(cfg.n_layers), 1e-6 * matrices);
+  const auto times = plan::flop_compute_times(f, 312e12);
+  const auto& none = times.block[static_cast<size_t>(fsdp::CheckpointMode::kNone)];
+  const auto& full = times.block[static_cast<size_t>(fsdp::CheckpointMode::kFull)];
+  EXPECT_DOUBLE_EQ(none.forward, f.block / 312e12);
+  EXPECT_DOUBLE_EQ(none.backward, 2 * none.forward);
+  EXPECT_DOUBLE_EQ(full.backward, 3 * none.forward);
+
+  // Overlap: one block of one parameter matrix on 2 ranks; its gathers take 1 s each. With a
+  // block forward of 3 s they hide; with 0.25 s only 0.75 s each is exposed.
+  std::vector<plan::UnitInfo> units{{"h0", {{"h0.w", {1000, 1000}, torch::kFloat, true}}},
+                                    {"", {{"w", {10}, torch::kFloat, true}}}};
+  plan::StepOptions o;
+  o.states.world_size = 2;
+  o.gloo_staging = o.gloo_reduce_scatter = false;
+  plan::TimeInputs in;
+  in.overlap = true;
+  in.shard.all_gather = {0, 4e6};  // the unit's 4 MB gather output: 1 s
+  for (double compute : {3.0, 0.25}) {
+    for (auto& m : in.compute.block)
+      m = {compute, compute};
+    const auto p = plan::predict_step_time(units, o, in, 0);
+    EXPECT_EQ(p.all_gather_bytes, 2 * 4000000 + 40) << compute;  // block twice, root once
+    const double block_exposed = 2 * std::max(0.0, 1.0 - compute);
+    EXPECT_NEAR(p.all_gather_exposed_s, block_exposed + 40 / 4e6, 1e-9) << compute;
+  }
+}
+
+// The machine profile's cache: written atomically and read back equal; a profile of another
+// machine (key) is not used; a damaged file is one error naming the file and the figure.
+TEST(PlanMachineProfile, RoundTripsAndRejectsDamagedFiles) {
+  namespace plan = fsdp::plan;
+  namespace fs = std::filesystem;
+  const auto dir = fs::temp_directory_path() / ("fsdp-profile-" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  const auto key = plan::machine_key();
+  EXPECT_NE(key.find(" cores | "), std::string::npos) << key;
+  const auto path = plan::machine_profile_path(dir.string(), key);
+  EXPECT_EQ(plan::load_machine_profile(path, key), std::nullopt);  // none yet
+  plan::MachineProfile p;
+  p.key = key;
+  p.measured_at = "2026-11-26T00:00:00Z";
+  p.matmul = {{"fp32", 1, 1.5e11}, {"bf16", 2, 8.9e11}};
+  p.gloo[2] = {{1e-4, 3e9}, {2e-4, 1.4e9}, {3e-4, 2.7e9}};
+  p.memcpy_bytes_per_s = 4e10;
+  p.disk = plan::measure_disk(dir.string(), int64_t{8} << 20);
+  EXPECT_GT(p.disk.read_bytes_per_s, 0);
+  EXPECT_GT(p.disk.write_bytes_per_s, 0);
+  EXPECT_GT(plan::measure_memcpy(int64_t{1} << 20), 0);
+  plan::save_machine_profile(p, path);
+  const auto back = plan::load_machine_profile(path, key);
+  ASSERT_TRUE(back.has_value());
+  EXPECT_EQ(back->matmul_flops("bf16", 2), 8.9e11);
+  EXPECT_EQ(back->matmul_flops("bf16", 1), 0);
+  EXPECT_EQ(back->gloo.at(2).reduce_scatter.bytes_per_s, 1.4e9);
+  EXPECT_EQ(back->disk.read_bytes_per_s, p.disk.read_bytes_per_s);
+  EXPECT_EQ(plan::load_machine_profile(path, key + " elsewhere"), std::nullopt);
+  std::string text;
+  {
+    std::ifstream in(path);
+    text.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  auto damaged = [&](const std::string& content, const std::string& names) {
+    std::ofstream(path, std::ios::trunc) << content;
+    try {
+      plan::load_machine_profile(path, key);
+      ADD_FAILURE() << "accepted: " << content.substr(0, 80);
+    } catch (const std::runtime_error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(path), std::string::npos) << what;
+      EXPECT_NE(what.find(names), std::string::npos) << what;
+      EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+    }
+  };
+  damaged(text.substr(0, text.size() / 2), "not a JSON object");
+  auto negative = text;
+  negative.replace(negative.find("\"memcpy_bytes_per_s\": "), 22, "\"memcpy_bytes_per_s\": -");
+  damaged(negative, "'memcpy_bytes_per_s'");
+  auto no_gloo = text;
+  no_gloo.replace(no_gloo.find("\"gloo\""), 6, "\"glue\"");
+  damaged(no_gloo, "'gloo' missing");
+  fs::remove_all(dir);
+}

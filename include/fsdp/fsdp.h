@@ -24,8 +24,11 @@
 #include <fsdp/observe/step_profiler.h>
 #include <fsdp/optim/fused_optimizer.h>
 #include <fsdp/plan/activations.h>
+#include <fsdp/plan/hardware.h>
+#include <fsdp/plan/machine_profile.h>
 #include <fsdp/plan/model_states.h>
 #include <fsdp/plan/step_memory.h>
 #include <fsdp/plan/step_time.h>
+#include <fsdp/plan/unit_overhead.h>
 #include <fsdp/plan/units.h>
 #include <fsdp/quant/nf4.h>

@@ -165,6 +165,26 @@ int64_t MemoryPrediction::highest_at(const std::string& label) const {
   return best;
 }
 
+MemoryPrediction device_side(const MemoryPrediction& p) {
+  MemoryPrediction out = p;
+  out.peak = out.peak_without_staging = 0;
+  out.at_peak = {};
+  out.category_peaks = {};
+  for (auto& [m, bytes] : out.timeline) {
+    for (auto c : {Category::kParams, Category::kGrads, Category::kOptimizer})
+      bytes.bytes[static_cast<int>(c)] = 0;
+    for (int c = 0; c < mem::kNumCategories; ++c)
+      out.category_peaks.bytes[c] = std::max(out.category_peaks.bytes[c], bytes.bytes[c]);
+    if (bytes.total() > out.peak) {
+      out.peak = bytes.total();
+      out.at_peak = bytes;
+      out.moment = m;
+    }
+  }
+  out.peak_without_staging = out.peak;
+  return out;
+}
+
 memory::Category MemoryPrediction::largest_category() const {
   int best = 0;
   for (int c = 1; c < mem::kNumCategories; ++c) {

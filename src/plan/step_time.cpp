@@ -6,8 +6,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <exception>
+#include <thread>
 
 #include <fsdp/distributed/collectives.h>
+#include <fsdp/plan/model_states.h>
 
 #include "unit_bytes.h"
 
@@ -81,6 +84,47 @@ double LinkCost::seconds(int64_t bytes, int64_t calls) const {
     return 0;
   return static_cast<double>(calls) * latency_s +
          (bytes_per_s > 0 ? static_cast<double>(bytes) / bytes_per_s : 0);
+}
+
+ComputeTimes time_pieces_together(
+    const std::vector<std::shared_ptr<const CalibrationPieces>>& copies, int64_t b, int64_t t,
+    int repeats) {
+  TORCH_CHECK(!copies.empty(), "fsdp::plan: time_pieces_together needs pieces");
+  if (copies.size() == 1)
+    return time_pieces(*copies.front(), b, t, repeats);
+  std::vector<ComputeTimes> times(copies.size());
+  std::vector<std::exception_ptr> errors(copies.size());
+  {
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < copies.size(); ++i) {
+      threads.emplace_back([&, i] {
+        try {
+          times[i] = time_pieces(*copies[i], b, t, repeats);
+        } catch (...) {
+          errors[i] = std::current_exception();
+        }
+      });
+    }
+    for (auto& th : threads)
+      th.join();
+  }
+  for (const auto& e : errors) {
+    if (e)
+      std::rethrow_exception(e);
+  }
+  ComputeTimes mean;
+  const double n = static_cast<double>(copies.size());
+  auto add = [n](PieceTime& to, const PieceTime& from) {
+    to.forward += from.forward / n;
+    to.backward += from.backward / n;
+  };
+  for (const auto& c : times) {
+    add(mean.pre, c.pre);
+    add(mean.post, c.post);
+    for (size_t m = 0; m < c.block.size(); ++m)
+      add(mean.block[m], c.block[m]);
+  }
+  return mean;
 }
 
 LinkProfile measure_link(ProcessGroup& group, int64_t large_bytes, int repeats) {
@@ -247,9 +291,25 @@ TimePrediction predict_step_time(const std::vector<UnitInfo>& units, const StepO
       }
     }
     // Traffic, unit by unit: the gathers (the root once, a block twice when it reshards after
-    // forward), the reduce-scatter of its gradients, the all-reduce across replicas.
+    // forward), the reduce-scatter of its gradients, the all-reduce across replicas. Each
+    // collective's seconds are what it adds: comm_factor times its time alone, or with
+    // overlap what exceeds a unit's compute in the same phase.
     for (size_t u = 0; u < units.size(); ++u) {
       const auto& b = bytes[u];
+      out.overhead_s += in.overhead.seconds(static_cast<int64_t>(units[u].params.size()));
+      const PieceTime own = u == root
+                                ? PieceTime{in.compute.pre.forward + in.compute.post.forward,
+                                            in.compute.pre.backward + in.compute.post.backward}
+                                : in.compute.block[static_cast<size_t>(mode(u))];
+      double forward_room = own.forward, backward_room = own.backward;
+      auto exposed = [&](double seconds, bool backward) {
+        if (!in.overlap)
+          return factor * seconds;
+        double& room = backward ? backward_room : forward_room;
+        const double hidden = std::min(room, seconds);
+        room -= hidden;
+        return seconds - hidden;
+      };
       if (g.n > 1 && b.gathered > 0) {
         const int gathers = u == root || !layout.blocks_reshard ? 1 : 2;
         // Gloo carries a gather in calls of at most all_gather_bucket_bytes.
@@ -259,32 +319,52 @@ TimePrediction predict_step_time(const std::vector<UnitInfo>& units, const StepO
                 : 1;
         out.all_gather_bytes += b.gather_wire;  // forward
         out.all_gather_calls += 1;
-        out.all_gather_exposed_s += factor * in.shard.all_gather.seconds(b.gather_wire, calls);
+        out.all_gather_exposed_s +=
+            exposed(in.shard.all_gather.seconds(b.gather_wire, calls), false);
         if (gathers == 2) {
           // Backward: from a kept block (reshard-to-k) the unit travels in the compute dtype.
           const int64_t bytes = layout.block_k ? b.gathered : b.gather_wire;
           out.all_gather_bytes += bytes;
           out.all_gather_calls += 1;
-          out.all_gather_exposed_s += factor * in.shard.all_gather.seconds(bytes, calls);
+          out.all_gather_exposed_s += exposed(in.shard.all_gather.seconds(bytes, calls), true);
         }
       }
       if (!b.trainable || !sync)
         continue;
       if (g.n > 1) {
         out.reduce_scatter_bytes += b.reduce_input;
-        out.reduce_exposed_s += factor * in.shard.reduce_scatter.seconds(b.reduce_input);
+        out.reduce_exposed_s += exposed(in.shard.reduce_scatter.seconds(b.reduce_input), true);
       }
       if (replicas > 1) {
         const int64_t bytes = g.n > 1 ? b.reduce_output : b.reduce_input;
         // Gloo all-reduces in buckets of all_reduce_bucket_bytes (FullyShardOptions).
         out.all_reduce_bytes += bytes;
-        out.reduce_exposed_s += factor * in.replicate.all_reduce.seconds(bytes);
+        out.reduce_exposed_s += exposed(in.replicate.all_reduce.seconds(bytes), true);
       }
     }
   }
   out.optimizer_s = in.optimizer_s;
+  // Offload I/O. CPU offload: the parameter shards go to the device for each gather (twice for
+  // blocks that reshard after forward; the root's once, counted alike: a small overestimate),
+  // the gradient shards come back after each reduction.
+  const auto states = model_states(units, o.states, rank);
+  if (o.states.cpu_offload && in.host_bytes_per_s > 0) {
+    const int gathers = layout.blocks_reshard ? 2 : 1;
+    const int reductions = o.sync_every_micro_batch ? o.micro_batches : 1;
+    const int64_t bytes = states.params * gathers * o.micro_batches + states.grads * reductions;
+    out.offload_bytes += bytes;
+    out.offload_s += static_cast<double>(bytes) / in.host_bytes_per_s;
+  }
+  if (o.states.optimizer_in_file && in.disk_read_bytes_per_s > 0 && in.disk_write_bytes_per_s > 0) {
+    auto resident = o.states;
+    resident.optimizer_in_file = false;
+    const int64_t bytes = model_states(units, resident, rank).optimizer;
+    out.offload_bytes += 2 * bytes;
+    out.offload_s += static_cast<double>(bytes) / in.disk_read_bytes_per_s +
+                     static_cast<double>(bytes) / in.disk_write_bytes_per_s;
+  }
   out.step_s = out.forward_s + out.backward_s + out.all_gather_exposed_s + out.reduce_exposed_s +
-               out.optimizer_s;
+               out.optimizer_s + out.offload_s + out.overhead_s;
   return out;
 }
 

@@ -636,6 +636,98 @@ TEST(FsdpPlan, PrintsEachRanksPeakAndRefusesBadInputInOneLine) {
   }
 }
 
+// fsdp-plan --auto: every point of the search space predicted (--json), the fastest that fit
+// printed with a TOML snippet each; the first one, run by fsdp-train, stays within the budget;
+// the calibration is cached and reused. Then --hardware on a data sheet, and bad input: one
+// line, exit 2.
+TEST(FsdpPlan, AutoChoosesAConfigurationThatFitsAndRefusesBadInput) {
+  const auto run_dir = (fs::path(FSDP_TEST_WORK_DIR) / "run-fsdp-plan-auto").string();
+  fs::remove_all(run_dir);
+  const auto config = write_config("fsdp-plan-auto", tiny_config(run_dir, "gpt", "gpt2-tiny"));
+  const auto cache = (fs::path(FSDP_TEST_WORK_DIR) / "plan-cache").string();
+  fs::remove_all(cache);
+  const std::string plan = "FSDP_CACHE_DIR=" + cache + " " + FSDP_PLAN_PATH + " " + config +
+                           " --training.seq_len=64 --training.eval_batches=1";
+  const auto json_path = (fs::path(FSDP_TEST_WORK_DIR) / "plan-auto.json").string();
+  const std::string budget = "14MiB";
+  const auto r =
+      run(plan + " --world 2 --auto --budget " + budget +
+          " --global-batch 8 --space ac=none,full --space dtype=fp32 --json " + json_path);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("machine profile saved: " + cache), std::string::npos) << r.output;
+  for (const char* expected : {"\n1 ", "\n5 ", "# 1: ", "[fsdp]\nstrategy = ", "[training]\n"})
+    EXPECT_NE(r.output.find(expected), std::string::npos) << expected << "\n" << r.output;
+  std::ifstream in(json_path);
+  const auto all = nlohmann::json::parse(in);
+  // 5 strategies/reshard (full_shard, shard_grad_op, no_shard) x 2 AC x 1 dtype x gathers x
+  // offloads x 4 micro-batch sizes, less the repeats.
+  ASSERT_GE(all.size(), 40u);
+  const nlohmann::json* chosen = nullptr;
+  for (size_t i = 0; i < all.size(); ++i) {
+    const auto& c = all[i];
+    if (i > 0) {
+      EXPECT_LE(c["tokens_per_s"].get<double>(), all[i - 1]["tokens_per_s"].get<double>());
+    }
+    EXPECT_EQ(c["fits"].get<bool>(), c["peak"].get<double>() * 1.05 <= 14.0 * (1 << 20)) << c;
+    if (!chosen && c["fits"].get<bool>())
+      chosen = &c;
+  }
+  ASSERT_NE(chosen, nullptr);
+  // The space holds faster configurations that do not fit: the budget decided.
+  EXPECT_FALSE(all[0]["fits"].get<bool>()) << all[0];
+  std::string overrides;
+  for (const auto& o : (*chosen)["overrides"])
+    overrides += " --" + o.get<std::string>();
+  const auto train = run(train_cmd() + " --nproc 2 " + config +
+                         " --training.seq_len=64 --training.eval_batches=1 --training.steps=3 "
+                         "--training.eval_every=0 --generate.tokens=0 --logging.plot=false" +
+                         overrides);
+  ASSERT_EQ(train.code, 0) << overrides << "\n" << train.output;
+  const auto m = fsdp_trainer::read_metrics((fs::path(run_dir) / "metrics.jsonl").string());
+  ASSERT_EQ(m.size(), 3u);
+  for (const auto& s : m)
+    EXPECT_LE(s.peak_bytes, int64_t{14} << 20) << "step " << s.step << overrides;
+  // The second search reuses the cached profile.
+  const auto again =
+      run(plan + " --world 2 --auto --budget 1GiB --global-batch 8 --space ac=none --top 1");
+  ASSERT_EQ(again.code, 0) << again.output;
+  EXPECT_NE(again.output.find("machine profile: " + cache), std::string::npos) << again.output;
+  EXPECT_EQ(again.output.find("# 2: "), std::string::npos) << again.output;
+
+  // A data sheet: the table and the time the hardware allows.
+  const auto gpu = run(plan + " --world 8 --hardware a100-80gb");
+  ASSERT_EQ(gpu.code, 0) << gpu.output;
+  EXPECT_NE(gpu.output.find("on 8 rank(s) of NVIDIA A100 80GB SXM4"), std::string::npos)
+      << gpu.output;
+  EXPECT_NE(gpu.output.find("time on a100-80gb at 100% of its matmul rate: step "),
+            std::string::npos)
+      << gpu.output;
+  EXPECT_NE(gpu.output.find("fits: the highest predicted peak"), std::string::npos) << gpu.output;
+
+  struct Case {
+    std::string args, must_mention;
+  };
+  const std::vector<Case> bad = {
+      {"--world 2 --auto --budget 1GiB", "--auto needs --global-batch"},
+      {"--world 2 --auto --global-batch 8", "--auto needs --budget"},
+      {"--world 2 --auto --budget 1GiB --global-batch 7", "--global-batch 7 is not a multiple"},
+      {"--world 2 --auto --budget 1MiB --global-batch 8 --space ac=none",
+       "no configuration fits --budget = 1.00 MiB: the smallest predicted peak is"},
+      {"--world 2 --auto --budget 1GiB --global-batch 8 --space colour=red",
+       "unknown dimension 'colour'"},
+      {"--world 2 --auto --budget 1GiB --global-batch 8 --space ac=sometimes",
+       "'sometimes' is not a choice of ac"},
+      {"--world 2 --hardware tpu-v9", "unknown hardware profile 'tpu-v9'"},
+      {"--world 4 --nproc-per-node 2 --hardware l40s", "describes no multi-node system"},
+  };
+  for (const auto& c : bad) {
+    const auto b = run(plan + " " + c.args);
+    EXPECT_EQ(b.code, 2) << c.args << "\n" << b.output;
+    EXPECT_EQ(line_count(b.output), 1) << c.args << "\n" << b.output;
+    EXPECT_NE(b.output.find(c.must_mention), std::string::npos) << c.args << "\n" << b.output;
+  }
+}
+
 // hybrid_shard on 4 ranks in 2 groups of 2: reduce-scatter inside a group, all-reduce of the
 // shard across groups, both counted (they run on subgroups, not the world group).
 TEST(TrainerRun, HybridShardOnFourRanks) {

@@ -144,7 +144,8 @@ const std::vector<Option>& options() {
       opt("model.arch", FIELD(model.arch), "Model family.", {"gpt", "llama"}),
       opt("model.preset", FIELD(model.preset),
           "Size preset of the family (gpt: gpt2-test, gpt2-tiny, gpt2-small, gpt2-124m, "
-          "gpt2-350m, gpt2-1.5b; llama: llama-test, llama-tiny, llama-1b, llama-7b, llama-13b)."),
+          "gpt2-350m, gpt2-1.5b; llama: llama-test, llama-tiny, llama-1b, llama-7b, llama-13b, "
+          "llama-70b)."),
       opt("model.n_layer", FIELD(model.n_layer), "Override the preset's block count (0: keep)."),
       opt("model.n_embd", FIELD(model.n_embd), "Override the preset's width (0: keep)."),
       opt("model.n_head", FIELD(model.n_head), "Override the preset's head count (0: keep)."),

@@ -82,28 +82,35 @@ fsdp_models::PlanLoss trainer_loss(const Config& config) {
   };
 }
 
+// `make` builds a one-block model of the run (real tensors); `out` gets the activations, and
+// with `time_compute` the pieces of `copies` such models and their times (timed together).
 template <typename Model>
-plan::ActivationModel calibrate(Model& model, const Config& config, torch::ScalarType dtype,
-                                int64_t seq_len,
-                                const std::function<bool(const std::string&)>& is_blocks,
-                                std::optional<plan::ComputeTimes>* times, int64_t rows,
-                                const std::function<void()>& before_timing,
-                                std::shared_ptr<const plan::CalibrationPieces>* keep) {
-  to_compute_dtypes(*model, dtype, config.precision.root_fp32, is_blocks);
-  const auto [b, t] = calibration_size(seq_len);
+void calibrate(const std::function<Model()>& make, const Config& config, torch::ScalarType dtype,
+               int64_t seq_len, const std::function<bool(const std::string&)>& is_blocks,
+               bool time_compute, int copies, const std::function<void()>& before_timing,
+               RunPlan& out) {
   // With root_fp32 the blocks hand fp32 to each other and to the root (output_dtype, as
   // trainer.cpp sets it).
   const auto output = config.precision.root_fp32 && dtype != torch::kFloat
                           ? std::optional<torch::ScalarType>(torch::kFloat)
                           : std::nullopt;
-  const auto pieces = fsdp_models::calibration_pieces(model, dtype, trainer_loss(config), output);
-  if (times) {
-    if (before_timing)
-      before_timing();
-    *times = plan::time_pieces(pieces, rows, seq_len);
-    *keep = std::make_shared<const plan::CalibrationPieces>(pieces);
-  }
-  return plan::calibrate_activations(pieces, b, t);
+  auto pieces_of = [&](Model model) {
+    to_compute_dtypes(*model, dtype, config.precision.root_fp32, is_blocks);
+    return std::make_shared<const plan::CalibrationPieces>(
+        fsdp_models::calibration_pieces(model, dtype, trainer_loss(config), output));
+  };
+  const auto pieces = pieces_of(make());
+  const auto [b, t] = calibration_size(seq_len);
+  out.activations = plan::calibrate_activations(*pieces, b, t);
+  if (!time_compute)
+    return;
+  out.pieces = pieces;
+  out.timing_pieces = {pieces};
+  for (int i = 1; i < copies; ++i)
+    out.timing_pieces.push_back(pieces_of(make()));
+  if (before_timing)
+    before_timing();
+  out.compute = plan::time_pieces_together(out.timing_pieces, out.options.batch_rows, seq_len);
 }
 
 bool is_gpt_block(const std::string& name) {
@@ -118,8 +125,8 @@ bool is_llama_blocks(const std::string& name) {
 
 RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& gguf_path,
                  int world_size, int local_world_size, const std::string& compute_dtype,
-                 int64_t other_bytes, bool time_compute,
-                 const std::function<void()>& before_timing) {
+                 int64_t other_bytes, bool time_compute, const std::function<void()>& before_timing,
+                 int timing_copies) {
   RunPlan out;
   auto& o = out.options;
   auto& s = o.states;
@@ -196,11 +203,13 @@ RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& gg
     }
     auto one = cfg;
     one.n_layers = 1;
-    fsdp_models::Llama model(one);
-    shape(model, fsdp_models::ModelInit(), true);
-    out.activations =
-        calibrate(model, config, dtype, o.seq_len, is_llama_blocks,
-                  time_compute ? &out.compute : nullptr, o.batch_rows, before_timing, &out.pieces);
+    const std::function<fsdp_models::Llama()> make = [&] {
+      fsdp_models::Llama model(one);
+      shape(model, fsdp_models::ModelInit(), true);
+      return model;
+    };
+    calibrate(make, config, dtype, o.seq_len, is_llama_blocks, time_compute, timing_copies,
+              before_timing, out);
     checkpointing(cfg.n_layers);
   } else if (config.model.arch == "gpt") {
     const auto cfg = gpt_config(config, vocab_size);
@@ -212,10 +221,9 @@ RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& gg
     }
     auto one = cfg;
     one.n_layer = 1;
-    fsdp_models::GPT model(one);
-    out.activations =
-        calibrate(model, config, dtype, o.seq_len, is_gpt_block,
-                  time_compute ? &out.compute : nullptr, o.batch_rows, before_timing, &out.pieces);
+    const std::function<fsdp_models::GPT()> make = [&] { return fsdp_models::GPT(one); };
+    calibrate(make, config, dtype, o.seq_len, is_gpt_block, time_compute, timing_copies,
+              before_timing, out);
     checkpointing(cfg.n_layer);
   } else {
     const auto cfg = llama_config(config, vocab_size);
@@ -227,10 +235,9 @@ RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& gg
     }
     auto one = cfg;
     one.n_layers = 1;
-    fsdp_models::Llama model(one);
-    out.activations =
-        calibrate(model, config, dtype, o.seq_len, is_llama_blocks,
-                  time_compute ? &out.compute : nullptr, o.batch_rows, before_timing, &out.pieces);
+    const std::function<fsdp_models::Llama()> make = [&] { return fsdp_models::Llama(one); };
+    calibrate(make, config, dtype, o.seq_len, is_llama_blocks, time_compute, timing_copies,
+              before_timing, out);
     checkpointing(cfg.n_layers);
   }
   return out;

@@ -29,6 +29,9 @@ struct RunPlan {
   std::optional<fsdp::plan::ComputeTimes> compute;
   /// The one-block model's pieces (time_compute), for measurements with the job's groups.
   std::shared_ptr<const fsdp::plan::CalibrationPieces> pieces;
+  /// `pieces` and the copies timed with it (plan_run's timing_copies), each with parameters of
+  /// its own, so that several threads can time them at once.
+  std::vector<std::shared_ptr<const fsdp::plan::CalibrationPieces>> timing_pieces;
 };
 
 /// The run's units (its model built on the meta device, as model_factory builds it: GPT or
@@ -37,13 +40,14 @@ struct RunPlan {
 /// tracking allocator), and the step options of `config` on `world_size` ranks. `gguf_path`:
 /// the fine-tuned model's file (fine-tuning only). `other_bytes`: tracked memory outside the
 /// model at the start of a step (fsdp::memory kOther: the data). ConfigError as model_factory.
-/// `time_compute`: also time the pieces at the run's micro-batch (fsdp::plan::time_pieces; every
-/// rank of a machine at once).
+/// `time_compute`: also time the pieces at the run's micro-batch (every rank of a machine at
+/// once), on `timing_copies` one-block models at once in this process
+/// (fsdp::plan::time_pieces_together: what one process predicts for the ranks of its machine).
 /// `before_timing` runs right before (a barrier, so that every rank times at once).
 RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& gguf_path,
                  int world_size, int local_world_size, const std::string& compute_dtype,
                  int64_t other_bytes, bool time_compute = false,
-                 const std::function<void()>& before_timing = nullptr);
+                 const std::function<void()>& before_timing = nullptr, int timing_copies = 1);
 
 /// Mean seconds per steady step by phase, as fsdp::StepProfiler measures them (forward and
 /// backward without the waits inside them).

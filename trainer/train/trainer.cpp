@@ -364,6 +364,7 @@ void Trainer::plan_memory(const std::string& model_file) {
     step_time_ = time_by_blocks(model_file);
   }
   run.pieces.reset();  // the one-block model goes
+  run.timing_pieces.clear();
   // The timing models' units go with them: listing units drops those of dead models.
   fsdp::comm_stats(*model_.module);
   // What is tracked outside the model when step 1 starts (the data, and what the timing runs

@@ -101,6 +101,13 @@ struct MemoryPrediction {
 /// as "(root)"; "optimizer" for the optimizer step.
 std::string moment_label(const Moment& moment);
 
+/// CPU offload on an accelerator: the sharded parameters, their gradients and the optimizer
+/// state live in host memory (the categories kParams, kGrads, kOptimizer), the rest on the
+/// device. The device's side of `p`: the highest total of the other categories over the step,
+/// with their values and moment there. (On a CPU host and device memory are one, and
+/// predict_step_memory's peak is the answer.)
+MemoryPrediction device_side(const MemoryPrediction& p);
+
 /// The peak of one steady-state training step (optimizer state already created, gradients set
 /// to none before it) on `rank`. Throws for a unit list that is not blocks then the root, and for
 /// options that fully_shard would refuse.

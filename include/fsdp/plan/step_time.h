@@ -13,11 +13,13 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include <fsdp/distributed/process_group.h>
 #include <fsdp/plan/activations.h>
 #include <fsdp/plan/step_memory.h>
+#include <fsdp/plan/unit_overhead.h>
 #include <fsdp/plan/units.h>
 
 namespace fsdp::plan {
@@ -38,6 +40,15 @@ struct ComputeTimes {
 /// mean of `repeats` runs after one warm-up. Run it where the job runs, at the same time on
 /// every rank of a machine (ranks share its cores, caches and memory bandwidth).
 ComputeTimes time_pieces(const CalibrationPieces& pieces, int64_t b, int64_t t, int repeats = 3);
+
+/// time_pieces on each of `copies` at once, one thread each (each copy with parameters of its
+/// own), the mean over them: what one process predicts for the ranks of a machine, which
+/// compute at the same time and share its caches and memory bandwidth (a block's forward ran
+/// 10-35% slower beside another than alone on this project's 2-core machines). Call with one
+/// intra-op thread (at::set_num_threads(1)), so that each thread runs its ops itself.
+ComputeTimes time_pieces_together(
+    const std::vector<std::shared_ptr<const CalibrationPieces>>& copies, int64_t b, int64_t t,
+    int repeats = 3);
 
 /// One kind of collective on one group: seconds = calls x latency + bytes / bandwidth, bytes as
 /// CommStats counts them (an all-gather's output, a reduce-scatter's input, an all-reduce's
@@ -86,6 +97,20 @@ struct TimeInputs {
   double optimizer_s = 0;
   /// Each collective's time alone times this is what it adds to the step (measure_comm_factor).
   double comm_factor = 1;
+  /// Collectives run beside compute on hardware of their own (NCCL on a GPU): a unit's gathers
+  /// and reductions hide behind one unit's compute (the prefetched neighbour's), and only what
+  /// exceeds it is exposed. Then comm_factor is not used.
+  bool overlap = false;
+  /// The engine's fixed cost per unit and micro-batch (unit_overhead.h). It includes the calls'
+  /// latency: with it, the links' latencies should be zero.
+  UnitOverhead overhead;
+  /// Offload I/O (TimePrediction::offload_s). CPU offload copies each unit's parameter shard to
+  /// the device for every gather and its gradient shard back, at `host_bytes_per_s` (0: no
+  /// copy, the shards already live where they compute, as on a CPU). An optimizer state in a
+  /// file is read and written once per step at the disk's rates (0: not counted).
+  double host_bytes_per_s = 0;
+  double disk_read_bytes_per_s = 0;
+  double disk_write_bytes_per_s = 0;
 };
 
 struct TimePrediction {
@@ -95,12 +120,18 @@ struct TimePrediction {
   double all_gather_exposed_s = 0;
   double reduce_exposed_s = 0;
   double optimizer_s = 0;
+  /// Offload I/O, not overlapped with anything (an upper bound).
+  double offload_s = 0;
+  /// The engine's fixed costs (TimeInputs::overhead) over the step's units and micro-batches.
+  double overhead_s = 0;
   double step_s = 0;
   /// Per step, as CommStats counts them.
   int64_t all_gather_bytes = 0;
   int64_t reduce_scatter_bytes = 0;
   int64_t all_reduce_bytes = 0;
   int64_t all_gather_calls = 0;
+  /// Device <-> host copies and optimizer-state file reads and writes per step.
+  int64_t offload_bytes = 0;
 };
 
 /// The step of predict_step_memory's schedule, timed. Throws as predict_step_memory.

@@ -1,0 +1,321 @@
+// See auto_config.h.
+#include "auto_config.h"
+
+#include <fmt/core.h>
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <map>
+#include <sstream>
+#include <tuple>
+
+#include <fsdp/plan/model_states.h>
+
+#include "train/compute_dtype.h"
+
+namespace fsdp_trainer {
+namespace {
+
+namespace plan = fsdp::plan;
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  std::string item;
+  while (std::getline(in, item, sep))
+    out.push_back(item);
+  return out;
+}
+
+// The step options of `knobs` on top of its dtype's run (made from the base config).
+plan::StepOptions options_of(const RunPlan& run, const Knobs& k, int per_node, int64_t batch_size) {
+  auto o = run.options;
+  auto& s = o.states;
+  s.strategy = fsdp::from_string<fsdp::ShardingStrategy>(k.strategy);
+  s.hybrid_shard_size = s.strategy == fsdp::ShardingStrategy::kHybridShard ? per_node : 0;
+  const bool resharding = s.strategy == fsdp::ShardingStrategy::kFullShard ||
+                          s.strategy == fsdp::ShardingStrategy::kHybridShard;
+  o.reshard_after_forward = resharding ? std::optional<bool>(true) : std::nullopt;
+  o.reshard_after_forward_size = resharding ? static_cast<int>(k.reshard_size) : 0;
+  const auto mode = fsdp::from_string<fsdp::CheckpointMode>(k.ac);
+  for (size_t i = 0; i < o.checkpoint.size(); ++i)
+    o.checkpoint[i] =
+        static_cast<int64_t>(i) % k.ac_every == 0 ? mode : fsdp::CheckpointMode::kNone;
+  o.gather_format = fsdp::from_string<fsdp::GatherFormat>(k.gather);
+  s.cpu_offload = k.offload == "cpu";
+  s.optimizer_in_file = k.offload == "file";
+  o.micro_batches = static_cast<int>(k.micro_batches);
+  o.batch_rows = batch_size / k.micro_batches;
+  return o;
+}
+
+std::vector<std::string> overrides_of(const Knobs& k, int per_node, int64_t batch_size) {
+  std::vector<std::string> out{
+      "fsdp.strategy=" + k.strategy,
+      fmt::format("fsdp.reshard_after_forward_size={}", k.reshard_size),
+      "fsdp.activation_checkpointing=" + k.ac,
+      fmt::format("fsdp.ac_every={}", k.ac_every),
+      "precision.param_dtype=" + k.dtype,
+      "precision.gather_format=" + k.gather,
+      fmt::format("fsdp.cpu_offload={}", k.offload == "cpu" ? "true" : "false"),
+      fmt::format("optimizer.offload={}", k.offload == "file" ? "file" : "none"),
+      fmt::format("training.batch_size={}", batch_size),
+      fmt::format("training.micro_batches={}", k.micro_batches),
+  };
+  if (k.strategy == "hybrid_shard")
+    out.push_back(fmt::format("fsdp.hybrid_shard_size={}", per_node));
+  return out;
+}
+
+}  // namespace
+
+SearchSpace default_space(int world, int per_node, int64_t batch_size, bool gpu,
+                          bool fused_optimizer) {
+  SearchSpace space;
+  auto& v = space.values;
+  v["strategy"] = {"full_shard"};
+  if (world > 1) {
+    for (int k = 2; k < world; ++k) {
+      if (world % k == 0)
+        v["strategy"].push_back(fmt::format("full_shard/{}", k));
+    }
+    v["strategy"].push_back("shard_grad_op");
+    v["strategy"].push_back("no_shard");
+    if (per_node < world && world % per_node == 0 && per_node > 1)
+      v["strategy"].push_back("hybrid_shard");
+  }
+  v["ac"] = {"none", "selective", "full", "full/2"};
+  v["dtype"] = {"fp32", "bf16"};
+  v["gather"] = {"param_dtype", "bf16", "int8"};
+  v["offload"] = {"none"};
+  if (gpu)
+    v["offload"].push_back("cpu");
+  else if (fused_optimizer)
+    v["offload"].push_back("file");
+  for (int64_t m = 1; m <= batch_size; ++m) {
+    if (batch_size % m == 0)
+      v["micro_batches"].push_back(std::to_string(m));
+  }
+  return space;
+}
+
+void restrict_space(SearchSpace& space, const std::string& spec) {
+  const auto eq = spec.find('=');
+  if (eq == std::string::npos)
+    throw ConfigError("--space '" + spec + "': expected DIMENSION=VALUE[,VALUE...]");
+  const std::string dim = spec.substr(0, eq);
+  auto it = space.values.find(dim);
+  if (it == space.values.end()) {
+    std::string dims;
+    for (const auto& [name, values] : space.values)
+      dims += (dims.empty() ? "" : ", ") + name;
+    throw ConfigError("--space: unknown dimension '" + dim + "' (known: " + dims + ")");
+  }
+  std::vector<std::string> kept;
+  for (const auto& value : split(spec.substr(eq + 1), ',')) {
+    if (std::find(it->second.begin(), it->second.end(), value) == it->second.end()) {
+      std::string known;
+      for (const auto& v : it->second)
+        known += (known.empty() ? "" : ", ") + v;
+      throw ConfigError("--space: '" + value + "' is not a choice of " + dim +
+                        " for this job (choices: " + known + ")");
+    }
+    kept.push_back(value);
+  }
+  if (kept.empty())
+    throw ConfigError("--space '" + spec + "': no values");
+  it->second = kept;
+}
+
+std::vector<Candidate> search_configs(const Config& base,
+                                      const std::map<std::string, RunPlan>& runs,
+                                      const SearchSpace& space, int world, int per_node,
+                                      int64_t budget, double margin, const TimeInputsFor& time,
+                                      bool accelerator) {
+  const auto& v = space.values;
+  const int64_t batch_size = base.training.batch_size;
+  const int64_t seq_len = runs.begin()->second.options.seq_len;
+  std::vector<Candidate> out;
+  for (const auto& strategy : v.at("strategy"))
+    for (const auto& ac : v.at("ac"))
+      for (const auto& dtype : v.at("dtype"))
+        for (const auto& gather : v.at("gather"))
+          for (const auto& offload : v.at("offload"))
+            for (const auto& micro : v.at("micro_batches")) {
+              Knobs k;
+              const auto s = split(strategy, '/');
+              k.strategy = s[0];
+              k.reshard_size = s.size() > 1 ? std::stoll(s[1]) : 0;
+              const auto a = split(ac, '/');
+              k.ac = a[0];
+              k.ac_every = a.size() > 1 ? std::stoll(a[1]) : 1;
+              k.dtype = dtype;
+              k.gather = gather;
+              k.offload = offload;
+              k.micro_batches = std::stoll(micro);
+              // A bf16 gather of bf16 compute is the default gather: one point, not two.
+              if (gather == "bf16" && dtype != "fp32")
+                continue;
+              // no_shard gathers nothing: its gather format is no choice.
+              if (k.strategy == "no_shard" && gather != "param_dtype")
+                continue;
+              const auto& run = runs.at(dtype);
+              const auto o = options_of(run, k, per_node, batch_size);
+              Candidate c;
+              c.knobs = k;
+              c.overrides = overrides_of(k, per_node, batch_size);
+              // Ranks differ by the padding of the last shard: the first and the last rank of
+              // the world and of a shard group bound them.
+              const int n = o.states.strategy == fsdp::ShardingStrategy::kNoShard ? 1
+                            : o.states.hybrid_shard_size > 0 ? o.states.hybrid_shard_size
+                                                             : world;
+              for (int r : {0, n - 1, world - 1}) {
+                auto p = plan::predict_step_memory(run.units, o, run.activations, r);
+                if (accelerator && o.states.cpu_offload)
+                  p = plan::device_side(p);
+                if (p.peak > c.peak) {
+                  c.peak = p.peak;
+                  c.worst_rank = r;
+                  c.moment = plan::moment_label(p.moment);
+                }
+              }
+              c.time = plan::predict_step_time(run.units, o, time(run, o, k), c.worst_rank);
+              c.tokens_per_s =
+                  c.time.step_s > 0
+                      ? static_cast<double>(world * batch_size * seq_len) / c.time.step_s
+                      : 0;
+              c.fits = budget <= 0 ||
+                       static_cast<double>(c.peak) * (1 + margin) <= static_cast<double>(budget);
+              out.push_back(std::move(c));
+            }
+  std::stable_sort(out.begin(), out.end(), [](const Candidate& a, const Candidate& b) {
+    return a.tokens_per_s > b.tokens_per_s;
+  });
+  return out;
+}
+
+std::string toml_snippet(const Candidate& c) {
+  std::map<std::string, std::vector<std::string>> sections;
+  for (const auto& o : c.overrides) {
+    const auto dot = o.find('.'), eq = o.find('=');
+    const std::string section = o.substr(0, dot), key = o.substr(dot + 1, eq - dot - 1),
+                      value = o.substr(eq + 1);
+    const bool bare = value == "true" || value == "false" ||
+                      value.find_first_not_of("0123456789") == std::string::npos;
+    sections[section].push_back(key + " = " + (bare ? value : "\"" + value + "\""));
+  }
+  std::string out;
+  for (const char* section : {"training", "fsdp", "precision", "optimizer"}) {
+    auto it = sections.find(section);
+    if (it == sections.end())
+      continue;
+    out += fmt::format("[{}]\n", section);
+    for (const auto& line : it->second)
+      out += line + "\n";
+  }
+  return out;
+}
+
+TimeInputsFor machine_time(const plan::MachineProfile& profile, int per_node,
+                           double optimizer_s_per_byte) {
+  auto cache =
+      std::make_shared<std::map<std::tuple<const RunPlan*, int64_t>, plan::ComputeTimes>>();
+  return [profile, per_node, optimizer_s_per_byte, cache](
+             const RunPlan& run, const plan::StepOptions& o, const Knobs&) {
+    TORCH_CHECK(!run.timing_pieces.empty(), "machine_time needs runs planned with time_compute");
+    plan::TimeInputs in;
+    auto key = std::make_tuple(&run, o.batch_rows);
+    auto it = cache->find(key);
+    if (it == cache->end())
+      it =
+          cache
+              ->emplace(key, plan::time_pieces_together(run.timing_pieces, o.batch_rows, o.seq_len))
+              .first;
+    in.compute = it->second;
+    const int world = o.states.world_size;
+    const int n = o.states.strategy == fsdp::ShardingStrategy::kNoShard ? 1
+                  : o.states.hybrid_shard_size > 0                      ? o.states.hybrid_shard_size
+                                                                        : world;
+    auto link = [&](int ranks) {
+      // Gloo between ranks on one machine; across machines it is not this profile's link.
+      if (ranks > per_node)
+        throw ConfigError(fmt::format(
+            "the machine profile describes ranks on one machine; a group of {} spans nodes "
+            "of {} (use a GPU --hardware profile, or --nproc-per-node {})",
+            ranks, per_node, world));
+      auto found = profile.gloo.find(ranks);
+      if (found == profile.gloo.end())
+        throw ConfigError(fmt::format(
+            "the machine profile has no Gloo figures for {} ranks: run fsdp-plan --calibrate "
+            "--world {}",
+            ranks, ranks));
+      return found->second;
+    };
+    if (n > 1)
+      in.shard = link(n);
+    if (world / n > 1)
+      in.replicate = link(world / n);
+    // The engine's cost per unit includes its collectives' calls: their latency is in it.
+    for (auto* c :
+         {&in.shard.all_gather, &in.shard.reduce_scatter, &in.shard.all_reduce,
+          &in.replicate.all_gather, &in.replicate.reduce_scatter, &in.replicate.all_reduce})
+      c->latency_s = 0;
+    const std::string strategy =
+        o.states.strategy == fsdp::ShardingStrategy::kShardGradOp ? "shard_grad_op"
+        : o.states.strategy == fsdp::ShardingStrategy::kNoShard   ? "no_shard"
+                                                                  : "full_shard";
+    const std::string dtype =
+        o.states.param_dtype.value_or(torch::kFloat) == torch::kFloat ? "fp32" : "bf16";
+    const auto ranks = profile.unit_overhead.find(std::min(world, per_node));
+    if (ranks == profile.unit_overhead.end() || !ranks->second.count(strategy + "/" + dtype))
+      throw ConfigError(fmt::format(
+          "the machine profile has no unit overhead for {} ranks: run fsdp-plan --calibrate "
+          "--world {}",
+          std::min(world, per_node), std::min(world, per_node)));
+    in.overhead = ranks->second.at(strategy + "/" + dtype);
+    auto resident = o.states;
+    resident.optimizer_in_file = false;
+    in.optimizer_s = optimizer_s_per_byte *
+                     static_cast<double>(plan::model_states(run.units, resident, 0).params);
+    in.comm_factor = 1;  // Gloo's copies compete with compute for the same cores
+    in.host_bytes_per_s = 0;
+    in.disk_read_bytes_per_s = profile.disk.read_bytes_per_s;
+    in.disk_write_bytes_per_s = profile.disk.write_bytes_per_s;
+    return in;
+  };
+}
+
+TimeInputsFor device_time(const plan::DeviceProfile& device, double efficiency, int per_node,
+                          std::function<plan::PieceFlops(int64_t, int64_t)> flops) {
+  return [device, efficiency, per_node, flops](const RunPlan& run, const plan::StepOptions& o,
+                                               const Knobs&) {
+    plan::TimeInputs in;
+    const auto dtype = o.states.param_dtype.value_or(torch::kFloat);
+    in.compute =
+        plan::flop_compute_times(flops(o.batch_rows, o.seq_len), device.flops(dtype) * efficiency);
+    const int world = o.states.world_size;
+    const int n = o.states.strategy == fsdp::ShardingStrategy::kNoShard ? 1
+                  : o.states.hybrid_shard_size > 0                      ? o.states.hybrid_shard_size
+                                                                        : world;
+    in.shard = plan::device_link(device, n, n > per_node);
+    in.replicate = plan::device_link(device, world / n, world > per_node);
+    in.overlap = true;
+    // The optimizer streams the master shard, its gradient and the moments through memory:
+    // AdamW reads 4 + 4 + 2m and writes 4 + 2m bytes per element (m: a moment's size), SGD
+    // with momentum 4 + 4 + 4 and 4 + 4.
+    const auto states = plan::model_states(run.units, o.states, 0);
+    const double elements = static_cast<double>(states.params) / 4.0;
+    const double moment = o.states.moments_dtype == torch::kFloat ? 4 : 2;
+    const double per_element = o.states.optimizer == plan::Optimizer::kAdamW ? 12 + 4 * moment
+                               : o.states.optimizer == plan::Optimizer::kSgdMomentum ? 20
+                                                                                     : 12;
+    const double bandwidth =
+        o.states.cpu_offload ? device.host_memory_bytes_per_s : device.memory_bytes_per_s;
+    in.optimizer_s = bandwidth > 0 ? elements * per_element / bandwidth : 0;
+    in.host_bytes_per_s = device.host_bytes_per_s;
+    return in;
+  };
+}
+
+}  // namespace fsdp_trainer
