@@ -193,7 +193,9 @@ TEST(Models, NamesFollowGpt2AndMetaLlama) {
     EXPECT_TRUE(l.contains(name)) << name;
   EXPECT_EQ(l.size(), 3u + 2u * 9u);
   EXPECT_EQ(l["layers.0.attention.wk.weight"].sizes(), (std::vector<int64_t>{22, 44}));
-  EXPECT_THROW(LlamaConfig::preset("llama-70b"), std::invalid_argument);
+  EXPECT_THROW(LlamaConfig::preset("llama-405b"), std::invalid_argument);
+  // Llama 2 70B: 68,976,648,192 parameters (its published count, "69B").
+  EXPECT_EQ(LlamaConfig::preset("llama-70b").num_params(), 68976648192);
   auto bad = LlamaConfig::preset("llama-test");
   bad.n_kv_heads = 3;  // does not divide n_heads
   EXPECT_THROW(Llama(bad, ModelInit().device(torch::kMeta)), c10::Error);

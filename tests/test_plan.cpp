@@ -417,6 +417,14 @@ TEST(PlanStepMemory, PeakWithinFivePercentOfMeasured) {
         {"FSDP_AC", "full"},
         {"FSDP_AC_EVERY", "2"},
         {"FSDP_MICRO", "2"}}},
+      // no_shard frees its bf16 copies after forward and casts again in backward, as DDP
+      // holds no second copy (the planner kept them until the grid's no_shard bf16 rows came
+      // out 1.5 MiB high).
+      {2,
+       {{"FSDP_LABEL", "gpt no_shard bf16 micro 2"},
+        {"FSDP_STRATEGY", "no_shard"},
+        {"FSDP_DTYPE", "bf16"},
+        {"FSDP_MICRO", "2"}}},
       {3, {{"FSDP_LABEL", "llama full fp32"}, {"FSDP_ARCH", "llama"}}},
       {2,
        {{"FSDP_LABEL", "llama full bf16 selective"},

@@ -209,9 +209,10 @@ inline Layout layout_of(const StepOptions& o, int rank) {
   Layout l;
   l.geometry = shard_group(s, rank);
   const Geometry& g = l.geometry;
-  const bool resharding_kind =
-      s.strategy == ShardingStrategy::kFullShard || s.strategy == ShardingStrategy::kHybridShard;
-  l.blocks_reshard = resharding_kind && o.reshard_after_forward.value_or(true);
+  // As param_group.cpp decides it: every strategy but shard_grad_op reshards after forward
+  // unless told not to; no_shard's "reshard" frees its mixed-precision copy.
+  l.blocks_reshard =
+      s.strategy != ShardingStrategy::kShardGradOp && o.reshard_after_forward.value_or(true);
   if (l.blocks_reshard && o.reshard_after_forward_size > 0 && o.reshard_after_forward_size < g.n) {
     TORCH_CHECK(g.n % o.reshard_after_forward_size == 0, "fsdp::plan: reshard_after_forward_size ",
                 o.reshard_after_forward_size, " does not divide the shard group size ", g.n);

@@ -673,8 +673,10 @@ TEST(FsdpPlan, AutoChoosesAConfigurationThatFitsAndRefusesBadInput) {
       chosen = &c;
   }
   ASSERT_NE(chosen, nullptr);
-  // The space holds faster configurations that do not fit: the budget decided.
-  EXPECT_FALSE(all[0]["fits"].get<bool>()) << all[0];
+  // The budget cuts the space: some points do not fit (which of them are the fastest depends
+  // on this machine's timings).
+  EXPECT_TRUE(std::any_of(all.begin(), all.end(),
+                          [](const nlohmann::json& c) { return !c["fits"].get<bool>(); }));
   std::string overrides;
   for (const auto& o : (*chosen)["overrides"])
     overrides += " --" + o.get<std::string>();

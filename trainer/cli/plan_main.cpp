@@ -18,99 +18,26 @@
 // the machine profile (--calibrate; measured once and cached) and the pieces timed here.
 //
 // Exit codes: 0 done, 2 bad input (config, world size, budget, nothing fits), 1 anything else.
-#include <fmt/core.h>
-#include <fmt/format.h>
-#include <fmt/ranges.h>
-#include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
-
 #include <ATen/Parallel.h>
+#include <CLI/CLI.hpp>
+#include <fmt/core.h>
 
-#include <chrono>
 #include <cstdio>
-#include <fstream>
-#include <map>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <fsdp/core/memory.h>
+#include <fsdp/plan/hardware.h>
 
 #include "config/config.h"
 #include "data/finetune_data.h"
-#include "plan_pieces.h"
-#include "train/auto_config.h"
-#include "train/compute_dtype.h"
+#include "plan_commands.h"
 #include "train/machine_calibration.h"
-#include "train/matmul_speed.h"
-#include "train/model_factory.h"
-#include "train/optimizer_factory.h"
-#include "train/step_plan.h"
 
 namespace {
 
-namespace mem = fsdp::memory;
-
 std::string first_line(const std::string& s) {
   return s.substr(0, s.find('\n'));
-}
-
-// precision.param_dtype resolved as fsdp-train resolves it, from this machine's matmul speeds.
-std::string compute_dtype(const fsdp_trainer::Config& config) {
-  using namespace fsdp_trainer;
-  const auto& requested = config.precision.param_dtype;
-  DtypeSpeeds speeds;
-  if (needs_dtype_speeds(requested, /*cuda=*/false)) {
-    const MatmulShape shape{256, 512, 1024};
-    speeds.shape = fmt::format("{}x{}x{}", shape.m, shape.k, shape.n);
-    speeds.fp32 = measure_matmul_speed(torch::kFloat, shape).step();
-    speeds.low = measure_matmul_speed(dtype_named(candidate_dtype(requested)), shape).step();
-  }
-  return choose_compute_dtype(requested, /*cuda=*/false, speeds).dtype;
-}
-
-namespace plan = fsdp::plan;
-using fsdp_trainer::Config;
-using fsdp_trainer::ConfigError;
-
-// The FLOPs of a micro-batch through each piece of the configured model (data-sheet timing).
-std::function<plan::PieceFlops(int64_t, int64_t)> model_flops(const Config& config) {
-  if (config.finetuning)
-    throw ConfigError("--hardware predicts pretraining runs (fsdp-train, not finetune)");
-  if (config.model.arch == "gpt") {
-    const auto cfg = fsdp_trainer::gpt_config(config, config.data.vocab_size);
-    return [cfg](int64_t b, int64_t t) { return fsdp_models::piece_flops(cfg, b, t); };
-  }
-  const auto cfg = fsdp_trainer::llama_config(config, config.data.vocab_size);
-  return [cfg](int64_t b, int64_t t) { return fsdp_models::piece_flops(cfg, b, t); };
-}
-
-// Seconds of the configured optimizer's step (clipping aside) per byte of fp32 parameter shard,
-// timed on 4M elements here.
-double optimizer_seconds_per_byte(Config config) {
-  config.optimizer.offload = "none";  // its file I/O is predicted from the disk's rates
-  constexpr int64_t kElements = int64_t{1} << 22;
-  auto p = torch::zeros({kElements}).requires_grad_();
-  p.mutable_grad() = torch::full_like(p, 1e-3);
-  auto opt = fsdp_trainer::make_optimizer(config, {p}, {});
-  opt->step();
-  const auto start = std::chrono::steady_clock::now();
-  constexpr int kRuns = 3;
-  for (int i = 0; i < kRuns; ++i)
-    opt->step();
-  const double s =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / kRuns;
-  return s / static_cast<double>(kElements * 4);
-}
-
-std::string describe_time(const plan::TimePrediction& t, double tokens) {
-  return fmt::format(
-      "step {:.4g} s ({:.0f} tokens/s): forward {:.4g} s, backward {:.4g} s (recompute {:.4g}), "
-      "exposed all-gather {:.4g} s, exposed reduce {:.4g} s, optimizer {:.4g} s, offload I/O "
-      "{:.4g} s; per step all-gather {}, reduce-scatter {}, all-reduce {}",
-      t.step_s, tokens / t.step_s, t.forward_s, t.backward_s, t.recompute_s, t.all_gather_exposed_s,
-      t.reduce_exposed_s, t.optimizer_s, t.offload_s, mem::format_bytes(t.all_gather_bytes),
-      mem::format_bytes(t.reduce_scatter_bytes), mem::format_bytes(t.all_reduce_bytes));
 }
 
 }  // namespace
@@ -119,7 +46,7 @@ int main(int argc, char** argv) {
   // A rank of --calibrate's Gloo measurement.
   if (argc == 3 && std::string(argv[1]) == "--calibration-rank")
     return fsdp_trainer::run_calibration_rank(argv[2]);
-  mem::install_tracking_allocator();
+  fsdp::memory::install_tracking_allocator();
   CLI::App app{
       "fsdp-plan: the per-rank memory and step time of an fsdp-train configuration, "
       "predicted; and the configuration that fits a budget fastest"};
@@ -187,11 +114,9 @@ int main(int argc, char** argv) {
   if (cache_dir.empty())
     cache_dir = fsdp_trainer::default_cache_dir();
   auto log = [](const std::string& line) { std::printf("%s\n", line.c_str()); };
-  // --auto's notes wait until there is a result: a search that fails says one line.
-  std::vector<std::string> notes;
-  auto note = [&notes](const std::string& line) { notes.push_back(line); };
   try {
     using namespace fsdp_trainer;
+    namespace plan = fsdp::plan;
     if (calibrate && !automatic) {
       machine_profile(cache_dir, std::min(world, per_node), "/proc/self/exe", true, log);
       return 0;
@@ -232,210 +157,28 @@ int main(int argc, char** argv) {
         throw ConfigError(
             fmt::format("--global-batch {} is not a multiple of --world {}", global_batch, world));
     }
-    const std::string gguf = finetune ? resolve_model_file(config.finetune.model) : "";
+    PlanRequest r;
+    r.gguf = finetune ? resolve_model_file(config.finetune.model) : "";
     const auto& t = config.training;
     // What fsdp-train keeps outside the model through a step: its held-out batches.
-    const int64_t other = finetune ? 0 : t.eval_batches * t.batch_size * (t.seq_len + 1) * 8;
+    r.other = finetune ? 0 : t.eval_batches * t.batch_size * (t.seq_len + 1) * 8;
     at::set_num_threads(static_cast<int>(t.threads));
-
-    if (automatic) {
-      config.training.batch_size = global_batch / world;
-      config.training.micro_batches = 1;
-      auto space = default_space(world, per_node, config.training.batch_size, device != nullptr,
-                                 config.optimizer.name != "adamw");
-      for (const auto& spec : space_specs)
-        restrict_space(space, spec);
-      // Every dtype's run: its units, activations and (on this machine) its pieces to time.
-      std::map<std::string, RunPlan> runs;
-      for (const auto& dtype : space.values.at("dtype")) {
-        auto c = config;
-        c.precision.param_dtype = dtype;
-        // Timed as the ranks of this machine run: as many at once as will share its cores.
-        const int together =
-            std::max(1, std::min(per_node, static_cast<int>(std::thread::hardware_concurrency())));
-        runs[dtype] = plan_run(c, c.data.vocab_size, gguf, world, per_node, dtype, other,
-                               /*time_compute=*/device == nullptr, nullptr, together);
-        if (device)
-          runs[dtype].options.gloo_staging = runs[dtype].options.gloo_reduce_scatter = false;
-      }
-      TimeInputsFor timing;
-      if (device) {
-        timing = device_time(*device, efficiency, per_node, model_flops(config));
-      } else {
-        const auto profile = machine_profile(cache_dir, std::min(world, per_node), "/proc/self/exe",
-                                             calibrate, note);
-        timing = machine_time(profile, per_node, optimizer_seconds_per_byte(config));
-      }
-      const auto all = search_configs(config, runs, space, world, per_node, budget, margin, timing,
-                                      device != nullptr);
-      if (!json_path.empty()) {
-        nlohmann::json j = nlohmann::json::array();
-        for (const auto& c : all) {
-          j.push_back({{"overrides", c.overrides},
-                       {"peak", c.peak},
-                       {"moment", c.moment},
-                       {"step_s", c.time.step_s},
-                       {"phases",
-                        {{"forward", c.time.forward_s},
-                         {"backward", c.time.backward_s},
-                         {"recompute", c.time.recompute_s},
-                         {"all_gather_exposed", c.time.all_gather_exposed_s},
-                         {"reduce_exposed", c.time.reduce_exposed_s},
-                         {"optimizer", c.time.optimizer_s},
-                         {"offload", c.time.offload_s},
-                         {"overhead", c.time.overhead_s}}},
-                       {"tokens_per_s", c.tokens_per_s},
-                       {"fits", c.fits}});
-        }
-        std::ofstream(json_path) << j.dump(1) << "\n";
-      }
-      std::vector<const Candidate*> fitting;
-      const Candidate* smallest = &all.front();
-      for (const auto& c : all) {
-        if (c.fits && static_cast<int>(fitting.size()) < top)
-          fitting.push_back(&c);
-        if (c.peak < smallest->peak)
-          smallest = &c;
-      }
-      if (fitting.empty()) {
-        std::fprintf(stderr,
-                     "fsdp-plan: no configuration fits %s = %s: the smallest predicted peak is %s "
-                     "(%s)\n",
-                     budget_key.c_str(), mem::format_bytes(budget).c_str(),
-                     mem::format_bytes(smallest->peak).c_str(),
-                     fmt::format("{}", fmt::join(smallest->overrides, " ")).c_str());
-        return 2;
-      }
-      for (const auto& line : notes)
-        log(line);
-      std::printf(
-          "fsdp-plan --auto: %s on %d rank(s)%s, global batch %lld x %lld tokens, budget %s "
-          "(predicted peak + %.0f%%), %zu configurations predicted%s\n",
-          finetune ? config.finetune.model.c_str()
-                   : (config.model.arch + " " + config.model.preset).c_str(),
-          world, device ? (" of " + device->description).c_str() : " on this machine",
-          (long long)global_batch, (long long)runs.begin()->second.options.seq_len,
-          mem::format_bytes(budget).c_str(), 100 * margin, all.size(),
-          device
-              ? fmt::format(", time at {:.0f}% of the data sheet's matmul rate", 100 * efficiency)
-                    .c_str()
-              : "");
-      std::printf("%-3s %12s %10s %12s  %-20s %s\n", "#", "tokens/s", "step s", "peak", "moment",
-                  "strategy / AC / dtype / gather / offload / micro-batches");
-      for (size_t i = 0; i < fitting.size(); ++i) {
-        const auto& c = *fitting[i];
-        const auto& k = c.knobs;
-        std::printf("%-3zu %12.0f %10.4f %12s  %-20s %s%s / %s%s / %s / %s / %s / %lld x %lld\n",
-                    i + 1, c.tokens_per_s, c.time.step_s, mem::format_bytes(c.peak).c_str(),
-                    c.moment.c_str(), k.strategy.c_str(),
-                    k.reshard_size ? fmt::format("/{}", k.reshard_size).c_str() : "", k.ac.c_str(),
-                    k.ac_every > 1 ? fmt::format("/{}", k.ac_every).c_str() : "", k.dtype.c_str(),
-                    k.gather.c_str(), k.offload.c_str(), (long long)k.micro_batches,
-                    (long long)(config.training.batch_size / k.micro_batches));
-      }
-      for (size_t i = 0; i < fitting.size(); ++i) {
-        std::printf("\n# %zu: %.0f tokens/s, peak %s per rank (predicted)\n%s", i + 1,
-                    fitting[i]->tokens_per_s, mem::format_bytes(fitting[i]->peak).c_str(),
-                    toml_snippet(*fitting[i]).c_str());
-      }
-      return 0;
-    }
-
-    const auto dtype = device
-                           ? (config.precision.param_dtype == "auto" ? std::string("bf16")
-                                                                     : config.precision.param_dtype)
-                           : compute_dtype(config);
-    auto run = plan_run(config, config.data.vocab_size, gguf, world, per_node, dtype, other);
-    if (device)
-      run.options.gloo_staging = run.options.gloo_reduce_scatter = false;
-    std::vector<fsdp::plan::MemoryPrediction> predictions;
-    int worst_rank = 0;
-    for (int r = 0; r < world; ++r) {
-      predictions.push_back(
-          fsdp::plan::predict_step_memory(run.units, run.options, run.activations, r));
-      // On a GPU, CPU offload keeps the model states in host memory.
-      if (device && run.options.states.cpu_offload)
-        predictions.back() = fsdp::plan::device_side(predictions.back());
-      if (predictions.back().peak > predictions[static_cast<size_t>(worst_rank)].peak)
-        worst_rank = r;
-    }
-    const auto& worst = predictions[static_cast<size_t>(worst_rank)];
-    const bool states_on_host = device && run.options.states.cpu_offload;
-    if (states_on_host) {
-      std::printf(
-          "CPU offload: each rank's model states, %s, live in host memory; the table is "
-          "the device's\n",
-          mem::format_bytes(worst.states.total()).c_str());
-    }
-    if (budget > 0 && !states_on_host && budget < worst.states.total()) {
-      std::fprintf(stderr,
-                   "fsdp-plan: %s = %s is below rank %d's model states alone (%s: parameters "
-                   "%s, gradients %s, optimizer state %s)\n",
-                   budget_key.c_str(), mem::format_bytes(budget).c_str(), worst_rank,
-                   mem::format_bytes(worst.states.total()).c_str(),
-                   mem::format_bytes(worst.states.params).c_str(),
-                   mem::format_bytes(worst.states.grads).c_str(),
-                   mem::format_bytes(worst.states.optimizer).c_str());
-      return 2;
-    }
-    std::printf(
-        "fsdp-plan: %s on %d rank(s)%s, %s, compute %s, %lld x %lld tokens per micro-batch, "
-        "%d micro-batch(es)%s\n",
-        finetune ? config.finetune.model.c_str()
-                 : (config.model.arch + " " + config.model.preset).c_str(),
-        world, device ? (" of " + device->description).c_str() : "", config.fsdp.strategy.c_str(),
-        dtype.c_str(), (long long)run.options.batch_rows, (long long)run.options.seq_len,
-        run.options.micro_batches,
-        finetune ? " (the longest conversation finetune.max_tokens allows)" : "");
-    std::printf("%-6s %12s  %-20s", "rank", "peak", "moment");
-    for (int c = 1; c <= mem::kNumCategories; ++c)
-      std::printf(" %20s", mem::to_string(static_cast<mem::Category>(c % mem::kNumCategories)));
-    std::printf("\n");
-    // Ranks differ only by the padding of the last shard: print each different row once.
-    std::map<std::vector<int64_t>, std::vector<int>> rows;
-    for (int r = 0; r < world; ++r) {
-      const auto& p = predictions[static_cast<size_t>(r)];
-      std::vector<int64_t> key(p.at_peak.bytes.begin(), p.at_peak.bytes.end());
-      key.push_back(p.peak);
-      auto& ranks = rows[key];
-      if (ranks.empty()) {
-        std::printf("%-6d %12s  %-20s", r, mem::format_bytes(p.peak).c_str(),
-                    fsdp::plan::moment_label(p.moment).c_str());
-        for (int c = 1; c <= mem::kNumCategories; ++c)
-          std::printf(" %20s", mem::format_bytes(p.at_peak.bytes[c % mem::kNumCategories]).c_str());
-        std::printf("\n");
-      }
-      ranks.push_back(r);
-    }
-    if (rows.size() < static_cast<size_t>(world))
-      std::printf("(the other ranks predict the same as the row above them)\n");
-    if (worst.peak_without_staging != worst.peak) {
-      std::printf(
-          "Gloo's staging buffers for a gather in flight are counted; without them rank "
-          "%d's peak is %s.\n",
-          worst_rank, mem::format_bytes(worst.peak_without_staging).c_str());
-    }
-    if (device) {
-      const auto time = plan::predict_step_time(
-          run.units, run.options,
-          device_time(*device, efficiency, per_node, model_flops(config))(run, run.options, {}),
-          worst_rank);
-      const double tokens = static_cast<double>(world * t.batch_size * run.options.seq_len);
-      std::printf("time on %s at %.0f%% of its matmul rate: %s\n", hardware.c_str(),
-                  100 * efficiency, describe_time(time, tokens).c_str());
-    }
-    if (budget > 0) {
-      if (worst.peak > budget) {
-        std::printf("over budget: rank %d: %s\n", worst_rank,
-                    budget_warning(run, worst, budget, worst_rank, budget_key).c_str());
-      } else {
-        std::printf("fits: the highest predicted peak, %s (rank %d), is %.0f%% of %s\n",
-                    mem::format_bytes(worst.peak).c_str(), worst_rank,
-                    100.0 * static_cast<double>(worst.peak) / static_cast<double>(budget),
-                    mem::format_bytes(budget).c_str());
-      }
-    }
-    return 0;
+    r.config = config;
+    r.world = world;
+    r.per_node = per_node;
+    r.finetune = finetune;
+    r.budget = budget;
+    r.budget_key = budget_key;
+    r.device = device;
+    r.efficiency = efficiency;
+    r.global_batch = global_batch;
+    r.top = top;
+    r.margin = margin;
+    r.space = space_specs;
+    r.json_path = json_path;
+    r.cache_dir = cache_dir;
+    r.recalibrate = calibrate;
+    return automatic ? plan_auto(r) : plan_table(r);
   } catch (const fsdp_trainer::ConfigError& e) {
     std::fprintf(stderr, "fsdp-plan: config error: %s\n", e.what());
     return 2;

@@ -12,7 +12,9 @@
 
 #include <fsdp/plan/model_states.h>
 
+#include "plan_pieces.h"
 #include "train/compute_dtype.h"
+#include "train/model_factory.h"
 
 namespace fsdp_trainer {
 namespace {
@@ -284,6 +286,17 @@ TimeInputsFor machine_time(const plan::MachineProfile& profile, int per_node,
     in.disk_write_bytes_per_s = profile.disk.write_bytes_per_s;
     return in;
   };
+}
+
+std::function<plan::PieceFlops(int64_t, int64_t)> model_piece_flops(const Config& config) {
+  if (config.finetuning)
+    throw ConfigError("--hardware predicts pretraining runs (fsdp-train, not finetune)");
+  if (config.model.arch == "gpt") {
+    const auto cfg = gpt_config(config, config.data.vocab_size);
+    return [cfg](int64_t b, int64_t t) { return fsdp_models::piece_flops(cfg, b, t); };
+  }
+  const auto cfg = llama_config(config, config.data.vocab_size);
+  return [cfg](int64_t b, int64_t t) { return fsdp_models::piece_flops(cfg, b, t); };
 }
 
 TimeInputsFor device_time(const plan::DeviceProfile& device, double efficiency, int per_node,

@@ -92,6 +92,10 @@ std::string toml_snippet(const Candidate& c);
 TimeInputsFor machine_time(const fsdp::plan::MachineProfile& profile, int per_node,
                            double optimizer_s_per_byte);
 
+/// The FLOPs of a micro-batch through each piece of the configured model (GPT or Llama); a
+/// ConfigError for fine-tuning (the data-sheet model is of pretraining).
+std::function<fsdp::plan::PieceFlops(int64_t b, int64_t t)> model_piece_flops(const Config& config);
+
 /// Timing from a data sheet: FLOPs of `flops(b, t)` at the device's rate for the dtype times
 /// `efficiency`, NCCL ring collectives on its links (hybrid_shard's replicas and any group
 /// larger than a node cross InfiniBand), collectives overlapped with compute, the optimizer
