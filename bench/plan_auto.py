@@ -3,8 +3,8 @@
 space with fsdp-plan --auto --json, runs each through fsdp-train for a few steps (the grid),
 then for three budgets checks that the configuration --auto chooses fits (its measured peak is
 within the budget) and that its measured tokens/s is within 10% of the best measured among the
-grid's configurations that fit (the chosen one and the grid's three fastest that fit run twice
-more, and each counts by its median: one 12-step run varies by about 8% here). Prints the machine, the grid's rows and one line per budget.
+grid's configurations that fit (the chosen one and the grid's three fastest that fit run four
+times more, and each counts by its median: one 12-step run varies by about 8% here). Prints the machine, the grid's rows and one line per budget.
 
     bench/plan_auto.py [--build build] [--steps 12] [--out table.md] [--resume OUTPUT]
 
@@ -12,7 +12,8 @@ more, and each counts by its median: one 12-step run varies by about 8% here). P
 running them again.
 
 The budgets are placed by the grid's measured peaks (a tight one near the smallest, one in the
-middle, and one every configuration fits), so the three choices differ.
+middle, and one every configuration fits), each where no configuration's peak lies within
+--auto's 5% safety margin below it (that margin, not the prediction, would decide otherwise).
 """
 import argparse
 import json
@@ -117,8 +118,15 @@ def main():
     rho = 1 - 6 * sum((a - b) ** 2 for a, b in zip(rp, rm)) / (n * (n * n - 1))
     say()
     say(f"Spearman rank correlation of predicted and measured tokens/s: {rho:.3f}")
-    peaks = sorted(p for _, p in measured.values())
-    budgets = [peaks[len(peaks) // 8], peaks[len(peaks) // 2], int(peaks[-1] * 1.1)]
+    # Budgets where no configuration's measured peak lies within --auto's 5% margin below
+    # them, so that the margin does not decide what fits: just above a peak that has the next
+    # one more than 6% higher, the nearest such to the eighth and the half of the peaks; and
+    # one every configuration fits.
+    peaks = sorted(set(p for _, p in measured.values()))
+    gaps = [p for p, q in zip(peaks, peaks[1:]) if q > p * 1.06]
+    def near(target):
+        return int(min(gaps, key=lambda p: abs(p - target)) * 1.055)
+    budgets = [near(peaks[len(peaks) // 8]), near(peaks[len(peaks) // 2]), int(peaks[-1] * 1.1)]
     say()
     say("| budget | chosen by --auto | its measured tokens/s | its measured peak | "
         "best measured that fits | best tokens/s | ratio | verdict |")
@@ -134,12 +142,12 @@ def main():
         ckey = tuple(chosen["overrides"])
         cpeak = measured[ckey][1]
         # One run is noisy (+-8% here): the chosen configuration and the three fastest that fit
-        # run twice more, interleaved, and each counts by the median of its three runs.
+        # run four times more, interleaved, and each counts by the median of its five runs.
         fitting = sorted(((tps, key) for key, (tps, peak) in measured.items() if peak <= budget),
                          reverse=True)
         again = [ckey] + [key for _, key in fitting[:3] if key != ckey]
         runs = {key: [measured[key][0]] for key in again}
-        for _ in range(2):
+        for _ in range(4):
             for key in again:
                 runs[key].append(measure(args.build, list(key), args.steps, workdir)[0])
         median = {key: statistics.median(v) for key, v in runs.items()}

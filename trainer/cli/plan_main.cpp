@@ -19,8 +19,8 @@
 //
 // Exit codes: 0 done, 2 bad input (config, world size, budget, nothing fits), 1 anything else.
 #include <ATen/Parallel.h>
-#include <CLI/CLI.hpp>
 #include <fmt/core.h>
+#include <CLI/CLI.hpp>
 
 #include <cstdio>
 #include <string>
