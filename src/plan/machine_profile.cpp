@@ -62,6 +62,17 @@ double figure(const json& j, const char* name, const std::string& path) {
   return v;
 }
 
+// A group size written as a JSON key ("2"), at least `least`; 0 if it is not one.
+int ranks_key(const std::string& text, int least) {
+  int n = 0;
+  try {
+    n = std::stoi(text);
+  } catch (const std::exception&) {
+    return 0;
+  }
+  return n >= least && std::to_string(n) == text ? n : 0;
+}
+
 LinkCost link_from(const json& j, const std::string& path) {
   return {figure(j, "latency_s", path), figure(j, "bytes_per_s", path)};
 }
@@ -177,12 +188,8 @@ std::optional<MachineProfile> load_machine_profile(const std::string& path,
   if (!j.contains("gloo") || !j.at("gloo").is_object())
     throw std::runtime_error(path + ": not a machine profile ('gloo' missing)");
   for (const auto& [ranks, link] : j.at("gloo").items()) {
-    int n = 0;
-    try {
-      n = std::stoi(ranks);
-    } catch (const std::exception&) {
-    }
-    if (n < 2 || std::to_string(n) != ranks)
+    const int n = ranks_key(ranks, 2);
+    if (n == 0)
       throw std::runtime_error(path + ": not a machine profile (gloo group size '" + ranks + "')");
     if (!link.is_object() || !link.contains("all_gather") || !link.contains("reduce_scatter") ||
         !link.contains("all_reduce"))
@@ -196,12 +203,8 @@ std::optional<MachineProfile> load_machine_profile(const std::string& path,
     if (!all.is_object())
       throw std::runtime_error(path + ": not a machine profile ('unit_overhead' is not an object)");
     for (const auto& [ranks, kinds] : all.items()) {
-      int n = 0;
-      try {
-        n = std::stoi(ranks);
-      } catch (const std::exception&) {
-      }
-      if (n < 1 || std::to_string(n) != ranks || !kinds.is_object())
+      const int n = ranks_key(ranks, 1);
+      if (n == 0 || !kinds.is_object())
         throw std::runtime_error(path + ": not a machine profile (unit_overhead '" + ranks + "')");
       for (const auto& [kind, o] : kinds.items())
         p.unit_overhead[n][kind] = {figure(o, "per_unit_s", path), figure(o, "per_param_s", path)};

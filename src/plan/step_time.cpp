@@ -347,8 +347,8 @@ TimePrediction predict_step_time(const std::vector<UnitInfo>& units, const StepO
   // Offload I/O. CPU offload: the parameter shards go to the device for each gather (twice for
   // blocks that reshard after forward; the root's once, counted alike: a small overestimate),
   // the gradient shards come back after each reduction.
-  const auto states = model_states(units, o.states, rank);
   if (o.states.cpu_offload && in.host_bytes_per_s > 0) {
+    const auto states = model_states(units, o.states, rank);
     const int gathers = layout.blocks_reshard ? 2 : 1;
     const int reductions = o.sync_every_micro_batch ? o.micro_batches : 1;
     const int64_t bytes = states.params * gathers * o.micro_batches + states.grads * reductions;

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 #include <sstream>
 #include <tuple>
 
@@ -28,6 +29,13 @@ std::vector<std::string> split(const std::string& s, char sep) {
   while (std::getline(in, item, sep))
     out.push_back(item);
   return out;
+}
+
+// The ranks a unit's parameters are sharded over: the world, hybrid_shard's group, or one.
+int shard_ranks(const plan::StateOptions& s) {
+  return s.strategy == fsdp::ShardingStrategy::kNoShard ? 1
+         : s.hybrid_shard_size > 0                      ? s.hybrid_shard_size
+                                                        : s.world_size;
 }
 
 // The step options of `knobs` on top of its dtype's run (made from the base config).
@@ -169,10 +177,8 @@ std::vector<Candidate> search_configs(const Config& base,
               c.overrides = overrides_of(k, per_node, batch_size);
               // Ranks differ by the padding of the last shard: the first and the last rank of
               // the world and of a shard group bound them.
-              const int n = o.states.strategy == fsdp::ShardingStrategy::kNoShard ? 1
-                            : o.states.hybrid_shard_size > 0 ? o.states.hybrid_shard_size
-                                                             : world;
-              for (int r : {0, n - 1, world - 1}) {
+              const int n = shard_ranks(o.states);
+              for (int r : std::set<int>{0, n - 1, world - 1}) {
                 auto p = plan::predict_step_memory(run.units, o, run.activations, r);
                 if (accelerator && o.states.cpu_offload)
                   p = plan::device_side(p);
@@ -224,7 +230,7 @@ TimeInputsFor machine_time(const plan::MachineProfile& profile, int per_node,
   auto cache =
       std::make_shared<std::map<std::tuple<const RunPlan*, int64_t>, plan::ComputeTimes>>();
   return [profile, per_node, optimizer_s_per_byte, cache](
-             const RunPlan& run, const plan::StepOptions& o, const Knobs&) {
+             const RunPlan& run, const plan::StepOptions& o, const Knobs& k) {
     TORCH_CHECK(!run.timing_pieces.empty(), "machine_time needs runs planned with time_compute");
     plan::TimeInputs in;
     auto key = std::make_tuple(&run, o.batch_rows);
@@ -236,9 +242,7 @@ TimeInputsFor machine_time(const plan::MachineProfile& profile, int per_node,
               .first;
     in.compute = it->second;
     const int world = o.states.world_size;
-    const int n = o.states.strategy == fsdp::ShardingStrategy::kNoShard ? 1
-                  : o.states.hybrid_shard_size > 0                      ? o.states.hybrid_shard_size
-                                                                        : world;
+    const int n = shard_ranks(o.states);
     auto link = [&](int ranks) {
       // Gloo between ranks on one machine; across machines it is not this profile's link.
       if (ranks > per_node)
@@ -263,19 +267,17 @@ TimeInputsFor machine_time(const plan::MachineProfile& profile, int per_node,
          {&in.shard.all_gather, &in.shard.reduce_scatter, &in.shard.all_reduce,
           &in.replicate.all_gather, &in.replicate.reduce_scatter, &in.replicate.all_reduce})
       c->latency_s = 0;
-    const std::string strategy =
-        o.states.strategy == fsdp::ShardingStrategy::kShardGradOp ? "shard_grad_op"
-        : o.states.strategy == fsdp::ShardingStrategy::kNoShard   ? "no_shard"
-                                                                  : "full_shard";
-    const std::string dtype =
-        o.states.param_dtype.value_or(torch::kFloat) == torch::kFloat ? "fp32" : "bf16";
+    // Measured for full_shard, shard_grad_op and no_shard; hybrid_shard's units do what
+    // full_shard's do.
+    const std::string kind =
+        (k.strategy == "hybrid_shard" ? std::string("full_shard") : k.strategy) + "/" + k.dtype;
     const auto ranks = profile.unit_overhead.find(std::min(world, per_node));
-    if (ranks == profile.unit_overhead.end() || !ranks->second.count(strategy + "/" + dtype))
+    if (ranks == profile.unit_overhead.end() || !ranks->second.count(kind))
       throw ConfigError(fmt::format(
           "the machine profile has no unit overhead for {} ranks: run fsdp-plan --calibrate "
           "--world {}",
           std::min(world, per_node), std::min(world, per_node)));
-    in.overhead = ranks->second.at(strategy + "/" + dtype);
+    in.overhead = ranks->second.at(kind);
     auto resident = o.states;
     resident.optimizer_in_file = false;
     in.optimizer_s = optimizer_s_per_byte *
@@ -308,9 +310,7 @@ TimeInputsFor device_time(const plan::DeviceProfile& device, double efficiency, 
     in.compute =
         plan::flop_compute_times(flops(o.batch_rows, o.seq_len), device.flops(dtype) * efficiency);
     const int world = o.states.world_size;
-    const int n = o.states.strategy == fsdp::ShardingStrategy::kNoShard ? 1
-                  : o.states.hybrid_shard_size > 0                      ? o.states.hybrid_shard_size
-                                                                        : world;
+    const int n = shard_ranks(o.states);
     in.shard = plan::device_link(device, n, n > per_node);
     in.replicate = plan::device_link(device, world / n, world > per_node);
     in.overlap = true;

@@ -3,17 +3,14 @@
 
 #include <ATen/Parallel.h>
 #include <fmt/core.h>
-#include <nlohmann/json.hpp>
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
 #include <filesystem>
-#include <fstream>
 #include <thread>
 
-#include <fsdp/core/durable_file.h>
 #include <fsdp/distributed/local_launch.h>
 #include <fsdp/distributed/process_group.h>
 #include <fsdp/fully_shard.h>
@@ -27,7 +24,6 @@ namespace fsdp_trainer {
 namespace {
 
 namespace plan = fsdp::plan;
-using json = nlohmann::json;
 
 std::string utc_now() {
   const std::time_t now = std::time(nullptr);
@@ -36,14 +32,6 @@ std::string utc_now() {
   char text[32];
   std::strftime(text, sizeof(text), "%Y-%m-%dT%H:%M:%SZ", &tm);
   return text;
-}
-
-json cost_json(const plan::LinkCost& c) {
-  return {{"latency_s", c.latency_s}, {"bytes_per_s", c.bytes_per_s}};
-}
-
-plan::LinkCost cost_from(const json& j) {
-  return {j.at("latency_s").get<double>(), j.at("bytes_per_s").get<double>()};
 }
 
 int cores() {
@@ -72,22 +60,20 @@ int run_calibration_rank(const std::string& file) {
   fsdp::die_with_launcher();
   try {
     auto pg = fsdp::init_process_group();
-    json j;
-    if (pg->size() > 1) {
-      const auto link = plan::measure_link(*pg);
-      j["link"] = {{"all_gather", cost_json(link.all_gather)},
-                   {"reduce_scatter", cost_json(link.reduce_scatter)},
-                   {"all_reduce", cost_json(link.all_reduce)}};
-    }
+    // The group's figures, in the profile's own file format: the launcher merges them.
+    plan::MachineProfile part;
+    part.key = plan::machine_key();
+    const int ranks = pg->size();
+    if (ranks > 1)
+      part.gloo[ranks] = plan::measure_link(*pg);
     for (const auto& kind : overhead_kinds()) {
       const auto slash = kind.find('/');
-      const auto o = plan::measure_unit_overhead(
+      part.unit_overhead[ranks][kind] = plan::measure_unit_overhead(
           pg, fsdp::from_string<fsdp::ShardingStrategy>(kind.substr(0, slash)),
           kind.substr(slash + 1) == "fp32" ? torch::kFloat : torch::kBFloat16);
-      j["unit_overhead"][kind] = {{"per_unit_s", o.per_unit_s}, {"per_param_s", o.per_param_s}};
     }
     if (pg->rank() == 0)
-      fsdp::write_file_atomic(file, j.dump());
+      plan::save_machine_profile(part, file);
     pg->barrier();
     return 0;
   } catch (const std::exception& e) {
@@ -143,23 +129,18 @@ plan::MachineProfile calibrate_machine(int max_ranks, const std::string& executa
       throw std::runtime_error(
           fmt::format("measuring {} rank(s) failed (rank {} exited {})", ranks, result.first_failed,
                       result.first_failed >= 0 ? result.exit_codes[result.first_failed] : -1));
-    std::ifstream in(file);
-    const json j = json::parse(in);
+    const auto part = plan::load_machine_profile(file, p.key);
     std::filesystem::remove(file);
-    for (const auto& kind : overhead_kinds()) {
-      const auto& o = j.at("unit_overhead").at(kind);
-      p.unit_overhead[ranks][kind] = {o.at("per_unit_s").get<double>(),
-                                      o.at("per_param_s").get<double>()};
-    }
+    if (!part || !part->unit_overhead.count(ranks) || (ranks > 1 && !part->gloo.count(ranks)))
+      throw std::runtime_error(fmt::format("measuring {} rank(s) wrote no figures", ranks));
+    p.unit_overhead[ranks] = part->unit_overhead.at(ranks);
     const auto& fs = p.unit_overhead[ranks]["full_shard/fp32"];
     std::string line = fmt::format(
         "{} rank(s): the engine's cost per unit and micro-batch (full_shard, fp32) {:.0f} us + "
         "{:.0f} us per parameter",
         ranks, fs.per_unit_s * 1e6, fs.per_param_s * 1e6);
     if (ranks > 1) {
-      const auto& l = j.at("link");
-      p.gloo[ranks] = {cost_from(l.at("all_gather")), cost_from(l.at("reduce_scatter")),
-                       cost_from(l.at("all_reduce"))};
+      p.gloo[ranks] = part->gloo.at(ranks);
       const auto& ag = p.gloo[ranks].all_gather;
       line += fmt::format("; Gloo all-gather {:.0f} us + {:.2f} GB/s", ag.latency_s * 1e6,
                           ag.bytes_per_s / 1e9);
