@@ -211,6 +211,30 @@ TEST(ShardedCheckpoint, DamageIsRefusedWithFileAndTensor) {
     fs::remove(d / "rank-00000.safetensors");
     EXPECT_NE(load_error(d).find("rank-00000.safetensors"), std::string::npos);
   }
+  // File names that lead out of the checkpoint's directory: a path in the index, or a link.
+  for (const char* name : {"../good/rank-00000.safetensors", "/etc/passwd"}) {
+    auto d = copy(std::string("escape-") + (name[0] == '/' ? "abs" : "dotdot"));
+    std::string text;
+    {
+      std::ifstream in(d / "index.json");
+      text.assign(std::istreambuf_iterator<char>(in), {});
+    }
+    const std::string plain = "\"rank-00000.safetensors\"";
+    ASSERT_NE(text.find(plain), std::string::npos);
+    text.replace(text.find(plain), plain.size(), std::string("\"") + name + "\"");
+    std::ofstream(d / "index.json", std::ios::trunc) << text;
+    auto msg = load_error(d);
+    std::printf("index naming %s: %s\n", name, msg.c_str());
+    EXPECT_NE(msg.find("is not a plain name"), std::string::npos) << msg;
+  }
+  {
+    auto d = copy("symlink");
+    fs::remove(d / "rank-00000.safetensors");
+    fs::create_symlink(fs::absolute(good / "rank-00000.safetensors"), d / "rank-00000.safetensors");
+    auto msg = load_error(d);
+    std::printf("link in the checkpoint: %s\n", msg.c_str());
+    EXPECT_NE(msg.find("rank-00000.safetensors: not a regular file"), std::string::npos) << msg;
+  }
   // A save that died half-way: its .tmp directory is ignored, the previous one loads, and the
   // next save of that name clears it.
   fs::create_directories(root / "next.tmp");

@@ -20,6 +20,7 @@
 #include <fsdp/core/memory.h>
 #include <fsdp/distributed/collectives.h>
 #include <fsdp/distributed/comm_stats.h>
+#include <fsdp/distributed/flight_recorder.h>
 #include <fsdp/distributed/process_group.h>
 #include <fsdp/observe/step_profiler.h>
 #include <fsdp/optim/fused_optimizer.h>

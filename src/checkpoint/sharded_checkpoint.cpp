@@ -256,8 +256,19 @@ void read_rows_into(const fs::path& dir, const std::string& key, const detail::I
     if (lo >= hi)
       continue;
     auto& reader = readers[p.file];
-    if (!reader)
-      reader = std::make_unique<safetensors::Reader>((dir / p.file).string());
+    if (!reader) {
+      // The index names plain files of this directory (checkpoint_index.cpp refuses '/' and
+      // '..'); a link could still lead elsewhere, and a device or FIFO could block or never
+      // end: only regular files are read.
+      const fs::path file = dir / p.file;
+      std::error_code ec;
+      const auto status = fs::symlink_status(file, ec);
+      if (!ec && status.type() != fs::file_type::regular)
+        throw FormatError(file.string() +
+                          ": not a regular file (the checkpoint index may only "
+                          "name files of its own directory; links and devices are refused)");
+      reader = std::make_unique<safetensors::Reader>(file.string());
+    }
     const auto& entry = reader->entry(key);
     auto want_shape = t.shape;
     if (want_shape.empty())

@@ -15,6 +15,7 @@
 
 #include "collective_check.h"
 #include "group_access.h"
+#include "peer_progress.h"
 
 namespace fsdp {
 
@@ -79,6 +80,53 @@ void check_sequence(ProcessGroup& group, const std::string& description) {
     check->before(description);
 }
 
+// The collective's flight-recorder entry (flight_recorder.h). Point-to-point messages take no
+// number in the group's sequence: a sender's and a receiver's sequences differ by design.
+RecordTicket record(ProcessGroup& group, const char* kind, int64_t bytes, const std::string& dtype,
+                    const std::string& description, const std::string& context,
+                    bool in_sequence = true) {
+  CollectiveRecord r;
+  r.group = group.name();
+  r.seq = in_sequence ? detail::GroupAccess::next_sequence(group) : 0;
+  r.kind = kind;
+  r.context = context;
+  r.bytes = bytes;
+  r.dtype = dtype;
+  r.description = description;
+  RecordTicket t;
+  t.group = r.group;
+  t.seq = r.seq;
+  t.id = FlightRecorder::global().issue(std::move(r));
+  return t;
+}
+
+// The peers of a failed collective, and the dump, once: when one collective fails, those in
+// flight behind it fail too, and each would otherwise wait for the store and dump again.
+std::string diagnose_failure(ProcessGroup& group, const RecordTicket& ticket,
+                             const std::string& what) {
+  static std::mutex mutex;
+  static double last_time = -1e9;
+  static std::string last_message;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (unix_seconds() - last_time < 60)
+    return last_message.empty() ? "" : " [" + last_message + "]";
+  const int me = group.global_ranks().at(static_cast<size_t>(group.rank()));
+  const auto deadline =
+      std::min<std::chrono::milliseconds>(group.timeout(), std::chrono::seconds(5));
+  std::string peers;
+  try {
+    peers = detail::diagnose_peers(group.global_ranks(), me, ticket, what, deadline);
+  } catch (const std::exception& e) {
+    peers = std::string("peers unknown: ") + e.what();
+  }
+  const std::string path = FlightRecorder::global().dump("collective failed: " + what);
+  last_message = peers;
+  if (!path.empty())
+    last_message += (last_message.empty() ? "" : "; ") + std::string("flight recorder: ") + path;
+  last_time = unix_seconds();
+  return last_message.empty() ? "" : " [" + last_message + "]";
+}
+
 }  // namespace
 
 torch::Tensor as_bytes(const torch::Tensor& t) {
@@ -88,19 +136,21 @@ torch::Tensor as_bytes(const torch::Tensor& t) {
 }
 
 CollectiveWork::CollectiveWork(ProcessGroup& group, CollectiveCounter& counter, std::string what,
-                               c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish)
+                               c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish,
+                               RecordTicket ticket)
     : CollectiveWork(group, counter, std::move(what),
                      std::vector<c10::intrusive_ptr<c10d::Work>>{std::move(work)},
-                     std::move(finish)) {}
+                     std::move(finish), std::move(ticket)) {}
 
 CollectiveWork::CollectiveWork(ProcessGroup& group, CollectiveCounter& counter, std::string what,
                                std::vector<c10::intrusive_ptr<c10d::Work>> works,
-                               std::function<void()> finish)
+                               std::function<void()> finish, RecordTicket ticket)
     : group_(group),
       counter_(counter),
       what_(std::move(what)),
       works_(std::move(works)),
-      finish_(std::move(finish)) {
+      finish_(std::move(finish)),
+      ticket_(std::move(ticket)) {
   std::erase_if(works_, [](const auto& w) { return !w; });
 }
 
@@ -118,6 +168,8 @@ void CollectiveWork::wait() {
   if (waited_)
     return;
   waited_ = true;
+  auto& recorder = FlightRecorder::global();
+  recorder.transition(ticket_.id, CollectiveState::kWaiting);
   auto start = std::chrono::steady_clock::now();
   auto add_wait = [&] {
     const double w =
@@ -149,10 +201,16 @@ void CollectiveWork::wait() {
   if (!error.empty()) {
     works_.clear();
     add_wait();
-    TORCH_CHECK(false, "[rank ", group_.global_ranks().at(group_.rank()), "] ", what_, " over ",
-                group_.size(), " ranks failed (timeout ", group_.timeout().count(),
-                " ms; a peer may have died): ", error);
+    recorder.transition(ticket_.id, CollectiveState::kFailed, error);
+    const std::string seq =
+        ticket_.seq ? " (#" + std::to_string(ticket_.seq) + " of group '" + ticket_.group + "')"
+                    : "";
+    TORCH_CHECK(false, "[rank ", group_.global_ranks().at(group_.rank()), "] ", what_, seq,
+                " over ", group_.size(), " ranks failed (timeout ", group_.timeout().count(),
+                " ms; a peer may have died): ", error.substr(0, error.find('\n')),
+                diagnose_failure(group_, ticket_, what_));
   }
+  recorder.transition(ticket_.id, CollectiveState::kCompleted);
   if (is_gloo(group_)) {
     // Gloo's worker thread drops its reference to the work (and so to the buffers the work
     // holds) just after marking it complete. Waiting for that moment, a few microseconds,
@@ -189,6 +247,8 @@ std::unique_ptr<CollectiveWork> all_gather(ProcessGroup& group,
   }
   const std::string what = describe("all-gather", in_bytes * n, "", context);
   check_sequence(group, what);
+  const RecordTicket ticket = record(group, "all-gather", in_bytes * n,
+                                     c10::toString(inputs[0].scalar_type()), what, context);
   auto& counter = group.comm_stats().all_gather;
   counter.calls += 1;
   counter.bytes += in_bytes * n;
@@ -229,7 +289,8 @@ std::unique_ptr<CollectiveWork> all_gather(ProcessGroup& group,
       }
     }
     flush();
-    return std::make_unique<CollectiveWork>(group, counter, what, std::move(works), nullptr);
+    return std::make_unique<CollectiveWork>(group, counter, what, std::move(works), nullptr,
+                                            ticket);
   }
   // Backends with a native flat all-gather (NCCL): gather into one buffer, then copy out. The
   // copy is enqueued by the waiting thread on the current stream, after the collective.
@@ -245,7 +306,8 @@ std::unique_ptr<CollectiveWork> all_gather(ProcessGroup& group,
       offset += b;
     }
   };
-  return std::make_unique<CollectiveWork>(group, counter, what, std::move(work), std::move(finish));
+  return std::make_unique<CollectiveWork>(group, counter, what, std::move(work), std::move(finish),
+                                          ticket);
 }
 
 std::unique_ptr<CollectiveWork> reduce_scatter(ProcessGroup& group, const torch::Tensor& input,
@@ -263,6 +325,8 @@ std::unique_ptr<CollectiveWork> reduce_scatter(ProcessGroup& group, const torch:
   TORCH_CHECK(op == ReduceOp::kSum || op == ReduceOp::kAvg,
               "fsdp reduce_scatter: only sum and avg, got ", op_name(op));
   check_sequence(group, what);
+  const RecordTicket ticket = record(group, "reduce-scatter", input.numel() * input.element_size(),
+                                     c10::toString(input.scalar_type()), what, context);
   auto& counter = group.comm_stats().reduce_scatter;
   counter.calls += 1;
   counter.bytes += input.numel() * input.element_size();
@@ -284,13 +348,13 @@ std::unique_ptr<CollectiveWork> reduce_scatter(ProcessGroup& group, const torch:
         output.div_(n);
     };
     return std::make_unique<CollectiveWork>(group, counter, what, std::move(work),
-                                            std::move(finish));
+                                            std::move(finish), ticket);
   }
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = op == ReduceOp::kAvg ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
   torch::Tensor out = output, in = input;
   auto work = backend.reduce_scatter_single(out, in, opts);
-  return std::make_unique<CollectiveWork>(group, counter, what, std::move(work), nullptr);
+  return std::make_unique<CollectiveWork>(group, counter, what, std::move(work), nullptr, ticket);
 }
 
 std::unique_ptr<CollectiveWork> all_reduce(ProcessGroup& group, const torch::Tensor& tensor,
@@ -303,6 +367,8 @@ std::unique_ptr<CollectiveWork> all_reduce(ProcessGroup& group, const torch::Ten
       describe("all-reduce", bytes,
                std::string(op_name(op)) + " " + c10::toString(tensor.scalar_type()), context);
   check_sequence(group, what);
+  const RecordTicket ticket =
+      record(group, "all-reduce", bytes, c10::toString(tensor.scalar_type()), what, context);
   counter.calls += 1;
   counter.bytes += bytes;
   counter.sent_bytes += 2 * bytes * (n - 1) / n;
@@ -321,7 +387,8 @@ std::unique_ptr<CollectiveWork> all_reduce(ProcessGroup& group, const torch::Ten
       tensor.div_(n);
     };
   }
-  return std::make_unique<CollectiveWork>(group, counter, what, std::move(work), std::move(finish));
+  return std::make_unique<CollectiveWork>(group, counter, what, std::move(work), std::move(finish),
+                                          ticket);
 }
 
 std::unique_ptr<CollectiveWork> broadcast(ProcessGroup& group, const torch::Tensor& tensor,
@@ -332,6 +399,8 @@ std::unique_ptr<CollectiveWork> broadcast(ProcessGroup& group, const torch::Tens
   const std::string what =
       describe("broadcast", bytes, "from group rank " + std::to_string(root), context);
   check_sequence(group, what);
+  const RecordTicket ticket =
+      record(group, "broadcast", bytes, c10::toString(tensor.scalar_type()), what, context);
   counter.calls += 1;
   counter.bytes += bytes;
   counter.sent_bytes += group.rank() == root ? bytes : 0;
@@ -339,7 +408,7 @@ std::unique_ptr<CollectiveWork> broadcast(ProcessGroup& group, const torch::Tens
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   auto work = detail::GroupAccess::next_lane(group).broadcast(tensors, opts);
-  return std::make_unique<CollectiveWork>(group, counter, what, std::move(work), nullptr);
+  return std::make_unique<CollectiveWork>(group, counter, what, std::move(work), nullptr, ticket);
 }
 
 std::unique_ptr<CollectiveWork> send(ProcessGroup& group, const torch::Tensor& tensor, int dst,
@@ -354,9 +423,11 @@ std::unique_ptr<CollectiveWork> send(ProcessGroup& group, const torch::Tensor& t
   counter.sent_bytes += bytes;
   std::vector<torch::Tensor> tensors{tensor};
   auto work = detail::GroupAccess::first_lane(group).send(tensors, dst, tag);
-  return std::make_unique<CollectiveWork>(
-      group, counter, describe("send", bytes, "to group rank " + std::to_string(dst), context),
-      std::move(work), nullptr);
+  std::string what = describe("send", bytes, "to group rank " + std::to_string(dst), context);
+  RecordTicket ticket = record(group, "send", bytes, c10::toString(tensor.scalar_type()), what,
+                               context, /*in_sequence=*/false);
+  return std::make_unique<CollectiveWork>(group, counter, std::move(what), std::move(work), nullptr,
+                                          std::move(ticket));
 }
 
 std::unique_ptr<CollectiveWork> recv(ProcessGroup& group, const torch::Tensor& tensor, int src,
@@ -370,18 +441,21 @@ std::unique_ptr<CollectiveWork> recv(ProcessGroup& group, const torch::Tensor& t
   counter.bytes += bytes;
   std::vector<torch::Tensor> tensors{tensor};
   auto work = detail::GroupAccess::first_lane(group).recv(tensors, src, tag);
-  return std::make_unique<CollectiveWork>(
-      group, counter, describe("recv", bytes, "from group rank " + std::to_string(src), context),
-      std::move(work), nullptr);
+  std::string what = describe("recv", bytes, "from group rank " + std::to_string(src), context);
+  RecordTicket ticket = record(group, "recv", bytes, c10::toString(tensor.scalar_type()), what,
+                               context, /*in_sequence=*/false);
+  return std::make_unique<CollectiveWork>(group, counter, std::move(what), std::move(work), nullptr,
+                                          std::move(ticket));
 }
 
 std::unique_ptr<CollectiveWork> barrier(ProcessGroup& group, const std::string& context) {
   const std::string what = context.empty() ? "barrier" : "barrier for " + context;
   check_sequence(group, what);
+  const RecordTicket ticket = record(group, "barrier", 0, "", what, context);
   auto& counter = group.comm_stats().barrier;
   counter.calls += 1;
   auto work = detail::GroupAccess::first_lane(group).barrier();
-  return std::make_unique<CollectiveWork>(group, counter, what, std::move(work), nullptr);
+  return std::make_unique<CollectiveWork>(group, counter, what, std::move(work), nullptr, ticket);
 }
 
 std::vector<std::string> all_gather_bytes(ProcessGroup& group, const std::string& mine,

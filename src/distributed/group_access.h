@@ -9,6 +9,7 @@
 namespace fsdp::detail {
 
 class CollectiveCheck;
+class PeerProgress;
 
 struct GroupAccess {
   static c10d::Backend& next_lane(ProcessGroup& g) { return g.next_lane(); }
@@ -17,6 +18,11 @@ struct GroupAccess {
   static c10d::Backend& first_lane(ProcessGroup& g) { return g.first_lane(); }
   static CollectiveCheck* check(ProcessGroup& g) { return g.check_.get(); }
   static const c10::intrusive_ptr<c10d::Store>& store(ProcessGroup& g) { return g.store_; }
+  /// The number of the collective about to be issued on `g` (1, 2, ...).
+  static uint64_t next_sequence(ProcessGroup& g) { return ++g.sequence_; }
+  static void set_progress(ProcessGroup& g, std::shared_ptr<PeerProgress> p) {
+    g.progress_ = std::move(p);
+  }
 };
 
 }  // namespace fsdp::detail

@@ -37,6 +37,8 @@
 #include <fsdp/distributed/collectives.h>
 
 #include "collective_check.h"
+#include "group_access.h"
+#include "peer_progress.h"
 
 namespace fsdp {
 namespace {
@@ -489,8 +491,21 @@ std::shared_ptr<ProcessGroup> init_process_group(const LaunchEnv& env,
                              opts.backend() + " backend over " + std::to_string(env.world_size) +
                              " ranks failed: " + first_line(e));
   }
-  return std::make_shared<ProcessGroup>(store, std::move(lanes), env.rank, env.world_size, world,
-                                        opts);
+  auto group = std::make_shared<ProcessGroup>(store, std::move(lanes), env.rank, env.world_size,
+                                              world, opts);
+  FlightRecorder::global().set_identity(env.rank, env.world_size);
+  FlightRecorder::global().dump_on_terminate();
+  if (env.world_size > 1) {
+    // Reports often enough that a peer stopped for a fraction of the timeout is seen as silent
+    // when a collective times out (peer_progress.h), and no more than once a second.
+    const auto interval = std::clamp(opts.timeout() / 10, std::chrono::milliseconds(100),
+                                     std::chrono::milliseconds(1000));
+    auto progress =
+        std::make_shared<detail::PeerProgress>(store, env.rank, env.world_size, interval);
+    detail::set_current_peer_progress(progress);
+    detail::GroupAccess::set_progress(*group, std::move(progress));
+  }
+  return group;
 }
 
 std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& options) {
@@ -499,9 +514,11 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
 
 ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store,
                            std::vector<c10::intrusive_ptr<c10d::Backend>> lanes, int rank, int size,
-                           std::vector<int> global_ranks, ProcessGroupOptions options)
+                           std::vector<int> global_ranks, ProcessGroupOptions options,
+                           std::string name)
     : store_(std::move(store)),
       lanes_(std::move(lanes)),
+      name_(std::move(name)),
       rank_(rank),
       size_(size),
       global_ranks_(std::move(global_ranks)),
@@ -515,6 +532,7 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store,
               global_ranks_.size(), " entries for size ", size_);
   TORCH_CHECK(options_.check_collectives() >= 0, "ProcessGroupOptions::check_collectives must be ",
               ">= 0, got ", options_.check_collectives());
+  FlightRecorder::global().register_group(name_, global_ranks_);
   if (options_.check_collectives() > 0 && size_ > 1) {
     check_ = std::make_unique<detail::CollectiveCheck>(
         store_, rank_, global_ranks_, options_.check_collectives(), options_.timeout());
@@ -567,7 +585,8 @@ std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ra
                              " failed: " + first_line(e));
   }
   return std::make_shared<ProcessGroup>(store, std::move(lanes), sub_rank, sub_size,
-                                        std::move(members), options_);
+                                        std::move(members), options_,
+                                        name_ + "/" + std::to_string(k));
 }
 
 namespace {

@@ -7,6 +7,9 @@
 //       Hugging Face directory, on any number of ranks
 //   fsdp-train generate [--nproc N] CONFIG.toml --checkpoint PATH
 //       samples from a saved model (the [generate] options)
+//   fsdp-train fr-analyze DIR
+//       reads a failed job's flight-recorder dumps (<run_dir>/flight_recorder) and names the
+//       first collective the ranks disagree on and the rank(s) that never joined it
 //   fsdp-train finetune [--nproc N] CONFIG.toml
 //       fine-tunes a pretrained GGUF model on an instruction set (the [finetune] options: full,
 //       LoRA or QLoRA), answering held-out questions before and after
@@ -38,6 +41,8 @@
 #endif
 
 #include <fsdp/core/memory.h>
+#include <fsdp/distributed/flight_analysis.h>
+#include <fsdp/distributed/flight_recorder.h>
 #include <fsdp/distributed/local_launch.h>
 #include <fsdp/distributed/process_group.h>
 
@@ -122,6 +127,21 @@ int main(int argc, char** argv) {
   fsdp::die_with_launcher();
   fsdp::memory::install_tracking_allocator();
 
+  // fr-analyze reads files only: no config, no ranks.
+  if (argc > 1 && std::strcmp(argv[1], "fr-analyze") == 0) {
+    if (argc != 3) {
+      std::fprintf(stderr,
+                   "usage: fsdp-train fr-analyze DIR (a run's flight_recorder directory)\n");
+      return 2;
+    }
+    try {
+      std::fputs(fsdp::analyze_flight_dumps(argv[2]).text.c_str(), stdout);
+      return 0;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "fsdp-train fr-analyze: %s\n", first_line(e.what()).c_str());
+      return 2;
+    }
+  }
   // The command is the first argument, when it is one ("train" otherwise).
   std::string command = "train";
   int shift = 0;
@@ -151,7 +171,9 @@ int main(int argc, char** argv) {
       "Any option can be overridden: --training.steps=200 --model.preset=gpt2-small\n"
       "Commands: fsdp-train export CONFIG --checkpoint PATH --out DIR (a Hugging Face "
       "directory)\n          fsdp-train generate CONFIG --checkpoint PATH (sample from it)\n"
-      "          fsdp-train finetune CONFIG (LoRA/QLoRA/full fine-tuning of a GGUF model)");
+      "          fsdp-train finetune CONFIG (LoRA/QLoRA/full fine-tuning of a GGUF model)\n"
+      "          fsdp-train fr-analyze DIR (which rank a failed job waited for, from its "
+      "flight-recorder dumps)");
   try {
     // CLI11 takes argv[0] as the program's name: with a command, the command is.
     app.parse(argc - shift, argv + shift);
@@ -258,6 +280,9 @@ int main(int argc, char** argv) {
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%sfsdp-train: %s\n", rank_prefix().c_str(), first_line(e.what()).c_str());
+    // A failed step: what this rank's collectives were doing (a no-op before the trainer set
+    // the flight recorder's directory).
+    fsdp::FlightRecorder::global().dump("failed: " + first_line(e.what()));
     return 1;
   }
 }

@@ -345,6 +345,10 @@ const std::vector<Option>& options() {
           "Print the planner's prediction of the per-rank peak memory by category before step "
           "1, and predicted against measured at the end (fsdp-train --plan sets it). CPU "
           "runs."),
+      opt("logging.flight_recorder", FIELD(logging.flight_recorder),
+          "Collectives each rank remembers (0: none): dumped as JSON to "
+          "<logging.run_dir>/flight_recorder/rank<R>.json when a collective or a step fails "
+          "and on SIGUSR1; `fsdp-train fr-analyze DIR` names the rank that did not arrive."),
       opt("checkpoint.every", FIELD(checkpoint.every),
           "Save a sharded checkpoint every this many steps, and after the last (0: never). Each "
           "rank writes its own rows; any number of ranks can resume from it."),
@@ -587,7 +591,8 @@ void validate(const Config& c) {
           "must be between 1 and 16, got " + std::to_string(c.fsdp.gloo_lanes));
   require(c.fsdp.all_reduce_bucket_mb > 0 && c.fsdp.all_reduce_bucket_mb <= (1 << 20),
           "fsdp.all_reduce_bucket_mb", "must be > 0 and at most 1048576 (1 TiB)");
-  require(c.fsdp.timeout_s > 0, "fsdp.timeout_s", "must be > 0");
+  require(c.fsdp.timeout_s > 0 && c.fsdp.timeout_s <= 7 * 24 * 3600, "fsdp.timeout_s",
+          "must be > 0 and at most a week (604800)");
   require(c.fsdp.check_collectives >= 0, "fsdp.check_collectives", "must be >= 0");
   require(c.fsdp.ac_every >= 1, "fsdp.ac_every",
           "must be >= 1, got " + std::to_string(c.fsdp.ac_every));
@@ -603,6 +608,8 @@ void validate(const Config& c) {
           "must be between 1 and 1048576, got " + std::to_string(c.precision.int8_block));
   require(!c.logging.run_dir.empty(), "logging.run_dir", "must not be empty");
   require(c.logging.log_every >= 1, "logging.log_every", "must be >= 1");
+  require(c.logging.flight_recorder >= 0 && c.logging.flight_recorder <= (1 << 24),
+          "logging.flight_recorder", "must be in [0, 16777216]");
   require(c.generate.tokens >= 0, "generate.tokens", "must be >= 0");
   require(c.checkpoint.every >= 0, "checkpoint.every", "must be >= 0");
   require(c.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1");

@@ -102,7 +102,8 @@ struct LoggingConfig {
   std::string progress = "auto";
   int64_t log_every = 10;
   bool plot = true;
-  bool plan = false;  // fsdp-train --plan
+  bool plan = false;               // fsdp-train --plan
+  int64_t flight_recorder = 2000;  // collectives kept per rank (0: off)
 };
 
 struct GenerateConfig {

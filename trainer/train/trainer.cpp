@@ -10,6 +10,8 @@
 
 #include <chrono>
 #include <cmath>
+#include <csignal>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -20,6 +22,7 @@
 #include <fsdp/core/durable_file.h>
 #include <fsdp/core/memory.h>
 #include <fsdp/distributed/collectives.h>
+#include <fsdp/distributed/flight_recorder.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/observe/step_profiler.h>
 #include <fsdp/optim/fused_optimizer.h>
@@ -40,6 +43,23 @@ double seconds_since(Clock::time_point t) {
 
 }  // namespace
 
+// The flight recorder (fsdp/distributed/flight_recorder.h) dumps into the run directory, so
+// that `fsdp-train fr-analyze <run_dir>/flight_recorder` finds a failed job's dumps; an earlier
+// run's dump of this rank is removed first, so none is mistaken for this run's.
+void Trainer::start_flight_recorder(const fsdp::LaunchEnv& env) {
+  auto& recorder = fsdp::FlightRecorder::global();
+  recorder.set_capacity(static_cast<size_t>(config_.logging.flight_recorder));
+  if (config_.logging.flight_recorder == 0)
+    return;
+  if (std::getenv("FSDP_FLIGHT_RECORDER_DIR") == nullptr) {
+    const auto dir = std::filesystem::path(config_.logging.run_dir) / "flight_recorder";
+    recorder.set_dump_dir(dir.string());
+    std::error_code ec;
+    std::filesystem::remove(dir / ("rank" + std::to_string(env.rank) + ".json"), ec);
+  }
+  recorder.dump_on_signal(SIGUSR1);
+}
+
 Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
     : config_(std::move(config)), device_memory_(std::move(device_memory)), purpose_(purpose) {
   const auto& t = config_.training;
@@ -52,6 +72,7 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
     device_memory_.reset_peak = [] { fsdp::memory::reset_peak(); };
     device_memory_.peak_bytes = [] { return fsdp::memory::peak_bytes(); };
   }
+  start_flight_recorder(env);
   pg_ = fsdp::init_process_group(
       fsdp::ProcessGroupOptions()
           .backend(cuda ? "nccl" : "gloo")

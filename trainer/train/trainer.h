@@ -68,6 +68,7 @@ class Trainer {
   int rank() const { return pg_->rank(); }
 
  private:
+  void start_flight_recorder(const fsdp::LaunchEnv& env);
   StepMetrics train_step(int64_t step);
   /// What a training step runs on: the job's model, optimizer, trainable parameters, profiler
   /// and loss scaler (or a smaller model's, for the planner's timing).

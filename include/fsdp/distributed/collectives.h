@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include <fsdp/distributed/flight_recorder.h>
 #include <fsdp/distributed/process_group.h>
 
 namespace c10d {
@@ -41,7 +42,9 @@ enum class ReduceOp { kSum, kAvg, kMax, kMin };
 /// A collective in flight. wait() blocks until the result is in place, including any local
 /// step the algorithm needs after the transfer (the sum of an all-to-all reduce-scatter, the
 /// copy-out of a flat all-gather), adds the blocked time to the group's CommStats, and turns
-/// a backend failure (timeout, dead peer) into an error naming the rank and the collective.
+/// a backend failure (timeout, dead peer) into an error naming the rank and the collective,
+/// the peers that did not reach it (from their progress reports; see flight_recorder.h) and the
+/// flight recorder's dump.
 /// Destroying an unwaited CollectiveWork waits for it first: buffers must outlive transfers.
 /// A collective carried out as several backend calls is waited for as a whole: when one call
 /// fails, wait() still waits for every other one (each finishes or fails within the group's
@@ -49,11 +52,15 @@ enum class ReduceOp { kSum, kAvg, kMax, kMin };
 /// frees after the error.
 class CollectiveWork {
  public:
+  /// `ticket`: the collective's flight-recorder entry (flight_recorder.h), moved to waiting,
+  /// completed or failed by wait().
   CollectiveWork(ProcessGroup& group, CollectiveCounter& counter, std::string what,
-                 c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish);
+                 c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish,
+                 RecordTicket ticket = {});
   /// One logical collective carried out as several backend calls (a bucketed all-gather).
   CollectiveWork(ProcessGroup& group, CollectiveCounter& counter, std::string what,
-                 std::vector<c10::intrusive_ptr<c10d::Work>> works, std::function<void()> finish);
+                 std::vector<c10::intrusive_ptr<c10d::Work>> works, std::function<void()> finish,
+                 RecordTicket ticket = {});
   ~CollectiveWork();
   CollectiveWork(const CollectiveWork&) = delete;
   CollectiveWork& operator=(const CollectiveWork&) = delete;
@@ -66,6 +73,7 @@ class CollectiveWork {
   std::string what_;
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
   std::function<void()> finish_;
+  RecordTicket ticket_;
   bool waited_ = false;
 };
 

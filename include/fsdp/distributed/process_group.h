@@ -28,6 +28,7 @@ class Store;
 namespace fsdp {
 namespace detail {
 class CollectiveCheck;
+class PeerProgress;
 struct GroupAccess;
 }  // namespace detail
 
@@ -87,9 +88,12 @@ struct ProcessGroupOptions {
 class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
  public:
   /// `lanes`: one or more backends over the same ranks (see ProcessGroupOptions::gloo_lanes).
+  /// `name`: how the flight recorder names the group (every member must give the same one);
+  /// subgroups are named "<parent>/<k>" for the parent's k-th new_group().
   ProcessGroup(c10::intrusive_ptr<c10d::Store> store,
                std::vector<c10::intrusive_ptr<c10d::Backend>> lanes, int rank, int size,
-               std::vector<int> global_ranks, ProcessGroupOptions options);
+               std::vector<int> global_ranks, ProcessGroupOptions options,
+               std::string name = "world");
   ~ProcessGroup();
 
   int rank() const { return rank_; }
@@ -101,6 +105,8 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   c10::DeviceType device_type() const;
   std::chrono::milliseconds timeout() const { return options_.timeout(); }
   int num_lanes() const { return static_cast<int>(lanes_.size()); }
+  /// "world", or "<parent>/<k>" (see the constructor): the name in flight-recorder dumps.
+  const std::string& name() const { return name_; }
   /// Whether the collective-sequence check (ProcessGroupOptions::check_collectives) is on.
   bool checks_collectives() const { return check_ != nullptr; }
 
@@ -138,6 +144,12 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   c10::intrusive_ptr<c10d::Store> store_;
   std::vector<c10::intrusive_ptr<c10d::Backend>> lanes_;
   size_t next_lane_ = 0;
+  // Collectives issued on this group (point-to-point excluded): the number every member gives
+  // the same collective in the flight recorder.
+  uint64_t sequence_ = 0;
+  std::string name_;
+  // The world group's progress reporter (src/distributed/peer_progress.h); null elsewhere.
+  std::shared_ptr<detail::PeerProgress> progress_;
   int rank_;
   int size_;
   std::vector<int> global_ranks_;

@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# A multi-node job on one machine: N emulated hosts, each a network namespace with its own
+# address and host name, joined by a bridge (the "network"), each link optionally shaped; one
+# torchrun agent per host with multi-node rendezvous (--nnodes, --rdzv-backend c10d,
+# --rdzv-endpoint on host 0), each starting its local ranks of the command. The way to try a
+# multi-node fsdp-train job, its faults and its traffic on a laptop (docs/multi-node.md).
+#
+#   sudo scripts/hosts.sh [options] -- build/trainer/fsdp-train configs/demo.toml [--key=value ...]
+#
+#   --hosts N            emulated hosts (2)
+#   --nproc-per-host N   ranks per host (2)
+#   --rate R             each host's link rate, both ways (tc tbf: 1gbit, 100mbit; none)
+#   --loss P             drop P percent of each host's outgoing packets (nftables numgen)
+#   --delay D            add D to each host's outgoing packets (tc netem: 20ms); needs a
+#                        kernel with sch_netem, refused otherwise
+#   --nnodes SPEC        torchrun's --nnodes (N, or MIN:MAX for an elastic job)
+#   --max-restarts K     torchrun's --max-restarts (0)
+#   --logs DIR           where host<h>.log goes (a new directory under /tmp)
+#   --python P           the Python whose torchrun to use (the pinned torch's venv)
+#
+# Host h is 10.79.0.(h+1) on its eth0 in namespace fsdp<pid>-h<h>, host name host<h>; the
+# rendezvous endpoint is host 0's address, port 29400. While it runs, the names of the
+# namespaces and of the host-side ends of the links (to cut one: ip link set <link> down) are in
+# <logs>/hosts.env. At the end it prints each link's byte counters: what crossed between hosts.
+# Everything it creates (namespaces, links, bridge, processes) is removed on exit, also on
+# Ctrl-C or SIGTERM. Needs root (ip netns, tc) and iproute2; --loss needs nftables.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+HOSTS=2
+NPROC=2
+RATE=none
+LOSS=0
+DELAY=
+NNODES=
+MAX_RESTARTS=0
+LOGS=
+PY="${FSDP_CACHE:-$HOME/.cache/fsdp-cpp}/torch-$(tr -d '[:space:]' < "$ROOT/.torch-version")/bin/python"
+die() { echo "hosts.sh: $*" >&2; exit 2; }
+while (($#)); do
+  case "$1" in
+    --hosts) HOSTS="$2"; shift 2 ;;
+    --nproc-per-host) NPROC="$2"; shift 2 ;;
+    --rate) RATE="$2"; shift 2 ;;
+    --loss) LOSS="$2"; shift 2 ;;
+    --delay) DELAY="$2"; shift 2 ;;
+    --nnodes) NNODES="$2"; shift 2 ;;
+    --max-restarts) MAX_RESTARTS="$2"; shift 2 ;;
+    --logs) LOGS="$2"; shift 2 ;;
+    --python) PY="$2"; shift 2 ;;
+    --) shift; break ;;
+    *) die "unknown option $1 (usage: see the header of $0)" ;;
+  esac
+done
+(($# > 0)) || die "no command after --"
+[[ "$HOSTS" =~ ^[1-9][0-9]?$ ]] || die "--hosts must be 1..99, got '$HOSTS'"
+[[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || die "--nproc-per-host must be a positive integer, got '$NPROC'"
+[[ "$LOSS" =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "--loss must be a percentage, got '$LOSS'"
+[[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] || die "--max-restarts must be >= 0, got '$MAX_RESTARTS'"
+((EUID == 0)) || die "needs root (network namespaces)"
+command -v ip >/dev/null && command -v tc >/dev/null || die "needs ip and tc (Debian: iproute2)"
+[[ -x "$PY" ]] || die "no Python at $PY (run scripts/setup.sh, or pass --python)"
+TORCHRUN="$(dirname "$PY")/torchrun"
+[[ -x "$TORCHRUN" ]] || die "no torchrun next to $PY"
+if [[ "$LOSS" != 0 ]]; then command -v nft >/dev/null || die "--loss needs nft (Debian: nftables)"; fi
+if [[ -n "$DELAY" ]] && ! grep -qs 'CONFIG_NET_SCH_NETEM=[ym]' <(zcat /proc/config.gz 2>/dev/null); then
+  if ! [[ -d /sys/module/sch_netem ]]; then
+    die "--delay needs the kernel's sch_netem (tc netem), which this kernel does not have"
+  fi
+fi
+NNODES="${NNODES:-$HOSTS}"
+LOGS="${LOGS:-$(mktemp -d /tmp/hosts.XXXXXX)}"
+mkdir -p "$LOGS"
+CMD=("$@")
+[[ "${CMD[0]}" == */* ]] && CMD[0]="$(cd "$(dirname "${CMD[0]}")" && pwd)/$(basename "${CMD[0]}")"
+
+ID=$$
+BR="fsdpbr$ID"
+ns() { echo "fsdp$ID-h$1"; }
+link() { echo "fh$ID-$1"; }
+pids=()
+cleanup() {
+  trap - EXIT INT TERM
+  for ((h = 0; h < HOSTS; ++h)); do
+    # Every process in the namespace (agents and ranks), then the namespace: deleting a
+    # namespace does not end what runs in it.
+    for p in $(ip netns pids "$(ns "$h")" 2>/dev/null); do kill -9 "$p" 2>/dev/null || true; done
+  done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  for ((h = 0; h < HOSTS; ++h)); do
+    ip netns del "$(ns "$h")" 2>/dev/null || true
+    ip link del "$(link "$h")" 2>/dev/null || true
+  done
+  ip link del "$BR" 2>/dev/null || true
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+ip link add "$BR" type bridge
+ip link set "$BR" up
+: > "$LOGS/hosts.env"
+for ((h = 0; h < HOSTS; ++h)); do
+  n="$(ns "$h")"
+  ip netns add "$n"
+  ip link add "$(link "$h")" type veth peer name eth0 netns "$n"
+  ip link set "$(link "$h")" master "$BR" up
+  ip -n "$n" addr add "10.79.0.$((h + 1))/24" dev eth0
+  ip -n "$n" link set eth0 up
+  ip -n "$n" link set lo up
+  if [[ "$RATE" != none ]]; then
+    # Both directions of the host's link: what it sends (its eth0) and what it receives (the
+    # bridge's end of its link sends that).
+    ip netns exec "$n" tc qdisc add dev eth0 root tbf rate "$RATE" burst 256kb latency 50ms
+    tc qdisc add dev "$(link "$h")" root tbf rate "$RATE" burst 256kb latency 50ms
+  fi
+  if [[ -n "$DELAY" ]]; then
+    ip netns exec "$n" tc qdisc add dev eth0 root netem delay "$DELAY"
+  fi
+  if [[ "$LOSS" != 0 ]]; then
+    per_mille=$(awk -v p="$LOSS" 'BEGIN { printf "%d", p * 10 + 0.5 }')
+    ip netns exec "$n" nft -f - <<EOF
+table inet fsdp_loss {
+  chain out {
+    type filter hook output priority 0;
+    oifname "eth0" numgen random mod 1000 < $per_mille drop
+  }
+}
+EOF
+  fi
+  echo "HOST$h=$n LINK$h=$(link "$h") ADDR$h=10.79.0.$((h + 1))" >> "$LOGS/hosts.env"
+done
+echo "hosts.sh: $HOSTS host(s) x $NPROC rank(s), link rate $RATE, loss $LOSS%${DELAY:+, delay $DELAY}; logs in $LOGS"
+
+for ((h = 0; h < HOSTS; ++h)); do
+  # Its own host name (a UTS namespace), so that errors and reports name the host.
+  ip netns exec "$(ns "$h")" unshare --uts -- sh -c 'hostname "$0"; shift; exec "$@"' "host$h" \
+    env OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=eth0 \
+    "$TORCHRUN" --nnodes="$NNODES" --nproc-per-node="$NPROC" --rdzv-backend=c10d \
+    --rdzv-endpoint=10.79.0.1:29400 --rdzv-id="fsdp$ID" --max-restarts="$MAX_RESTARTS" \
+    --local-addr="10.79.0.$((h + 1))" --no-python -- "${CMD[@]}" > "$LOGS/host$h.log" 2>&1 &
+  pids+=($!)
+done
+status=0
+for p in "${pids[@]}"; do wait "$p" || status=$?; done
+for ((h = 0; h < HOSTS; ++h)); do
+  s=/sys/class/net/$(link "$h")/statistics
+  # The host-side end of the link: its rx is what the host sent, its tx what it received.
+  echo "hosts.sh: host$h sent $(cat "$s/rx_bytes") B, received $(cat "$s/tx_bytes") B over its link"
+done
+((status == 0)) || echo "hosts.sh: a host's agent failed (exit $status); logs: $LOGS/host*.log" >&2
+exit "$status"

@@ -1,0 +1,309 @@
+// The progress reports of peer_progress.h: what goes to the store, how it is read back with a
+// deadline, and how a failed collective's peers are judged.
+#include "peer_progress.h"
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdio>
+#include <future>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+namespace fsdp::detail {
+
+namespace {
+
+using Json = nlohmann::json;
+
+std::string report_key(int rank) {
+  return "fsdp/progress/" + std::to_string(rank);
+}
+
+std::string host_name() {
+  char buf[256] = {};
+  if (::gethostname(buf, sizeof(buf) - 1) != 0)
+    return "?";
+  return buf;
+}
+
+// This rank's report: who it is, when, and its progress on every group.
+std::string my_report() {
+  Json j;
+  j["t"] = unix_seconds();
+  j["host"] = host_name();
+  j["pid"] = static_cast<int>(::getpid());
+  Json groups = Json::object();
+  for (const auto& [name, p] : FlightRecorder::global().progress())
+    groups[name] = {p.issued, p.completed, p.last};
+  j["groups"] = std::move(groups);
+  return j.dump(-1, ' ', false, Json::error_handler_t::replace);
+}
+
+// A report older than this is a rank that stopped reporting: stopped, dead or cut off. Several
+// intervals, so that a busy rank whose reporter thread was late is not called silent.
+double silent_after_s(std::chrono::milliseconds interval) {
+  return std::max(0.3, 3.0 * std::chrono::duration<double>(interval).count());
+}
+
+// Judges one raw report (or its absence) against collective `seq` of `group`.
+PeerReport judge(int rank, const std::string* raw, double now, const std::string& group,
+                 uint64_t seq, const std::string& description, double silent_s) {
+  PeerReport r;
+  r.rank = rank;
+  r.verdict = "unknown";
+  if (raw == nullptr)
+    return r;
+  try {
+    const Json j = Json::parse(*raw);
+    r.heard = true;
+    r.host = j.at("host").get<std::string>();
+    r.pid = j.at("pid").get<int>();
+    r.age_s = std::max(0.0, now - j.at("t").get<double>());
+    if (j.at("groups").contains(group)) {
+      const auto& g = j.at("groups").at(group);
+      r.issued = g.at(0).get<uint64_t>();
+      r.completed = g.at(1).get<uint64_t>();
+      r.last = g.at(2).get<std::string>();
+    }
+  } catch (const std::exception&) {
+    r.heard = false;
+    return r;
+  }
+  if (r.age_s > silent_s)
+    r.verdict = "silent";
+  else if (r.issued < seq)
+    r.verdict = "behind";
+  else if (r.issued == seq && r.last != description)
+    r.verdict = "different";
+  else
+    r.verdict = "reached";
+  return r;
+}
+
+std::mutex current_mutex;
+std::weak_ptr<PeerProgress> current;  // the world group owns it
+
+}  // namespace
+
+struct PeerProgress::State {
+  c10::intrusive_ptr<c10d::Store> store;
+  int rank = 0;
+  int world_size = 1;
+  std::chrono::milliseconds interval{1000};
+  std::mutex mutex;
+  std::condition_variable wake;
+  bool stop = false;
+  // The peers' raw reports and when they were read, refreshed by the reporter every few
+  // intervals: what is known of them when the store cannot be reached at a failure.
+  std::map<int, std::string> snapshot;
+  double snapshot_time = 0;
+};
+
+namespace {
+
+// Reads every rank's report that exists (a missing key is a rank that never reported; get()
+// would wait for it).
+std::map<int, std::string> read_reports(c10d::Store& store, const std::vector<int>& ranks) {
+  std::map<int, std::string> out;
+  for (int r : ranks) {
+    const std::string key = report_key(r);
+    if (!store.check({key}))
+      continue;
+    const auto bytes = store.get(key);
+    out[r] = std::string(bytes.begin(), bytes.end());
+  }
+  return out;
+}
+
+void report_loop(std::shared_ptr<PeerProgress::State> s) {
+  std::vector<int> everyone(static_cast<size_t>(s->world_size));
+  for (int r = 0; r < s->world_size; ++r)
+    everyone[static_cast<size_t>(r)] = r;
+  int ticks = 0;
+  for (;;) {
+    try {
+      const std::string report = my_report();
+      s->store->set(report_key(s->rank), std::vector<uint8_t>(report.begin(), report.end()));
+      if (ticks++ % 5 == 0) {
+        auto reports = read_reports(*s->store, everyone);
+        std::lock_guard<std::mutex> lock(s->mutex);
+        s->snapshot = std::move(reports);
+        s->snapshot_time = unix_seconds();
+      }
+    } catch (const std::exception&) {
+      // The store is gone or unreachable: the job is ending or the link is down. Keep trying
+      // until stopped; the collective that fails reports the cause.
+    }
+    std::unique_lock<std::mutex> lock(s->mutex);
+    if (s->wake.wait_for(lock, s->interval, [&] { return s->stop; }))
+      return;
+  }
+}
+
+}  // namespace
+
+PeerProgress::PeerProgress(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
+                           std::chrono::milliseconds interval)
+    : state_(std::make_shared<State>()) {
+  // A connection of its own: the reporter's calls then never wait behind the main thread's
+  // (the store serialises calls on one connection), nor it behind them.
+  try {
+    state_->store = store->clone();
+  } catch (const std::exception&) {
+    state_->store = std::move(store);
+  }
+  state_->rank = rank;
+  state_->world_size = world_size;
+  state_->interval = interval;
+  std::thread(report_loop, state_).detach();
+}
+
+PeerProgress::~PeerProgress() {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->stop = true;
+  state_->wake.notify_all();
+}
+
+std::optional<std::vector<PeerReport>> PeerProgress::read(
+    const std::vector<int>& ranks, const std::string& group, uint64_t seq,
+    const std::string& description, std::chrono::milliseconds deadline) const {
+  // On a thread of its own, abandoned after the deadline (see the header); the promise keeps
+  // what it needs alive.
+  auto result = std::make_shared<std::promise<std::map<int, std::string>>>();
+  auto future = result->get_future();
+  std::thread([store = state_->store, ranks, result] {
+    try {
+      result->set_value(read_reports(*store, ranks));
+    } catch (...) {
+      result->set_exception(std::current_exception());
+    }
+  }).detach();
+  if (future.wait_for(deadline) != std::future_status::ready)
+    return std::nullopt;
+  std::map<int, std::string> raw;
+  try {
+    raw = future.get();
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+  const double now = unix_seconds();
+  const double silent = silent_after_s(state_->interval);
+  std::vector<PeerReport> out;
+  for (int r : ranks) {
+    auto it = raw.find(r);
+    out.push_back(
+        judge(r, it == raw.end() ? nullptr : &it->second, now, group, seq, description, silent));
+  }
+  return out;
+}
+
+std::vector<PeerReport> PeerProgress::stale(const std::vector<int>& ranks, const std::string& group,
+                                            uint64_t seq, const std::string& description) const {
+  std::map<int, std::string> raw;
+  double when = 0;
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    raw = state_->snapshot;
+    when = state_->snapshot_time;
+  }
+  std::vector<PeerReport> out;
+  for (int r : ranks) {
+    auto it = raw.find(r);
+    // Judged as of the snapshot: its age says how old the knowledge is, not the silence.
+    out.push_back(judge(r, it == raw.end() ? nullptr : &it->second, when, group, seq, description,
+                        silent_after_s(state_->interval)));
+  }
+  return out;
+}
+
+std::shared_ptr<PeerProgress> current_peer_progress() {
+  std::lock_guard<std::mutex> lock(current_mutex);
+  return current.lock();
+}
+
+void set_current_peer_progress(std::shared_ptr<PeerProgress> p) {
+  std::lock_guard<std::mutex> lock(current_mutex);
+  current = std::move(p);
+}
+
+std::string diagnose_peers(const std::vector<int>& ranks, int my_rank, const RecordTicket& ticket,
+                           const std::string& description, std::chrono::milliseconds deadline) {
+  auto progress = current_peer_progress();
+  if (!progress || ticket.seq == 0)
+    return "";
+  std::vector<int> peers;
+  for (int r : ranks) {
+    if (r != my_rank)
+      peers.push_back(r);
+  }
+  auto reports = progress->read(peers, ticket.group, ticket.seq, description, deadline);
+  std::ostringstream out;
+  const std::string where = "#" + std::to_string(ticket.seq) + " of group '" + ticket.group + "'";
+  bool store_down = false;
+  if (!reports) {
+    store_down = true;
+    reports = progress->stale(peers, ticket.group, ticket.seq, description);
+  }
+  FlightRecorder::global().set_peer_reports(*reports);
+  auto host_of = [](const PeerReport& p) { return p.host.empty() ? std::string("?") : p.host; };
+  std::vector<std::string> culprits, others;
+  for (const auto& p : *reports) {
+    std::ostringstream line;
+    line << "rank " << p.rank << " (host " << host_of(p);
+    if (p.pid)
+      line << ", pid " << p.pid;
+    line << ")";
+    if (store_down) {
+      // Everything known is older than the failure: every peer is a candidate.
+      line << " last seen at #" << p.issued;
+      culprits.push_back(line.str());
+      continue;
+    }
+    if (p.verdict == "silent") {
+      line << " silent for " << static_cast<int>(p.age_s * 10) / 10.0 << " s (stopped, dead or "
+           << "cut off); its last report: issued #" << p.issued << ", completed #" << p.completed;
+      if (!p.last.empty())
+        line << " (" << p.last << ")";
+      culprits.push_back(line.str());
+    } else if (p.verdict == "behind") {
+      line << " had not reached it at its last report (" << static_cast<int>(p.age_s * 10) / 10.0
+           << " s ago): issued #" << p.issued << " (" << p.last << ")";
+      culprits.push_back(line.str());
+    } else if (p.verdict == "different") {
+      line << " issued another collective as #" << p.issued << ": " << p.last;
+      culprits.push_back(line.str());
+    } else if (p.verdict == "unknown") {
+      line << " never reported (died early, or never started)";
+      culprits.push_back(line.str());
+    } else {
+      others.push_back(std::to_string(p.rank));
+    }
+  }
+  if (store_down) {
+    out << "the rendezvous store did not answer within " << deadline.count()
+        << " ms (this host may be cut off from it); the peers this rank lost: ";
+  } else if (culprits.empty()) {
+    out << "every peer reached " << where << " (a transfer failed between ranks that all "
+        << "arrived: a link, or a peer that died during it); peers: ";
+  } else {
+    out << "at " << where << ": ";
+  }
+  for (size_t i = 0; i < culprits.size(); ++i)
+    out << (i ? "; " : "") << culprits[i];
+  if (!others.empty()) {
+    out << (culprits.empty() ? "" : "; ") << "reached it: rank";
+    out << (others.size() > 1 ? "s " : " ");
+    for (size_t i = 0; i < others.size(); ++i)
+      out << (i ? "," : "") << others[i];
+  }
+  return out.str();
+}
+
+}  // namespace fsdp::detail
