@@ -22,7 +22,7 @@
 # rendezvous endpoint is host 0's address, port 29400. While it runs, the names of the
 # namespaces and of the host-side ends of the links (to cut one: ip link set <link> down) are in
 # <logs>/hosts.env. At the end it prints each link's byte counters: what crossed between hosts.
-# Everything it creates (namespaces, links, bridge, processes) is removed on exit, also on
+# Everything it creates (namespaces, links, bridge, /etc/netns entries, processes) is removed on exit, also on
 # Ctrl-C or SIGTERM. Needs root (ip netns, tc) and iproute2; --loss needs nftables.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -88,6 +88,7 @@ cleanup() {
   for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
   for ((h = 0; h < HOSTS; ++h)); do
     ip netns del "$(ns "$h")" 2>/dev/null || true
+    rm -rf "/etc/netns/$(ns "$h")"
     ip link del "$(link "$h")" 2>/dev/null || true
   done
   ip link del "$BR" 2>/dev/null || true
@@ -102,6 +103,12 @@ ip link set "$BR" up
 for ((h = 0; h < HOSTS; ++h)); do
   n="$(ns "$h")"
   ip netns add "$n"
+  # Every host resolves every host name: `ip netns exec` mounts /etc/netns/<ns>/hosts over
+  # /etc/hosts (torchrun checks that the rendezvous endpoint is this machine by resolving its
+  # own host name).
+  mkdir -p "/etc/netns/$n"
+  { echo "127.0.0.1 localhost"; for ((g = 0; g < HOSTS; ++g)); do echo "10.79.0.$((g + 1)) host$g"; done; } \
+    > "/etc/netns/$n/hosts"
   ip link add "$(link "$h")" type veth peer name eth0 netns "$n"
   ip link set "$(link "$h")" master "$BR" up
   ip -n "$n" addr add "10.79.0.$((h + 1))/24" dev eth0
@@ -133,7 +140,7 @@ echo "hosts.sh: $HOSTS host(s) x $NPROC rank(s), link rate $RATE, loss $LOSS%${D
 
 for ((h = 0; h < HOSTS; ++h)); do
   # Its own host name (a UTS namespace), so that errors and reports name the host.
-  ip netns exec "$(ns "$h")" unshare --uts -- sh -c 'hostname "$0"; shift; exec "$@"' "host$h" \
+  ip netns exec "$(ns "$h")" unshare --uts -- sh -c 'hostname "$0"; exec "$@"' "host$h" \
     env OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=eth0 \
     "$TORCHRUN" --nnodes="$NNODES" --nproc-per-node="$NPROC" --rdzv-backend=c10d \
     --rdzv-endpoint=10.79.0.1:29400 --rdzv-id="fsdp$ID" --max-restarts="$MAX_RESTARTS" \
@@ -145,7 +152,8 @@ for p in "${pids[@]}"; do wait "$p" || status=$?; done
 for ((h = 0; h < HOSTS; ++h)); do
   s=/sys/class/net/$(link "$h")/statistics
   # The host-side end of the link: its rx is what the host sent, its tx what it received.
-  echo "hosts.sh: host$h sent $(cat "$s/rx_bytes") B, received $(cat "$s/tx_bytes") B over its link"
+  echo "hosts.sh: host$h sent $(cat "$s/rx_bytes") B in $(cat "$s/rx_packets") packets," \
+    "received $(cat "$s/tx_bytes") B in $(cat "$s/tx_packets") packets over its link"
 done
 ((status == 0)) || echo "hosts.sh: a host's agent failed (exit $status); logs: $LOGS/host*.log" >&2
 exit "$status"
