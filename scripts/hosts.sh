@@ -15,6 +15,9 @@
 #                        kernel with sch_netem, refused otherwise
 #   --nnodes SPEC        torchrun's --nnodes (N, or MIN:MAX for an elastic job)
 #   --max-restarts K     torchrun's --max-restarts (0)
+#   --store-timeout S    how long torchrun's agents wait on the rendezvous store (its c10d
+#                        read_timeout; 30): bounds how long an agent cut off from host 0 lingers
+#                        after its ranks have failed
 #   --logs DIR           where host<h>.log goes (a new directory under /tmp)
 #   --python P           the Python whose torchrun to use (the pinned torch's venv)
 #
@@ -33,6 +36,7 @@ LOSS=0
 DELAY=
 NNODES=
 MAX_RESTARTS=0
+STORE_TIMEOUT=30
 LOGS=
 PY="${FSDP_CACHE:-$HOME/.cache/fsdp-cpp}/torch-$(tr -d '[:space:]' < "$ROOT/.torch-version")/bin/python"
 die() { echo "hosts.sh: $*" >&2; exit 2; }
@@ -45,6 +49,7 @@ while (($#)); do
     --delay) DELAY="$2"; shift 2 ;;
     --nnodes) NNODES="$2"; shift 2 ;;
     --max-restarts) MAX_RESTARTS="$2"; shift 2 ;;
+    --store-timeout) STORE_TIMEOUT="$2"; shift 2 ;;
     --logs) LOGS="$2"; shift 2 ;;
     --python) PY="$2"; shift 2 ;;
     --) shift; break ;;
@@ -56,6 +61,7 @@ done
 [[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || die "--nproc-per-host must be a positive integer, got '$NPROC'"
 [[ "$LOSS" =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "--loss must be a percentage, got '$LOSS'"
 [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] || die "--max-restarts must be >= 0, got '$MAX_RESTARTS'"
+[[ "$STORE_TIMEOUT" =~ ^[1-9][0-9]*$ ]] || die "--store-timeout must be seconds > 0, got '$STORE_TIMEOUT'"
 ((EUID == 0)) || die "needs root (network namespaces)"
 command -v ip >/dev/null && command -v tc >/dev/null || die "needs ip and tc (Debian: iproute2)"
 [[ -x "$PY" ]] || die "no Python at $PY (run scripts/setup.sh, or pass --python)"
@@ -144,6 +150,7 @@ for ((h = 0; h < HOSTS; ++h)); do
     env OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=eth0 \
     "$TORCHRUN" --nnodes="$NNODES" --nproc-per-node="$NPROC" --rdzv-backend=c10d \
     --rdzv-endpoint=10.79.0.1:29400 --rdzv-id="fsdp$ID" --max-restarts="$MAX_RESTARTS" \
+    --rdzv-conf="read_timeout=$STORE_TIMEOUT" \
     --local-addr="10.79.0.$((h + 1))" --no-python -- "${CMD[@]}" > "$LOGS/host$h.log" 2>&1 &
   pids+=($!)
 done

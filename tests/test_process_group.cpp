@@ -23,9 +23,13 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <optional>
+#include <set>
+#include <sstream>
 #include <thread>
 
 #include "harness/multiprocess.h"
@@ -525,6 +529,66 @@ TEST(ProcessGroup, SilentPeerMakesTheCollectiveTimeOut) {
   EXPECT_LT(result.seconds, 20.0);
   std::printf("%s", result.outputs[0].c_str());
   std::printf("whole run: %.2f s\n", result.seconds);
+}
+
+// ---- Who may connect ----------------------------------------------------------------------------
+
+// The listening TCP sockets of process `pid`, as "address:port" read from /proc/net/tcp and
+// tcp6 (what `ss -ltn` shows), matched to the process by socket inode.
+std::vector<std::string> listening_sockets(int pid) {
+  std::set<std::string> inodes;
+  const std::string fd_dir = "/proc/" + std::to_string(pid) + "/fd";
+  for (const auto& e : std::filesystem::directory_iterator(fd_dir)) {
+    std::error_code ec;
+    const auto target = std::filesystem::read_symlink(e.path(), ec).string();
+    if (!ec && target.rfind("socket:[", 0) == 0)
+      inodes.insert(target.substr(8, target.size() - 9));
+  }
+  std::vector<std::string> out;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::istringstream f(line);
+      std::string slot, local, remote, state, queues, timer, retr, uid, timeout, inode;
+      f >> slot >> local >> remote >> state >> queues >> timer >> retr >> uid >> timeout >> inode;
+      if (state == "0A" && inodes.count(inode))  // 0A: LISTEN
+        out.push_back(local);
+    }
+  }
+  return out;
+}
+
+// Loopback in /proc/net's hex: 127.x.x.x (little-endian "..7F"), ::1, or ::ffff:127.x.x.x.
+bool is_loopback_hex(const std::string& address_port) {
+  const std::string a = address_port.substr(0, address_port.find(':'));
+  if (a.size() == 8)
+    return a.substr(6, 2) == "7F";
+  return a == "00000000000000000000000001000000" ||
+         (a.substr(0, 24) == "0000000000000000FFFF0000" && a.substr(30, 2) == "7F");
+}
+
+FSDP_WORKER(listens_on_loopback) {
+  auto pg = fsdp::init_process_group();
+  fsdp::barrier(*pg)->wait();  // every connection made
+  for (int pid : {static_cast<int>(::getpid()), static_cast<int>(::getppid())}) {
+    const auto sockets = listening_sockets(pid);
+    for (const auto& s : sockets) {
+      WORKER_CHECK(is_loopback_hex(s)) << "pid " << pid << " listens on " << s;
+    }
+    if (pid == ::getppid()) {
+      WORKER_CHECK(!sockets.empty()) << "the launcher's store is not listening";
+    }
+  }
+  fsdp::barrier(*pg)->wait();
+  return 0;
+}
+
+// fsdp-train --nproc and the tests launch through launch_local_ranks: the rendezvous store
+// (the launcher's) and the ranks' Gloo sockets accept connections from this machine only.
+TEST(LocalLaunch, ListensOnLoopbackOnly) {
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("listens_on_loopback", 2));
 }
 
 // ---- The harness itself -----------------------------------------------------------------------

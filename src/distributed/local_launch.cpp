@@ -3,10 +3,13 @@
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -126,9 +129,31 @@ LocalLaunchResult launch_local_ranks(const LocalLaunchOptions& o) {
   result.exit_seconds.assign(n, 0.0);
   result.pids.assign(n, 0);
 
-  // The store lives here, as in torchrun's agent: port 0 picks a free port without a race.
+  // The store lives here, as in torchrun's agent. Every rank is on this machine, so it
+  // listens on loopback only: c10d's TCPStore binds every interface, so it gets a socket
+  // bound here instead (masterListenFd). Port 0 picks a free port without a race.
   c10d::TCPStoreOptions store_opts;
-  store_opts.port = 0;
+  store_opts.port = static_cast<uint16_t>(0);
+  {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+      throw std::runtime_error(std::string("launch_local_ranks: socket: ") + std::strerror(errno));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = 0;
+    socklen_t len = sizeof(addr);
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+        ::listen(fd, 1024) != 0 ||
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      const int err = errno;
+      ::close(fd);
+      throw std::runtime_error(std::string("launch_local_ranks: cannot listen on 127.0.0.1: ") +
+                               std::strerror(err));
+    }
+    store_opts.port = ntohs(addr.sin_port);
+    store_opts.masterListenFd = fd;  // the store owns it from here
+  }
   store_opts.isServer = true;
   store_opts.waitWorkers = false;
   if (o.timeout.count() > 0)

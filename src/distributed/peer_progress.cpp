@@ -103,7 +103,6 @@ struct PeerProgress::State {
   // The peers' raw reports and when they were read, refreshed by the reporter every few
   // intervals: what is known of them when the store cannot be reached at a failure.
   std::map<int, std::string> snapshot;
-  double snapshot_time = 0;
 };
 
 namespace {
@@ -135,7 +134,6 @@ void report_loop(std::shared_ptr<PeerProgress::State> s) {
         auto reports = read_reports(*s->store, everyone);
         std::lock_guard<std::mutex> lock(s->mutex);
         s->snapshot = std::move(reports);
-        s->snapshot_time = unix_seconds();
       }
     } catch (const std::exception&) {
       // The store is gone or unreachable: the job is ending or the link is down. Keep trying
@@ -207,17 +205,16 @@ std::optional<std::vector<PeerReport>> PeerProgress::read(
 std::vector<PeerReport> PeerProgress::stale(const std::vector<int>& ranks, const std::string& group,
                                             uint64_t seq, const std::string& description) const {
   std::map<int, std::string> raw;
-  double when = 0;
   {
     std::lock_guard<std::mutex> lock(state_->mutex);
     raw = state_->snapshot;
-    when = state_->snapshot_time;
   }
+  const double now = unix_seconds();
   std::vector<PeerReport> out;
   for (int r : ranks) {
     auto it = raw.find(r);
-    // Judged as of the snapshot: its age says how old the knowledge is, not the silence.
-    out.push_back(judge(r, it == raw.end() ? nullptr : &it->second, when, group, seq, description,
+    // Ages as of now: how old what is known of each peer is.
+    out.push_back(judge(r, it == raw.end() ? nullptr : &it->second, now, group, seq, description,
                         silent_after_s(state_->interval)));
   }
   return out;
@@ -254,7 +251,12 @@ std::string diagnose_peers(const std::vector<int>& ranks, int my_rank, const Rec
   FlightRecorder::global().set_peer_reports(*reports);
   auto host_of = [](const PeerReport& p) { return p.host.empty() ? std::string("?") : p.host; };
   std::vector<std::string> culprits, others;
+  const std::string my_host = host_name();
   for (const auto& p : *reports) {
+    // Cut off from the store, this rank cannot tell who else is; the peers on its own host
+    // are not the ones it lost (they share its side of the link).
+    if (store_down && p.heard && p.host == my_host)
+      continue;
     std::ostringstream line;
     line << "rank " << p.rank << " (host " << host_of(p);
     if (p.pid)
@@ -262,7 +264,9 @@ std::string diagnose_peers(const std::vector<int>& ranks, int my_rank, const Rec
     line << ")";
     if (store_down) {
       // Everything known is older than the failure: every peer is a candidate.
-      line << " last seen at #" << p.issued;
+      if (p.heard)
+        line << ", its report " << static_cast<int>(p.age_s * 10) / 10.0
+             << " s before the failure: issued #" << p.issued;
       culprits.push_back(line.str());
       continue;
     }
