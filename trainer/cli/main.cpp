@@ -47,6 +47,7 @@
 #include <fsdp/distributed/process_group.h>
 
 #include "config/config.h"
+#include "data/data.h"
 #include "launcher.h"
 #include "train/trainer.h"
 
@@ -221,6 +222,11 @@ int main(int argc, char** argv) {
     if (print_config) {
       std::fputs(fsdp_trainer::to_toml(config).c_str(), stdout);
       return 0;
+    }
+    // Where prepared data would go, checked before any rank starts (prepare_data checks again).
+    if (command == "train") {
+      if (const auto problem = fsdp_trainer::data_dir_problem(config.data.dir); !problem.empty())
+        throw fsdp_trainer::ConfigError("'data.dir' " + problem);
     }
 #ifndef FSDP_TRAIN_CUDA
     if (config.training.device == "cuda")

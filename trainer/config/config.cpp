@@ -53,6 +53,21 @@ std::string format_value(const T& v) {
   }
 }
 
+// A value quoted in an error, cut short: a 10 MB override must not become a 10 MB message.
+std::string shown(const std::string& s) {
+  constexpr size_t kMax = 120;
+  if (s.size() <= kMax)
+    return s;
+  return s.substr(0, kMax) + "... (" + std::to_string(s.size()) + " bytes)";
+}
+
+// Infinite or NaN hyperparameters are always a mistake, and reach the optimizer silently.
+double finite(double v, const std::string& as_written) {
+  if (!std::isfinite(v))
+    throw std::string("must be a finite number, got '" + shown(as_written) + "'");
+  return v;
+}
+
 template <typename T>
 T parse_text(const std::string& s) {
   if constexpr (std::is_same_v<T, bool>) {
@@ -60,21 +75,21 @@ T parse_text(const std::string& s) {
       return true;
     if (s == "false")
       return false;
-    throw std::string("must be true or false, got '" + s + "'");
+    throw std::string("must be true or false, got '" + shown(s) + "'");
   } else if constexpr (std::is_same_v<T, int64_t>) {
     int64_t v = 0;
     auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
     if (ec != std::errc() || end != s.data() + s.size()) {
-      throw std::string("must be an integer, got '" + s + "'");
+      throw std::string("must be an integer, got '" + shown(s) + "'");
     }
     return v;
   } else if constexpr (std::is_same_v<T, double>) {
     char* end = nullptr;
     const double v = std::strtod(s.c_str(), &end);
     if (s.empty() || end != s.c_str() + s.size()) {
-      throw std::string("must be a number, got '" + s + "'");
+      throw std::string("must be a number, got '" + shown(s) + "'");
     }
-    return v;
+    return finite(v, s);
   } else {
     return s;
   }
@@ -89,8 +104,10 @@ T parse_toml(const toml::node& n) {
     if (auto v = n.value_exact<int64_t>())
       return *v;
   } else if constexpr (std::is_same_v<T, double>) {
-    if (n.is_floating_point() || n.is_integer())
-      return *n.value<double>();
+    if (n.is_floating_point() || n.is_integer()) {
+      const double v = *n.value<double>();
+      return finite(v, std::to_string(v));
+    }
   } else {
     if (auto v = n.value_exact<std::string>())
       return *v;
@@ -476,6 +493,16 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
   Config config;
   config.finetuning = finetuning;
   if (!path.empty()) {
+    // Only a regular file of a sane size: a FIFO would block the parser forever, a directory
+    // or a device would read as an empty or endless config.
+    std::error_code ec;
+    const auto status = std::filesystem::status(path, ec);
+    if (ec)
+      throw ConfigError("cannot read config file '" + shown(path) + "': " + ec.message());
+    if (status.type() != std::filesystem::file_type::regular)
+      throw ConfigError("config file '" + shown(path) + "' is not a regular file");
+    if (std::filesystem::file_size(path, ec) > (uint64_t{16} << 20))
+      throw ConfigError("config file '" + shown(path) + "' is larger than 16 MiB");
     toml::table doc;
     try {
       doc = toml::parse_file(path);
@@ -509,16 +536,18 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
   for (const auto& item : overrides) {
     const auto eq = item.find('=');
     if (eq == std::string::npos) {
-      throw ConfigError("override '--" + item + "' must look like --section.key=value");
+      throw ConfigError("override '--" + shown(item) + "' must look like --section.key=value");
     }
     const std::string key = item.substr(0, eq);
     const Option* o = find_option(key);
-    if (!o)
-      throw ConfigError("unknown key '" + key + "' in override '--" + item + "'" + suggestion(key));
+    if (!o) {
+      throw ConfigError("unknown key '" + shown(key) + "' in override '--" + shown(item) + "'" +
+                        suggestion(key));
+    }
     try {
       o->from_text(config, item.substr(eq + 1));
     } catch (const std::string& msg) {
-      throw ConfigError("override --" + item + ": '" + key + "' " + msg);
+      throw ConfigError("override --" + shown(item) + ": '" + key + "' " + msg);
     }
   }
   validate(config);

@@ -408,8 +408,35 @@ PreparedData open_prepared(const PrepareOptions& options) {
   return verify_prepared(options, nullptr);
 }
 
+std::string data_dir_problem(const std::string& dir) {
+  std::error_code ec;
+  const auto status = fs::symlink_status(dir, ec);
+  if (ec || status.type() == fs::file_type::not_found)
+    return "";  // prepare_data creates it
+  if (status.type() != fs::file_type::directory)
+    return "'" + dir + "' exists and is not a directory";
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    std::string name = entry.path().filename().string();
+    if (name.size() > 1 && name[0] == '.')
+      name.erase(0, 1);  // an interrupted atomic write's temporary (.train.bin.tmp.<pid>.<n>)
+    bool ours = false;
+    for (const char* prefix : {kMetaFile, kTrainFile, kValFile, "tokenizer."})
+      ours |= name.rfind(prefix, 0) == 0;
+    if (!ours || !entry.is_regular_file(ec)) {
+      return "'" + dir + "' holds '" + entry.path().filename().string() +
+             "', which fsdp-train did not write: prepared data goes only into a new or empty "
+             "directory, or one it prepared before";
+    }
+  }
+  if (ec)
+    return "'" + dir + "' cannot be listed: " + ec.message();
+  return "";
+}
+
 PreparedData prepare_data(const PrepareOptions& options) {
   validate(options);
+  if (const std::string problem = data_dir_problem(options.out_dir); !problem.empty())
+    fail("data.dir " + problem);
   std::error_code ec;
   fs::create_directories(options.out_dir, ec);
   if (ec)

@@ -133,6 +133,12 @@ struct PreparedData {
 /// distributed job use the overload below so that one process does the work.
 PreparedData prepare_data(const PrepareOptions& options);
 
+/// Why prepared data must not be written into `dir`, or "" when it may: a new or empty
+/// directory, or one holding only what a preparation writes (meta.json, tokenizer.*, train.bin,
+/// val.bin and their temporaries). Never overwrite files fsdp-train did not write (data.dir =
+/// "/" would otherwise get train.bin and friends).
+std::string data_dir_problem(const std::string& dir);
+
 /// The distributed form: rank 0 runs prepare_data(), every rank then calls `barrier` (which must
 /// block until all ranks have called it, e.g. [&] { pg->barrier(); }), and ranks other than 0
 /// open_prepared() what rank 0 wrote. If rank 0 fails it still enters the barrier, so the others
