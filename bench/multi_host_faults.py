@@ -177,6 +177,24 @@ def lossy(args):
                f"{'bitwise equal' if same else 'DIFFER'} to the clean run", []
 
 
+def live_trainers():
+    """fsdp-train processes still alive (zombies waiting to be reaped by init are gone)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = stat[stat.find("(") + 1:stat.rfind(")")]
+        state = stat[stat.rfind(")") + 2]
+        if name == "fsdp-train" and state != "Z":
+            out.append(int(pid))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--timeout-s", type=float, default=10)
@@ -190,9 +208,14 @@ def main():
         for host, line in lines:
             print(f"  host{host}: {line}" if host is not None else line)
         failed |= not ok
-    left = subprocess.run(["pgrep", "-f", "fsdp-train"], capture_output=True, text=True).stdout
-    print(f"\nprocesses left: {len(left.split())}")
-    sys.exit(1 if failed or left.split() else 0)
+    left = live_trainers()
+    for _ in range(50):  # killed ranks may take a moment to be gone
+        if not left:
+            break
+        time.sleep(0.1)
+        left = live_trainers()
+    print(f"\nprocesses left: {len(left)}")
+    sys.exit(1 if failed or left else 0)
 
 
 if __name__ == "__main__":

@@ -100,8 +100,9 @@ struct PeerProgress::State {
   std::mutex mutex;
   std::condition_variable wake;
   bool stop = false;
-  // The peers' raw reports and when they were read, refreshed by the reporter every few
-  // intervals: what is known of them when the store cannot be reached at a failure.
+  // The peers' raw reports, read by the reporter at every report until every peer has been
+  // seen once: what is known of them (their hosts, above all) when the store cannot be
+  // reached at a failure.
   std::map<int, std::string> snapshot;
 };
 
@@ -125,12 +126,18 @@ void report_loop(std::shared_ptr<PeerProgress::State> s) {
   std::vector<int> everyone(static_cast<size_t>(s->world_size));
   for (int r = 0; r < s->world_size; ++r)
     everyone[static_cast<size_t>(r)] = r;
-  int ticks = 0;
   for (;;) {
     try {
       const std::string report = my_report();
       s->store->set(report_key(s->rank), std::vector<uint8_t>(report.begin(), report.end()));
-      if (ticks++ % 5 == 0) {
+      // Until every peer has been seen once: afterwards the snapshot is kept as it is, so the
+      // store serves O(N) reads per rank over a job, not O(N) every few seconds.
+      bool complete = false;
+      {
+        std::lock_guard<std::mutex> lock(s->mutex);
+        complete = s->snapshot.size() == everyone.size();
+      }
+      if (!complete) {
         auto reports = read_reports(*s->store, everyone);
         std::lock_guard<std::mutex> lock(s->mutex);
         s->snapshot = std::move(reports);

@@ -45,8 +45,9 @@ class PeerProgress {
                                               const std::string& group, uint64_t seq,
                                               const std::string& description,
                                               std::chrono::milliseconds deadline) const;
-  /// The peers' reports as the reporter last read them (every few intervals), judged the
-  /// same way, their ages counted to now; ranks never read are "unknown".
+  /// The peers' reports as the reporter read them (at each report until every peer had
+  /// reported once: their hosts do not change), judged the same way, their ages counted to
+  /// now; ranks never read are "unknown".
   std::vector<PeerReport> stale(const std::vector<int>& ranks, const std::string& group,
                                 uint64_t seq, const std::string& description) const;
 
