@@ -20,6 +20,8 @@
 
 #include <fsdp/core/durable_file.h>
 
+#include "host_name.h"
+
 namespace fsdp {
 
 namespace {
@@ -71,13 +73,6 @@ int signal_pipe[2] = {-1, -1};
 void on_dump_signal(int) {
   const char byte = 1;
   [[maybe_unused]] ssize_t n = ::write(signal_pipe[1], &byte, 1);
-}
-
-std::string host_name() {
-  char buf[256] = {};
-  if (::gethostname(buf, sizeof(buf) - 1) != 0)
-    return "?";
-  return buf;
 }
 
 }  // namespace
@@ -239,7 +234,7 @@ std::string FlightRecorder::to_json(const std::string& reason) const {
   j["version"] = 1;
   j["rank"] = rank_;
   j["world_size"] = world_size_;
-  j["host"] = host_name();
+  j["host"] = detail::host_name();
   j["pid"] = static_cast<int>(::getpid());
   j["time"] = unix_seconds();
   j["reason"] = reason;

@@ -2,6 +2,8 @@
 // deadline, and how a failed collective's peers are judged.
 #include "peer_progress.h"
 
+#include "host_name.h"
+
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <unistd.h>
@@ -24,13 +26,6 @@ using Json = nlohmann::json;
 
 std::string report_key(int rank) {
   return "fsdp/progress/" + std::to_string(rank);
-}
-
-std::string host_name() {
-  char buf[256] = {};
-  if (::gethostname(buf, sizeof(buf) - 1) != 0)
-    return "?";
-  return buf;
 }
 
 // This rank's report: who it is, when, and its progress on every group.
