@@ -97,13 +97,18 @@ def error_lines(logs):
     return lines
 
 
-def link_cut(args):
-    run, logs = "/tmp/fault-cut", "/tmp/fault-cut-logs"
+def training_job(run, logs, args):
+    """A long job, a couple of seconds into training: the moment to inject a fault."""
     shutil.rmtree(run, ignore_errors=True)
     p = job(run, 100000, args.timeout_s, logs)
     wait_for_training(run)
     time.sleep(2)
-    env = hosts_env(logs)
+    return p, hosts_env(logs)
+
+
+def link_cut(args):
+    run, logs = "/tmp/fault-cut", "/tmp/fault-cut-logs"
+    p, env = training_job(run, logs, args)
     t0 = time.time()
     subprocess.run(["ip", "link", "set", env["LINK1"], "down"], check=True)
     # The ranks' exit is the bound; the agents (torchrun's) linger up to their store timeout.
@@ -130,11 +135,7 @@ def link_cut(args):
 
 def stall(args):
     run, logs = "/tmp/fault-stall", "/tmp/fault-stall-logs"
-    shutil.rmtree(run, ignore_errors=True)
-    p = job(run, 100000, args.timeout_s, logs)
-    wait_for_training(run)
-    time.sleep(2)
-    env = hosts_env(logs)
+    p, env = training_job(run, logs, args)
     victim = rank_pids(env["HOST1"])[-1]
     t0 = time.time()
     os.kill(victim, signal.SIGSTOP)

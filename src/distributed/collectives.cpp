@@ -169,7 +169,7 @@ void CollectiveWork::wait() {
     return;
   waited_ = true;
   auto& recorder = FlightRecorder::global();
-  recorder.transition(ticket_.id, CollectiveState::kWaiting);
+  recorder.transition(ticket_, CollectiveState::kWaiting);
   auto start = std::chrono::steady_clock::now();
   auto add_wait = [&] {
     const double w =
@@ -201,7 +201,7 @@ void CollectiveWork::wait() {
   if (!error.empty()) {
     works_.clear();
     add_wait();
-    recorder.transition(ticket_.id, CollectiveState::kFailed, error);
+    recorder.transition(ticket_, CollectiveState::kFailed, error);
     const std::string seq =
         ticket_.seq ? " (#" + std::to_string(ticket_.seq) + " of group '" + ticket_.group + "')"
                     : "";
@@ -210,7 +210,7 @@ void CollectiveWork::wait() {
                 " ms; a peer may have died): ", error.substr(0, error.find('\n')),
                 diagnose_failure(group_, ticket_, what_));
   }
-  recorder.transition(ticket_.id, CollectiveState::kCompleted);
+  recorder.transition(ticket_, CollectiveState::kCompleted);
   if (is_gloo(group_)) {
     // Gloo's worker thread drops its reference to the work (and so to the buffers the work
     // holds) just after marking it complete. Waiting for that moment, a few microseconds,

@@ -234,11 +234,15 @@ FlightAnalysis analyze_flight_dumps(const std::string& dir) {
           by_description.begin(), by_description.end(),
           [](const auto& x, const auto& y) { return x.second.size() < y.second.size(); });
       auto context_of = [&](int r) { return dumps.at(r).by_group[g].at(s).context; };
-      if (by_description.size() > 1) {
-        a.kind = "desync";
+      // This collective is the answer: what went wrong, and who issued it.
+      auto found = [&](const char* kind) {
+        a.kind = kind;
         a.group = g;
         a.seq = s;
         a.context = context_of(majority->second.front());
+      };
+      if (by_description.size() > 1) {
+        found("desync");
         out << "group '" << g << "' (" << rank_list(members) << "): the ranks disagree at #" << s
             << ":\n";
         for (const auto& [desc, ranks] : by_description) {
@@ -251,10 +255,7 @@ FlightAnalysis analyze_flight_dumps(const std::string& dir) {
         if (by_description.size() == 2 && majority->second.size() * 2 == dumped.size())
           out << "  (as many ranks on each side: either side may be the one that diverged)\n";
       } else if (!absent.empty()) {
-        a.kind = "not joined";
-        a.group = g;
-        a.seq = s;
-        a.context = context_of(majority->second.front());
+        found("not joined");
         a.culprits = absent;
         out << "group '" << g << "' (" << rank_list(members) << "): at #" << s << ", "
             << rank_list(majority->second) << " issued " << majority->first << ";\n  "
@@ -269,10 +270,7 @@ FlightAnalysis analyze_flight_dumps(const std::string& dir) {
         }
         if (missing.empty())
           continue;
-        a.kind = "no dump";
-        a.group = g;
-        a.seq = s;
-        a.context = context_of(majority->second.front());
+        found("no dump");
         a.culprits = missing;
         out << "group '" << g << "' (" << rank_list(members) << "): #" << s << " ("
             << majority->first << ") did not complete on " << rank_list(majority->second)

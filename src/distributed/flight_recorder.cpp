@@ -156,7 +156,6 @@ uint64_t FlightRecorder::issue(CollectiveRecord record) {
     auto& p = progress_[record.group];
     p.issued = std::max(p.issued, record.seq);
     p.last = record.description;
-    in_flight_[record.id] = {record.group, record.seq};
   }
   if (capacity_ > 0) {
     if (ring_.size() != capacity_)
@@ -173,19 +172,14 @@ CollectiveRecord* FlightRecorder::find(uint64_t id) {
   return r.id == id ? &r : nullptr;
 }
 
-void FlightRecorder::transition(uint64_t id, CollectiveState to, const std::string& error) {
+void FlightRecorder::transition(const RecordTicket& ticket, CollectiveState to,
+                                const std::string& error) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (to == CollectiveState::kCompleted || to == CollectiveState::kFailed) {
-    auto it = in_flight_.find(id);
-    if (it != in_flight_.end()) {
-      if (to == CollectiveState::kCompleted) {
-        auto& p = progress_[it->second.first];
-        p.completed = std::max(p.completed, it->second.second);
-      }
-      in_flight_.erase(it);
-    }
+  if (to == CollectiveState::kCompleted && ticket.seq > 0) {
+    auto& p = progress_[ticket.group];
+    p.completed = std::max(p.completed, ticket.seq);
   }
-  CollectiveRecord* r = find(id);
+  CollectiveRecord* r = find(ticket.id);
   if (r == nullptr)
     return;
   // Invariant: a record only moves forward (see CollectiveState). A wait that is retried on

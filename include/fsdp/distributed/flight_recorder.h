@@ -24,7 +24,6 @@
 #include <map>
 #include <mutex>
 #include <string>
-#include <utility>
 #include <vector>
 
 namespace fsdp {
@@ -113,9 +112,10 @@ class FlightRecorder {
 
   /// Records a collective being issued; fills in id and issued, returns the id.
   uint64_t issue(CollectiveRecord record);
-  /// Moves record `id` to `to` (see CollectiveState) and stamps the time; a record that has
-  /// already left the ring is only counted in the group's progress.
-  void transition(uint64_t id, CollectiveState to, const std::string& error = "");
+  /// Moves the ticket's record to `to` (see CollectiveState) and stamps the time; a record
+  /// that has already left the ring is only counted in the group's progress (from the ticket's
+  /// group and number).
+  void transition(const RecordTicket& ticket, CollectiveState to, const std::string& error = "");
   /// Per group: the last collective number issued and completed, and the last description.
   struct GroupProgress {
     uint64_t issued = 0, completed = 0;
@@ -155,8 +155,6 @@ class FlightRecorder {
   std::vector<CollectiveRecord> ring_;  // ring_[(id - 1) % capacity_]
   uint64_t last_id_ = 0;
   std::map<std::string, GroupProgress> progress_;
-  // Collectives not yet completed or failed: id -> (group, seq), for progress_.
-  std::map<uint64_t, std::pair<std::string, uint64_t>> in_flight_;
   std::vector<PeerReport> peers_;
   std::map<std::string, std::vector<int>> groups_;
   std::string dump_dir_;
