@@ -4,6 +4,7 @@
 #include <unicode/unistr.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <limits>
 #include <queue>
 #include <stdexcept>
@@ -40,7 +41,53 @@ std::vector<std::string> characters(const std::string& s) {
   return out;
 }
 
+// The length of the UTF-8 character at the start of s (RFC 3629, Unicode table 3-7), 0 if s
+// does not start with one.
+size_t utf8_length(std::string_view s) {
+  if (s.empty())
+    return 0;
+  const auto b = static_cast<unsigned char>(s[0]);
+  if (b < 0x80)
+    return 1;
+  size_t n = 0;
+  unsigned char lo = 0x80, hi = 0xBF;  // the range of the second byte
+  if (b >= 0xC2 && b < 0xE0) {
+    n = 2;
+  } else if (b >= 0xE0 && b < 0xF0) {
+    n = 3;
+    lo = b == 0xE0 ? 0xA0 : 0x80;
+    hi = b == 0xED ? 0x9F : 0xBF;
+  } else if (b >= 0xF0 && b < 0xF5) {
+    n = 4;
+    lo = b == 0xF0 ? 0x90 : 0x80;
+    hi = b == 0xF4 ? 0x8F : 0xBF;
+  } else {
+    return 0;
+  }
+  if (s.size() < n)
+    return 0;
+  for (size_t k = 1; k < n; ++k) {
+    const auto c = static_cast<unsigned char>(s[k]);
+    if (c < (k == 1 ? lo : 0x80) || c > (k == 1 ? hi : 0xBF))
+      return 0;
+  }
+  return n;
+}
+
 }  // namespace
+
+UnencodableByte::UnencodableByte(uint8_t b)
+    : std::runtime_error([b] {
+        char hex[8];
+        std::snprintf(hex, sizeof hex, "0x%02X", b);
+        return std::string("the tokenizer's vocabulary has no token for the byte ") + hex +
+               ", so text holding it cannot be encoded";
+      }()),
+      byte(b) {}
+
+bool BpeTokenizer::can_encode_byte(uint8_t b) const {
+  return ids_.count(byte_char_[b]) != 0;
+}
 
 BpeTokenizer::BpeTokenizer() = default;
 BpeTokenizer::~BpeTokenizer() = default;
@@ -48,16 +95,26 @@ BpeTokenizer::BpeTokenizer(BpeTokenizer&&) noexcept = default;
 BpeTokenizer& BpeTokenizer::operator=(BpeTokenizer&&) noexcept = default;
 
 BpeTokenizer BpeTokenizer::from_gguf(const gguf::File& f) {
-  auto key = [&](const std::string& k) { return f.path() + ": " + k; };
-  const auto model = f.value("tokenizer.ggml.model").as_string(key("tokenizer.ggml.model"));
+  return from_gguf_metadata(f.metadata(), f.path());
+}
+
+BpeTokenizer BpeTokenizer::from_gguf_metadata(const std::map<std::string, gguf::Value>& md,
+                                              const std::string& path) {
+  auto key = [&](const std::string& k) { return path + ": " + k; };
+  auto value = [&](const std::string& k) -> const gguf::Value& {
+    auto it = md.find(k);
+    if (it == md.end())
+      throw gguf::FormatError(path + ": no metadata key '" + k + "'");
+    return it->second;
+  };
+  const auto model = value("tokenizer.ggml.model").as_string(key("tokenizer.ggml.model"));
   if (model != "gpt2")
     throw gguf::FormatError(key("tokenizer.ggml.model") + " is '" + model +
                             "'; only byte-level BPE (gpt2) is read");
   BpeTokenizer t;
-  const auto& tokens = f.value("tokenizer.ggml.tokens").as_array(key("tokenizer.ggml.tokens"));
-  const auto& types =
-      f.value("tokenizer.ggml.token_type").as_array(key("tokenizer.ggml.token_type"));
-  const auto& merges = f.value("tokenizer.ggml.merges").as_array(key("tokenizer.ggml.merges"));
+  const auto& tokens = value("tokenizer.ggml.tokens").as_array(key("tokenizer.ggml.tokens"));
+  const auto& types = value("tokenizer.ggml.token_type").as_array(key("tokenizer.ggml.token_type"));
+  const auto& merges = value("tokenizer.ggml.merges").as_array(key("tokenizer.ggml.merges"));
   if (types.size() != tokens.size())
     throw gguf::FormatError(key("tokenizer.ggml.token_type") + " has " +
                             std::to_string(types.size()) + " entries for " +
@@ -65,13 +122,15 @@ BpeTokenizer BpeTokenizer::from_gguf(const gguf::File& f) {
   t.is_special_.assign(tokens.size(), false);
   for (size_t i = 0; i < tokens.size(); ++i) {
     t.tokens_.push_back(tokens[i].as_string(key("tokenizer.ggml.tokens")));
-    t.ids_.emplace(t.tokens_.back(), static_cast<int64_t>(i));
     // llama.cpp's token types: 3 control (<|im_start|>...), 4 user-defined; both are matched
-    // whole in text, as Hugging Face's added tokens are.
+    // whole in text, as Hugging Face's added tokens are. Only ordinary tokens are BPE's results:
+    // a special token that happens to be spelled like a merge never comes out of plain text.
     const auto type = types[i].as_int(key("tokenizer.ggml.token_type"));
     if (type == 3 || type == 4) {
       t.is_special_[i] = true;
       t.specials_.emplace_back(t.tokens_.back(), static_cast<int64_t>(i));
+    } else {
+      t.ids_.emplace(t.tokens_.back(), static_cast<int64_t>(i));
     }
   }
   std::sort(t.specials_.begin(), t.specials_.end(),
@@ -83,10 +142,17 @@ BpeTokenizer BpeTokenizer::from_gguf(const gguf::File& f) {
                               " is not two tokens separated by a space");
     t.merge_rank_.emplace(m, static_cast<int>(r));
   }
-  if (f.metadata().count("tokenizer.ggml.bos_token_id"))
-    t.bos_ = f.value("tokenizer.ggml.bos_token_id").as_int(key("bos"));
-  if (f.metadata().count("tokenizer.ggml.eos_token_id"))
-    t.eos_ = f.value("tokenizer.ggml.eos_token_id").as_int(key("eos"));
+  auto token_id = [&](const std::string& k) {
+    const int64_t id = value(k).as_int(key(k));
+    if (id < 0 || id >= static_cast<int64_t>(tokens.size()))
+      throw gguf::FormatError(key(k) + " is " + std::to_string(id) + ", outside the " +
+                              std::to_string(tokens.size()) + " tokens");
+    return id;
+  };
+  if (md.count("tokenizer.ggml.bos_token_id"))
+    t.bos_ = token_id("tokenizer.ggml.bos_token_id");
+  if (md.count("tokenizer.ggml.eos_token_id"))
+    t.eos_ = token_id("tokenizer.ggml.eos_token_id");
   // GPT-2's byte alphabet: printable bytes stand for themselves, the others for 256 + n.
   int next = 0;
   for (int b = 0; b < 256; ++b) {
@@ -102,6 +168,13 @@ BpeTokenizer BpeTokenizer::from_gguf(const gguf::File& f) {
   if (U_FAILURE(status))
     throw std::runtime_error(std::string("BpeTokenizer: ICU regex: ") + u_errorName(status));
   return t;
+}
+
+int64_t BpeTokenizer::special_id(const std::string& text) const {
+  for (const auto& [s, id] : specials_)
+    if (s == text)
+      return id;
+  return -1;
 }
 
 void BpeTokenizer::bpe(const std::string& piece, std::vector<int64_t>& out) const {
@@ -173,11 +246,12 @@ void BpeTokenizer::bpe(const std::string& piece, std::vector<int64_t>& out) cons
     auto it = ids_.find(s);
     if (it != ids_.end()) {
       ids.push_back(it->second);
-    } else {  // not in the vocabulary (cannot happen for a complete byte alphabet): by bytes
+    } else {  // not in the vocabulary: by bytes
       for (const auto& ch : characters(s)) {
         auto b = ids_.find(ch);
-        if (b != ids_.end())
-          ids.push_back(b->second);
+        if (b == ids_.end())
+          throw UnencodableByte(char_byte_.at(ch));
+        ids.push_back(b->second);
       }
     }
   }
@@ -186,28 +260,46 @@ void BpeTokenizer::bpe(const std::string& piece, std::vector<int64_t>& out) cons
   out.insert(out.end(), ids.begin(), ids.end());
 }
 
+// Ordinary text: pre-tokens by the pattern, each merged by bpe(). A byte that is not part of
+// valid UTF-8 (RFC 3629: no overlong forms, surrogates or code points above U+10FFFF) is a
+// pre-token of its own, so that it is kept as its byte token, not replaced by U+FFFD.
+void BpeTokenizer::encode_text(std::string_view text, std::vector<int64_t>& out) const {
+  size_t i = 0;
+  while (i < text.size()) {
+    size_t end = i;
+    while (end < text.size()) {
+      const size_t n = utf8_length(text.substr(end));
+      if (n == 0)
+        break;
+      end += n;
+    }
+    if (end > i) {
+      UErrorCode status = U_ZERO_ERROR;
+      const auto u = icu::UnicodeString::fromUTF8(
+          icu::StringPiece(text.data() + i, static_cast<int32_t>(end - i)));
+      std::unique_ptr<icu::RegexMatcher> m(regex_->pattern->matcher(u, status));
+      while (U_SUCCESS(status) && m->find(status)) {
+        std::string piece;
+        u.tempSubStringBetween(m->start(status), m->end(status)).toUTF8String(piece);
+        bpe(piece, out);
+      }
+      if (U_FAILURE(status))
+        throw std::runtime_error(std::string("BpeTokenizer: ICU regex: ") + u_errorName(status));
+    }
+    if (end < text.size())  // an invalid byte
+      bpe(std::string(1, text[end]), out);
+    i = end + 1;
+  }
+}
+
 std::vector<int64_t> BpeTokenizer::encode(const std::string& text) const {
   std::vector<int64_t> out;
-  auto plain = [&](const std::string& segment) {
-    if (segment.empty())
-      return;
-    UErrorCode status = U_ZERO_ERROR;
-    const auto u = icu::UnicodeString::fromUTF8(segment);
-    std::unique_ptr<icu::RegexMatcher> m(regex_->pattern->matcher(u, status));
-    while (U_SUCCESS(status) && m->find(status)) {
-      std::string piece;
-      u.tempSubStringBetween(m->start(status), m->end(status)).toUTF8String(piece);
-      bpe(piece, out);
-    }
-    if (U_FAILURE(status))
-      throw std::runtime_error(std::string("BpeTokenizer: ICU regex: ") + u_errorName(status));
-  };
   size_t start = 0, pos = 0;
   while (pos < text.size()) {
     bool matched = false;
     for (const auto& [s, id] : specials_) {
       if (!s.empty() && text.compare(pos, s.size(), s) == 0) {
-        plain(text.substr(start, pos - start));
+        encode_text(std::string_view(text).substr(start, pos - start), out);
         out.push_back(id);
         pos += s.size();
         start = pos;
@@ -218,7 +310,13 @@ std::vector<int64_t> BpeTokenizer::encode(const std::string& text) const {
     if (!matched)
       ++pos;
   }
-  plain(text.substr(start));
+  encode_text(std::string_view(text).substr(start), out);
+  return out;
+}
+
+std::vector<int64_t> BpeTokenizer::encode_plain(const std::string& text) const {
+  std::vector<int64_t> out;
+  encode_text(text, out);
   return out;
 }
 

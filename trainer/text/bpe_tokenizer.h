@@ -7,11 +7,22 @@
 // alphabet and merged pair by pair, the lowest-ranked merge first, as the BPE was trained.
 // Decoding maps the alphabet back to bytes. The pattern needs Unicode categories (\p{L},
 // \p{N}), which std::regex lacks: ICU's regex engine (Debian libicu-dev) provides them.
+//
+// Any byte string encodes and decodes back to itself, decode(encode(x)) == x: a byte that is not
+// part of valid UTF-8 is a pre-token of its own (its byte token), where ICU would have replaced
+// it with U+FFFD. Except that a vocabulary may lack some byte tokens (SmolLM2's has none for
+// 21 bytes: six control characters, and 0xC0, 0xC1, 0xF1, 0xF2, 0xF5..0xFF); text that needs one
+// is refused (UnencodableByte), where it used to lose those bytes silently. encode_plain() is
+// encode without the special tokens: text that spells
+// "<|im_end|>" becomes ordinary tokens, never the control token (user content in a chat).
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <stdexcept>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -20,27 +31,47 @@
 
 namespace fsdp_trainer {
 
+/// Text holding a byte the vocabulary cannot spell (see above).
+struct UnencodableByte : std::runtime_error {
+  explicit UnencodableByte(uint8_t b);
+  uint8_t byte;
+};
+
 class BpeTokenizer {
  public:
   /// FormatError (naming the file and key) if the metadata is not a byte-level BPE ("gpt2").
+  /// Refused too: a bos/eos id outside the vocabulary.
   static BpeTokenizer from_gguf(const fsdp_models::gguf::File& file);
+  /// The same from a GGUF header's metadata; `path` names the file in errors.
+  static BpeTokenizer from_gguf_metadata(
+      const std::map<std::string, fsdp_models::gguf::Value>& metadata, const std::string& path);
   ~BpeTokenizer();
   BpeTokenizer(BpeTokenizer&&) noexcept;
   BpeTokenizer& operator=(BpeTokenizer&&) noexcept;
 
+  /// Ids of `text`, special tokens matched wherever their text occurs. UnencodableByte if the
+  /// text (outside special tokens) holds a byte the vocabulary has no token for.
   std::vector<int64_t> encode(const std::string& text) const;
+  /// Ids of `text` as ordinary text: no special token id, whatever the text holds.
+  std::vector<int64_t> encode_plain(const std::string& text) const;
   std::string decode(const std::vector<int64_t>& ids) const;
   int64_t vocab_size() const { return static_cast<int64_t>(tokens_.size()); }
   int64_t bos_id() const { return bos_; }
   int64_t eos_id() const { return eos_; }
   const std::string& token(int64_t id) const { return tokens_.at(id); }
+  bool is_special(int64_t id) const { return is_special_.at(id); }
+  /// Whether the vocabulary has the ordinary token for byte `b`.
+  bool can_encode_byte(uint8_t b) const;
+  /// The id of the special token spelled `text`, or -1 if there is none.
+  int64_t special_id(const std::string& text) const;
 
  private:
   BpeTokenizer();
   void bpe(const std::string& piece, std::vector<int64_t>& out) const;
+  void encode_text(std::string_view text, std::vector<int64_t>& out) const;
 
   std::vector<std::string> tokens_;
-  std::unordered_map<std::string, int64_t> ids_;
+  std::unordered_map<std::string, int64_t> ids_;  // ordinary tokens only: BPE never makes a special
   std::unordered_map<std::string, int> merge_rank_;        // "left right" -> rank
   std::vector<std::pair<std::string, int64_t>> specials_;  // longest first
   std::vector<bool> is_special_;
