@@ -379,6 +379,20 @@ Header parse(const uint8_t* data, uint64_t available, uint64_t total_size,
     if (prev.offset + prev.nbytes > order[k].first)
       c.fail("tensors '" + prev.name + "' and '" + h.tensors[order[k].second].name + "' overlap");
   }
+  // Each tensor fills the space up to the next one (the end of the file after the last) but
+  // for the padding to the alignment that writers put after every tensor: a type patched into
+  // a smaller one (F16 -> Q4_0) or a shrunken shape would otherwise read its bytes as garbage.
+  for (size_t k = 0; k < order.size(); ++k) {
+    const auto& t = h.tensors[order[k].second];
+    const uint64_t next = k + 1 < order.size() ? order[k + 1].first : total_size;
+    const uint64_t unread = next - (t.offset + t.nbytes);
+    if (unread >= h.alignment)
+      c.fail("tensor '" + t.name + "' (" + to_string(t.type) + ", " + std::to_string(t.nbytes) +
+             " bytes) leaves " + std::to_string(unread) + " bytes unread before " +
+             (k + 1 < order.size() ? "tensor '" + h.tensors[order[k + 1].second].name + "'"
+                                   : std::string("the end of the file")) +
+             ": its type or shape does not match its data");
+  }
   return h;
 }
 
@@ -437,14 +451,11 @@ void dequantize(TensorType type, const uint8_t* src, int64_t n, float* dst) {
 
 File::File(const std::string& path) : path_(path) {
   try {
-    file_ = fsdp::File(path, O_RDONLY);
+    file_ = fsdp::open_regular(path);  // a FIFO would block, a device never end
+    size_ = file_.size();
   } catch (const std::runtime_error& e) {
     throw FormatError(e.what());
   }
-  struct stat st {};
-  if (::fstat(file_.fd(), &st) != 0 || !S_ISREG(st.st_mode))
-    throw FormatError(path + ": not a regular file");
-  size_ = static_cast<uint64_t>(st.st_size);
   // The header's size is known only once parsed: read a prefix, and extend it if the parser
   // runs past it (tokenizer vocabularies make headers of several MiB).
   std::vector<uint8_t> buf;

@@ -10,6 +10,56 @@
 
 namespace fsdp_models {
 
+namespace {
+
+// The metadata against the file's own tensor table, before a model of those shapes is built:
+// every tensor the model needs is there with the shape it needs, and no block lies beyond
+// llama.block_count. Otherwise a block count of a million would build (and allocate) a
+// million blocks before the first missing tensor is noticed.
+void check_tensor_table(const gguf::File& f, const LlamaConfig& c) {
+  const int64_t d = c.dim, kv = c.n_kv_heads * c.head_dim(), ffn = c.ffn_hidden_dim;
+  auto expect = [&](const std::string& name, std::vector<int64_t> shape, const char* from) {
+    if (!f.has_tensor(name))
+      throw gguf::FormatError(f.path() + ": no tensor '" + name + "', which " + from + " implies");
+    if (f.tensor(name).shape != shape) {
+      std::string have, want;
+      for (auto v : f.tensor(name).shape)
+        have += (have.empty() ? "" : ", ") + std::to_string(v);
+      for (auto v : shape)
+        want += (want.empty() ? "" : ", ") + std::to_string(v);
+      throw gguf::FormatError(f.path() + ": tensor '" + name + "' is [" + have + "], its llama.* " +
+                              "metadata make it [" + want + "]");
+    }
+  };
+  expect("token_embd.weight", {c.vocab_size, d}, "every model");
+  expect("output_norm.weight", {d}, "every model");
+  if (!c.tie_embeddings)
+    expect("output.weight", {c.vocab_size, d}, "an untied head");
+  const std::pair<const char*, std::vector<int64_t>> block[] = {
+      {"attn_q", {d, d}},      {"attn_k", {kv, d}},    {"attn_v", {kv, d}},
+      {"attn_output", {d, d}}, {"ffn_gate", {ffn, d}}, {"ffn_down", {d, ffn}},
+      {"ffn_up", {ffn, d}},    {"attn_norm", {d}},     {"ffn_norm", {d}},
+  };
+  // Each block needs tensors of its own, so a block count larger than the table is refused
+  // by the first missing one, after at most as many look-ups as the file has tensors.
+  for (int64_t b = 0; b < c.n_layers; ++b)
+    for (const auto& [part, shape] : block)
+      expect("blk." + std::to_string(b) + "." + part + ".weight", shape, "llama.block_count");
+  for (const auto& t : f.tensors()) {
+    if (!t.name.starts_with("blk."))
+      continue;
+    const auto end = t.name.find('.', 4);
+    const std::string index = t.name.substr(4, end == std::string::npos ? 0 : end - 4);
+    if (index.empty() || index.size() > 9 ||
+        index.find_first_not_of("0123456789") != std::string::npos ||
+        std::stoll(index) >= c.n_layers)
+      throw gguf::FormatError(f.path() + ": tensor '" + t.name + "' belongs to no block of the " +
+                              std::to_string(c.n_layers) + " that llama.block_count says");
+  }
+}
+
+}  // namespace
+
 LlamaConfig llama_config_from_gguf(const gguf::File& f) {
   const auto& path = f.path();
   auto key = [&](const std::string& k) { return path + ": " + k; };
@@ -38,11 +88,16 @@ LlamaConfig llama_config_from_gguf(const gguf::File& f) {
   c.tie_embeddings = !f.has_tensor("output.weight");
   if (c.n_heads <= 0 || c.dim % c.n_heads != 0)
     throw gguf::FormatError(key("llama.attention.head_count") + " does not divide the width");
+  try {
+    c.validate();
+  } catch (const c10::Error& e) {
+    throw gguf::FormatError(path + ": its llama.* metadata describe no model: " + e.msg());
+  }
   if (f.metadata().count("llama.rope.dimension_count") &&
       i("llama.rope.dimension_count") != c.head_dim())
     throw gguf::FormatError(key("llama.rope.dimension_count") +
                             " differs from the head dimension: partial rotary is not modelled");
-  c.validate();
+  check_tensor_table(f, c);
   return c;
 }
 

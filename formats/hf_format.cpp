@@ -12,6 +12,7 @@
 
 #include <fsdp/checkpoint/safetensors.h>
 #include <fsdp/core/durable_file.h>
+#include <fsdp/core/file.h>
 #include <fsdp/distributed/process_group.h>
 
 namespace fsdp_models {
@@ -80,11 +81,35 @@ std::string llama_hf_name(const std::string& name) {
   throw std::invalid_argument("hf_format: no Hugging Face name for Llama parameter '" + name + "'");
 }
 
+// config.json is a few KB: a link to /dev/zero, a FIFO or a huge file is refused unread.
+constexpr uint64_t kMaxConfigBytes = uint64_t{16} << 20;
+
 std::string read_text(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  if (!in)
-    throw FormatError(p.string() + ": cannot open");
-  return std::string((std::istreambuf_iterator<char>(in)), {});
+  try {
+    return fsdp::read_small_file(p.string(), kMaxConfigBytes);
+  } catch (const std::runtime_error& e) {
+    throw FormatError(e.what());
+  }
+}
+
+// transformers picks the class from 'architectures' and the config from 'model_type': a file
+// whose two disagree describes no one model, whichever of them we would believe.
+void require_architecture(const Json& j, const std::string& model_type, const char* architecture,
+                          const std::string& where) {
+  auto it = j.find("architectures");
+  if (it == j.end() || it->is_null())
+    return;
+  if (!it->is_array())
+    throw FormatError(where + ": 'architectures' is not a list");
+  for (const auto& a : *it) {
+    if (!a.is_string())
+      throw FormatError(where + ": 'architectures' holds a " + std::string(a.type_name()) +
+                        ", not a class name");
+    if (a.get<std::string>() != architecture)
+      throw FormatError(where + ": 'architectures' names '" + a.get<std::string>() +
+                        "' but 'model_type' is '" + model_type + "' (whose class is " +
+                        architecture + ")");
+  }
 }
 
 Json parse_config(const std::string& text, const std::string& where) {
@@ -252,6 +277,7 @@ GPTConfig gpt_config_from_hf(const std::string& config_json, const std::string& 
   const auto j = parse_config(config_json, where);
   if (field<std::string>(j, "model_type", where) != "gpt2")
     throw FormatError(where + ": 'model_type' is not 'gpt2'");
+  require_architecture(j, "gpt2", "GPT2LMHeadModel", where);
   GPTConfig c;
   c.vocab_size = field<int64_t>(j, "vocab_size", where);
   c.block_size = field<int64_t>(j, "n_positions", where);
@@ -281,6 +307,7 @@ LlamaConfig llama_config_from_hf(const std::string& config_json, const std::stri
   const auto j = parse_config(config_json, where);
   if (field<std::string>(j, "model_type", where) != "llama")
     throw FormatError(where + ": 'model_type' is not 'llama'");
+  require_architecture(j, "llama", "LlamaForCausalLM", where);
   LlamaConfig c;
   c.vocab_size = field<int64_t>(j, "vocab_size", where);
   c.dim = field<int64_t>(j, "hidden_size", where);

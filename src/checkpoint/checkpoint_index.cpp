@@ -1,13 +1,16 @@
 // See checkpoint_index.h.
 #include "checkpoint_index.h"
 
+#include <xxhash.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <climits>
-#include <fstream>
+#include <cstdio>
+#include <set>
 
 #include <fsdp/checkpoint/safetensors.h>
+#include <fsdp/core/file.h>
 
 namespace fsdp::detail {
 namespace {
@@ -23,7 +26,60 @@ int64_t get_int(const Json& v, const std::string& what) {
   return v.get<int64_t>();
 }
 
+// The rank a piece's file belongs to: "rank-00003.safetensors" -> 3; -1 for any other name.
+int64_t rank_of_file(const std::string& file) {
+  constexpr std::string_view prefix = "rank-", suffix = ".safetensors";
+  if (file.size() != prefix.size() + 5 + suffix.size() || !file.starts_with(prefix) ||
+      !file.ends_with(suffix))
+    return -1;
+  const auto digits = file.substr(prefix.size(), 5);
+  if (digits.find_first_not_of("0123456789") != std::string::npos)
+    return -1;
+  return std::stoll(digits);
+}
+
+// Every optimizer tensor and step count names a parameter of the index: a renamed key would
+// otherwise load as "this parameter had no state" and train on silently.
+void check_optimizer(const Index& idx) {
+  static const std::set<std::string> kinds{"", "adamw", "adam", "sgd"};
+  if (!kinds.count(idx.optimizer_kind))
+    throw FormatError("optimizer kind '" + idx.optimizer_kind +
+                      "' is none of adamw, adam, sgd (or empty)");
+  for (const auto& [name, step] : idx.steps) {
+    if (idx.optimizer_kind.empty())
+      throw FormatError("an optimizer step for '" + name + "' but no optimizer kind");
+    if (step < 0)
+      throw FormatError("optimizer step of '" + name + "' is negative (" + std::to_string(step) +
+                        ")");
+    if (!idx.tensors.count("model/" + name))
+      throw FormatError("optimizer step for '" + name + "', which is no tensor of the index");
+  }
+  for (const auto& [key, t] : idx.tensors) {
+    if (key.starts_with("model/"))
+      continue;
+    if (!key.starts_with("optim/"))
+      throw FormatError("tensor '" + key + "' is neither model/ nor optim/ state");
+    const auto slash = key.rfind('/');
+    const std::string param = key.substr(6, slash > 6 ? slash - 6 : 0);
+    const auto model = idx.tensors.find("model/" + param);
+    if (slash <= 6 || model == idx.tensors.end())
+      throw FormatError("tensor '" + key + "' is optimizer state of no parameter of the index");
+    if (!idx.steps.count(param))
+      throw FormatError("tensor '" + key + "' has no optimizer step for '" + param + "'");
+    if (model->second.shape != t.shape)
+      throw FormatError("tensor '" + key + "' has another shape than 'model/" + param + "'");
+  }
+}
+
 }  // namespace
+
+std::string index_checksum(std::string_view compact_json) {
+  char buf[17];
+  std::snprintf(
+      buf, sizeof buf, "%016llx",
+      static_cast<unsigned long long>(XXH3_64bits(compact_json.data(), compact_json.size())));
+  return buf;
+}
 
 Index parse_index_text(std::string_view text, const std::string& name) {
   const std::string where = name + ": ";
@@ -36,9 +92,15 @@ Index parse_index_text(std::string_view text, const std::string& name) {
   try {
     if (!j.is_object() || j.value("format", "") != kIndexFormat)
       throw FormatError("not an fsdp-cpp checkpoint index");
-    if (get_int(j.at("version"), "version") != kIndexVersion)
-      throw FormatError("version " + j.at("version").dump() + " is not supported");
+    const int64_t version = get_int(j.at("version"), "version");
+    if (version != 1 && version != kIndexVersion)
+      throw FormatError("version " + j.at("version").dump() + " is not supported (1 and " +
+                        std::to_string(kIndexVersion) + " are)");
     Index idx;
+    idx.world_size = get_int(j.at("world_size"), "world_size");
+    if (idx.world_size < 1 || idx.world_size > 99999)
+      throw FormatError("world_size " + std::to_string(idx.world_size) +
+                        " is not a number of ranks (1 to 99999)");
     for (auto& [k, v] : j.at("metadata").items()) {
       if (!v.is_string())
         throw FormatError("metadata '" + k + "' is not a string");
@@ -65,6 +127,11 @@ Index parse_index_text(std::string_view text, const std::string& name) {
         if (piece.file.empty() || piece.file.find('/') != std::string::npos ||
             piece.file.find("..") != std::string::npos)
           throw FormatError(what + ": file name '" + piece.file + "' is not a plain name");
+        const int64_t file_rank = rank_of_file(piece.file);
+        if (file_rank < 0 || file_rank >= idx.world_size)
+          throw FormatError(what + ": file '" + piece.file + "' is not the file of a rank of the " +
+                            std::to_string(idx.world_size) +
+                            " that saved it (rank-NNNNN.safetensors)");
         piece.begin = get_int(p.at("rows").at(0), what + " rows");
         piece.end = get_int(p.at("rows").at(1), what + " rows");
         piece.block_rows = get_int(p.at("block_rows"), what + " block_rows");
@@ -98,6 +165,19 @@ Index parse_index_text(std::string_view text, const std::string& name) {
                           std::to_string(rows));
       idx.tensors.emplace(key, std::move(it));
     }
+    check_optimizer(idx);
+    // Last: a field edited into another valid value (a step, a row range, a random state) is
+    // caught only here, and a malformed one is better named by the checks above.
+    if (version >= 2) {
+      const auto stored = j.find(kIndexChecksumKey);
+      if (stored == j.end() || !stored->is_string())
+        throw FormatError(std::string("'") + kIndexChecksumKey + "', its checksum, is missing");
+      const std::string want = stored->get<std::string>();
+      j.erase(kIndexChecksumKey);
+      if (index_checksum(j.dump()) != want)
+        throw FormatError(
+            "its contents do not match its checksum (edited or damaged since it was saved)");
+    }
     return idx;
   } catch (const FormatError& e) {
     throw FormatError(where + e.what());
@@ -107,10 +187,12 @@ Index parse_index_text(std::string_view text, const std::string& name) {
 }
 
 Index parse_index(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in)
-    throw FormatError(path + ": cannot open (not a checkpoint directory?)");
-  const std::string text((std::istreambuf_iterator<char>(in)), {});
+  std::string text;
+  try {
+    text = read_small_file(path, kMaxIndexBytes);
+  } catch (const std::runtime_error& e) {
+    throw FormatError(std::string(e.what()) + " (not a checkpoint directory?)");
+  }
   return parse_index_text(text, path);
 }
 

@@ -14,7 +14,13 @@
 namespace fsdp::detail {
 
 constexpr const char* kIndexFormat = "fsdp-cpp sharded checkpoint";
-constexpr int kIndexVersion = 1;
+// Version 2 adds "index_xxh3", the index's checksum of itself (index_checksum). Version 1
+// indexes, written before it, are still read, with every check but that one.
+constexpr int kIndexVersion = 2;
+constexpr const char* kIndexChecksumKey = "index_xxh3";
+// index.json lists one checksum per ~4 MiB of rows: 64 MiB of it describes petabytes. More is
+// not an index (a link to /dev/zero, a wrong file), and is refused before it is read.
+constexpr uint64_t kMaxIndexBytes = uint64_t{64} << 20;
 
 /// Rows [begin, end) of a tensor, stored in `file` under the tensor's key, with one xxh3 per
 /// block of block_rows rows.
@@ -33,15 +39,22 @@ struct IndexTensor {
 
 /// The whole index: the caller's metadata, the optimizer, every tensor by key.
 struct Index {
+  int64_t world_size = 0;  // ranks that saved it; pieces live in rank-<r>.safetensors, r < this
   std::map<std::string, std::string> metadata;
   std::string optimizer_kind;
   std::map<std::string, int64_t> steps;
   std::map<std::string, IndexTensor> tensors;
 };
 
+/// The checksum of an index: xxh3 of the compact JSON (`dump()` of the object without
+/// kIndexChecksumKey, keys sorted), as 16 hex digits.
+std::string index_checksum(std::string_view compact_json);
+
 /// Parses and validates index.json's text (`name` prefixes the messages): every field's type,
-/// plain file names, pieces inside the tensor's rows tiling them exactly once, one 16-hex-digit
-/// checksum per block. Throws safetensors::FormatError.
+/// plain file names of rank files of the saving world, pieces inside the tensor's rows tiling
+/// them exactly once, one 16-hex-digit checksum per block; every optimizer tensor and step
+/// count belonging to a parameter of the index (same shape, steps >= 0); and, last, the
+/// index's own checksum. Throws safetensors::FormatError.
 Index parse_index_text(std::string_view text, const std::string& name);
 /// The same for the file at `path`.
 Index parse_index(const std::string& path);

@@ -220,7 +220,7 @@ Header parse_header(std::string_view text, uint64_t data_bytes) {
 
 Reader::Reader(std::string path) : path_(std::move(path)) {
   try {
-    file_ = File(path_, O_RDONLY);
+    file_ = open_regular(path_);  // a FIFO would block, a device never end
   } catch (const std::runtime_error& e) {
     fail(e.what());  // a missing or unreadable file is the caller's bad input: FormatError
   }

@@ -238,6 +238,7 @@ void save_sharded(const std::string& dir, torch::nn::Module& model,
                   {"metadata", metadata},
                   {"optimizer", {{"kind", kind}, {"steps", steps}}},
                   {"tensors", tensors}};
+    index[detail::kIndexChecksumKey] = detail::index_checksum(index.dump());
     write_file_atomic((tmp / "index.json").string(), index.dump(1));
     rename_durably(tmp.string(), final_dir.string());
   }

@@ -16,6 +16,39 @@ std::string errno_text(int err) {
   return std::strerror(err);
 }
 
+File open_regular(const std::string& path, const char* action) {
+  File f(path, O_RDONLY | O_NONBLOCK, 0644, action);
+  struct stat st {};
+  if (::fstat(f.fd(), &st) != 0)
+    throw std::runtime_error(path + ": cannot stat: " + errno_text(errno));
+  if (!S_ISREG(st.st_mode)) {
+    const char* kind = S_ISDIR(st.st_mode)    ? "a directory"
+                       : S_ISFIFO(st.st_mode) ? "a FIFO"
+                       : S_ISCHR(st.st_mode)  ? "a character device"
+                       : S_ISBLK(st.st_mode)  ? "a block device"
+                       : S_ISSOCK(st.st_mode) ? "a socket"
+                                              : "not a file";
+    throw std::runtime_error(path + ": not a regular file (" + kind + ")");
+  }
+  // Reads of a regular file never block anyway; clearing the flag keeps the descriptor plain.
+  const int flags = ::fcntl(f.fd(), F_GETFL);
+  if (flags >= 0)
+    ::fcntl(f.fd(), F_SETFL, flags & ~O_NONBLOCK);
+  return f;
+}
+
+std::string read_small_file(const std::string& path, uint64_t max_bytes) {
+  const File f = open_regular(path);
+  const uint64_t size = f.size();
+  if (size > max_bytes)
+    throw std::runtime_error(path + ": " + std::to_string(size) + " bytes, more than the " +
+                             std::to_string(max_bytes) + " this file may have");
+  std::string out(static_cast<size_t>(size), '\0');
+  const uint64_t got = f.pread_some(out.data(), size, 0);
+  out.resize(static_cast<size_t>(got));  // a file that shrank meanwhile: what is there
+  return out;
+}
+
 File::File(std::string path, int flags, mode_t mode, const char* action)
     : path_(std::move(path)), fd_(::open(path_.c_str(), flags | O_CLOEXEC, mode)) {
   if (fd_ < 0)

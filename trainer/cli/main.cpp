@@ -49,6 +49,7 @@
 #include "config/config.h"
 #include "data/data.h"
 #include "launcher.h"
+#include "train/model_factory.h"
 #include "train/trainer.h"
 
 namespace {
@@ -234,6 +235,8 @@ int main(int argc, char** argv) {
 #endif
     if (nproc > 0 && std::getenv("RANK") == nullptr) {
       fsdp_trainer::validate_world(config, nproc, nproc);
+      if (command != "finetune")  // (finetune's model is known once its file is read)
+        fsdp_trainer::check_model_fits(config, nproc, nproc);
 #ifdef FSDP_TRAIN_CUDA
       if (config.training.device == "cuda")
         require_gpus(nproc);
@@ -254,6 +257,8 @@ int main(int argc, char** argv) {
     const fsdp::LaunchEnv env = fsdp::launch_env_from_environment();
     try {
       fsdp_trainer::validate_world(config, env.world_size, env.local_world_size);
+      if (command != "finetune")
+        fsdp_trainer::check_model_fits(config, env.world_size, env.local_world_size);
     } catch (const fsdp_trainer::ConfigError&) {
       if (env.rank != 0)
         return 2;

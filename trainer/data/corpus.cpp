@@ -266,7 +266,9 @@ std::string load_corpus(const std::string& spec) {
 }
 
 std::string read_file(const std::string& path) {
-  const fsdp::File f(path, O_RDONLY, 0644, "read");  // "<path>: cannot read: <reason>"
+  // "<path>: cannot read: <reason>"; a FIFO or a device (tokenizer.model linked to /dev/zero)
+  // is refused at once instead of blocking or reading without end.
+  const fsdp::File f = fsdp::open_regular(path, "read");
   std::string out;
   out.reserve(static_cast<size_t>(f.size()));
   char buf[1 << 16];

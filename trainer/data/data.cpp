@@ -157,7 +157,8 @@ json read_meta(const std::string& meta_path) {
     fail(meta_path +
          ": missing: the data directory is not prepared (prepare_data writes it; in "
          "a distributed job rank 0 does, did it fail?)");
-  const std::string text = read_file(meta_path);
+  // A few hundred bytes when fsdp-train wrote it: anything of megabytes is not its meta.json.
+  const std::string text = fsdp::read_small_file(meta_path, uint64_t{16} << 20);
   json meta = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (meta.is_discarded() || !meta.is_object())
     fail(meta_path + ": not valid JSON (delete it to prepare again)");

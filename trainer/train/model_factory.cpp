@@ -3,8 +3,12 @@
 
 #include <fmt/core.h>
 
+#include <unistd.h>
+
 #include <filesystem>
 #include <optional>
+
+#include <fsdp/distributed/process_group.h>
 
 #include "gguf_llama.h"
 #include "gpt.h"
@@ -50,7 +54,96 @@ void build_sharded(TrainModel& out, const Cfg& cfg, fsdp_models::InitScheme sche
   out.num_params = cfg.num_params();
 }
 
+// The shapes that decide a model's size, in floating point: a hostile width squared
+// overflows int64 (GPTConfig::num_params) long before it is refused.
+struct ModelSize {
+  double params = 0;  // all of them
+  double block = 0;   // one block's
+  double vocab = 0;   // logits per token
+};
+
+double physical_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<double>(pages) * static_cast<double>(page) : 0;
+}
+
+std::string human_bytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  int u = 0;
+  while (b >= 1024 && u < 6)
+    b /= 1024, ++u;
+  return b >= 1024 ? fmt::format("{:.3g} {}", b, units[u]) : fmt::format("{:.1f} {}", b, units[u]);
+}
+
+// Per rank: the model states of its shard, one block gathered, one micro-batch's logits (fp32).
+void check_fits(const Config& config, const ModelSize& m, const std::string& what, int world_size,
+                int local_world_size) {
+  const auto& f = config.fsdp;
+  double shard_ranks = f.strategy == "no_shard" ? 1 : world_size;
+  if (f.strategy == "hybrid_shard")
+    shard_ranks = static_cast<double>(resolved_hybrid_shard_size(config, local_world_size));
+  shard_ranks = std::max(1.0, shard_ranks);
+  double optimizer_states = 0;  // fp32-sized copies of the parameters the optimizer keeps
+  if (config.optimizer.offload == "none") {
+    const double each = config.optimizer.moments_dtype == "bf16" ? 0.5 : 1.0;
+    if (config.optimizer.name == "sgd")
+      optimizer_states = config.optimizer.momentum > 0 ? each : 0;
+    else
+      optimizer_states = 2 * each;
+  }
+  const double states = 4 * m.params * (2 + optimizer_states) / shard_ranks;
+  const double micro_batch = static_cast<double>(config.training.batch_size) /
+                             static_cast<double>(config.training.micro_batches);
+  const double seq = config.finetuning ? static_cast<double>(config.finetune.max_tokens)
+                                       : static_cast<double>(config.training.seq_len);
+  const double logits = 4 * micro_batch * seq * m.vocab;
+  const double per_rank = states + 4 * m.block + logits;
+  const double host = per_rank * std::max(1, local_world_size);
+  const double memory = physical_memory_bytes();
+  if (memory > 0 && host > memory) {
+    throw ConfigError(fmt::format(
+        "{}: {:.4g} parameters ({} in fp32); each rank needs at least {} (model states sharded "
+        "over {} rank(s) {}, one block gathered {}, one micro-batch's logits {}), {} for the {} "
+        "rank(s) on this host, more than its {} of memory",
+        what, m.params, human_bytes(4 * m.params), human_bytes(per_rank),
+        static_cast<int64_t>(shard_ranks), human_bytes(states), human_bytes(4 * m.block),
+        human_bytes(logits), human_bytes(host), std::max(1, local_world_size),
+        human_bytes(memory)));
+  }
+}
+
+ModelSize gpt_size(const fsdp_models::GPTConfig& c) {
+  const double d = static_cast<double>(c.n_embd), v = static_cast<double>(c.vocab_size);
+  ModelSize m;
+  m.block = 12 * d * d + 13 * d;
+  m.params = v * d * (c.tie_embeddings ? 1 : 2) + static_cast<double>(c.block_size) * d +
+             static_cast<double>(c.n_layer) * m.block + 2 * d;
+  m.vocab = v;
+  return m;
+}
+
+ModelSize llama_size(const fsdp_models::LlamaConfig& c) {
+  const double d = static_cast<double>(c.dim), v = static_cast<double>(c.vocab_size);
+  const double kv = static_cast<double>(c.n_kv_heads) * (d / static_cast<double>(c.n_heads));
+  ModelSize m;
+  m.block = 2 * d * d + 2 * d * kv + 3 * d * static_cast<double>(c.ffn_hidden_dim) + 2 * d;
+  m.params = v * d * (c.tie_embeddings ? 1 : 2) + static_cast<double>(c.n_layers) * m.block + d;
+  m.vocab = v;
+  return m;
+}
+
 }  // namespace
+
+void check_model_fits(const Config& config, int world_size, int local_world_size) {
+  const auto& m = config.model;
+  const std::string what = fmt::format(
+      "model.preset = '{}' with model.n_layer = {}, model.n_embd = {}, "
+      "data.vocab_size = {}, training.seq_len = {}",
+      m.preset, m.n_layer, m.n_embd, config.data.vocab_size, config.training.seq_len);
+  const auto size = m.arch == "gpt" ? gpt_size(gpt_config(config, config.data.vocab_size))
+                                    : llama_size(llama_config(config, config.data.vocab_size));
+  check_fits(config, size, what, world_size, local_world_size);
+}
 
 fsdp_models::GPTConfig gpt_config(const Config& config, int64_t vocab_size) {
   const auto& m = config.model;
@@ -136,6 +229,11 @@ TrainModel build_finetune_model(const Config& config, const std::string& gguf_pa
     throw ConfigError(std::string("'finetune.model': ") + e.what());
   }
   cfg.max_seq_len = f.max_tokens;
+  if (only_blocks == 0) {  // sizes a sparse file may claim without holding them
+    const auto env = fsdp::launch_env_from_environment();
+    check_fits(config, llama_size(cfg), "'finetune.model' " + gguf_path, env.world_size,
+               env.local_world_size);
+  }
   if (only_blocks > 0)  // the planner's timing: that many blocks, weights left at zero
     cfg.n_layers = only_blocks;
   fm::Llama model(cfg, fm::ModelInit().device(torch::kMeta));

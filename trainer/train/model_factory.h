@@ -53,6 +53,14 @@ TrainModel build_finetune_model(const Config& config, const std::string& gguf_pa
 fsdp_models::GPTConfig gpt_config(const Config& config, int64_t vocab_size);
 fsdp_models::LlamaConfig llama_config(const Config& config, int64_t vocab_size);
 
+/// Refuses (ConfigError naming the keys and the sizes) a model that cannot fit this machine
+/// before anything is allocated for it: what each rank must hold at least (its shard of the
+/// parameters, their gradients and the optimizer's in-memory state, one block's parameters
+/// gathered, one micro-batch's logits), times the ranks on this host, against its physical
+/// memory. A lower bound, so it never refuses a run that would fit; a huge model.n_embd,
+/// n_layer or training.seq_len ends here in a second instead of in the allocator.
+void check_model_fits(const Config& config, int world_size, int local_world_size);
+
 /// The model of config.model with `vocab_size` tokens and config.training.seq_len context,
 /// initialised from config.training.seed (the same values on any number of ranks), sharded with
 /// `options`, its shards on `device`. Throws ConfigError for an unknown preset or shapes that do

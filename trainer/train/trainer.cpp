@@ -3,11 +3,13 @@
 // the model's process groups (the part of communication not hidden), and the byte counters
 // cover every group the units use (hybrid_shard's subgroups included).
 #include "trainer.h"
+#include <malloc.h>
 
 #include <fmt/core.h>
 
 #include <numeric>
 
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -818,6 +820,7 @@ void Trainer::train() {
       throw std::runtime_error(fmt::format("loss is {} at step {}", m.loss, step));
     if (every > 0 && (step % every == 0 || step == t.steps))
       save_checkpoint(step);
+    if (std::getenv("FSDP_TRIM") && step % std::atoi(std::getenv("FSDP_TRIM")) == 0) malloc_trim(0);
   }
   if (prediction_ && config_.logging.plan && pg_->rank() == 0 && measured_.steps > 0) {
     // Compared at the length the measured step had (fine-tuning batches vary; the prediction
@@ -987,29 +990,67 @@ int64_t Trainer::resume_from_checkpoint() {
     dir = *latest;
   }
   auto meta = fsdp::load_sharded(dir.string(), *model_.module, optimizer_.get());
+  // The index's checksum catches edits; these catch a writer that saved nonsense, and name the
+  // file and the key either way.
+  const std::string index = (dir / "index.json").string();
+  auto bad = [&](const std::string& key, const std::string& what) {
+    return fsdp::safetensors::FormatError(index + ": metadata '" + key + "' " + what);
+  };
   auto number = [&](const std::string& key) -> int64_t {
     auto it = meta.find(key);
-    try {
-      if (it != meta.end())
-        return std::stoll(it->second);
-    } catch (const std::exception&) {
-    }
-    throw fsdp::safetensors::FormatError(dir.string() + ": metadata '" + key +
-                                         "' missing or not a number");
+    int64_t v = 0;
+    if (it == meta.end())
+      throw bad(key, "is missing");
+    const auto& text = it->second;
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+    if (ec != std::errc() || end != text.data() + text.size())
+      throw bad(key, "is not an integer");
+    if (v < 0)
+      throw bad(key, "is negative (" + text + ")");
+    return v;
   };
   const int64_t step = number("step");
-  load_sampler_state({number("sampler.epoch"), number("sampler.position"),
-                      static_cast<uint64_t>(number("sampler.seed"))});
+  const int64_t saved_world = number("world_size");
+  for (const auto& [key, value] : meta) {
+    if (!key.starts_with("rng."))
+      continue;
+    int64_t r = -1;
+    const auto [end, ec] = std::from_chars(key.data() + 4, key.data() + key.size(), r);
+    if (ec != std::errc() || end != key.data() + key.size() || r < 0 || r >= saved_world)
+      throw bad(key, "names no rank of the " + std::to_string(saved_world) + " that saved it");
+  }
+  for (int64_t r = 0; r < saved_world; ++r)
+    if (!meta.count("rng." + std::to_string(r)))
+      throw bad("rng." + std::to_string(r),
+                "is missing (world_size is " + std::to_string(saved_world) + ")");
+  try {
+    load_sampler_state({number("sampler.epoch"), number("sampler.position"),
+                        static_cast<uint64_t>(number("sampler.seed"))});
+  } catch (const fsdp::safetensors::FormatError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw bad("sampler.*", std::string("does not fit this run: ") + e.what());
+  }
   if (scaler_ && meta.count("scaler.scale")) {
-    scaler_->load_state({std::stod(meta["scaler.scale"]), number("scaler.growth_tracker"),
-                         number("scaler.skipped_steps")});
+    double scale = 0;
+    const auto& text = meta["scaler.scale"];
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), scale);
+    if (ec != std::errc() || end != text.data() + text.size() || !std::isfinite(scale) ||
+        scale <= 0)
+      throw bad("scaler.scale", "is not a positive finite number");
+    scaler_->load_state({scale, number("scaler.growth_tracker"), number("scaler.skipped_steps")});
   }
   // Ranks that existed when it was saved get their random state back; others keep theirs.
   auto rng = meta.find("rng." + std::to_string(pg_->rank()));
   if (rng != meta.end()) {
     at::Generator gen = at::detail::getDefaultCPUGenerator();  // a handle to the global one
     std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(from_hex(rng->second, "rng state"));
+    const auto state = from_hex(rng->second, index + ": metadata '" + rng->first + "'");
+    try {
+      gen.set_state(state);
+    } catch (const c10::Error& e) {
+      throw bad(rng->first, "is not a random state: " + e.msg());
+    }
   }
   if (pg_->rank() == 0) {
     std::printf("resumed from %s (step %lld, saved on %s rank(s))\n", dir.c_str(),

@@ -15,6 +15,20 @@ namespace fsdp {
 /// strerror(err) ("No such file or directory").
 std::string errno_text(int err);
 
+class File;
+
+/// Opens `path` for reading if it is a regular file (links followed). A FIFO, device, socket
+/// or directory is refused at once: the open cannot block (O_NONBLOCK) and the check is the
+/// descriptor's own fstat, so nothing can swap the file in between. Throws std::runtime_error
+/// "<path>: cannot <action>: <reason>" or "<path>: not a regular file (a FIFO)".
+File open_regular(const std::string& path, const char* action = "open");
+
+/// The whole of the small file `path` (an index, a config.json, a meta.json): a regular file
+/// (open_regular) of at most `max_bytes`, refused otherwise before anything is read, so that
+/// a link to /dev/zero or a multi-GB file costs nothing. Throws std::runtime_error naming the
+/// file ("<path>: 9000000000 bytes, more than the 67108864 a metadata file may have").
+std::string read_small_file(const std::string& path, uint64_t max_bytes = uint64_t{64} << 20);
+
 class File {
  public:
   File() = default;
