@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -289,6 +290,13 @@ int main(int argc, char** argv) {
   } catch (const fsdp_trainer::ConfigError& e) {
     std::fprintf(stderr, "%sfsdp-train: config error: %s\n", rank_prefix().c_str(), e.what());
     return 2;
+  } catch (const std::bad_alloc&) {
+    // What the size check before building (check_model_fits) could not foresee.
+    std::fprintf(stderr,
+                 "%sfsdp-train: out of memory (std::bad_alloc): the model, batch or sequence "
+                 "length does not fit this machine (fsdp-train --plan predicts the peak)\n",
+                 rank_prefix().c_str());
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%sfsdp-train: %s\n", rank_prefix().c_str(), first_line(e.what()).c_str());
     // A failed step: what this rank's collectives were doing (a no-op before the trainer set

@@ -590,7 +590,9 @@ void validate(const Config& c) {
   require(c.training.grad_clip >= 0, "training.grad_clip", "must be >= 0");
   require(c.training.eval_every >= 0, "training.eval_every", "must be >= 0");
   require(c.training.eval_batches >= 1, "training.eval_batches", "must be >= 1");
-  require(c.training.threads >= 1, "training.threads", "must be >= 1");
+  // Each intra-op thread is created up front: a million of them crashed the process.
+  require(c.training.threads >= 1 && c.training.threads <= 1024, "training.threads",
+          "must be between 1 and 1024, got " + std::to_string(c.training.threads));
   if (!c.training.memory_budget.empty())
     parse_bytes(c.training.memory_budget, "training.memory_budget");
   require(c.fsdp.hybrid_shard_size >= 0, "fsdp.hybrid_shard_size",

@@ -20,12 +20,19 @@
 namespace fsdp_trainer {
 namespace {
 
+std::string first_line(const std::string& s) {
+  return s.substr(0, s.find('\n'));
+}
+
 template <typename C>
 C preset_or_config_error(const std::string& arch, const std::string& name) {
   try {
     return C::preset(name);
   } catch (const std::exception& e) {
-    throw ConfigError("'model.preset' = '" + name + "' is not a " + arch + " preset: " + e.what());
+    // The name cut short: a 100 KB override must not become a 100 KB message.
+    const std::string shown = name.size() > 120 ? name.substr(0, 120) + "..." : name;
+    throw ConfigError("'model.preset' = '" + shown + "' is not a " + arch +
+                      " preset: " + first_line(e.what()));
   }
 }
 
