@@ -8,6 +8,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <sys/stat.h>
+
 #include <filesystem>
 #include <fstream>
 
@@ -275,6 +277,15 @@ TEST(HuggingFace, ConfigsOurModelsCannotRepresentAreRefusedNamingTheField) {
             "c.json: 'n_inner' must be 4 * n_embd (our MLP's width)");
   EXPECT_EQ(gpt_error(with(gpt, "\"model_type\": \"gpt2\"", "\"model_type\": \"bert\"")),
             "c.json: 'model_type' is not 'gpt2'");
+  // 'architectures' and 'model_type' must describe one model.
+  EXPECT_EQ(gpt_error(with(gpt, "\"GPT2LMHeadModel\"", "\"LlamaForCausalLM\"")),
+            "c.json: 'architectures' names 'LlamaForCausalLM' but 'model_type' is 'gpt2' (whose "
+            "class is GPT2LMHeadModel)");
+  EXPECT_EQ(llama_error(with(llama, "\"LlamaForCausalLM\"", "\"MistralForCausalLM\"")),
+            "dir/config.json: 'architectures' names 'MistralForCausalLM' but 'model_type' is "
+            "'llama' (whose class is LlamaForCausalLM)");
+  EXPECT_EQ(llama_error(with(llama, "[\n    \"LlamaForCausalLM\"\n  ]", "7")),
+            "dir/config.json: 'architectures' is not a list");
 
   // A directory whose config.json differs from the model it is loaded into: the field named.
   const auto root = fsdp::test::fresh_dir("hf-mismatch");
@@ -288,6 +299,29 @@ TEST(HuggingFace, ConfigsOurModelsCannotRepresentAreRefusedNamingTheField) {
       fsdp::test::error_of([&] { fsdp_models::load_hf((root / "hf").string(), other); });
   EXPECT_EQ(mismatch,
             (root / "hf" / "config.json").string() + ": 'n_embd' is 22, the model's is 24");
+  // A config.json that is no regular file is refused by name, unread: a link to /dev/zero
+  // (which used to be read until memory ran out), a FIFO (which blocked), a directory.
+  const auto config = root / "hf" / "config.json";
+  for (const std::string kind : {"devzero", "fifo", "directory"}) {
+    fs::remove_all(config);
+    if (kind == "devzero")
+      fs::create_symlink("/dev/zero", config);
+    else if (kind == "fifo")
+      ASSERT_EQ(::mkfifo(config.c_str(), 0600), 0);
+    else
+      fs::create_directory(config);
+    const auto msg =
+        fsdp::test::error_of([&] { fsdp_models::load_hf((root / "hf").string(), other); });
+    EXPECT_EQ(msg.rfind(config.string() + ": not a regular file (", 0), 0u) << kind << ": " << msg;
+  }
+  // Nor one larger than any config.json (a sparse 20 GB file).
+  fs::remove_all(config);
+  { std::ofstream(config) << ""; }
+  fs::resize_file(config, uint64_t{20} << 30);
+  const auto huge =
+      fsdp::test::error_of([&] { fsdp_models::load_hf((root / "hf").string(), other); });
+  EXPECT_NE(huge.find(config.string() + ": 21474836480 bytes, more than the"), std::string::npos)
+      << huge;
   fs::remove_all(root);
 }
 

@@ -7,11 +7,15 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <sys/stat.h>
+
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <random>
 
 #include <fsdp/checkpoint/safetensors.h>
+#include <fsdp/core/file.h>
 
 namespace {
 
@@ -199,6 +203,44 @@ TEST(Safetensors, HostileFilesAreRefusedWithTheReason) {
     EXPECT_NE(msg.find(p.string()), std::string::npos) << c.name << ": " << msg;
     EXPECT_NE(msg.find(c.reason), std::string::npos) << c.name << ": " << msg;
   }
+  fs::remove_all(dir);
+}
+
+// What is not a regular file is refused at once by name, by the reader and by the one helper
+// every metadata file goes through (fsdp::read_small_file): a FIFO would block the open
+// forever, /dev/zero would never end, a directory reads as an error without a name.
+TEST(Safetensors, OnlyRegularFilesAreRead) {
+  auto dir = temp_dir();
+  const auto fifo = dir / "fifo", zero = dir / "zero", sub = dir / "sub", big = dir / "big";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  fs::create_symlink("/dev/zero", zero);
+  fs::create_directory(sub);
+  const std::vector<std::pair<fs::path, std::string>> cases = {
+      {fifo, "a FIFO"}, {zero, "a character device"}, {sub, "a directory"}};
+  for (const auto& [p, kind] : cases) {
+    const auto start = std::chrono::steady_clock::now();
+    const auto msg = expect_refused(p);
+    EXPECT_EQ(msg, p.string() + ": not a regular file (" + kind + ")");
+    try {
+      fsdp::read_small_file(p.string());
+      ADD_FAILURE() << p << " was read";
+    } catch (const std::runtime_error& e) {
+      EXPECT_EQ(std::string(e.what()), p.string() + ": not a regular file (" + kind + ")");
+    }
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 2.0);
+  }
+  // A size cap, checked before reading: a sparse file of 20 GB costs nothing to refuse.
+  spit(big, "");
+  fs::resize_file(big, uint64_t{20} << 30);
+  try {
+    fsdp::read_small_file(big.string(), 1 << 20);
+    ADD_FAILURE() << "read";
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              big.string() + ": 21474836480 bytes, more than the 1048576 this file may have");
+  }
+  spit(big, "{}");
+  EXPECT_EQ(fsdp::read_small_file(big.string(), 2), "{}");
   fs::remove_all(dir);
 }
 

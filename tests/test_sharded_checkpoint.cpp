@@ -6,15 +6,23 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <sys/stat.h>
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
 #include <csignal>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <tuple>
 
 #include <fsdp/checkpoint/safetensors.h>
 #include <fsdp/checkpoint/sharded_checkpoint.h>
 #include <fsdp/fsdp.h>
 #include <fsdp/state_dict.h>
 
+#include "checkpoint/checkpoint_index.h"
 #include "checkpoint/sharded_checkpoint_hooks.h"
 #include "harness/files.h"
 #include "harness/multiprocess.h"
@@ -26,6 +34,7 @@ namespace {
 namespace fs = std::filesystem;
 
 using Net = fsdp::test::SmallNet;
+using Json = nlohmann::json;
 
 // Known global values per tensor: a checkpoint restored on any number of ranks must give
 // exactly these rows on each.
@@ -234,6 +243,87 @@ TEST(ShardedCheckpoint, DamageIsRefusedWithFileAndTensor) {
     auto msg = load_error(d);
     std::printf("link in the checkpoint: %s\n", msg.c_str());
     EXPECT_NE(msg.find("rank-00000.safetensors: not a regular file"), std::string::npos) << msg;
+  }
+  // Edits into other valid values: the index's checksum of itself refuses them all; edits
+  // resealed with a fresh checksum (a writer's bug, a determined hand) meet the cross-checks.
+  auto edit_index = [&](const std::string& name, const std::function<void(Json&)>& change,
+                        bool reseal) {
+    auto d = copy("edit-" + name);
+    Json j;
+    {
+      std::ifstream in(d / "index.json");
+      j = Json::parse(in);
+    }
+    change(j);
+    if (reseal) {
+      j.erase(fsdp::detail::kIndexChecksumKey);
+      j[fsdp::detail::kIndexChecksumKey] = fsdp::detail::index_checksum(j.dump());
+    }
+    std::ofstream(d / "index.json", std::ios::trunc) << j.dump(1);
+    return load_error(d);
+  };
+  auto first_step = [](Json& j) -> Json& { return j["optimizer"]["steps"].begin().value(); };
+  const std::vector<std::tuple<std::string, std::function<void(Json&)>, bool, std::string>> edits =
+      {
+          {"step", [&](Json& j) { first_step(j) = first_step(j).get<int64_t>() + 1; }, false,
+           "do not match its checksum"},
+          {"block-sum",
+           [](Json& j) {
+             j["tensors"].begin().value()["pieces"][0]["xxh3"][0] = "0123456789abcdef";
+           },
+           false, "do not match its checksum"},
+          {"no-checksum", [](Json& j) { j.erase(fsdp::detail::kIndexChecksumKey); }, false,
+           "'index_xxh3', its checksum, is missing"},
+          {"renamed-step",
+           [](Json& j) {
+             auto& steps = j["optimizer"]["steps"];
+             const auto key = steps.begin().key();
+             steps[key + "_renamed"] = steps[key];
+             steps.erase(key);
+           },
+           true, "_renamed', which is no tensor of the index"},
+          {"negative-step", [&](Json& j) { first_step(j) = -1; }, true, "is negative"},
+          {"world-size", [](Json& j) { j["world_size"] = 1; }, true,
+           "'rank-00001.safetensors' is not the file of a rank of the 1 that saved it"},
+          {"optim-of-nothing",
+           [](Json& j) { j["tensors"]["optim/nothing/exp_avg"] = j["tensors"].begin().value(); },
+           true, "'optim/nothing/exp_avg' is optimizer state of no parameter"},
+      };
+  for (const auto& [name, change, reseal, expect] : edits) {
+    const auto msg = edit_index(name, change, reseal);
+    std::printf("index edit %s%s: %s\n", name.c_str(), reseal ? " (resealed)" : "", msg.c_str());
+    EXPECT_NE(msg.find("index.json"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(expect), std::string::npos) << msg;
+  }
+  // Indexes written before the checksum (version 1) are read with every other check.
+  EXPECT_EQ(edit_index(
+                "version-1",
+                [](Json& j) {
+                  j["version"] = 1;
+                  j.erase(fsdp::detail::kIndexChecksumKey);
+                },
+                false),
+            "");
+  // Not a regular file: refused at once by name, never read (a link to /dev/zero used to
+  // read 8 GB, a FIFO to block).
+  for (const std::string kind : {"fifo", "devzero", "directory"}) {
+    for (const std::string file : {"index.json", "rank-00001.safetensors"}) {
+      auto d = copy("kind-" + kind + "-" + file);
+      fs::remove(d / file);
+      if (kind == "fifo")
+        ASSERT_EQ(::mkfifo((d / file).c_str(), 0600), 0);
+      else if (kind == "devzero")
+        fs::create_symlink("/dev/zero", d / file);
+      else
+        fs::create_directory(d / file);
+      const auto start = std::chrono::steady_clock::now();
+      const auto msg = load_error(d);
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      std::printf("%s as %s: %s (%.3f s)\n", file.c_str(), kind.c_str(), msg.c_str(), seconds);
+      EXPECT_NE(msg.find(file + ": not a regular file"), std::string::npos) << msg;
+      EXPECT_LT(seconds, 2.0);
+    }
   }
   // A save that died half-way: its .tmp directory is ignored, the previous one loads, and the
   // next save of that name clears it.

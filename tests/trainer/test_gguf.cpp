@@ -403,6 +403,10 @@ TEST(Gguf, MalformedHeadersNameTheProblem) {
       {q8_offset, u64(33), "not a multiple of the alignment"},
       {q8_offset, u64(0), "overlap"},
       {q8_offset, u64(1 << 20), "runs past the end of the file"},
+      // The Q8_0 tensor's type patched to Q4_0: its first 18 bytes would be read as the whole.
+      {q8_offset - 4, u32(2),
+       "tensor 'q8' (Q4_0, 18 bytes) leaves 46 bytes unread before "
+       "tensor 'q4': its type or shape does not match its data"},
   };
   for (const auto& c : cases) {
     auto bad = good;
@@ -413,6 +417,97 @@ TEST(Gguf, MalformedHeadersNameTheProblem) {
     EXPECT_NE(e.find("bad.gguf"), std::string::npos) << e;
   }
   EXPECT_NE(error_of(dir.path() + "/missing.gguf").find("cannot open"), std::string::npos);
+}
+
+// A Llama of one block (width 4, 2 heads, 1 k/v head, MLP 8, vocabulary 3), F32, whose
+// metadata say `block_count` blocks and `width` wide.
+std::string tiny_llama(uint64_t block_count, uint64_t width) {
+  Writer w;
+  w.b = "GGUF";
+  w.put<uint32_t>(3);
+  const std::vector<std::pair<std::string, std::vector<uint64_t>>> tensors = {
+      {"token_embd.weight", {4, 3}},     {"output_norm.weight", {4}},
+      {"blk.0.attn_q.weight", {4, 4}},   {"blk.0.attn_k.weight", {4, 2}},
+      {"blk.0.attn_v.weight", {4, 2}},   {"blk.0.attn_output.weight", {4, 4}},
+      {"blk.0.ffn_gate.weight", {4, 8}}, {"blk.0.ffn_down.weight", {8, 4}},
+      {"blk.0.ffn_up.weight", {4, 8}},   {"blk.0.attn_norm.weight", {4}},
+      {"blk.0.ffn_norm.weight", {4}},
+  };
+  w.put<uint64_t>(tensors.size());
+  w.put<uint64_t>(8);
+  w.str("general.architecture");
+  w.put<uint32_t>(8);
+  w.str("llama");
+  for (const auto& [key, value] :
+       std::vector<std::pair<std::string, uint64_t>>{{"llama.block_count", block_count},
+                                                     {"llama.embedding_length", width},
+                                                     {"llama.attention.head_count", 2},
+                                                     {"llama.attention.head_count_kv", 1},
+                                                     {"llama.feed_forward_length", 8},
+                                                     {"llama.context_length", 16}}) {
+    w.str(key);
+    w.put<uint32_t>(10);  // u64
+    w.put<uint64_t>(value);
+  }
+  w.str("llama.attention.layer_norm_rms_epsilon");
+  w.put<uint32_t>(6);
+  w.put<float>(1e-5f);
+  uint64_t offset = 0;
+  std::vector<uint64_t> sizes;
+  for (const auto& [name, ne] : tensors) {
+    w.str(name);
+    w.put<uint32_t>(ne.size());
+    uint64_t n = 1;
+    for (auto d : ne)
+      w.put<uint64_t>(d), n *= d;
+    w.put<uint32_t>(0);  // F32
+    w.put<uint64_t>(offset);
+    sizes.push_back(n * 4);
+    offset += (n * 4 + 31) / 32 * 32;
+  }
+  while (w.b.size() % 32)
+    w.b.push_back('\0');
+  for (auto bytes : sizes) {
+    w.b.append(bytes, '\0');
+    while (w.b.size() % 32)
+      w.b.push_back('\0');
+  }
+  return w.b;
+}
+
+TEST(Gguf, MetadataAreCheckedAgainstTheTensorTableBeforeAnyModel) {
+  fsdp::test::TempDir dir;
+  auto config_error = [&](const std::string& image) {
+    const auto path = write(dir, "tiny.gguf", image);
+    try {
+      File f(path);
+      fsdp_models::llama_config_from_gguf(f);
+    } catch (const FormatError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_EQ(config_error(tiny_llama(1, 4)), "");
+  // More blocks than the file has tensors for: refused by the first missing one, before any
+  // block is built (a block count of 2^40 used to allocate until memory ran out).
+  for (uint64_t blocks : {uint64_t{2}, uint64_t{1} << 40}) {
+    const auto e = config_error(tiny_llama(blocks, 4));
+    EXPECT_NE(e.find("tiny.gguf: no tensor 'blk.1.attn_q.weight', which llama.block_count implies"),
+              std::string::npos)
+        << e;
+  }
+  // No block at all: the metadata describe no model (a LlamaConfig message, with the file).
+  const auto none = config_error(tiny_llama(0, 4));
+  EXPECT_NE(none.find("tiny.gguf: its llama.* metadata describe no model: LlamaConfig::n_layers "
+                      "must be positive"),
+            std::string::npos)
+      << none;
+  // A width the tensors do not have.
+  const auto wide = config_error(tiny_llama(1, 8));
+  EXPECT_NE(wide.find("tiny.gguf: tensor 'token_embd.weight' is [3, 4], its llama.* metadata "
+                      "make it [3, 8]"),
+            std::string::npos)
+      << wide;
 }
 
 }  // namespace

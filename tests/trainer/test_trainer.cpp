@@ -137,6 +137,14 @@ TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
       {"", "--training.lr=nan", "'training.lr' must be a finite number, got 'nan'"},
       {"[fsdp]\ntimeout_s = inf\n", "", "'fsdp.timeout_s' must be a finite number"},
       {"", "--fsdp.timeout_s=1e9", "'fsdp.timeout_s' must be > 0 and at most a week"},
+      // Shapes that pass the type checks but imply more memory than the machine has: refused
+      // with the sizes before anything is allocated (they used to abort in the allocator).
+      {"", "--model.n_embd=1099511627776 --model.n_head=1",
+       "model.n_embd = 1099511627776, data.vocab_size = 512, training.seq_len = 128: 5.803e+25 "
+       "parameters"},
+      {"", "--model.n_layer=1099511627776", "model.n_layer = 1099511627776"},
+      {"", "--training.seq_len=1099511627776", "one micro-batch's logits"},
+      {"", "--nproc 2 --model.n_layer=16777216", "for the 2 rank(s) on this host, more than its"},
       // A huge value is quoted cut short (the test checks the one line; the length below).
       {"", "--training.steps=" + std::string(100000, '7'), "(100000 bytes)"},
   };
