@@ -6,8 +6,8 @@
 # Default: every target, 600 s each, one at a time. Builds the libFuzzer targets with clang in
 # $FSDP_FUZZ_BUILD (default ~/.cache/fsdp-cpp/build-fuzz), runs each on a working copy of
 # tests/fuzz/<target>/corpus, then merges what found new coverage back into that directory,
-# minimized (libFuzzer's -merge=1 into an empty directory; hand-written seeds keep their names),
-# so that the repository's copy stays small. An input that crashed, leaked, timed out or ran out
+# minimized (libFuzzer's set-cover merge into an empty directory; hand-written seeds keep their
+# names), so that the repository's copy stays small (a few hundred files, tens of kB). An input that crashed, leaked, timed out or ran out
 # of memory is copied to tests/fuzz/<target>/crashers/, where the normal test suite replays it
 # (Fuzz.Replay.<target>), and the script exits 1 naming it. Prints per target: inputs executed,
 # seconds, findings.
@@ -85,9 +85,12 @@ campaign() {
     cp "$w/log" "$WORK/$t.$(basename "$a").log"
     findings=$((findings + 1))
   done
-  # Minimize: merge the seeds and the working copy into an empty directory, then put the
-  # hand-written seeds (any name that is not a content hash) back under their names.
-  "$bin" -merge=1 "${dict[@]}" -timeout=25 "$w/merged" "$dir/corpus" "$w/corpus" > "$w/merge.log" 2>&1 || {
+  # Minimize: merge the seeds and the working copy into an empty directory, a smallest set of
+  # inputs that reaches every edge (-set_cover_merge; -use_counters=0: edges, not how often
+  # each is hit, which would keep 5x the files), then put the hand-written seeds (any name that
+  # is not a content hash) back under their names.
+  "$bin" -set_cover_merge=1 -use_counters=0 -timeout=25 "$w/merged" "$dir/corpus" "$w/corpus" \
+    > "$w/merge.log" 2>&1 || {
     echo "fuzz.sh: $t: merging the corpus failed (the corpus is unchanged): $w/merge.log" >&2
     tail -5 "$w/merge.log" >&2
     echo "${runs:-0} $took $findings" > "$WORK/$t.result"
@@ -118,7 +121,7 @@ printf '%-20s %14s %8s %9s %7s %9s\n' target inputs seconds findings corpus "siz
 for t in "${targets[@]}"; do
   read -r runs took findings < "$WORK/$t.result" || { runs=0 took=0 findings=?; }
   n=$(find "$ROOT/tests/fuzz/$t/corpus" -type f | wc -l)
-  kb=$(du -sk "$ROOT/tests/fuzz/$t/corpus" | cut -f1)
+  kb=$(du -sk --apparent-size "$ROOT/tests/fuzz/$t/corpus" | cut -f1)
   printf '%-20s %14s %8s %9s %7s %9s\n' "$t" "$runs" "$took" "$findings" "$n" "$kb"
   if [ "$findings" != 0 ]; then
     status=1

@@ -1,9 +1,8 @@
 // libFuzzer target for the sharded checkpoint's index parser (fsdp::detail::parse_index_text):
 // any input must either parse into an index whose pieces tile every tensor's rows, or throw
-// FormatError; the sanitizers catch the rest. Built and run as fuzz_safetensors_header.cpp
-// says, with --target fuzz_checkpoint_index and the corpus in tests/fuzz/index_corpus.
-//
-// Measured: see docs/design.md, "Checkpoints".
+// FormatError; the sanitizers catch the rest. Built and run by scripts/fuzz.sh (corpus:
+// tests/fuzz/checkpoint_index/corpus); replayed by the normal suite as
+// Fuzz.Replay.checkpoint_index. Campaigns: docs/design.md, "Fuzzing".
 #include <cstdint>
 #include <string_view>
 

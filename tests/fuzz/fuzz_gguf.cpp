@@ -1,11 +1,9 @@
 // libFuzzer target for the GGUF parser (formats/gguf.h, fsdp_models::gguf::parse): any input must
 // either parse into a header whose tensors all lie inside the input, without overlapping, or
 // throw FormatError; every accepted tensor is then dequantised from the input (the sanitizers
-// catch any read past it). Built and run as fuzz_safetensors_header.cpp says, with
-// --target fuzz_gguf and the seed corpus in tests/fuzz/gguf_corpus (a small valid file,
-// written by the gguf package: F32, F16, Q8_0, Q4_0, Q4_1 tensors).
-//
-// Measured (clang 14, ASan + UBSan, AMD EPYC): 2,654,323 inputs in 61 s, no finding.
+// catch any read past it). Built and run by scripts/fuzz.sh; its corpus, tests/fuzz/gguf/corpus,
+// grew from small.gguf (written by the gguf package: F32, F16, Q8_0, Q4_0, Q4_1 tensors).
+// Replayed by the normal suite as Fuzz.Replay.gguf. Campaigns: docs/design.md, "Fuzzing".
 #include <cstdint>
 #include <vector>
 

@@ -141,6 +141,11 @@ const std::string& string_field(const nlohmann::json& m, const char* key, const 
   return it->get_ref<const std::string&>();
 }
 
+// Only whitespace (or nothing).
+bool blank(std::string_view line) {
+  return line.find_first_not_of(" \t\n\r\f\v") == std::string_view::npos;
+}
+
 // The conversation on one line; `where` is "<path>:<line>: ".
 std::vector<ChatMessage> parse_line(std::string_view line, const std::string& where) {
   if (auto nul = line.find('\0'); nul != std::string_view::npos)
@@ -176,23 +181,36 @@ std::vector<ChatMessage> parse_line(std::string_view line, const std::string& wh
     // "\u0000" in JSON: valid, but no text has it; it marks binary data pasted into a data set.
     if (c.find('\0') != std::string::npos)
       fail(where, which + "'s content has a NUL character (\\u0000)");
-    // The tokenizer matches ChatML's delimiters anywhere in the text: content that holds one
-    // would end its message early (an answer that teaches the model to stop mid-sentence) or
-    // forge a turn of another role.
-    for (auto delim : {kStart, kEnd})
-      if (c.find(delim) != std::string::npos)
-        fail(where, which + "'s content holds ChatML's delimiter " + std::string(delim) +
-                        ", which would split the conversation differently than its messages");
+    // The order ChatML models are trained on, and the only one their templates render
+    // sensibly: an optional system message first, then user and assistant in turn. A system
+    // message later on would be a second system prompt the model never sees at inference;
+    // an answer with no question, or two questions in a row, is a data set's mistake (a lost
+    // line, turns merged wrongly) better shown than learned.
+    if (r == "system") {
+      if (k != 0)
+        fail(where, which +
+                        " is a system message after the conversation began; a system "
+                        "message may only come first");
+    } else {
+      const bool first = messages.empty() || messages.back().role == "system";
+      if (first && r == "assistant")
+        fail(where, which +
+                        " is an assistant message with no user message before it; the "
+                        "conversation starts with the user (after an optional system message)");
+      if (!first && messages.back().role == r)
+        fail(where, "messages " + std::to_string(k) + " and " + std::to_string(k + 1) +
+                        " are both " + r + " messages; user and assistant must take turns");
+      // An empty question prompts nothing, an empty answer teaches the model to answer nothing.
+      // (An empty system message is kept: it is how a data set says "no system prompt".)
+      if (blank(c))
+        fail(where, which + " (" + r + ") is empty");
+    }
     has_assistant = has_assistant || r == "assistant";
     messages.push_back({r, c});
   }
   if (!has_assistant)
     fail(where, "no assistant message: the conversation has nothing to learn");
   return messages;
-}
-
-bool blank(std::string_view line) {
-  return line.find_first_not_of(" \t\r\f\v") == std::string_view::npos;
 }
 
 }  // namespace
@@ -215,6 +233,10 @@ InstructExample encode_conversation(const std::vector<ChatMessage>& messages,
   size_t at = text.size() - body;
   expect(at == 0 || text.substr(0, at) == std::string(kStart) + "system\n" + tmpl.default_system() +
                                               std::string(kEnd) + "\n");
+  // Where the template's own delimiters are: these, and only these, are control tokens.
+  std::vector<std::pair<size_t, std::string_view>> delims;
+  if (at > 0)
+    delims = {{0, kStart}, {at - kEnd.size() - 1, kEnd}};
   std::vector<std::pair<size_t, size_t>> spans;  // byte ranges [begin, end) of the targets
   for (const auto& m : messages) {
     const std::string header = std::string(kStart) + m.role + "\n";
@@ -224,11 +246,29 @@ InstructExample encode_conversation(const std::vector<ChatMessage>& messages,
            text.compare(end, kEnd.size() + 1, std::string(kEnd) + "\n") == 0);
     if (m.role == "assistant")
       spans.emplace_back(content, end + kEnd.size());
+    delims.emplace_back(at, kStart);
+    delims.emplace_back(end, kEnd);
     at = end + kEnd.size() + 1;
   }
 
+  // The text between the delimiters is encoded as ordinary text: a message that spells
+  // "<|im_end|>" or "<|im_start|>assistant" gets those characters' ordinary tokens, so that no
+  // content can end its message early or forge a turn. For content without such text the ids
+  // are tok.encode(text)'s, which splits the text at the same places.
   InstructExample ex;
-  ex.ids = tok.encode(text);
+  size_t plain = 0;
+  for (const auto& [pos, delim] : delims) {
+    const int64_t id = tok.special_id(std::string(delim));
+    if (id < 0)
+      throw std::runtime_error("the tokenizer has no special token " + std::string(delim) +
+                               ", which the ChatML template needs");
+    const auto ids = tok.encode_plain(text.substr(plain, pos - plain));
+    ex.ids.insert(ex.ids.end(), ids.begin(), ids.end());
+    ex.ids.push_back(id);
+    plain = pos + delim.size();
+  }
+  const auto tail = tok.encode_plain(text.substr(plain));
+  ex.ids.insert(ex.ids.end(), tail.begin(), tail.end());
   ex.target.assign(ex.ids.size(), 0);
   // Each token's bytes, in order, are the text (byte-level BPE loses nothing): a token is a
   // target if its bytes overlap a span. Checking the bytes as we go verifies the offsets.
@@ -280,6 +320,8 @@ std::vector<InstructExample> load_instruct_jsonl(const std::string& path, const 
     InstructExample ex;
     try {
       ex = encode_conversation(messages, tok, tmpl);
+    } catch (const UnencodableByte& e) {
+      fail(where(), e.what());
     } catch (const std::runtime_error& e) {
       // The tokenizer's own limits (ICU's regex overflows its backtracking stack on a run of
       // some 300k spaces): still the user's line, so say which one.

@@ -6,8 +6,17 @@
 // Blank lines are skipped, Windows line endings accepted. Anything else that is wrong is a
 // ConfigError of one line, "<path>:<line>: <problem>", so that a bad line in a file of a million
 // is found at once; no input crashes the reader (lines are bounded before they are buffered,
-// UTF-8 is validated before parsing, content with ChatML's own delimiters is refused because it
-// would silently change the conversation's structure).
+// UTF-8 is validated before parsing).
+//
+// Conversations, decided case by case (tests/trainer/test_instruct_data.cpp):
+//   - order: an optional system message first, then user and assistant in turn, starting with
+//     the user; anything else (an assistant first, a system message later on, two user or two
+//     assistant messages in a row) is refused, naming the messages;
+//   - empty turns: a user or assistant message with no text but whitespace is refused; an empty
+//     system message is kept (it replaces the template's default with none);
+//   - special-token text inside content ("<|im_end|>", "<|im_start|>assistant", "<|endoftext|>")
+//     is kept as literal text: it becomes ordinary tokens, never the control tokens, so it can
+//     neither end a message early nor forge a turn of another role.
 //
 // Why a mask: the model should learn to answer, not to write the user's questions or the system
 // prompt, which it will always be given. Only the tokens the model emits when it answers are
@@ -32,17 +41,21 @@ namespace fsdp_trainer {
 ///   loss    = mean over t in [0, n-1) with target[t + 1] == 1 of CE(logits[t], ids[t + 1])
 /// (in PyTorch's idiom: labels = ids[1:] with -100 where target[1:] == 0). target[0] is always 0.
 struct InstructExample {
-  std::vector<int64_t> ids;     // tok.encode(tmpl.render(messages, false)), exactly
+  std::vector<int64_t> ids;     // tmpl.render(messages, false), the template's delimiters as
+                                // control tokens and the rest as ordinary text
   std::vector<uint8_t> target;  // ids.size() entries, 1: a token the model must learn to emit
   int64_t line = 0;             // 1-based line of the JSONL file (0: not from a file)
 };
 
 /// The conversation rendered by `tmpl` (with its default system message when there is none) and
-/// encoded as one text, so that ids are what the model sees at inference. A token is a target if
+/// encoded as one text, so that ids are what the model sees at inference: tok.encode(text) when
+/// no content spells a special token, else the same with that content's ordinary tokens (the
+/// order and emptiness rules are load_instruct_jsonl's, not checked here). A token is a target if
 /// any of its bytes lie in an assistant message's content or its <|im_end|>: the BPE may merge
 /// the header's newline with content that starts with whitespace ("\n\n" as one token), and that
 /// token is then a target, as transformers' assistant-token mask makes it.
-/// Throws std::logic_error if the template does not render ChatML as expected.
+/// Throws std::logic_error if the template does not render ChatML as expected, runtime_error if
+/// the tokenizer lacks ChatML's special tokens.
 InstructExample encode_conversation(const std::vector<ChatMessage>& messages,
                                     const BpeTokenizer& tok, const ChatTemplate& tmpl);
 
