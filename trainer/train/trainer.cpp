@@ -3,7 +3,6 @@
 // the model's process groups (the part of communication not hidden), and the byte counters
 // cover every group the units use (hybrid_shard's subgroups included).
 #include "trainer.h"
-#include <malloc.h>
 
 #include <fmt/core.h>
 
@@ -820,7 +819,6 @@ void Trainer::train() {
       throw std::runtime_error(fmt::format("loss is {} at step {}", m.loss, step));
     if (every > 0 && (step % every == 0 || step == t.steps))
       save_checkpoint(step);
-    if (std::getenv("FSDP_TRIM") && step % std::atoi(std::getenv("FSDP_TRIM")) == 0) malloc_trim(0);
   }
   if (prediction_ && config_.logging.plan && pg_->rank() == 0 && measured_.steps > 0) {
     // Compared at the length the measured step had (fine-tuning batches vary; the prediction

@@ -148,6 +148,7 @@ class FlightRecorder {
 
  private:
   FlightRecorder();
+  void allocate_ring();
   CollectiveRecord* find(uint64_t id);
 
   mutable std::mutex mutex_;
