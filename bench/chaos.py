@@ -35,6 +35,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from machine import cpu_description  # noqa: E402
+from multi_host_faults import live_trainers  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "build", "trainer", "fsdp-train")
@@ -280,7 +281,14 @@ def main():
     print(f"machine: {cpu_description()}")
     ok, reference = soak(args)
     ok &= chaos(args, reference)
-    sys.exit(0 if ok else 1)
+    left = live_trainers()
+    for _ in range(50):  # the last ranks may take a moment to be gone
+        if not left:
+            break
+        time.sleep(0.1)
+        left = live_trainers()
+    print(f"\nprocesses left: {len(left)}")
+    sys.exit(0 if ok and not left else 1)
 
 
 if __name__ == "__main__":

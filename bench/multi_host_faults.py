@@ -179,7 +179,8 @@ def lossy(args):
 
 
 def live_trainers():
-    """fsdp-train processes still alive (zombies waiting to be reaped by init are gone)."""
+    """This build's fsdp-train processes still alive (zombies waiting to be reaped by init are
+    gone; other builds' runs on the machine are not ours to count)."""
     out = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -187,11 +188,11 @@ def live_trainers():
         try:
             with open(f"/proc/{pid}/stat") as f:
                 stat = f.read()
+            exe = os.readlink(f"/proc/{pid}/exe")
         except OSError:
             continue
-        name = stat[stat.find("(") + 1:stat.rfind(")")]
         state = stat[stat.rfind(")") + 2]
-        if name == "fsdp-train" and state != "Z":
+        if exe == TRAIN and state != "Z":
             out.append(int(pid))
     return out
 

@@ -18,13 +18,18 @@
 #   --store-timeout S    how long torchrun's agents wait on the rendezvous store (its c10d
 #                        read_timeout; 30): bounds how long an agent cut off from host 0 lingers
 #                        after its ranks have failed
+#   --last-call S        elastic jobs: once --nnodes' minimum has joined a rendezvous, how long
+#                        it waits for more hosts before starting without them (torchrun's
+#                        last_call_timeout; 30)
 #   --logs DIR           where host<h>.log goes (a new directory under /tmp)
 #   --python P           the Python whose torchrun to use (the pinned torch's venv)
 #
 # Host h is 10.79.0.(h+1) on its eth0 in namespace fsdp<pid>-h<h>, host name host<h>; the
 # rendezvous endpoint is host 0's address, port 29400. While it runs, the names of the
 # namespaces and of the host-side ends of the links (to cut one: ip link set <link> down) are in
-# <logs>/hosts.env. At the end it prints each link's byte counters: what crossed between hosts.
+# <logs>/hosts.env, and <logs>/host<h>.sh starts host h's agent again (after the host was
+# "lost": every process in its namespace killed), to rejoin an elastic job; the script waits for
+# such agents too. <logs>/agents.exit gets each first agent's exit code. At the end it prints each link's byte counters: what crossed between hosts.
 # Everything it creates (namespaces, links, bridge, /etc/netns entries, processes) is removed on exit, also on
 # Ctrl-C or SIGTERM. Needs root (ip netns, tc) and iproute2; --loss needs nftables.
 set -euo pipefail
@@ -37,6 +42,7 @@ DELAY=
 NNODES=
 MAX_RESTARTS=0
 STORE_TIMEOUT=30
+LAST_CALL=30
 LOGS=
 PY="${FSDP_CACHE:-$HOME/.cache/fsdp-cpp}/torch-$(tr -d '[:space:]' < "$ROOT/.torch-version")/bin/python"
 die() { echo "hosts.sh: $*" >&2; exit 2; }
@@ -50,6 +56,7 @@ while (($#)); do
     --nnodes) NNODES="$2"; shift 2 ;;
     --max-restarts) MAX_RESTARTS="$2"; shift 2 ;;
     --store-timeout) STORE_TIMEOUT="$2"; shift 2 ;;
+    --last-call) LAST_CALL="$2"; shift 2 ;;
     --logs) LOGS="$2"; shift 2 ;;
     --python) PY="$2"; shift 2 ;;
     --) shift; break ;;
@@ -62,6 +69,7 @@ done
 [[ "$LOSS" =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "--loss must be a percentage, got '$LOSS'"
 [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] || die "--max-restarts must be >= 0, got '$MAX_RESTARTS'"
 [[ "$STORE_TIMEOUT" =~ ^[1-9][0-9]*$ ]] || die "--store-timeout must be seconds > 0, got '$STORE_TIMEOUT'"
+[[ "$LAST_CALL" =~ ^[0-9]+$ ]] || die "--last-call must be seconds >= 0, got '$LAST_CALL'"
 ((EUID == 0)) || die "needs root (network namespaces)"
 command -v ip >/dev/null && command -v tc >/dev/null || die "needs ip and tc (Debian: iproute2)"
 [[ -x "$PY" ]] || die "no Python at $PY (run scripts/setup.sh, or pass --python)"
@@ -106,6 +114,7 @@ trap 'exit 143' TERM
 ip link add "$BR" type bridge
 ip link set "$BR" up
 : > "$LOGS/hosts.env"
+: > "$LOGS/agents.exit"
 for ((h = 0; h < HOSTS; ++h)); do
   n="$(ns "$h")"
   ip netns add "$n"
@@ -144,18 +153,43 @@ EOF
 done
 echo "hosts.sh: $HOSTS host(s) x $NPROC rank(s), link rate $RATE, loss $LOSS%${DELAY:+, delay $DELAY}; logs in $LOGS"
 
+# An elastic job (--nnodes MIN:MAX): the ranks get a store of their own (rank 0's) instead of
+# sharing the agents' rendezvous store. With the shared store, torch 2.15's rank-0 agent
+# publishes the store's address only in its first rendezvous round, so a host that joins a
+# later round waits for it until its timeout (measured: the grown job failed after 30 s; the
+# same class as pytorch/pytorch#135712).
+SHARE_STORE=()
+[[ "$NNODES" == *:* ]] && SHARE_STORE=(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
 for ((h = 0; h < HOSTS; ++h)); do
-  # Its own host name (a UTS namespace), so that errors and reports name the host.
-  ip netns exec "$(ns "$h")" unshare --uts -- sh -c 'hostname "$0"; exec "$@"' "host$h" \
-    env OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=eth0 \
-    "$TORCHRUN" --nnodes="$NNODES" --nproc-per-node="$NPROC" --rdzv-backend=c10d \
-    --rdzv-endpoint=10.79.0.1:29400 --rdzv-id="fsdp$ID" --max-restarts="$MAX_RESTARTS" \
-    --rdzv-conf="read_timeout=$STORE_TIMEOUT" \
-    --local-addr="10.79.0.$((h + 1))" --no-python -- "${CMD[@]}" > "$LOGS/host$h.log" 2>&1 &
+  # Host h's agent, as a script of its own so that a lost host can be started again. Its own
+  # host name (a UTS namespace), so that errors and reports name the host.
+  {
+    echo "#!/bin/sh"
+    echo "# Starts host$h's torchrun agent (made by scripts/hosts.sh, pid $ID); appends to host$h.log."
+    printf 'exec ip netns exec %q unshare --uts -- sh -c %q %q' "$(ns "$h")" 'hostname "$0"; exec "$@"' "host$h"
+    printf ' %q' env OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=eth0 "${SHARE_STORE[@]}" \
+      "$TORCHRUN" --nnodes="$NNODES" --nproc-per-node="$NPROC" --rdzv-backend=c10d \
+      --rdzv-endpoint=10.79.0.1:29400 --rdzv-id="fsdp$ID" --max-restarts="$MAX_RESTARTS" \
+      --rdzv-conf="read_timeout=$STORE_TIMEOUT,last_call_timeout=$LAST_CALL" \
+      --local-addr="10.79.0.$((h + 1))" --no-python -- "${CMD[@]}"
+    printf ' >> %q 2>&1\n' "$LOGS/host$h.log"
+  } > "$LOGS/host$h.sh"
+  chmod +x "$LOGS/host$h.sh"
+  : > "$LOGS/host$h.log"
+  "$LOGS/host$h.sh" &
   pids+=($!)
 done
 status=0
-for p in "${pids[@]}"; do wait "$p" || status=$?; done
+for ((h = 0; h < HOSTS; ++h)); do
+  code=0
+  wait "${pids[$h]}" || code=$?
+  echo "host$h=$code" >> "$LOGS/agents.exit"  # each agent's exit, for scripts
+  ((code == 0)) || status=$code
+done
+# Agents started again by host<h>.sh (an elastic job's returning host) end with the job.
+for ((h = 0; h < HOSTS; ++h)); do
+  while [[ -n "$(ip netns pids "$(ns "$h")" 2>/dev/null)" ]]; do sleep 0.2; done
+done
 for ((h = 0; h < HOSTS; ++h)); do
   s=/sys/class/net/$(link "$h")/statistics
   # The host-side end of the link: its rx is what the host sent, its tx what it received.
