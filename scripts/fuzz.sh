@@ -61,7 +61,7 @@ export ASAN_OPTIONS="detect_leaks=1:${ASAN_OPTIONS:-}"
 
 # ---- One campaign ----------------------------------------------------------------------------
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/fsdp-fuzz.XXXXXX")"
-trap 'kill $(jobs -p) 2> /dev/null; rm -rf "$WORK"' EXIT
+trap 'kill $(jobs -p) 2> /dev/null || true; rm -rf "$WORK"' EXIT
 
 # Runs target $1 and writes "<inputs> <seconds> <findings>" to $WORK/$1.result.
 campaign() {
