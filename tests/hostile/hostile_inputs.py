@@ -11,12 +11,30 @@ and a truncated one. Each case runs fsdp-train with a timeout and must
   - never end by a signal (exit >= 128: an abort, a crash, the OOM killer),
   - refuse within --timeout seconds (default 5) what it should refuse, with an error that
     names the offending file or config key,
-  - accept what is valid (the few control cases).
+  - accept what is valid (the few control cases),
+  - for the prepared data directory (meta.json, tokenizer.model, train.bin, val.bin) emptied,
+    cut short or bit-flipped: exit 0, because those files are fsdp-train's own and a damaged
+    set is prepared again; afterwards every file must match meta.json (sizes, xxh64) and the
+    good run's bytes (preparation is deterministic), the damaged bytes must be gone, and a
+    second run must reuse the set without rewriting it, within the timeout too. A FIFO, a
+    /dev/zero link or a directory in their place is refused naming it.
 
-Prints a table exit code -> count, each failure with its output, and exits 1 if any case
-failed. Usage:
+Prints a table exit code -> count, the slowest case, each failure with its output, and exits 1
+if any case failed. Usage (about 6-10 minutes; the machine is shared, so one case at a time):
 
-  tests/hostile/hostile_inputs.py --bin build/trainer/fsdp-train [--jobs 2] [--only SUBSTR]
+  python3 tests/hostile/hostile_inputs.py --bin /tmp/build-b/trainer/fsdp-train --jobs 1
+  [--only SUBSTR] [--keep] [--timeout 5]
+
+Last measured (2026-11-26, gcc build /tmp/build-b, SmolLM2 GGUF present; lscpu: AMD EPYC,
+2 cores shared, flags include avx512_bf16):
+
+  exit code | cases
+  --------- | -----
+          0 | 41     (among them the 12 re-prepared data sets)
+          1 | 112
+          2 | 487
+  640 cases, 0 failed, none >= 128 or timed out; slowest 1.91 s (config optimizer.name =
+  { a = 1 }), under a load average of about 6 on the shared machine
 """
 import argparse
 import concurrent.futures
@@ -76,9 +94,11 @@ def merged(*layers):
 
 
 class Case:
-    def __init__(self, name, args, needles, expect="refuse", setup=None):
-        self.name, self.args, self.needles, self.expect, self.setup = (
-            name, args, needles, expect, setup)
+    """`after(campaign)`, when given, runs once the case exited 0 and returns its problems."""
+
+    def __init__(self, name, args, needles, expect="refuse", setup=None, after=None):
+        self.name, self.args, self.needles, self.expect, self.setup, self.after = (
+            name, args, needles, expect, setup, after)
 
 
 class Campaign:
@@ -98,8 +118,9 @@ class Campaign:
         p.write_text(to_toml(cfg))
         return p
 
-    def add(self, name, args, needles, expect="refuse"):
-        self.cases.append(Case(name, [str(a) for a in args], [str(n) for n in needles], expect))
+    def add(self, name, args, needles, expect="refuse", after=None):
+        self.cases.append(Case(name, [str(a) for a in args], [str(n) for n in needles], expect,
+                               after=after))
 
     # The run settings every case shares: its own run directory, the prepared data.
     def common(self, d):
@@ -149,6 +170,114 @@ def flip(p, at):
     data = bytearray(Path(p).read_bytes())
     data[at % len(data)] ^= 0x5A
     Path(p).write_bytes(bytes(data))
+
+
+# ---- the prepared data directory ----------------------------------------------------------------
+
+def xxh64(data, seed=0):
+    """XXH64, as meta.json records it (pure Python: the files here are a few hundred KiB)."""
+    p1, p2, p3, p4, p5 = (0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
+                          0x85EBCA77C2B2AE63, 0x27D4EB2F165667C5)
+    m = (1 << 64) - 1
+
+    def rotl(x, r):
+        return ((x << r) | (x >> (64 - r))) & m
+
+    def round_(acc, lane):
+        return (rotl((acc + lane * p2) & m, 31) * p1) & m
+
+    def merge(acc, v):
+        return ((acc ^ round_(0, v)) * p1 + p4) & m
+
+    n, i = len(data), 0
+    if n >= 32:
+        v = [(seed + p1 + p2) & m, (seed + p2) & m, seed, (seed - p1) & m]
+        for lanes in struct.iter_unpack("<4Q", data[:n - n % 32]):
+            v = [round_(a, b) for a, b in zip(v, lanes)]
+        i = n - n % 32
+        h = (rotl(v[0], 1) + rotl(v[1], 7) + rotl(v[2], 12) + rotl(v[3], 18)) & m
+        for x in v:
+            h = merge(h, x)
+    else:
+        h = (seed + p5) & m
+    h = (h + n) & m
+    while i + 8 <= n:
+        (k,) = struct.unpack_from("<Q", data, i)
+        h = (rotl(h ^ round_(0, k), 27) * p1 + p4) & m
+        i += 8
+    if i + 4 <= n:
+        (k,) = struct.unpack_from("<I", data, i)
+        h = (rotl(h ^ (k * p1) & m, 23) * p2 + p3) & m
+        i += 4
+    while i < n:
+        h = (rotl(h ^ (data[i] * p5) & m, 11) * p1) & m
+        i += 1
+    h = ((h ^ (h >> 33)) * p2) & m
+    h = ((h ^ (h >> 29)) * p3) & m
+    return h ^ (h >> 32)
+
+
+TOKEN_HEADER_BYTES = 64  # train.bin/val.bin: meta.json's xxh64 covers what follows it
+
+
+def prepared_problems(data, good):
+    """What is wrong with prepared directory `data`: each file must match meta.json (sizes,
+    xxh64) and the good run's bytes (preparation is deterministic)."""
+    problems = []
+    try:
+        meta = json.loads((data / "meta.json").read_bytes())
+    except (OSError, ValueError) as e:
+        return [f"{data / 'meta.json'} does not parse: {e}"]
+    for section, skip in [("tokenizer", 0), ("train", TOKEN_HEADER_BYTES),
+                          ("val", TOKEN_HEADER_BYTES)]:
+        try:
+            entry = meta[section]
+            f = data / entry["file"]
+            if not stat.S_ISREG(f.lstat().st_mode):
+                problems.append(f"{f} is not a regular file")
+                continue
+            b = f.read_bytes()
+            if len(b) != entry["bytes"]:
+                problems.append(f"{f}: {len(b)} bytes, meta.json says {entry['bytes']}")
+            if f"0x{xxh64(b[skip:]):016x}" != entry["xxh64"]:
+                problems.append(f"{f}: xxh64 differs from meta.json's {entry['xxh64']}")
+        except (KeyError, TypeError, OSError) as e:
+            problems.append(f"{data / 'meta.json'}: {section}: {e!r}")
+    for name in ["meta.json", "tokenizer.model", "train.bin", "val.bin"]:
+        if (data / name).is_file() and (data / name).read_bytes() != (good / name).read_bytes():
+            problems.append(f"{data / name} differs from the good run's")
+    return problems
+
+
+def reprepared(c, data, target, damaged, config):
+    """The check after a damaged prepared file was accepted (exit 0): fsdp-train must have
+    prepared the data again (the damaged bytes gone, every file intact), and a second run
+    must reuse them as they are, within the timeout too."""
+    def after(c):
+        problems = []
+        p = data / target
+        if p.is_file() and p.read_bytes() == damaged:
+            problems.append(f"{p} is still the damaged one: accepted, not prepared again")
+        problems += prepared_problems(data, c.work / "good" / "data")
+        if problems:
+            return problems
+        names = ["meta.json", "tokenizer.model", "train.bin", "val.bin"]
+        before = {n: (data / n).stat().st_mtime_ns for n in names}
+        try:
+            r = subprocess.run([c.bin, str(config)], capture_output=True, text=True, cwd=c.work,
+                               stdin=subprocess.DEVNULL, timeout=c.timeout,
+                               env=dict(os.environ, OMP_NUM_THREADS="1"))
+        except subprocess.TimeoutExpired:
+            return [f"the second run (reusing the data) took over {c.timeout} s"]
+        if r.returncode != 0:
+            return [f"the second run failed (exit {r.returncode}): "
+                    + (r.stdout + r.stderr).strip()[-300:]]
+        rewritten = [n for n in names if (data / n).stat().st_mtime_ns != before[n]]
+        if rewritten:
+            problems.append("the second run prepared again instead of reusing: "
+                            + ", ".join(rewritten) + " rewritten")
+        return problems
+    return after
 
 
 # ---- GGUF header walking (enough to find a value or a tensor's type) --------------------------
@@ -314,7 +443,10 @@ def config_cases(c):
         replace_with(p, kind)
         cfg = merged(c.common(d), {"data": {"dir": str(p)}})
         c.add(f"data.dir is {kind}", [c.config(d, cfg)], ["data.dir", p])
-    # The prepared data directory damaged.
+    # The prepared data directory damaged. Its files are fsdp-train's own: a FIFO, a device or
+    # a directory in their place is refused (it did not write those), while a file it wrote
+    # and that is now empty, cut short or bit-flipped fails meta.json's sizes and checksums and
+    # is prepared again: exit 0, and afterwards the directory must be intact (reprepared).
     for target in ["meta.json", "tokenizer.model", "train.bin", "val.bin"]:
         for kind in ["fifo", "devzero", "directory", "empty", "truncated", "flipped"]:
             d = c.path(f"data-{target}-{kind}")
@@ -328,7 +460,12 @@ def config_cases(c):
             else:
                 replace_with(p, kind)
             cfg = merged(c.common(d), {"data": {"dir": str(data)}})
-            c.add(f"data {target} {kind}", [c.config(d, cfg)], [p, "data.dir"])
+            config = c.config(d, cfg)
+            if kind in ("empty", "truncated", "flipped"):
+                c.add(f"data {target} {kind}", [config], [p, "data.dir"], expect="ok",
+                      after=reprepared(c, data, target, p.read_bytes(), config))
+            else:
+                c.add(f"data {target} {kind}", [config], [p, "data.dir"])
 
 
 def checkpoint_cases(c):
@@ -584,6 +721,8 @@ def run_case(c, case):
         problems.append("a valid input was refused")
     elif case.expect == "refuse" and code == 0:
         problems.append("accepted silently")
+    elif code == 0 and case.after:
+        problems += case.after(c)
     elif code != 0:
         error_lines = [l for l in text.splitlines() if "fsdp-train" in l or "error" in l.lower()]
         last = error_lines[-1] if error_lines else text.strip().splitlines()[-1:] or [""]

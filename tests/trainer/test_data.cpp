@@ -413,6 +413,32 @@ TEST_F(PrepareData, RebuildsWhenOptionsCorpusOrFilesChange) {
   EXPECT_EQ(dir_listing(opts_.out_dir).size(), 4u);
 }
 
+// A damaged meta.json that still parses (one bit turns vocab_size 320 into 220, a letter of a
+// name into another) is not believed: open_prepared names the file, prepare_data rebuilds it.
+TEST_F(PrepareData, RebuildsAMetaJsonDamagedButStillValid) {
+  const PreparedData first = prepare_data(opts_);
+  const std::string meta_bytes = read_file(first.meta_path);
+  for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+           {"\"vocab_size\": 320,", "\"vocab_size\": 220,"},
+           {"\"eos_id\": 2", "\"eos_id\": 3"},
+           {"byte-fallback", "by.e-fallback"}}) {
+    std::string damaged = meta_bytes;
+    const size_t at = damaged.find(from, damaged.find("\"tokenizer\""));
+    ASSERT_NE(at, std::string::npos) << from;
+    damaged.replace(at, from.size(), to);
+    write_text(first.meta_path, damaged);
+    ASSERT_FALSE(nlohmann::json::parse(damaged).is_discarded());
+    const std::string msg = error_of([&] { open_prepared(opts_); });
+    EXPECT_CONTAINS(msg, first.meta_path + ": checksum");
+    const PreparedData repaired = prepare_data(opts_);
+    EXPECT_FALSE(repaired.reused) << to;
+    EXPECT_EQ(repaired.vocab_size, 320);
+    EXPECT_EQ(repaired.eos_id, 2);
+    EXPECT_EQ(read_file(first.meta_path), meta_bytes) << to;
+    EXPECT_TRUE(prepare_data(opts_).reused);
+  }
+}
+
 TEST_F(PrepareData, RankZeroPreparesOthersWaitAndVerify) {
   constexpr int kWorld = 3;
   std::barrier sync(kWorld);

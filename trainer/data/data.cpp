@@ -165,6 +165,17 @@ json read_meta(const std::string& meta_path) {
   return meta;
 }
 
+// meta.json checksums itself: a damaged byte that still parses (a digit of tokenizer.vocab_size
+// or bos_id, a letter of a name) would otherwise be believed. The hash covers the compact dump
+// of every other key (sorted, so the same text after a parse).
+constexpr const char* kMetaChecksumKey = "meta_xxh64";
+
+std::string meta_checksum(json meta) {
+  meta.erase(kMetaChecksumKey);
+  const std::string text = meta.dump();
+  return hex64(xxh64(text.data(), text.size()));
+}
+
 // Checks a token file against its meta.json entry; returns its token count.
 int64_t verify_split(const json& meta, const std::string& meta_path, const std::string& dir,
                      const std::string& split) {
@@ -187,6 +198,10 @@ PreparedData verify_prepared(const PrepareOptions& options, json* meta_out) {
   d.dir = options.out_dir;
   d.meta_path = join(options.out_dir, kMetaFile);
   const json meta = read_meta(d.meta_path);
+  const auto meta_sum = get<std::string>(meta, d.meta_path, kMetaChecksumKey);
+  if (meta_checksum(meta) != meta_sum)
+    fail(d.meta_path + ": checksum " + meta_checksum(meta) + " differs from its " +
+         kMetaChecksumKey + " " + meta_sum + " (damaged: delete it to prepare again)");
   if (get<int>(meta, d.meta_path, "version") != kMetaVersion)
     fail(d.meta_path + ": version " + field(meta, d.meta_path, "version").dump() +
          ", this build writes " + std::to_string(kMetaVersion) + " (delete it to prepare again)");
@@ -497,7 +512,7 @@ PreparedData prepare_data(const PrepareOptions& options) {
                 {"bytes", kTokenFileHeaderBytes + info.tokens * info.bytes_per_token},
                 {"xxh64", hex64(info.checksum)}};
   };
-  const json meta = {
+  json meta = {
       {"format", "fsdp-cpp token data"},
       {"version", kMetaVersion},
       {"options", options_json(options)},
@@ -514,6 +529,7 @@ PreparedData prepare_data(const PrepareOptions& options) {
       {"train", split_json(train, kTrainFile)},
       {"val", split_json(val, kValFile)},
   };
+  meta[kMetaChecksumKey] = meta_checksum(meta);
   write_file_atomic(meta_path, meta.dump(2) + "\n");
   d.reused = false;
   return d;

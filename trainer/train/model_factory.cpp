@@ -31,8 +31,11 @@ C preset_or_config_error(const std::string& arch, const std::string& name) {
   } catch (const std::exception& e) {
     // The name cut short: a 100 KB override must not become a 100 KB message.
     const std::string shown = name.size() > 120 ? name.substr(0, 120) + "..." : name;
-    throw ConfigError("'model.preset' = '" + shown + "' is not a " + arch +
-                      " preset: " + first_line(e.what()));
+    // The library's reason quotes the name too: cut there as well, keep its list of presets.
+    std::string why = first_line(e.what());
+    if (const size_t at = why.find(name); !name.empty() && at != std::string::npos)
+      why.replace(at, name.size(), shown);
+    throw ConfigError("'model.preset' = '" + shown + "' is not a " + arch + " preset: " + why);
   }
 }
 
