@@ -35,7 +35,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from machine import cpu_description  # noqa: E402
-from multi_host_faults import live_trainers  # noqa: E402
+from multi_host_faults import live_trainers, trainer_processes  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "build", "trainer", "fsdp-train")
@@ -55,13 +55,15 @@ def job_args(run_dir, steps, timeout_s, every=EVERY, resume="auto"):
             f"--fsdp.timeout_s={timeout_s}"]
 
 
-def start(run_dir, steps, timeout_s, restarts, log):
+def start(run_dir, steps, timeout_s, restarts, log, preload=""):
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir)
     cmd = [TORCHRUN, "--standalone", "--nproc-per-node=2", f"--max-restarts={restarts}",
            "--monitor-interval=0.2", "--no-python", "--", TRAIN,
            *job_args(run_dir, steps, timeout_s)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if preload:
+        env["LD_PRELOAD"] = preload
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
                             cwd=ROOT, start_new_session=True)
 
@@ -85,20 +87,7 @@ def last_step(run_dir):
 
 def ranks(agent_pid):
     """The fsdp-train processes torchrun's agent runs now (its children), alive ones only."""
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        rest = stat[stat.rfind(")") + 2:].split()
-        if stat[stat.find("(") + 1:stat.rfind(")")] == "fsdp-train" and rest[0] != "Z" \
-                and int(rest[1]) == agent_pid:
-            out.append(int(pid))
-    return sorted(out)
+    return sorted(pid for pid, parent in trainer_processes() if parent == agent_pid)
 
 
 def proc_figures(pid):
@@ -132,7 +121,7 @@ def settled_figures(pid):
 def soak(args):
     run, log = "/tmp/chaos-reference", "/tmp/chaos-reference.log"
     t0 = time.time()
-    p = start(run, args.steps, args.timeout_s, 0, log)
+    p = start(run, args.steps, args.timeout_s, 0, log, preload=args.preload)
     at_steps = [100, 300, 500, 1000, 1500, args.steps - 10]
     samples = {}
     for at in at_steps:
@@ -277,10 +266,16 @@ def main():
     ap.add_argument("--kills", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout-s", type=float, default=5)
+    ap.add_argument("--preload", default="",
+                    help="a malloc for the soak run's ranks (LD_PRELOAD), e.g. Debian's "
+                         "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+    ap.add_argument("--soak-only", action="store_true")
     args = ap.parse_args()
     print(f"machine: {cpu_description()}")
+    print(f"soak run's malloc: {args.preload or 'glibc'}")
     ok, reference = soak(args)
-    ok &= chaos(args, reference)
+    if not args.soak_only:
+        ok &= chaos(args, reference)
     left = live_trainers()
     for _ in range(50):  # the last ranks may take a moment to be gone
         if not left:

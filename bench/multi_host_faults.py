@@ -178,9 +178,9 @@ def lossy(args):
                f"{'bitwise equal' if same else 'DIFFER'} to the clean run", []
 
 
-def live_trainers():
-    """This build's fsdp-train processes still alive (zombies waiting to be reaped by init are
-    gone; other builds' runs on the machine are not ours to count)."""
+def trainer_processes():
+    """This build's fsdp-train processes still alive, as (pid, parent pid): zombies waiting to
+    be reaped by init are gone, and other builds' runs on the machine are not ours to count."""
     out = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -191,10 +191,14 @@ def live_trainers():
             exe = os.readlink(f"/proc/{pid}/exe")
         except OSError:
             continue
-        state = stat[stat.rfind(")") + 2]
+        state, ppid = stat[stat.rfind(")") + 2:].split()[:2]
         if exe == TRAIN and state != "Z":
-            out.append(int(pid))
+            out.append((int(pid), int(ppid)))
     return out
+
+
+def live_trainers():
+    return [pid for pid, _ in trainer_processes()]
 
 
 def main():

@@ -124,8 +124,9 @@ struct PreparedData {
 };
 
 /// Makes out_dir hold the tokenizer and token files for `options`, and returns where they are.
-/// Idempotent: if meta.json records the same options and corpus checksum and every file matches
-/// its recorded size and checksum, returns with reused = true and writes nothing. Otherwise
+/// Idempotent: if meta.json matches its own checksum (meta_xxh64), records the same options and
+/// corpus checksum, and every file matches its recorded size and checksum, returns with reused
+/// = true and writes nothing. Otherwise
 /// loads the corpus, trains the tokenizer (~2 s for the KJV), encodes (~2 s), and writes
 /// tokenizer.model, train.bin, val.bin and finally meta.json, each atomically; meta.json is
 /// removed first and written last, so it exists only when the set is complete and consistent.
