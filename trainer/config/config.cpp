@@ -9,6 +9,7 @@
 #include <cctype>
 #include <charconv>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <functional>
 #include <sstream>
@@ -53,12 +54,56 @@ std::string format_value(const T& v) {
   }
 }
 
-// A value quoted in an error, cut short: a 10 MB override must not become a 10 MB message.
+// A value quoted in an error, cut short: a 10 MB override must not become a 10 MB message; and
+// on one line: control characters (a newline in an override) are shown escaped.
 std::string shown(const std::string& s) {
   constexpr size_t kMax = 120;
+  std::string out;
+  for (size_t i = 0; i < s.size() && i < kMax; ++i) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c == '\n') {
+      out += "\\n";
+    } else if (c < 0x20 || c == 0x7f) {
+      char hex[8];
+      std::snprintf(hex, sizeof hex, "\\x%02X", c);
+      out += hex;
+    } else {
+      out += s[i];
+    }
+  }
   if (s.size() <= kMax)
-    return s;
-  return s.substr(0, kMax) + "... (" + std::to_string(s.size()) + " bytes)";
+    return out;
+  return out + "... (" + std::to_string(s.size()) + " bytes)";
+}
+
+// std::filesystem's checks without their exceptions: a name too long (ENAMETOOLONG) or a loop of
+// links is "no", and the message that follows names the key and the path.
+bool regular_file(const std::string& p) {
+  std::error_code ec;
+  return std::filesystem::is_regular_file(p, ec);
+}
+bool directory(const std::string& p) {
+  std::error_code ec;
+  return std::filesystem::is_directory(p, ec);
+}
+
+// Whether s is UTF-8 as RFC 3629 defines it (shortest forms, no surrogates, at most U+10FFFF).
+bool valid_utf8(const std::string& s) {
+  for (size_t i = 0; i < s.size();) {
+    const auto b = static_cast<unsigned char>(s[i]);
+    size_t n = b < 0x80 ? 1 : b < 0xC2 ? 0 : b < 0xE0 ? 2 : b < 0xF0 ? 3 : b < 0xF5 ? 4 : 0;
+    if (n == 0 || i + n > s.size())
+      return false;
+    for (size_t k = 1; k < n; ++k) {
+      const auto c = static_cast<unsigned char>(s[i + k]);
+      const unsigned char lo = k > 1 ? 0x80 : b == 0xE0 ? 0xA0 : b == 0xF0 ? 0x90 : 0x80;
+      const unsigned char hi = k > 1 ? 0xBF : b == 0xED ? 0x9F : b == 0xF4 ? 0x8F : 0xBF;
+      if (c < lo || c > hi)
+        return false;
+    }
+    i += n;
+  }
+  return true;
 }
 
 // Infinite or NaN hyperparameters are always a mistake, and reach the optimizer silently.
@@ -488,8 +533,8 @@ std::vector<OptionInfo> option_table() {
   return out;
 }
 
-Config load_config(const std::string& path, const std::vector<std::string>& overrides,
-                   bool finetuning) {
+static Config read_config(const std::string& path, const std::vector<std::string>& overrides,
+                          bool finetuning) {
   Config config;
   config.finetuning = finetuning;
   if (!path.empty()) {
@@ -534,6 +579,10 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
     }
   }
   for (const auto& item : overrides) {
+    // A TOML file is UTF-8 (toml++ refuses one that is not); an override must be too, or its
+    // value could not be written back as TOML (--print-config) as it was given.
+    if (!valid_utf8(item))
+      throw ConfigError("override '--" + shown(item) + "' is not valid UTF-8");
     const auto eq = item.find('=');
     if (eq == std::string::npos) {
       throw ConfigError("override '--" + shown(item) + "' must look like --section.key=value");
@@ -554,6 +603,31 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
   return config;
 }
 
+Config load_config(const std::string& path, const std::vector<std::string>& overrides,
+                   bool finetuning) {
+  // An error is one line whatever the values it quotes hold (a newline in an override's value
+  // reaches many messages): control characters are shown escaped.
+  try {
+    return read_config(path, overrides, finetuning);
+  } catch (const ConfigError& e) {
+    const std::string what = e.what();
+    if (std::none_of(what.begin(), what.end(),
+                     [](unsigned char c) { return c < 0x20 || c == 0x7f; }))
+      throw;
+    std::string line;
+    for (unsigned char c : what) {
+      if (c >= 0x20 && c != 0x7f) {
+        line += static_cast<char>(c);
+      } else {
+        char hex[8];
+        std::snprintf(hex, sizeof hex, "\\x%02X", c);
+        line += c == '\n' ? "\\n" : hex;
+      }
+    }
+    throw ConfigError(line);
+  }
+}
+
 void validate(const Config& c) {
   auto require = [](bool ok, const std::string& key, const std::string& what) {
     if (!ok)
@@ -568,10 +642,9 @@ void validate(const Config& c) {
   require(c.data.held_out_fraction > 0 && c.data.held_out_fraction < 0.5, "data.held_out_fraction",
           "must be in (0, 0.5)");
   require(!c.data.dir.empty(), "data.dir", "must not be empty");
-  require(c.data.corpus == "kjv" || c.data.corpus == "fortunes" ||
-              std::filesystem::is_regular_file(c.data.corpus),
+  require(c.data.corpus == "kjv" || c.data.corpus == "fortunes" || regular_file(c.data.corpus),
           "data.corpus",
-          "names no corpus: '" + c.data.corpus +
+          "names no corpus: '" + shown(c.data.corpus) +
               "' is neither kjv, fortunes nor an existing text file");
   require(c.training.steps >= 1, "training.steps", "must be >= 1");
   require(c.training.batch_size >= 1, "training.batch_size", "must be >= 1");
@@ -644,8 +717,8 @@ void validate(const Config& c) {
   require(c.generate.tokens >= 0, "generate.tokens", "must be >= 0");
   require(c.checkpoint.every >= 0, "checkpoint.every", "must be >= 0");
   require(c.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1");
-  require(c.model.init_from.empty() || std::filesystem::is_directory(c.model.init_from),
-          "model.init_from", "'" + c.model.init_from + "' is not a directory");
+  require(c.model.init_from.empty() || directory(c.model.init_from), "model.init_from",
+          "'" + shown(c.model.init_from) + "' is not a directory");
   require(c.generate.temperature > 0, "generate.temperature", "must be > 0");
   require(c.optimizer.moments_dtype == "fp32" || c.optimizer.name != "adamw",
           "optimizer.moments_dtype",
@@ -658,9 +731,9 @@ void validate(const Config& c) {
           "needs optimizer.momentum > 0");
   require(c.optimizer.chunk_mb >= 0.0625 && c.optimizer.chunk_mb <= (1 << 20), "optimizer.chunk_mb",
           "must be between 0.0625 and 1048576");
-  require(c.optimizer.offload_dir.empty() || std::filesystem::is_directory(c.optimizer.offload_dir),
+  require(c.optimizer.offload_dir.empty() || directory(c.optimizer.offload_dir),
           "optimizer.offload_dir",
-          "'" + c.optimizer.offload_dir + "' is not an existing directory");
+          "'" + shown(c.optimizer.offload_dir) + "' is not an existing directory");
   require(c.generate.top_k >= 0, "generate.top_k", "must be >= 0");
   const auto& f = c.finetune;
   require(f.lora_rank >= 1, "finetune.lora_rank", "must be >= 1");
@@ -672,10 +745,10 @@ void validate(const Config& c) {
   require(!(f.export_merged && f.method == "qlora"), "finetune.export_merged",
           "is not available for qlora: its weights are 4-bit (save the adapter instead)");
   if (c.finetuning) {
-    require(std::filesystem::is_regular_file(f.train_file), "finetune.train_file",
-            "'" + f.train_file + "' is not a readable file");
-    require(std::filesystem::is_regular_file(f.eval_file), "finetune.eval_file",
-            "'" + f.eval_file + "' is not a readable file");
+    require(regular_file(f.train_file), "finetune.train_file",
+            "'" + shown(f.train_file) + "' is not a readable file");
+    require(regular_file(f.eval_file), "finetune.eval_file",
+            "'" + shown(f.eval_file) + "' is not a readable file");
     require(c.model.init_from.empty(), "model.init_from",
             "is not used by finetune (the model is finetune.model)");
   }
