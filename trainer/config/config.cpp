@@ -42,9 +42,30 @@ std::string format_value(const T& v) {
   if constexpr (std::is_same_v<T, bool>) {
     return v ? "true" : "false";
   } else if constexpr (std::is_same_v<T, std::string>) {
-    std::ostringstream os;
-    os << toml::value<std::string>(v);
-    return os.str();
+    // A TOML basic string with every control character escaped, written here rather than by
+    // toml++, which picks a multi-line literal string for a value with a newline: TOML drops a
+    // newline right after the opening quotes, so a value starting with one, printed by
+    // --print-config, loaded back without it (found by fuzz_config). Values are valid UTF-8
+    // (overrides that are not are refused), so other bytes are copied as they are.
+    std::string out = "\"";
+    for (const char ch : v) {
+      const auto c = static_cast<unsigned char>(ch);
+      if (c == '"' || c == '\\') {
+        out += '\\';
+        out += ch;
+      } else if (c == '\n') {
+        out += "\\n";
+      } else if (c == '\t') {
+        out += "\\t";
+      } else if (c < 0x20 || c == 0x7f) {
+        char esc[8];
+        std::snprintf(esc, sizeof esc, "\\u%04X", c);
+        out += esc;
+      } else {
+        out += ch;
+      }
+    }
+    return out + "\"";
   } else if constexpr (std::is_same_v<T, double>) {
     std::ostringstream os;
     os << toml::value<double>(v);
