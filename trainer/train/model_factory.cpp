@@ -101,7 +101,13 @@ void check_fits(const Config& config, const ModelSize& m, const std::string& wha
     else
       optimizer_states = 2 * each;
   }
-  const double states = 4 * m.params * (2 + optimizer_states) / shard_ranks;
+  double states = 4 * m.params * (2 + optimizer_states) / shard_ranks;
+  if (config.finetuning && config.finetune.method != "full") {
+    // LoRA and QLoRA freeze the model: no gradients and no optimizer state for it (the
+    // adapters are a few MB), and QLoRA keeps the block weights in NF4. Counted at the least
+    // bytes a frozen weight can take (bf16; NF4's 4 bits), so that this stays a lower bound.
+    states = (config.finetune.method == "qlora" ? 0.5 : 2.0) * m.params / shard_ranks;
+  }
   const double micro_batch = static_cast<double>(config.training.batch_size) /
                              static_cast<double>(config.training.micro_batches);
   const double seq = config.finetuning ? static_cast<double>(config.finetune.max_tokens)
