@@ -98,6 +98,17 @@ def world_of(m, per_rank_tokens):
     return round(m["tokens"] / per_rank_tokens)
 
 
+def wait_for_world(run_dir, ranks, per_rank_tokens, p, what):
+    """Until the newest metrics line is a step trained by `ranks` ranks; returns the lines."""
+    while True:
+        m = metrics(run_dir)
+        if m and world_of(m[-1], per_rank_tokens) == ranks:
+            return m
+        if p.poll() is not None:
+            raise SystemExit(f"elastic.py: the job ended instead of {what}")
+        time.sleep(0.1)
+
+
 def plot(path, curves):
     """curves: [(title, [(step, loss)])]; one PNG through gnuplot."""
     data = []
@@ -141,13 +152,7 @@ def main():
     killed = lose_host(env["HOST1"])
     print(f"\nstep {lost_at_step}: host1 lost ({killed} processes SIGKILLed: its agent and ranks)")
     # Until host 0 trains again, on its own: a step after the loss recorded by 2 ranks.
-    while True:
-        m = metrics(run)
-        if m and world_of(m[-1], per_rank_tokens) == 2:
-            break
-        if p.poll() is not None:
-            raise SystemExit("elastic.py: the job ended instead of shrinking")
-        time.sleep(0.1)
+    m = wait_for_world(run, 2, per_rank_tokens, p, "shrinking")
     shrunk_s = time.time() - t_lost
     print(f"  {shrunk_s:.1f} s later host0 trains on its 2 ranks alone, from step "
           f"{m[-1]['step']}")
@@ -156,13 +161,7 @@ def main():
     t_back = time.time()
     agent1 = subprocess.Popen([os.path.join(logs, "host1.sh")])
     print(f"step {back_at_step}: host1 back (its agent started again)")
-    while True:
-        m = metrics(run)
-        if m and world_of(m[-1], per_rank_tokens) == 4:
-            break
-        if p.poll() is not None:
-            raise SystemExit("elastic.py: the job ended instead of growing")
-        time.sleep(0.1)
+    m = wait_for_world(run, 4, per_rank_tokens, p, "growing")
     grown_s = time.time() - t_back
     print(f"  {grown_s:.1f} s later 4 ranks train again, from step {m[-1]['step']}")
     out, _ = p.communicate()
