@@ -16,6 +16,7 @@
 #include <fsdp/checkpoint/consolidated.h>
 #include <fsdp/checkpoint/safetensors.h>
 #include <fsdp/checkpoint/sharded_checkpoint.h>
+#include <fsdp/core/caching_allocator.h>
 #include <fsdp/core/durable_file.h>
 #include <fsdp/core/memory.h>
 #include <fsdp/distributed/collectives.h>

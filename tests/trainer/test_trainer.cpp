@@ -594,11 +594,13 @@ TEST(TrainerRun, PlanPredictsThePeakWithinFivePercent) {
     EXPECT_GE(measured, 0.95 * p["peak_without_staging"].get<double>()) << c.name << ": " << plan;
     EXPECT_LE(measured, 1.05 * p["peak"].get<double>()) << c.name << ": " << plan;
     // Two moments can peak within a few kB of each other, and which one a run reaches depends on
-    // when Gloo frees its buffers: the prediction must put the measured one within 5% of its
-    // own peak.
+    // when Gloo frees its staging buffers (a CI run measured backward h2 at 19.52 MB, predicted
+    // 19.52 MB, while backward h3, predicted 20.56 MB with staging and 19.49 MB without, stayed
+    // below it): the prediction must put the measured moment within 5% of the low end of its
+    // range, as the peak itself.
     ASSERT_TRUE(p["moments"].contains(m["moment"].get<std::string>())) << plan;
     EXPECT_GE(p["moments"][m["moment"].get<std::string>()].get<double>(),
-              0.95 * p["peak"].get<double>())
+              0.95 * p["peak_without_staging"].get<double>())
         << c.name << ": " << plan;
     auto largest = [](const nlohmann::json& categories) {
       std::string best;

@@ -41,6 +41,7 @@
 #include <fsdp/distributed/cuda.h>
 #endif
 
+#include <fsdp/core/caching_allocator.h>
 #include <fsdp/core/memory.h>
 #include <fsdp/distributed/flight_analysis.h>
 #include <fsdp/distributed/flight_recorder.h>
@@ -128,6 +129,9 @@ static void bound_malloc_arenas() {
 int main(int argc, char** argv) {
   bound_malloc_arenas();
   fsdp::die_with_launcher();
+  // Under the tracker, which then counts the bytes requested; training.cpu_cache turns the
+  // caching off once the config is read (Trainer).
+  fsdp::memory::install_caching_allocator();
   fsdp::memory::install_tracking_allocator();
 
   // fr-analyze reads files only: no config, no ranks.

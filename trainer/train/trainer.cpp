@@ -20,6 +20,7 @@
 #include <fsdp/checkpoint/safetensors.h>
 #include <fsdp/checkpoint/sharded_checkpoint.h>
 #include <fsdp/clip_grad.h>
+#include <fsdp/core/caching_allocator.h>
 #include <fsdp/core/durable_file.h>
 #include <fsdp/core/memory.h>
 #include <fsdp/distributed/collectives.h>
@@ -65,6 +66,11 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
     : config_(std::move(config)), device_memory_(std::move(device_memory)), purpose_(purpose) {
   const auto& t = config_.training;
   torch::set_num_threads(static_cast<int>(t.threads));
+  if (fsdp::memory::caching_installed()) {
+    auto cache = fsdp::memory::caching_options();
+    cache.enabled = t.cpu_cache;
+    fsdp::memory::set_caching_options(cache);
+  }
   const fsdp::LaunchEnv env = fsdp::launch_env_from_environment();
   const bool cuda = t.device == "cuda";
   if (cuda)
@@ -800,7 +806,9 @@ void Trainer::train() {
     const bool eval_now = step == t.steps || (t.eval_every > 0 && step % t.eval_every == 0);
     if (eval_now)
       m.eval_loss = evaluate();
-    history_.push_back(m);
+    ++steps_run_;
+    if (m.eval_loss)
+      last_eval_loss_ = m.eval_loss;
     // The step is logged before the checkpoint that contains it: a job killed after the
     // checkpoint resumes after this step and must find its metrics line written.
     if (pg_->rank() == 0) {
@@ -846,12 +854,12 @@ void Trainer::train() {
     write_finetune_outputs(answers_before, answer_questions());
   if (pg_->rank() == 0) {
     progress_->finish();
-    if (history_.empty()) {
+    if (steps_run_ == 0) {
       std::printf("nothing to train: the checkpoint is at step %lld of %lld\n",
                   static_cast<long long>(start_step_), static_cast<long long>(t.steps));
       return;
     }
-    std::printf("held-out loss: %.4f -> %.4f\n", initial_eval, *history_.back().eval_loss);
+    std::printf("held-out loss: %.4f -> %.4f\n", initial_eval, *last_eval_loss_);
     write_outputs();
   }
 }
@@ -1100,11 +1108,14 @@ void Trainer::export_hf(const std::string& dir, bool replace) {
 
 void Trainer::write_outputs() {
   const std::filesystem::path dir(config_.logging.run_dir);
-  const std::string table = breakdown_table(history_);
+  // This run's steps, as logged (a resumed run's file also holds the steps before it).
+  std::vector<StepMetrics> history = read_metrics(metrics_->path());
+  std::erase_if(history, [&](const StepMetrics& s) { return s.step <= start_step_; });
+  const std::string table = breakdown_table(history);
   std::printf("\n%s\n", table.c_str());
   fsdp::write_file_atomic((dir / "breakdown.txt").string(), table);
   if (config_.logging.plot) {
-    write_plot(history_, (dir / "plot.png").string(),
+    write_plot(history, (dir / "plot.png").string(),
                fmt::format("fsdp-train: {} on {} rank(s)", model_.description, pg_->size()));
   }
   std::printf("run directory: %s (metrics.jsonl, breakdown.txt%s, config.toml)\n", dir.c_str(),

@@ -64,7 +64,6 @@ class Trainer {
   /// new one is complete.
   void export_hf(const std::string& dir, bool replace);
 
-  const std::vector<StepMetrics>& history() const { return history_; }
   int rank() const { return pg_->rank(); }
 
  private:
@@ -142,7 +141,10 @@ class Trainer {
   std::vector<torch::Tensor> params_;
   std::unique_ptr<MetricsWriter> metrics_;
   std::unique_ptr<Progress> progress_;
-  std::vector<StepMetrics> history_;
+  // This run's steps are not kept in memory (a long run would grow by ~0.3 KB a step): the
+  // breakdown and the plot at the end read them back from metrics.jsonl.
+  int64_t steps_run_ = 0;
+  std::optional<double> last_eval_loss_;
   int64_t start_step_ = 0;  // the step a resumed run continues after
   double flops_per_token_ = 0;
   double peak_flops_per_rank_ = 0;
