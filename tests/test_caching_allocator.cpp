@@ -22,30 +22,40 @@ namespace mem = fsdp::memory;
 constexpr int64_t kMiB = int64_t{1} << 20;
 
 // cache_stats() is process-wide; these tests look at differences around their own tensors.
-TEST(CachingAllocator, AFreedBlockServesTheNextRequestOfItsSize) {
+TEST(CachingAllocator, FreedMemoryServesTheNextRequests) {
   mem::install_caching_allocator();
   ASSERT_TRUE(mem::caching_installed());
   void* first = nullptr;
   {
-    at::Tensor t = at::empty({kMiB / 4}, at::kFloat);
+    at::Tensor t = at::empty({3 * kMiB / 4}, at::kFloat);  // 3 MiB: a 20 MiB segment
     first = t.data_ptr();
     EXPECT_EQ(reinterpret_cast<uintptr_t>(first) % 64, 0u);
   }
   const auto before = mem::cache_stats();
-  EXPECT_GE(before.cached_bytes, kMiB);
+  EXPECT_GE(before.cached_bytes, 20 * kMiB);
   {
-    // Same byte size, other shape and dtype: the same block.
-    at::Tensor t = at::empty({kMiB / 8}, at::kDouble);
+    // The same bytes in another shape and dtype: the same memory, no malloc.
+    at::Tensor t = at::empty({3 * kMiB / 8}, at::kDouble);
     EXPECT_EQ(t.data_ptr(), first);
+    // Other sizes are cut from the same segment while it has room: still no malloc.
+    at::Tensor u = at::empty({kMiB + 1000}, at::kFloat);
+    at::Tensor v = at::empty({kMiB / 2}, at::kFloat);
     const auto after = mem::cache_stats();
-    EXPECT_EQ(after.hits, before.hits + 1);
+    EXPECT_EQ(after.hits, before.hits + 3);
     EXPECT_EQ(after.misses, before.misses);
-    EXPECT_EQ(after.cached_bytes, before.cached_bytes - kMiB);
     EXPECT_EQ(after.reserved_bytes, before.reserved_bytes);
-    // A size the cache does not hold goes to malloc.
-    at::Tensor u = at::empty({kMiB / 4 + 1000}, at::kFloat);
-    EXPECT_NE(u.data_ptr(), first);
-    EXPECT_EQ(mem::cache_stats().misses, before.misses + 1);
+    EXPECT_EQ(after.segments, before.segments);
+    EXPECT_EQ(after.cached_bytes, before.cached_bytes - 3 * kMiB - (4 * kMiB + 4096) - 2 * kMiB);
+    // Small requests (up to 1 MiB) never split the large segments: they have their own pool.
+    at::Tensor w = at::empty({1000}, at::kFloat);
+    const auto* p = static_cast<const std::byte*>(w.data_ptr());
+    const auto* lo = static_cast<const std::byte*>(first);
+    EXPECT_TRUE(p < lo || p >= lo + 20 * kMiB);
+  }
+  // Everything freed merges back: the segment is one free block again, reused whole.
+  {
+    at::Tensor t = at::empty({5 * kMiB}, at::kFloat);  // 20 MiB: the whole segment
+    EXPECT_EQ(t.data_ptr(), first);
   }
   // Zero-byte storages own nothing and are not counted.
   const auto s0 = mem::cache_stats();
@@ -53,37 +63,44 @@ TEST(CachingAllocator, AFreedBlockServesTheNextRequestOfItsSize) {
   EXPECT_EQ(mem::cache_stats().hits + mem::cache_stats().misses, s0.hits + s0.misses);
 }
 
-// A request that would take the bytes held past peak live * (1 + slack) + min_slack releases the
-// oldest cached blocks first, so sizes that never come back do not pile up.
+// A new segment that would take the bytes held past peak live * (1 + slack) + min_slack first
+// gives back the segments with nothing alive in them; disabling gives back the rest.
 TEST(CachingAllocator, BytesHeldStayUnderTheLimit) {
   mem::CachingOptions o;
   o.slack = 0.0;
-  o.min_slack_bytes = 2 * kMiB;
+  o.min_slack_bytes = 0;
   mem::install_caching_allocator(o);
   const auto start = mem::cache_stats();
-  // 200 distinct sizes around 1 MiB, each freed before the next: 200 MiB requested in all.
-  for (int i = 0; i < 200; ++i) {
-    at::Tensor t = at::empty({kMiB / 4 + 64 * i}, at::kFloat);
+  // 30 sizes from 12 to 70 MiB (each a segment of its own size), each freed before the next:
+  // without a limit the cache would hold 1,230 MiB.
+  for (int i = 0; i < 30; ++i) {
+    at::Tensor t = at::empty({(12 + 2 * i) * kMiB / 4}, at::kFloat);
     t.fill_(1.0f);
     const auto s = mem::cache_stats();
-    ASSERT_LE(s.reserved_bytes, s.peak_live_bytes + o.min_slack_bytes) << "at size " << i;
+    ASSERT_LE(s.reserved_bytes, s.peak_live_bytes + 2 * kMiB) << "at size " << i;
   }
   const auto end = mem::cache_stats();
-  EXPECT_EQ(end.misses - start.misses, 200);
-  EXPECT_GE(end.released_blocks - start.released_blocks, 190);
-  EXPECT_LE(end.cached_bytes, o.min_slack_bytes + kMiB + 200 * 64);
-  // empty_cache() gives all of it back; disabling does too and keeps nothing afterwards.
+  EXPECT_EQ(end.misses - start.misses, 30);
+  EXPECT_EQ(end.released_segments - start.released_segments, 29);
+  EXPECT_EQ(end.cached_bytes, 70 * kMiB);
+  // empty_cache() gives back every segment with nothing alive in it.
   mem::empty_cache();
   EXPECT_EQ(mem::cache_stats().cached_bytes, 0);
-  EXPECT_EQ(mem::cache_stats().cached_blocks, 0);
+  // Disabled: requests go to malloc, and a segment goes back once its last block dies.
+  at::Tensor held = at::empty({1000}, at::kFloat);
   o.enabled = false;
   mem::set_caching_options(o);
+  const auto off = mem::cache_stats();
   { at::Tensor t = at::empty({kMiB}, at::kFloat); }
-  EXPECT_EQ(mem::cache_stats().cached_bytes, 0);
+  EXPECT_EQ(mem::cache_stats().hits + mem::cache_stats().misses, off.hits + off.misses);
+  EXPECT_EQ(mem::cache_stats().cached_bytes, off.cached_bytes);
+  held = at::Tensor();
+  EXPECT_EQ(mem::cache_stats().reserved_bytes, 0);
+  EXPECT_EQ(mem::cache_stats().segments, 0);
   o.enabled = true;
   mem::set_caching_options(o);
   { at::Tensor t = at::empty({kMiB}, at::kFloat); }
-  EXPECT_EQ(mem::cache_stats().cached_bytes, 4 * kMiB);
+  EXPECT_EQ(mem::cache_stats().cached_bytes, 20 * kMiB);
 }
 
 // The tracking allocator installed on top counts the bytes requested, not the cache's rounding
@@ -93,11 +110,11 @@ TEST(CachingAllocator, TheTrackerOnTopCountsRequestedBytes) {
   mem::install_tracking_allocator();
   const int64_t before = mem::current_bytes();
   {
-    at::Tensor t = at::empty({1001}, at::kFloat);  // 4,004 bytes, a 4,032-byte block
+    at::Tensor t = at::empty({1001}, at::kFloat);  // 4,004 bytes, a 4,096-byte block
     EXPECT_EQ(mem::current_bytes() - before, 4004);
   }
   EXPECT_EQ(mem::current_bytes(), before);
-  EXPECT_GE(mem::cache_stats().cached_bytes, 4032);
+  EXPECT_GE(mem::cache_stats().cached_bytes, 4096);
 }
 
 // Under an installed tracker the cache would go uncounted: refused, and nothing changes.
@@ -126,6 +143,7 @@ TEST(CachingAllocator, RawAllocateAndDeallocate) {
 TEST(CachingAllocator, ThreadsShareItSafely) {
   mem::install_caching_allocator();
   const auto start = mem::cache_stats();
+  ASSERT_EQ(start.reserved_bytes, start.cached_bytes) << "something of ours is alive already";
   std::vector<std::thread> threads;
   std::atomic<int> corrupted{0};
   for (int w = 0; w < 4; ++w) {
@@ -133,7 +151,9 @@ TEST(CachingAllocator, ThreadsShareItSafely) {
       std::mt19937 rng(w);
       std::vector<at::Tensor> held;
       for (int i = 0; i < 3000; ++i) {
-        const int64_t n = 16 + static_cast<int64_t>(rng() % 8) * 1000;
+        // Mostly small (their pool), every 7th 1-3 MiB (split from the 20 MiB segments).
+        const int64_t n = i % 7 == 0 ? (1 << 18) + static_cast<int64_t>(rng() % 8) * 65536
+                                     : 16 + static_cast<int64_t>(rng() % 8) * 1000;
         at::Tensor t = at::empty({n}, at::kInt);
         t.fill_(w * 100000 + i);
         held.push_back(t);
@@ -150,9 +170,13 @@ TEST(CachingAllocator, ThreadsShareItSafely) {
     t.join();
   EXPECT_EQ(corrupted.load(), 0);
   const auto end = mem::cache_stats();
-  // 8 sizes per thread and at most 9 tensors each held: nearly everything came from the cache.
+  // At most 9 tensors held per thread: nearly everything came from free blocks.
   EXPECT_GT(end.hits - start.hits, 20 * (end.misses - start.misses));
-  EXPECT_EQ(end.reserved_bytes - end.cached_bytes, start.reserved_bytes - start.cached_bytes);
+  EXPECT_EQ(end.reserved_bytes, end.cached_bytes);
+  // Every block merged back into whole free segments, which empty_cache() gives back.
+  mem::empty_cache();
+  EXPECT_EQ(mem::cache_stats().reserved_bytes, 0);
+  EXPECT_EQ(mem::cache_stats().segments, 0);
 }
 
 // What the cache is for: a training loop's second step onwards allocates every tensor from the

@@ -272,10 +272,11 @@ const std::vector<Option>& options() {
           "Held-out batches per rank per evaluation."),
       opt("training.threads", FIELD(training.threads), "Intra-op threads per rank."),
       opt("training.cpu_cache", FIELD(training.cpu_cache),
-          "Keep CPU tensor storage a step frees for the next request of the same size "
-          "(fsdp::memory's caching allocator) instead of returning it to malloc: resident "
-          "memory stops creeping up over a long run, and steps make no malloc calls for "
-          "tensors. It holds at most 25% + 16 MiB above the largest live tensor total."),
+          "Keep the memory of freed CPU tensors in segments of its own for the next steps' "
+          "tensors (fsdp::memory's caching allocator) instead of returning it to malloc: "
+          "resident memory stays flat over a long run and steps make no malloc calls for "
+          "tensors (docs/design.md, \"Resident memory\"). It holds at most 25% + 16 MiB above "
+          "the largest live tensor total."),
       opt("training.memory_budget", FIELD(training.memory_budget),
           "Memory each rank may use (e.g. \"16GiB\"; empty: no budget). Before step 1 the "
           "planner (fsdp::plan) predicts the run's per-rank peak; above the budget, fsdp-train "
