@@ -136,6 +136,13 @@ TEST(CachingAllocator, RawAllocateAndDeallocate) {
   void* q = a->raw_allocate(1000);
   EXPECT_EQ(q, p);
   a->raw_deallocate(q);
+  // With the cache off the memory comes from c10's allocator, and goes back to it.
+  mem::CachingOptions off;
+  off.enabled = false;
+  mem::set_caching_options(off);
+  void* r = a->raw_allocate(1000);
+  std::memset(r, 7, 1000);
+  a->raw_deallocate(r);
 }
 
 // Threads allocating and freeing at once (autograd, Gloo's lanes and the main thread do): each

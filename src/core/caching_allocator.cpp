@@ -213,12 +213,20 @@ void cached_delete(void* data) {
   Cache& c = cache();
   std::vector<Segment> bases;
   {
-    std::lock_guard<std::mutex> lock(c.mutex);
+    std::unique_lock<std::mutex> lock(c.mutex);
     auto node = c.live.extract(data);
-    TORCH_INTERNAL_ASSERT(!node.empty(),
-                          "fsdp::memory: the caching allocator was handed a pointer it did not "
-                          "allocate, or one freed twice: ",
-                          data);
+    if (node.empty()) {
+      // Allocated while the cache was off, by c10's allocator, and handed back through our
+      // raw_deleter() (raw_allocate / raw_deallocate): its own deleter frees it.
+      const c10::DeleterFnPtr fallback = c.wrapped->raw_deleter();
+      TORCH_INTERNAL_ASSERT(fallback != nullptr,
+                            "fsdp::memory: the caching allocator was handed a pointer it did "
+                            "not allocate: ",
+                            data);
+      lock.unlock();
+      fallback(data);
+      return;
+    }
     Block* b = node.mapped();
     c.live_bytes -= b->size;
     if (c.options.enabled) {
