@@ -8,18 +8,23 @@ scripts/hosts.sh, with the time to a clear error, the messages, and the processe
             error naming the ranks and host it lost.
   stall     one rank of host 1 is stopped (SIGSTOP): the others must name it (rank and host),
             not only say that a collective timed out; fr-analyze on the dumps names it too.
-  lossy     2% of every packet dropped and the links shaped to 100 Mbit/s: training goes on
-            and the losses equal those of the clean run bitwise. (A 20 ms delay needs the
-            kernel's netem; hosts.sh refuses --delay where it is missing, as on our machines.)
+  lossy     2% of every packet dropped, 20 ms added to every packet between the hosts (hosts.sh
+            --delay: tc netem, or its delay line in user space where the kernel has no netem)
+            and the links shaped to 100 Mbit/s: training goes on, exits 0, and the losses equal
+            those of the clean run bitwise. The delay is checked to be real: the median round
+            trip of 20 small TCP messages between the hosts must be at least 2 x 20 ms (it is
+            printed for the clean run too). Without netem or /dev/net/tun it runs without delay.
 
 Bounds are checked and printed; the script exits non-zero if one is not met.
 """
 import argparse
+import gzip
 import json
 import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -159,28 +164,110 @@ def stall(args):
         errors + [(None, "fr-analyze:\n" + analysis.stdout + analysis.stderr)]
 
 
+def delay_available():
+    """Whether hosts.sh can add a delay here: netem, else its delay line (needs /dev/net/tun)."""
+    if os.path.isdir("/sys/module/sch_netem") or os.path.exists("/dev/net/tun"):
+        return True
+    try:
+        with gzip.open("/proc/config.gz", "rt") as f:
+            return any(re.match(r"CONFIG_NET_SCH_NETEM=[ym]", l) for l in f)
+    except OSError:
+        return False
+
+
+# A TCP echo between two hosts: the server (host 0) echoes one connection; the client (host 1)
+# sends `n` 32-byte messages one at a time and prints each round trip in ms. Small messages
+# with TCP_NODELAY, so that each round trip is the link's latency, not its rate. Both give up
+# after 60 s, so that nothing outlives the job (hosts.sh waits for its hosts' processes).
+ECHO_SERVER = """
+import socket
+s = socket.create_server(("10.79.0.1", 29555)); s.settimeout(60)
+c, _ = s.accept(); c.settimeout(60); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while (d := c.recv(64)):
+    c.sendall(d)
+"""
+ECHO_CLIENT = """
+import socket, sys, time
+deadline = time.monotonic() + 60
+while True:
+    try:
+        c = socket.create_connection(("10.79.0.1", 29555), timeout=10); break
+    except OSError:
+        if time.monotonic() > deadline: raise
+        time.sleep(0.1)
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+for _ in range(int(sys.argv[1])):
+    t = time.monotonic(); c.sendall(b"x" * 32); got = 0
+    while got < 32: got += len(c.recv(64))
+    print((time.monotonic() - t) * 1e3)
+"""
+
+
+def round_trips(logs, n=20, deadline_s=60):
+    """Round trips (ms) of n small TCP messages from host 1 to host 0, once both hosts are up."""
+    start = time.time()
+    while True:
+        try:
+            env = hosts_env(logs)
+        except (OSError, ValueError):
+            env = {}
+        if "ADDR1" in env:
+            break
+        if time.time() - start > deadline_s:
+            raise SystemExit(f"the hosts were not up within {deadline_s} s")
+        time.sleep(0.1)
+    server = subprocess.Popen(["ip", "netns", "exec", env["HOST0"], sys.executable, "-c", ECHO_SERVER])
+    try:
+        out = subprocess.run(["ip", "netns", "exec", env["HOST1"], sys.executable, "-c", ECHO_CLIENT, str(n)],
+                             capture_output=True, text=True, timeout=120)
+        server.wait(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    if out.returncode != 0:
+        raise SystemExit(f"the round-trip client failed: {out.stderr}")
+    return [float(x) for x in out.stdout.split()]
+
+
 def lossy(args):
+    delay_ms = 20 if delay_available() else 0
+    shaping = ("--loss", "2", "--rate", "100mbit") + (("--delay", f"{delay_ms}ms") if delay_ms else ())
     results = {}
-    for name, extra in (("clean", ()), ("lossy", ("--loss", "2", "--rate", "100mbit"))):
+    for name, extra in (("clean", ()), ("lossy", shaping)):
         run, logs = f"/tmp/fault-{name}", f"/tmp/fault-{name}-logs"
         shutil.rmtree(run, ignore_errors=True)
+        shutil.rmtree(logs, ignore_errors=True)
         t0 = time.time()
         p = job(run, 40, args.timeout_s, logs, extra_hosts=extra)
-        p.wait(timeout=1800)
+        rtts = sorted(round_trips(logs))
+        out, _ = p.communicate(timeout=1800)
         took = time.time() - t0
         with open(os.path.join(run, "metrics.jsonl")) as f:
             losses = [json.loads(l)["loss"] for l in f if '"loss"' in l and '"step"' in l]
-        results[name] = (p.returncode, losses, took)
+        results[name] = (p.returncode, losses, took, rtts,
+                         [l for l in out.splitlines() if l.startswith("hosts.sh: host")])
     same = results["clean"][1] == results["lossy"][1] and len(results["clean"][1]) == 40
-    ok = same and results["lossy"][0] == 0
-    return ok, f"lossy link (2% loss, 100 Mbit/s): exit {results['lossy'][0]}, 40 steps in " \
-               f"{results['lossy'][2]:.1f} s against {results['clean'][2]:.1f} s clean; losses " \
-               f"{'bitwise equal' if same else 'DIFFER'} to the clean run", []
+    rtt = {k: statistics.median(v[3]) for k, v in results.items()}
+    delayed = rtt["lossy"] >= 2 * delay_ms
+    ok = same and results["lossy"][0] == 0 and delayed
+    what = f"2% loss, {delay_ms} ms delay, 100 Mbit/s" if delay_ms else "2% loss, 100 Mbit/s, no delay here"
+    return ok, f"lossy link ({what}): round trip between the hosts {rtt['lossy']:.1f} ms (median of " \
+               f"{len(results['lossy'][3])}, min {results['lossy'][3][0]:.1f}, max " \
+               f"{results['lossy'][3][-1]:.1f}; bound >= {2 * delay_ms} ms), {rtt['clean']:.2f} ms " \
+               f"clean; exit {results['lossy'][0]}, 40 steps in {results['lossy'][2]:.1f} s against " \
+               f"{results['clean'][2]:.1f} s clean; losses " \
+               f"{'bitwise equal' if same else 'DIFFER'} to the clean run", \
+        [(None, f"  {name}: {l}") for name in results for l in results[name][4]]
 
 
 def trainer_processes():
-    """This build's fsdp-train processes still alive, as (pid, parent pid): zombies waiting to
-    be reaped by init are gone, and other builds' runs on the machine are not ours to count."""
+    """This build's fsdp-train processes still alive on emulated hosts, as (pid, parent pid):
+    zombies waiting to be reaped by init are gone, and other builds' runs on the machine are not
+    ours to count, nor runs in this machine's own network namespace (a concurrent single-host
+    job of this build: every rank of ours runs in a host's namespace, and keeps it if it
+    outlives hosts.sh)."""
+    own_netns = os.readlink("/proc/self/ns/net")
     out = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -189,10 +276,11 @@ def trainer_processes():
             with open(f"/proc/{pid}/stat") as f:
                 stat = f.read()
             exe = os.readlink(f"/proc/{pid}/exe")
+            netns = os.readlink(f"/proc/{pid}/ns/net")
         except OSError:
             continue
         state, ppid = stat[stat.rfind(")") + 2:].split()[:2]
-        if exe == TRAIN and state != "Z":
+        if exe == TRAIN and state != "Z" and netns != own_netns:
             out.append((int(pid), int(ppid)))
     return out
 

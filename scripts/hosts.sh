@@ -11,8 +11,11 @@
 #   --nproc-per-host N   ranks per host (2)
 #   --rate R             each host's link rate, both ways (tc tbf: 1gbit, 100mbit; none)
 #   --loss P             drop P percent of each host's outgoing packets (nftables numgen)
-#   --delay D            add D to each host's outgoing packets (tc netem: 20ms); needs a
-#                        kernel with sch_netem, refused otherwise
+#   --delay D            add D (20ms; units us, ms, s) to each host's outgoing packets: a
+#                        packet between two hosts takes D longer, a round trip 2 x D. With tc
+#                        netem where the kernel has sch_netem, else with a delay line in user
+#                        space (scripts/delay_line.py: a forwarder per host between two TAP
+#                        devices that replace the veth pair; needs /dev/net/tun and python3)
 #   --nnodes SPEC        torchrun's --nnodes (N, or MIN:MAX for an elastic job)
 #   --max-restarts K     torchrun's --max-restarts (0)
 #   --store-timeout S    how long torchrun's agents wait on the rendezvous store (its c10d
@@ -30,7 +33,7 @@
 # <logs>/hosts.env, and <logs>/host<h>.sh starts host h's agent again (after the host was
 # "lost": every process in its namespace killed), to rejoin an elastic job; the script waits for
 # such agents too. <logs>/agents.exit gets each first agent's exit code. At the end it prints each link's byte counters: what crossed between hosts.
-# Everything it creates (namespaces, links, bridge, /etc/netns entries, processes) is removed on exit, also on
+# Everything it creates (namespaces, links, bridge, /etc/netns entries, processes, delay lines) is removed on exit, also on
 # Ctrl-C or SIGTERM. Needs root (ip netns, tc) and iproute2; --loss needs nftables.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -76,9 +79,19 @@ command -v ip >/dev/null && command -v tc >/dev/null || die "needs ip and tc (De
 TORCHRUN="$(dirname "$PY")/torchrun"
 [[ -x "$TORCHRUN" ]] || die "no torchrun next to $PY"
 if [[ "$LOSS" != 0 ]]; then command -v nft >/dev/null || die "--loss needs nft (Debian: nftables)"; fi
-if [[ -n "$DELAY" ]] && ! grep -qs 'CONFIG_NET_SCH_NETEM=[ym]' <(zcat /proc/config.gz 2>/dev/null); then
-  if ! [[ -d /sys/module/sch_netem ]]; then
-    die "--delay needs the kernel's sch_netem (tc netem), which this kernel does not have"
+DELAY_VIA=
+if [[ -n "$DELAY" ]]; then
+  [[ "$DELAY" =~ ^([0-9]+(\.[0-9]+)?)(us|ms|s)$ ]] || die "--delay must be a time such as 20ms, got '$DELAY'"
+  DELAY_MS=$(awk -v v="${BASH_REMATCH[1]}" -v u="${BASH_REMATCH[3]}" \
+    'BEGIN { printf "%.6f", v * (u == "s" ? 1000 : u == "ms" ? 1 : 0.001) }')
+  if [[ -d /sys/module/sch_netem ]] || grep -qs 'CONFIG_NET_SCH_NETEM=[ym]' <(zcat /proc/config.gz 2>/dev/null); then
+    DELAY_VIA=netem
+  else
+    # No netem ("Specified qdisc kind is unknown"): frames pass through a process of ours that
+    # holds them back instead.
+    DELAY_VIA="delay line"
+    [[ -c /dev/net/tun ]] || die "--delay needs the kernel's sch_netem or /dev/net/tun; this machine has neither"
+    FWD_PY="$(command -v python3 || echo "$PY")"
   fi
 fi
 NNODES="${NNODES:-$HOSTS}"
@@ -92,6 +105,27 @@ BR="fsdpbr$ID"
 ns() { echo "fsdp$ID-h$1"; }
 link() { echo "fh$ID-$1"; }
 pids=()
+delay_pids=()
+# Whether process $1 runs. A child that has exited stays a zombie until waited for, and kill -0
+# succeeds on a zombie: hence its state in /proc.
+alive() {
+  local st
+  st="$(cat "/proc/$1/stat" 2>/dev/null)" || return 1
+  st="${st##*) }"
+  [[ "${st%% *}" != Z ]]
+}
+# Ends the delay lines (their TAP devices go with them); one that does not end on SIGTERM
+# within 2 s is killed.
+stop_delay_lines() {
+  local p i
+  for p in "${delay_pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for p in "${delay_pids[@]}"; do
+    for ((i = 0; i < 20; ++i)); do alive "$p" || break; sleep 0.1; done
+    kill -KILL "$p" 2>/dev/null || true
+    wait "$p" 2>/dev/null || true
+  done
+  delay_pids=()
+}
 cleanup() {
   trap - EXIT INT TERM
   for ((h = 0; h < HOSTS; ++h)); do
@@ -100,6 +134,7 @@ cleanup() {
     for p in $(ip netns pids "$(ns "$h")" 2>/dev/null); do kill -9 "$p" 2>/dev/null || true; done
   done
   for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  stop_delay_lines
   for ((h = 0; h < HOSTS; ++h)); do
     ip netns del "$(ns "$h")" 2>/dev/null || true
     rm -rf "/etc/netns/$(ns "$h")"
@@ -124,19 +159,47 @@ for ((h = 0; h < HOSTS; ++h)); do
   mkdir -p "/etc/netns/$n"
   { echo "127.0.0.1 localhost"; for ((g = 0; g < HOSTS; ++g)); do echo "10.79.0.$((g + 1)) host$g"; done; } \
     > "/etc/netns/$n/hosts"
-  ip link add "$(link "$h")" type veth peer name eth0 netns "$n"
+  if [[ "$DELAY_VIA" == "delay line" ]]; then
+    # The link is two TAP devices, eth0 in the namespace and $(link h) on the bridge, with a
+    # forwarder between them that holds what the host sends back for D; what it receives passes
+    # at once (one delay per hop between two hosts, as netem on eth0 gives). The forwarder
+    # runs in this namespace, so that it is none of the host's processes (which are waited for
+    # and killed); its devices go when it ends.
+    "$FWD_PY" "$ROOT/scripts/delay_line.py" --netns "$n" --outer "$(link "$h")" \
+      --out-delay "$DELAY_MS" --mtu 1500 --ready "$LOGS/delay$h.ready" --parent $$ \
+      2> "$LOGS/delay$h.log" &
+    delay_pids+=($!)
+    for ((i = 0; i < 100; ++i)); do
+      [[ -s "$LOGS/delay$h.ready" ]] && break
+      alive "$!" || break
+      sleep 0.1
+    done
+    [[ -s "$LOGS/delay$h.ready" ]] || die "host$h's delay line did not start: $(cat "$LOGS/delay$h.log")"
+    rm -f "$LOGS/delay$h.ready"
+    # A TAP device drops what its reader has not taken once its queue is full (500 frames by
+    # default); a longer one absorbs a burst while the forwarder is descheduled.
+    ip link set "$(link "$h")" mtu 1500 txqueuelen 10000
+    ip -n "$n" link set eth0 mtu 1500 txqueuelen 10000
+  else
+    ip link add "$(link "$h")" type veth peer name eth0 netns "$n"
+  fi
   ip link set "$(link "$h")" master "$BR" up
   ip -n "$n" addr add "10.79.0.$((h + 1))/24" dev eth0
   ip -n "$n" link set eth0 up
   ip -n "$n" link set lo up
+  # eth0's root qdisc: netem (with tbf below it, netem's own recipe for delay and rate) or tbf.
+  if [[ "$DELAY_VIA" == netem ]]; then
+    ip netns exec "$n" tc qdisc add dev eth0 root handle 1: netem delay "$DELAY"
+  fi
   if [[ "$RATE" != none ]]; then
     # Both directions of the host's link: what it sends (its eth0) and what it receives (the
     # bridge's end of its link sends that).
-    ip netns exec "$n" tc qdisc add dev eth0 root tbf rate "$RATE" burst 256kb latency 50ms
+    if [[ "$DELAY_VIA" == netem ]]; then
+      ip netns exec "$n" tc qdisc add dev eth0 parent 1:1 handle 10: tbf rate "$RATE" burst 256kb latency 50ms
+    else
+      ip netns exec "$n" tc qdisc add dev eth0 root tbf rate "$RATE" burst 256kb latency 50ms
+    fi
     tc qdisc add dev "$(link "$h")" root tbf rate "$RATE" burst 256kb latency 50ms
-  fi
-  if [[ -n "$DELAY" ]]; then
-    ip netns exec "$n" tc qdisc add dev eth0 root netem delay "$DELAY"
   fi
   if [[ "$LOSS" != 0 ]]; then
     per_mille=$(awk -v p="$LOSS" 'BEGIN { printf "%d", p * 10 + 0.5 }')
@@ -151,7 +214,7 @@ EOF
   fi
   echo "HOST$h=$n LINK$h=$(link "$h") ADDR$h=10.79.0.$((h + 1))" >> "$LOGS/hosts.env"
 done
-echo "hosts.sh: $HOSTS host(s) x $NPROC rank(s), link rate $RATE, loss $LOSS%${DELAY:+, delay $DELAY}; logs in $LOGS"
+echo "hosts.sh: $HOSTS host(s) x $NPROC rank(s), link rate $RATE, loss $LOSS%${DELAY:+, delay $DELAY ($DELAY_VIA)}; logs in $LOGS"
 
 # An elastic job (--nnodes MIN:MAX): the ranks get a store of their own (rank 0's) instead of
 # sharing the agents' rendezvous store. With the shared store, torch 2.15's rank-0 agent
@@ -196,5 +259,17 @@ for ((h = 0; h < HOSTS; ++h)); do
   echo "hosts.sh: host$h sent $(cat "$s/rx_bytes") B in $(cat "$s/rx_packets") packets," \
     "received $(cat "$s/tx_bytes") B in $(cat "$s/tx_packets") packets over its link"
 done
+if ((${#delay_pids[@]})); then
+  # What the delay lines passed and dropped, and what their TAP devices dropped because the
+  # forwarder was late (both 0 unless a link was cut: then frames to the down device).
+  for ((h = 0; h < HOSTS; ++h)); do
+    tapdrops[h]=$(($(cat "/sys/class/net/$(link "$h")/statistics/tx_dropped" 2>/dev/null || echo 0) +
+      $(ip netns exec "$(ns "$h")" cat /sys/class/net/eth0/statistics/tx_dropped 2>/dev/null || echo 0)))
+  done
+  stop_delay_lines
+  for ((h = 0; h < HOSTS; ++h)); do
+    echo "hosts.sh: host$h's $(tail -n 1 "$LOGS/delay$h.log"); its TAP devices dropped ${tapdrops[h]}"
+  done
+fi
 ((status == 0)) || echo "hosts.sh: a host's agent failed (exit $status); logs: $LOGS/host*.log" >&2
 exit "$status"
