@@ -471,7 +471,13 @@ FSDP_WORKER(pg_lost_peer) {
   auto opts = options_from(ctx);
   auto pg = fsdp::init_process_group(opts);
   const std::string mode = ctx.env("FSDP_TEST_PEER");
+  // Rank 1 leaves only once every rank has its group: init_process_group returns on one rank
+  // while another may still be connecting Gloo's pairs, and a peer that died then fails that
+  // rank's init instead of the collective under test (seen once in a full suite run).
+  auto store = fsdp::detail::GroupAccess::store(*pg);
+  store->set("test/ready" + std::to_string(pg->rank()), std::vector<uint8_t>{'1'});
   if (pg->rank() == 1) {
+    store->wait({"test/ready0", "test/ready2"}, 60s);
     if (mode == "die") {
       ::kill(::getpid(), SIGKILL);
     } else if (mode == "exit") {
