@@ -88,7 +88,8 @@ def last_step(run_dir):
 
 def ranks(agent_pid):
     """The fsdp-train processes torchrun's agent runs now (its children), alive ones only."""
-    return sorted(pid for pid, parent in trainer_processes() if parent == agent_pid)
+    return sorted(pid for pid, parent in trainer_processes(hosts_only=False)
+                  if parent == agent_pid)
 
 
 def proc_figures(pid):
@@ -280,12 +281,12 @@ def main():
     ok, reference = soak(args)
     if not args.soak_only:
         ok &= chaos(args, reference)
-    left = live_trainers()
+    left = live_trainers(hosts_only=False)
     for _ in range(50):  # the last ranks may take a moment to be gone
         if not left:
             break
         time.sleep(0.1)
-        left = live_trainers()
+        left = live_trainers(hosts_only=False)
     print(f"\nprocesses left: {len(left)}")
     sys.exit(0 if ok and not left else 1)
 

@@ -261,12 +261,13 @@ def lossy(args):
         [(None, f"  {name}: {l}") for name in results for l in results[name][4]]
 
 
-def trainer_processes():
-    """This build's fsdp-train processes still alive on emulated hosts, as (pid, parent pid):
-    zombies waiting to be reaped by init are gone, and other builds' runs on the machine are not
-    ours to count, nor runs in this machine's own network namespace (a concurrent single-host
-    job of this build: every rank of ours runs in a host's namespace, and keeps it if it
-    outlives hosts.sh)."""
+def trainer_processes(hosts_only=True):
+    """This build's fsdp-train processes still alive, as (pid, parent pid): zombies waiting to
+    be reaped by init are gone, and other builds' runs on the machine are not ours to count.
+    With hosts_only, only those on emulated hosts: not runs in this machine's own network
+    namespace (a concurrent single-host job of this build: every rank of ours runs in a host's
+    namespace, and keeps it if it outlives hosts.sh). bench/chaos.py's jobs run on this
+    machine's own namespace: it passes hosts_only=False."""
     own_netns = os.readlink("/proc/self/ns/net")
     out = []
     for pid in os.listdir("/proc"):
@@ -280,13 +281,13 @@ def trainer_processes():
         except OSError:
             continue
         state, ppid = stat[stat.rfind(")") + 2:].split()[:2]
-        if exe == TRAIN and state != "Z" and netns != own_netns:
+        if exe == TRAIN and state != "Z" and (not hosts_only or netns != own_netns):
             out.append((int(pid), int(ppid)))
     return out
 
 
-def live_trainers():
-    return [pid for pid, _ in trainer_processes()]
+def live_trainers(hosts_only=True):
+    return [pid for pid, _ in trainer_processes(hosts_only)]
 
 
 def main():
