@@ -1,0 +1,145 @@
+// The fused, chunked LM head + cross-entropy against the unfused one: the same loss and
+// gradients (fp32 to rounding; bf16 to bf16's), every chunk size including ones that do not
+// divide the positions, masks and ignored targets, and a peak that no longer holds the logits.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <stdexcept>
+
+#include <fsdp/core/memory.h>
+
+#include "chunked_loss.h"
+
+namespace {
+
+namespace F = torch::nn::functional;
+
+struct Result {
+  torch::Tensor loss, grad_h, grad_w;
+};
+
+// The unfused reference: the whole logits, cross_entropy per position, weighted, summed.
+Result unfused(const torch::Tensor& h0, const torch::Tensor& w0, const torch::Tensor& targets,
+               const torch::Tensor& weights, double denom) {
+  auto h = h0.detach().clone().requires_grad_(true);
+  auto w = w0.detach().clone().requires_grad_(true);
+  const auto logits = at::matmul(h, w.t()).to(torch::kFloat);
+  auto ce = F::cross_entropy(logits, targets, F::CrossEntropyFuncOptions().reduction(torch::kNone));
+  auto weight = weights.defined() ? weights : torch::ones_like(ce);
+  auto loss = (ce * weight).sum() / denom;
+  loss.backward();
+  return {loss.detach(), h.grad(), w.grad()};
+}
+
+Result fused(const torch::Tensor& h0, const torch::Tensor& w0, const torch::Tensor& targets,
+             const torch::Tensor& weights, double denom, int64_t chunk) {
+  auto h = h0.detach().clone().requires_grad_(true);
+  auto w = w0.detach().clone().requires_grad_(true);
+  auto loss = fsdp_models::chunked_linear_cross_entropy(h, w, targets, weights, denom, chunk);
+  loss.backward();
+  return {loss.detach(), h.grad(), w.grad()};
+}
+
+TEST(ChunkedLoss, EqualsTheUnfusedLossAndGradientsInFp32) {
+  torch::manual_seed(0);
+  const int64_t n = 37, c = 16, v = 50;  // 37 positions: no chunk size below divides them
+  const auto h = torch::randn({n, c});
+  const auto w = torch::randn({v, c}) * 0.5;
+  auto targets = torch::randint(0, v, {n}, torch::kLong);
+  const auto mask = torch::randint(0, 2, {n}).to(torch::kFloat);
+  // Ignored targets (-100) count as weight 0 in the fused loss; the reference masks them.
+  auto ignored = targets.clone();
+  ignored.index_put_({torch::arange(0, n, 5)}, -100);
+  const auto ref_mask = mask.masked_fill(ignored.eq(-100), 0.0);
+  const double denom = ref_mask.sum().item<double>();
+  const auto ref = unfused(h, w, targets, ref_mask, denom);
+  const auto mean_ref = unfused(h, w, targets, torch::Tensor(), static_cast<double>(n));
+  EXPECT_TRUE(torch::allclose(mean_ref.loss, F::cross_entropy(at::matmul(h, w.t()), targets)));
+  for (int64_t chunk : {1, 5, 8, 36, 37, 100}) {
+    const auto got = fused(h, w, ignored, mask, denom, chunk);
+    EXPECT_TRUE(torch::allclose(got.loss, ref.loss, 1e-5, 1e-6))
+        << "chunk " << chunk << ": " << got.loss.item<double>() << " vs "
+        << ref.loss.item<double>();
+    EXPECT_TRUE(torch::allclose(got.grad_h, ref.grad_h, 1e-5, 1e-6)) << "chunk " << chunk;
+    EXPECT_TRUE(torch::allclose(got.grad_w, ref.grad_w, 1e-5, 1e-6)) << "chunk " << chunk;
+    // No weights and denominator N: cross_entropy's mean.
+    const auto mean = fused(h, w, targets, torch::Tensor(), static_cast<double>(n), chunk);
+    EXPECT_TRUE(torch::allclose(mean.loss, mean_ref.loss, 1e-5, 1e-6)) << "chunk " << chunk;
+    EXPECT_TRUE(torch::allclose(mean.grad_h, mean_ref.grad_h, 1e-5, 1e-6)) << "chunk " << chunk;
+    EXPECT_TRUE(torch::allclose(mean.grad_w, mean_ref.grad_w, 1e-5, 1e-6)) << "chunk " << chunk;
+  }
+}
+
+// bf16 hidden states and head: the logits of a chunk are the same bf16 matmul the Linear does,
+// taken to fp32 for the softmax. Loss to 1e-3 and gradients to 2e-2 relative (bf16 has an 8-bit
+// significand: its rounding, 2^-8 = 3.9e-3 per value, is what the unfused path has too; the
+// fused gradient of the weight is accumulated in fp32 over chunks, the unfused one in one bf16
+// matmul).
+TEST(ChunkedLoss, Bf16WithinBf16Rounding) {
+  torch::manual_seed(1);
+  const int64_t n = 64, c = 32, v = 300;
+  const auto h = torch::randn({n, c}).to(torch::kBFloat16);
+  const auto w = (torch::randn({v, c}) * 0.2).to(torch::kBFloat16);
+  const auto targets = torch::randint(0, v, {n}, torch::kLong);
+  const auto ref = unfused(h, w, targets, torch::Tensor(), static_cast<double>(n));
+  const auto got = fused(h, w, targets, torch::Tensor(), static_cast<double>(n), 16);
+  EXPECT_EQ(got.grad_h.scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(got.grad_w.scalar_type(), torch::kBFloat16);
+  EXPECT_NEAR(got.loss.item<double>(), ref.loss.item<double>(), 1e-3 * ref.loss.item<double>());
+  const auto rel = [](const torch::Tensor& a, const torch::Tensor& b) {
+    return ((a.to(torch::kFloat) - b.to(torch::kFloat)).norm() / b.to(torch::kFloat).norm())
+        .item<double>();
+  };
+  EXPECT_LT(rel(got.grad_h, ref.grad_h), 2e-2);
+  EXPECT_LT(rel(got.grad_w, ref.grad_w), 2e-2);
+}
+
+// What the fusion is for: the peak of forward + backward no longer holds the [N x V] logits and
+// their gradient. N = 2048 positions of a 8,192-word vocabulary: 64 MiB of fp32 logits unfused;
+// chunks of 128 positions hold 4 MiB of them at a time. Frozen head (LoRA): no weight gradient.
+TEST(ChunkedLoss, ThePeakNoLongerHoldsTheLogits) {
+  fsdp::memory::install_tracking_allocator();
+  torch::manual_seed(2);
+  const int64_t n = 2048, c = 64, v = 8192;
+  const auto h0 = torch::randn({n, c});
+  const auto w = torch::randn({v, c}) * 0.1;  // frozen
+  const auto targets = torch::randint(0, v, {n}, torch::kLong);
+  auto peak_of = [&](bool chunked) {
+    auto h = h0.clone().requires_grad_(true);
+    fsdp::memory::PeakScope scope;
+    torch::Tensor loss;
+    if (chunked) {
+      loss = fsdp_models::chunked_linear_cross_entropy(h, w, targets, torch::Tensor(),
+                                                       static_cast<double>(n), 128);
+    } else {
+      loss = F::cross_entropy(at::matmul(h, w.t()), targets);
+    }
+    loss.backward();
+    return std::pair<int64_t, torch::Tensor>(scope.peak_above_baseline(), h.grad());
+  };
+  const auto [unfused_peak, unfused_grad] = peak_of(false);
+  const auto [chunked_peak, chunked_grad] = peak_of(true);
+  const int64_t logits_bytes = n * v * 4;
+  std::printf("peak above baseline: unfused %.1f MiB, chunked %.1f MiB (logits %.1f MiB)\n",
+              unfused_peak / 1048576.0, chunked_peak / 1048576.0, logits_bytes / 1048576.0);
+  EXPECT_GE(unfused_peak, logits_bytes);
+  EXPECT_LT(chunked_peak, logits_bytes / 4);
+  EXPECT_TRUE(torch::allclose(chunked_grad, unfused_grad, 1e-5, 1e-7));
+}
+
+TEST(ChunkedLoss, BadInputIsRefused) {
+  const auto h = torch::randn({4, 3});
+  const auto w = torch::randn({5, 3});
+  EXPECT_THROW(fsdp_models::chunked_linear_cross_entropy(
+                   h, w, torch::tensor({0, 1, 5, 2}, torch::kLong), {}, 4, 2),
+               std::invalid_argument);
+  EXPECT_THROW(fsdp_models::chunked_linear_cross_entropy(
+                   h, w, torch::tensor({0, 1, 2, 2}, torch::kLong), {}, 4, 0),
+               std::invalid_argument);
+  EXPECT_THROW(fsdp_models::chunked_linear_cross_entropy(
+                   h, torch::randn({5, 2}), torch::tensor({0, 1, 2, 2}, torch::kLong), {}, 4, 2),
+               std::invalid_argument);
+}
+
+}  // namespace
