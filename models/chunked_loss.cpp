@@ -103,4 +103,21 @@ torch::Tensor chunked_linear_cross_entropy(const torch::Tensor& hidden, const to
   return ChunkedLinearCrossEntropy::apply(hidden, weight, y, w, chunk);
 }
 
+torch::Tensor head_loss(const torch::Tensor& normed, const torch::Tensor& weight,
+                        const std::function<torch::Tensor(const torch::Tensor&)>& logits,
+                        const LossSpec& spec) {
+  const auto h = normed.reshape({-1, normed.size(-1)});
+  const auto targets = spec.targets.reshape({-1});
+  const auto weights = spec.weights.defined() ? spec.weights.reshape({-1}) : torch::Tensor();
+  if (weight.defined())
+    return chunked_linear_cross_entropy(h, weight, targets, weights, spec.denominator, spec.chunk);
+  const auto all = logits(normed);
+  auto ce = torch::nn::functional::cross_entropy(
+      all.reshape({-1, all.size(-1)}).to(torch::kFloat), targets,
+      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+  if (weights.defined())
+    ce = ce * weights;
+  return ce.sum() / spec.denominator;
+}
+
 }  // namespace fsdp_models

@@ -10,6 +10,8 @@
 
 #include <torch/types.h>
 
+#include <functional>
+
 namespace fsdp_models {
 
 /// sum_i w_i * CE(hidden_i . weight^T, targets_i) / denominator, over the N positions of
@@ -24,5 +26,28 @@ torch::Tensor chunked_linear_cross_entropy(const torch::Tensor& hidden, const to
                                            const torch::Tensor& targets,
                                            const torch::Tensor& weights, double denominator,
                                            int64_t chunk, int64_t ignore_index = -100);
+
+/// What a model's loss forward (forward(idx, LossSpec)) computes: the loss above over every
+/// position of the batch, targets (B, T) and weights (B, T) or undefined (neither requires
+/// grad). fsdp::forward sees its tensors through visit_tensors.
+struct LossSpec {
+  torch::Tensor targets;
+  torch::Tensor weights;
+  double denominator = 1;
+  int64_t chunk = 1;
+
+  template <typename F>
+  void visit_tensors(F&& f) {
+    f(targets);
+    f(weights);
+  }
+};
+
+/// The loss of LossSpec from the normalised hidden states (B, T, C) and the head's weight (V, C):
+/// chunked. For a head that is not a plain matrix (LoRA adapters, NF4 storage, a bias), pass an
+/// undefined weight and the logits function: the unfused loss, same value.
+torch::Tensor head_loss(const torch::Tensor& normed, const torch::Tensor& weight,
+                        const std::function<torch::Tensor(const torch::Tensor&)>& logits,
+                        const LossSpec& spec);
 
 }  // namespace fsdp_models

@@ -147,6 +147,19 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
   return head(x);
 }
 
+torch::Tensor GPTImpl::forward(const torch::Tensor& idx, const LossSpec& loss) {
+  auto x = embed(idx);
+  for (auto& block : blocks)
+    x = fsdp::forward(block, x);
+  const auto h = ln_f(x);
+  if (cfg_.tie_embeddings)
+    return head_loss(h, wte->weight, {}, loss);
+  const bool plain = !lm_head->has_lora() && !lm_head->bias.defined() && !lm_head->is_nf4();
+  return head_loss(
+      h, plain ? lm_head->weight : torch::Tensor(),
+      [this](const torch::Tensor& n) { return lm_head(n); }, loss);
+}
+
 torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
   return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
                                               targets.reshape({-1}));

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "chunked_loss.h"
 #include "layers.h"
 
 namespace fsdp_models {
@@ -78,6 +79,9 @@ class GPTImpl : public torch::nn::Module {
   explicit GPTImpl(const GPTConfig& cfg, const ModelInit& init = {});
   /// idx: (B, T) token ids -> logits (B, T, vocab).
   torch::Tensor forward(const torch::Tensor& idx);
+  /// The loss instead of the logits, the head and its cross-entropy over chunks of positions
+  /// (chunked_loss.h): the (B, T, V) logits are never alive at once.
+  torch::Tensor forward(const torch::Tensor& idx, const LossSpec& loss);
   /// forward() in its three parts, for code that runs them apart (the planner's calibration):
   /// embed(idx) -> each block -> head(x) is forward(idx).
   torch::Tensor embed(const torch::Tensor& idx);  // (B, T) -> (B, T, C)

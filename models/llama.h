@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "chunked_loss.h"
 #include "layers.h"
 
 namespace fsdp_models {
@@ -123,6 +124,9 @@ class LlamaImpl : public torch::nn::Module {
   explicit LlamaImpl(const LlamaConfig& cfg, const ModelInit& init = {});
   /// tokens: (B, T) ids -> logits (B, T, vocab).
   torch::Tensor forward(const torch::Tensor& tokens);
+  /// The loss instead of the logits, the head and its cross-entropy over chunks of positions
+  /// (chunked_loss.h): the (B, T, V) logits are never alive at once.
+  torch::Tensor forward(const torch::Tensor& tokens, const LossSpec& loss);
   /// forward() in its three parts, for code that runs them apart (the planner's calibration):
   /// embed(tokens) -> each block with rope(T) -> head(h) is forward(tokens).
   torch::Tensor embed(const torch::Tensor& tokens);  // (B, T) -> (B, T, dim)

@@ -271,6 +271,12 @@ const std::vector<Option>& options() {
       opt("training.eval_batches", FIELD(training.eval_batches),
           "Held-out batches per rank per evaluation."),
       opt("training.threads", FIELD(training.threads), "Intra-op threads per rank."),
+      opt("training.loss_chunk", FIELD(training.loss_chunk),
+          "Positions per chunk of the head and its cross-entropy in training steps "
+          "(fsdp_models::chunked_linear_cross_entropy): the (batch x seq_len x vocab) logits "
+          "and their softmax are never alive at once, for the head's matmul done twice. 0: "
+          "the whole logits, then the loss. The planner (--plan) does not model it yet: its "
+          "activation prediction is then an upper bound."),
       opt("training.cpu_cache", FIELD(training.cpu_cache),
           "Keep the memory of freed CPU tensors in segments of its own for the next steps' "
           "tensors (fsdp::memory's caching allocator) instead of returning it to malloc: "
@@ -691,6 +697,8 @@ void validate(const Config& c) {
   require(c.training.eval_every >= 0, "training.eval_every", "must be >= 0");
   require(c.training.eval_batches >= 1, "training.eval_batches", "must be >= 1");
   // Each intra-op thread is created up front: a million of them crashed the process.
+  require(c.training.loss_chunk >= 0, "training.loss_chunk",
+          "must be >= 0, got " + std::to_string(c.training.loss_chunk));
   require(c.training.threads >= 1 && c.training.threads <= 1024, "training.threads",
           "must be between 1 and 1024, got " + std::to_string(c.training.threads));
   if (!c.training.memory_budget.empty())

@@ -57,6 +57,9 @@ void build_sharded(TrainModel& out, const Cfg& cfg, fsdp_models::InitScheme sche
   parallelize(model, blocks, root, checkpoint_every);
   out.module = model.ptr();
   out.forward = [model](const torch::Tensor& idx) mutable { return fsdp::forward(model, idx); };
+  out.forward_loss = [model](const torch::Tensor& idx, const fsdp_models::LossSpec& spec) mutable {
+    return fsdp::forward(model, idx, spec);
+  };
   out.save_hf = [model](const std::string& dir, fsdp::ProcessGroup& group) mutable {
     fsdp_models::save_hf(dir, model, group);
   };
@@ -286,6 +289,9 @@ TrainModel build_finetune_model(const Config& config, const std::string& gguf_pa
   TrainModel out;
   out.module = model.ptr();
   out.forward = [model](const torch::Tensor& idx) mutable { return fsdp::forward(model, idx); };
+  out.forward_loss = [model](const torch::Tensor& idx, const fsdp_models::LossSpec& spec) mutable {
+    return fsdp::forward(model, idx, std::cref(spec));  // targets and weights: not cast
+  };
   out.save_hf = [model, adapters](const std::string& dir, fsdp::ProcessGroup& group) mutable {
     if (adapters)
       fm::save_merged_hf(dir, model, group);

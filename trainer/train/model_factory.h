@@ -19,6 +19,9 @@ struct TrainModel {
   std::shared_ptr<torch::nn::Module> module;
   /// idx (B, T) -> logits (B, T, vocab), through fsdp::forward.
   std::function<torch::Tensor(const torch::Tensor&)> forward;
+  /// idx (B, T) -> the loss of `spec` (fsdp_models::LossSpec: the head and cross-entropy over
+  /// chunks of positions), through fsdp::forward.
+  std::function<torch::Tensor(const torch::Tensor&, const fsdp_models::LossSpec&)> forward_loss;
   /// Writes the model as a Hugging Face directory / loads one into it (formats/hf_format.h).
   std::function<void(const std::string& dir, fsdp::ProcessGroup& group)> save_hf;
   std::function<void(const std::string& dir)> load_hf;

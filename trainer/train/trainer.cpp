@@ -664,18 +664,33 @@ double Trainer::run_step(const StepParts& parts, const torch::Tensor& batch,
         auto inputs = conversations.inputs.narrow(0, i * rows, rows).to(device_);
         auto labels = conversations.labels.narrow(0, i * rows, rows).to(device_);
         auto mask = conversations.mask.narrow(0, i * rows, rows).to(device_);
-        auto logits = parts.model.forward(inputs);
-        auto ce = torch::nn::functional::cross_entropy(
-            logits.reshape({-1, logits.size(-1)}), labels.reshape({-1}),
-            torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
-        loss = (ce * mask.reshape({-1})).sum() /
-               static_cast<double>(std::max<int64_t>(1, conversations.targets));
+        const double answers = static_cast<double>(std::max<int64_t>(1, conversations.targets));
+        if (t.loss_chunk > 0) {
+          loss = parts.model.forward_loss(
+              inputs, fsdp_models::LossSpec{labels, mask.to(torch::kFloat), answers, t.loss_chunk});
+        } else {
+          auto logits = parts.model.forward(inputs);
+          auto ce = torch::nn::functional::cross_entropy(
+              logits.reshape({-1, logits.size(-1)}), labels.reshape({-1}),
+              torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+          loss = (ce * mask.reshape({-1})).sum() / answers;
+        }
       } else {
         auto mb = batch.narrow(0, i * rows, rows);
-        auto logits = parts.model.forward(mb.narrow(1, 0, t.seq_len));
-        loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                                    mb.narrow(1, 1, t.seq_len).reshape({-1})) /
-               static_cast<double>(micro);
+        if (t.loss_chunk > 0) {
+          // cross_entropy's mean over the micro-batch's positions, divided by the micro-batches.
+          loss = parts.model.forward_loss(
+              mb.narrow(1, 0, t.seq_len),
+              fsdp_models::LossSpec{mb.narrow(1, 1, t.seq_len),
+                                    {},
+                                    static_cast<double>(rows * t.seq_len * micro),
+                                    t.loss_chunk});
+        } else {
+          auto logits = parts.model.forward(mb.narrow(1, 0, t.seq_len));
+          loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                                      mb.narrow(1, 1, t.seq_len).reshape({-1})) /
+                 static_cast<double>(micro);
+        }
       }
     }
     {
