@@ -103,15 +103,17 @@ torch::Tensor chunked_linear_cross_entropy(const torch::Tensor& hidden, const to
   return ChunkedLinearCrossEntropy::apply(hidden, weight, y, w, chunk);
 }
 
-torch::Tensor head_loss(const torch::Tensor& normed, const torch::Tensor& weight,
-                        const std::function<torch::Tensor(const torch::Tensor&)>& logits,
+torch::Tensor head_loss(const torch::Tensor& normed, const torch::Tensor& tied, Linear& head,
                         const LossSpec& spec) {
   const auto h = normed.reshape({-1, normed.size(-1)});
   const auto targets = spec.targets.reshape({-1});
   const auto weights = spec.weights.defined() ? spec.weights.reshape({-1}) : torch::Tensor();
-  if (weight.defined())
-    return chunked_linear_cross_entropy(h, weight, targets, weights, spec.denominator, spec.chunk);
-  const auto all = logits(normed);
+  const bool plain =
+      tied.defined() || (!head->has_lora() && !head->bias.defined() && !head->is_nf4());
+  if (plain)
+    return chunked_linear_cross_entropy(h, tied.defined() ? tied : head->weight, targets, weights,
+                                        spec.denominator, spec.chunk);
+  const auto all = head(normed);
   auto ce = torch::nn::functional::cross_entropy(
       all.reshape({-1, all.size(-1)}).to(torch::kFloat), targets,
       torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));

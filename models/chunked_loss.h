@@ -10,7 +10,7 @@
 
 #include <torch/types.h>
 
-#include <functional>
+#include "layers.h"
 
 namespace fsdp_models {
 
@@ -43,11 +43,11 @@ struct LossSpec {
   }
 };
 
-/// The loss of LossSpec from the normalised hidden states (B, T, C) and the head's weight (V, C):
-/// chunked. For a head that is not a plain matrix (LoRA adapters, NF4 storage, a bias), pass an
-/// undefined weight and the logits function: the unfused loss, same value.
-torch::Tensor head_loss(const torch::Tensor& normed, const torch::Tensor& weight,
-                        const std::function<torch::Tensor(const torch::Tensor&)>& logits,
+/// The loss of LossSpec from the normalised hidden states (B, T, C) and the model's head: the
+/// tied matrix `tied` (V, C) when defined, else `head`. Chunked when the head is a plain matrix;
+/// a head with LoRA adapters, NF4 storage or a bias gives its whole logits, then the loss (the
+/// same value).
+torch::Tensor head_loss(const torch::Tensor& normed, const torch::Tensor& tied, Linear& head,
                         const LossSpec& spec);
 
 }  // namespace fsdp_models

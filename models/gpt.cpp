@@ -140,24 +140,20 @@ torch::Tensor GPTImpl::head(const torch::Tensor& x) {
   return cfg_.tie_embeddings ? torch::nn::functional::linear(h, wte->weight) : lm_head(h);
 }
 
-torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
+torch::Tensor GPTImpl::trunk(const torch::Tensor& idx) {
   auto x = embed(idx);
   for (auto& block : blocks)
     x = fsdp::forward(block, x);
-  return head(x);
+  return x;
+}
+
+torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
+  return head(trunk(idx));
 }
 
 torch::Tensor GPTImpl::forward(const torch::Tensor& idx, const LossSpec& loss) {
-  auto x = embed(idx);
-  for (auto& block : blocks)
-    x = fsdp::forward(block, x);
-  const auto h = ln_f(x);
-  if (cfg_.tie_embeddings)
-    return head_loss(h, wte->weight, {}, loss);
-  const bool plain = !lm_head->has_lora() && !lm_head->bias.defined() && !lm_head->is_nf4();
-  return head_loss(
-      h, plain ? lm_head->weight : torch::Tensor(),
-      [this](const torch::Tensor& n) { return lm_head(n); }, loss);
+  return head_loss(ln_f(trunk(idx)), cfg_.tie_embeddings ? wte->weight : torch::Tensor(), lm_head,
+                   loss);
 }
 
 torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets) {

@@ -86,6 +86,8 @@ class GPTImpl : public torch::nn::Module {
   /// embed(idx) -> each block -> head(x) is forward(idx).
   torch::Tensor embed(const torch::Tensor& idx);  // (B, T) -> (B, T, C)
   torch::Tensor head(const torch::Tensor& x);     // (B, T, C) -> (B, T, V)
+  /// embed, then each block: what both forwards share.
+  torch::Tensor trunk(const torch::Tensor& idx);  // (B, T) -> (B, T, C)
 
   const GPTConfig& config() const { return cfg_; }
   int64_t num_params() const { return cfg_.num_params(); }

@@ -215,26 +215,21 @@ torch::Tensor LlamaImpl::head(const torch::Tensor& h) {
                              : output(x);  // (B, T, V)
 }
 
-torch::Tensor LlamaImpl::forward(const torch::Tensor& tokens) {
+torch::Tensor LlamaImpl::trunk(const torch::Tensor& tokens) {
   const RopeTables tables = rope(tokens.size(1));
   auto h = embed(tokens);
   for (auto& block : blocks)
     h = fsdp::forward(block, h, tables);
-  return head(h);
+  return h;
+}
+
+torch::Tensor LlamaImpl::forward(const torch::Tensor& tokens) {
+  return head(trunk(tokens));
 }
 
 torch::Tensor LlamaImpl::forward(const torch::Tensor& tokens, const LossSpec& loss) {
-  const RopeTables tables = rope(tokens.size(1));
-  auto h = embed(tokens);
-  for (auto& block : blocks)
-    h = fsdp::forward(block, h, tables);
-  const auto x = norm(h);
-  if (cfg_.tie_embeddings)
-    return head_loss(x, tok_embeddings->weight, {}, loss);
-  const bool plain = !output->has_lora() && !output->bias.defined() && !output->is_nf4();
-  return head_loss(
-      x, plain ? output->weight : torch::Tensor(),
-      [this](const torch::Tensor& n) { return output(n); }, loss);
+  return head_loss(norm(trunk(tokens)),
+                   cfg_.tie_embeddings ? tok_embeddings->weight : torch::Tensor(), output, loss);
 }
 
 }  // namespace fsdp_models

@@ -132,6 +132,8 @@ class LlamaImpl : public torch::nn::Module {
   torch::Tensor embed(const torch::Tensor& tokens);  // (B, T) -> (B, T, dim)
   RopeTables rope(int64_t t);                        // the tables of the first t positions
   torch::Tensor head(const torch::Tensor& h);        // (B, T, dim) -> (B, T, V)
+  /// embed, then each block with rope(T): what both forwards share.
+  torch::Tensor trunk(const torch::Tensor& tokens);  // (B, T) -> (B, T, dim)
 
   const LlamaConfig& config() const { return cfg_; }
   int64_t num_params() const { return cfg_.num_params(); }
