@@ -18,56 +18,64 @@ torch::Tensor chunk_logits(const torch::Tensor& h, const torch::Tensor& weight) 
   return at::matmul(h, weight.t()).to(torch::kFloat);
 }
 
+// The gradients are computed in forward, chunk by chunk, right after each chunk's loss: the
+// loss is a scalar, so its gradients are those of a unit upstream gradient, and backward only
+// scales them by the one it receives. This is why the chunked loss costs no extra matmul (a
+// backward that recomputed each chunk's logits would do the head's matmul twice: +10% of a
+// SmolLM2 LoRA step) and holds, besides one chunk's logits, only the gradients themselves:
+// hidden's (N x C, what backward would allocate anyway) and the weight's (V x C float32, when
+// it requires one). Without grad mode, or when neither input requires a gradient, forward
+// computes the loss alone.
 class ChunkedLinearCrossEntropy : public torch::autograd::Function<ChunkedLinearCrossEntropy> {
  public:
   // `w` is the per-position weight already divided by the denominator, zero where ignored, and
   // `y` the targets with ignored ones replaced by 0 (any valid row: their weight is 0).
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden,
                                const torch::Tensor& weight, const torch::Tensor& y,
-                               const torch::Tensor& w, int64_t chunk) {
+                               const torch::Tensor& w, int64_t chunk, bool want_h, bool want_w) {
     const int64_t n = hidden.size(0);
-    auto lse = torch::empty({n}, hidden.options().dtype(torch::kFloat));
     auto total = torch::zeros({}, hidden.options().dtype(torch::kFloat));
-    for (int64_t s = 0; s < n; s += chunk) {
-      const int64_t len = std::min(chunk, n - s);
-      const auto logits = chunk_logits(hidden.narrow(0, s, len), weight);
-      const auto l = at::logsumexp(logits, 1);
-      lse.narrow(0, s, len).copy_(l);
-      const auto picked = logits.gather(1, y.narrow(0, s, len).unsqueeze(1)).squeeze(1);
-      total += ((l - picked) * w.narrow(0, s, len)).sum();
-    }
-    ctx->save_for_backward({hidden, weight, y, w, lse});
-    ctx->saved_data["chunk"] = chunk;
-    return total;
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
-    const auto saved = ctx->get_saved_variables();
-    const auto &hidden = saved[0], &weight = saved[1], &y = saved[2], &w = saved[3],
-               &lse = saved[4];
-    const int64_t chunk = ctx->saved_data["chunk"].toInt();
-    const bool want_h = ctx->needs_input_grad(0), want_w = ctx->needs_input_grad(1);
-    const int64_t n = hidden.size(0);
-    const auto g = grad_out[0].to(torch::kFloat);
     torch::Tensor grad_h, grad_w;
     if (want_h)
-      grad_h = torch::empty_like(hidden);
+      grad_h = torch::empty_like(hidden, at::MemoryFormat::Contiguous);
     if (want_w)
       grad_w = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat));
     for (int64_t s = 0; s < n; s += chunk) {
       const int64_t len = std::min(chunk, n - s);
       const auto h = hidden.narrow(0, s, len);
-      // d loss / d logits = (softmax - one_hot(y)) * w, for this chunk only.
-      auto d = (chunk_logits(h, weight) - lse.narrow(0, s, len).unsqueeze(1)).exp_();
-      d.scatter_add_(1, y.narrow(0, s, len).unsqueeze(1), torch::full({len, 1}, -1.0, d.options()));
-      d.mul_((w.narrow(0, s, len) * g).unsqueeze(1));
+      const auto yc = y.narrow(0, s, len).unsqueeze(1);
+      const auto wc = w.narrow(0, s, len);
+      auto logits = chunk_logits(h, weight);
+      const auto lse = at::logsumexp(logits, 1);
+      const auto picked = logits.gather(1, yc).squeeze(1);
+      total += ((lse - picked) * wc).sum();
+      if (!want_h && !want_w)
+        continue;
+      // d loss / d logits = (softmax - one_hot(y)) * w, in place of this chunk's logits.
+      auto& d = logits.sub_(lse.unsqueeze(1)).exp_();
+      d.scatter_add_(1, yc, torch::full({len, 1}, -1.0, d.options()));
+      d.mul_(wc.unsqueeze(1));
       if (want_h)
         grad_h.narrow(0, s, len).copy_(at::matmul(d.to(hidden.scalar_type()), weight));
       if (want_w)
         grad_w.addmm_(d.t(), h.to(torch::kFloat));
     }
-    return {grad_h, want_w ? grad_w.to(weight.scalar_type()) : torch::Tensor(), torch::Tensor(),
-            torch::Tensor(), torch::Tensor()};
+    ctx->save_for_backward({grad_h, grad_w});
+    ctx->saved_data["weight_dtype"] = weight.scalar_type();
+    return total;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &grad_h = saved[0], &grad_w = saved[1];
+    const auto g = grad_out[0].to(torch::kFloat);
+    torch::Tensor gh, gw;
+    if (grad_h.defined() && ctx->needs_input_grad(0))
+      gh = (grad_h.to(torch::kFloat) * g).to(grad_h.scalar_type());
+    if (grad_w.defined() && ctx->needs_input_grad(1))
+      gw = (grad_w * g).to(ctx->saved_data["weight_dtype"].toScalarType());
+    return {gh, gw, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(),
+            torch::Tensor()};
   }
 };
 
@@ -100,7 +108,10 @@ torch::Tensor chunked_linear_cross_entropy(const torch::Tensor& hidden, const to
                              : torch::ones({hidden.size(0)}, hidden.options().dtype(torch::kFloat));
   w = w.masked_fill(ignored, 0.0) / denominator;
   const auto y = targets.masked_fill(ignored, 0);
-  return ChunkedLinearCrossEntropy::apply(hidden, weight, y, w, chunk);
+  const bool grad = torch::GradMode::is_enabled();
+  return ChunkedLinearCrossEntropy::apply(hidden, weight, y, w, chunk,
+                                          grad && hidden.requires_grad(),
+                                          grad && weight.requires_grad());
 }
 
 torch::Tensor head_loss(const torch::Tensor& normed, const torch::Tensor& tied, Linear& head,

@@ -128,6 +128,44 @@ TEST(ChunkedLoss, ThePeakNoLongerHoldsTheLogits) {
   EXPECT_TRUE(torch::allclose(chunked_grad, unfused_grad, 1e-5, 1e-7));
 }
 
+// The gradients are computed in forward (a unit upstream gradient) and scaled in backward:
+// an upstream gradient other than 1 (a loss scale, a micro-batch average, a sum of two
+// losses) must give the unfused gradients of that loss. And without grad mode, or with neither
+// input requiring a gradient, forward computes no gradient: nothing beyond a chunk stays alive.
+TEST(ChunkedLoss, UpstreamGradientsScaleAndNoGradComputesNone) {
+  torch::manual_seed(3);
+  const int64_t n = 29, c = 12, v = 40;
+  const auto h0 = torch::randn({n, c});
+  const auto w0 = torch::randn({v, c}) * 0.3;
+  const auto targets = torch::randint(0, v, {n}, torch::kLong);
+  auto h = h0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+  auto fused = fsdp_models::chunked_linear_cross_entropy(h, w, targets, {}, n, 7);
+  (fused * 3.0 + fused.pow(2)).backward();
+  auto hr = h0.clone().requires_grad_(true), wr = w0.clone().requires_grad_(true);
+  auto ref = F::cross_entropy(at::matmul(hr, wr.t()), targets);
+  (ref * 3.0 + ref.pow(2)).backward();
+  EXPECT_TRUE(torch::allclose(h.grad(), hr.grad(), 1e-5, 1e-6));
+  EXPECT_TRUE(torch::allclose(w.grad(), wr.grad(), 1e-5, 1e-6));
+
+  fsdp::memory::install_tracking_allocator();
+  const int64_t big_n = 1024, big_v = 4096, big_c = 256;
+  const auto hb = torch::randn({big_n, big_c}).requires_grad_(true);
+  const auto wb = (torch::randn({big_v, big_c}) * 0.1).requires_grad_(true);
+  const auto tb = torch::randint(0, big_v, {big_n}, torch::kLong);
+  auto peak_of = [&](bool grad_mode) {
+    fsdp::memory::PeakScope scope;
+    torch::AutoGradMode mode(grad_mode);
+    auto loss = fsdp_models::chunked_linear_cross_entropy(hb, wb, tb, {}, big_n, 16);
+    return scope.peak_above_baseline();
+  };
+  const int64_t with_grad = peak_of(true), without = peak_of(false);
+  const int64_t grads_bytes = (big_n + big_v) * big_c * 4;  // grad_h and the fp32 grad_w
+  std::printf("forward peak: with grad %.2f MiB, without %.2f MiB (gradients %.2f MiB)\n",
+              with_grad / 1048576.0, without / 1048576.0, grads_bytes / 1048576.0);
+  EXPECT_GE(with_grad, grads_bytes);
+  EXPECT_LT(without, grads_bytes / 2);
+}
+
 TEST(ChunkedLoss, BadInputIsRefused) {
   const auto h = torch::randn({4, 3});
   const auto w = torch::randn({5, 3});
