@@ -74,7 +74,12 @@ class ChunkedLinearCrossEntropy : public torch::autograd::Function<ChunkedLinear
       gh = (grad_h.to(torch::kFloat) * g).to(grad_h.scalar_type());
     if (grad_w.defined() && ctx->needs_input_grad(1))
       gw = (grad_w * g).to(ctx->saved_data["weight_dtype"].toScalarType());
-    return {gh, gw, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(),
+    return {gh,
+            gw,
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor(),
             torch::Tensor()};
   }
 };
@@ -109,9 +114,13 @@ torch::Tensor chunked_linear_cross_entropy(const torch::Tensor& hidden, const to
   w = w.masked_fill(ignored, 0.0) / denominator;
   const auto y = targets.masked_fill(ignored, 0);
   const bool grad = torch::GradMode::is_enabled();
-  return ChunkedLinearCrossEntropy::apply(hidden, weight, y, w, chunk,
-                                          grad && hidden.requires_grad(),
-                                          grad && weight.requires_grad());
+  return ChunkedLinearCrossEntropy::apply(
+      hidden, weight, y, w, chunk, grad && hidden.requires_grad(), grad && weight.requires_grad());
+}
+
+int64_t auto_loss_chunk(int64_t vocab) {
+  constexpr int64_t kChunkBytes = int64_t{16} << 20, kMinPositions = 64;
+  return std::max(kMinPositions, kChunkBytes / (4 * std::max<int64_t>(1, vocab)));
 }
 
 torch::Tensor head_loss(const torch::Tensor& normed, const torch::Tensor& tied, Linear& head,
@@ -121,9 +130,12 @@ torch::Tensor head_loss(const torch::Tensor& normed, const torch::Tensor& tied, 
   const auto weights = spec.weights.defined() ? spec.weights.reshape({-1}) : torch::Tensor();
   const bool plain =
       tied.defined() || (!head->has_lora() && !head->bias.defined() && !head->is_nf4());
-  if (plain)
-    return chunked_linear_cross_entropy(h, tied.defined() ? tied : head->weight, targets, weights,
-                                        spec.denominator, spec.chunk);
+  if (plain) {
+    const auto& matrix = tied.defined() ? tied : head->weight;
+    return chunked_linear_cross_entropy(
+        h, matrix, targets, weights, spec.denominator,
+        spec.chunk > 0 ? spec.chunk : auto_loss_chunk(matrix.size(0)));
+  }
   const auto all = head(normed);
   auto ce = torch::nn::functional::cross_entropy(
       all.reshape({-1, all.size(-1)}).to(torch::kFloat), targets,

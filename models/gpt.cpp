@@ -151,9 +151,12 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
   return head(trunk(idx));
 }
 
-torch::Tensor GPTImpl::forward(const torch::Tensor& idx, const LossSpec& loss) {
-  return head_loss(ln_f(trunk(idx)), cfg_.tie_embeddings ? wte->weight : torch::Tensor(), lm_head,
-                   loss);
+torch::Tensor GPTImpl::loss(const torch::Tensor& x, const LossSpec& spec) {
+  return head_loss(ln_f(x), cfg_.tie_embeddings ? wte->weight : torch::Tensor(), lm_head, spec);
+}
+
+torch::Tensor GPTImpl::forward(const torch::Tensor& idx, const LossSpec& spec) {
+  return loss(trunk(idx), spec);
 }
 
 torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets) {

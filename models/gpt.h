@@ -81,11 +81,13 @@ class GPTImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& idx);
   /// The loss instead of the logits, the head and its cross-entropy over chunks of positions
   /// (chunked_loss.h): the (B, T, V) logits are never alive at once.
-  torch::Tensor forward(const torch::Tensor& idx, const LossSpec& loss);
+  torch::Tensor forward(const torch::Tensor& idx, const LossSpec& spec);
   /// forward() in its three parts, for code that runs them apart (the planner's calibration):
   /// embed(idx) -> each block -> head(x) is forward(idx).
   torch::Tensor embed(const torch::Tensor& idx);  // (B, T) -> (B, T, C)
   torch::Tensor head(const torch::Tensor& x);     // (B, T, C) -> (B, T, V)
+  /// head(x) with its loss fused: forward(idx, spec) is loss(trunk(idx), spec).
+  torch::Tensor loss(const torch::Tensor& x, const LossSpec& spec);  // (B, T, C) -> scalar
   /// embed, then each block: what both forwards share.
   torch::Tensor trunk(const torch::Tensor& idx);  // (B, T) -> (B, T, C)
 

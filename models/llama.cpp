@@ -227,9 +227,13 @@ torch::Tensor LlamaImpl::forward(const torch::Tensor& tokens) {
   return head(trunk(tokens));
 }
 
-torch::Tensor LlamaImpl::forward(const torch::Tensor& tokens, const LossSpec& loss) {
-  return head_loss(norm(trunk(tokens)),
-                   cfg_.tie_embeddings ? tok_embeddings->weight : torch::Tensor(), output, loss);
+torch::Tensor LlamaImpl::loss(const torch::Tensor& h, const LossSpec& spec) {
+  return head_loss(norm(h), cfg_.tie_embeddings ? tok_embeddings->weight : torch::Tensor(), output,
+                   spec);
+}
+
+torch::Tensor LlamaImpl::forward(const torch::Tensor& tokens, const LossSpec& spec) {
+  return loss(trunk(tokens), spec);
 }
 
 }  // namespace fsdp_models

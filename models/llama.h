@@ -126,12 +126,14 @@ class LlamaImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& tokens);
   /// The loss instead of the logits, the head and its cross-entropy over chunks of positions
   /// (chunked_loss.h): the (B, T, V) logits are never alive at once.
-  torch::Tensor forward(const torch::Tensor& tokens, const LossSpec& loss);
+  torch::Tensor forward(const torch::Tensor& tokens, const LossSpec& spec);
   /// forward() in its three parts, for code that runs them apart (the planner's calibration):
   /// embed(tokens) -> each block with rope(T) -> head(h) is forward(tokens).
   torch::Tensor embed(const torch::Tensor& tokens);  // (B, T) -> (B, T, dim)
   RopeTables rope(int64_t t);                        // the tables of the first t positions
   torch::Tensor head(const torch::Tensor& h);        // (B, T, dim) -> (B, T, V)
+  /// head(h) with its loss fused: forward(tokens, spec) is loss(trunk(tokens), spec).
+  torch::Tensor loss(const torch::Tensor& h, const LossSpec& spec);  // (B, T, dim) -> scalar
   /// embed, then each block with rope(T): what both forwards share.
   torch::Tensor trunk(const torch::Tensor& tokens);  // (B, T) -> (B, T, dim)
 

@@ -1,12 +1,16 @@
 // See plan_pieces.h.
 #include "plan_pieces.h"
 
+#include <algorithm>
+#include <cmath>
+
 namespace fsdp_models {
 namespace {
 
 template <typename Model, typename Block>
 fsdp::plan::CalibrationPieces pieces(Model& model, torch::ScalarType block_dtype, PlanLoss loss,
-                                     std::optional<torch::ScalarType> block_output, int64_t vocab,
+                                     std::optional<torch::ScalarType> block_output,
+                                     std::optional<PlanFusedLoss> fused, int64_t vocab,
                                      Block block) {
   TORCH_CHECK(!model->blocks.empty(), "calibration_pieces: the model has no block");
   fsdp::plan::CalibrationPieces p;
@@ -18,12 +22,25 @@ fsdp::plan::CalibrationPieces pieces(Model& model, torch::ScalarType block_dtype
     auto y = block(x.to(block_dtype), t);
     return block_output ? y.to(*block_output) : y;
   };
-  p.head = [model](const torch::Tensor& x, int64_t) mutable {
-    return model->head(x).to(torch::kFloat);
-  };
-  p.loss = [loss](const torch::Tensor& logits, int64_t t) {
-    return loss(logits, logits.size(0), t);
-  };
+  if (fused) {
+    const int64_t run_chunk =
+        std::min(fused->chunk > 0 ? fused->chunk : auto_loss_chunk(vocab), fused->positions);
+    p.head = [model, fused, run_chunk](const torch::Tensor& x, int64_t t) mutable {
+      auto spec = fused->spec(x.size(0), t);
+      spec.chunk = std::max<int64_t>(
+          1, std::llround(static_cast<double>(run_chunk) * static_cast<double>(x.size(0) * t) /
+                          static_cast<double>(fused->positions)));
+      return model->loss(x, spec);
+    };
+    p.loss = [](const torch::Tensor& loss, int64_t) { return loss; };
+  } else {
+    p.head = [model](const torch::Tensor& x, int64_t) mutable {
+      return model->head(x).to(torch::kFloat);
+    };
+    p.loss = [loss](const torch::Tensor& logits, int64_t t) {
+      return loss(logits, logits.size(0), t);
+    };
+  }
   for (const auto& item : model->named_parameters())
     p.parameters.emplace_back(item.key(), item.value());
   return p;
@@ -33,17 +50,21 @@ fsdp::plan::CalibrationPieces pieces(Model& model, torch::ScalarType block_dtype
 
 fsdp::plan::CalibrationPieces calibration_pieces(GPT& model, torch::ScalarType block_dtype,
                                                  PlanLoss loss,
-                                                 std::optional<torch::ScalarType> block_output) {
+                                                 std::optional<torch::ScalarType> block_output,
+                                                 std::optional<PlanFusedLoss> fused) {
   auto first = model->blocks.empty() ? Block(nullptr) : model->blocks.front();
-  return pieces(model, block_dtype, std::move(loss), block_output, model->config().vocab_size,
+  return pieces(model, block_dtype, std::move(loss), block_output, std::move(fused),
+                model->config().vocab_size,
                 [first](const torch::Tensor& x, int64_t) mutable { return first(x); });
 }
 
 fsdp::plan::CalibrationPieces calibration_pieces(Llama& model, torch::ScalarType block_dtype,
                                                  PlanLoss loss,
-                                                 std::optional<torch::ScalarType> block_output) {
+                                                 std::optional<torch::ScalarType> block_output,
+                                                 std::optional<PlanFusedLoss> fused) {
   auto first = model->blocks.empty() ? LlamaBlock(nullptr) : model->blocks.front();
-  return pieces(model, block_dtype, std::move(loss), block_output, model->config().vocab_size,
+  return pieces(model, block_dtype, std::move(loss), block_output, std::move(fused),
+                model->config().vocab_size,
                 [first, model](const torch::Tensor& x, int64_t t) mutable {
                   return first(x, model->rope(t));
                 });

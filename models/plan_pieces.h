@@ -18,18 +18,33 @@ namespace fsdp_models {
 /// The loss the trainer takes of fp32 logits (B, T, V) for a micro-batch of b rows of t tokens.
 using PlanLoss = std::function<torch::Tensor(const torch::Tensor& logits, int64_t b, int64_t t)>;
 
+/// The trainer's loss computed by the model's fused head (loss(), chunked_loss.h), for runs
+/// with training.loss_chunk >= 0. Calibration runs at a few hundred positions, the run at
+/// `positions` per micro-batch: so that what a chunk holds scales with the positions as the
+/// fit assumes, the calibration chunk is the run's chunk scaled by the calibration's positions
+/// over the run's (the run's chunk, capped at its positions, covers the same share of them).
+struct PlanFusedLoss {
+  /// The loss of a micro-batch of b rows of t tokens (random targets of the vocabulary).
+  std::function<LossSpec(int64_t b, int64_t t)> spec;
+  int64_t chunk = 0;      // the run's (0: auto_loss_chunk of the vocabulary)
+  int64_t positions = 1;  // the run's positions per micro-batch
+};
+
 /// The pieces of `model` (its first block stands for every block): blocks compute in
 /// `block_dtype` (their input cast on entry, as fsdp::forward casts a unit's inputs) and return
 /// `block_output` if set (MixedPrecisionPolicy::output_dtype), the root's parts in the dtype of
-/// its parameters, the logits cast to fp32 before `loss`. The model must hold real tensors (not
+/// its parameters, the logits cast to fp32 before `loss`. With `fused`, the head piece is the
+/// fused head and loss instead (`loss` is then unused). The model must hold real tensors (not
 /// the meta device) and at least one block; its parameters are used as they are (convert them
 /// to the compute dtypes first).
 fsdp::plan::CalibrationPieces calibration_pieces(
     GPT& model, torch::ScalarType block_dtype, PlanLoss loss,
-    std::optional<torch::ScalarType> block_output = std::nullopt);
+    std::optional<torch::ScalarType> block_output = std::nullopt,
+    std::optional<PlanFusedLoss> fused = std::nullopt);
 fsdp::plan::CalibrationPieces calibration_pieces(
     Llama& model, torch::ScalarType block_dtype, PlanLoss loss,
-    std::optional<torch::ScalarType> block_output = std::nullopt);
+    std::optional<torch::ScalarType> block_output = std::nullopt,
+    std::optional<PlanFusedLoss> fused = std::nullopt);
 
 /// Forward FLOPs of a micro-batch of b rows of t tokens through each piece, for the planner's
 /// data-sheet time model (fsdp/plan/hardware.h): the matrix products only, 2 per multiply-add,

@@ -554,7 +554,8 @@ TEST(TrainerRun, CheckpointingAndPrecisionKnobs) {
 
 // --plan: the planner's per-rank peak, predicted before step 1, against what the run measured
 // (plan.json, rank 0), within 5% (of the range Gloo's staging buffers leave open) and at the
-// same moment and largest category; bench/plan_accuracy.py runs the full grid. Also the first
+// same moment and largest category; bench/plan_accuracy.py runs the full grid. The fused loss
+// (training.loss_chunk) in chunks of the default size, of 37 positions, and unfused. Also the first
 // run with bf16 blocks under an fp32 root (precision.root_fp32), which trains. And a budget
 // below the prediction gets the warning, naming a change that fits.
 TEST(TrainerRun, PlanPredictsThePeakWithinFivePercent) {
@@ -571,6 +572,10 @@ TEST(TrainerRun, PlanPredictsThePeakWithinFivePercent) {
        "--fsdp.activation_checkpointing=selective --optimizer.moments_dtype=bf16"},
       {"plan-sgo-int8", "gpt2-tiny", 2,
        "--fsdp.strategy=shard_grad_op --precision.gather_format=int8 --training.micro_batches=2"},
+      // The fused head and loss in chunks smaller than the micro-batch (the default's chunk
+      // covers gpt2-tiny's whole micro-batch), and the unfused head.
+      {"plan-loss-chunk-37", "gpt2-tiny", 2, "--training.loss_chunk=37"},
+      {"plan-unfused-loss", "gpt2-tiny", 2, "--training.loss_chunk=-1"},
   };
   for (const auto& c : cases) {
     const auto run_dir = (fs::path(FSDP_TEST_WORK_DIR) / ("run-" + c.name)).string();
@@ -867,11 +872,12 @@ TEST(TrainerRun, LlamaShardedTrainsAsReplicated) {
 }
 
 // training.loss_chunk: the head and its cross-entropy over chunks of positions give the losses
-// of the whole logits to fp32 rounding (1e-5 relative per step), with a lower peak: 512
+// of the whole logits (-1) to fp32 rounding (1e-5 relative per step), with a lower peak: 512
 // positions per micro-batch of a 512-word vocabulary, whose logits (1 MiB, and as much again
 // for their gradient) outweigh what chunking adds (the head's fp32 gradient accumulator).
 // GPT (tied head, the embedding's matrix) on 3 ranks with 2 micro-batches, Llama (untied
-// `output`) on 2; a chunk size that divides nothing.
+// `output`) on 2; a chunk size that divides nothing, and the default (0: automatic, here one
+// chunk of every position, whose peak is then the unfused one's at most).
 TEST(TrainerRun, LossChunkGivesTheSameLossesWithALowerPeak) {
   struct Case {
     std::string arch, preset, launch, args;
@@ -880,16 +886,29 @@ TEST(TrainerRun, LossChunkGivesTheSameLossesWithALowerPeak) {
   for (const Case& c :
        {Case{"gpt", "gpt2-test", " --nproc 3", shape + " --training.micro_batches=2"},
         Case{"llama", "llama-test", " --nproc 2", shape}}) {
-    const auto whole =
-        train_and_read("lc-whole-" + c.arch, train_cmd() + c.launch, c.args, c.arch, c.preset);
+    const auto whole = train_and_read("lc-whole-" + c.arch, train_cmd() + c.launch,
+                                      c.args + " --training.loss_chunk=-1", c.arch, c.preset);
+    const auto automatic =
+        train_and_read("lc-auto-" + c.arch, train_cmd() + c.launch, c.args, c.arch, c.preset);
     const auto chunked = train_and_read("lc-chunked-" + c.arch, train_cmd() + c.launch,
                                         c.args + " --training.loss_chunk=37", c.arch, c.preset);
     ASSERT_EQ(whole.size(), chunked.size()) << c.arch;
+    ASSERT_EQ(whole.size(), automatic.size()) << c.arch;
     ASSERT_GE(whole.size(), 2u);
     for (size_t i = 0; i < whole.size(); ++i) {
       EXPECT_NEAR(chunked[i].loss, whole[i].loss, 1e-5 * std::abs(whole[i].loss))
           << c.arch << " step " << whole[i].step;
+      EXPECT_NEAR(automatic[i].loss, whole[i].loss, 1e-5 * std::abs(whole[i].loss))
+          << c.arch << " step " << whole[i].step;
       EXPECT_LT(chunked[i].peak_bytes, whole[i].peak_bytes) << c.arch << " step " << whole[i].step;
+      EXPECT_LE(automatic[i].peak_bytes, whole[i].peak_bytes)
+          << c.arch << " step " << whole[i].step;
+      // Evaluation goes through the same loss (no gradients).
+      ASSERT_EQ(chunked[i].eval_loss.has_value(), whole[i].eval_loss.has_value());
+      if (whole[i].eval_loss) {
+        EXPECT_NEAR(*chunked[i].eval_loss, *whole[i].eval_loss, 1e-5 * *whole[i].eval_loss)
+            << c.arch << " step " << whole[i].step;
+      }
     }
     EXPECT_NE(whole.front().loss, whole.back().loss);
     std::printf("%s: peak %lld B whole, %lld B chunked\n", c.arch.c_str(),

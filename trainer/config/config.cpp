@@ -272,11 +272,13 @@ const std::vector<Option>& options() {
           "Held-out batches per rank per evaluation."),
       opt("training.threads", FIELD(training.threads), "Intra-op threads per rank."),
       opt("training.loss_chunk", FIELD(training.loss_chunk),
-          "Positions per chunk of the head and its cross-entropy in training steps "
-          "(fsdp_models::chunked_linear_cross_entropy): the (batch x seq_len x vocab) logits "
-          "and their softmax are never alive at once, for the head's matmul done twice. 0: "
-          "the whole logits, then the loss. The planner (--plan) does not model it yet: its "
-          "activation prediction is then an upper bound."),
+          "Positions per chunk of the LM head and its cross-entropy, fused "
+          "(fsdp_models::chunked_linear_cross_entropy, in training and evaluation): the "
+          "(batch x seq_len x vocab) logits, their softmax and its gradient are never alive "
+          "at once, and the gradients are computed chunk by chunk in forward (no matmul done "
+          "twice). 0: automatic (the positions whose float32 logits take 16 MiB, at least 64); "
+          "-1: unfused (the whole logits, then cross_entropy). A head with adapters, NF4 "
+          "storage or a bias is never chunked."),
       opt("training.cpu_cache", FIELD(training.cpu_cache),
           "Keep the memory of freed CPU tensors in segments of its own for the next steps' "
           "tensors (fsdp::memory's caching allocator) instead of returning it to malloc: "
@@ -697,8 +699,9 @@ void validate(const Config& c) {
   require(c.training.eval_every >= 0, "training.eval_every", "must be >= 0");
   require(c.training.eval_batches >= 1, "training.eval_batches", "must be >= 1");
   // Each intra-op thread is created up front: a million of them crashed the process.
-  require(c.training.loss_chunk >= 0, "training.loss_chunk",
-          "must be >= 0, got " + std::to_string(c.training.loss_chunk));
+  require(c.training.loss_chunk >= -1, "training.loss_chunk",
+          "must be >= -1 (-1: unfused, 0: automatic), got " +
+              std::to_string(c.training.loss_chunk));
   require(c.training.threads >= 1 && c.training.threads <= 1024, "training.threads",
           "must be between 1 and 1024, got " + std::to_string(c.training.threads));
   if (!c.training.memory_budget.empty())

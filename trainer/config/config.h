@@ -51,7 +51,7 @@ struct TrainingConfig {
   int64_t eval_every = 50;
   int64_t eval_batches = 4;
   int64_t threads = 1;
-  int64_t loss_chunk = 0;  // 0: the whole logits, then cross_entropy
+  int64_t loss_chunk = 0;  // 0: automatic chunk, -1: the whole logits, then cross_entropy
   bool cpu_cache = true;
   std::string memory_budget;   // "" : none; "16GiB" (parse_bytes)
   std::string device = "cpu";  // cpu, cuda

@@ -18,6 +18,20 @@
 #include "peft.h"
 
 namespace fsdp_trainer {
+
+torch::Tensor TrainModel::loss(const torch::Tensor& inputs, const torch::Tensor& targets,
+                               const torch::Tensor& weights, double denominator,
+                               int64_t loss_chunk) const {
+  if (loss_chunk >= 0)
+    return forward_loss(inputs, fsdp_models::LossSpec{targets, weights, denominator, loss_chunk});
+  const auto logits = forward(inputs);
+  auto ce = torch::nn::functional::cross_entropy(
+      logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}),
+      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+  if (weights.defined())
+    ce = ce * weights.reshape({-1});
+  return ce.sum() / denominator;
+}
 namespace {
 
 std::string first_line(const std::string& s) {

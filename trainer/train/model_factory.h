@@ -27,6 +27,12 @@ struct TrainModel {
   std::function<void(const std::string& dir)> load_hf;
   /// Fine-tuning with adapters: writes them in PEFT's layout (models/lora.h); else empty.
   std::function<void(const std::string& dir, fsdp::ProcessGroup& group)> save_adapter;
+  /// The loss of inputs (B, T) against targets (B, T): sum(weights * cross-entropy) /
+  /// denominator (weights undefined: all 1). loss_chunk >= 0: forward_loss (the fused head,
+  /// training.loss_chunk; 0 picks the chunk); < 0: forward, the whole logits, cross_entropy.
+  torch::Tensor loss(const torch::Tensor& inputs, const torch::Tensor& targets,
+                     const torch::Tensor& weights, double denominator, int64_t loss_chunk) const;
+
   int64_t num_params = 0;
   int64_t n_layer = 0;
   int64_t n_embd = 0;

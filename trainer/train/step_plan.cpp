@@ -82,6 +82,31 @@ fsdp_models::PlanLoss trainer_loss(const Config& config) {
   };
 }
 
+// The same loss through the model's fused head (training.loss_chunk >= 0), for a run of
+// `positions` per micro-batch.
+std::optional<fsdp_models::PlanFusedLoss> trainer_fused_loss(const Config& config, int64_t vocab,
+                                                             int64_t positions) {
+  if (config.training.loss_chunk < 0)
+    return std::nullopt;
+  const bool finetune = config.finetuning;
+  const double micro = static_cast<double>(config.training.micro_batches);
+  fsdp_models::PlanFusedLoss fused;
+  fused.chunk = config.training.loss_chunk;
+  fused.positions = std::max<int64_t>(1, positions);
+  fused.spec = [finetune, micro, vocab](int64_t b, int64_t t) {
+    fsdp_models::LossSpec spec;
+    spec.targets = torch::randint(vocab, {b, t}, torch::TensorOptions().dtype(torch::kLong));
+    if (finetune) {
+      spec.weights = torch::ones({b, t});
+      spec.denominator = static_cast<double>(b * t);
+    } else {
+      spec.denominator = static_cast<double>(b * t) * micro;
+    }
+    return spec;
+  };
+  return fused;
+}
+
 // `make` builds a one-block model of the run (real tensors); `out` gets the activations, and
 // with `time_compute` the pieces of `copies` such models and their times (timed together).
 template <typename Model>
@@ -96,8 +121,9 @@ void calibrate(const std::function<Model()>& make, const Config& config, torch::
                           : std::nullopt;
   auto pieces_of = [&](Model model) {
     to_compute_dtypes(*model, dtype, config.precision.root_fp32, is_blocks);
-    return std::make_shared<const plan::CalibrationPieces>(
-        fsdp_models::calibration_pieces(model, dtype, trainer_loss(config), output));
+    return std::make_shared<const plan::CalibrationPieces>(fsdp_models::calibration_pieces(
+        model, dtype, trainer_loss(config), output,
+        trainer_fused_loss(config, model->config().vocab_size, out.options.batch_rows * seq_len)));
   };
   const auto pieces = pieces_of(make());
   const auto [b, t] = calibration_size(seq_len);

@@ -534,14 +534,14 @@ void Trainer::reduce_step_metrics(StepMetrics& m, double loss_sum, double local_
 
 double Trainer::evaluate() {
   torch::NoGradGuard no_grad;
+  const int64_t loss_chunk = config_.training.loss_chunk;
   if (finetune_) {  // the mean over every held-out answer token of every rank
     double sum = 0, count = 0;
     for (const auto& b : finetune_->eval_batches()) {
-      auto logits = model_.forward(b.inputs.to(device_));
-      auto ce = torch::nn::functional::cross_entropy(
-          logits.reshape({-1, logits.size(-1)}), b.labels.to(device_).reshape({-1}),
-          torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
-      sum += (ce.cpu() * b.mask.reshape({-1})).sum().item<double>();
+      sum += model_
+                 .loss(b.inputs.to(device_), b.labels.to(device_),
+                       b.mask.to(device_, torch::kFloat), 1.0, loss_chunk)
+                 .item<double>();
       count += static_cast<double>(b.targets);
     }
     const double world = pg_->size();
@@ -550,9 +550,9 @@ double Trainer::evaluate() {
   double total = 0;
   for (const auto& batch : eval_set_) {
     const auto t = batch.size(1) - 1;
-    auto logits = model_.forward(batch.narrow(1, 0, t));
-    total += torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                                  batch.narrow(1, 1, t).reshape({-1}))
+    total += model_
+                 .loss(batch.narrow(1, 0, t), batch.narrow(1, 1, t), {},
+                       static_cast<double>(batch.size(0) * t), loss_chunk)
                  .item<double>();
   }
   return mean_over_ranks(total / static_cast<double>(eval_set_.size()));
@@ -665,32 +665,12 @@ double Trainer::run_step(const StepParts& parts, const torch::Tensor& batch,
         auto labels = conversations.labels.narrow(0, i * rows, rows).to(device_);
         auto mask = conversations.mask.narrow(0, i * rows, rows).to(device_);
         const double answers = static_cast<double>(std::max<int64_t>(1, conversations.targets));
-        if (t.loss_chunk > 0) {
-          loss = parts.model.forward_loss(
-              inputs, fsdp_models::LossSpec{labels, mask.to(torch::kFloat), answers, t.loss_chunk});
-        } else {
-          auto logits = parts.model.forward(inputs);
-          auto ce = torch::nn::functional::cross_entropy(
-              logits.reshape({-1, logits.size(-1)}), labels.reshape({-1}),
-              torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
-          loss = (ce * mask.reshape({-1})).sum() / answers;
-        }
+        loss = parts.model.loss(inputs, labels, mask.to(torch::kFloat), answers, t.loss_chunk);
       } else {
+        // cross_entropy's mean over the micro-batch's positions, divided by the micro-batches.
         auto mb = batch.narrow(0, i * rows, rows);
-        if (t.loss_chunk > 0) {
-          // cross_entropy's mean over the micro-batch's positions, divided by the micro-batches.
-          loss = parts.model.forward_loss(
-              mb.narrow(1, 0, t.seq_len),
-              fsdp_models::LossSpec{mb.narrow(1, 1, t.seq_len),
-                                    {},
-                                    static_cast<double>(rows * t.seq_len * micro),
-                                    t.loss_chunk});
-        } else {
-          auto logits = parts.model.forward(mb.narrow(1, 0, t.seq_len));
-          loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                                      mb.narrow(1, 1, t.seq_len).reshape({-1})) /
-                 static_cast<double>(micro);
-        }
+        loss = parts.model.loss(mb.narrow(1, 0, t.seq_len), mb.narrow(1, 1, t.seq_len), {},
+                                static_cast<double>(rows * t.seq_len * micro), t.loss_chunk);
       }
     }
     {
