@@ -1,6 +1,8 @@
 // Deferred-init layers and initialisation by name; see layers.h.
 #include "layers.h"
 
+#include "lean_ops.h"
+
 #include <fsdp/quant/nf4.h>
 
 #include <unordered_map>
@@ -307,10 +309,9 @@ RMSNormImpl::RMSNormImpl(int64_t dim, const ModelInit& init, double eps) : dim_(
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
   TORCH_CHECK(x.size(-1) == dim_, "RMSNorm: last dimension of the input is ", x.size(-1),
               ", expected ", dim_);
-  // As Meta's reference: normalise in float32 (bf16 squares lose too much), scale in x's dtype.
-  auto xf = x.to(torch::kFloat);
-  auto normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps_);
-  return normed.to(x.scalar_type()) * weight;
+  // As Meta's reference: normalise in float32 (bf16 squares lose too much), scale in x's dtype;
+  // keeping only x and one scale per row for backward (lean_ops.h).
+  return rms_norm(x, weight, eps_);
 }
 
 }  // namespace fsdp_models

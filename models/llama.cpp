@@ -3,6 +3,7 @@
 
 #include <fsdp/fully_shard.h>
 
+#include "lean_ops.h"
 #include "parallelize.h"
 
 #include <cmath>
@@ -161,7 +162,7 @@ LlamaFeedForwardImpl::LlamaFeedForwardImpl(const LlamaConfig& cfg, const ModelIn
 }
 
 torch::Tensor LlamaFeedForwardImpl::forward(const torch::Tensor& x) {
-  return w2(torch::silu(w1(x)) * w3(x));  // (B, T, F) inside
+  return w2(swiglu(w1(x), w3(x)));  // (B, T, F) inside; swiglu keeps only its inputs
 }
 
 LlamaBlockImpl::LlamaBlockImpl(const LlamaConfig& cfg, const ModelInit& init) {
