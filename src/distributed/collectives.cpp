@@ -74,6 +74,25 @@ const char* op_name(ReduceOp op) {
   return "?";
 }
 
+// ProcessGroupOptions::bench_local_collectives: the collective is carried out as a local copy
+// of its bytes, at issue, and nothing reaches the backend. The work returned has no backend
+// call to wait for.
+bool local(const ProcessGroup& g) {
+  return g.bench_local_collectives();
+}
+
+std::unique_ptr<CollectiveWork> done_locally(ProcessGroup& group, CollectiveCounter& counter,
+                                             const std::string& what, const RecordTicket& ticket) {
+  return std::make_unique<CollectiveWork>(
+      group, counter, what, std::vector<c10::intrusive_ptr<c10d::Work>>{}, nullptr, ticket);
+}
+
+void refuse_locally(const ProcessGroup& group, const char* kind) {
+  TORCH_CHECK(!local(group), "fsdp ", kind, ": group '", group.name(),
+              "' runs its collectives as local copies (bench_local_collectives, a benchmark "
+              "mode): point-to-point has no local equivalent");
+}
+
 // Called before every collective is issued (debug mode only).
 void check_sequence(ProcessGroup& group, const std::string& description) {
   if (auto* check = detail::GroupAccess::check(group))
@@ -245,13 +264,23 @@ std::unique_ptr<CollectiveWork> all_gather(ProcessGroup& group,
     in_bytes_views.push_back(std::move(in));
     out_bytes_views.push_back(std::move(out));
   }
-  const std::string what = describe("all-gather", in_bytes * n, "", context);
+  const std::string what =
+      describe("all-gather", in_bytes * n, local(group) ? "(local copy)" : "", context);
   check_sequence(group, what);
   const RecordTicket ticket = record(group, "all-gather", in_bytes * n,
                                      c10::toString(inputs[0].scalar_type()), what, context);
   auto& counter = group.comm_stats().all_gather;
   counter.calls += 1;
   counter.bytes += in_bytes * n;
+  if (local(group)) {
+    // This rank's piece in every rank's slot: the output is filled, every byte written once.
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < in_bytes_views.size(); ++i) {
+      const int64_t b = in_bytes_views[i].numel();
+      out_bytes_views[i].view({n, b}).copy_(in_bytes_views[i].unsqueeze(0).expand({n, b}));
+    }
+    return done_locally(group, counter, what, ticket);
+  }
   counter.sent_bytes += in_bytes * (n - 1);
 
   if (is_gloo(group)) {
@@ -321,7 +350,9 @@ std::unique_ptr<CollectiveWork> reduce_scatter(ProcessGroup& group, const torch:
               " elements, expected ", s * n);
   const std::string what =
       describe("reduce-scatter", input.numel() * input.element_size(),
-               std::string(op_name(op)) + " " + c10::toString(input.scalar_type()), context);
+               std::string(op_name(op)) + " " + c10::toString(input.scalar_type()) +
+                   (local(group) ? " (local copy)" : ""),
+               context);
   TORCH_CHECK(op == ReduceOp::kSum || op == ReduceOp::kAvg,
               "fsdp reduce_scatter: only sum and avg, got ", op_name(op));
   check_sequence(group, what);
@@ -330,6 +361,12 @@ std::unique_ptr<CollectiveWork> reduce_scatter(ProcessGroup& group, const torch:
   auto& counter = group.comm_stats().reduce_scatter;
   counter.calls += 1;
   counter.bytes += input.numel() * input.element_size();
+  if (local(group)) {
+    // The sum (or mean) over one rank: this rank's own block of its input.
+    torch::NoGradGuard no_grad;
+    output.copy_(input.view({n, s}).select(0, group.rank()));
+    return done_locally(group, counter, what, ticket);
+  }
   counter.sent_bytes += s * (n - 1) * input.element_size();
 
   c10d::Backend& backend = detail::GroupAccess::next_lane(group);
@@ -365,12 +402,16 @@ std::unique_ptr<CollectiveWork> all_reduce(ProcessGroup& group, const torch::Ten
   const int64_t bytes = tensor.numel() * tensor.element_size();
   const std::string what =
       describe("all-reduce", bytes,
-               std::string(op_name(op)) + " " + c10::toString(tensor.scalar_type()), context);
+               std::string(op_name(op)) + " " + c10::toString(tensor.scalar_type()) +
+                   (local(group) ? " (local copy)" : ""),
+               context);
   check_sequence(group, what);
   const RecordTicket ticket =
       record(group, "all-reduce", bytes, c10::toString(tensor.scalar_type()), what, context);
   counter.calls += 1;
   counter.bytes += bytes;
+  if (local(group))  // in place, and any op over one rank is the tensor itself
+    return done_locally(group, counter, what, ticket);
   counter.sent_bytes += 2 * bytes * (n - 1) / n;
   std::vector<torch::Tensor> tensors{tensor};
   c10d::AllreduceOptions opts;
@@ -396,13 +437,16 @@ std::unique_ptr<CollectiveWork> broadcast(ProcessGroup& group, const torch::Tens
   check_contiguous(tensor, "broadcast tensor");
   auto& counter = group.comm_stats().broadcast;
   const int64_t bytes = tensor.numel() * tensor.element_size();
-  const std::string what =
-      describe("broadcast", bytes, "from group rank " + std::to_string(root), context);
+  const std::string what = describe(
+      "broadcast", bytes,
+      "from group rank " + std::to_string(root) + (local(group) ? " (local copy)" : ""), context);
   check_sequence(group, what);
   const RecordTicket ticket =
       record(group, "broadcast", bytes, c10::toString(tensor.scalar_type()), what, context);
   counter.calls += 1;
   counter.bytes += bytes;
+  if (local(group))  // every rank keeps its own values
+    return done_locally(group, counter, what, ticket);
   counter.sent_bytes += group.rank() == root ? bytes : 0;
   std::vector<torch::Tensor> tensors{tensor};
   c10d::BroadcastOptions opts;
@@ -414,6 +458,7 @@ std::unique_ptr<CollectiveWork> broadcast(ProcessGroup& group, const torch::Tens
 std::unique_ptr<CollectiveWork> send(ProcessGroup& group, const torch::Tensor& tensor, int dst,
                                      int tag, const std::string& context) {
   check_contiguous(tensor, "send tensor");
+  refuse_locally(group, "send");
   TORCH_CHECK(dst >= 0 && dst < group.size() && dst != group.rank(), "fsdp send: bad peer ", dst,
               " from group rank ", group.rank(), " of ", group.size());
   auto& counter = group.comm_stats().point_to_point;
@@ -433,6 +478,7 @@ std::unique_ptr<CollectiveWork> send(ProcessGroup& group, const torch::Tensor& t
 std::unique_ptr<CollectiveWork> recv(ProcessGroup& group, const torch::Tensor& tensor, int src,
                                      int tag, const std::string& context) {
   check_contiguous(tensor, "recv tensor");
+  refuse_locally(group, "recv");
   TORCH_CHECK(src >= 0 && src < group.size() && src != group.rank(), "fsdp recv: bad peer ", src,
               " at group rank ", group.rank(), " of ", group.size());
   auto& counter = group.comm_stats().point_to_point;

@@ -50,6 +50,17 @@ const char* env_or_null(const char* name) {
   return (v != nullptr && *v != '\0') ? v : nullptr;
 }
 
+// A boolean switch from the environment: unset, empty or 0 is off, 1 is on, anything else is
+// refused (a typo must not silently run the other mode).
+bool env_switch(const char* name) {
+  const char* v = env_or_null(name);
+  if (v == nullptr || std::strcmp(v, "0") == 0)
+    return false;
+  if (std::strcmp(v, "1") == 0)
+    return true;
+  throw std::invalid_argument(std::string(name) + "=\"" + v + "\" must be 0 or 1");
+}
+
 [[noreturn]] void bad_env(const std::string& what) {
   throw std::runtime_error("invalid launch environment: " + what);
 }
@@ -462,6 +473,21 @@ std::shared_ptr<ProcessGroup> init_process_group(const LaunchEnv& env,
   }
   if (opts.check_collectives() == 0)
     opts.check_collectives(detail::check_collectives_from_environment());
+  if (!opts.bench_local_collectives())
+    opts.bench_local_collectives(env_switch("FSDP_BENCH_LOCAL_COLLECTIVES"));
+  if (opts.bench_local_collectives() && env.rank == 0) {
+    std::fprintf(stderr,
+                 "fsdp: benchmark mode (bench_local_collectives): every collective is a local "
+                 "copy of its bytes, nothing is communicated; results are not the model's\n");
+  }
+  // FSDP_FLIGHT_RECORDER_DUMP_AT_EXIT=1: dump the flight recorder (to its dump directory) when
+  // the process exits normally too, not only on a failure: bench/bounds.py replays a run's
+  // collectives from these dumps.
+  if (env_switch("FSDP_FLIGHT_RECORDER_DUMP_AT_EXIT")) {
+    static std::once_flag registered;
+    std::call_once(registered,
+                   [] { std::atexit([] { FlightRecorder::global().dump("process exit"); }); });
+  }
   std::vector<int> world(static_cast<size_t>(env.world_size));
   for (int r = 0; r < env.world_size; ++r)
     world[static_cast<size_t>(r)] = r;

@@ -10,6 +10,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <functional>
 #include <sstream>
@@ -364,6 +365,13 @@ const std::vector<Option>& options() {
           "Debug: every this many collectives the ranks compare the sequence of collectives "
           "each issued and all stop with one error naming the first difference (a rank that "
           "skipped or added a unit's forward); costs a store round trip each time (0: off)."),
+      opt("fsdp.bench_local_collectives", FIELD(fsdp.bench_local_collectives),
+          "For bench/bounds.py, not for training: the step's arithmetic with every collective "
+          "replaced by a local copy of the same size (all-gathers copy this rank's shard into "
+          "every slot, reductions keep this rank's own values); nothing is communicated, so "
+          "the loss is NOT the model's. Sets FSDP_BENCH_LOCAL_COLLECTIVES=1 "
+          "(ProcessGroupOptions::bench_local_collectives) for this process and the ranks it "
+          "starts."),
       opt("fsdp.activation_checkpointing", FIELD(fsdp.activation_checkpointing),
           "Recompute each block's activations in backward instead of keeping them: full keeps "
           "only the block's input, selective also keeps its matmul and attention outputs (less "
@@ -643,7 +651,13 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
   // An error is one line whatever the values it quotes hold (a newline in an override's value
   // reaches many messages): control characters are shown escaped.
   try {
-    return read_config(path, overrides, finetuning);
+    Config config = read_config(path, overrides, finetuning);
+    // The trainer builds its process group from the environment's side of this switch
+    // (init_process_group reads FSDP_BENCH_LOCAL_COLLECTIVES); ranks that --nproc or torchrun
+    // start inherit it. Only ever set, never cleared: the variable alone also turns it on.
+    if (config.fsdp.bench_local_collectives)
+      ::setenv("FSDP_BENCH_LOCAL_COLLECTIVES", "1", 1);
+    return config;
   } catch (const ConfigError& e) {
     const std::string what = e.what();
     if (std::none_of(what.begin(), what.end(),
@@ -699,9 +713,9 @@ void validate(const Config& c) {
   require(c.training.eval_every >= 0, "training.eval_every", "must be >= 0");
   require(c.training.eval_batches >= 1, "training.eval_batches", "must be >= 1");
   // Each intra-op thread is created up front: a million of them crashed the process.
-  require(c.training.loss_chunk >= -1, "training.loss_chunk",
-          "must be >= -1 (-1: unfused, 0: automatic), got " +
-              std::to_string(c.training.loss_chunk));
+  require(
+      c.training.loss_chunk >= -1, "training.loss_chunk",
+      "must be >= -1 (-1: unfused, 0: automatic), got " + std::to_string(c.training.loss_chunk));
   require(c.training.threads >= 1 && c.training.threads <= 1024, "training.threads",
           "must be between 1 and 1024, got " + std::to_string(c.training.threads));
   if (!c.training.memory_budget.empty())

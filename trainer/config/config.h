@@ -73,6 +73,7 @@ struct FsdpConfig {
   bool sync_every_micro_batch = true;
   double timeout_s = 300;
   int64_t check_collectives = 0;                  // 0: off
+  bool bench_local_collectives = false;           // benchmark mode: collectives as local copies
   std::string activation_checkpointing = "none";  // none, full, selective
   int64_t ac_every = 1;
 };

@@ -16,6 +16,12 @@
 //  - reduce_scatter, Gloo: all_to_all_single plus a local sum. Gloo's reduce-scatter is an
 //    all-reduce in disguise (2(N-1)/N of the data per rank); the all-to-all moves (N-1)/N.
 //    NCCL: reduce_scatter_single with ReduceOp::AVG.
+//
+// Benchmark mode (ProcessGroupOptions::bench_local_collectives, FSDP_BENCH_LOCAL_COLLECTIVES=1):
+// all_gather, reduce_scatter, all_reduce and broadcast are carried out at issue as local copies
+// of the same bytes (see the option) and never reach the backend; they are counted and
+// recorded as usual (sent_bytes 0, "(local copy)" in their description). barrier stays real,
+// send and recv throw. What remains of a training step is its arithmetic alone.
 #pragma once
 
 #include <torch/types.h>

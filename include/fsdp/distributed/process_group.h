@@ -78,6 +78,18 @@ struct ProcessGroupOptions {
   /// (src/distributed/collective_check.h). 1 checks before every collective; 0 is off. When 0,
   /// init_process_group() takes FSDP_CHECK_COLLECTIVES from the environment.
   TORCH_ARG(int, check_collectives) = 0;
+  /// Benchmark mode, not training: every collective of the group (and of its subgroups) is
+  /// replaced by a local copy of the same bytes, and nothing reaches the backend. all_gather
+  /// writes this rank's input into every rank's slot of the output; reduce_scatter copies this
+  /// rank's own block of its input into the output (the sum or mean "over one rank");
+  /// all_reduce and broadcast leave the tensor as it is. Calls and bytes are counted in
+  /// CommStats as usual (the same sizes), sent_bytes stays 0. Barriers stay real (they order
+  /// setup: data preparation, checkpoint writes; a training step issues none), send and recv
+  /// are refused. The step then does all of its arithmetic and none of its communication:
+  /// bench/bounds.py's compute-only step. Results (the loss above all) are not the model's.
+  /// When false, init_process_group() takes FSDP_BENCH_LOCAL_COLLECTIVES=1 from the
+  /// environment; rank 0 says on stderr that the mode is on.
+  TORCH_ARG(bool, bench_local_collectives) = false;
 };
 
 /// A group of ranks and the c10d backend its collectives run on. Create with
@@ -109,6 +121,8 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   const std::string& name() const { return name_; }
   /// Whether the collective-sequence check (ProcessGroupOptions::check_collectives) is on.
   bool checks_collectives() const { return check_ != nullptr; }
+  /// Whether collectives are local copies (ProcessGroupOptions::bench_local_collectives).
+  bool bench_local_collectives() const { return options_.bench_local_collectives(); }
 
   /// Counters of every collective issued through fsdp-cpp on this group.
   CommStats& comm_stats() { return stats_; }
