@@ -12,6 +12,7 @@
 #include <torch/version.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -19,6 +20,8 @@
 #include <cmath>
 #include <fstream>
 #include <functional>
+#include <map>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -334,6 +337,225 @@ std::string load_average() {
   return one + " " + five + " " + fifteen;
 }
 
+// ---- Replay: a training step's collectives alone ----------------------------------------------
+//
+// bench/bounds.py turns the flight-recorder dumps of a real fsdp-train run into one plan per
+// rank (<dir>/rank<R>.plan) and runs this with --replay <dir>: the steps' collectives, issued in
+// the recorded order with the recorded sizes, on groups with the same members and Gloo lanes,
+// and nothing else: the communication-only step. A collective is waited for just before the
+// first collective that the real run issued after that wait (the recorded times say which), so
+// what was in flight together in the real step is in flight together here.
+//
+// Plan format, one item per line ('#' starts a comment):
+//   group <name> <global ranks...>      every subgroup of the run, in creation order ("world/0")
+//   step                                a new step
+//   op <group> <kind> <bytes> <dtype> <reduce op or -> <root or -1> <waits...>
+// kind: all-gather (bytes: the output), reduce-scatter (bytes: the input), all-reduce,
+// broadcast, barrier; waits: the indices, within the step, of the collectives to wait for first.
+
+struct ReplayOp {
+  std::string group, kind, dtype, reduce;
+  int64_t bytes = 0;
+  int root = -1;
+  std::vector<int> waits;
+};
+
+struct ReplayPlan {
+  std::vector<std::pair<std::string, std::vector<int>>> groups;
+  std::vector<std::vector<ReplayOp>> steps;
+};
+
+ReplayPlan read_plan(const std::string& path) {
+  std::ifstream in(path);
+  if (!in)
+    throw std::runtime_error("cannot read the replay plan " + path);
+  ReplayPlan plan;
+  std::string line;
+  int number = 0;
+  while (std::getline(in, line)) {
+    ++number;
+    if (auto hash = line.find('#'); hash != std::string::npos)
+      line.resize(hash);
+    std::istringstream words(line);
+    std::string head;
+    if (!(words >> head))
+      continue;
+    auto bad = [&] {
+      return std::runtime_error(fmt::format("{}:{}: cannot read '{}'", path, number, line));
+    };
+    if (head == "group") {
+      std::pair<std::string, std::vector<int>> g;
+      if (!(words >> g.first))
+        throw bad();
+      for (int r; words >> r;)
+        g.second.push_back(r);
+      if (g.second.empty())
+        throw bad();
+      plan.groups.push_back(std::move(g));
+    } else if (head == "step") {
+      plan.steps.emplace_back();
+    } else if (head == "op") {
+      ReplayOp op;
+      if (plan.steps.empty() ||
+          !(words >> op.group >> op.kind >> op.bytes >> op.dtype >> op.reduce >> op.root))
+        throw bad();
+      for (int w; words >> w;) {
+        if (w < 0 || w >= static_cast<int>(plan.steps.back().size()))
+          throw bad();
+        op.waits.push_back(w);
+      }
+      plan.steps.back().push_back(std::move(op));
+    } else {
+      throw bad();
+    }
+  }
+  return plan;
+}
+
+torch::ScalarType dtype_named(const std::string& name) {
+  static const std::map<std::string, torch::ScalarType> names = {
+      {"Float", torch::kFloat}, {"Double", torch::kDouble}, {"BFloat16", torch::kBFloat16},
+      {"Half", torch::kHalf},   {"Long", torch::kLong},     {"Int", torch::kInt},
+      {"Byte", torch::kByte},   {"Char", torch::kChar}};
+  auto it = names.find(name);
+  if (it == names.end())
+    throw std::runtime_error("replay: unknown dtype " + name);
+  return it->second;
+}
+
+fsdp::ReduceOp reduce_named(const std::string& name) {
+  if (name == "sum")
+    return fsdp::ReduceOp::kSum;
+  if (name == "avg")
+    return fsdp::ReduceOp::kAvg;
+  if (name == "max")
+    return fsdp::ReduceOp::kMax;
+  if (name == "min")
+    return fsdp::ReduceOp::kMin;
+  throw std::runtime_error("replay: unknown reduce op " + name);
+}
+
+int replay(const std::string& dir, int lanes, double bucket_mib, int rounds,
+           const std::string& out_path) {
+  torch::set_num_threads(1);
+  auto world = fsdp::init_process_group(fsdp::ProcessGroupOptions().gloo_lanes(lanes));
+  const int me = world->rank();
+  const ReplayPlan plan = read_plan(fmt::format("{}/rank{}.plan", dir, me));
+  // The run's subgroups, created as the run created them: every member of a parent creates
+  // each of the parent's subgroups, in order (new_group gives non-members nullptr).
+  std::map<std::string, std::shared_ptr<fsdp::ProcessGroup>> groups{{"world", world}};
+  for (const auto& [name, members] : plan.groups) {
+    const auto slash = name.rfind('/');
+    if (slash == std::string::npos)
+      throw std::runtime_error("replay: group " + name + " has no parent");
+    auto parent = groups.find(name.substr(0, slash));
+    if (parent == groups.end())
+      throw std::runtime_error("replay: the parent of group " + name +
+                               " comes later or is missing");
+    if (!parent->second)
+      continue;  // not a member of the parent: not part of its new_group calls
+    std::vector<int> ranks;
+    const auto& globals = parent->second->global_ranks();
+    for (int g : members) {
+      auto pos = std::find(globals.begin(), globals.end(), g);
+      if (pos == globals.end())
+        throw std::runtime_error("replay: group " + name + " is not inside its parent");
+      ranks.push_back(static_cast<int>(pos - globals.begin()));
+    }
+    std::sort(ranks.begin(), ranks.end());
+    groups[name] = parent->second->new_group(ranks);
+  }
+  const int64_t bucket_bytes = std::llround(bucket_mib * kMiB);
+  // Buffers, allocated and touched once: the k-th collective of a kind and size in a step uses
+  // the same ones in every step (the trainer's caching allocator hands its buffers back too).
+  std::map<std::string, std::vector<torch::Tensor>> buffers;
+  auto buffers_for = [&](const ReplayOp& op, fsdp::ProcessGroup& g, int occurrence) {
+    const std::string key =
+        fmt::format("{} {} {} {} {}", op.group, op.kind, op.bytes, op.dtype, occurrence);
+    auto& b = buffers[key];
+    if (!b.empty())
+      return b;
+    const int n = g.size();
+    if (op.kind == "all-gather") {
+      b = {torch::zeros({op.bytes / n}, torch::kUInt8), torch::zeros({op.bytes}, torch::kUInt8)};
+    } else if (op.kind == "reduce-scatter") {
+      const auto dtype = dtype_named(op.dtype);
+      const int64_t numel = op.bytes / c10::elementSize(dtype);
+      b = {torch::zeros({numel}, dtype), torch::zeros({numel / n}, dtype)};
+    } else if (op.kind == "all-reduce" || op.kind == "broadcast") {
+      const auto dtype = dtype_named(op.dtype);
+      b = {torch::zeros({op.bytes / static_cast<int64_t>(c10::elementSize(dtype))}, dtype)};
+    }
+    return b;
+  };
+  auto issue = [&](const ReplayOp& op, int occurrence) -> std::unique_ptr<fsdp::CollectiveWork> {
+    auto& g = *groups.at(op.group);
+    auto b = buffers_for(op, g, occurrence);
+    if (op.kind == "all-gather")
+      return fsdp::all_gather(g, {b[0]}, {b[1]}, bucket_bytes, "replay");
+    if (op.kind == "reduce-scatter")
+      return fsdp::reduce_scatter(g, b[0], b[1], reduce_named(op.reduce), "replay");
+    if (op.kind == "all-reduce")
+      return fsdp::all_reduce(g, b[0], reduce_named(op.reduce), "replay");
+    if (op.kind == "broadcast")
+      return fsdp::broadcast(g, b[0], op.root, "replay");
+    if (op.kind == "barrier")
+      return fsdp::barrier(g, "replay");
+    throw std::runtime_error("replay: unknown collective " + op.kind);
+  };
+  auto run_step = [&](const std::vector<ReplayOp>& ops) {
+    std::vector<std::unique_ptr<fsdp::CollectiveWork>> works(ops.size());
+    std::map<std::string, int> seen;
+    world->barrier();
+    const auto start = Clock::now();
+    for (size_t i = 0; i < ops.size(); ++i) {
+      for (int w : ops[i].waits) {
+        if (works[w])
+          works[w]->wait();
+      }
+      const auto& op = ops[i];
+      const int occurrence =
+          seen[fmt::format("{} {} {} {}", op.group, op.kind, op.bytes, op.dtype)]++;
+      works[i] = issue(op, occurrence);
+    }
+    for (auto& w : works)
+      w->wait();
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  };
+  if (plan.steps.empty())
+    throw std::runtime_error("replay: the plan has no step");
+  run_step(plan.steps.front());  // untimed: connections and buffers warm
+  const auto num = static_cast<int64_t>(plan.steps.size()) * rounds;
+  auto times = torch::zeros({num}, torch::kDouble);
+  int64_t k = 0;
+  for (int r = 0; r < rounds; ++r) {
+    for (const auto& ops : plan.steps)
+      times[k++] = run_step(ops);
+  }
+  // A step lasts as long as its slowest rank's.
+  all_reduce_max(*world, times);
+  if (me == 0) {
+    std::vector<double> v(times.data_ptr<double>(), times.data_ptr<double>() + num);
+    std::vector<double> sorted = v;
+    std::sort(sorted.begin(), sorted.end());
+    const double median = sorted[sorted.size() / 2];
+    size_t ops_per_step = 0;
+    for (const auto& s : plan.steps)
+      ops_per_step += s.size();
+    std::string json = fmt::format(
+        "{{\"ranks\": {}, \"steps\": {}, \"rounds\": {}, \"collectives_per_step\": {:.1f}, "
+        "\"median_s\": {:.6f}, \"min_s\": {:.6f}, \"step_s\": [{:.6f}]}}\n",
+        world->size(), plan.steps.size(), rounds,
+        static_cast<double>(ops_per_step) / static_cast<double>(plan.steps.size()), median,
+        sorted.front(), fmt::join(v, ", "));
+    fmt::print("{}", json);
+    if (!out_path.empty()) {
+      std::ofstream(out_path) << json;
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -352,7 +574,27 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1000));
   app.add_option("--ops", ops, "all, all-gather or reduce-scatter")
       ->check(CLI::IsMember({"all", "all-gather", "reduce-scatter"}));
+  std::string replay_dir, replay_out;
+  int replay_lanes = 2, replay_rounds = 1;
+  double replay_bucket_mib = 4;
+  app.add_option("--replay", replay_dir,
+                 "replay the plans <dir>/rank<R>.plan (bench/bounds.py writes them from a run's "
+                 "flight recorder) and print the communication-only step time");
+  app.add_option("--replay-lanes", replay_lanes, "replay: Gloo lanes (fsdp.gloo_lanes)");
+  app.add_option("--replay-bucket-mib", replay_bucket_mib,
+                 "replay: all-gather bucket size (fsdp.all_gather_bucket_mb)");
+  app.add_option("--replay-rounds", replay_rounds, "replay: times every step is replayed")
+      ->check(CLI::Range(1, 1000));
+  app.add_option("--replay-out", replay_out, "replay: also write the result (JSON) here");
   CLI11_PARSE(app, argc, argv);
+  if (!replay_dir.empty()) {
+    try {
+      return replay(replay_dir, replay_lanes, replay_bucket_mib, replay_rounds, replay_out);
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "bench_collectives --replay: {}\n", e.what());
+      return 1;
+    }
+  }
 
   try {
     fsdp::memory::install_tracking_allocator();
