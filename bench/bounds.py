@@ -244,9 +244,13 @@ def run_round(rnd, settings, workdir, hf_dirs, dry):
             result = os.path.join(d, "replay.json")
             run_all([replay_command(s, world, plans, result)], [os.path.join(d, "replay-run")],
                     f"{name} {strategy} (replay)")
-            print(f"round {rnd + 1} {name:8} {strategy:13} measured {median_step(measured, STEPS[name][1]) * 1e3:7.1f} ms"
-                  f"  compute-only {median_step(local, STEPS[name][1]) * 1e3:7.1f} ms"
-                  f"  comm-only {json.load(open(result))['median_s'] * 1e3:7.1f} ms", flush=True)
+            with open(result) as f:
+                comm = json.load(f)["median_s"]
+            warmup = STEPS[name][1]
+            print(f"round {rnd + 1} {name:8} {strategy:13} measured "
+                  f"{median_step(measured, warmup) * 1e3:7.1f} ms  compute-only "
+                  f"{median_step(local, warmup) * 1e3:7.1f} ms  comm-only {comm * 1e3:7.1f} ms",
+                  flush=True)
 
 
 # ---- figures -----------------------------------------------------------------------------------
@@ -292,6 +296,23 @@ def rng(values, fmt):
         else f"**{format(med, fmt)}**"
 
 
+def build_description():
+    """Which source the measured binaries were built from: the commit of the tree holding the
+    build directory, and whether that tree had uncommitted changes to tracked files."""
+    build = os.path.dirname(os.path.dirname(vp.TRAIN))
+    def git(*args):
+        return subprocess.run(["git", "-C", build] + list(args), capture_output=True,
+                              text=True).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if not commit:
+        return f"{build} (not in a git tree)"
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    where = os.path.relpath(build, vp.ROOT) if build.startswith(vp.ROOT) else build
+    return (f"fsdp-train and bench_collectives of {where}, commit {commit}"
+            + (" with uncommitted changes" if dirty else ""))
+
+
 def report(a, settings, figs):
     import torch
     lines = []
@@ -304,6 +325,7 @@ def report(a, settings, figs):
         f"{torch.__version__}; Gloo ({LANES} lanes, {BUCKET_MIB} MiB all-gather buckets), one "
         "intra-op thread per rank, fp32, FusedAdamW. Settings, weights and batches: "
         "bench/vs_pytorch.py's.")
+    put(f"- Build: {build_description()}.")
     put(f"- Command: `~/.cache/fsdp-cpp/torch-$(cat .torch-version)/bin/python bench/bounds.py "
         f"--rounds {a.rounds}" + (f" --settings {a.settings}" if a.settings != "all" else "")
         + "`")
