@@ -215,6 +215,23 @@ void reset_comm_stats(const torch::nn::Module& module);
 /// shards' grads accumulate: less memory, more traffic. Both give the gradient of the sum.
 void set_requires_gradient_sync(torch::nn::Module& module, bool sync);
 
+/// Called with a unit's trainable parameters once their .grad holds the backward pass's
+/// reduced gradient (this rank's shard, added to what the grads held before the pass).
+using PostReduceHook = std::function<void(const std::vector<torch::Tensor>& params)>;
+
+/// The optimizer inside backward: for every unit under `module`, `hook` runs during backward as
+/// soon as the unit's gradients are reduced, while the backward of the units before it goes on
+/// (it runs on the thread of backward, after the next unit's reduce-scatter is issued, so that
+/// collective overlaps it). A hook that steps the unit's parameters and then drops their grads
+/// (FusedOptimizer::step_params, then grad = undefined) keeps about one unit's sharded
+/// gradients alive instead of the whole model's. A unit reduced by several calls in one pass
+/// (a module called twice) runs its hook once, after its last reduction; a unit whose calls
+/// may still run their backward, and the root, run theirs at the end of backward. Passes
+/// without gradient sync (set_requires_gradient_sync(false)) reduce nothing and run no hook.
+/// Not transactional: when a pass fails after some units' hooks ran, those units keep what
+/// their hooks did (the others are rolled back as usual). nullptr removes the hook.
+void set_post_reduce_hook(torch::nn::Module& module, PostReduceHook hook);
+
 /// Calls module->forward(args...) as an FSDP unit: parameters are gathered before and freed
 /// after, and backward is hooked. Tensors inside the arguments (nested in containers and in
 /// types that declare them, see fsdp/detail/tensor_visit.h) that require grad pass through an

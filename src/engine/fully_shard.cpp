@@ -383,6 +383,11 @@ void set_requires_gradient_sync(torch::nn::Module& module, bool sync) {
     unit->set_requires_gradient_sync(sync);
 }
 
+void set_post_reduce_hook(torch::nn::Module& module, PostReduceHook hook) {
+  for (auto& unit : detail::units_under(module))
+    unit->set_post_reduce_hook(hook);
+}
+
 bool is_sharded(const torch::nn::Module& module) {
   return detail::find_unit(module) != nullptr;
 }

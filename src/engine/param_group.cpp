@@ -456,7 +456,7 @@ void ParamGroup::reduce_gradients() {
         // Grads kept by earlier no-sync passes travel with the pass's first reduction only.
         const bool has_grad = p->copy_grad_into(
             g, rows.narrow(1, offset, len).view({n, p->chunk_rows(), p->row_numel()}),
-            /*add_kept=*/reduces_.empty());
+            /*add_kept=*/!reduced_in_pass_);
         flags.select(1, i).fill_(has_grad ? 1 : 0);
         offset += len;
       }
@@ -474,6 +474,7 @@ void ParamGroup::reduce_gradients() {
       }
     }
     reduces_.push_back(std::move(pending));
+    reduced_in_pass_ = true;
     if (n == 1)
       issue_all_reduce();  // no reduce-scatter to wait for: overlap it with what follows
     else
@@ -483,6 +484,9 @@ void ParamGroup::reduce_gradients() {
   unit_state_.reduce_done();
   release();
   set_backward_moment_of_root();  // what runs next belongs to the enclosing unit
+  // Units reduced earlier whose reductions are complete: their hooks (the optimizer in
+  // backward) run now, while this unit's reduce-scatter is in flight.
+  state_->run_post_reduce_hooks(this);
   if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPost && !backward_prefetch_list) {
     auto& prefetcher = state_->prefetcher();
     for (auto& next : prefetcher.backward_targets(*this))
@@ -496,6 +500,7 @@ void ParamGroup::issue_all_reduce() {
     if (r.all_reduce_issued || r.reduce_scatter)
       continue;
     r.all_reduce_issued = true;
+    r.all_reduce_round = state_->reduce_round();
     if (!groups_.replicate || groups_.replicate->size() == 1)
       continue;
     // Buckets bound the size of one collective (and of the backend's staging buffers).
@@ -559,15 +564,47 @@ void ParamGroup::install_grads() {
   }
 }
 
+bool ParamGroup::run_post_reduce_hook(bool end_of_pass, uint64_t round) {
+  if (!post_reduce_hook_ || !reduced_in_pass_ || post_reduced_)
+    return false;
+  if (!end_of_pass) {
+    for (const auto& c : calls_) {
+      if (c->alive() && c->post_pass != state_->pass_id())
+        return false;  // this call's backward may still come and reduce again
+    }
+    for (const auto& r : reduces_) {
+      if (r.reduce_scatter ||
+          (r.all_reduce_issued && r.all_reduce_round == round && !r.all_reduces.empty()))
+        return false;
+    }
+  }
+  wait_reduces();
+  install_grads();
+  std::vector<torch::Tensor> params;
+  for (auto& p : params_) {
+    if (p.requires_grad()) {
+      p.restore_stash();
+      params.push_back(p.param());
+    }
+  }
+  // The reduced buffers now back the grads (or were copied into them): the hook may free them.
+  reduces_.clear();
+  post_reduced_ = true;
+  post_reduce_hook_(params);
+  return true;
+}
+
 void ParamGroup::end_backward_pass(uint64_t pass) {
   // A reduction in this pass sent the grads kept by earlier no-sync passes along.
-  const bool kept_consumed = !reduces_.empty();
+  const bool kept_consumed = reduced_in_pass_;
   for (auto& p : params_) {
-    if (unit_state_.grads_stashed())
+    if (unit_state_.grads_stashed() && !post_reduced_)
       p.restore_stash();
     p.commit_pass(/*drop_kept=*/kept_consumed);
   }
   reduces_.clear();
+  reduced_in_pass_ = false;
+  post_reduced_ = false;
   unit_state_.pass_closed();
   drop_block_shards();
   release();
@@ -586,11 +623,14 @@ void ParamGroup::abort_backward_pass(uint64_t pass, std::vector<std::string>& er
   }
   reduces_.clear();
   for (auto& p : params_) {
-    // The stash replaces whatever autograd accumulated in the failed pass.
-    if (unit_state_.grads_stashed())
+    // The stash replaces whatever autograd accumulated in the failed pass (a unit whose
+    // post-reduce hook ran keeps what the hook left: see set_post_reduce_hook).
+    if (unit_state_.grads_stashed() && !post_reduced_)
       p.restore_stash();
     p.abort_pass();
   }
+  reduced_in_pass_ = false;
+  post_reduced_ = false;
   unit_state_.pass_closed();
   collect_errors(errors, [&] { release(); });
   drop_block_shards();

@@ -161,6 +161,17 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   /// all-reduce that follows it. Bounds the reduce-scatter buffers alive at once.
   void finish_reduce_scatter();
 
+  /// fsdp::set_post_reduce_hook.
+  void set_post_reduce_hook(PostReduceHook hook) { post_reduce_hook_ = std::move(hook); }
+  /// Runs the post-reduce hook on this pass's reduced grads, if there is a hook, the unit
+  /// reduced in this pass and the hook has not run yet: installs the reduced shards into the
+  /// grads first (waiting for what is still in flight). Before the end of the pass
+  /// (`end_of_pass` false) only when nothing can reduce again in this pass (no call of the
+  /// unit still expects its backward) and the reductions are already complete or were issued
+  /// before reduce point `round` (not just now: waiting for those would stall backward).
+  /// Returns whether the hook ran.
+  bool run_post_reduce_hook(bool end_of_pass, uint64_t round);
+
   /// false: backward keeps unsharded grads locally instead of reduce-scattering them
   /// (accumulation without communication); the next backward with true sends the sum.
   void set_requires_gradient_sync(bool sync) { requires_gradient_sync_ = sync; }
@@ -206,6 +217,7 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
     std::unique_ptr<CollectiveWork> reduce_scatter;
     std::vector<std::unique_ptr<CollectiveWork>> all_reduces;
     bool all_reduce_issued = false;
+    uint64_t all_reduce_round = 0;  // RootState::reduce_round() when the all-reduce was issued
   };
 
   void begin_backward();
@@ -238,6 +250,11 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   int moment_before_forward_ = 0;
   // One per reduction of this pass: one per call whose backward ran on its own.
   std::vector<PendingReduce> reduces_;
+  // This pass reduced (it sent the grads kept by earlier no-sync passes along).
+  bool reduced_in_pass_ = false;
+  // The post-reduce hook ran in this pass: the grads are the hook's, not stashed any more.
+  bool post_reduced_ = false;
+  PostReduceHook post_reduce_hook_;
 };
 
 }  // namespace fsdp::detail

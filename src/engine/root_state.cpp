@@ -193,6 +193,14 @@ void RootState::finish_reduce_scatters() {
   reducing_.clear();
 }
 
+void RootState::run_post_reduce_hooks(const ParamGroup* current) {
+  for (auto& unit : units()) {
+    if (unit.get() != current)
+      unit->run_post_reduce_hook(/*end_of_pass=*/false, reduce_round_);
+  }
+  ++reduce_round_;
+}
+
 void RootState::end_backward_pass(uint64_t pass) {
   if (open_pass_ != pass)
     return;
@@ -205,6 +213,15 @@ void RootState::end_backward_pass(uint64_t pass) {
       unit->finish_backward();
     for (auto& unit : units)
       unit->wait_reduces();
+  } catch (...) {
+    abort_backward_pass(pass);
+    throw;
+  }
+  try {
+    // The post-reduce hooks not run during the pass (the root, units whose calls could still
+    // have reduced): the reductions are complete. Each installs its unit's grads.
+    for (auto& unit : units)
+      unit->run_post_reduce_hook(/*end_of_pass=*/true, reduce_round_);
   } catch (...) {
     abort_backward_pass(pass);
     throw;

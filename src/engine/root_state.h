@@ -77,6 +77,12 @@ class RootState : public std::enable_shared_from_this<RootState> {
   /// alive while the next unit computes (FSDP2 does the same).
   void track_reduce_scatter(ParamGroup& unit);
   void finish_reduce_scatters();
+  /// A reduce point of the pass (`current` has just issued its reduction): runs the
+  /// post-reduce hooks of the other units whose reductions are complete
+  /// (ParamGroup::run_post_reduce_hook), then starts the next round.
+  void run_post_reduce_hooks(const ParamGroup* current);
+  /// Counts reduce points; all-reduces issued in the current round are not waited for yet.
+  uint64_t reduce_round() const { return reduce_round_; }
 
  private:
   struct PassToken;
@@ -87,6 +93,7 @@ class RootState : public std::enable_shared_from_this<RootState> {
   std::vector<std::weak_ptr<ParamGroup>> units_;
   Prefetcher prefetcher_;
   std::vector<std::weak_ptr<ParamGroup>> reducing_;
+  uint64_t reduce_round_ = 1;
   int forward_depth_ = 0;
   // The current root call began an iteration (it ran outside any backward pass).
   bool iteration_open_ = false;

@@ -114,13 +114,16 @@ uint32_t FusedOptimizer::rounding_key(const Slot& slot) const {
 }
 
 torch::Tensor FusedOptimizer::step(LossClosure closure) {
-  torch::NoGradGuard no_grad;
   torch::Tensor loss;
   if (closure) {
     at::AutoGradMode enable_grad(true);
     loss = closure();
   }
-  const auto t0 = std::chrono::steady_clock::now();
+  step_selected(nullptr);
+  return loss;
+}
+
+void FusedOptimizer::ensure_layout() {
   // Param groups added since the layout was built: fine until some parameter has state.
   size_t listed = 0;
   for (const auto& g : param_groups_)
@@ -132,6 +135,26 @@ torch::Tensor FusedOptimizer::step(LossClosure closure) {
                   "layout is fixed then); add every group before stepping");
     build_layout();
   }
+}
+
+void FusedOptimizer::step_params(const std::vector<torch::Tensor>& params) {
+  ensure_layout();
+  if (params.empty())
+    return;
+  std::vector<char> selected(slots_.size(), 0);
+  for (const auto& p : params) {
+    const auto it = slot_index_.find(p.unsafeGetTensorImpl());
+    TORCH_CHECK(it != slot_index_.end(), "fused optimizer: step_params got a parameter of shape ",
+                p.sizes(), " that this optimizer does not step");
+    selected[it->second] = 1;
+  }
+  step_selected(&selected);
+}
+
+void FusedOptimizer::step_selected(const std::vector<char>* selected) {
+  torch::NoGradGuard no_grad;
+  const auto t0 = std::chrono::steady_clock::now();
+  ensure_layout();
 
   last_ = OptimizerStepStats{};
   // First every check, then any change: a refused step leaves no parameter's count advanced.
@@ -140,6 +163,8 @@ torch::Tensor FusedOptimizer::step(LossClosure closure) {
   std::vector<const float*> grads(slots_.size(), nullptr);
   for (size_t i = 0; i < slots_.size(); ++i) {
     auto& s = slots_[i];
+    if (selected && !(*selected)[i])
+      continue;
     const auto& grad = s.param.grad();
     if (!grad.defined())
       continue;  // as torch's optimizers: no gradient, no step (and the step count stays)
@@ -205,7 +230,6 @@ torch::Tensor FusedOptimizer::step(LossClosure closure) {
   for (size_t i : active)
     slots_[i].param.unsafeGetTensorImpl()->bump_version();  // written through a raw pointer
   last_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return loss;
 }
 
 torch::Tensor FusedOptimizer::state_tensor(const torch::Tensor& param,

@@ -77,6 +77,12 @@ class FusedOptimizer : public torch::optim::Optimizer {
   ~FusedOptimizer() override;
 
   torch::Tensor step(LossClosure closure = nullptr) override;
+  /// step() on these parameters only (each must be one this optimizer steps; those without a
+  /// gradient are skipped, as in step()): the optimizer inside backward steps each unit as soon
+  /// as its gradients are reduced (fsdp::set_post_reduce_hook). Every update is per element, so
+  /// stepping the parameters in several calls gives step()'s values bitwise. last_step()
+  /// describes this call.
+  void step_params(const std::vector<torch::Tensor>& params);
 
   /// The checkpoint kind ("adamw", "sgd"): the same as torch's optimizer of that name.
   virtual std::string state_kind() const = 0;
@@ -163,6 +169,10 @@ class FusedOptimizer : public torch::optim::Optimizer {
 
  private:
   void build_layout();
+  // Builds the layout if param groups were added since (refused once some state exists).
+  void ensure_layout();
+  // step() and step_params(): the slots marked in `selected` (nullptr: all) that have a grad.
+  void step_selected(const std::vector<char>* selected);
   size_t slot_of(const torch::Tensor& param) const;
 
   OptimizerStateOptions state_options_;
