@@ -369,9 +369,8 @@ const std::vector<Option>& options() {
           "For bench/bounds.py, not for training: the step's arithmetic with every collective "
           "replaced by a local copy of the same size (all-gathers copy this rank's shard into "
           "every slot, reductions keep this rank's own values); nothing is communicated, so "
-          "the loss is NOT the model's. Sets FSDP_BENCH_LOCAL_COLLECTIVES=1 "
-          "(ProcessGroupOptions::bench_local_collectives) for this process and the ranks it "
-          "starts."),
+          "the loss is NOT the model's (ProcessGroupOptions::bench_local_collectives of the "
+          "training process group; FSDP_BENCH_LOCAL_COLLECTIVES=1 turns it on as well)."),
       opt("fsdp.activation_checkpointing", FIELD(fsdp.activation_checkpointing),
           "Recompute each block's activations in backward instead of keeping them: full keeps "
           "only the block's input, selective also keeps its matmul and attention outputs (less "
@@ -652,11 +651,6 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
   // reaches many messages): control characters are shown escaped.
   try {
     Config config = read_config(path, overrides, finetuning);
-    // The trainer builds its process group from the environment's side of this switch
-    // (init_process_group reads FSDP_BENCH_LOCAL_COLLECTIVES); ranks that --nproc or torchrun
-    // start inherit it. Only ever set, never cleared: the variable alone also turns it on.
-    if (config.fsdp.bench_local_collectives)
-      ::setenv("FSDP_BENCH_LOCAL_COLLECTIVES", "1", 1);
     return config;
   } catch (const ConfigError& e) {
     const std::string what = e.what();
@@ -713,9 +707,9 @@ void validate(const Config& c) {
   require(c.training.eval_every >= 0, "training.eval_every", "must be >= 0");
   require(c.training.eval_batches >= 1, "training.eval_batches", "must be >= 1");
   // Each intra-op thread is created up front: a million of them crashed the process.
-  require(c.training.loss_chunk >= -1, "training.loss_chunk",
-          "must be >= -1 (-1: unfused, 0: automatic), got " +
-              std::to_string(c.training.loss_chunk));
+  require(
+      c.training.loss_chunk >= -1, "training.loss_chunk",
+      "must be >= -1 (-1: unfused, 0: automatic), got " + std::to_string(c.training.loss_chunk));
   require(c.training.threads >= 1 && c.training.threads <= 1024, "training.threads",
           "must be between 1 and 1024, got " + std::to_string(c.training.threads));
   if (!c.training.memory_budget.empty())

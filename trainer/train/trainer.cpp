@@ -85,7 +85,8 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
           .backend(cuda ? "nccl" : "gloo")
           .timeout(std::chrono::milliseconds(static_cast<int64_t>(config_.fsdp.timeout_s * 1000)))
           .gloo_lanes(static_cast<int>(config_.fsdp.gloo_lanes))
-          .check_collectives(static_cast<int>(config_.fsdp.check_collectives)));
+          .check_collectives(static_cast<int>(config_.fsdp.check_collectives))
+          .bench_local_collectives(config_.fsdp.bench_local_collectives));
   const int rank = pg_->rank(), world = pg_->size();
   {
     // The trainer's own reductions (losses, memory figures, the dtype choice) get a group of
