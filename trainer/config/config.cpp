@@ -706,10 +706,10 @@ void validate(const Config& c) {
   require(c.training.grad_clip >= 0, "training.grad_clip", "must be >= 0");
   require(c.training.eval_every >= 0, "training.eval_every", "must be >= 0");
   require(c.training.eval_batches >= 1, "training.eval_batches", "must be >= 1");
-  // Each intra-op thread is created up front: a million of them crashed the process.
   require(
       c.training.loss_chunk >= -1, "training.loss_chunk",
       "must be >= -1 (-1: unfused, 0: automatic), got " + std::to_string(c.training.loss_chunk));
+  // Each intra-op thread is created up front: a million of them crashed the process.
   require(c.training.threads >= 1 && c.training.threads <= 1024, "training.threads",
           "must be between 1 and 1024, got " + std::to_string(c.training.threads));
   if (!c.training.memory_budget.empty())
