@@ -119,6 +119,7 @@ torch::Tensor FusedOptimizer::step(LossClosure closure) {
     at::AutoGradMode enable_grad(true);
     loss = closure();
   }
+  ensure_layout();
   step_selected(nullptr);
   return loss;
 }
@@ -154,8 +155,6 @@ void FusedOptimizer::step_params(const std::vector<torch::Tensor>& params) {
 void FusedOptimizer::step_selected(const std::vector<char>* selected) {
   torch::NoGradGuard no_grad;
   const auto t0 = std::chrono::steady_clock::now();
-  ensure_layout();
-
   last_ = OptimizerStepStats{};
   // First every check, then any change: a refused step leaves no parameter's count advanced.
   std::vector<size_t> active;

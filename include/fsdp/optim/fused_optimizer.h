@@ -171,7 +171,8 @@ class FusedOptimizer : public torch::optim::Optimizer {
   void build_layout();
   // Builds the layout if param groups were added since (refused once some state exists).
   void ensure_layout();
-  // step() and step_params(): the slots marked in `selected` (nullptr: all) that have a grad.
+  // step() and step_params(), after ensure_layout(): the slots marked in `selected` (nullptr:
+  // all) that have a grad.
   void step_selected(const std::vector<char>* selected);
   size_t slot_of(const torch::Tensor& param) const;
 
