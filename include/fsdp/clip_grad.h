@@ -3,6 +3,8 @@
 // torch::nn::utils::clip_grad_norm_ would clip each rank's shard by that shard's norm, which is
 // a different (and rank-dependent) operation; here the squared norms of the shards are summed
 // across the group first, so every rank scales by the same factor as one process would.
+// GradNormSum computes the same norm from pieces (a unit's grads at a time, e.g. inside
+// backward when the optimizer steps there, where no whole-model gradient ever exists).
 #pragma once
 
 #include <torch/types.h>
@@ -23,5 +25,28 @@ namespace fsdp {
 /// backward (not after a no_sync pass, whose grads differ between ranks).
 double clip_grad_norm_(const std::vector<torch::Tensor>& params, double max_norm,
                        ProcessGroup& group);
+
+/// The global L2 norm of gradients added a few parameters at a time: add() takes this rank's
+/// local squared norms of their grads (no collective), reduce() sums the pieces across the
+/// group and returns the norm clip_grad_norm_ would return for all the parameters added
+/// (bitwise when they are added in one call; otherwise the same terms summed in another order,
+/// within a few ulps of double). clip_grad_norm_'s rules hold: `group` is the units' group,
+/// and reduce() issues its one all-reduce unless every parameter added was in a unit sharded
+/// over one rank, so every rank must add() parameters of the same units.
+class GradNormSum {
+ public:
+  explicit GradNormSum(ProcessGroup& group) : group_(&group) {}
+  /// Adds the squared norms of the grads of `params` (parameters without a grad count zero).
+  void add(const std::vector<torch::Tensor>& params);
+  /// The global norm of everything added since the last reduce(), which starts a new sum.
+  /// Every rank of the group calls it.
+  double reduce();
+
+ private:
+  ProcessGroup* group_;
+  torch::Tensor weighted_;  // squares, an element held by R ranks weighed 1/R (double, [1])
+  torch::Tensor whole_;     // the same unweighed: the norm when every grad is replicated
+  bool replicated_everywhere_ = true;
+};
 
 }  // namespace fsdp

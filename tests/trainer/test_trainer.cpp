@@ -120,6 +120,14 @@ TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
       {"", "--optimizer.chunk_mb=0", "'optimizer.chunk_mb' must be between"},
       {"", "--optimizer.name=sgd --optimizer.momentum=0 --optimizer.nesterov=true",
        "'optimizer.nesterov' needs optimizer.momentum > 0"},
+      {"", "--fsdp.optimizer_in_backward=true --optimizer.name=adamw",
+       "'fsdp.optimizer_in_backward' steps unit by unit through a fused optimizer"},
+      {"", "--fsdp.optimizer_in_backward=true --training.grad_clip=1",
+       "'fsdp.optimizer_in_backward' cannot clip by this step's global norm"},
+      {"", "--fsdp.optimizer_in_backward=true --training.grad_clip=0 --precision.param_dtype=fp16",
+       "'fsdp.optimizer_in_backward' cannot skip a step whose gradients overflow"},
+      {"", "--training.grad_clip_mode=local",
+       "'training.grad_clip_mode' must be one of global, previous_step"},
       // The job's shape: checked by the launcher before any rank starts...
       {"", "--nproc 2 --fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=3",
        "'fsdp.hybrid_shard_size' = 3 must divide the world size (2 ranks)"},
@@ -914,6 +922,68 @@ TEST(TrainerRun, LossChunkGivesTheSameLossesWithALowerPeak) {
     std::printf("%s: peak %lld B whole, %lld B chunked\n", c.arch.c_str(),
                 (long long)whole.back().peak_bytes, (long long)chunked.back().peak_bytes);
   }
+}
+
+// fsdp.optimizer_in_backward: each unit steps inside the last micro-batch's backward. Without
+// clipping the parameters are bitwise the usual step's, so every loss is equal (3 ranks, one
+// micro-batch, two with and without sync on the first). With one micro-batch the gradients no
+// longer grow with the model: what is left is the few units' gradients in flight (computed,
+// being reduced, stepped), the same at 8 and 16 blocks, while the usual step's peak grows by the
+// added blocks' gradient shards. (With several micro-batches the earlier ones' gradients are
+// accumulated for the whole model whatever the mode.) Clipping by the previous step's norm
+// gives the losses of the usual step clipped the same way, up to the norm's summation order.
+TEST(TrainerRun, OptimizerInBackwardTrainsTheSameWithOneUnitsGradients) {
+  std::map<std::string, std::vector<fsdp_trainer::StepMetrics>> runs;
+  for (const std::string micro : {"1", "2-sync", "2-nosync"}) {
+    for (const std::string blocks : {"8", "16"}) {
+      if (micro != "1" && blocks == "16")
+        continue;
+      std::string args = "--training.batch_size=6 --training.grad_clip=0 --model.n_layer=" + blocks;
+      if (micro != "1") {
+        args += " --training.micro_batches=2 --fsdp.sync_every_micro_batch=" +
+                std::string(micro == "2-sync" ? "true" : "false");
+      }
+      const std::string key = micro + "-" + blocks;
+      const auto& usual = runs["usual-" + key] = quick_run("oib-usual-" + key, 3, args);
+      const auto& inside = runs["inside-" + key] =
+          quick_run("oib-inside-" + key, 3, args + " --fsdp.optimizer_in_backward=true");
+      ASSERT_EQ(usual.size(), 3u);
+      ASSERT_EQ(inside.size(), 3u);
+      for (size_t i = 0; i < usual.size(); ++i) {
+        EXPECT_EQ(inside[i].loss, usual[i].loss) << key << " step " << i + 1;
+        ASSERT_TRUE(usual[i].grads_peak_bytes && inside[i].grads_peak_bytes);
+        ASSERT_TRUE(usual[i].mem_params_bytes);
+        std::printf("%s step %zu: grads peak %lld B usual, %lld B inside backward (params %lld)\n",
+                    key.c_str(), i + 1, (long long)*usual[i].grads_peak_bytes,
+                    (long long)*inside[i].grads_peak_bytes, (long long)*usual[i].mem_params_bytes);
+      }
+      EXPECT_NE(usual.front().loss, usual.back().loss);
+    }
+  }
+  const auto &usual8 = runs["usual-1-8"].back(), &usual16 = runs["usual-1-16"].back();
+  const auto &inside8 = runs["inside-1-8"].back(), &inside16 = runs["inside-1-16"].back();
+  EXPECT_EQ(*inside16.grads_peak_bytes, *inside8.grads_peak_bytes);
+  EXPECT_GE(*usual16.grads_peak_bytes - *usual8.grads_peak_bytes,
+            *usual16.mem_params_bytes - *usual8.mem_params_bytes);
+  EXPECT_LT(*inside16.grads_peak_bytes * 2, *usual16.grads_peak_bytes);
+  // A small clip, so that steps 2 and 3 are scaled.
+  const std::string shape = "--model.n_layer=8 --training.batch_size=6 --training.micro_batches=2 ";
+  const std::string clip =
+      shape + "--training.grad_clip=0.05 --training.grad_clip_mode=previous_step";
+  const auto usual = quick_run("oib-clip-usual", 3, clip);
+  const auto inside = quick_run("oib-clip-inside", 3, clip + " --fsdp.optimizer_in_backward=true");
+  const auto global = quick_run("oib-clip-global", 3, shape + "--training.grad_clip=0.05");
+  ASSERT_EQ(usual.size(), 3u);
+  ASSERT_EQ(inside.size(), 3u);
+  ASSERT_EQ(global.size(), 3u);
+  for (size_t i = 0; i < usual.size(); ++i) {
+    ASSERT_TRUE(usual[i].grad_norm && inside[i].grad_norm && global[i].grad_norm);
+    EXPECT_NEAR(*inside[i].grad_norm, *usual[i].grad_norm, 1e-6 * *usual[i].grad_norm);
+    EXPECT_NEAR(inside[i].loss, usual[i].loss, 1e-6 * usual[i].loss) << "step " << i + 1;
+  }
+  // Step 1 is unclipped by the previous norm and clipped by the global one: step 2 differs.
+  EXPECT_GT(*usual[0].grad_norm, 0.05);
+  EXPECT_NE(usual[1].loss, global[1].loss);
 }
 
 // Every collective of a training job, the trainer's own (losses, memory figures, the random

@@ -266,6 +266,13 @@ const std::vector<Option>& options() {
       opt("training.beta2", FIELD(training.beta2), "AdamW beta2."),
       opt("training.grad_clip", FIELD(training.grad_clip),
           "Clip the global gradient norm to this (0: no clipping)."),
+      opt("training.grad_clip_mode", FIELD(training.grad_clip_mode),
+          "global: scale this step's gradients by grad_clip / their global norm when above it "
+          "(needs every gradient before the first update). previous_step: scale them by the "
+          "factor the previous step's global norm gives (none at the first step of a run; the "
+          "norm is saved in checkpoints), which fsdp.optimizer_in_backward can apply unit by "
+          "unit. grad_norm in the metrics is always this step's norm before scaling.",
+          {"global", "previous_step"}),
       opt("training.seed", FIELD(training.seed), "Seed of initialisation and data order."),
       opt("training.eval_every", FIELD(training.eval_every),
           "Steps between held-out evaluations (0: only at the start and the end)."),
@@ -359,6 +366,13 @@ const std::vector<Option>& options() {
           "With training.micro_batches > 1: reduce-scatter after every micro-batch (less "
           "memory) or only after the last one (no_sync: one full-size gradient per unit kept "
           "locally, 1/micro_batches of the traffic)."),
+      opt("fsdp.optimizer_in_backward", FIELD(fsdp.optimizer_in_backward),
+          "Step each unit's parameters inside the last micro-batch's backward, as soon as its "
+          "gradients are reduced (fsdp::set_post_reduce_hook), and free its gradients then: "
+          "the step overlaps the rest of backward and about one unit's gradients are alive "
+          "instead of the whole shard's. The parameters are bitwise the usual step's without "
+          "clipping; needs a fused optimizer (adamw_fused or sgd), no loss scaling, and "
+          "training.grad_clip_mode = previous_step when clipping."),
       opt("fsdp.timeout_s", FIELD(fsdp.timeout_s),
           "Seconds before a missing or dead rank fails the others (rendezvous and collectives)."),
       opt("fsdp.check_collectives", FIELD(fsdp.check_collectives),
@@ -704,6 +718,21 @@ void validate(const Config& c) {
   require(c.training.beta1 >= 0 && c.training.beta1 < 1, "training.beta1", "must be in [0, 1)");
   require(c.training.beta2 >= 0 && c.training.beta2 < 1, "training.beta2", "must be in [0, 1)");
   require(c.training.grad_clip >= 0, "training.grad_clip", "must be >= 0");
+  // Inside backward each unit steps before the later units' gradients exist, so neither their
+  // global norm nor an overflow check over all of them can come first.
+  if (c.fsdp.optimizer_in_backward) {
+    require(c.optimizer.name != "adamw", "fsdp.optimizer_in_backward",
+            "steps unit by unit through a fused optimizer: optimizer.name = adamw "
+            "(torch::optim::AdamW) cannot, use adamw_fused or sgd");
+    require(c.training.grad_clip == 0 || c.training.grad_clip_mode != "global",
+            "fsdp.optimizer_in_backward",
+            "cannot clip by this step's global norm (the first units step before the last "
+            "gradients exist): set training.grad_clip_mode = \"previous_step\" or "
+            "training.grad_clip = 0");
+    require(!uses_loss_scaling(c), "fsdp.optimizer_in_backward",
+            "cannot skip a step whose gradients overflow (units step before the overflow is "
+            "known): turn loss scaling off or use bf16");
+  }
   require(c.training.eval_every >= 0, "training.eval_every", "must be >= 0");
   require(c.training.eval_batches >= 1, "training.eval_batches", "must be >= 1");
   require(

@@ -47,6 +47,7 @@ struct TrainingConfig {
   double beta1 = 0.9;
   double beta2 = 0.95;
   double grad_clip = 1.0;
+  std::string grad_clip_mode = "global";  // global, previous_step
   int64_t seed = 0;
   int64_t eval_every = 50;
   int64_t eval_batches = 4;
@@ -71,6 +72,7 @@ struct FsdpConfig {
   bool sync_module_states = true;
   bool cpu_offload = false;
   bool sync_every_micro_batch = true;
+  bool optimizer_in_backward = false;
   double timeout_s = 300;
   int64_t check_collectives = 0;                  // 0: off
   bool bench_local_collectives = false;           // benchmark mode: collectives as local copies

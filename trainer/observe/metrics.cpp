@@ -39,7 +39,7 @@ struct Field {
 };
 
 // Order = order in each JSON line: what a human reading the log wants first.
-const std::array<Field, 32> kFields = {{
+const std::array<Field, 33> kFields = {{
     {"step", &StepMetrics::step},
     {"loss", &StepMetrics::loss},
     {"eval_loss", &StepMetrics::eval_loss},
@@ -67,6 +67,7 @@ const std::array<Field, 32> kFields = {{
     {"mem_gathered_bytes", &StepMetrics::mem_gathered_bytes},
     {"mem_activations_bytes", &StepMetrics::mem_activations_bytes},
     {"mem_other_bytes", &StepMetrics::mem_other_bytes},
+    {"grads_peak_bytes", &StepMetrics::grads_peak_bytes},
     {"rss_bytes", &StepMetrics::rss_bytes},
     {"peak_rss_bytes", &StepMetrics::peak_rss_bytes},
     {"offload_read_bytes", &StepMetrics::offload_read_bytes},

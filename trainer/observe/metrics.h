@@ -75,6 +75,10 @@ struct StepMetrics {
   /// the moment of its peak; they sum to peak_bytes). CPU runs only.
   std::optional<int64_t> mem_params_bytes, mem_grads_bytes, mem_optimizer_bytes, mem_gathered_bytes,
       mem_activations_bytes, mem_other_bytes;
+  /// The step's high-water mark of gradient bytes alone (the kGrads category, whenever it
+  /// peaked), max over ranks: a whole shard of gradients normally, about one unit's with
+  /// fsdp.optimizer_in_backward. CPU runs only.
+  std::optional<int64_t> grads_peak_bytes;
   /// Resident set size at the end of the step and the process's high-water mark so far, max
   /// over ranks (fsdp::memory::resident_bytes): what the OS charges beside the tracked tensors.
   std::optional<int64_t> rss_bytes, peak_rss_bytes;

@@ -30,6 +30,7 @@
 #include <fsdp/optim/fused_optimizer.h>
 #include <fsdp/unshard.h>
 
+#include "gradient_update.h"
 #include "matmul_speed.h"
 #include "observe/plot.h"
 #include "optimizer_factory.h"
@@ -486,7 +487,7 @@ void Trainer::reduce_step_metrics(StepMetrics& m, double loss_sum, double local_
   // Four separate all-reduces cost ~5 ms per step between steps at batch 1 on 2 cores (each a
   // round trip, and a point where the faster rank waits). Doubles hold byte counts exactly
   // below 2^53.
-  enum Col { kLoss, kTokens, kRss, kPeakRss, kPeak, kCategories };
+  enum Col { kLoss, kTokens, kRss, kPeakRss, kPeak, kGradsPeak, kCategories };
   constexpr int kCols = kCategories + fsdp::memory::kNumCategories;
   const bool tracked = fsdp::memory::tracking_installed();
   std::vector<double> mine(kCols, 0.0);
@@ -496,6 +497,8 @@ void Trainer::reduce_step_metrics(StepMetrics& m, double loss_sum, double local_
   mine[kPeakRss] = static_cast<double>(fsdp::memory::peak_resident_bytes());
   if (tracked) {
     mine[kPeak] = static_cast<double>(fsdp::memory::peak_bytes());
+    mine[kGradsPeak] =
+        static_cast<double>(fsdp::memory::peak_by_category()[fsdp::memory::Category::kGrads]);
     const auto parts = fsdp::memory::at_peak_by_category();
     for (int c = 0; c < fsdp::memory::kNumCategories; ++c)
       mine[kCategories + c] = static_cast<double>(parts.bytes[c]);
@@ -531,6 +534,7 @@ void Trainer::reduce_step_metrics(StepMetrics& m, double loss_sum, double local_
   m.mem_gathered_bytes = part(Category::kGathered);
   m.mem_activations_bytes = part(Category::kActivations);
   m.mem_other_bytes = part(Category::kOther);
+  m.grads_peak_bytes = static_cast<int64_t>(col(kGradsPeak).max().item<double>());
 }
 
 double Trainer::evaluate() {
@@ -604,10 +608,11 @@ MeasuredTime Trainer::time_by_blocks(const std::string& model_file) {
         batch = torch::randint(data_.vocab_size, {t.batch_size, t.seq_len + 1}, ids).to(device_);
       }
       StepMetrics unused;
+      double previous_norm = std::numeric_limits<double>::quiet_NaN();
       pg_->barrier();
       profiler.begin_step();
-      run_step(StepParts{model, *optimizer, params, profiler, nullptr}, batch, conversations,
-               unused);
+      run_step(StepParts{model, *optimizer, params, profiler, nullptr, previous_norm}, batch,
+               conversations, unused);
       const auto b = profiler.end_step();
       if (step >= kWarmup)
         runs.push_back(b);
@@ -647,6 +652,15 @@ double Trainer::run_step(const StepParts& parts, const torch::Tensor& batch,
                          const InstructBatch& conversations, StepMetrics& m) {
   const auto& t = config_.training;
   parts.optimizer.zero_grad();
+  const bool previous_clip = t.grad_clip > 0 && t.grad_clip_mode == "previous_step";
+  const PreviousNormClip clip{previous_clip ? t.grad_clip : 0.0, parts.previous_grad_norm};
+  // fsdp.optimizer_in_backward: the last micro-batch's backward steps the units (the config
+  // allows only fused optimizers, no loss scaling, no clipping by this step's norm).
+  std::optional<UpdateInBackward> in_backward;
+  if (config_.fsdp.optimizer_in_backward) {
+    in_backward.emplace(*parts.model.module, dynamic_cast<fsdp::FusedOptimizer&>(parts.optimizer),
+                        *pg_, clip.factor(), previous_clip);
+  }
   // Gradient accumulation: micro-batch losses are scaled so that their sum is the batch mean
   // (for conversations: the mean over the batch's answer tokens).
   const int64_t micro = t.micro_batches, rows = t.batch_size / micro;
@@ -676,6 +690,8 @@ double Trainer::run_step(const StepParts& parts, const torch::Tensor& batch,
     }
     {
       auto scope = parts.profiler.backward();
+      if (in_backward)
+        in_backward->arm(i == micro - 1);
       (parts.scaler ? parts.scaler->scale(loss) : loss).backward();
     }
     loss_sum += loss.item<double>();
@@ -687,18 +703,41 @@ double Trainer::run_step(const StepParts& parts, const torch::Tensor& batch,
     fsdp::memory::set_moment(optimizer_moment);
     // With loss scaling the grads are unscaled before clipping, and a step whose grads
     // overflowed on any rank is skipped on every rank.
-    if (parts.scaler)
-      parts.scaler->unscale_(parts.optimizer);
-    if (t.grad_clip > 0)
-      m.grad_norm = fsdp::clip_grad_norm_(parts.params, t.grad_clip, *pg_);
-    if (parts.scaler) {
-      m.loss_scale = parts.scaler->get_scale();  // the scale this step's loss was multiplied by
-      parts.scaler->step(parts.optimizer);
-      parts.scaler->update();
-      m.skipped_steps = parts.scaler->skipped_steps();
+    if (in_backward) {
+      // The units have stepped; only the norm of the gradients they saw is left to reduce.
+      in_backward->arm(false);
+      if (previous_clip)
+        m.grad_norm = in_backward->norm();
     } else {
-      parts.optimizer.step();
+      if (parts.scaler)
+        parts.scaler->unscale_(parts.optimizer);
+      if (t.grad_clip > 0 && !previous_clip)
+        m.grad_norm = fsdp::clip_grad_norm_(parts.params, t.grad_clip, *pg_);
+      if (previous_clip) {
+        fsdp::GradNormSum norm(*pg_);
+        norm.add(parts.params);
+        m.grad_norm = norm.reduce();
+        if (clip.factor() != 1.0) {
+          torch::NoGradGuard no_grad;
+          std::vector<torch::Tensor> grads;
+          for (const auto& p : parts.params) {
+            if (p.grad().defined())
+              grads.push_back(p.grad());
+          }
+          at::_foreach_mul_(grads, clip.factor());
+        }
+      }
+      if (parts.scaler) {
+        m.loss_scale = parts.scaler->get_scale();  // the scale this step's loss was multiplied by
+        parts.scaler->step(parts.optimizer);
+        parts.scaler->update();
+        m.skipped_steps = parts.scaler->skipped_steps();
+      } else {
+        parts.optimizer.step();
+      }
     }
+    if (previous_clip)
+      parts.previous_grad_norm = *m.grad_norm;
   }
   return loss_sum;
 }
@@ -720,7 +759,8 @@ StepMetrics Trainer::train_step(int64_t step) {
   else
     batch = sampler_->next().to(device_);
   const double loss_sum = run_step(
-      StepParts{model_, *optimizer_, params_, *profiler_, scaler_.get()}, batch, conversations, m);
+      StepParts{model_, *optimizer_, params_, *profiler_, scaler_.get(), previous_grad_norm_},
+      batch, conversations, m);
   const fsdp::StepBreakdown b = profiler_->end_step();
 
   // StepMetrics' phase times include the waits inside them (Note [Waits inside phases] in
@@ -955,6 +995,9 @@ void Trainer::save_checkpoint(int64_t step) {
     meta["scaler.growth_tracker"] = std::to_string(st.growth_tracker);
     meta["scaler.skipped_steps"] = std::to_string(st.skipped_steps);
   }
+  // training.grad_clip_mode = previous_step clips the next step by it.
+  if (std::isfinite(previous_grad_norm_))
+    meta["clip.previous_norm"] = fmt::format("{:.17g}", previous_grad_norm_);
   if (rank == 0) {
     for (int r = 0; r < pg_->size(); ++r)
       meta["rng." + std::to_string(r)] = rngs[static_cast<size_t>(r)];
@@ -1041,6 +1084,14 @@ int64_t Trainer::resume_from_checkpoint() {
         scale <= 0)
       throw bad("scaler.scale", "is not a positive finite number");
     scaler_->load_state({scale, number("scaler.growth_tracker"), number("scaler.skipped_steps")});
+  }
+  if (auto it = meta.find("clip.previous_norm"); it != meta.end()) {
+    double norm = 0;
+    const auto& text = it->second;
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), norm);
+    if (ec != std::errc() || end != text.data() + text.size() || !std::isfinite(norm) || norm < 0)
+      throw bad("clip.previous_norm", "is not a finite number >= 0");
+    previous_grad_norm_ = norm;
   }
   // Ranks that existed when it was saved get their random state back; others keep theirs.
   auto rng = meta.find("rng." + std::to_string(pg_->rank()));

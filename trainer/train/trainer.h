@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -77,6 +78,8 @@ class Trainer {
     std::vector<torch::Tensor>& params;
     fsdp::StepProfiler& profiler;
     fsdp::ShardedGradScaler* scaler;
+    // training.grad_clip_mode = previous_step: the previous step's norm, updated by the step.
+    double& previous_grad_norm;
   };
   /// The micro-batches' forward and backward and the optimizer phase of one step (between the
   /// profiler's begin_step and end_step); returns the sum of the micro-batch losses.
@@ -139,6 +142,7 @@ class Trainer {
   std::unique_ptr<torch::optim::Optimizer> optimizer_;  // see make_optimizer in trainer.cpp
   std::unique_ptr<fsdp::ShardedGradScaler> scaler_;     // precision.loss_scaling
   std::vector<torch::Tensor> params_;
+  double previous_grad_norm_ = std::numeric_limits<double>::quiet_NaN();  // none yet
   std::unique_ptr<MetricsWriter> metrics_;
   std::unique_ptr<Progress> progress_;
   // This run's steps are not kept in memory (a long run would grow by ~0.3 KB a step): the
