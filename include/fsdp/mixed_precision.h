@@ -70,6 +70,28 @@ struct EnumNames<GatherFormat> {
   }};
 };
 
+/// The wire format of a unit's gradient reduce-scatter (MixedPrecisionPolicy::reduce_format).
+enum class ReduceFormat {
+  /// reduce_dtype: the backend sums in it.
+  kReduceDtype,
+  /// int8 with one fp32 scale per int8_block_size elements (after DeepSpeed ZeRO++'s qgZ):
+  /// each rank encodes the piece of its gradient destined for each rank, an all-to-all moves
+  /// about a quarter of fp32's bytes, and each rank decodes the N pieces of its shard and sums
+  /// them in fp32, in rank order. With error_feedback, what the encoding lost on each rank is
+  /// added to that rank's next gradient of the unit, so the error does not accumulate over
+  /// steps. Only the reduce-scatter is quantized: a unit sharded over one rank (kNoShard, world
+  /// size 1) and hybrid_shard's all-reduce across replicas reduce in reduce_dtype.
+  kInt8,
+};
+template <>
+struct EnumNames<ReduceFormat> {
+  static constexpr const char* what = "reduce format";
+  static constexpr std::array<std::pair<ReduceFormat, const char*>, 2> names{{
+      {ReduceFormat::kReduceDtype, "reduce_dtype"},
+      {ReduceFormat::kInt8, "int8"},
+  }};
+};
+
 struct MixedPrecisionPolicy {
   /// Gather and compute dtype of the unit's floating-point parameters; unset: their own.
   TORCH_ARG(std::optional<torch::ScalarType>, param_dtype) = std::nullopt;
@@ -84,8 +106,14 @@ struct MixedPrecisionPolicy {
   TORCH_ARG(bool, cast_forward_inputs) = true;
   /// What the all-gather sends (see GatherFormat); floating-point parameters only.
   TORCH_ARG(GatherFormat, gather_format) = GatherFormat::kComputeDtype;
-  /// Elements per int8 scale block (kInt8), at least 1.
+  /// Elements per int8 scale block (GatherFormat::kInt8 and ReduceFormat::kInt8), at least 1.
   TORCH_ARG(int64_t, int8_block_size) = 256;
+  /// What the gradient reduce-scatter sends (see ReduceFormat).
+  TORCH_ARG(ReduceFormat, reduce_format) = ReduceFormat::kReduceDtype;
+  /// ReduceFormat::kInt8: carry each rank's quantization error into its next reduction of the
+  /// unit. Costs a residual of the unit's unsharded gradient size per rank, in reduce_dtype,
+  /// kept between steps (not in checkpoints: a resumed run starts it at zero).
+  TORCH_ARG(bool, error_feedback) = true;
 };
 
 }  // namespace fsdp

@@ -394,6 +394,42 @@ std::unique_ptr<CollectiveWork> reduce_scatter(ProcessGroup& group, const torch:
   return std::make_unique<CollectiveWork>(group, counter, what, std::move(work), nullptr, ticket);
 }
 
+std::unique_ptr<CollectiveWork> reduce_scatter_exchange(ProcessGroup& group,
+                                                        const torch::Tensor& input,
+                                                        const torch::Tensor& output,
+                                                        const std::string& context) {
+  check_contiguous(input, "reduce-scatter exchange input");
+  check_contiguous(output, "reduce-scatter exchange output");
+  const int n = group.size();
+  TORCH_CHECK(input.numel() == output.numel() && input.scalar_type() == output.scalar_type() &&
+                  input.numel() % n == 0,
+              "fsdp reduce_scatter_exchange: input and output must have the same dtype and a "
+              "size divisible by the group's ",
+              n, " ranks, got ", input.numel(), " and ", output.numel());
+  const int64_t bytes = input.numel() * input.element_size();
+  const std::string what = describe("reduce-scatter", bytes,
+                                    std::string("encoded ") + c10::toString(input.scalar_type()) +
+                                        (local(group) ? " (local copy)" : ""),
+                                    context);
+  check_sequence(group, what);
+  const RecordTicket ticket =
+      record(group, "reduce-scatter", bytes, c10::toString(input.scalar_type()), what, context);
+  auto& counter = group.comm_stats().reduce_scatter;
+  counter.calls += 1;
+  counter.bytes += bytes;
+  if (local(group)) {
+    torch::NoGradGuard no_grad;
+    output.copy_(input);
+    return done_locally(group, counter, what, ticket);
+  }
+  counter.sent_bytes += bytes / n * (n - 1);
+  c10d::Backend& backend = detail::GroupAccess::next_lane(group);
+  torch::Tensor in = input, out = output;
+  std::vector<int64_t> equal_splits;
+  auto work = backend.all_to_all_single(out, in, equal_splits, equal_splits);
+  return std::make_unique<CollectiveWork>(group, counter, what, std::move(work), nullptr, ticket);
+}
+
 std::unique_ptr<CollectiveWork> all_reduce(ProcessGroup& group, const torch::Tensor& tensor,
                                            ReduceOp op, const std::string& context) {
   check_contiguous(tensor, "all-reduce tensor");

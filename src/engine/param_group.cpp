@@ -435,7 +435,14 @@ void ParamGroup::reduce_gradients() {
     int64_t chunks = 0;
     for (auto* p : trainable)
       chunks += p->padded_shard_numel();
-    const int64_t s = chunks + n_params;
+    // ReduceFormat::kInt8 (a reduce-scatter to quantize): the flags start at a scale-block
+    // boundary, the columns before them zero (int8_reduce.h).
+    const auto& mp = options_.mp_policy();
+    const bool int8 = n > 1 && mp.reduce_format() == ReduceFormat::kInt8;
+    if (int8 && !int8_reduce_)
+      int8_reduce_.emplace(mp.int8_block_size(), mp.error_feedback());
+    const int64_t flags_at = int8 ? int8_reduce_->flags_offset(chunks) : chunks;
+    const int64_t s = flags_at + n_params;
     // Reduced in reduce_dtype; the results join the grads in the master dtype (add_to_stash).
     // On the compute device, also when the shards are offloaded to the host.
     auto opts = torch::TensorOptions()
@@ -443,11 +450,14 @@ void ParamGroup::reduce_gradients() {
                     .device(trainable.front()->compute_device());
     PendingReduce pending;
     pending.params = trainable;
+    pending.flags_offset = flags_at;
     {
       torch::NoGradGuard no_grad;
       pending.input = torch::empty({n * s}, opts);
       auto rows = pending.input.view({n, s});
-      auto flags = rows.narrow(1, chunks, n_params);
+      if (flags_at > chunks)
+        rows.narrow(1, chunks, flags_at - chunks).zero_();
+      auto flags = rows.narrow(1, flags_at, n_params);
       int64_t offset = 0;
       for (int64_t i = 0; i < n_params; ++i) {
         auto* p = trainable[static_cast<size_t>(i)];
@@ -465,7 +475,14 @@ void ParamGroup::reduce_gradients() {
       unit_state_.release_hold();
       if (!unit_state_.user_held())
         reshard();
-      if (n > 1) {
+      if (int8) {
+        pending.output = torch::empty({s}, opts);
+        pending.wire = int8_reduce_->encode(rows, chunks);
+        pending.input = torch::Tensor();  // encoded: the wire is what the exchange reads
+        pending.received = torch::empty_like(pending.wire);
+        pending.reduce_scatter =
+            reduce_scatter_exchange(*groups_.shard, pending.wire, pending.received, context());
+      } else if (n > 1) {
         pending.output = torch::empty({s}, opts);
         pending.reduce_scatter = reduce_scatter(*groups_.shard, pending.input, pending.output,
                                                 ReduceOp::kAvg, context());
@@ -522,6 +539,11 @@ void ParamGroup::finish_reduce_scatter() {
       r.reduce_scatter->wait();
       r.reduce_scatter.reset();
       r.input = torch::Tensor();
+      if (r.received.defined()) {
+        int8_reduce_->decode_mean(r.received, r.output);
+        r.wire = torch::Tensor();
+        r.received = torch::Tensor();
+      }
     }
   }
   issue_all_reduce();
@@ -546,11 +568,8 @@ void ParamGroup::install_grads() {
   memory::CategoryScope tag(memory::Category::kGrads);
   torch::NoGradGuard no_grad;
   for (auto& r : reduces_) {
-    int64_t chunks = 0;
-    for (auto* p : r.params)
-      chunks += p->padded_shard_numel();
     // One host copy of the flags per unit (a device sync on CUDA, at the end of backward only).
-    auto flags = r.output.narrow(0, chunks, static_cast<int64_t>(r.params.size()))
+    auto flags = r.output.narrow(0, r.flags_offset, static_cast<int64_t>(r.params.size()))
                      .to(torch::kCPU, torch::kFloat);
     const float* flag = flags.data_ptr<float>();
     int64_t offset = 0;
@@ -603,6 +622,8 @@ void ParamGroup::end_backward_pass(uint64_t pass) {
     p.commit_pass(/*drop_kept=*/kept_consumed);
   }
   reduces_.clear();
+  if (int8_reduce_)
+    int8_reduce_->commit();  // the pass's error-feedback residual becomes the unit's
   reduced_in_pass_ = false;
   post_reduced_ = false;
   unit_state_.pass_closed();
@@ -622,6 +643,8 @@ void ParamGroup::abort_backward_pass(uint64_t pass, std::vector<std::string>& er
       collect_errors(errors, [&] { w->wait(); });
   }
   reduces_.clear();
+  if (int8_reduce_)
+    int8_reduce_->abort();
   for (auto& p : params_) {
     // The stash replaces whatever autograd accumulated in the failed pass (a unit whose
     // post-reduce hook ran keeps what the hook left: see set_post_reduce_hook).

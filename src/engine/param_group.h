@@ -48,6 +48,7 @@
 #include <fsdp/fully_shard.h>
 
 #include <fsdp/distributed/collectives.h>
+#include "int8_reduce.h"
 #include "sharded_param.h"
 #include "unit_state.h"
 
@@ -212,8 +213,12 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   // reduction a param gets a grad exactly when some rank produced one, as in one process.
   struct PendingReduce {
     std::vector<ShardedParam*> params;
-    torch::Tensor input;   // reduce-scatter input (released when the reduce-scatter is done)
-    torch::Tensor output;  // this rank's reduced shards, then the P flags
+    torch::Tensor input;       // reduce-scatter input (released when the reduce-scatter is done)
+    torch::Tensor output;      // this rank's reduced shards, then the P flags
+    int64_t flags_offset = 0;  // where the flags start in output
+    // ReduceFormat::kInt8: the exchange's buffers ([N x piece] bytes); decoded into output
+    // when the exchange is done.
+    torch::Tensor wire, received;
     std::unique_ptr<CollectiveWork> reduce_scatter;
     std::vector<std::unique_ptr<CollectiveWork>> all_reduces;
     bool all_reduce_issued = false;
@@ -255,6 +260,8 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   // The post-reduce hook ran in this pass: the grads are the hook's, not stashed any more.
   bool post_reduced_ = false;
   PostReduceHook post_reduce_hook_;
+  // ReduceFormat::kInt8 with a reduce-scatter (made on the first reduction that needs it).
+  std::optional<Int8Reduce> int8_reduce_;
 };
 
 }  // namespace fsdp::detail

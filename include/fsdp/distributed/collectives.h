@@ -15,7 +15,8 @@
 //    NCCL: all_gather_single into one flat buffer, then a copy-out on the same stream.
 //  - reduce_scatter, Gloo: all_to_all_single plus a local sum. Gloo's reduce-scatter is an
 //    all-reduce in disguise (2(N-1)/N of the data per rank); the all-to-all moves (N-1)/N.
-//    NCCL: reduce_scatter_single with ReduceOp::AVG.
+//    NCCL: reduce_scatter_single with ReduceOp::AVG. reduce_scatter_exchange is the same
+//    all-to-all for payloads the caller encodes (int8 gradients) and sums after decoding.
 //
 // Benchmark mode (ProcessGroupOptions::bench_local_collectives, FSDP_BENCH_LOCAL_COLLECTIVES=1):
 // all_gather, reduce_scatter, all_reduce and broadcast are carried out at issue as local copies
@@ -106,6 +107,16 @@ std::unique_ptr<CollectiveWork> all_gather(ProcessGroup& group,
 std::unique_ptr<CollectiveWork> reduce_scatter(ProcessGroup& group, const torch::Tensor& input,
                                                const torch::Tensor& output, ReduceOp op,
                                                const std::string& context = "");
+
+/// The exchange of a reduce-scatter whose payloads the caller encodes and sums itself (the
+/// quantized gradient reduction, ReduceFormat::kInt8): `input` (contiguous, N equal pieces,
+/// piece r destined for rank r) is sent, and `output` (same size) receives rank r's piece for
+/// this rank as its piece r. all_to_all_single on both backends; counted and recorded as a
+/// reduce-scatter of `input`'s bytes. Local mode: `output` is a copy of `input`.
+std::unique_ptr<CollectiveWork> reduce_scatter_exchange(ProcessGroup& group,
+                                                        const torch::Tensor& input,
+                                                        const torch::Tensor& output,
+                                                        const std::string& context = "");
 
 /// In place, every rank ends with the same sum (or mean).
 std::unique_ptr<CollectiveWork> all_reduce(ProcessGroup& group, const torch::Tensor& tensor,
