@@ -415,6 +415,17 @@ const std::vector<Option>& options() {
       opt("precision.int8_block", FIELD(precision.int8_block),
           "Values per int8 scale (gather_format = int8): smaller blocks are more accurate and "
           "send more scales (4 bytes each)."),
+      opt("precision.reduce_format", FIELD(precision.reduce_format),
+          "What the gradient reduce-scatter sends: reduce_dtype (the backend sums in it), or "
+          "int8 with an fp32 scale per int8_block values, each rank decoding and summing its "
+          "shard's pieces in fp32 (about a quarter of fp32's bytes). Only the reduce-scatter: "
+          "no_shard's and hybrid_shard's all-reduce stay in reduce_dtype.",
+          fsdp::enum_names<fsdp::ReduceFormat>()),
+      opt("precision.error_feedback", FIELD(precision.error_feedback),
+          "reduce_format = int8: add what each rank's encoding lost to its next reduction of "
+          "the unit, so that the quantization error does not accumulate over steps (a residual "
+          "of the unit's unsharded gradient size per rank, not saved in checkpoints: a resumed "
+          "run restarts it at zero)."),
       opt("precision.loss_scaling", FIELD(precision.loss_scaling),
           "Dynamic loss scaling (skips steps whose gradients overflow on any rank, backs the "
           "scale off, grows it again). auto: on for fp16, off otherwise; fp16 without it is "

@@ -86,6 +86,8 @@ struct PrecisionConfig {
   bool root_fp32 = false;                     // embeddings, final norm and head in fp32
   std::string gather_format = "param_dtype";  // param_dtype, bf16, fp16, int8
   int64_t int8_block = 256;
+  std::string reduce_format = "reduce_dtype";  // reduce_dtype, int8
+  bool error_feedback = true;
   std::string loss_scaling = "auto";  // auto (dynamic for fp16), dynamic, none
   double init_scale = 65536;
   int64_t growth_interval = 2000;

@@ -163,7 +163,9 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
                     .param_dtype(param_dtype)
                     .reduce_dtype(reduce_dtype)
                     .gather_format(fsdp::from_string<fsdp::GatherFormat>(prec.gather_format))
-                    .int8_block_size(prec.int8_block);
+                    .int8_block_size(prec.int8_block)
+                    .reduce_format(fsdp::from_string<fsdp::ReduceFormat>(prec.reduce_format))
+                    .error_feedback(prec.error_feedback);
   // With an fp32 root the blocks hand it fp32 (the last block's output meets fp32 weights);
   // each block casts its input back to param_dtype on entry.
   units.blocks.mp_policy(
@@ -278,7 +280,10 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
         prec.root_fp32 && compute_dtype_.dtype != "fp32" ? " (root fp32)" : "",
         prec.gather_format == "int8" ? fmt::format("int8 (blocks of {})", prec.int8_block)
                                      : prec.gather_format,
-        prec.reduce_dtype, scaler_ ? ", dynamic loss scaling" : "", ac));
+        prec.reduce_format == "int8" ? fmt::format("int8 (blocks of {}{})", prec.int8_block,
+                                                   prec.error_feedback ? ", error feedback" : "")
+                                     : prec.reduce_dtype,
+        scaler_ ? ", dynamic loss scaling" : "", ac));
     const auto& o = config_.optimizer;
     std::string optimizer = o.name == "adamw" ? "torch::optim::AdamW" : o.name;
     if (auto* fused = dynamic_cast<fsdp::FusedOptimizer*>(optimizer_.get())) {
