@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
-"""Communication precision apart from compute: fp32 vs bf16 vs int8 all-gathers, fp32 compute.
+"""Communication precision apart from compute: fp32 vs bf16 vs int8 gathers and reductions.
 
 One command (from the repository root, after the build; root for the emulated link):
 
     ~/.cache/fsdp-cpp/torch-$(cat .torch-version)/bin/python bench/comm_precision.py
 
-Three variants of fsdp-train on 2 ranks, full_shard, all computing in fp32:
-  fp32        the all-gather and the reduce-scatter in fp32 (the baseline)
-  bf16 comm   gather_format = bf16, reduce_dtype = bf16
-  int8 comm   gather_format = int8 (a scale per 256 values of a row), reduce_dtype = bf16
+Five variants of fsdp-train on 2 ranks, full_shard, all computing in fp32:
+  fp32              the all-gather and the reduce-scatter in fp32 (the baseline)
+  bf16 comm         gather_format = bf16, reduce_dtype = bf16
+  int8 comm         gather_format = int8 (a scale per 256 values of a row), reduce_dtype = bf16
+  int8 both         gather_format = int8, reduce_format = int8 with error feedback
+  int8 both, no EF  the same without error feedback
 
 1. Loss: the demo (configs/demo.toml) for --loss-steps steps per variant on loopback; per-step
    training-loss gap to the fp32 run (same seed, same batches) and the final eval loss.
@@ -39,6 +41,9 @@ VARIANTS = [
     ("fp32", []),
     ("bf16 comm", ["--precision.gather_format=bf16", "--precision.reduce_dtype=bf16"]),
     ("int8 comm", ["--precision.gather_format=int8", "--precision.reduce_dtype=bf16"]),
+    ("int8 both", ["--precision.gather_format=int8", "--precision.reduce_format=int8"]),
+    ("int8 both, no EF", ["--precision.gather_format=int8", "--precision.reduce_format=int8",
+                          "--precision.error_feedback=false"]),
 ]
 SETTINGS = [
     ("demo: gpt2-tiny, 8x128/rank", ["--model.preset=gpt2-tiny", "--training.batch_size=8"]),
@@ -60,11 +65,15 @@ def run(run_dir, args, link):
         return [json.loads(line) for line in f]
 
 
+def slug(name):
+    return "".join(c if c.isalnum() else "-" for c in name)
+
+
 def loss_part(steps, workdir):
     print(f"## Loss: demo, {steps} steps, fp32 compute, 2 ranks (loopback)\n")
     runs = {}
     for name, extra in VARIANTS:
-        runs[name] = run(os.path.join(workdir, "loss-" + name.split()[0]),
+        runs[name] = run(os.path.join(workdir, "loss-" + slug(name)),
                          [f"--training.steps={steps}", f"--training.eval_every={steps}"] + extra,
                          None)
     base = {m["step"]: m["loss"] for m in runs["fp32"] if "loss" in m}
@@ -96,7 +105,7 @@ def speed_part(rounds, steps, warmup, links, workdir):
             sent = {}
             for r in range(rounds):
                 for name, extra in VARIANTS:
-                    rd = os.path.join(workdir, f"speed-{label}-{name.split()[0]}-{r}")
+                    rd = os.path.join(workdir, f"speed-{label}-{slug(name)}-{r}")
                     m = run(rd, sargs + [f"--training.steps={steps}", "--training.eval_every=0",
                                          "--training.eval_batches=1"] + extra, link)
                     tps[name].append(statistics.median(s["tokens_per_second"]
