@@ -112,7 +112,8 @@ struct MixedPrecisionPolicy {
   TORCH_ARG(ReduceFormat, reduce_format) = ReduceFormat::kReduceDtype;
   /// ReduceFormat::kInt8: carry each rank's quantization error into its next reduction of the
   /// unit. Costs a residual of the unit's unsharded gradient size per rank, in reduce_dtype,
-  /// kept between steps (not in checkpoints: a resumed run starts it at zero).
+  /// kept between steps (not in checkpoints: a resumed run starts it at zero, as does a unit
+  /// whose backward pass failed after it reduced).
   TORCH_ARG(bool, error_feedback) = true;
 };
 

@@ -622,8 +622,6 @@ void ParamGroup::end_backward_pass(uint64_t pass) {
     p.commit_pass(/*drop_kept=*/kept_consumed);
   }
   reduces_.clear();
-  if (int8_reduce_)
-    int8_reduce_->commit();  // the pass's error-feedback residual becomes the unit's
   reduced_in_pass_ = false;
   post_reduced_ = false;
   unit_state_.pass_closed();
@@ -643,8 +641,8 @@ void ParamGroup::abort_backward_pass(uint64_t pass, std::vector<std::string>& er
       collect_errors(errors, [&] { w->wait(); });
   }
   reduces_.clear();
-  if (int8_reduce_)
-    int8_reduce_->abort();
+  if (int8_reduce_ && reduced_in_pass_)
+    int8_reduce_->abort();  // its residual describes a reduction that did not land
   for (auto& p : params_) {
     // The stash replaces whatever autograd accumulated in the failed pass (a unit whose
     // post-reduce hook ran keeps what the hook left: see set_post_reduce_hook).
