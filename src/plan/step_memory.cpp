@@ -238,6 +238,12 @@ MemoryPrediction predict_step_memory(const std::vector<UnitInfo>& units, const S
   ledger.add(Category::kParams, out.states.params, start);
   ledger.add(Category::kOptimizer, out.states.optimizer, start);
   ledger.add(Category::kOther, o.other_bytes, start);
+  {
+    int64_t residuals = 0;  // error feedback's, from the previous step
+    for (const auto& b : bytes)
+      residuals += b.residual;
+    ledger.add(Category::kGrads, residuals, start);
+  }
 
   const auto mode = [&](size_t u) {
     return u < o.checkpoint.size() ? o.checkpoint[u] : CheckpointMode::kNone;
@@ -292,6 +298,31 @@ MemoryPrediction predict_step_memory(const std::vector<UnitInfo>& units, const S
     }
     // ---- Backward (pre_backward, reduce_gradients, end_backward_pass) ----
     size_t pending_reduce = units.size();  // the unit whose reduce-scatter input is alive
+    // The optimizer inside backward (last micro-batch): the units reduced so far, in order,
+    // and which of them have had their post-reduce hook.
+    const bool hooks = o.optimizer_in_backward && mb == o.micro_batches - 1;
+    const size_t hook_lag =
+        s.strategy == ShardingStrategy::kHybridShard && g.n > 1 && g.n < s.world_size ? 2 : 1;
+    std::vector<size_t> reduced;
+    std::vector<bool> hooked(units.size(), false);
+    // A hook: install_grads (the reduced output becomes the grads, or is added into the stash),
+    // then the step, then the grads are dropped.
+    auto run_hook = [&](size_t u, const Moment& m) {
+      const auto& b = bytes[u];
+      const int64_t output = b.reduce_output > 0 ? b.reduce_output : b.reduce_input;
+      ledger.add(G, stash[u] ? -output : b.final_grads - output, m);
+      ledger.add(G, -b.final_grads, m);
+      stash[u] = false;
+      hooked[u] = true;
+    };
+    auto finish_pending = [&](const Moment& m) {
+      if (pending_reduce >= units.size())
+        return;
+      const auto& pb = bytes[pending_reduce];
+      ledger.spike(G, pb.decode_scratch, m);
+      ledger.add(G, -pb.reduce_input - pb.reduce_received, m);
+      pending_reduce = units.size();
+    };
     auto reduce = [&](size_t u, const Moment& m) {
       const auto& b = bytes[u];
       if (!b.trainable) {
@@ -306,21 +337,29 @@ MemoryPrediction predict_step_memory(const std::vector<UnitInfo>& units, const S
         return;
       }
       // finish_reduce_scatters: the previous unit's input goes when its collective is done.
-      if (pending_reduce < units.size()) {
-        ledger.add(G, -bytes[pending_reduce].reduce_input - bytes[pending_reduce].reduce_received,
-                   m);
-        pending_reduce = units.size();
-      }
-      ledger.add(G, b.reduce_input, m);  // copied into, grad by grad, then the grads go
+      finish_pending(m);
+      // Copied into, grad by grad, then the grads go (int8: the reduce-dtype input, encoded
+      // into the wire once the parameters are resharded, then freed).
+      ledger.add(G, b.reduce_staging > 0 ? b.reduce_staging : b.reduce_input, m);
       ledger.add(G, -b.unsharded_grads, m);
       if (kept[u]) {
         ledger.add(G, -b.kept_grads, m);  // commit_pass drops them at the end of the pass
         kept[u] = false;
       }
       sched.reshard(u, false, m);
+      if (b.reduce_staging > 0)
+        ledger.add(G, b.reduce_input - b.reduce_staging, m);
       ledger.add(G, b.reduce_output + b.reduce_received, m);
       if (b.reduce_output > 0)  // with N == 1 the input is the output, kept to the end
         pending_reduce = u;
+      if (hooks) {
+        // run_post_reduce_hooks: the units whose reductions are complete by now.
+        reduced.push_back(u);
+        for (size_t k = 0; k + hook_lag < reduced.size(); ++k) {
+          if (!hooked[reduced[k]])
+            run_hook(reduced[k], m);
+        }
+      }
     };
     // A piece's backward, segment by segment (PieceBytes::backward): the gradients made so far
     // and the activations' high-water mark; after it, all its gradients and what it freed. A
@@ -389,13 +428,16 @@ MemoryPrediction predict_step_memory(const std::vector<UnitInfo>& units, const S
     // end_backward_pass: the last reduce-scatter input goes, the outputs become the grads.
     const auto e = at(StepPhase::kBackward, root, "end");
     ledger.add(A, -held_inputs, e);
-    if (pending_reduce < units.size())
-      ledger.add(G, -bytes[pending_reduce].reduce_input - bytes[pending_reduce].reduce_received, e);
+    finish_pending(e);
     if (sync) {
       for (size_t u = 0; u < units.size(); ++u) {
         const auto& b = bytes[u];
-        if (!b.trainable)
+        if (!b.trainable || hooked[u])
           continue;
+        if (hooks) {  // the hooks not run during the pass run now
+          run_hook(u, e);
+          continue;
+        }
         const int64_t output = b.reduce_output > 0 ? b.reduce_output : b.reduce_input;
         if (stash[u]) {
           ledger.add(G, -output, e);  // added into the stash, then freed

@@ -54,7 +54,10 @@ struct UnitBytes {
   int64_t unsharded_grads = 0;
   int64_t unsharded_grads_post = 0;  // root: of which the head's (made by the post piece)
   int64_t unsharded_grads_tied = 0;  // root: of those, the ones the embedding adds to
-  int64_t reduce_input = 0;          // [N][chunks | flags] in the reduce dtype
+  int64_t reduce_input = 0;          // [N][chunks | flags] in the reduce dtype; int8: the wire
+  int64_t reduce_staging = 0;        // int8: the reduce-dtype input, freed once encoded
+  int64_t decode_scratch = 0;        // int8: the N decoded pieces, while summed at the wait
+  int64_t residual = 0;              // int8 with error feedback: kept between steps
   int64_t reduce_received = 0;       // Gloo: the all-to-all's receive buffer, as large
   int64_t reduce_output = 0;         // [chunks | flags]: 0 when N == 1 (the input is the output)
   int64_t final_grads = 0;           // what the stash holds after install_grads
@@ -186,10 +189,30 @@ inline UnitBytes unit_bytes(const UnitInfo& unit, const StepOptions& o, const Ge
                                    : s.reduce_dtype ? *s.reduce_dtype
                                    : s.param_dtype  ? *s.param_dtype
                                                     : master;
-  const int64_t row = chunk_elems + flags;
-  u.reduce_input = n * row * esize(reduce);
-  u.reduce_received = o.gloo_reduce_scatter && n > 1 ? u.reduce_input : 0;
-  u.reduce_output = n > 1 ? row * esize(reduce) : 0;
+  if (n > 1 && mixed && o.reduce_format == ReduceFormat::kInt8) {
+    // param_group.cpp / int8_reduce.cpp: the flags start at a scale-block boundary; each
+    // rank's block is encoded alone (GatherCodec: int8 from 16 values on, else bf16, else as
+    // it is), exchanged all-to-all into a buffer as large, decoded at the wait.
+    const int64_t block = o.int8_block_size;
+    const int64_t row = ceil_div(chunk_elems, block) * block + flags;
+    int64_t piece = row * esize(reduce);
+    if (row >= 16)
+      piece = (ceil_div(row, block) * 4 + row + 3) / 4 * 4;
+    else if (reduce != torch::kBFloat16)
+      piece = row * 2;
+    u.reduce_staging = n * row * esize(reduce);
+    u.reduce_input = u.reduce_received = n * piece;
+    u.reduce_output = row * esize(reduce);
+    u.decode_scratch = n * row * esize(reduce);
+    const bool encoded = row >= 16 || reduce != torch::kBFloat16;
+    if (o.error_feedback && encoded)
+      u.residual = n * chunk_elems * esize(reduce);
+  } else {
+    const int64_t row = chunk_elems + flags;
+    u.reduce_input = n * row * esize(reduce);
+    u.reduce_received = o.gloo_reduce_scatter && n > 1 ? u.reduce_input : 0;
+    u.reduce_output = n > 1 ? row * esize(reduce) : 0;
+  }
   // install_grads / add_to_stash: aliases of the output when it is in the master dtype, else a
   // tensor of the real rows (a host copy under offload).
   const bool alias = !s.cpu_offload && reduce == master;

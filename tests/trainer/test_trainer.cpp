@@ -584,6 +584,16 @@ TEST(TrainerRun, PlanPredictsThePeakWithinFivePercent) {
       // covers gpt2-tiny's whole micro-batch), and the unfused head.
       {"plan-loss-chunk-37", "gpt2-tiny", 2, "--training.loss_chunk=37"},
       {"plan-unfused-loss", "gpt2-tiny", 2, "--training.loss_chunk=-1"},
+      // int8 reduce-scatters (the wire in flight, error feedback's residuals) on 3 ranks, and
+      // the optimizer inside backward at a batch small enough for the gradients to matter.
+      {"plan-int8-reduce", "gpt2-tiny", 3,
+       "--precision.reduce_format=int8 --precision.gather_format=int8"},
+      {"plan-in-backward", "gpt2-tiny", 2,
+       "--fsdp.optimizer_in_backward=true --training.grad_clip=0 --training.batch_size=2 "
+       "--training.seq_len=16"},
+      {"plan-in-backward-int8", "gpt2-tiny", 3,
+       "--fsdp.optimizer_in_backward=true --training.grad_clip=0 --training.batch_size=2 "
+       "--training.seq_len=16 --precision.reduce_format=int8"},
   };
   for (const auto& c : cases) {
     const auto run_dir = (fs::path(FSDP_TEST_WORK_DIR) / ("run-" + c.name)).string();
@@ -634,8 +644,19 @@ TEST(TrainerRun, PlanPredictsThePeakWithinFivePercent) {
     const auto& last = metrics.back();
     EXPECT_EQ(plan["traffic"]["all_gather"].get<int64_t>(), last.allgather_bytes) << c.name;
     EXPECT_EQ(plan["traffic"]["reduce_scatter"].get<int64_t>(), last.reducescatter_bytes) << c.name;
-    // The global norm's all-reduce (8 bytes) is the trainer's, not the model's.
-    EXPECT_EQ(plan["traffic"]["all_reduce"].get<int64_t>() + 8, last.allreduce_bytes) << c.name;
+    // The global norm's all-reduce (8 bytes, when clipping) is the trainer's, not the model's.
+    const int64_t norm = c.args.find("grad_clip=0") == std::string::npos ? 8 : 0;
+    EXPECT_EQ(plan["traffic"]["all_reduce"].get<int64_t>() + norm, last.allreduce_bytes) << c.name;
+    // The gradients' own high-water mark (the optimizer inside backward and error feedback's
+    // residuals move it most), within 5%. Not for bf16 reductions into fp32 grads (root-fp32):
+    // there the replay frees each unit's bf16 output as its grads are installed, the engine
+    // only once all are, and the measured gradient peak is 1.31x the predicted one (2.53 vs
+    // 1.93 MB), below the step's peak, which stays within 5%.
+    if (c.name != "plan-root-fp32") {
+      const double grads = m["category_peaks"]["gradients"].get<double>();
+      EXPECT_NEAR(grads, p["category_peaks"]["gradients"].get<double>(), 0.05 * grads)
+          << c.name << ": " << plan;
+    }
     std::printf("%s: predicted %lld B, measured %lld B at %s\n", c.name.c_str(),
                 (long long)p["peak"].get<int64_t>(), (long long)m["peak"].get<int64_t>(),
                 m["moment"].get<std::string>().c_str());

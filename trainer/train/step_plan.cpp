@@ -189,6 +189,9 @@ RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& gg
   o.max_inflight_all_gathers = static_cast<int>(f.max_inflight_all_gathers);
   o.gather_format = fsdp::from_string<fsdp::GatherFormat>(prec.gather_format);
   o.int8_block_size = prec.int8_block;
+  o.reduce_format = fsdp::from_string<fsdp::ReduceFormat>(prec.reduce_format);
+  o.error_feedback = prec.error_feedback;
+  o.optimizer_in_backward = f.optimizer_in_backward;
   o.all_gather_bucket_bytes = std::llround(f.all_gather_bucket_mb * (1 << 20));
   o.gloo_staging = o.gloo_reduce_scatter = t.device == "cpu";
   o.micro_batches = static_cast<int>(t.micro_batches);
@@ -352,10 +355,12 @@ std::string plan_json(const plan::MemoryPrediction& p, const MeasuredPeak& m,
   moments += "}";
   return fmt::format(
       "{{\"predicted\":{{\"peak\":{},\"peak_without_staging\":{},\"moment\":\"{}\","
-      "\"categories\":{},\"moments\":{}}},\"measured\":{{\"peak\":{},\"moment\":\"{}\","
-      "\"steps\":{},\"seq_len\":{},\"categories\":{}}}{}}}\n",
-      p.peak, p.peak_without_staging, plan::moment_label(p.moment), categories(p.at_peak), moments,
-      m.peak, m.moment, m.steps, m.seq_len, categories(m.at_peak), times);
+      "\"categories\":{},\"category_peaks\":{},\"moments\":{}}},\"measured\":{{\"peak\":{},"
+      "\"moment\":\"{}\",\"steps\":{},\"seq_len\":{},\"categories\":{},"
+      "\"category_peaks\":{}}}{}}}\n",
+      p.peak, p.peak_without_staging, plan::moment_label(p.moment), categories(p.at_peak),
+      categories(p.category_peaks), moments, m.peak, m.moment, m.steps, m.seq_len,
+      categories(m.at_peak), categories(m.category_peaks), times);
 }
 
 std::string compare_time(const MeasuredTime& p, const MeasuredTime& m, const std::string& method) {

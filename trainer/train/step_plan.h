@@ -74,14 +74,17 @@ struct MeasuredPeak {
   /// The micro-batch's sequence length in that step (fine-tuning pads each batch to its longest
   /// conversation; pretraining: training.seq_len).
   int64_t seq_len = 0;
+  /// Each category's own highest value over those steps (whenever it peaked).
+  fsdp::memory::CategoryBytes category_peaks;
 };
 
 /// Predicted next to measured, by category, with the error of the peak.
 std::string compare_prediction(const fsdp::plan::MemoryPrediction& p, const MeasuredPeak& m);
 
 /// Both as JSON (plan.json in the run directory): {"predicted": {"peak", "peak_without_staging",
-/// "moment", "categories": {name: bytes}, "moments": {label: the highest predicted total
-/// there}}, "measured": {"peak", "moment", "steps", "seq_len", "categories"}}. Moments are
+/// "moment", "categories": {name: bytes}, "category_peaks": {name: bytes}, "moments": {label:
+/// the highest predicted total there}}, "measured": {"peak", "moment", "steps", "seq_len",
+/// "categories", "category_peaks"}}. Moments are
 /// fsdp::memory labels; category names fsdp::memory::to_string's.
 /// With `time` (seconds by phase, predicted) and `measured_time`: a "time" object too,
 /// {"method", "predicted": {phase: s}, "measured": {phase: s, "steps"}}; with `traffic`, a

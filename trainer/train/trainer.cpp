@@ -798,8 +798,13 @@ StepMetrics Trainer::train_step(int64_t step) {
     measured_.moment = fsdp::memory::at_peak_moment();
     measured_.seq_len = finetune_ ? conversations.inputs.size(1) : t.seq_len;
   }
-  if (prediction_ && step > start_step_ + 1)
+  if (prediction_ && step > start_step_ + 1) {
     ++measured_.steps;
+    const auto peaks = fsdp::memory::peak_by_category();
+    for (int c = 0; c < fsdp::memory::kNumCategories; ++c)
+      measured_.category_peaks.bytes[c] =
+          std::max(measured_.category_peaks.bytes[c], peaks.bytes[c]);
+  }
   if (time_prediction_ && step > start_step_ + 1) {
     auto& mt = measured_time_;
     mt.forward += b.forward_s;

@@ -39,6 +39,16 @@ struct StepOptions {
   int max_inflight_all_gathers = 2;
   GatherFormat gather_format = GatherFormat::kComputeDtype;
   int64_t int8_block_size = 256;
+  /// MixedPrecisionPolicy::reduce_format and error_feedback: an int8 reduce-scatter keeps its
+  /// encoded buffers in flight and, with error feedback, a residual of the unit's unsharded
+  /// gradient size (in the reduce dtype) between steps.
+  ReduceFormat reduce_format = ReduceFormat::kReduceDtype;
+  bool error_feedback = true;
+  /// Every unit stepped by its post-reduce hook in the last micro-batch's backward, its
+  /// gradients dropped there (fsdp::set_post_reduce_hook, fsdp-train's
+  /// fsdp.optimizer_in_backward): a unit's hook runs at the next unit's reduction (two later
+  /// under kHybridShard, whose all-reduce follows the reduce-scatter), the rest at the end.
+  bool optimizer_in_backward = false;
   /// Per block (units[0..L-1]); missing entries are kNone.
   std::vector<CheckpointMode> checkpoint;
   /// The micro-batch (rows B, sequence T) and how many run per step.
