@@ -6,7 +6,9 @@
 //    bound of K times the exact one, while without it the error grows with K;
 //  - the reduce-scatter moves about a quarter of fp32's bytes;
 //  - the flags come out as with fp32 (a parameter only one rank gives a gradient gets one on
-//    every rank), in a root unit of a few scalars.
+//    every rank), in a root unit of a few scalars;
+//  - a backward pass that fails after a unit reduced drops that unit's residual: the retried
+//    pass gives bitwise the gradients of a model that never failed.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -19,6 +21,21 @@ namespace {
 constexpr int64_t kIn = 29, kOut = 37;
 constexpr int64_t kBlock = 32;
 
+// Set by the failure test: the backward between the two units throws (after `b` reduced).
+bool g_throw_between_units = false;
+
+struct ThrowInBackward : torch::autograd::Function<ThrowInBackward> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*, const torch::Tensor& x) {
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list g) {
+    if (g_throw_between_units)
+      throw std::runtime_error("injected backward failure");
+    return g;
+  }
+};
+
 struct NetImpl : torch::nn::Module {
   NetImpl()
       : a(register_module("a", torch::nn::Linear(kIn, kOut))),
@@ -27,7 +44,7 @@ struct NetImpl : torch::nn::Module {
         unused(register_parameter("unused", torch::ones({4}))) {}
   // `with_unused`: this rank uses `unused` too (only some ranks do).
   torch::Tensor forward(const torch::Tensor& x, bool with_unused) {
-    auto h = torch::tanh(fsdp::forward(a, x));
+    auto h = ThrowInBackward::apply(torch::tanh(fsdp::forward(a, x)));
     auto out = fsdp::forward(b, h) * tiny.sum();
     if (with_unused)
       out = out + unused.sum();
@@ -125,6 +142,33 @@ FSDP_WORKER(int8_reduce) {
             << kSteps << " steps " << feedback_error << " with feedback, " << plain_error
             << " without; reduce-scatter bytes int8/fp32 checked OK\n";
   return 0;
+}
+
+FSDP_WORKER(int8_reduce_failure) {
+  auto pg = fsdp::init_process_group();
+  auto fresh = make(pg, false, true, true);
+  const auto expected = grads_of_one_step(fresh, ctx.rank);
+  auto failed = make(pg, false, true, true);
+  g_throw_between_units = true;
+  bool threw = false;
+  try {
+    grads_of_one_step(failed, ctx.rank);
+  } catch (const std::exception& e) {
+    threw = std::string(e.what()).find("injected backward failure") != std::string::npos;
+  }
+  g_throw_between_units = false;
+  WORKER_CHECK(threw) << "the injected failure did not throw";
+  const auto retried = grads_of_one_step(failed, ctx.rank);
+  WORKER_CHECK(torch::equal(retried, expected))
+      << "after a failed pass the gradients differ from a model that never failed by "
+      << (retried - expected).abs().max().item<double>();
+  std::cout << "rank " << ctx.rank << ": failed pass rolled back, retried gradients bitwise "
+            << "a fresh model's OK\n";
+  return 0;
+}
+
+TEST(Int8Reduce, AFailedPassDropsTheResidualOfUnitsItReduced) {
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("int8_reduce_failure", 3));
 }
 
 TEST(Int8Reduce, ErrorFeedbackKeepsTheSumExactAndMovesAQuarterOfTheBytes) {
