@@ -4,6 +4,16 @@
 
 namespace fsdp_trainer {
 
+void scale_grads(const std::vector<torch::Tensor>& params, double factor) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : params) {
+    if (p.grad().defined())
+      grads.push_back(p.grad());
+  }
+  at::_foreach_mul_(grads, factor);
+}
+
 UpdateInBackward::UpdateInBackward(torch::nn::Module& root, fsdp::FusedOptimizer& optimizer,
                                    fsdp::ProcessGroup& group, double clip_factor, bool measure_norm)
     : root_(root),
@@ -27,14 +37,8 @@ void UpdateInBackward::step_unit(const std::vector<torch::Tensor>& params) {
   torch::NoGradGuard no_grad;
   if (measure_norm_)
     norm_.add(params);
-  if (clip_factor_ != 1.0) {
-    std::vector<torch::Tensor> grads;
-    for (const auto& p : params) {
-      if (p.grad().defined())
-        grads.push_back(p.grad());
-    }
-    at::_foreach_mul_(grads, clip_factor_);
-  }
+  if (clip_factor_ != 1.0)
+    scale_grads(params, clip_factor_);
   optimizer_.step_params(params);
   // The unit's gradients are spent: freeing them here is the memory this mode saves.
   for (auto p : params)

@@ -31,6 +31,9 @@ struct PreviousNormClip {
   }
 };
 
+/// Multiplies the defined grads of `params` by `factor` (one _foreach_mul_).
+void scale_grads(const std::vector<torch::Tensor>& params, double factor);
+
 /// fsdp.optimizer_in_backward for one step. Each backward after arm(true) runs `optimizer` on
 /// each unit's parameters (FusedOptimizer::step_params) as soon as the unit's gradients are
 /// reduced, having scaled them by `clip_factor` (if not 1) and added their squared norm to this

@@ -722,15 +722,8 @@ double Trainer::run_step(const StepParts& parts, const torch::Tensor& batch,
         fsdp::GradNormSum norm(*pg_);
         norm.add(parts.params);
         m.grad_norm = norm.reduce();
-        if (clip.factor() != 1.0) {
-          torch::NoGradGuard no_grad;
-          std::vector<torch::Tensor> grads;
-          for (const auto& p : parts.params) {
-            if (p.grad().defined())
-              grads.push_back(p.grad());
-          }
-          at::_foreach_mul_(grads, clip.factor());
-        }
+        if (clip.factor() != 1.0)
+          scale_grads(parts.params, clip.factor());
       }
       if (parts.scaler) {
         m.loss_scale = parts.scaler->get_scale();  // the scale this step's loss was multiplied by
