@@ -1133,6 +1133,35 @@ CommandResult checkpoint_run(const std::string& name, const std::string& run_dir
 
 }  // namespace
 
+// training.grad_clip_mode = previous_step with the optimizer inside backward: the previous
+// step's norm travels in the checkpoint, so a job resumed from step 3 clips step 4 as the
+// uninterrupted one did and every loss is equal bit for bit (a clip small enough to scale every
+// step).
+TEST(TrainerRun, PreviousStepClippingResumesExactly) {
+  const auto work = fs::path(FSDP_TEST_WORK_DIR);
+  const auto a = work / "prevclip-a", b = work / "prevclip-b";
+  for (const auto& d : {a, b})
+    fs::remove_all(d);
+  const std::string args =
+      "--training.steps=6 --checkpoint.every=3 --training.grad_clip=0.05 "
+      "--training.grad_clip_mode=previous_step --fsdp.optimizer_in_backward=true";
+  checkpoint_run("prevclip-a", a.string(), 3, args);
+  checkpoint_run("prevclip-b", b.string(), 3, args);
+  auto resumed = checkpoint_run(
+      "prevclip-b", b.string(), 3,
+      args + " --checkpoint.resume=" + (b / "checkpoints" / "step-00000003").string());
+  EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
+  auto ma = fsdp_trainer::read_metrics((a / "metrics.jsonl").string());
+  auto mb = fsdp_trainer::read_metrics((b / "metrics.jsonl").string());
+  ASSERT_EQ(ma.size(), 6u);
+  ASSERT_EQ(mb.size(), 6u);
+  for (size_t i = 0; i < 6; ++i) {
+    EXPECT_EQ(ma[i].loss, mb[i].loss) << "step " << i + 1;
+    ASSERT_TRUE(ma[i].grad_norm && mb[i].grad_norm);
+    EXPECT_GT(*ma[i].grad_norm, 0.05) << "step " << i + 1 << ": not clipped";
+  }
+}
+
 // 6 steps in one go vs a job that resumes from its step-3 checkpoint (as after a crash there) and
 // redoes steps 4-6, under full_shard and under no_shard: the same losses bit for bit and byte-
 // identical checkpoints at step 6 (parameters, AdamW state, data position and step all restored;
