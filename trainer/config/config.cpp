@@ -423,9 +423,10 @@ const std::vector<Option>& options() {
           fsdp::enum_names<fsdp::ReduceFormat>()),
       opt("precision.error_feedback", FIELD(precision.error_feedback),
           "reduce_format = int8: add what each rank's encoding lost to its next reduction of "
-          "the unit, so that the quantization error does not accumulate over steps (a residual "
-          "of the unit's unsharded gradient size per rank, not saved in checkpoints: a resumed "
-          "run restarts it at zero)."),
+          "the unit, so that the quantization error does not accumulate over steps. It costs a "
+          "residual per unit of the unit's unsharded gradient size, i.e. the whole model's "
+          "gradient unsharded on every rank, in reduce_dtype; not saved in checkpoints (a "
+          "resumed run restarts it at zero)."),
       opt("precision.loss_scaling", FIELD(precision.loss_scaling),
           "Dynamic loss scaling (skips steps whose gradients overflow on any rank, backs the "
           "scale off, grows it again). auto: on for fp16, off otherwise; fp16 without it is "
