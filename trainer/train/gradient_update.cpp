@@ -43,7 +43,6 @@ void UpdateInBackward::step_unit(const std::vector<torch::Tensor>& params) {
   // The unit's gradients are spent: freeing them here is the memory this mode saves.
   for (auto p : params)
     p.mutable_grad() = torch::Tensor();
-  ++units_stepped_;
 }
 
 }  // namespace fsdp_trainer

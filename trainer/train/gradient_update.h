@@ -51,8 +51,6 @@ class UpdateInBackward {
   void arm(bool on);
   /// The global norm of the gradients the hooks saw, before scaling (every rank calls it).
   double norm() { return norm_.reduce(); }
-  /// Units stepped so far.
-  int units_stepped() const { return units_stepped_; }
 
  private:
   void step_unit(const std::vector<torch::Tensor>& params);
@@ -62,7 +60,6 @@ class UpdateInBackward {
   fsdp::GradNormSum norm_;
   double clip_factor_;
   bool measure_norm_;
-  int units_stepped_ = 0;
 };
 
 }  // namespace fsdp_trainer
