@@ -32,7 +32,7 @@ struct NetImpl : torch::nn::Module {
       : head(register_module("head", torch::nn::Linear(kDim, 5))),
         gain(register_parameter("gain", torch::tensor(1.25))) {
     for (int i = 0; i < kBlocks; ++i)
-      blocks.push_back(register_module("b" + std::to_string(i), Block()));
+      blocks.push_back(register_module(std::string(1, 'b') + std::to_string(i), Block()));
   }
   torch::Tensor forward(const torch::Tensor& x) {
     auto h = x;
@@ -165,7 +165,8 @@ constexpr int64_t kWidth = 256;
 struct StackImpl : torch::nn::Module {
   StackImpl() {
     for (int i = 0; i < kUnits; ++i)
-      layers.push_back(register_module("l" + std::to_string(i), torch::nn::Linear(kWidth, kWidth)));
+      layers.push_back(register_module(std::string(1, 'l') + std::to_string(i),
+                                       torch::nn::Linear(kWidth, kWidth)));
   }
   torch::Tensor forward(torch::Tensor h) {
     for (auto& l : layers)
