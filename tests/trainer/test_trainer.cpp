@@ -239,6 +239,10 @@ TEST(TrainerConfig, PrintConfigRoundTripsAndOverridesApply) {
   EXPECT_EQ(c.model.arch, "llama");
   EXPECT_DOUBLE_EQ(c.training.lr, 0.5);
   EXPECT_EQ(fsdp_trainer::to_toml(c), r.output);
+  // Floats as the shortest decimal that reads back the same (and TOML floats when whole).
+  EXPECT_NE(r.output.find("beta1 = 0.9\n"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("grad_clip = 1.0\n"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("min_lr = 3e-04\n"), std::string::npos) << r.output;
 }
 
 TEST(TrainerConfig, ReferenceInDocsMatchesTheCode) {

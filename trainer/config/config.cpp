@@ -68,9 +68,15 @@ std::string format_value(const T& v) {
     }
     return out + "\"";
   } else if constexpr (std::is_same_v<T, double>) {
-    std::ostringstream os;
-    os << toml::value<double>(v);
-    return os.str();
+    // The shortest decimal that reads back as the same double (std::to_chars without a
+    // precision): 0.9, not toml++'s 17 digits 0.90000000000000002. TOML reads a number without
+    // a point or an exponent as an integer, so whole values get ".0".
+    char buf[64];
+    const auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
+    std::string out = ec == std::errc() ? std::string(buf, end) : std::string("nan");
+    if (out.find_first_of(".eEn") == std::string::npos)
+      out += ".0";
+    return out;
   } else {
     return std::to_string(v);
   }
