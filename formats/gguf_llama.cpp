@@ -1,12 +1,11 @@
 #include "gguf_llama.h"
 
-#include <fsdp/quant/nf4.h>
 #include <fsdp/state_dict.h>
 
-#include <array>
 #include <map>
-
 #include <regex>
+
+#include "nf4_load.h"
 
 namespace fsdp_models {
 
@@ -122,75 +121,12 @@ std::string gguf_name(const std::string& p) {
   return "";
 }
 
-namespace {
-
-constexpr const char* kNf4Parts[] = {".weight_nf4", ".weight_absmax", ".weight_absmax_scale",
-                                     ".weight_absmax_offset"};
-
-// The layer name if `name` is one of the four NF4 tensors of a Linear ("" otherwise), and
-// which of them (index into kNf4Parts).
-std::string nf4_layer(const std::string& name, size_t* part) {
-  for (size_t i = 0; i < 4; ++i) {
-    const std::string suffix = kNf4Parts[i];
-    if (name.ends_with(suffix)) {
-      *part = i;
-      return name.substr(0, name.size() - suffix.size());
-    }
-  }
-  return "";
-}
-
-// Quantizes GGUF tensor `name` into the NF4 shards of one layer. The 8-bit absmaxes need the
-// mean and the 256-block maxima of every block's absmax, so each rank streams the whole tensor
-// through a bounded buffer to compute them (the absmaxes are 1/64 of the weight); the 4-bit
-// codes of the rank's own rows need only those rows and their own absmaxes.
-void load_nf4(const gguf::File& f, const std::string& name,
-              const std::array<const fsdp::ParamShard*, 4>& parts) {
-  const auto& info = f.tensor(name);
-  if (info.shape.size() != 2)
-    throw gguf::FormatError(f.path() + ": tensor '" + name + "' is not a matrix");
-  const int64_t rows = info.shape[0], cols = info.shape[1];
-  const auto* codes = parts[0];
-  if (codes->global_shape != std::vector<int64_t>{rows, cols / 2})
-    throw gguf::FormatError(f.path() + ": tensor '" + name + "' has another shape than '" +
-                            codes->name + "' holds in NF4");
-  const int64_t per_row = cols / fsdp::nf4::kBlock;
-  const int64_t chunk = std::max<int64_t>(1, (int64_t{4} << 20) / (cols * 4));
-  std::vector<torch::Tensor> absmax;
-  for (int64_t r = 0; r < rows; r += chunk)
-    absmax.push_back(fsdp::nf4::block_absmax(f.read(name, r, std::min(chunk, rows - r))));
-  const auto all = torch::cat(absmax);
-  const auto q = fsdp::nf4::quantize_absmax(all);
-  const std::array<torch::Tensor, 4> full{torch::Tensor(), q.absmax_codes, q.scales, q.offset};
-  for (size_t i = 1; i < 4; ++i) {
-    const auto* s = parts[i];
-    if (s->global_shape != full[i].sizes().vec())
-      throw gguf::FormatError(f.path() + ": tensor '" + name + "' does not fit '" + s->name + "'");
-    if (s->rows > 0)  // the float32 scales are stored as int32 bit patterns (see use_nf4)
-      s->shard.copy_(full[i].view(s->shard.scalar_type()).narrow(0, s->row_begin, s->rows));
-  }
-  for (int64_t r = 0; r < codes->rows; r += chunk) {
-    const int64_t n = std::min(chunk, codes->rows - r), first = codes->row_begin + r;
-    auto bytes =
-        fsdp::nf4::encode(f.read(name, first, n), all.narrow(0, first * per_row, n * per_row));
-    codes->shard.narrow(0, r, n).copy_(bytes.view({n, cols / 2}));
-  }
-}
-
-}  // namespace
-
 void load_gguf(const gguf::File& f, Llama& model) {
   torch::NoGradGuard no_grad;
   const auto shards = fsdp::param_shards(*model);
-  std::map<std::string, std::array<const fsdp::ParamShard*, 4>> nf4;
   for (const auto& s : shards) {
-    if (is_lora_adapter(s.name))
-      continue;  // adapters are not in the base model's file
-    size_t part = 0;
-    if (const auto layer = nf4_layer(s.name, &part); !layer.empty()) {
-      nf4[layer][part] = &s;
-      continue;
-    }
+    if (is_lora_adapter(s.name) || !nf4_layer(s.name).empty())
+      continue;  // adapters are not in the base model's file; NF4 layers are quantized below
     const auto name = gguf_name(s.name);
     if (name.empty())
       throw gguf::FormatError(f.path() + ": no GGUF name for parameter '" + s.name + "'");
@@ -201,10 +137,16 @@ void load_gguf(const gguf::File& f, Llama& model) {
     if (s.rows > 0)
       s.shard.copy_(f.read(name, s.row_begin, s.rows).view(s.shard.sizes()));
   }
-  for (const auto& [layer, parts] : nf4) {
-    for (size_t i = 0; i < 4; ++i)
-      TORCH_CHECK(parts[i], "load_gguf: layer '", layer, "' lacks ", kNf4Parts[i]);
-    load_nf4(f, gguf_name(layer + ".weight"), parts);
+  for (const auto& [layer, parts] : nf4_layers(shards)) {
+    const auto name = gguf_name(layer + ".weight");
+    const auto& info = f.tensor(name);
+    const auto& codes = parts[0]->global_shape;
+    if (info.shape.size() != 2 || info.shape != std::vector<int64_t>{codes[0], codes[1] * 2})
+      throw gguf::FormatError(f.path() + ": tensor '" + name + "' has another shape than '" +
+                              parts[0]->name + "' holds in NF4");
+    load_nf4_layer(
+        info.shape[0], info.shape[1],
+        [&](int64_t row, int64_t rows) { return f.read(name, row, rows); }, parts);
   }
 }
 

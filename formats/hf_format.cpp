@@ -8,12 +8,17 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
+#include <memory>
 #include <sstream>
 
 #include <fsdp/checkpoint/safetensors.h>
 #include <fsdp/core/durable_file.h>
 #include <fsdp/core/file.h>
 #include <fsdp/distributed/process_group.h>
+#include <fsdp/state_dict.h>
+
+#include "nf4_load.h"
 
 namespace fsdp_models {
 namespace {
@@ -159,6 +164,20 @@ void require_equal(const std::string& where, const std::string& key, double file
   if (file != model)
     throw FormatError(where + ": '" + key + "' is " + text(file) + ", the model's is " +
                       text(model));
+}
+
+constexpr const char* kIndexFile = "model.safetensors.index.json";
+
+// A file name from model.safetensors.index.json: a plain name inside the directory, never a
+// path that leaves it (the index comes from outside).
+void require_plain_name(const std::string& name, const std::string& where) {
+  if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos ||
+      name.find('\\') != std::string::npos || name.find('\0') != std::string::npos)
+    throw FormatError(where + ": 'weight_map' names the file '" + name +
+                      "', which is not a file name inside the directory");
+  if (!ends_with(name, ".safetensors"))
+    throw FormatError(where + ": 'weight_map' names the file '" + name +
+                      "', which is not a .safetensors file");
 }
 
 template <typename Model>
@@ -347,6 +366,50 @@ LlamaConfig llama_config_from_hf(const std::string& config_json, const std::stri
   return c;
 }
 
+std::vector<std::string> hf_weight_files(const std::string& dir) {
+  const fs::path index = fs::path(dir) / kIndexFile;
+  if (!fs::exists(index)) {
+    const fs::path single = fs::path(dir) / kWeightsFile;
+    if (!fs::is_regular_file(single))
+      throw FormatError(dir + ": neither " + kWeightsFile + " nor " + kIndexFile +
+                        " (a Hugging Face model directory holds one of them)");
+    return {single.string()};
+  }
+  const auto where = index.string();
+  const auto j = parse_config(read_text(index), where);
+  const auto map = j.find("weight_map");
+  if (map == j.end() || !map->is_object() || map->empty())
+    throw FormatError(where + ": no 'weight_map' object naming the tensors' files");
+  std::map<std::string, std::vector<std::string>> tensors_of;  // file -> the tensors it holds
+  for (const auto& [tensor, file] : map->items()) {
+    if (!file.is_string())
+      throw FormatError(where + ": 'weight_map' entry '" + tensor + "' is not a file name");
+    const auto name = file.get<std::string>();
+    require_plain_name(name, where);
+    tensors_of[name].push_back(tensor);
+  }
+  std::vector<std::string> out;
+  for (const auto& [name, tensors] : tensors_of) {
+    const auto path = (fs::path(dir) / name).string();
+    if (!fs::is_regular_file(path))
+      throw FormatError(where + ": 'weight_map' names " + name + ", which is not in " + dir);
+    // The index and the file must agree: a tensor the index places in a file that lacks it
+    // means a directory assembled from different saves.
+    fsdp::safetensors::Reader reader(path);
+    for (const auto& t : tensors)
+      if (!reader.header().find(t))
+        throw FormatError(where + ": 'weight_map' places tensor '" + t + "' in " + name +
+                          ", which does not hold it");
+    out.push_back(path);
+  }
+  return out;
+}
+
+LlamaConfig read_llama_config(const std::string& dir) {
+  const auto where = (fs::path(dir) / kConfigFile).string();
+  return llama_config_from_hf(read_text(where), where);
+}
+
 void save_hf(const std::string& dir, GPT& model, fsdp::ProcessGroup& group) {
   const auto& cfg = model->config();
   save_hf_dir(dir, model, group, hf_options(cfg), hf_config_json(cfg));
@@ -377,15 +440,18 @@ void load_hf(const std::string& dir, GPT& model) {
   require_equal(where, "n_layer", file.n_layer, m.n_layer);
   require_equal(where, "n_head", file.n_head, m.n_head);
   require_equal(where, "tie_word_embeddings", file.tie_embeddings, m.tie_embeddings);
-  const auto weights = (fs::path(dir) / kWeightsFile).string();
+  const auto weights = hf_weight_files(dir);
   if (!m.attn_bias) {
     // GPT-2 always has the q/k/v bias; a model without one computes the same only if it is zero.
-    fsdp::safetensors::Reader reader(weights);
-    for (int64_t i = 0; i < m.n_layer; ++i) {
-      const auto name = "transformer.h." + std::to_string(i) + ".attn.c_attn.bias";
-      if (reader.header().find(name) && reader.read(name).count_nonzero().item<int64_t>() != 0)
-        throw FormatError(weights + ": tensor '" + name +
-                          "' is not zero, and the model has no q/k/v bias (GPTConfig::attn_bias)");
+    for (const auto& path : weights) {
+      fsdp::safetensors::Reader reader(path);
+      for (int64_t i = 0; i < m.n_layer; ++i) {
+        const auto name = "transformer.h." + std::to_string(i) + ".attn.c_attn.bias";
+        if (reader.header().find(name) && reader.read(name).count_nonzero().item<int64_t>() != 0)
+          throw FormatError(path + ": tensor '" + name +
+                            "' is not zero, and the model has no q/k/v bias "
+                            "(GPTConfig::attn_bias)");
+      }
     }
   }
   fsdp::load_consolidated(weights, *model, hf_options(m));
@@ -405,9 +471,47 @@ void load_hf(const std::string& dir, Llama& model) {
   require_equal(where, "rope_theta", file.rope_theta, m.rope_theta);
   require_equal(where, "tie_word_embeddings", file.tie_embeddings, m.tie_embeddings);
   auto options = hf_options(m);
-  // The base: adapters keep their values.
-  options.include = [](const std::string& name) { return !is_lora_adapter(name); };
-  fsdp::load_consolidated((fs::path(dir) / kWeightsFile).string(), *model, options);
+  // The base: adapters keep their values. NF4 layers are quantized from the float weights below.
+  options.include = [](const std::string& name) {
+    return !is_lora_adapter(name) && nf4_layer(name).empty();
+  };
+  const auto files = hf_weight_files(dir);
+  fsdp::load_consolidated(files, *model, options);
+  const auto shards = fsdp::param_shards(*model);
+  const auto layers = nf4_layers(shards);
+  if (layers.empty())
+    return;
+  std::vector<std::unique_ptr<fsdp::safetensors::Reader>> readers;
+  for (const auto& f : files)
+    readers.push_back(std::make_unique<fsdp::safetensors::Reader>(f));
+  torch::NoGradGuard no_grad;
+  for (const auto& [layer, parts] : layers) {
+    const auto& codes = parts[0]->global_shape;
+    const std::vector<int64_t> shape{codes[0], codes[1] * 2};
+    const auto l = options.layout(layer + ".weight", shape);
+    const fsdp::safetensors::Reader* reader = nullptr;
+    for (const auto& r : readers)
+      if (r->header().find(l.name))
+        reader = r.get();
+    if (!reader)
+      throw FormatError(dir + ": no tensor '" + l.name + "' for the NF4 layer '" + layer + "'");
+    const auto& entry = *reader->header().find(l.name);
+    if (!at::isFloatingType(entry.dtype) || entry.shape != shape)
+      throw FormatError(reader->path() + ": tensor '" + l.name + "' is not a floating-point " +
+                        c10::str(c10::IntArrayRef(shape)) + " weight for '" + layer + "'");
+    // Rows in the model's order: a permuted layout (q and k) reads its rows one by one.
+    load_nf4_layer(
+        shape[0], shape[1],
+        [&](int64_t row, int64_t rows) {
+          if (l.kind != TensorLayout::Kind::kRowPermuted)
+            return reader->read_rows(l.name, row, rows).to(torch::kFloat32);
+          std::vector<torch::Tensor> out;
+          for (int64_t r = row; r < row + rows; ++r)
+            out.push_back(reader->read_rows(l.name, l.file_row[static_cast<size_t>(r)], 1));
+          return torch::cat(out).to(torch::kFloat32);
+        },
+        parts);
+  }
 }
 
 }  // namespace fsdp_models

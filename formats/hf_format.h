@@ -23,6 +23,7 @@
 #include <filesystem>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include <fsdp/checkpoint/consolidated.h>
 
@@ -66,8 +67,17 @@ void save_hf(const std::string& dir, Llama& model, fsdp::ProcessGroup& group,
 void write_export_dir(const std::string& dir, fsdp::ProcessGroup& group, const char* what,
                       const std::function<void(const std::filesystem::path& tmp)>& fill);
 
-/// Loads a directory written by save_hf or by transformers (config.json + model.safetensors,
-/// float32/bf16/fp16) into `model`, sharded or not: each rank reads the rows it holds. Throws
+/// The safetensors files of a Hugging Face directory: model.safetensors, or the files
+/// model.safetensors.index.json's weight_map names (validated: plain file names inside `dir`
+/// that exist and hold the tensors the index places in them). FormatError naming the file.
+std::vector<std::string> hf_weight_files(const std::string& dir);
+
+/// The Llama config.json of `dir` describes (llama_config_from_hf).
+LlamaConfig read_llama_config(const std::string& dir);
+
+/// Loads a directory written by save_hf or by transformers (config.json + model.safetensors or
+/// sharded model-0000k-of-0000n.safetensors with their index, float32/bf16/fp16) into `model`,
+/// sharded or not: each rank reads the rows it holds, from whichever file holds them. Throws
 /// fsdp::safetensors::FormatError naming the file (and tensor, or the config field whose
 /// value differs from the model's).
 void load_hf(const std::string& dir, GPT& model);

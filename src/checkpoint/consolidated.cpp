@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <set>
 #include <utility>
@@ -267,14 +268,35 @@ void save_consolidated(const std::string& path, torch::nn::Module& model, Proces
 std::map<std::string, std::string> load_consolidated(const std::string& path,
                                                      torch::nn::Module& model,
                                                      const ConsolidatedOptions& options) {
+  return load_consolidated(std::vector<std::string>{path}, model, options);
+}
+
+std::map<std::string, std::string> load_consolidated(const std::vector<std::string>& paths,
+                                                     torch::nn::Module& model,
+                                                     const ConsolidatedOptions& options) {
   torch::NoGradGuard no_grad;
-  safetensors::Reader reader(path);
+  TORCH_CHECK(!paths.empty(), "fsdp consolidated file: no file to load from");
+  std::vector<std::unique_ptr<safetensors::Reader>> readers;
+  // Which file holds each tensor; one held by two files is ambiguous, whichever we chose.
+  std::map<std::string, const safetensors::Reader*> holder;
+  for (const auto& p : paths) {
+    readers.push_back(std::make_unique<safetensors::Reader>(p));
+    for (const auto& t : readers.back()->header().tensors) {
+      auto [it, fresh] = holder.emplace(t.name, readers.back().get());
+      if (!fresh)
+        throw FormatError(p + ": tensor '" + t.name + "' is also in " + it->second->path());
+    }
+  }
+  const std::string where = paths.size() == 1 ? paths[0] : paths[0] + " (and its other files)";
   for (const auto& s : selected_shards(model, options)) {
     const auto layout = layout_of(options, s.name, s.global_shape);
+    const auto found = holder.find(layout.name);
+    if (found == holder.end())
+      throw FormatError(where + ": no tensor '" + layout.name + "' for parameter '" + s.name + "'");
+    const auto& reader = *found->second;
     const auto* entry = reader.header().find(layout.name);
-    const std::string what = path + ": tensor '" + layout.name + "' (parameter '" + s.name + "')";
-    if (!entry)
-      throw FormatError(path + ": no tensor '" + layout.name + "' for parameter '" + s.name + "'");
+    const std::string what =
+        reader.path() + ": tensor '" + layout.name + "' (parameter '" + s.name + "')";
     if (!at::isFloatingType(entry->dtype))
       throw FormatError(what + " is " + safetensors::dtype_name(entry->dtype) +
                         ", not a floating-point type");
@@ -309,7 +331,7 @@ std::map<std::string, std::string> load_consolidated(const std::string& path,
       s.shard.narrow(1, c, m).copy_(staging.t());
     }
   }
-  return reader.header().metadata;
+  return readers.front()->header().metadata;
 }
 
 }  // namespace fsdp

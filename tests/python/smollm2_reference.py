@@ -6,7 +6,8 @@ file's fields, building its tensor name map) and 5 tests need them, so it runs o
 model (safetensors) and the tokenizer are written with save_pretrained into
 $FSDP_CACHE/smollm2-hf-<key> (FSDP_CACHE defaults to ~/.cache/fsdp-cpp), which later loads read
 in < 1 s. The key hashes the GGUF file's path, size and
-mtime and transformers' version, so another file or version converts again. The weights are
+mtime and transformers' version, so another file or version converts again. sharded_dir() saves
+that directory again in three safetensors files with their index (cached the same way). The weights are
 those of the GGUF load bit for bit, and the tokenizer encodes and renders the chat template as
 the GGUF-loaded one does (both checked when this module was written).
 """
@@ -50,10 +51,32 @@ def _complete(d, source):
 
 def reference_dir():
     """The Hugging Face directory of the converted model, converting it first if needed."""
-    source = _source()
+    return _cached("", _source(), _convert)
+
+
+def sharded_dir():
+    """The same model saved again by transformers with max_shard_size="200MB": three
+    model-0000k-of-00003.safetensors files, their index, and the same tokenizer files."""
+    source = dict(_source(), max_shard_size=SHARD_SIZE)
+    return _cached("sharded-", source, lambda _, out: _save_sharded(reference_dir(), out))
+
+
+SHARD_SIZE = "200MB"
+
+
+def _save_sharded(src, out):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size=SHARD_SIZE)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+
+
+def _cached(kind, source, build):
     key = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:12]
     cache = os.environ.get("FSDP_CACHE") or os.path.expanduser("~/.cache/fsdp-cpp")
-    final = os.path.join(cache, f"smollm2-hf-{key}")
+    name = f"smollm2-hf-{kind}{key}"
+    final = os.path.join(cache, name)
     if _complete(final, source):
         return final
     os.makedirs(cache, exist_ok=True)
@@ -67,15 +90,15 @@ def reference_dir():
             pass
     # Written under a temporary name and renamed into place (atomic), so that another test
     # converting at the same time never sees a half-written directory.
-    tmp = tempfile.mkdtemp(prefix=f".smollm2-hf-{key}-", dir=cache)
+    tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=cache)
     try:
-        _convert(source["gguf"], tmp)
+        build(source.get("gguf"), tmp)
         with open(os.path.join(tmp, COMPLETE), "w") as f:
             json.dump(source, f)
         if os.path.isdir(final) and not _complete(final, source):
             # Damaged (not by us: we rename only complete ones): moved aside first, as a
             # rename is atomic and only one of several processes doing this succeeds.
-            aside = tempfile.mkdtemp(prefix=f".smollm2-hf-{key}-", dir=cache)
+            aside = tempfile.mkdtemp(prefix=f".{name}-", dir=cache)
             try:
                 os.rename(final, os.path.join(aside, "old"))
             except OSError:

@@ -1532,6 +1532,38 @@ TEST(TrainerRun, QloraGathersUnderHalfOfLorasBytesAndResumesExactly) {
   EXPECT_EQ(resumed[0].loss, qlora[1].loss);
 }
 
+// The same SmolLM2 as a Hugging Face directory (transformers' save_pretrained in three files,
+// tests/python/check_hf_dir.py): LoRA and QLoRA fine-tuning from it give the GGUF path's
+// losses bit for bit (the same float32 weights, tokenizer and template).
+TEST(TrainerRun, FinetunesSmolLM2FromAHuggingFaceDirectoryAsFromItsGguf) {
+  const auto py = run(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR +
+                      "/tests/python/check_hf_dir.py sharded");
+  ASSERT_EQ(py.code, 0) << py.output;
+  const auto at = py.output.find("DIR ");
+  ASSERT_NE(at, std::string::npos) << py.output;
+  const auto dir = py.output.substr(at + 4, py.output.find('\n', at) - at - 4);
+  const std::string lean = " --finetune.save_adapter=false";
+  for (const std::string method : {"lora", "qlora"}) {
+    SCOPED_TRACE(method);
+    const std::string steps = method == "lora" ? " --training.steps=2" : " --training.steps=1";
+    std::string gguf_out, dir_out;
+    const auto gguf = finetune_run("ft-gguf-" + method,
+                                   "--finetune.method=" + method + steps + lean, &gguf_out, 2, 0);
+    const auto hf = finetune_run(
+        "ft-hf-" + method,
+        "--finetune.method=" + method + steps + lean + " --finetune.model=" + dir, &dir_out, 2, 0);
+    ASSERT_EQ(hf.size(), gguf.size()) << dir_out;
+    ASSERT_FALSE(hf.empty());
+    for (size_t i = 0; i < hf.size(); ++i)
+      EXPECT_EQ(hf[i].loss, gguf[i].loss) << "step " << i + 1;
+    EXPECT_NE(dir_out.find("fine-tuning " + dir), std::string::npos) << dir_out;
+    std::printf("%s from the directory: losses", method.c_str());
+    for (const auto& m : hf)
+      std::printf(" %.6f", m.loss);
+    std::printf(" (GGUF: equal)\n");
+  }
+}
+
 TEST(TrainerRun, FinetuneBadInputIsOneLineAndExitCode2) {
   // A broken JSONL line, and a model file cut short.
   const auto bad = fs::path(FSDP_TEST_WORK_DIR) / "bad-instruct.jsonl";

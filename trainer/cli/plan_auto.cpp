@@ -58,7 +58,7 @@ int plan_auto(PlanRequest request) {
   const auto* device = request.device;
   const int64_t budget = request.budget, global_batch = request.global_batch;
   const auto& budget_key = request.budget_key;
-  const auto& gguf = request.gguf;
+  const auto& model_file = request.model_file;
   const int64_t other = request.other;
   const double margin = request.margin, efficiency = request.efficiency;
   const int top = request.top;
@@ -81,7 +81,7 @@ int plan_auto(PlanRequest request) {
     // Timed as the ranks of this machine run: as many at once as will share its cores.
     const int together =
         std::max(1, std::min(per_node, static_cast<int>(std::thread::hardware_concurrency())));
-    runs[dtype] = plan_run(c, c.data.vocab_size, gguf, world, per_node, dtype, other,
+    runs[dtype] = plan_run(c, c.data.vocab_size, model_file, world, per_node, dtype, other,
                            /*time_compute=*/device == nullptr, nullptr, together);
     if (device)
       runs[dtype].options.gloo_staging = runs[dtype].options.gloo_reduce_scatter = false;

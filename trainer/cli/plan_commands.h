@@ -18,7 +18,7 @@ struct PlanRequest {
   int world = 1;
   int per_node = 1;
   bool finetune = false;
-  std::string gguf;        // the fine-tuned model's file
+  std::string model_file;  // the fine-tuned model's file or directory
   int64_t other = 0;       // tracked bytes outside the model (fsdp-train's held-out batches)
   int64_t budget = 0;      // 0: none
   std::string budget_key;  // where the budget came from, for messages

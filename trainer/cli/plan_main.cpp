@@ -158,7 +158,7 @@ int main(int argc, char** argv) {
             fmt::format("--global-batch {} is not a multiple of --world {}", global_batch, world));
     }
     PlanRequest r;
-    r.gguf = finetune ? resolve_model_file(config.finetune.model) : "";
+    r.model_file = finetune ? resolve_model_file(config.finetune.model) : "";
     const auto& t = config.training;
     // What fsdp-train keeps outside the model through a step: its held-out batches.
     r.other = finetune ? 0 : t.eval_batches * t.batch_size * (t.seq_len + 1) * 8;

@@ -59,14 +59,14 @@ int plan_table(const PlanRequest& request) {
   const auto* device = request.device;
   const int64_t budget = request.budget;
   const auto& budget_key = request.budget_key;
-  const auto& gguf = request.gguf;
+  const auto& model_file = request.model_file;
   const int64_t other = request.other;
   const double efficiency = request.efficiency;
   const auto dtype = device
                          ? (config.precision.param_dtype == "auto" ? std::string("bf16")
                                                                    : config.precision.param_dtype)
                          : compute_dtype(config);
-  auto run = plan_run(config, config.data.vocab_size, gguf, world, per_node, dtype, other);
+  auto run = plan_run(config, config.data.vocab_size, model_file, world, per_node, dtype, other);
   if (device)
     run.options.gloo_staging = run.options.gloo_reduce_scatter = false;
   std::vector<fsdp::plan::MemoryPrediction> predictions;

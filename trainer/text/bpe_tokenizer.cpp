@@ -13,15 +13,15 @@ namespace fsdp_trainer {
 
 namespace gguf = fsdp_models::gguf;
 
-// GPT-2's pre-tokenizer pattern (as Hugging Face's ByteLevel pre-tokenizer uses it).
+// The pre-tokenizer: patterns applied in turn, each cutting every piece so far into its matches
+// and the text between them (Hugging Face's Split with the "Isolated" behaviour). GGUF's
+// byte-level models use GPT-2's pattern alone (as Hugging Face's ByteLevel pre-tokenizer does);
+// tokenizer.json may chain several (Digits, Split, then ByteLevel).
 struct BpeTokenizer::Regex {
-  std::unique_ptr<icu::RegexPattern> pattern;
+  std::vector<std::unique_ptr<icu::RegexPattern>> splits;
 };
 
 namespace {
-
-constexpr const char* kPattern =
-    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
 std::string utf8(char32_t cp) {
   std::string out;
@@ -153,21 +153,35 @@ BpeTokenizer BpeTokenizer::from_gguf_metadata(const std::map<std::string, gguf::
     t.bos_ = token_id("tokenizer.ggml.bos_token_id");
   if (md.count("tokenizer.ggml.eos_token_id"))
     t.eos_ = token_id("tokenizer.ggml.eos_token_id");
+  t.init_byte_alphabet();
+  t.set_splits({{kGpt2Pattern, false}}, path);
+  return t;
+}
+
+void BpeTokenizer::init_byte_alphabet() {
   // GPT-2's byte alphabet: printable bytes stand for themselves, the others for 256 + n.
   int next = 0;
   for (int b = 0; b < 256; ++b) {
     const bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174);
-    t.byte_char_[b] = utf8(printable ? b : 256 + next++);
-    t.char_byte_[t.byte_char_[b]] = static_cast<uint8_t>(b);
+    byte_char_[b] = utf8(printable ? b : 256 + next++);
+    char_byte_[byte_char_[b]] = static_cast<uint8_t>(b);
   }
-  UErrorCode status = U_ZERO_ERROR;
-  UParseError parse{};
-  t.regex_ = std::make_unique<Regex>();
-  t.regex_->pattern.reset(
-      icu::RegexPattern::compile(icu::UnicodeString::fromUTF8(kPattern), 0, parse, status));
-  if (U_FAILURE(status))
-    throw std::runtime_error(std::string("BpeTokenizer: ICU regex: ") + u_errorName(status));
-  return t;
+}
+
+void BpeTokenizer::set_splits(const std::vector<std::pair<std::string, bool>>& patterns,
+                              const std::string& where) {
+  regex_ = std::make_unique<Regex>();
+  for (const auto& [pattern, literal] : patterns) {
+    UErrorCode status = U_ZERO_ERROR;
+    UParseError parse{};
+    std::unique_ptr<icu::RegexPattern> p(icu::RegexPattern::compile(
+        icu::UnicodeString::fromUTF8(pattern), literal ? UREGEX_LITERAL : 0, parse, status));
+    if (U_FAILURE(status))
+      throw gguf::FormatError(where + ": the pre-tokenizer pattern '" + pattern +
+                              "' is not a regular expression ICU reads (" + u_errorName(status) +
+                              ")");
+    regex_->splits.push_back(std::move(p));
+  }
 }
 
 int64_t BpeTokenizer::special_id(const std::string& text) const {
@@ -185,6 +199,12 @@ void BpeTokenizer::bpe(const std::string& piece, std::vector<int64_t>& out) cons
   std::string mapped;
   for (unsigned char c : piece)
     mapped += byte_char_[c];
+  if (ignore_merges_) {  // a piece that is a word of the vocabulary is that word, unmerged
+    if (auto it = ids_.find(mapped); it != ids_.end()) {
+      out.push_back(it->second);
+      return;
+    }
+  }
   // Merge the lowest-ranked adjacent pair, the leftmost first, until none is in the table.
   // The symbols form a linked list and the candidate pairs a heap, so a piece of n characters
   // costs O(n log n): rescanning the whole piece after each merge made one long word (a hostile
@@ -274,17 +294,36 @@ void BpeTokenizer::encode_text(std::string_view text, std::vector<int64_t>& out)
       end += n;
     }
     if (end > i) {
-      UErrorCode status = U_ZERO_ERROR;
-      const auto u = icu::UnicodeString::fromUTF8(
-          icu::StringPiece(text.data() + i, static_cast<int32_t>(end - i)));
-      std::unique_ptr<icu::RegexMatcher> m(regex_->pattern->matcher(u, status));
-      while (U_SUCCESS(status) && m->find(status)) {
+      std::vector<icu::UnicodeString> pieces{icu::UnicodeString::fromUTF8(
+          icu::StringPiece(text.data() + i, static_cast<int32_t>(end - i)))};
+      for (const auto& split : regex_->splits) {
+        // Copies, not tempSubStringBetween's aliases: `pieces` is replaced below.
+        std::vector<icu::UnicodeString> next;
+        for (const auto& u : pieces) {
+          UErrorCode status = U_ZERO_ERROR;
+          std::unique_ptr<icu::RegexMatcher> m(split->matcher(u, status));
+          int32_t at = 0;
+          while (U_SUCCESS(status) && m->find(status)) {
+            const int32_t b = m->start(status), e = m->end(status);
+            if (b > at)
+              next.emplace_back(u, at, b - at);
+            if (e > b)
+              next.emplace_back(u, b, e - b);
+            at = e;
+          }
+          if (U_FAILURE(status))
+            throw std::runtime_error(std::string("BpeTokenizer: ICU regex: ") +
+                                     u_errorName(status));
+          if (at < u.length())
+            next.emplace_back(u, at);
+        }
+        pieces = std::move(next);
+      }
+      for (const auto& u : pieces) {
         std::string piece;
-        u.tempSubStringBetween(m->start(status), m->end(status)).toUTF8String(piece);
+        u.toUTF8String(piece);
         bpe(piece, out);
       }
-      if (U_FAILURE(status))
-        throw std::runtime_error(std::string("BpeTokenizer: ICU regex: ") + u_errorName(status));
     }
     if (end < text.size())  // an invalid byte
       bpe(std::string(1, text[end]), out);

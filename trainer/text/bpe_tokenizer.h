@@ -1,9 +1,11 @@
 // Byte-level BPE, the tokenizer of SmolLM2 (and GPT-2, Llama 3 style models), read from a GGUF
-// file's metadata: tokenizer.ggml.tokens, .merges, .token_type and the special token ids.
+// file's metadata (tokenizer.ggml.tokens, .merges, .token_type and the special token ids) or
+// from a Hugging Face tokenizer.json (bpe_from_hf.cpp).
 //
 // Encoding: special (control) tokens are matched first as whole strings; the text between
 // them is cut into pre-tokens by GPT-2's pattern (contractions, letters, digits, other
-// symbols, whitespace), each pre-token's UTF-8 bytes are mapped to GPT-2's printable byte
+// symbols, whitespace; a tokenizer.json may chain other patterns before it, or replace it), each
+// pre-token's UTF-8 bytes are mapped to GPT-2's printable byte
 // alphabet and merged pair by pair, the lowest-ranked merge first, as the BPE was trained.
 // Decoding maps the alphabet back to bytes. The pattern needs Unicode categories (\p{L},
 // \p{N}), which std::regex lacks: ICU's regex engine (Debian libicu-dev) provides them.
@@ -31,6 +33,10 @@
 
 namespace fsdp_trainer {
 
+/// GPT-2's pre-tokenizer pattern (Hugging Face's ByteLevel pre-tokenizer with use_regex).
+inline constexpr const char* kGpt2Pattern =
+    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+
 /// Text holding a byte the vocabulary cannot spell (see above).
 struct UnencodableByte : std::runtime_error {
   explicit UnencodableByte(uint8_t b);
@@ -45,6 +51,15 @@ class BpeTokenizer {
   /// The same from a GGUF header's metadata; `path` names the file in errors.
   static BpeTokenizer from_gguf_metadata(
       const std::map<std::string, fsdp_models::gguf::Value>& metadata, const std::string& path);
+  /// A Hugging Face tokenizer.json's text (`path` names it in errors) holding a byte-level BPE:
+  /// model BPE without byte fallback, pre-tokenizers ByteLevel, Split (a regex or string,
+  /// "Isolated") and Digits, in a Sequence ending with ByteLevel; added tokens matched whole.
+  /// Anything else is refused by name (FormatError): another model type, a normalizer, other
+  /// pre-tokenizers or split behaviours, a prefix space, subword prefixes or suffixes.
+  /// `bos` and `eos` are the texts of those tokens ("" for none), as tokenizer_config.json
+  /// names them.
+  static BpeTokenizer from_hf_json(const std::string& json_text, const std::string& path,
+                                   const std::string& bos, const std::string& eos);
   ~BpeTokenizer();
   BpeTokenizer(BpeTokenizer&&) noexcept;
   BpeTokenizer& operator=(BpeTokenizer&&) noexcept;
@@ -67,6 +82,10 @@ class BpeTokenizer {
 
  private:
   BpeTokenizer();
+  void init_byte_alphabet();
+  /// The pre-tokenizer's patterns, applied in turn (pattern, literal: a plain string).
+  void set_splits(const std::vector<std::pair<std::string, bool>>& patterns,
+                  const std::string& where);
   void bpe(const std::string& piece, std::vector<int64_t>& out) const;
   void encode_text(std::string_view text, std::vector<int64_t>& out) const;
 
@@ -78,6 +97,7 @@ class BpeTokenizer {
   std::string byte_char_[256];  // byte -> UTF-8 of its alphabet letter
   std::unordered_map<std::string, uint8_t> char_byte_;
   int64_t bos_ = -1, eos_ = -1;
+  bool ignore_merges_ = false;  // a pre-token that is in the vocabulary is taken whole
   struct Regex;
   std::unique_ptr<Regex> regex_;
   mutable std::unordered_map<std::string, std::vector<int64_t>> cache_;

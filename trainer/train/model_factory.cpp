@@ -10,7 +10,7 @@
 
 #include <fsdp/distributed/process_group.h>
 
-#include "gguf_llama.h"
+#include "data/pretrained_model.h"
 #include "gpt.h"
 #include "hf_format.h"
 #include "llama.h"
@@ -248,23 +248,16 @@ TrainModel build_model(const Config& config, int64_t vocab_size, const UnitOptio
   return out;
 }
 
-TrainModel build_finetune_model(const Config& config, const std::string& gguf_path,
+TrainModel build_finetune_model(const Config& config, const std::string& model_path,
                                 const UnitOptions& options, torch::Device device,
                                 int64_t only_blocks) {
   const auto& f = config.finetune;
   namespace fm = fsdp_models;
-  std::optional<fm::gguf::File> file;
-  fm::LlamaConfig cfg;
-  try {
-    file.emplace(gguf_path);
-    cfg = fm::llama_config_from_gguf(*file);
-  } catch (const fm::gguf::FormatError& e) {
-    throw ConfigError(std::string("'finetune.model': ") + e.what());
-  }
+  fm::LlamaConfig cfg = pretrained_config(model_path);
   cfg.max_seq_len = f.max_tokens;
   if (only_blocks == 0) {  // sizes a sparse file may claim without holding them
     const auto env = fsdp::launch_env_from_environment();
-    check_fits(config, llama_size(cfg), "'finetune.model' " + gguf_path, env.world_size,
+    check_fits(config, llama_size(cfg), "'finetune.model' " + model_path, env.world_size,
                env.local_world_size);
   }
   if (only_blocks > 0)  // the planner's timing: that many blocks, weights left at zero
@@ -294,12 +287,8 @@ TrainModel build_finetune_model(const Config& config, const std::string& gguf_pa
   blocks.param_init(init);
   root.param_init(init);
   fm::parallelize_llama(model, blocks, root, config.fsdp.ac_every);
-  try {
-    if (only_blocks == 0)
-      fm::load_gguf(*file, model);
-  } catch (const fm::gguf::FormatError& e) {
-    throw ConfigError(std::string("'finetune.model': ") + e.what());
-  }
+  if (only_blocks == 0)
+    load_pretrained(model_path, model);
   TrainModel out;
   out.module = model.ptr();
   out.forward = [model](const torch::Tensor& idx) mutable { return fsdp::forward(model, idx); };
@@ -324,9 +313,8 @@ TrainModel build_finetune_model(const Config& config, const std::string& gguf_pa
   out.n_hidden = cfg.ffn_hidden_dim;
   out.description =
       fmt::format("{}: llama, {} layers, width {}, {:.1f}M parameters; {} trains {:.2f}M{}",
-                  std::filesystem::path(gguf_path).filename().string(), cfg.n_layers, cfg.dim,
-                  cfg.num_params() / 1e6, f.method, trainable / 1e6,
-                  f.method == "qlora" ? ", block weights in NF4" : "");
+                  pretrained_name(model_path), cfg.n_layers, cfg.dim, cfg.num_params() / 1e6,
+                  f.method, trainable / 1e6, f.method == "qlora" ? ", block weights in NF4" : "");
   return out;
 }
 

@@ -14,7 +14,7 @@
 #include <fsdp/fully_shard.h>
 
 #include "compute_dtype.h"
-#include "gguf_llama.h"
+#include "data/pretrained_model.h"
 #include "gpt.h"
 #include "llama.h"
 #include "lora.h"
@@ -149,7 +149,7 @@ bool is_llama_blocks(const std::string& name) {
 
 }  // namespace
 
-RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& gguf_path,
+RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& model_path,
                  int world_size, int local_world_size, const std::string& compute_dtype,
                  int64_t other_bytes, bool time_compute, const std::function<void()>& before_timing,
                  int timing_copies) {
@@ -206,8 +206,7 @@ RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& gg
   const fsdp_models::ModelInit meta = fsdp_models::ModelInit().device(torch::kMeta);
   if (config.finetuning) {
     const auto& ft = config.finetune;
-    fsdp_models::gguf::File file(gguf_path);
-    auto cfg = fsdp_models::llama_config_from_gguf(file);
+    auto cfg = pretrained_config(model_path);
     cfg.max_seq_len = ft.max_tokens;
     o.seq_len = ft.max_tokens;
     // The batch: (rows, max_tokens) token ids, labels and a float mask.

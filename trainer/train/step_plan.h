@@ -37,14 +37,14 @@ struct RunPlan {
 /// The run's units (its model built on the meta device, as model_factory builds it: GPT or
 /// Llama, or the fine-tuned GGUF model with LoRA/QLoRA), its activations calibrated on a
 /// one-block model of the same widths in the compute dtype (fsdp/plan/activations.h; needs the
-/// tracking allocator), and the step options of `config` on `world_size` ranks. `gguf_path`:
+/// tracking allocator), and the step options of `config` on `world_size` ranks. `model_path`:
 /// the fine-tuned model's file (fine-tuning only). `other_bytes`: tracked memory outside the
 /// model at the start of a step (fsdp::memory kOther: the data). ConfigError as model_factory.
 /// `time_compute`: also time the pieces at the run's micro-batch (every rank of a machine at
 /// once), on `timing_copies` one-block models at once in this process
 /// (fsdp::plan::time_pieces_together: what one process predicts for the ranks of its machine).
 /// `before_timing` runs right before (a barrier, so that every rank times at once).
-RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& gguf_path,
+RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& model_path,
                  int world_size, int local_world_size, const std::string& compute_dtype,
                  int64_t other_bytes, bool time_compute = false,
                  const std::function<void()>& before_timing = nullptr, int timing_copies = 1);

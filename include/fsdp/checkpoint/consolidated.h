@@ -12,7 +12,8 @@
 // load_consolidated reads, on every rank and without any collective, only the bytes of the
 // rows its shard covers (pread), converting the file's dtype to the parameter's: a file saved
 // on any number of ranks, by another program, or by Python, loads on any number of ranks and
-// under any strategy.
+// under any strategy. The tensors may be spread over several files (a sharded Hugging Face
+// checkpoint); each rank then opens every file and reads its rows from whichever holds them.
 //
 // A TensorLayout maps a parameter onto a tensor of the file under another name, transposed, or
 // with its dim-0 rows in another order: what other programs' layouts need (Hugging Face's GPT-2
@@ -88,6 +89,14 @@ void save_consolidated(const std::string& path, torch::nn::Module& model, Proces
 /// shape (after its layout) and a floating-point dtype. Throws safetensors::FormatError naming
 /// the file and the tensor. Returns the file's metadata.
 std::map<std::string, std::string> load_consolidated(const std::string& path,
+                                                     torch::nn::Module& model,
+                                                     const ConsolidatedOptions& options = {});
+
+/// The same from a model stored across several safetensors files (Hugging Face's sharded
+/// checkpoints, model-0000k-of-0000n.safetensors): each tensor is read from the file holding it.
+/// Refused (FormatError): a tensor held by two of the files, naming both. Returns the first
+/// file's metadata.
+std::map<std::string, std::string> load_consolidated(const std::vector<std::string>& paths,
                                                      torch::nn::Module& model,
                                                      const ConsolidatedOptions& options = {});
 

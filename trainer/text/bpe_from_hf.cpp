@@ -1,0 +1,234 @@
+// BpeTokenizer::from_hf_json: a byte-level BPE from a Hugging Face tokenizer.json (the format
+// of the `tokenizers` library). The file comes from outside: every field read is type-checked,
+// every id bounded, and any part of the pipeline this tokenizer does not implement is refused
+// by name rather than approximated, so that a file that loads encodes exactly as `tokenizers`
+// does (tests/trainer/test_hf_model.cpp compares them on the shipped corpora).
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bpe_tokenizer.h"
+
+namespace fsdp_trainer {
+namespace {
+
+using Json = nlohmann::json;
+using fsdp_models::gguf::FormatError;
+
+// The pre-tokenizer's patterns, in order, for one pre-tokenizer description.
+void add_pre_tokenizer(const Json& p, const std::string& where, bool& byte_level,
+                       std::vector<std::pair<std::string, bool>>& splits) {
+  if (!p.is_object() || !p.contains("type") || !p["type"].is_string())
+    throw FormatError(where + ": a pre_tokenizer without a 'type'");
+  const auto type = p["type"].get<std::string>();
+  auto flag = [&](const char* key, bool fallback) {
+    if (!p.contains(key) || p[key].is_null())
+      return fallback;
+    if (!p[key].is_boolean())
+      throw FormatError(where + ": pre_tokenizer " + type + "'s '" + key + "' is not a boolean");
+    return p[key].get<bool>();
+  };
+  if (byte_level)
+    throw FormatError(where + ": pre_tokenizer " + type +
+                      " comes after ByteLevel; only ByteLevel last is supported");
+  if (type == "Sequence") {
+    if (!p.contains("pretokenizers") || !p["pretokenizers"].is_array())
+      throw FormatError(where + ": pre_tokenizer Sequence without a 'pretokenizers' list");
+    for (const auto& q : p["pretokenizers"])
+      add_pre_tokenizer(q, where, byte_level, splits);
+  } else if (type == "ByteLevel") {
+    if (flag("add_prefix_space", false))
+      throw FormatError(where + ": pre_tokenizer ByteLevel with add_prefix_space is not supported");
+    if (flag("use_regex", true))
+      splits.emplace_back(kGpt2Pattern, false);
+    byte_level = true;
+  } else if (type == "Digits") {
+    // tokenizers' Digits splits on char::is_numeric: Unicode's N categories. Each digit alone,
+    // or runs of them.
+    splits.emplace_back(flag("individual_digits", false) ? "\\p{N}" : "\\p{N}+", false);
+  } else if (type == "Split") {
+    if (flag("invert", false))
+      throw FormatError(where + ": pre_tokenizer Split with invert is not supported");
+    const auto behavior = p.value("behavior", Json()).is_string() ? p["behavior"].get<std::string>()
+                                                                  : std::string("(none)");
+    if (behavior != "Isolated")
+      throw FormatError(where + ": pre_tokenizer Split's behavior '" + behavior +
+                        "' is not supported (only Isolated)");
+    const auto pattern = p.value("pattern", Json());
+    if (pattern.is_object() && pattern.contains("Regex") && pattern["Regex"].is_string())
+      splits.emplace_back(pattern["Regex"].get<std::string>(), false);
+    else if (pattern.is_object() && pattern.contains("String") && pattern["String"].is_string())
+      splits.emplace_back(pattern["String"].get<std::string>(), true);
+    else
+      throw FormatError(where + ": pre_tokenizer Split without a Regex or String pattern");
+  } else {
+    throw FormatError(where + ": pre_tokenizer " + type + " is not supported");
+  }
+}
+
+// A string field of `j` ("" when absent or null); FormatError if it has another type.
+std::string optional_string(const Json& j, const char* key, const std::string& where) {
+  if (!j.contains(key) || j[key].is_null())
+    return "";
+  if (!j[key].is_string())
+    throw FormatError(where + ": '" + key + "' is not a string");
+  return j[key].get<std::string>();
+}
+
+}  // namespace
+
+BpeTokenizer BpeTokenizer::from_hf_json(const std::string& json_text, const std::string& path,
+                                        const std::string& bos, const std::string& eos) {
+  Json j;
+  try {
+    j = Json::parse(json_text);
+  } catch (const Json::exception& e) {
+    throw FormatError(path + ": not valid JSON (" + e.what() + ")");
+  }
+  if (!j.is_object() || !j.contains("model") || !j["model"].is_object())
+    throw FormatError(path + ": no 'model' object");
+  const auto& model = j["model"];
+  const auto type = optional_string(model, "type", path + ": model");
+  if (type != "BPE")
+    throw FormatError(path + ": model type '" + type + "' is not supported (only BPE)");
+  if (model.value("byte_fallback", false))
+    throw FormatError(path +
+                      ": model BPE with byte_fallback (SentencePiece style) is not supported; "
+                      "only byte-level BPE is read");
+  if (!optional_string(model, "continuing_subword_prefix", path).empty() ||
+      !optional_string(model, "end_of_word_suffix", path).empty())
+    throw FormatError(path +
+                      ": BPE's continuing_subword_prefix / end_of_word_suffix are not "
+                      "supported");
+  if (model.contains("dropout") && !model["dropout"].is_null() &&
+      !(model["dropout"].is_number() && model["dropout"].get<double>() == 0))
+    throw FormatError(path + ": BPE dropout is not supported");
+  if (j.contains("normalizer") && !j["normalizer"].is_null())
+    throw FormatError(path + ": normalizer " +
+                      optional_string(j["normalizer"], "type", path + ": normalizer") +
+                      " is not supported (byte-level BPE has none)");
+  if (!j.contains("pre_tokenizer") || j["pre_tokenizer"].is_null())
+    throw FormatError(path + ": no pre_tokenizer (byte-level BPE needs ByteLevel)");
+  bool byte_level = false;
+  std::vector<std::pair<std::string, bool>> splits;
+  add_pre_tokenizer(j["pre_tokenizer"], path, byte_level, splits);
+  if (!byte_level)
+    throw FormatError(path + ": the pre_tokenizer has no ByteLevel; only byte-level BPE is read");
+  if (j.contains("decoder") && !j["decoder"].is_null() &&
+      optional_string(j["decoder"], "type", path + ": decoder") != "ByteLevel")
+    throw FormatError(path + ": decoder " +
+                      optional_string(j["decoder"], "type", path + ": decoder") +
+                      " is not supported (only ByteLevel)");
+
+  // Ids: the vocabulary's and the added tokens'; every id below the largest must have a token.
+  constexpr int64_t kMaxId = int64_t{1} << 24;  // 16M tokens: far above any real vocabulary
+  if (!model.contains("vocab") || !model["vocab"].is_object())
+    throw FormatError(path + ": model has no 'vocab' object");
+  BpeTokenizer t;
+  auto place = [&](int64_t id, const std::string& text, const char* what) {
+    if (id < 0 || id >= kMaxId)
+      throw FormatError(path + ": " + what + " '" + text + "' has id " + std::to_string(id) +
+                        ", outside [0, " + std::to_string(kMaxId) + ")");
+    if (static_cast<size_t>(id) >= t.tokens_.size()) {
+      t.tokens_.resize(static_cast<size_t>(id) + 1);
+      t.is_special_.resize(static_cast<size_t>(id) + 1, false);
+    }
+    auto& slot = t.tokens_[static_cast<size_t>(id)];
+    return std::pair<std::string*, bool>(&slot, slot.empty());
+  };
+  for (const auto& [text, id] : model["vocab"].items()) {
+    if (!id.is_number_integer())
+      throw FormatError(path + ": vocab entry '" + text + "' has no integer id");
+    if (text.empty())
+      throw FormatError(path + ": the vocab holds an empty token");
+    auto [slot, fresh] = place(id.get<int64_t>(), text, "vocab entry");
+    if (!fresh)
+      throw FormatError(path + ": tokens '" + *slot + "' and '" + text + "' share id " +
+                        std::to_string(id.get<int64_t>()));
+    *slot = text;
+  }
+  if (j.contains("added_tokens") && !j["added_tokens"].is_null()) {
+    if (!j["added_tokens"].is_array())
+      throw FormatError(path + ": 'added_tokens' is not a list");
+    for (const auto& a : j["added_tokens"]) {
+      if (!a.is_object() || !a.contains("id") || !a["id"].is_number_integer() ||
+          !a.contains("content") || !a["content"].is_string() ||
+          a["content"].get<std::string>().empty())
+        throw FormatError(path + ": an added token without an integer 'id' and a 'content'");
+      const auto content = a["content"].get<std::string>();
+      for (const char* key : {"lstrip", "rstrip", "single_word"})
+        if (a.value(key, false))
+          throw FormatError(path + ": added token '" + content + "' uses " + key +
+                            ", which is not supported");
+      auto [slot, fresh] = place(a["id"].get<int64_t>(), content, "added token");
+      if (!fresh && *slot != content)
+        throw FormatError(path + ": added token '" + content + "' has the id of '" + *slot + "'");
+      *slot = content;
+      t.is_special_[static_cast<size_t>(a["id"].get<int64_t>())] = true;
+    }
+  }
+  for (size_t id = 0; id < t.tokens_.size(); ++id) {
+    if (t.tokens_[id].empty())
+      throw FormatError(path + ": id " + std::to_string(id) + " has no token (ids must be 0.." +
+                        std::to_string(t.tokens_.size() - 1) + " without gaps)");
+    if (t.is_special_[id])
+      t.specials_.emplace_back(t.tokens_[id], static_cast<int64_t>(id));
+    else
+      t.ids_.emplace(t.tokens_[id], static_cast<int64_t>(id));
+  }
+  std::stable_sort(t.specials_.begin(), t.specials_.end(),
+                   [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+
+  if (!model.contains("merges") || !model["merges"].is_array())
+    throw FormatError(path + ": model has no 'merges' list");
+  const auto& merges = model["merges"];
+  const auto& vocab = model["vocab"];
+  for (size_t r = 0; r < merges.size(); ++r) {
+    const auto& m = merges[r];
+    std::string left, right;
+    if (m.is_string()) {  // "left right" (the older layout)
+      const auto s = m.get<std::string>();
+      const auto space = s.find(' ');
+      if (space == std::string::npos || s.find(' ', space + 1) != std::string::npos) {
+        throw FormatError(path + ": merge " + std::to_string(r) + " '" + s +
+                          "' is not two tokens separated by a space");
+      }
+      left = s.substr(0, space);
+      right = s.substr(space + 1);
+    } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
+      left = m[0].get<std::string>();
+      right = m[1].get<std::string>();
+    } else {
+      throw FormatError(path + ": merge " + std::to_string(r) + " is not a pair of tokens");
+    }
+    // Byte-level tokens never hold a space (GPT-2's alphabet maps it to 'Ġ'), which keeps the
+    // "left right" key unambiguous.
+    if (left.empty() || right.empty() || left.find(' ') != std::string::npos ||
+        right.find(' ') != std::string::npos || !vocab.contains(left) || !vocab.contains(right) ||
+        !vocab.contains(left + right))
+      throw FormatError(path + ": merge " + std::to_string(r) + " ('" + left + "', '" + right +
+                        "') is not of two vocabulary tokens making a third");
+    t.merge_rank_.emplace(left + " " + right, static_cast<int>(r));
+  }
+  t.ignore_merges_ = model.value("ignore_merges", false);
+
+  auto id_of = [&](const std::string& text, const char* what) -> int64_t {
+    if (text.empty())
+      return -1;
+    if (const int64_t s = t.special_id(text); s >= 0)
+      return s;
+    if (auto it = t.ids_.find(text); it != t.ids_.end())
+      return it->second;
+    throw FormatError(path + ": the " + what + " token '" + text + "' is not in the vocabulary");
+  };
+  t.bos_ = id_of(bos, "bos");
+  t.eos_ = id_of(eos, "eos");
+  t.init_byte_alphabet();
+  t.set_splits(splits, path);
+  return t;
+}
+
+}  // namespace fsdp_trainer
