@@ -4,12 +4,14 @@
 #include <nlohmann/json.hpp>
 
 #include <cctype>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <sstream>
 
 #include <fsdp/checkpoint/safetensors.h>
@@ -180,21 +182,97 @@ void require_plain_name(const std::string& name, const std::string& where) {
                       "', which is not a .safetensors file");
 }
 
+// The dtype's name in config.json's torch_dtype; only the three an export may be written in.
+const char* hf_dtype_name(torch::ScalarType dtype) {
+  switch (dtype) {
+    case torch::kFloat32:
+      return "float32";
+    case torch::kBFloat16:
+      return "bfloat16";
+    case torch::kFloat16:
+      return "float16";
+    default:
+      break;
+  }
+  TORCH_CHECK(false, "save_hf: exports are float32, bfloat16 or float16, not ", dtype);
+  return "";
+}
+
 template <typename Model>
 void save_hf_dir(const std::string& dir, Model& model, fsdp::ProcessGroup& group,
-                 const fsdp::ConsolidatedOptions& options, const std::string& config_json) {
-  write_export_dir(dir, group, "save_hf", [&](const fs::path& tmp) {
-    if (group.rank() == 0)
-      fsdp::write_file_atomic((tmp / kConfigFile).string(), config_json);
-    fsdp::save_consolidated((tmp / kWeightsFile).string(), *model, group, options);
-  });
+                 fsdp::ConsolidatedOptions options, const std::string& config_json,
+                 const ExportOptions& how) {
+  hf_dtype_name(how.dtype);  // refuses another dtype before anything is written
+  TORCH_CHECK(how.shard_bytes >= 0, "save_hf: shard_bytes is negative");
+  options.dtype = how.dtype;
+  // The files and the parameters each holds, in the model's order: a new file when the next
+  // tensor would take the current one past shard_bytes (save_pretrained's rule).
+  std::vector<std::vector<std::string>> files(1);
+  std::map<std::string, size_t> file_of;  // tensor name -> file
+  int64_t in_file = 0, total = 0;
+  const int64_t elem = torch::elementSize(how.dtype);
+  for (const auto& s : fsdp::param_shards(*model)) {
+    if (options.include && !options.include(s.name))
+      continue;
+    int64_t numel = 1;
+    for (auto d : s.global_shape)
+      numel *= d;
+    const int64_t bytes = numel * elem;
+    if (how.shard_bytes > 0 && in_file > 0 && in_file + bytes > how.shard_bytes) {
+      files.emplace_back();
+      in_file = 0;
+    }
+    files.back().push_back(s.name);
+    file_of[options.layout ? options.layout(s.name, s.global_shape).name : s.name] =
+        files.size() - 1;
+    in_file += bytes;
+    total += bytes;
+  }
+  for (const auto& [name, t] : options.extra_tensors) {  // a format's constants: the first file
+    file_of[name] = 0;
+    total += t.numel() * static_cast<int64_t>(t.element_size());
+  }
+  const size_t n = files.size();
+  auto file_name = [n](size_t k) {
+    if (n == 1)
+      return std::string(kWeightsFile);
+    char name[64];
+    std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", k + 1, n);
+    return std::string(name);
+  };
+  write_export_dir(
+      dir, group, "save_hf",
+      [&](const fs::path& tmp) {
+        if (group.rank() == 0)
+          fsdp::write_file_atomic((tmp / kConfigFile).string(), config_json);
+        for (size_t k = 0; k < n; ++k) {
+          auto part = options;
+          const std::set<std::string> mine(files[k].begin(), files[k].end());
+          part.include = [&mine](const std::string& name) { return mine.count(name) != 0; };
+          if (k > 0)
+            part.extra_tensors.clear();
+          fsdp::save_consolidated((tmp / file_name(k)).string(), *model, group, part);
+        }
+        if (n > 1 && group.rank() == 0) {
+          Json map = Json::object();
+          for (const auto& [name, k] : file_of)
+            map[name] = file_name(k);
+          const Json index = {{"metadata", {{"total_size", total}}}, {"weight_map", map}};
+          fsdp::write_file_atomic((tmp / kIndexFile).string(), index.dump(2) + "\n");
+        }
+      },
+      how.files);
 }
 
 }  // namespace
 
 void write_export_dir(const std::string& dir, fsdp::ProcessGroup& group, const char* what,
-                      const std::function<void(const std::filesystem::path& tmp)>& fill) {
+                      const std::function<void(const std::filesystem::path& tmp)>& fill,
+                      const ExportFiles& files) {
   TORCH_CHECK(!fs::exists(dir), what, ": ", dir, " exists (exports are never overwritten)");
+  for (const auto& [name, content] : files)
+    TORCH_CHECK(!name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos,
+                what, ": '", name, "' is not a plain file name");
   const fs::path tmp = dir + ".tmp";
   if (group.rank() == 0) {
     fs::remove_all(tmp);  // an export that died half-way
@@ -202,8 +280,11 @@ void write_export_dir(const std::string& dir, fsdp::ProcessGroup& group, const c
   }
   group.barrier();
   fill(tmp);
-  if (group.rank() == 0)
+  if (group.rank() == 0) {
+    for (const auto& [name, content] : files)
+      fsdp::write_file_atomic((tmp / name).string(), content);
     fsdp::rename_durably(tmp.string(), dir);
+  }
   group.barrier();
 }
 
@@ -247,7 +328,7 @@ fsdp::ConsolidatedOptions hf_options(const LlamaConfig& cfg) {
   return o;
 }
 
-std::string hf_config_json(const GPTConfig& cfg) {
+std::string hf_config_json(const GPTConfig& cfg, torch::ScalarType dtype) {
   Json j = {{"architectures", {"GPT2LMHeadModel"}},
             {"model_type", "gpt2"},
             {"vocab_size", cfg.vocab_size},
@@ -265,11 +346,11 @@ std::string hf_config_json(const GPTConfig& cfg) {
             {"scale_attn_weights", true},
             {"initializer_range", cfg.init_std},
             {"tie_word_embeddings", cfg.tie_embeddings},
-            {"torch_dtype", "float32"}};
+            {"torch_dtype", hf_dtype_name(dtype)}};
   return j.dump(2) + "\n";
 }
 
-std::string hf_config_json(const LlamaConfig& cfg) {
+std::string hf_config_json(const LlamaConfig& cfg, torch::ScalarType dtype) {
   Json j = {{"architectures", {"LlamaForCausalLM"}},
             {"model_type", "llama"},
             {"vocab_size", cfg.vocab_size},
@@ -288,7 +369,7 @@ std::string hf_config_json(const LlamaConfig& cfg) {
             {"mlp_bias", false},
             {"initializer_range", cfg.init_std},
             {"tie_word_embeddings", cfg.tie_embeddings},
-            {"torch_dtype", "float32"}};
+            {"torch_dtype", hf_dtype_name(dtype)}};
   return j.dump(2) + "\n";
 }
 
@@ -410,12 +491,14 @@ LlamaConfig read_llama_config(const std::string& dir) {
   return llama_config_from_hf(read_text(where), where);
 }
 
-void save_hf(const std::string& dir, GPT& model, fsdp::ProcessGroup& group) {
+void save_hf(const std::string& dir, GPT& model, fsdp::ProcessGroup& group,
+             const ExportOptions& how) {
   const auto& cfg = model->config();
-  save_hf_dir(dir, model, group, hf_options(cfg), hf_config_json(cfg));
+  save_hf_dir(dir, model, group, hf_options(cfg), hf_config_json(cfg, how.dtype), how);
 }
 
-void save_hf(const std::string& dir, Llama& model, fsdp::ProcessGroup& group, bool skip_adapters) {
+void save_hf(const std::string& dir, Llama& model, fsdp::ProcessGroup& group, bool skip_adapters,
+             const ExportOptions& how) {
   const auto& cfg = model->config();
   auto options = hf_options(cfg);
   for (const auto& p : model->named_parameters()) {
@@ -427,7 +510,7 @@ void save_hf(const std::string& dir, Llama& model, fsdp::ProcessGroup& group, bo
                 "' is stored in NF4; a Hugging Face file needs dense weights");
   }
   options.include = [](const std::string& name) { return !is_lora_adapter(name); };
-  save_hf_dir(dir, model, group, options, hf_config_json(cfg));
+  save_hf_dir(dir, model, group, options, hf_config_json(cfg, how.dtype), how);
 }
 
 void load_hf(const std::string& dir, GPT& model) {

@@ -22,6 +22,7 @@
 
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -40,9 +41,9 @@ namespace fsdp_models {
 fsdp::ConsolidatedOptions hf_options(const GPTConfig& cfg);
 fsdp::ConsolidatedOptions hf_options(const LlamaConfig& cfg);
 
-/// config.json for the model (float32 weights).
-std::string hf_config_json(const GPTConfig& cfg);
-std::string hf_config_json(const LlamaConfig& cfg);
+/// config.json for the model (its torch_dtype: `dtype`'s name).
+std::string hf_config_json(const GPTConfig& cfg, torch::ScalarType dtype = torch::kFloat32);
+std::string hf_config_json(const LlamaConfig& cfg, torch::ScalarType dtype = torch::kFloat32);
 
 /// The model a config.json describes; throws fsdp::safetensors::FormatError, prefixed with
 /// `where`, naming the field for what our models cannot represent (another activation, RoPE
@@ -54,18 +55,38 @@ LlamaConfig llama_config_from_hf(const std::string& config_json, const std::stri
 /// of `group` calls it, rank 0 writes (fsdp::save_consolidated: rank 0 holds its shards plus two
 /// I/O buffers, and GPT-2's transposed weights one matrix at a time). Written as "<dir>.tmp" and
 /// renamed once complete. Throws if `dir` exists.
-void save_hf(const std::string& dir, GPT& model, fsdp::ProcessGroup& group);
+/// Files an export carries beside the weights (the tokenizer's: tokenizer.json,
+/// tokenizer_config.json, ...): plain file name -> content, written by rank 0 into the directory
+/// before it gets its final name.
+using ExportFiles = std::map<std::string, std::string>;
+
+/// How save_hf writes a directory.
+struct ExportOptions {
+  /// The weights' stored dtype: float32, bfloat16 or float16 (rounded to nearest even from the
+  /// model's float32); config.json's torch_dtype names it.
+  torch::ScalarType dtype = torch::kFloat32;
+  /// 0: one model.safetensors. Otherwise, when the weights take more, files
+  /// model-0000k-of-0000n.safetensors of at most this many bytes each (a tensor larger than that
+  /// gets a file to itself), tensors in the model's order, with model.safetensors.index.json:
+  /// what transformers' save_pretrained(max_shard_size=...) writes.
+  int64_t shard_bytes = 0;
+  ExportFiles files;
+};
+
+void save_hf(const std::string& dir, GPT& model, fsdp::ProcessGroup& group,
+             const ExportOptions& options = {});
 /// A Llama with LoRA adapters is refused unless `skip_adapters` (its adapters merged into the
 /// weights first: see save_merged_hf in peft.h).
 void save_hf(const std::string& dir, Llama& model, fsdp::ProcessGroup& group,
-             bool skip_adapters = false);
+             bool skip_adapters = false, const ExportOptions& options = {});
 
 /// Writes an export directory `dir` as save_hf does: refused if it exists; `fill(tmp)` runs on
 /// every rank with "<dir>.tmp" created (rank 0 writes there), then rank 0 renames it to `dir`
 /// once complete, so a crash leaves no half-written directory under the final name. `what`
 /// names the caller in the error.
 void write_export_dir(const std::string& dir, fsdp::ProcessGroup& group, const char* what,
-                      const std::function<void(const std::filesystem::path& tmp)>& fill);
+                      const std::function<void(const std::filesystem::path& tmp)>& fill,
+                      const ExportFiles& files = {});
 
 /// The safetensors files of a Hugging Face directory: model.safetensors, or the files
 /// model.safetensors.index.json's weight_map names (validated: plain file names inside `dir`

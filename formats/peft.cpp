@@ -37,7 +37,7 @@ std::string hf_module(const std::string& name) {
 }  // namespace
 
 void save_peft_adapter(const std::string& dir, Llama& model, fsdp::ProcessGroup& group,
-                       const std::string& base_model) {
+                       const std::string& base_model, const ExportFiles& files) {
   // One rank, alpha and dropout for the whole model (PEFT's config holds one of each).
   std::set<std::string> targets;
   int64_t rank = 0;
@@ -75,14 +75,19 @@ void save_peft_adapter(const std::string& dir, Llama& model, fsdp::ProcessGroup&
       {"inference_mode", true},
       {"base_model_name_or_path", base_model.empty() ? nullptr : nlohmann::json(base_model)},
   };
-  write_export_dir(dir, group, "save_peft_adapter", [&](const fs::path& tmp) {
-    if (group.rank() == 0)
-      fsdp::write_file_atomic((tmp / "adapter_config.json").string(), config.dump(2) + "\n");
-    fsdp::save_consolidated((tmp / "adapter_model.safetensors").string(), *model, group, options);
-  });
+  write_export_dir(
+      dir, group, "save_peft_adapter",
+      [&](const fs::path& tmp) {
+        if (group.rank() == 0)
+          fsdp::write_file_atomic((tmp / "adapter_config.json").string(), config.dump(2) + "\n");
+        fsdp::save_consolidated((tmp / "adapter_model.safetensors").string(), *model, group,
+                                options);
+      },
+      files);
 }
 
-void save_merged_hf(const std::string& dir, Llama& model, fsdp::ProcessGroup& group) {
+void save_merged_hf(const std::string& dir, Llama& model, fsdp::ProcessGroup& group,
+                    const ExportOptions& options) {
   torch::NoGradGuard no_grad;
   std::map<std::string, fsdp::ParamShard> shards;
   for (auto& s : fsdp::param_shards(*model))
@@ -118,7 +123,7 @@ void save_merged_hf(const std::string& dir, Llama& model, fsdp::ProcessGroup& gr
       shard.copy_(copy);
   };
   try {
-    save_hf(dir, model, group, /*skip_adapters=*/true);
+    save_hf(dir, model, group, /*skip_adapters=*/true, options);
   } catch (...) {
     restore();
     throw;

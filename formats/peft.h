@@ -9,6 +9,7 @@
 
 #include <string>
 
+#include "hf_format.h"
 #include "llama.h"
 
 namespace fsdp {
@@ -23,11 +24,12 @@ namespace fsdp_models {
 /// weights) and adapter_config.json (rank, alpha, dropout, target modules in Hugging Face's
 /// names). Every rank calls it; rank 0 writes. `base_model` names the base in the config.
 void save_peft_adapter(const std::string& dir, Llama& model, fsdp::ProcessGroup& group,
-                       const std::string& base_model = "");
+                       const std::string& base_model = "", const ExportFiles& files = {});
 
 /// Writes the model with every adapter merged into its weight (W + (alpha / rank) B A) as a
 /// Hugging Face directory (config.json + model.safetensors), without the adapters. The model
 /// is left as it was, bit for bit. Refused for NF4 weights.
-void save_merged_hf(const std::string& dir, Llama& model, fsdp::ProcessGroup& group);
+void save_merged_hf(const std::string& dir, Llama& model, fsdp::ProcessGroup& group,
+                    const ExportOptions& options = {});
 
 }  // namespace fsdp_models

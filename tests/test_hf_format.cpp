@@ -12,9 +12,12 @@
 
 #include <filesystem>
 #include <fstream>
+#include <set>
+#include <type_traits>
 
 #include <fsdp/checkpoint/safetensors.h>
 #include <fsdp/fsdp.h>
+#include <nlohmann/json.hpp>
 
 #include "gpt.h"
 #include "harness/command.h"
@@ -67,7 +70,8 @@ LlamaConfig llama_config(const std::string& variant) {
 struct AnyModel {
   std::shared_ptr<torch::nn::Module> module;
   std::function<torch::Tensor(const torch::Tensor&)> forward;
-  std::function<void(const std::string&, fsdp::ProcessGroup&)> save;
+  std::function<void(const std::string&, fsdp::ProcessGroup&, const fsdp_models::ExportOptions&)>
+      save;
   std::function<void(const std::string&)> load;
 };
 
@@ -81,8 +85,12 @@ AnyModel wrap(const Config& cfg, const std::shared_ptr<fsdp::ProcessGroup>& pg,
   AnyModel m;
   m.module = model.ptr();
   m.forward = [model](const torch::Tensor& x) mutable { return fsdp::forward(model, x); };
-  m.save = [model](const std::string& dir, fsdp::ProcessGroup& g) mutable {
-    fsdp_models::save_hf(dir, model, g);
+  m.save = [model](const std::string& dir, fsdp::ProcessGroup& g,
+                   const fsdp_models::ExportOptions& o) mutable {
+    if constexpr (std::is_same_v<Model, Llama>)
+      fsdp_models::save_hf(dir, model, g, /*skip_adapters=*/false, o);
+    else
+      fsdp_models::save_hf(dir, model, g, o);
   };
   m.load = [model](const std::string& dir) mutable { fsdp_models::load_hf(dir, model); };
   return m;
@@ -109,7 +117,13 @@ FSDP_WORKER(hf_export) {
   auto pg = fsdp::init_process_group();
   auto m = make_model(ctx.env("FAMILY"), ctx.env("VARIANT"), pg);
   fill_random(*m.module);
-  m.save(ctx.env("DIR"), *pg);
+  fsdp_models::ExportOptions o;
+  if (ctx.env("DTYPE") == "bf16")
+    o.dtype = torch::kBFloat16;
+  else if (ctx.env("DTYPE") == "fp16")
+    o.dtype = torch::kFloat16;
+  o.shard_bytes = static_cast<int64_t>(ctx.env_double("SHARD_BYTES", 0));
+  m.save(ctx.env("DIR"), *pg, o);
   return 0;
 }
 
@@ -122,6 +136,8 @@ FSDP_WORKER(hf_load) {
   if (ctx.env("SAME_PARAMS") == "1") {
     for (auto& s : fsdp::param_shards(*m.module)) {
       auto full = random_global(s.name, s.global_shape);
+      if (ctx.env("DTYPE") == "bf16")  // stored rounded: read back as the rounded values
+        full = full.to(torch::kBFloat16).to(torch::kFloat32);
       WORKER_CHECK(torch::equal(s.shard, full.narrow(0, s.row_begin, s.rows))) << s.name;
     }
   }
@@ -129,7 +145,10 @@ FSDP_WORKER(hf_load) {
   torch::NoGradGuard no_grad;
   auto logits = m.forward(reference.read("input_ids"));
   const double diff = (logits - reference.read("logits")).abs().max().item<double>();
-  WORKER_CHECK(diff <= ctx.env_double("TOLERANCE", 0)) << "logits differ by " << diff;
+  const double tolerance =
+      ctx.env_double("TOLERANCE", 0) *
+      (ctx.env("DTYPE") == "bf16" ? reference.read("logits").abs().max().item<double>() : 1.0);
+  WORKER_CHECK(diff <= tolerance) << "logits differ by " << diff;
   if (pg->rank() == 0)
     std::printf("logits max |diff| %.3g\n", diff);
   return 0;
@@ -235,6 +254,53 @@ TEST(HuggingFace, LlamaUntiedFromThreeRanks) {
 
 TEST(HuggingFace, LlamaTiedFromTwoRanks) {
   export_and_check("llama", "tied", 2);
+}
+
+// checkpoint.export_dtype = bf16 and checkpoint.export_shard_mb: the weights stored rounded to
+// bf16 in several files with their index, as save_pretrained(max_shard_size) writes them;
+// Python finds each tensor in the file the index names, equal bitwise to ours rounded, and
+// transformers loads the directory; we load it back on 3 ranks to the rounded values.
+TEST(HuggingFace, Bf16ShardedExportsLoadInTransformersAndBack) {
+  for (const std::string family : {"gpt", "llama"}) {
+    SCOPED_TRACE(family);
+    const auto root = fsdp::test::fresh_dir("hf-bf16-" + family);
+    const auto dir = (root / "hf").string(), ours = (root / "ours.safetensors").string();
+    write_reference(family, "tied", ours);
+    EXPECT_WORKERS_OK(fsdp::test::run_workers("hf_export", 2,
+                                              env({{"FAMILY", family},
+                                                   {"VARIANT", "tied"},
+                                                   {"DIR", dir},
+                                                   {"DTYPE", "bf16"},
+                                                   {"SHARD_BYTES", "8000"}})));
+    const auto index = nlohmann::json::parse(
+        fsdp::test::file_bytes(fs::path(dir) / "model.safetensors.index.json"));
+    std::set<std::string> files;
+    for (const auto& [tensor, file] : index["weight_map"].items())
+      files.insert(file.get<std::string>());
+    EXPECT_GE(files.size(), 3u);
+    for (const auto& f : files) {  // at most 8,000 bytes, unless one tensor is larger
+      fsdp::safetensors::Reader r((fs::path(dir) / f).string());
+      uint64_t bytes = 0;
+      for (const auto& t : r.header().tensors) {
+        bytes += t.end - t.begin;
+        EXPECT_EQ(t.dtype, torch::kBFloat16) << f << " " << t.name;
+      }
+      EXPECT_TRUE(bytes <= 8000 || r.header().tensors.size() == 1) << f << ": " << bytes;
+    }
+    EXPECT_FALSE(fs::exists(fs::path(dir) / "model.safetensors"));
+    const auto py = fsdp::test::run_command(python("export " + dir + " " + ours));
+    EXPECT_EQ(py.code, 0) << py.output;
+    std::printf("%s", py.output.c_str());
+    EXPECT_WORKERS_OK(fsdp::test::run_workers("hf_load", 3,
+                                              env({{"FAMILY", family},
+                                                   {"VARIANT", "tied"},
+                                                   {"DIR", dir},
+                                                   {"REFERENCE", ours},
+                                                   {"SAME_PARAMS", "1"},
+                                                   {"DTYPE", "bf16"},
+                                                   {"TOLERANCE", "0.03"}})));
+    fs::remove_all(root);
+  }
 }
 
 TEST(HuggingFace, ConfigsOurModelsCannotRepresentAreRefusedNamingTheField) {

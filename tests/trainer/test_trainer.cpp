@@ -18,9 +18,11 @@
 #include <sstream>
 #include <thread>
 
+#include <torch/version.h>
 #include <nlohmann/json.hpp>
 
 #include "config/config.h"
+#include "data/corpus.h"
 #include "data/finetune_data.h"
 #include "harness/command.h"
 #include "harness/files.h"
@@ -243,6 +245,30 @@ TEST(TrainerConfig, PrintConfigRoundTripsAndOverridesApply) {
   EXPECT_NE(r.output.find("beta1 = 0.9\n"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("grad_clip = 1.0\n"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("min_lr = 3e-04\n"), std::string::npos) << r.output;
+}
+
+// --version is one line naming the version and the LibTorch; --help lists every command with
+// one line each; "train" may be named.
+TEST(TrainerConfig, VersionAndHelpNameTheProgramAndItsCommands) {
+  CommandResult r = run(train_cmd() + " --version");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(r.output.rfind("fsdp-train 0.", 0), 0u) << r.output;
+  EXPECT_NE(r.output.find("LibTorch " + std::to_string(TORCH_VERSION_MAJOR) + "." +
+                          std::to_string(TORCH_VERSION_MINOR) + "."),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(line_count(r.output), 1) << r.output;
+  r = run(train_cmd() + " --help");
+  ASSERT_EQ(r.code, 0) << r.output;
+  for (const char* command : {"train [CONFIG]", "finetune CONFIG", "export CONFIG",
+                              "generate CONFIG", "fr-analyze DIR"}) {
+    const auto at = r.output.find("\n  " + std::string(command));
+    EXPECT_NE(at, std::string::npos) << command << "\n" << r.output;
+  }
+  EXPECT_NE(r.output.find("--version"), std::string::npos) << r.output;
+  r = run(train_cmd() + " train --print-config --training.steps=7");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("steps = 7\n"), std::string::npos) << r.output;
 }
 
 TEST(TrainerConfig, ReferenceInDocsMatchesTheCode) {
@@ -1307,6 +1333,34 @@ TEST(TrainerRun, ExportGenerateAndInitFromSavedModels) {
   EXPECT_EQ(start_from(3, hf.string()),
             start_from(3, (a / "checkpoints" / "step-00000006").string()));
 
+  // checkpoint.export_dtype / export_shard_mb: bf16 in sharded files with their index (half the
+  // bytes), which a new run starts from with the held-out loss of the rounded weights.
+  const auto half = work / "saved-export-bf16";
+  fs::remove_all(half);
+  auto sharded =
+      run(train_cmd() + " export --nproc 3 " + config + " --checkpoint latest --out " +
+          half.string() + " --checkpoint.export_dtype=bf16 --checkpoint.export_shard_mb=0.02");
+  ASSERT_EQ(sharded.code, 0) << sharded.output;
+  EXPECT_FALSE(fs::exists(half / "model.safetensors"));
+  ASSERT_TRUE(fs::exists(half / "model.safetensors.index.json"));
+  uintmax_t bf16_bytes = 0;
+  int files = 0;
+  for (const auto& e : fs::directory_iterator(half)) {
+    if (e.path().extension() == ".safetensors") {
+      bf16_bytes += e.file_size();
+      ++files;
+    }
+  }
+  EXPECT_GE(files, 3);
+  const auto fp32_bytes = fs::file_size(hf / "model.safetensors");
+  EXPECT_LT(bf16_bytes, fp32_bytes * 6 / 10) << bf16_bytes << " vs " << fp32_bytes;
+  EXPECT_NE(file_bytes(half / "config.json").find("\"torch_dtype\": \"bfloat16\""),
+            std::string::npos);
+  const double rounded_loss = start_from(2, half.string());
+  EXPECT_NEAR(rounded_loss, trained_loss, 0.02 * trained_loss);
+  std::printf("bf16 export in %d files, %ju bytes (fp32: %ju): held-out loss %.5f (fp32 %.5f)\n",
+              files, bf16_bytes, fp32_bytes, rounded_loss, trained_loss);
+
   struct Case {
     std::string args, message;
   };
@@ -1498,6 +1552,52 @@ TEST(TrainerRun, FinetunesSmolLM2WithLora) {
   const std::string text((std::istreambuf_iterator<char>(answers)), {});
   EXPECT_NE(text.find("   before:"), std::string::npos) << text;
   EXPECT_NE(text.find("   after:"), std::string::npos) << text;
+
+  // The merged export carries the tokenizer: transformers' pipeline() loads the directory as it
+  // is and answers the held-out question as fsdp-train did (greedy, fp32), and its AutoTokenizer
+  // gives our ids on the shipped corpora.
+  for (const char* f : {"merged/tokenizer.json", "merged/tokenizer_config.json",
+                        "merged/generation_config.json", "adapter/tokenizer.json"})
+    EXPECT_TRUE(fs::is_regular_file(dir / f)) << f;
+  const auto corpus = dir / "corpus.txt";
+  {
+    std::string lines;
+    for (const char* name : {"kjv", "fortunes"}) {
+      const auto all = fsdp_trainer::load_corpus(name);
+      lines += all.substr(0, all.find('\n', 20000)) + "\n";
+    }
+    std::ifstream jsonl(fs::path(FSDP_SOURCE_DIR) / "data/instruct/kjv_train.jsonl");
+    std::string line;
+    for (int i = 0; i < 50 && std::getline(jsonl, line); ++i)
+      lines += line + "\n";
+    std::ofstream(corpus, std::ios::binary) << lines << "<|im_start|>user\nHi<|im_end|>";
+  }
+  const auto py =
+      run(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR + "/tests/python/check_export.py " +
+          (dir / "merged").string() + " " + small_eval_file(8) + " 8 " + corpus.string() + " " +
+          (dir / "transformers.json").string());
+  ASSERT_EQ(py.code, 0) << py.output;
+  const auto ref = nlohmann::json::parse(fsdp::test::file_bytes(dir / "transformers.json"));
+  const auto answer = ref["answer"].get<std::string>();
+  EXPECT_NE(text.find("   after:     " + answer + "\n"), std::string::npos)
+      << "transformers answered '" << answer << "'; answers.txt:\n"
+      << text;
+  const auto tok = fsdp_trainer::pretrained_tokenizer(fsdp_trainer::resolve_model_file("smollm2"));
+  const auto theirs = ref["ids"];
+  const auto corpus_text = fsdp::test::file_bytes(corpus);
+  size_t pos = 0, lines = 0, same = 0;
+  for (const auto& ids : theirs) {
+    const size_t end = corpus_text.find('\n', pos);
+    const auto line =
+        corpus_text.substr(pos, end == std::string::npos ? std::string::npos : end - pos);
+    same += tok.encode(line) == ids.get<std::vector<int64_t>>();
+    ++lines;
+    pos = end == std::string::npos ? corpus_text.size() : end + 1;
+  }
+  EXPECT_EQ(same, lines);
+  std::printf(
+      "transformers on the merged export: answer '%s'; %zu of %zu lines tokenized as ours\n",
+      answer.c_str(), same, lines);
 }
 
 TEST(TrainerRun, QloraGathersUnderHalfOfLorasBytesAndResumesExactly) {

@@ -7,12 +7,13 @@
 //       Hugging Face directory, on any number of ranks
 //   fsdp-train generate [--nproc N] CONFIG.toml --checkpoint PATH
 //       samples from a saved model (the [generate] options)
+//   fsdp-train --version, fsdp-train --help (the commands, one line each)
 //   fsdp-train fr-analyze DIR
 //       reads a failed job's flight-recorder dumps (<run_dir>/flight_recorder) and names the
 //       first collective the ranks disagree on and the rank(s) that never joined it
 //   fsdp-train finetune [--nproc N] CONFIG.toml
-//       fine-tunes a pretrained GGUF model on an instruction set (the [finetune] options: full,
-//       LoRA or QLoRA), answering held-out questions before and after
+//       fine-tunes a pretrained model (GGUF or Hugging Face directory) on an instruction set (the
+//       [finetune] options: full, LoRA or QLoRA), answering held-out questions before and after
 //
 // Exit codes: 0 done, 2 bad input (config, override, corpus), 1 anything else.
 //
@@ -40,6 +41,8 @@
 
 #include <fsdp/distributed/cuda.h>
 #endif
+
+#include <torch/version.h>
 
 #include <fsdp/core/caching_allocator.h>
 #include <fsdp/core/memory.h>
@@ -97,11 +100,20 @@ fsdp_trainer::DeviceMemory prepare_cuda(int local_rank, int local_world_size) {
 #else
 // Replaces this process with fsdp-train-cuda (see the top of the file); returns only if there
 // is none.
-void exec_cuda_trainer(char** argv) {
+std::filesystem::path cuda_trainer_path() {
   std::error_code ec;
   const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
-  const auto cuda_trainer = self.parent_path() / "fsdp-train-cuda";
-  if (!ec && std::filesystem::exists(cuda_trainer)) {
+  return ec ? std::filesystem::path() : self.parent_path() / "fsdp-train-cuda";
+}
+
+bool access_cuda_trainer() {
+  const auto p = cuda_trainer_path();
+  return !p.empty() && std::filesystem::exists(p);
+}
+
+void exec_cuda_trainer(char** argv) {
+  const auto cuda_trainer = cuda_trainer_path();
+  if (access_cuda_trainer()) {
     ::execv(cuda_trainer.c_str(), argv);
     throw std::runtime_error("cannot start " + cuda_trainer.string() + ": " + std::strerror(errno));
   }
@@ -110,6 +122,20 @@ void exec_cuda_trainer(char** argv) {
       "when CMake finds the CUDA toolkit and NCCL, with FSDP_WITH_CUDA=ON)");
 }
 #endif
+
+// One line: this program's version, the LibTorch it was built against, and its paths.
+std::string version_text() {
+  std::string text = std::string("fsdp-train ") + FSDP_VERSION + " (fsdp-cpp; LibTorch " +
+                     std::to_string(TORCH_VERSION_MAJOR) + "." +
+                     std::to_string(TORCH_VERSION_MINOR) + "." +
+                     std::to_string(TORCH_VERSION_PATCH) + "; Gloo";
+#ifdef FSDP_TRAIN_CUDA
+  text += " and NCCL";
+#else
+  text += access_cuda_trainer() ? "; NCCL through fsdp-train-cuda" : "; no CUDA path in this build";
+#endif
+  return text + ")";
+}
 
 }  // namespace
 
@@ -152,8 +178,9 @@ int main(int argc, char** argv) {
   // The command is the first argument, when it is one ("train" otherwise).
   std::string command = "train";
   int shift = 0;
-  if (argc > 1 && (std::strcmp(argv[1], "export") == 0 || std::strcmp(argv[1], "generate") == 0 ||
-                   std::strcmp(argv[1], "finetune") == 0)) {
+  if (argc > 1 &&
+      (std::strcmp(argv[1], "train") == 0 || std::strcmp(argv[1], "export") == 0 ||
+       std::strcmp(argv[1], "generate") == 0 || std::strcmp(argv[1], "finetune") == 0)) {
     command = argv[1];
     shift = 1;
   }
@@ -174,17 +201,26 @@ int main(int argc, char** argv) {
                "Print the predicted per-rank peak memory before step 1 and predicted vs "
                "measured at the end (logging.plan)");
   app.add_flag("--config-reference", print_reference, "Print the option reference (Markdown)");
+  app.set_version_flag("--version", version_text());
   app.footer(
+      "Commands (the first argument; train when there is none):\n"
+      "  train [CONFIG]                             pretrain a GPT or Llama model\n"
+      "  finetune CONFIG                            LoRA, QLoRA or full fine-tuning of a GGUF file "
+      "or a Hugging Face directory\n"
+      "  export CONFIG --checkpoint PATH --out DIR  write a saved model as a Hugging Face "
+      "directory\n"
+      "  generate CONFIG --checkpoint PATH          sample text from a saved model\n"
+      "  fr-analyze DIR                             name the rank a failed job waited for, from "
+      "its "
+      "flight-recorder dumps\n"
       "Any option can be overridden: --training.steps=200 --model.preset=gpt2-small\n"
-      "Commands: fsdp-train export CONFIG --checkpoint PATH --out DIR (a Hugging Face "
-      "directory)\n          fsdp-train generate CONFIG --checkpoint PATH (sample from it)\n"
-      "          fsdp-train finetune CONFIG (LoRA/QLoRA/full fine-tuning of a GGUF model)\n"
-      "          fsdp-train fr-analyze DIR (which rank a failed job waited for, from its "
-      "flight-recorder dumps)");
+      "Options and defaults: fsdp-train --config-reference, or docs/trainer.md");
   try {
     // CLI11 takes argv[0] as the program's name: with a command, the command is.
     app.parse(argc - shift, argv + shift);
   } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     std::fprintf(stderr, "fsdp-train: %s\n", first_line(e.what()).c_str());

@@ -501,12 +501,23 @@ const std::vector<Option>& options() {
           "random state. On any number of ranks, under any strategy."),
       opt("checkpoint.export_hf", FIELD(checkpoint.export_hf),
           "At the end of training, write the model as a Hugging Face directory (config.json, "
-          "model.safetensors in float32) that transformers' from_pretrained loads; rank 0 "
+          "model.safetensors in checkpoint.export_dtype) that transformers' from_pretrained loads; "
+          "rank 0 "
           "writes, holding its shards plus two 16 MiB I/O buffers (and, for GPT-2's transposed "
           "layout, one weight matrix)."),
       opt("checkpoint.export_dir", FIELD(checkpoint.export_dir),
           "Where checkpoint.export_hf writes; empty: <logging.run_dir>/hf. An earlier export "
           "there is replaced once the new one is complete."),
+      opt("checkpoint.export_dtype", FIELD(checkpoint.export_dtype),
+          "The stored weights of every Hugging Face export (checkpoint.export_hf, fsdp-train "
+          "export, finetune.export_merged): fp32, or bf16 / fp16 rounded to nearest from the "
+          "fp32 weights (half the bytes; config.json's torch_dtype says which).",
+          {"fp32", "bf16", "fp16"}),
+      opt("checkpoint.export_shard_mb", FIELD(checkpoint.export_shard_mb),
+          "0: an export is one model.safetensors. Otherwise, above this many MiB of weights, "
+          "files model-0000k-of-0000n.safetensors of at most this many MiB each (a larger "
+          "tensor gets a file to itself) with model.safetensors.index.json, as transformers' "
+          "save_pretrained(max_shard_size=...) writes them."),
       opt("generate.tokens", FIELD(generate.tokens),
           "Tokens to sample from the trained model at the end (0: none)."),
       opt("generate.temperature", FIELD(generate.temperature), "Sampling temperature."),
@@ -786,6 +797,8 @@ void validate(const Config& c) {
           "gathered");
   require(c.fsdp.max_inflight_all_gathers >= 1, "fsdp.max_inflight_all_gathers",
           "must be >= 1, got " + std::to_string(c.fsdp.max_inflight_all_gathers));
+  require(c.checkpoint.export_shard_mb >= 0 && c.checkpoint.export_shard_mb <= (1 << 24),
+          "checkpoint.export_shard_mb", "must be >= 0 (0: one file) and at most 16777216 (16 TiB)");
   require(c.fsdp.all_gather_bucket_mb >= 0 && c.fsdp.all_gather_bucket_mb <= (1 << 20),
           "fsdp.all_gather_bucket_mb", "must be >= 0 (0: one call per block) and at most 1048576");
   require(c.fsdp.gloo_lanes >= 1 && c.fsdp.gloo_lanes <= 16, "fsdp.gloo_lanes",

@@ -128,6 +128,8 @@ struct CheckpointConfig {
   std::string resume;      // "", "latest", "auto" or a checkpoint directory
   bool export_hf = false;  // write a Hugging Face directory at the end
   std::string export_dir;  // "" : <logging.run_dir>/hf
+  std::string export_dtype = "fp32";  // fp32, bf16, fp16: the stored weights of every export
+  double export_shard_mb = 0;         // > 0: sharded safetensors files of at most this many MiB
 };
 
 /// `fsdp-train finetune`: a pretrained model from a GGUF file, adapted on an instruction set.

@@ -194,6 +194,49 @@ void load_pretrained(const std::string& path, fm::Llama& model) {
   });
 }
 
+std::map<std::string, std::string> pretrained_tokenizer_files(const std::string& path) {
+  std::map<std::string, std::string> files;
+  if (is_hf_model_dir(path)) {
+    for (const char* name : {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                             "special_tokens_map.json", "generation_config.json"}) {
+      const auto p = fs::path(path) / name;
+      if (fs::is_regular_file(p))
+        files[name] = read_text(p, kMaxTokenizerBytes);
+    }
+    return files;
+  }
+  const auto tok = pretrained_tokenizer(path);
+  const auto cfg = pretrained_config(path);
+  auto text = [&](int64_t id) { return id >= 0 ? Json(tok.token(id)) : Json(); };
+  Json config = {{"tokenizer_class", "PreTrainedTokenizerFast"},
+                 {"bos_token", text(tok.bos_id())},
+                 {"eos_token", text(tok.eos_id())},
+                 {"unk_token", nullptr},
+                 // Decoding gives the text back as it was (no " ." -> "." clean-up).
+                 {"clean_up_tokenization_spaces", false},
+                 {"model_max_length", cfg.max_seq_len}};
+  std::string jinja;
+  try {
+    jinja = pretrained_chat_template(path);
+  } catch (const ConfigError&) {  // a model without a template exports without one
+  }
+  if (!jinja.empty())
+    config["chat_template"] = jinja;
+  // Generation stops at the end of a turn as well as at eos (ChatML models answer with
+  // <|im_end|>), as our own sampling does.
+  Json eos = Json::array();
+  if (tok.eos_id() >= 0)
+    eos.push_back(tok.eos_id());
+  if (const auto end = tok.special_id("<|im_end|>"); end >= 0 && end != tok.eos_id())
+    eos.push_back(end);
+  Json generation = {{"bos_token_id", tok.bos_id() >= 0 ? Json(tok.bos_id()) : Json()},
+                     {"eos_token_id", eos.size() == 1 ? eos[0] : eos}};
+  files["tokenizer.json"] = tok.to_hf_json();
+  files["tokenizer_config.json"] = config.dump(2) + "\n";
+  files["generation_config.json"] = generation.dump(2) + "\n";
+  return files;
+}
+
 std::string pretrained_name(const std::string& path) {
   auto p = fs::path(path);
   if (!p.has_filename())  // "dir/"

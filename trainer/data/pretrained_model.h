@@ -8,6 +8,7 @@
 // file and the problem.
 #pragma once
 
+#include <map>
 #include <string>
 
 #include "llama.h"
@@ -37,6 +38,14 @@ std::string pretrained_chat_template(const std::string& path);
 /// Loads its weights into `model` (built from pretrained_config's shapes, sharded or not): the
 /// base weights each rank holds; LoRA adapters keep their values.
 void load_pretrained(const std::string& path, fsdp_models::Llama& model);
+
+/// The tokenizer files an export of a model fine-tuned from `path` carries, so that
+/// transformers' AutoTokenizer and pipeline() use it as is: a directory's own files, copied
+/// (tokenizer.json, tokenizer_config.json, chat_template.jinja, special_tokens_map.json,
+/// generation_config.json, those it has); for a GGUF file, tokenizer.json written from its
+/// tokenizer, tokenizer_config.json with its special tokens and chat template, and
+/// generation_config.json with its bos and eos (and end-of-turn) ids.
+std::map<std::string, std::string> pretrained_tokenizer_files(const std::string& path);
 
 /// A short name for descriptions: the file's or the directory's name.
 std::string pretrained_name(const std::string& path);

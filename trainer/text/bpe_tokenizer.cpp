@@ -23,6 +23,8 @@ struct BpeTokenizer::Regex {
 
 namespace {
 
+constexpr int32_t kRegexTimeLimit = 10000;
+
 std::string utf8(char32_t cp) {
   std::string out;
   icu::UnicodeString(static_cast<UChar32>(cp)).toUTF8String(out);
@@ -155,6 +157,8 @@ BpeTokenizer BpeTokenizer::from_gguf_metadata(const std::map<std::string, gguf::
     t.eos_ = token_id("tokenizer.ggml.eos_token_id");
   t.init_byte_alphabet();
   t.set_splits({{kGpt2Pattern, false}}, path);
+  t.pre_tokenizer_json_ =
+      R"({"type":"ByteLevel","add_prefix_space":false,"trim_offsets":true,"use_regex":true})";
   return t;
 }
 
@@ -302,6 +306,11 @@ void BpeTokenizer::encode_text(std::string_view text, std::vector<int64_t>& out)
         for (const auto& u : pieces) {
           UErrorCode status = U_ZERO_ERROR;
           std::unique_ptr<icu::RegexMatcher> m(split->matcher(u, status));
+          // A tokenizer.json's own pattern may backtrack catastrophically on some text: ICU
+          // stops it (U_REGEX_TIME_OUT, an error below) instead of running for hours. The limit
+          // is in ICU's steps of about a millisecond; real patterns take microseconds a piece.
+          if (U_SUCCESS(status))
+            m->setTimeLimit(kRegexTimeLimit, status);
           int32_t at = 0;
           while (U_SUCCESS(status) && m->find(status)) {
             const int32_t b = m->start(status), e = m->end(status);

@@ -1,6 +1,6 @@
 // Byte-level BPE, the tokenizer of SmolLM2 (and GPT-2, Llama 3 style models), read from a GGUF
 // file's metadata (tokenizer.ggml.tokens, .merges, .token_type and the special token ids) or
-// from a Hugging Face tokenizer.json (bpe_from_hf.cpp).
+// from a Hugging Face tokenizer.json (bpe_hf_json.cpp).
 //
 // Encoding: special (control) tokens are matched first as whole strings; the text between
 // them is cut into pre-tokens by GPT-2's pattern (contractions, letters, digits, other
@@ -60,6 +60,11 @@ class BpeTokenizer {
   /// names them.
   static BpeTokenizer from_hf_json(const std::string& json_text, const std::string& path,
                                    const std::string& bos, const std::string& eos);
+  /// This tokenizer as a tokenizer.json that the `tokenizers` library (and so transformers'
+  /// fast tokenizers) loads and encodes with exactly as encode() does: the vocabulary, the
+  /// merges in rank order, the special tokens as added tokens, the pre-tokenizer it was read
+  /// with (GGUF's: ByteLevel with GPT-2's pattern).
+  std::string to_hf_json() const;
   ~BpeTokenizer();
   BpeTokenizer(BpeTokenizer&&) noexcept;
   BpeTokenizer& operator=(BpeTokenizer&&) noexcept;
@@ -97,7 +102,8 @@ class BpeTokenizer {
   std::string byte_char_[256];  // byte -> UTF-8 of its alphabet letter
   std::unordered_map<std::string, uint8_t> char_byte_;
   int64_t bos_ = -1, eos_ = -1;
-  bool ignore_merges_ = false;  // a pre-token that is in the vocabulary is taken whole
+  bool ignore_merges_ = false;      // a pre-token that is in the vocabulary is taken whole
+  std::string pre_tokenizer_json_;  // the pre-tokenizer as tokenizer.json describes it
   struct Regex;
   std::unique_ptr<Regex> regex_;
   mutable std::unordered_map<std::string, std::vector<int64_t>> cache_;

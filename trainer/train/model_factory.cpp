@@ -7,6 +7,7 @@
 
 #include <filesystem>
 #include <optional>
+#include <type_traits>
 
 #include <fsdp/distributed/process_group.h>
 
@@ -74,8 +75,12 @@ void build_sharded(TrainModel& out, const Cfg& cfg, fsdp_models::InitScheme sche
   out.forward_loss = [model](const torch::Tensor& idx, const fsdp_models::LossSpec& spec) mutable {
     return fsdp::forward(model, idx, spec);
   };
-  out.save_hf = [model](const std::string& dir, fsdp::ProcessGroup& group) mutable {
-    fsdp_models::save_hf(dir, model, group);
+  out.save_hf = [model](const std::string& dir, fsdp::ProcessGroup& group,
+                        const fsdp_models::ExportOptions& options) mutable {
+    if constexpr (std::is_same_v<Model, fsdp_models::Llama>)
+      fsdp_models::save_hf(dir, model, group, /*skip_adapters=*/false, options);
+    else
+      fsdp_models::save_hf(dir, model, group, options);
   };
   out.load_hf = [model](const std::string& dir) mutable { fsdp_models::load_hf(dir, model); };
   out.num_params = cfg.num_params();
@@ -295,16 +300,20 @@ TrainModel build_finetune_model(const Config& config, const std::string& model_p
   out.forward_loss = [model](const torch::Tensor& idx, const fsdp_models::LossSpec& spec) mutable {
     return fsdp::forward(model, idx, std::cref(spec));  // targets and weights: not cast
   };
-  out.save_hf = [model, adapters](const std::string& dir, fsdp::ProcessGroup& group) mutable {
+  // Exports carry the model's tokenizer files, so that transformers uses them as they are.
+  out.save_hf = [model, adapters, model_path](const std::string& dir, fsdp::ProcessGroup& group,
+                                              fm::ExportOptions options) mutable {
+    options.files.merge(pretrained_tokenizer_files(model_path));
     if (adapters)
-      fm::save_merged_hf(dir, model, group);
+      fm::save_merged_hf(dir, model, group, options);
     else
-      fm::save_hf(dir, model, group);
+      fm::save_hf(dir, model, group, /*skip_adapters=*/false, options);
   };
   out.load_hf = [model](const std::string& dir) mutable { fm::load_hf(dir, model); };
   if (adapters) {
-    out.save_adapter = [model](const std::string& dir, fsdp::ProcessGroup& group) mutable {
-      fm::save_peft_adapter(dir, model, group);
+    out.save_adapter = [model, model_path](const std::string& dir,
+                                           fsdp::ProcessGroup& group) mutable {
+      fm::save_peft_adapter(dir, model, group, "", pretrained_tokenizer_files(model_path));
     };
   }
   out.num_params = cfg.num_params();

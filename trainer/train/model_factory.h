@@ -11,6 +11,7 @@
 
 #include "config/config.h"
 #include "gpt.h"
+#include "hf_format.h"
 #include "llama.h"
 
 namespace fsdp_trainer {
@@ -23,7 +24,9 @@ struct TrainModel {
   /// chunks of positions), through fsdp::forward.
   std::function<torch::Tensor(const torch::Tensor&, const fsdp_models::LossSpec&)> forward_loss;
   /// Writes the model as a Hugging Face directory / loads one into it (formats/hf_format.h).
-  std::function<void(const std::string& dir, fsdp::ProcessGroup& group)> save_hf;
+  std::function<void(const std::string& dir, fsdp::ProcessGroup& group,
+                     const fsdp_models::ExportOptions& options)>
+      save_hf;
   std::function<void(const std::string& dir)> load_hf;
   /// Fine-tuning with adapters: writes them in PEFT's layout (models/lora.h); else empty.
   std::function<void(const std::string& dir, fsdp::ProcessGroup& group)> save_adapter;

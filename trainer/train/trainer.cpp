@@ -1142,12 +1142,18 @@ void Trainer::export_hf(const std::string& dir, bool replace) {
     move_aside(dir);
   pg_->barrier();
   const auto start = Clock::now();
-  model_.save_hf(dir, *pg_);
+  fsdp_models::ExportOptions options;
+  options.dtype = dtype_named(config_.checkpoint.export_dtype);
+  options.shard_bytes = std::llround(config_.checkpoint.export_shard_mb * (1 << 20));
+  model_.save_hf(dir, *pg_, options);
   const double seconds = seconds_since(start);
   if (pg_->rank() != 0)
     return;
   fs::remove_all(aside_path(dir));
-  const auto bytes = fs::file_size(fs::path(dir) / "model.safetensors");
+  uintmax_t bytes = 0;  // every weights file, sharded or not
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().extension() == ".safetensors")
+      bytes += e.file_size();
   const auto text = fmt::format("Hugging Face directory {} ({:.1f} MB in {:.2f} s, {:.0f} MB/s)",
                                 dir, bytes / 1e6, seconds, bytes / 1e6 / std::max(seconds, 1e-9));
   if (progress_)

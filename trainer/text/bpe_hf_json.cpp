@@ -1,5 +1,5 @@
-// BpeTokenizer::from_hf_json: a byte-level BPE from a Hugging Face tokenizer.json (the format
-// of the `tokenizers` library). The file comes from outside: every field read is type-checked,
+// BpeTokenizer::from_hf_json and to_hf_json: a byte-level BPE from and to a Hugging Face
+// tokenizer.json (the format of the `tokenizers` library). The file comes from outside: every field read is type-checked,
 // every id bounded, and any part of the pipeline this tokenizer does not implement is refused
 // by name rather than approximated, so that a file that loads encodes exactly as `tokenizers`
 // does (tests/trainer/test_hf_model.cpp compares them on the shipped corpora).
@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -18,18 +19,31 @@ namespace {
 using Json = nlohmann::json;
 using fsdp_models::gguf::FormatError;
 
+// A boolean field of object `j` (`fallback` when absent or null); FormatError if it has another
+// type (nlohmann's value() would throw its own exception instead).
+bool flag(const Json& j, const char* key, bool fallback, const std::string& where) {
+  if (!j.is_object() || !j.contains(key) || j[key].is_null())
+    return fallback;
+  if (!j[key].is_boolean())
+    throw FormatError(where + ": '" + key + "' is not a boolean");
+  return j[key].get<bool>();
+}
+
+// Sequences nest; a file nesting them deeper than any real tokenizer would is refused before
+// the recursion could exhaust the stack.
+constexpr int kMaxPreTokenizerDepth = 8;
+
 // The pre-tokenizer's patterns, in order, for one pre-tokenizer description.
 void add_pre_tokenizer(const Json& p, const std::string& where, bool& byte_level,
-                       std::vector<std::pair<std::string, bool>>& splits) {
+                       std::vector<std::pair<std::string, bool>>& splits, int depth = 0) {
+  if (depth > kMaxPreTokenizerDepth)
+    throw FormatError(where + ": pre_tokenizer Sequences nest deeper than " +
+                      std::to_string(kMaxPreTokenizerDepth));
   if (!p.is_object() || !p.contains("type") || !p["type"].is_string())
     throw FormatError(where + ": a pre_tokenizer without a 'type'");
   const auto type = p["type"].get<std::string>();
   auto flag = [&](const char* key, bool fallback) {
-    if (!p.contains(key) || p[key].is_null())
-      return fallback;
-    if (!p[key].is_boolean())
-      throw FormatError(where + ": pre_tokenizer " + type + "'s '" + key + "' is not a boolean");
-    return p[key].get<bool>();
+    return ::fsdp_trainer::flag(p, key, fallback, where + ": pre_tokenizer " + type);
   };
   if (byte_level)
     throw FormatError(where + ": pre_tokenizer " + type +
@@ -38,7 +52,7 @@ void add_pre_tokenizer(const Json& p, const std::string& where, bool& byte_level
     if (!p.contains("pretokenizers") || !p["pretokenizers"].is_array())
       throw FormatError(where + ": pre_tokenizer Sequence without a 'pretokenizers' list");
     for (const auto& q : p["pretokenizers"])
-      add_pre_tokenizer(q, where, byte_level, splits);
+      add_pre_tokenizer(q, where, byte_level, splits, depth + 1);
   } else if (type == "ByteLevel") {
     if (flag("add_prefix_space", false))
       throw FormatError(where + ": pre_tokenizer ByteLevel with add_prefix_space is not supported");
@@ -94,7 +108,7 @@ BpeTokenizer BpeTokenizer::from_hf_json(const std::string& json_text, const std:
   const auto type = optional_string(model, "type", path + ": model");
   if (type != "BPE")
     throw FormatError(path + ": model type '" + type + "' is not supported (only BPE)");
-  if (model.value("byte_fallback", false))
+  if (flag(model, "byte_fallback", false, path + ": model"))
     throw FormatError(path +
                       ": model BPE with byte_fallback (SentencePiece style) is not supported; "
                       "only byte-level BPE is read");
@@ -160,7 +174,7 @@ BpeTokenizer BpeTokenizer::from_hf_json(const std::string& json_text, const std:
         throw FormatError(path + ": an added token without an integer 'id' and a 'content'");
       const auto content = a["content"].get<std::string>();
       for (const char* key : {"lstrip", "rstrip", "single_word"})
-        if (a.value(key, false))
+        if (flag(a, key, false, path + ": added token"))
           throw FormatError(path + ": added token '" + content + "' uses " + key +
                             ", which is not supported");
       auto [slot, fresh] = place(a["id"].get<int64_t>(), content, "added token");
@@ -170,7 +184,13 @@ BpeTokenizer BpeTokenizer::from_hf_json(const std::string& json_text, const std:
       t.is_special_[static_cast<size_t>(a["id"].get<int64_t>())] = true;
     }
   }
+  std::unordered_map<std::string, size_t> seen;  // one id per text: the vocabulary maps text -> id
   for (size_t id = 0; id < t.tokens_.size(); ++id) {
+    if (!t.tokens_[id].empty()) {
+      if (auto [it, fresh] = seen.emplace(t.tokens_[id], id); !fresh)
+        throw FormatError(path + ": token '" + t.tokens_[id] + "' has two ids, " +
+                          std::to_string(it->second) + " and " + std::to_string(id));
+    }
     if (t.tokens_[id].empty())
       throw FormatError(path + ": id " + std::to_string(id) + " has no token (ids must be 0.." +
                         std::to_string(t.tokens_.size() - 1) + " without gaps)");
@@ -213,7 +233,7 @@ BpeTokenizer BpeTokenizer::from_hf_json(const std::string& json_text, const std:
                         "') is not of two vocabulary tokens making a third");
     t.merge_rank_.emplace(left + " " + right, static_cast<int>(r));
   }
-  t.ignore_merges_ = model.value("ignore_merges", false);
+  t.ignore_merges_ = flag(model, "ignore_merges", false, path + ": model");
 
   auto id_of = [&](const std::string& text, const char* what) -> int64_t {
     if (text.empty())
@@ -228,7 +248,60 @@ BpeTokenizer BpeTokenizer::from_hf_json(const std::string& json_text, const std:
   t.eos_ = id_of(eos, "eos");
   t.init_byte_alphabet();
   t.set_splits(splits, path);
+  t.pre_tokenizer_json_ = j["pre_tokenizer"].dump();
   return t;
+}
+
+std::string BpeTokenizer::to_hf_json() const {
+  Json vocab = Json::object();
+  Json added = Json::array();
+  for (size_t id = 0; id < tokens_.size(); ++id) {
+    // The special tokens are in the vocabulary too, as transformers writes them.
+    vocab[tokens_[id]] = id;
+    if (is_special_[id])
+      added.push_back({{"id", id},
+                       {"content", tokens_[id]},
+                       {"single_word", false},
+                       {"lstrip", false},
+                       {"rstrip", false},
+                       {"normalized", false},
+                       {"special", true}});
+  }
+  std::vector<const std::string*> by_rank(merge_rank_.size());
+  for (const auto& [pair, rank] : merge_rank_)
+    by_rank.at(static_cast<size_t>(rank)) = &pair;
+  Json merges = Json::array();
+  for (const auto* pair : by_rank) {
+    if (!pair)  // a GGUF file listing a merge twice: its later rank never applies
+      continue;
+    const auto space = pair->find(' ');
+    merges.push_back({pair->substr(0, space), pair->substr(space + 1)});
+  }
+  const Json out = {
+      {"version", "1.0"},
+      {"truncation", nullptr},
+      {"padding", nullptr},
+      {"added_tokens", added},
+      {"normalizer", nullptr},
+      {"pre_tokenizer", Json::parse(pre_tokenizer_json_)},
+      {"post_processor", nullptr},
+      {"decoder",
+       {{"type", "ByteLevel"},
+        {"add_prefix_space", true},
+        {"trim_offsets", true},
+        {"use_regex", true}}},
+      {"model",
+       {{"type", "BPE"},
+        {"dropout", nullptr},
+        {"unk_token", nullptr},
+        {"continuing_subword_prefix", nullptr},
+        {"end_of_word_suffix", nullptr},
+        {"fuse_unk", false},
+        {"byte_fallback", false},
+        {"ignore_merges", ignore_merges_},
+        {"vocab", vocab},
+        {"merges", merges}}}};
+  return out.dump();
 }
 
 }  // namespace fsdp_trainer

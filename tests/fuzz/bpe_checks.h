@@ -1,0 +1,56 @@
+// The invariants every byte-level BPE tokenizer keeps, whatever it was read from (GGUF
+// metadata, tokenizer.json): the fuzz targets bpe_tokenizer and hf_tokenizer trap when one
+// breaks.
+//   Any byte string, valid UTF-8 or not, decodes back to itself through encode and through
+//   encode_plain, unless it holds a byte the vocabulary has no token for, which both refuse
+//   (UnencodableByte, naming a byte that is there); encode_plain never yields a special token's
+//   id; encode without a special id equals encode_plain; ids lie in the vocabulary.
+#pragma once
+
+#include <string>
+
+#include "text/bpe_tokenizer.h"
+
+namespace fsdp_fuzz {
+
+inline void check_bpe(const fsdp_trainer::BpeTokenizer& tok, const std::string& text) {
+  // A byte the vocabulary lacks (outside special tokens, which encode_plain does not match):
+  // both encodings refuse the text, naming a byte that is in it.
+  bool unencodable = false;
+  for (unsigned char c : text)
+    unencodable = unencodable || !tok.can_encode_byte(c);
+  try {
+    tok.encode_plain(text);
+  } catch (const fsdp_trainer::UnencodableByte& e) {
+    if (tok.can_encode_byte(e.byte) || text.find(static_cast<char>(e.byte)) == std::string::npos)
+      __builtin_trap();
+    try {
+      tok.encode(text);
+    } catch (const fsdp_trainer::UnencodableByte& e2) {
+      if (tok.can_encode_byte(e2.byte))
+        __builtin_trap();
+    }
+    return;
+  }
+  if (unencodable)
+    __builtin_trap();  // a byte without a token was encoded (dropped)
+  const auto ids = tok.encode(text);
+  bool special = false;
+  for (auto id : ids) {
+    if (id < 0 || id >= tok.vocab_size())
+      __builtin_trap();
+    special = special || tok.is_special(id);
+  }
+  if (tok.decode(ids) != text)
+    __builtin_trap();  // text lost or changed
+  const auto plain = tok.encode_plain(text);
+  for (auto id : plain)
+    if (id < 0 || id >= tok.vocab_size() || tok.is_special(id))
+      __builtin_trap();  // plain text became a control token
+  if (tok.decode(plain) != text)
+    __builtin_trap();
+  if (!special && plain != ids)
+    __builtin_trap();  // the two encodings differ where no special token was matched
+}
+
+}  // namespace fsdp_fuzz
