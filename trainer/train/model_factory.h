@@ -55,7 +55,7 @@ struct UnitOptions {
 /// sharding; max_seq_len finetune.max_tokens), sharded with `options`, each rank reading its
 /// rows of the file. Adapters start as PEFT's (lora_B zero, so the model starts as the
 /// file's). save_hf writes the adapters merged (lora) or the model (full). ConfigError for a
-/// file that is not a Llama GGUF or targets that match no layer.
+/// model that is not a Llama GGUF file or Hugging Face directory, or targets that match no layer.
 TrainModel build_finetune_model(const Config& config, const std::string& model_path,
                                 const UnitOptions& options, torch::Device device,
                                 int64_t only_blocks = 0);

@@ -35,7 +35,7 @@ struct RunPlan {
 };
 
 /// The run's units (its model built on the meta device, as model_factory builds it: GPT or
-/// Llama, or the fine-tuned GGUF model with LoRA/QLoRA), its activations calibrated on a
+/// Llama, or the fine-tuned pretrained model with LoRA/QLoRA), its activations calibrated on a
 /// one-block model of the same widths in the compute dtype (fsdp/plan/activations.h; needs the
 /// tracking allocator), and the step options of `config` on `world_size` ranks. `model_path`:
 /// the fine-tuned model's file (fine-tuning only). `other_bytes`: tracked memory outside the
