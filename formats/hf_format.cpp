@@ -228,7 +228,9 @@ void save_hf_dir(const std::string& dir, Model& model, fsdp::ProcessGroup& group
     in_file += bytes;
     total += bytes;
   }
-  for (const auto& [name, t] : options.extra_tensors) {  // a format's constants: the first file
+  for (auto& [name, t] : options.extra_tensors) {  // a format's constants: the first file
+    if (at::isFloatingType(t.scalar_type()))
+      t = t.to(how.dtype);  // stored as the weights are
     file_of[name] = 0;
     total += t.numel() * static_cast<int64_t>(t.element_size());
   }
@@ -439,6 +441,10 @@ LlamaConfig llama_config_from_hf(const std::string& config_json, const std::stri
   }
   if (auto rs = j.find("rope_scaling"); rs != j.end() && !rs->is_null())
     throw FormatError(where + ": 'rope_scaling' is not supported");
+  // FP8 and other quantized checkpoints store scales beside the weights: read as plain floats
+  // they would load silently wrong.
+  if (auto q = j.find("quantization_config"); q != j.end() && !q->is_null())
+    throw FormatError(where + ": 'quantization_config' (a quantized checkpoint) is not supported");
   try {
     c.validate();
   } catch (const std::exception& e) {
@@ -449,13 +455,15 @@ LlamaConfig llama_config_from_hf(const std::string& config_json, const std::stri
 
 std::vector<std::string> hf_weight_files(const std::string& dir) {
   const fs::path index = fs::path(dir) / kIndexFile;
-  if (!fs::exists(index)) {
-    const fs::path single = fs::path(dir) / kWeightsFile;
-    if (!fs::is_regular_file(single))
-      throw FormatError(dir + ": neither " + kWeightsFile + " nor " + kIndexFile +
-                        " (a Hugging Face model directory holds one of them)");
+  const fs::path single = fs::path(dir) / kWeightsFile;
+  std::error_code ec;
+  // model.safetensors first, as transformers looks: a directory holding both loads the same
+  // weights in either program.
+  if (fs::is_regular_file(single, ec))
     return {single.string()};
-  }
+  if (!fs::exists(index, ec))
+    throw FormatError(dir + ": neither " + kWeightsFile + " nor " + kIndexFile +
+                      " (a Hugging Face model directory holds one of them)");
   const auto where = index.string();
   const auto j = parse_config(read_text(index), where);
   const auto map = j.find("weight_map");
@@ -472,7 +480,7 @@ std::vector<std::string> hf_weight_files(const std::string& dir) {
   std::vector<std::string> out;
   for (const auto& [name, tensors] : tensors_of) {
     const auto path = (fs::path(dir) / name).string();
-    if (!fs::is_regular_file(path))
+    if (!fs::is_regular_file(path, ec))  // (error_code: a name too long is "not there" too)
       throw FormatError(where + ": 'weight_map' names " + name + ", which is not in " + dir);
     // The index and the file must agree: a tensor the index places in a file that lacks it
     // means a directory assembled from different saves.

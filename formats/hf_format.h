@@ -67,8 +67,9 @@ struct ExportOptions {
   torch::ScalarType dtype = torch::kFloat32;
   /// 0: one model.safetensors. Otherwise, when the weights take more, files
   /// model-0000k-of-0000n.safetensors of at most this many bytes each (a tensor larger than that
-  /// gets a file to itself), tensors in the model's order, with model.safetensors.index.json:
-  /// what transformers' save_pretrained(max_shard_size=...) writes.
+  /// gets a file to itself; the first file also holds a format's small constant tensors),
+  /// tensors in the model's order, with model.safetensors.index.json, the layout of
+  /// transformers' save_pretrained(max_shard_size=...).
   int64_t shard_bytes = 0;
   ExportFiles files;
 };

@@ -153,7 +153,8 @@ std::string tokenizer_corpus() {
       fsdp::test::file_bytes(fs::path(FSDP_SOURCE_DIR) / "data/instruct/kjv_train.jsonl"), 100);
   corpus +=
       "Voilà l'été, déjà! Größe und Übermaß. Привет, мир. こんにちは世界。你好，世界。\n"
-      "Emoji: 🚀🔥👍🏽 👨‍👩‍👧 — “quotes” ‘single’ … naïve café x² ½ ∑ "
+      "Emoji: 🚀🔥👍🏽 👨‍👩‍👧 — “quotes” ‘single’ … naïve café x² ½ "
+      "∑ "
       "∞\n"
       "Numbers 1234567890 3.14159 -42 1e-5 0x1F and   many    spaces\t\ttabs   \n"
       "Code: for (int i = 0; i < n; ++i) { sum += a[i]; } // it's can't we'll they've I'm I'd\n"
@@ -449,7 +450,17 @@ TEST(HfModel, TokenizerJsonOutsideWhatIsImplementedIsRefusedByName) {
                {{"type", "ByteLevel"}, {"use_regex", false}}}}};
        },
        "is not a regular expression"},
-      {"id gap", [](Json& j) { j["model"]["vocab"]["ab"] = 40; }, "id 26 has no token"},
+      {"id beyond the count", [](Json& j) { j["model"]["vocab"]["ab"] = 40; }, "outside [0, 28)"},
+      {"duplicate merge", [](Json& j) { j["model"]["merges"].push_back("a b"); }, "listed twice"},
+      {"hex digit class",
+       [](Json& j) {
+         j["pre_tokenizer"] = {
+             {"type", "Sequence"},
+             {"pretokenizers",
+              {{{"type", "Split"}, {"pattern", {{"Regex", "\\h+"}}}, {"behavior", "Isolated"}},
+               {{"type", "ByteLevel"}, {"use_regex", false}}}}};
+       },
+       "uses \\h"},
       {"negative id", [](Json& j) { j["model"]["vocab"]["ab"] = -1; }, "outside"},
       {"shared id", [](Json& j) { j["model"]["vocab"]["ab"] = 0; }, "share id 0"},
       {"merge out of vocabulary", [](Json& j) { j["model"]["merges"].push_back("b c"); },

@@ -207,6 +207,12 @@ std::map<std::string, std::string> pretrained_tokenizer_files(const std::string&
   }
   const auto tok = pretrained_tokenizer(path);
   const auto cfg = pretrained_config(path);
+  std::string tokenizer_json;
+  try {
+    tokenizer_json = tok.to_hf_json();
+  } catch (const fm::gguf::FormatError& e) {
+    throw model_error(path + ": its tokenizer cannot be exported: " + e.what());
+  }
   auto text = [&](int64_t id) { return id >= 0 ? Json(tok.token(id)) : Json(); };
   Json config = {{"tokenizer_class", "PreTrainedTokenizerFast"},
                  {"bos_token", text(tok.bos_id())},
@@ -231,8 +237,12 @@ std::map<std::string, std::string> pretrained_tokenizer_files(const std::string&
     eos.push_back(end);
   Json generation = {{"bos_token_id", tok.bos_id() >= 0 ? Json(tok.bos_id()) : Json()},
                      {"eos_token_id", eos.size() == 1 ? eos[0] : eos}};
-  files["tokenizer.json"] = tok.to_hf_json();
-  files["tokenizer_config.json"] = config.dump(2) + "\n";
+  files["tokenizer.json"] = std::move(tokenizer_json);
+  try {  // (the chat template is the file's text: it may not be UTF-8)
+    files["tokenizer_config.json"] = config.dump(2) + "\n";
+  } catch (const Json::exception&) {
+    throw model_error(path + ": its chat template or special tokens are not valid UTF-8");
+  }
   files["generation_config.json"] = generation.dump(2) + "\n";
   return files;
 }

@@ -1,8 +1,8 @@
 // BpeTokenizer::from_hf_json and to_hf_json: a byte-level BPE from and to a Hugging Face
-// tokenizer.json (the format of the `tokenizers` library). The file comes from outside: every field read is type-checked,
-// every id bounded, and any part of the pipeline this tokenizer does not implement is refused
-// by name rather than approximated, so that a file that loads encodes exactly as `tokenizers`
-// does (tests/trainer/test_hf_model.cpp compares them on the shipped corpora).
+// tokenizer.json (the format of the `tokenizers` library). The file comes from outside: every field
+// read is type-checked, every id bounded, and any part of the pipeline this tokenizer does not
+// implement is refused by name rather than approximated, so that a file that loads encodes exactly
+// as `tokenizers` does (tests/trainer/test_hf_model.cpp compares them on the shipped corpora).
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -72,9 +72,20 @@ void add_pre_tokenizer(const Json& p, const std::string& where, bool& byte_level
       throw FormatError(where + ": pre_tokenizer Split's behavior '" + behavior +
                         "' is not supported (only Isolated)");
     const auto pattern = p.value("pattern", Json());
-    if (pattern.is_object() && pattern.contains("Regex") && pattern["Regex"].is_string())
-      splits.emplace_back(pattern["Regex"].get<std::string>(), false);
-    else if (pattern.is_object() && pattern.contains("String") && pattern["String"].is_string())
+    if (pattern.is_object() && pattern.contains("Regex") && pattern["Regex"].is_string()) {
+      const auto regex = pattern["Regex"].get<std::string>();
+      // \h is a hex digit to Oniguruma (what `tokenizers` uses) and horizontal space to ICU.
+      for (size_t i = 0; i + 1 < regex.size(); ++i) {
+        if (regex[i] != '\\')
+          continue;
+        if (regex[i + 1] == 'h' || regex[i + 1] == 'H')
+          throw FormatError(where + ": pre_tokenizer Split's pattern uses \\" +
+                            std::string(1, regex[i + 1]) +
+                            ", which Oniguruma and ICU read differently");
+        ++i;  // an escaped character: "\\h" is a backslash and an h
+      }
+      splits.emplace_back(regex, false);
+    } else if (pattern.is_object() && pattern.contains("String") && pattern["String"].is_string())
       splits.emplace_back(pattern["String"].get<std::string>(), true);
     else
       throw FormatError(where + ": pre_tokenizer Split without a Regex or String pattern");
@@ -137,15 +148,19 @@ BpeTokenizer BpeTokenizer::from_hf_json(const std::string& json_text, const std:
                       optional_string(j["decoder"], "type", path + ": decoder") +
                       " is not supported (only ByteLevel)");
 
-  // Ids: the vocabulary's and the added tokens'; every id below the largest must have a token.
-  constexpr int64_t kMaxId = int64_t{1} << 24;  // 16M tokens: far above any real vocabulary
+  // Ids: the vocabulary's and the added tokens'; every id below the largest must have a token,
+  // so no id can exceed their count (checked before anything is sized by an id).
   if (!model.contains("vocab") || !model["vocab"].is_object())
     throw FormatError(path + ": model has no 'vocab' object");
+  const int64_t max_id = static_cast<int64_t>(model["vocab"].size()) +
+                         (j.contains("added_tokens") && j["added_tokens"].is_array()
+                              ? static_cast<int64_t>(j["added_tokens"].size())
+                              : 0);
   BpeTokenizer t;
   auto place = [&](int64_t id, const std::string& text, const char* what) {
-    if (id < 0 || id >= kMaxId)
+    if (id < 0 || id >= max_id)
       throw FormatError(path + ": " + what + " '" + text + "' has id " + std::to_string(id) +
-                        ", outside [0, " + std::to_string(kMaxId) + ")");
+                        ", outside [0, " + std::to_string(max_id) + ")");
     if (static_cast<size_t>(id) >= t.tokens_.size()) {
       t.tokens_.resize(static_cast<size_t>(id) + 1);
       t.is_special_.resize(static_cast<size_t>(id) + 1, false);
@@ -231,7 +246,11 @@ BpeTokenizer BpeTokenizer::from_hf_json(const std::string& json_text, const std:
         !vocab.contains(left + right))
       throw FormatError(path + ": merge " + std::to_string(r) + " ('" + left + "', '" + right +
                         "') is not of two vocabulary tokens making a third");
-    t.merge_rank_.emplace(left + " " + right, static_cast<int>(r));
+    // `tokenizers` keeps the last rank of a merge listed twice, a map would keep the first:
+    // such a file is refused rather than read either way.
+    if (!t.merge_rank_.emplace(left + " " + right, static_cast<int>(r)).second)
+      throw FormatError(path + ": merge " + std::to_string(r) + " ('" + left + "', '" + right +
+                        "') is listed twice");
   }
   t.ignore_merges_ = flag(model, "ignore_merges", false, path + ": model");
 
@@ -247,8 +266,7 @@ BpeTokenizer BpeTokenizer::from_hf_json(const std::string& json_text, const std:
   t.bos_ = id_of(bos, "bos");
   t.eos_ = id_of(eos, "eos");
   t.init_byte_alphabet();
-  t.set_splits(splits, path);
-  t.pre_tokenizer_json_ = j["pre_tokenizer"].dump();
+  t.set_splits(splits, path, /*from_file=*/true);
   return t;
 }
 
@@ -257,6 +275,10 @@ std::string BpeTokenizer::to_hf_json() const {
   Json added = Json::array();
   for (size_t id = 0; id < tokens_.size(); ++id) {
     // The special tokens are in the vocabulary too, as transformers writes them.
+    if (vocab.contains(tokens_[id]))
+      throw fsdp_models::gguf::FormatError(
+          "tokenizer.json: the token '" + tokens_[id] + "' has two ids, " +
+          std::to_string(vocab[tokens_[id]].get<size_t>()) + " and " + std::to_string(id));
     vocab[tokens_[id]] = id;
     if (is_special_[id])
       added.push_back({{"id", id},
@@ -277,31 +299,56 @@ std::string BpeTokenizer::to_hf_json() const {
     const auto space = pair->find(' ');
     merges.push_back({pair->substr(0, space), pair->substr(space + 1)});
   }
-  const Json out = {
-      {"version", "1.0"},
-      {"truncation", nullptr},
-      {"padding", nullptr},
-      {"added_tokens", added},
-      {"normalizer", nullptr},
-      {"pre_tokenizer", Json::parse(pre_tokenizer_json_)},
-      {"post_processor", nullptr},
-      {"decoder",
-       {{"type", "ByteLevel"},
-        {"add_prefix_space", true},
-        {"trim_offsets", true},
-        {"use_regex", true}}},
-      {"model",
-       {{"type", "BPE"},
-        {"dropout", nullptr},
-        {"unk_token", nullptr},
-        {"continuing_subword_prefix", nullptr},
-        {"end_of_word_suffix", nullptr},
-        {"fuse_unk", false},
-        {"byte_fallback", false},
-        {"ignore_merges", ignore_merges_},
-        {"vocab", vocab},
-        {"merges", merges}}}};
-  return out.dump();
+  // The pre-tokenizer from the patterns read (never the file's own JSON, which could nest
+  // anything): GPT-2's pattern alone is ByteLevel's own; otherwise Split steps (Digits' patterns
+  // are Splits of the same pattern) then ByteLevel without a pattern.
+  Json pre;
+  const Json byte_level = {{"type", "ByteLevel"},
+                           {"add_prefix_space", false},
+                           {"trim_offsets", true},
+                           {"use_regex", false}};
+  if (splits_.size() == 1 && !splits_[0].second && splits_[0].first == kGpt2Pattern) {
+    pre = byte_level;
+    pre["use_regex"] = true;
+  } else {
+    Json steps = Json::array();
+    for (const auto& [pattern, literal] : splits_)
+      steps.push_back({{"type", "Split"},
+                       {"pattern", {{literal ? "String" : "Regex", pattern}}},
+                       {"behavior", "Isolated"},
+                       {"invert", false}});
+    steps.push_back(byte_level);
+    pre = {{"type", "Sequence"}, {"pretokenizers", steps}};
+  }
+  const Json out = {{"version", "1.0"},
+                    {"truncation", nullptr},
+                    {"padding", nullptr},
+                    {"added_tokens", added},
+                    {"normalizer", nullptr},
+                    {"pre_tokenizer", pre},
+                    {"post_processor", nullptr},
+                    {"decoder",
+                     {{"type", "ByteLevel"},
+                      {"add_prefix_space", true},
+                      {"trim_offsets", true},
+                      {"use_regex", true}}},
+                    {"model",
+                     {{"type", "BPE"},
+                      {"dropout", nullptr},
+                      {"unk_token", nullptr},
+                      {"continuing_subword_prefix", nullptr},
+                      {"end_of_word_suffix", nullptr},
+                      {"fuse_unk", false},
+                      {"byte_fallback", false},
+                      {"ignore_merges", ignore_merges_},
+                      {"vocab", vocab},
+                      {"merges", merges}}}};
+  try {
+    return out.dump();
+  } catch (const Json::exception&) {  // nlohmann refuses invalid UTF-8 (error 316)
+    throw fsdp_models::gguf::FormatError(
+        "tokenizer.json: a token or pattern is not valid UTF-8, which JSON text cannot hold");
+  }
 }
 
 }  // namespace fsdp_trainer

@@ -156,9 +156,7 @@ BpeTokenizer BpeTokenizer::from_gguf_metadata(const std::map<std::string, gguf::
   if (md.count("tokenizer.ggml.eos_token_id"))
     t.eos_ = token_id("tokenizer.ggml.eos_token_id");
   t.init_byte_alphabet();
-  t.set_splits({{kGpt2Pattern, false}}, path);
-  t.pre_tokenizer_json_ =
-      R"({"type":"ByteLevel","add_prefix_space":false,"trim_offsets":true,"use_regex":true})";
+  t.set_splits({{kGpt2Pattern, false}}, path, /*from_file=*/false);
   return t;
 }
 
@@ -173,13 +171,17 @@ void BpeTokenizer::init_byte_alphabet() {
 }
 
 void BpeTokenizer::set_splits(const std::vector<std::pair<std::string, bool>>& patterns,
-                              const std::string& where) {
+                              const std::string& where, bool from_file) {
   regex_ = std::make_unique<Regex>();
+  splits_ = patterns;
   for (const auto& [pattern, literal] : patterns) {
     UErrorCode status = U_ZERO_ERROR;
     UParseError parse{};
-    std::unique_ptr<icu::RegexPattern> p(icu::RegexPattern::compile(
-        icu::UnicodeString::fromUTF8(pattern), literal ? UREGEX_LITERAL : 0, parse, status));
+    uint32_t flags = literal ? UREGEX_LITERAL : 0;
+    if (from_file && !literal)
+      flags |= UREGEX_UNIX_LINES | UREGEX_MULTILINE;
+    std::unique_ptr<icu::RegexPattern> p(
+        icu::RegexPattern::compile(icu::UnicodeString::fromUTF8(pattern), flags, parse, status));
     if (U_FAILURE(status))
       throw gguf::FormatError(where + ": the pre-tokenizer pattern '" + pattern +
                               "' is not a regular expression ICU reads (" + u_errorName(status) +

@@ -62,8 +62,10 @@ class BpeTokenizer {
                                    const std::string& bos, const std::string& eos);
   /// This tokenizer as a tokenizer.json that the `tokenizers` library (and so transformers'
   /// fast tokenizers) loads and encodes with exactly as encode() does: the vocabulary, the
-  /// merges in rank order, the special tokens as added tokens, the pre-tokenizer it was read
-  /// with (GGUF's: ByteLevel with GPT-2's pattern).
+  /// merges in rank order, the special tokens as added tokens, the pre-tokenizer's patterns as
+  /// Split steps before ByteLevel (GGUF's: ByteLevel with GPT-2's pattern). FormatError for a
+  /// vocabulary tokenizer.json cannot hold: a token that is not valid UTF-8, or two ids with the
+  /// same text.
   std::string to_hf_json() const;
   ~BpeTokenizer();
   BpeTokenizer(BpeTokenizer&&) noexcept;
@@ -88,9 +90,12 @@ class BpeTokenizer {
  private:
   BpeTokenizer();
   void init_byte_alphabet();
-  /// The pre-tokenizer's patterns, applied in turn (pattern, literal: a plain string).
+  /// The pre-tokenizer's patterns, applied in turn (pattern, literal: a plain string). A
+  /// tokenizer.json's own patterns (`from_file`) are compiled as Oniguruma, which the
+  /// `tokenizers` library uses, reads them: `.`, `^` and `$` know only "\n" as a line end, and
+  /// `^` / `$` match at every line.
   void set_splits(const std::vector<std::pair<std::string, bool>>& patterns,
-                  const std::string& where);
+                  const std::string& where, bool from_file);
   void bpe(const std::string& piece, std::vector<int64_t>& out) const;
   void encode_text(std::string_view text, std::vector<int64_t>& out) const;
 
@@ -102,8 +107,9 @@ class BpeTokenizer {
   std::string byte_char_[256];  // byte -> UTF-8 of its alphabet letter
   std::unordered_map<std::string, uint8_t> char_byte_;
   int64_t bos_ = -1, eos_ = -1;
-  bool ignore_merges_ = false;      // a pre-token that is in the vocabulary is taken whole
-  std::string pre_tokenizer_json_;  // the pre-tokenizer as tokenizer.json describes it
+  bool ignore_merges_ = false;  // a pre-token that is in the vocabulary is taken whole
+  // The pre-tokenizer's patterns as read (pattern, literal), to write them back (to_hf_json).
+  std::vector<std::pair<std::string, bool>> splits_;
   struct Regex;
   std::unique_ptr<Regex> regex_;
   mutable std::unordered_map<std::string, std::vector<int64_t>> cache_;

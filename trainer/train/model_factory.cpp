@@ -301,9 +301,13 @@ TrainModel build_finetune_model(const Config& config, const std::string& model_p
     return fsdp::forward(model, idx, std::cref(spec));  // targets and weights: not cast
   };
   // Exports carry the model's tokenizer files, so that transformers uses them as they are.
-  out.save_hf = [model, adapters, model_path](const std::string& dir, fsdp::ProcessGroup& group,
-                                              fm::ExportOptions options) mutable {
-    options.files.merge(pretrained_tokenizer_files(model_path));
+  // Made now, not at export time: a tokenizer that cannot be written fails before training.
+  auto tokenizer_files =
+      std::make_shared<const fm::ExportFiles>(pretrained_tokenizer_files(model_path));
+  out.save_hf = [model, adapters, tokenizer_files](const std::string& dir,
+                                                   fsdp::ProcessGroup& group,
+                                                   fm::ExportOptions options) mutable {
+    options.files.insert(tokenizer_files->begin(), tokenizer_files->end());
     if (adapters)
       fm::save_merged_hf(dir, model, group, options);
     else
@@ -311,9 +315,9 @@ TrainModel build_finetune_model(const Config& config, const std::string& model_p
   };
   out.load_hf = [model](const std::string& dir) mutable { fm::load_hf(dir, model); };
   if (adapters) {
-    out.save_adapter = [model, model_path](const std::string& dir,
-                                           fsdp::ProcessGroup& group) mutable {
-      fm::save_peft_adapter(dir, model, group, "", pretrained_tokenizer_files(model_path));
+    out.save_adapter = [model, tokenizer_files](const std::string& dir,
+                                                fsdp::ProcessGroup& group) mutable {
+      fm::save_peft_adapter(dir, model, group, "", *tokenizer_files);
     };
   }
   out.num_params = cfg.num_params();
