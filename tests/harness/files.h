@@ -7,6 +7,7 @@
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <vector>
 
 namespace fsdp::test {
 
@@ -44,6 +45,30 @@ class TempDir {
 inline std::string file_bytes(const std::filesystem::path& p) {
   std::ifstream in(p, std::ios::binary);
   return {std::istreambuf_iterator<char>(in), {}};
+}
+
+/// The lines of `text` (split at '\n'; the last one may be empty), without their '\n'.
+inline std::vector<std::string> split_lines(const std::string& text) {
+  std::vector<std::string> lines;
+  for (size_t a = 0;;) {
+    const size_t e = text.find('\n', a);
+    lines.push_back(text.substr(a, e == std::string::npos ? std::string::npos : e - a));
+    if (e == std::string::npos)
+      return lines;
+    a = e + 1;
+  }
+}
+
+/// The first `n` lines of `text`, each ending with '\n'.
+inline std::string first_lines(const std::string& text, size_t n) {
+  std::string out;
+  size_t at = 0;
+  for (size_t k = 0; k < n && at < text.size(); ++k) {
+    const size_t end = text.find('\n', at);
+    out += text.substr(at, end == std::string::npos ? std::string::npos : end - at) + "\n";
+    at = end == std::string::npos ? text.size() : end + 1;
+  }
+  return out;
 }
 
 }  // namespace fsdp::test

@@ -152,18 +152,8 @@ FSDP_WORKER(gguf_sharded_logits) {
 // sample; decoding gives the text back.
 TEST(Gguf, SmolLM2TokenizerEqualsTransformers) {
   fsdp::test::TempDir dir;
-  auto take = [](const std::string& text, size_t lines) {
-    std::string out;
-    size_t at = 0;
-    for (size_t n = 0; n < lines && at < text.size(); ++n) {
-      const size_t end = text.find('\n', at);
-      out += text.substr(at, end == std::string::npos ? std::string::npos : end - at) + "\n";
-      at = end == std::string::npos ? text.size() : end + 1;
-    }
-    return out;
-  };
-  std::string corpus = take(fsdp_trainer::load_corpus("kjv"), 400);
-  corpus += take(fsdp_trainer::load_corpus("fortunes"), 400);
+  std::string corpus = fsdp::test::first_lines(fsdp_trainer::load_corpus("kjv"), 400);
+  corpus += fsdp::test::first_lines(fsdp_trainer::load_corpus("fortunes"), 400);
   corpus +=
       "Voilà l'été, déjà! Größe und Übermaß. "
       "Привет, мир. "
@@ -188,14 +178,7 @@ TEST(Gguf, SmolLM2TokenizerEqualsTransformers) {
   auto tok = fsdp_trainer::BpeTokenizer::from_gguf(f);
   EXPECT_EQ(tok.vocab_size(), 49152);
   const auto ref = nlohmann::json::parse(fsdp::test::file_bytes(dir.path() + "/ids.json"));
-  std::vector<std::string> lines;
-  for (size_t a = 0;;) {
-    const size_t e = corpus.find('\n', a);
-    lines.push_back(corpus.substr(a, e == std::string::npos ? std::string::npos : e - a));
-    if (e == std::string::npos)
-      break;
-    a = e + 1;
-  }
+  const auto lines = fsdp::test::split_lines(corpus);
   ASSERT_EQ(ref.size(), lines.size());
   size_t same = 0, tokens = 0;
   for (size_t i = 0; i < lines.size(); ++i) {

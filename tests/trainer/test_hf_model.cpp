@@ -137,43 +137,23 @@ FSDP_WORKER(hf_dir_sharded_logits) {
 // The three shipped corpora (KJV verses, fortunes, the instruction set's JSONL lines) and a
 // sample of scripts, emoji, numbers, spacing, code and chat markup.
 std::string tokenizer_corpus() {
-  auto take = [](const std::string& text, size_t lines) {
-    std::string out;
-    size_t at = 0;
-    for (size_t n = 0; n < lines && at < text.size(); ++n) {
-      const size_t end = text.find('\n', at);
-      out += text.substr(at, end == std::string::npos ? std::string::npos : end - at) + "\n";
-      at = end == std::string::npos ? text.size() : end + 1;
-    }
-    return out;
-  };
-  std::string corpus = take(fsdp_trainer::load_corpus("kjv"), 300);
-  corpus += take(fsdp_trainer::load_corpus("fortunes"), 300);
-  corpus += take(
+  std::string corpus = fsdp::test::first_lines(fsdp_trainer::load_corpus("kjv"), 300);
+  corpus += fsdp::test::first_lines(fsdp_trainer::load_corpus("fortunes"), 300);
+  corpus += fsdp::test::first_lines(
       fsdp::test::file_bytes(fs::path(FSDP_SOURCE_DIR) / "data/instruct/kjv_train.jsonl"), 100);
   corpus +=
-      "Voilà l'été, déjà! Größe und Übermaß. Привет, мир. こんにちは世界。你好，世界。\n"
-      "Emoji: 🚀🔥👍🏽 👨‍👩‍👧 — “quotes” ‘single’ … naïve café x² ½ "
-      "∑ "
-      "∞\n"
+      "Voilà l'été, déjà! Größe und Übermaß. "
+      "Привет, мир. "
+      "こんにちは世界。你好，世界。\n"
+      "Emoji: 🚀🔥👍🏽 👨‍👩‍👧 — "
+      "“quotes” ‘single’ … "
+      "naïve café x² ½ ∑ ∞\n"
       "Numbers 1234567890 3.14159 -42 1e-5 0x1F and   many    spaces\t\ttabs   \n"
       "Code: for (int i = 0; i < n; ++i) { sum += a[i]; } // it's can't we'll they've I'm I'd\n"
       "SHOUTING IT'S WE'LL Don'T\r\nwindows\r\n\r\n  lines\n\n\n"
       "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n4<|endoftext|>\n"
       "   leading spaces and trailing   ";
   return corpus;
-}
-
-std::vector<std::string> lines_of(const std::string& text) {
-  std::vector<std::string> lines;
-  for (size_t a = 0;;) {
-    const size_t e = text.find('\n', a);
-    lines.push_back(text.substr(a, e == std::string::npos ? std::string::npos : e - a));
-    if (e == std::string::npos)
-      break;
-    a = e + 1;
-  }
-  return lines;
 }
 
 TEST(HfModel, SmolLM2TokenizerJsonEncodesAsTokenizersDoes) {
@@ -184,7 +164,7 @@ TEST(HfModel, SmolLM2TokenizerJsonEncodesAsTokenizersDoes) {
   run(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR +
       "/tests/python/check_hf_dir.py tokenizers " + text_path + " " + dir.path());
   const auto ref = Json::parse(fsdp::test::file_bytes(dir.path() + "/ids.json"));
-  const auto lines = lines_of(corpus);
+  const auto lines = fsdp::test::split_lines(corpus);
   const auto gguf = fsdp_trainer::pretrained_tokenizer(fsdp_trainer::resolve_model_file("smollm2"));
   for (const char* variant : {"saved", "digits", "split"}) {
     SCOPED_TRACE(variant);
