@@ -30,6 +30,7 @@
 #include "parallelize.h"
 #include "text/bpe_tokenizer.h"
 #include "text/chat_template.h"
+#include "text/tokenizer.h"
 
 namespace {
 
@@ -196,6 +197,44 @@ TEST(HfModel, SmolLM2TokenizerJsonEncodesAsTokenizersDoes) {
       EXPECT_EQ(as_gguf, lines.size());
     else
       EXPECT_LT(as_gguf, lines.size());
+  }
+}
+
+// A pretraining run's tokenizer (SentencePiece BPE with byte fallback) written as tokenizer.json:
+// transformers' AutoTokenizer loads it from the files an export carries and encodes every line
+// of the shipped corpora and the sample to our ids, and decodes our ids back to the line. Two
+// models: a small vocabulary (most text through single characters and bytes) and the demo's.
+TEST(HfModel, PretrainingTokenizerJsonEncodesAsSentencePieceDoes) {
+  fsdp::test::TempDir dir;
+  const auto corpus = tokenizer_corpus();
+  const auto lines = fsdp::test::split_lines(corpus);
+  const auto kjv = fsdp_trainer::load_corpus("kjv");
+  for (const int vocab : {512, 2048}) {
+    SCOPED_TRACE(vocab);
+    const auto tok = fsdp_trainer::train_tokenizer(kjv, vocab, "", 1234);
+    const auto model_dir = dir.path() + "/v" + std::to_string(vocab);
+    fs::create_directories(model_dir);
+    for (const auto& [name, bytes] : fsdp_trainer::tokenizer_export_files(tok, 1 << 20))
+      std::ofstream(model_dir + "/" + name, std::ios::binary) << bytes;
+    const auto cases_path = model_dir + "/cases.jsonl";
+    {
+      std::ofstream cases(cases_path, std::ios::binary);
+      for (const auto& line : lines)
+        cases << Json{{"text", line}, {"ids", tok.encode(line)}}.dump() << "\n";
+      // Whole multi-line texts as well (our encoder cuts them at line ends).
+      cases << Json{{"text", corpus.substr(0, 2000)}, {"ids", tok.encode(corpus.substr(0, 2000))}}
+                   .dump()
+            << "\n";
+    }
+    const auto out = run(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR +
+                         "/tests/python/check_sp_tokenizer.py " + model_dir + " " + cases_path);
+    std::cout << out;
+    const auto n = std::to_string(lines.size() + 1);
+    EXPECT_NE(out.find("encoded " + n + "/" + n + " decoded " + n + "/" + n), std::string::npos)
+        << out;
+    EXPECT_NE(out.find("vocab " + std::to_string(vocab) + " bos <s> eos </s> unk <unk>"),
+              std::string::npos)
+        << out;
   }
 }
 

@@ -27,6 +27,7 @@
 #include "harness/command.h"
 #include "harness/files.h"
 #include "observe/metrics.h"
+#include "text/tokenizer.h"
 
 namespace {
 
@@ -1306,6 +1307,13 @@ TEST(TrainerRun, ExportGenerateAndInitFromSavedModels) {
   ASSERT_EQ(exported.code, 0) << exported.output;
   EXPECT_TRUE(file_bytes(out / "model.safetensors") == file_bytes(hf / "model.safetensors"));
   EXPECT_TRUE(file_bytes(out / "config.json") == file_bytes(hf / "config.json"));
+  // Both carry the run's tokenizer as transformers reads it (test_hf_model.cpp checks that
+  // it encodes as ours): tokenizer.json written from data.dir's tokenizer.model.
+  const fsdp_trainer::Tokenizer tok((fs::path(data_dir()) / "tokenizer.model").string());
+  for (const auto& [name, bytes] : fsdp_trainer::tokenizer_export_files(tok, 16)) {
+    EXPECT_TRUE(file_bytes(hf / name) == bytes) << name;
+    EXPECT_TRUE(file_bytes(out / name) == bytes) << name;
+  }
 
   for (const auto& from : {(a / "checkpoints" / "step-00000006").string(), hf.string()}) {
     auto g = run(train_cmd() + " generate --nproc 2 " + config + " --checkpoint " + from);

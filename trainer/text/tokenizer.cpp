@@ -172,6 +172,11 @@ int Tokenizer::eos_id() const {
 int Tokenizer::unk_id() const {
   return sp().unk_id();
 }
+std::string Tokenizer::piece(int id) const {
+  if (id < 0 || id >= vocab_size())
+    fail(path_ + ": no piece " + std::to_string(id));
+  return sp().IdToPiece(id);
+}
 std::string Tokenizer::serialized() const {
   const auto bytes = sp().serialized_model_proto();
   return std::string(bytes.data(), bytes.size());

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -43,10 +44,17 @@ class Tokenizer {
   int bos_id() const;
   int eos_id() const;
   int unk_id() const;
+  /// The text of one id's piece (spaces shown as U+2581, bytes as <0xXX>).
+  std::string piece(int id) const;
   /// The file it was loaded from (or the name given to load_from_bytes).
   const std::string& path() const { return path_; }
   /// The model file's bytes, to write it elsewhere.
   std::string serialized() const;
+  /// The model as a Hugging Face tokenizer.json (the `tokenizers` library's BPE with byte
+  /// fallback), which encodes text to the same ids (tokenizer_hf_json.cpp says why). Throws
+  /// "<path>: cannot be written as tokenizer.json: <reason>" for a model trained with text
+  /// normalization.
+  std::string to_hf_json() const;
 
  private:
   const sentencepiece::SentencePieceProcessor& sp() const;
@@ -61,6 +69,12 @@ class Tokenizer {
 /// core (the 4.3 MB KJV: ~2 s). If `model_prefix` is not empty, writes `<model_prefix>.model`
 /// atomically. Not thread-safe: SentencePiece seeds a process-wide generator.
 /// Throws "tokenizer training (vocab_size N on M bytes) failed: <SentencePiece's reason>".
+/// The files an export carries so that transformers uses the tokenizer as it is:
+/// tokenizer.json, tokenizer_config.json (special tokens, `model_max_length`) and
+/// generation_config.json (bos and eos ids). Throws what to_hf_json() throws.
+std::map<std::string, std::string> tokenizer_export_files(const Tokenizer& tok,
+                                                          int64_t model_max_length);
+
 Tokenizer train_tokenizer(const std::string& text, int vocab_size, const std::string& model_prefix,
                           uint64_t seed);
 

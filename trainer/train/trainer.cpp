@@ -120,6 +120,7 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
     std::fflush(stdout);
     data_ = prepare_data(prep, rank, [this] { pg_->barrier(); });
     tokenizer_.load(data_.tokenizer_path);
+    export_files_ = tokenizer_export_files(tokenizer_, t.seq_len);
     train_file_ = std::make_unique<TokenFile>(data_.train_path);
     val_file_ = std::make_unique<TokenFile>(data_.val_path);
     sampler_ = std::make_unique<DistributedSampler>(*train_file_, t.batch_size, t.seq_len, rank,
@@ -1145,6 +1146,7 @@ void Trainer::export_hf(const std::string& dir, bool replace) {
   fsdp_models::ExportOptions options;
   options.dtype = dtype_named(config_.checkpoint.export_dtype);
   options.shard_bytes = std::llround(config_.checkpoint.export_shard_mb * (1 << 20));
+  options.files = export_files_;  // fine-tuning: none here, the model adds its own
   model_.save_hf(dir, *pg_, options);
   const double seconds = seconds_since(start);
   if (pg_->rank() != 0)

@@ -8,6 +8,7 @@
 
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -133,6 +134,9 @@ class Trainer {
   std::shared_ptr<fsdp::ProcessGroup> metrics_pg_;  // every rank, for the trainer's reductions
   PreparedData data_;
   Tokenizer tokenizer_;
+  // What a pretraining run's exports carry besides the weights (tokenizer_export_files): made
+  // when the tokenizer loads, so that one that cannot be written fails before training.
+  std::map<std::string, std::string> export_files_;
   std::unique_ptr<TokenFile> train_file_, val_file_;
   std::unique_ptr<DistributedSampler> sampler_;
   std::vector<torch::Tensor> eval_set_;
