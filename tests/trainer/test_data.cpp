@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "data/corpus.h"
+#include "data/corpus_source.h"
 #include "data/data.h"
 #include "harness/errors.h"
 #include "text/tokenizer.h"
@@ -159,6 +160,91 @@ TEST(Corpus, ErrorsNameTheCorpus) {
   write_text(dir / "empty.txt", "");
   EXPECT_CONTAINS(error_of([&] { load_corpus(dir / "empty.txt"); }), "the file is empty");
   EXPECT_CONTAINS(error_of([&] { load_corpus(dir.path().string()); }), "is a directory");
+}
+
+// ---- CorpusSource: files, directories, globs, JSONL
+// ----------------------------------------------
+
+// Everything CorpusSource hands on, as (document, blocks) pairs.
+std::vector<std::pair<std::string, int>> documents_of(const CorpusSource& source) {
+  std::vector<std::pair<std::string, int>> docs;
+  bool starts = true;
+  source.read([&](std::string_view text, bool ends) {
+    if (starts)
+      docs.emplace_back("", 0);
+    docs.back().first.append(text);
+    docs.back().second += 1;
+    starts = ends;
+  });
+  EXPECT_TRUE(starts) << "the last document never ended";
+  return docs;
+}
+
+TEST(CorpusSource, DirectoriesGlobsAndJsonlAreDocumentsInPathOrder) {
+  TempDir dir;
+  fs::create_directories(dir / "books/sub");
+  fs::create_directories(dir / "books/.git");
+  write_text(dir / "books/b.txt", "second book\nwith two lines\n");
+  write_text(dir / "books/a.txt", "first book");  // no final line end
+  write_text(dir / "books/sub/c.jsonl",
+             "{\"text\": \"third\\nline\", \"id\": 7}\n\n   \n{\"text\": \"fourth\"}\n"
+             "{\"text\": \"\"}\n");
+  write_text(dir / "books/empty.txt", "");
+  write_text(dir / "books/notes.md", "not a corpus file");
+  write_text(dir / "books/.git/x.txt", "hidden");
+  const CorpusSource all(dir / "books");
+  EXPECT_EQ(all.files(),
+            (std::vector<std::string>{dir / "books/a.txt", dir / "books/b.txt",
+                                      dir / "books/empty.txt", dir / "books/sub/c.jsonl"}));
+  const auto docs = documents_of(all);
+  std::vector<std::string> texts;
+  for (const auto& d : docs)
+    texts.push_back(d.first);
+  EXPECT_EQ(texts, (std::vector<std::string>{"first book", "second book\nwith two lines\n",
+                                             "third\nline", "fourth"}));
+
+  const CorpusSource glob(dir / "books/*.txt");
+  EXPECT_EQ(glob.files().size(), 3u);
+  EXPECT_EQ(documents_of(glob).size(), 2u);
+  const CorpusSource one(dir / "books/sub/c.jsonl");
+  EXPECT_EQ(documents_of(one).size(), 2u);
+
+  // A text file larger than a block arrives in blocks that end at line ends, and whole.
+  const std::string big = generated_corpus(60000);
+  ASSERT_GT(big.size(), 2 * CorpusSource::kBlockBytes);
+  write_text(dir / "big.txt", big);
+  const auto big_docs = documents_of(CorpusSource(dir / "big.txt"));
+  ASSERT_EQ(big_docs.size(), 1u);
+  EXPECT_TRUE(big_docs[0].first == big);
+  EXPECT_GE(big_docs[0].second, 2);
+  CorpusSource(dir / "big.txt").read([](std::string_view text, bool ends) {
+    EXPECT_TRUE(ends || (!text.empty() && text.back() == '\n'));
+  });
+}
+
+TEST(CorpusSource, BadFilesNameTheFileAndLine) {
+  TempDir dir;
+  write_text(dir / "bad.jsonl", "{\"text\": \"ok\"}\n\n{\"text\": \"cut\n");
+  EXPECT_CONTAINS(error_of([&] { documents_of(CorpusSource(dir / "bad.jsonl")); }),
+                  dir / "bad.jsonl" + ":3: not JSON");
+  write_text(dir / "notext.jsonl", "{\"text\": \"ok\"}\n{\"body\": \"x\"}\n");
+  EXPECT_CONTAINS(error_of([&] { documents_of(CorpusSource(dir / "notext.jsonl")); }),
+                  dir / "notext.jsonl" + ":2: a JSONL record needs a string field \"text\"");
+  write_text(dir / "latin1.txt", std::string("fine\ncaf\xe9 au lait\n"));
+  EXPECT_CONTAINS(error_of([&] { documents_of(CorpusSource(dir / "latin1.txt")); }),
+                  dir / "latin1.txt" + ":2: not UTF-8 text: invalid byte 0xe9 at column 4");
+  write_text(dir / "latin1.jsonl", std::string("{\"text\": \"caf\xe9\"}\n"));
+  EXPECT_CONTAINS(error_of([&] { documents_of(CorpusSource(dir / "latin1.jsonl")); }),
+                  dir / "latin1.jsonl" + ":1");
+  EXPECT_CONTAINS(error_of([&] { CorpusSource(dir / "*.nope"); }), "matches no file");
+  write_text(dir / "x.md", "markdown");
+  EXPECT_CONTAINS(error_of([&] { CorpusSource(dir / "*.md"); }),
+                  "'" + dir / "x.md" + "' is neither .txt nor .jsonl");
+  fs::create_directories(dir / "void");
+  EXPECT_CONTAINS(error_of([&] { CorpusSource(dir / "void"); }), "holds no .txt or .jsonl file");
+  write_text(dir / "empty.txt", "");
+  EXPECT_CONTAINS(error_of([&] { CorpusSource(dir / "empty.txt"); }), "the file is empty");
+  EXPECT_CONTAINS(error_of([&] { CorpusSource(dir / "absent.txt"); }), "No such file");
 }
 
 // ---- Tokenizer --------------------------------------------------------------------------------
@@ -360,6 +446,48 @@ TEST_F(PrepareData, WritesACompleteConsistentSet) {
   EXPECT_EQ(meta["tokenizer"]["eos_id"], 2);
   std::printf("prepared %s: %lld train + %lld val tokens\n", opts_.out_dir.c_str(),
               static_cast<long long>(d.train_tokens), static_cast<long long>(d.val_tokens));
+}
+
+// A corpus of several documents (a directory of .txt and .jsonl files) is the documents' ids
+// joined by eos, split as one text is; its meta.json counts documents and files, and a second
+// call reuses it. One text file is one document: its ids are those of the whole text, as before.
+TEST_F(PrepareData, DocumentsAreSeparatedByEosAndCounted) {
+  fs::create_directories(dir_ / "many");
+  const std::string a = generated_corpus(300), b = generated_corpus(200);
+  write_text(dir_ / "many/a.txt", a);
+  write_text(dir_ / "many/b.jsonl", nlohmann::json{{"text", b}}.dump() + "\n" +
+                                        nlohmann::json{{"text", "amen"}}.dump() + "\n");
+  opts_.corpus = dir_ / "many";
+  const PreparedData d = prepare_data(opts_);
+  EXPECT_EQ(d.documents, 3);
+  EXPECT_EQ(d.files, 2);
+  Tokenizer tok(d.tokenizer_path);
+  std::vector<int> want = tok.encode(a);
+  for (const auto* doc : {&b, static_cast<const std::string*>(nullptr)}) {
+    want.push_back(d.eos_id);
+    const auto ids = tok.encode(doc ? *doc : std::string("amen"));
+    want.insert(want.end(), ids.begin(), ids.end());
+  }
+  TokenFile train(d.train_path), val(d.val_path);
+  ASSERT_EQ(train.size() + val.size(), static_cast<int64_t>(want.size()));
+  EXPECT_EQ(val.size(), std::llround(want.size() * 0.1));
+  for (int64_t i = 0; i < train.size(); ++i)
+    ASSERT_EQ(train.at(i), want[i]) << i;
+  for (int64_t i = 0; i < val.size(); ++i)
+    ASSERT_EQ(val.at(i), want[train.size() + i]) << i;
+  const auto meta = nlohmann::json::parse(read_file(d.meta_path));
+  EXPECT_EQ(meta["corpus"]["documents"], 3);
+  EXPECT_EQ(meta["corpus"]["files"], 2);
+  EXPECT_EQ(meta["corpus"]["bytes"], a.size() + b.size() + 4);
+  // Only the four files: the whole-stream token file and every temporary are gone.
+  EXPECT_EQ(dir_listing(opts_.out_dir),
+            (std::vector<std::string>{"meta.json", "tokenizer.model", "train.bin", "val.bin"}));
+  const PreparedData again = prepare_data(opts_);
+  EXPECT_TRUE(again.reused);
+  EXPECT_EQ(again.documents, 3);
+  // A changed document prepares again.
+  write_text(dir_ / "many/a.txt", a + "more\n");
+  EXPECT_FALSE(prepare_data(opts_).reused);
 }
 
 TEST_F(PrepareData, SecondCallReusesWithoutWriting) {

@@ -86,6 +86,7 @@ TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
       {"[logging]\nprogress = \"fancy\"\n", "", "'logging.progress' must be one of auto, bar"},
       {"[model]\narch = \"rnn\"\n", "", "'model.arch' must be one of gpt, llama"},
       {"[data]\ncorpus = \"/no/such/corpus.txt\"\n", "", "data.corpus"},
+      {"[data]\ncorpus = \"/no/such/dir/*.jsonl\"\n", "", "nor a glob that matches files"},
       {"[training]\nseq_len = 1\n", "", "'training.seq_len' must be >= 2"},
       {"", "--training.steps=abc", "'training.steps' must be an integer, got 'abc'"},
       {"", "--training.nope=1", "unknown key 'training.nope'"},

@@ -3,6 +3,8 @@
 
 #include <toml++/toml.h>
 
+#include <glob.h>
+
 #include <fsdp/fully_shard.h>
 
 #include <algorithm>
@@ -102,6 +104,22 @@ std::string shown(const std::string& s) {
   if (s.size() <= kMax)
     return out;
   return out + "... (" + std::to_string(s.size()) + " bytes)";
+}
+
+// What data.corpus may name (trainer/data/corpus_source.h reads it; this only checks that
+// something is there, before any rank starts).
+bool names_corpus(const std::string& spec) {
+  if (spec == "kjv" || spec == "fortunes")
+    return true;
+  std::error_code ec;
+  if (std::filesystem::is_regular_file(spec, ec) || std::filesystem::is_directory(spec, ec))
+    return true;
+  if (spec.find_first_of("*?[") == std::string::npos)
+    return false;
+  glob_t g{};
+  const int rc = ::glob(spec.c_str(), 0, nullptr, &g);
+  ::globfree(&g);
+  return rc == 0;
 }
 
 // std::filesystem's checks without their exceptions: a name too long (ENAMETOOLONG) or a loop of
@@ -246,8 +264,11 @@ const std::vector<Option>& options() {
           "checkpoint directory (its parameters only). The shapes must be the model's. Each rank "
           "reads only its rows. Ignored when resuming."),
       opt("data.corpus", FIELD(data.corpus),
-          "Training text: \"kjv\" (Debian's bible-kjv), \"fortunes\" (Debian's fortunes), or a "
-          "path to a UTF-8 text file."),
+          "Training text: \"kjv\" (Debian's bible-kjv), \"fortunes\" (Debian's fortunes), a "
+          "UTF-8 text file (one document), a .jsonl file (one document per line, its \"text\" "
+          "field), a directory (every .txt and .jsonl file under it, in path order) or a glob "
+          "such as \"books/*.txt\". Read as a stream, never whole; documents are separated by "
+          "eos."),
       opt("data.dir", FIELD(data.dir),
           "Where the tokenizer and token files are prepared (once; reused while the options "
           "match)."),
@@ -732,10 +753,10 @@ void validate(const Config& c) {
   require(c.data.held_out_fraction > 0 && c.data.held_out_fraction < 0.5, "data.held_out_fraction",
           "must be in (0, 0.5)");
   require(!c.data.dir.empty(), "data.dir", "must not be empty");
-  require(c.data.corpus == "kjv" || c.data.corpus == "fortunes" || regular_file(c.data.corpus),
-          "data.corpus",
+  require(names_corpus(c.data.corpus), "data.corpus",
           "names no corpus: '" + shown(c.data.corpus) +
-              "' is neither kjv, fortunes nor an existing text file");
+              "' is neither kjv, fortunes, an existing file or directory, nor a glob that "
+              "matches files");
   require(c.training.steps >= 1, "training.steps", "must be >= 1");
   require(c.training.batch_size >= 1, "training.batch_size", "must be >= 1");
   require(c.training.micro_batches >= 1 && c.training.batch_size % c.training.micro_batches == 0,

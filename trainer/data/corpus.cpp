@@ -38,50 +38,6 @@ constexpr const char* kFortuneDir = "/usr/share/games/fortunes";
   throw std::runtime_error(message);
 }
 
-// ---- UTF-8 ------------------------------------------------------------------------------------
-
-// Offset of the first byte that does not start a well-formed UTF-8 sequence (RFC 3629: no
-// overlong forms, no surrogates, nothing above U+10FFFF), or npos. The tokenizer's normalizer
-// silently rewrites invalid sequences, which would break the exact text round trip.
-size_t first_invalid_utf8(std::string_view s) {
-  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
-  const size_t n = s.size();
-  size_t i = 0;
-  while (i < n) {
-    const unsigned c = p[i];
-    if (c < 0x80) {
-      ++i;
-      continue;
-    }
-    int len;
-    unsigned lo = 0x80, hi = 0xBF;  // allowed range of the second byte
-    if (c >= 0xC2 && c <= 0xDF) {
-      len = 2;
-    } else if (c >= 0xE0 && c <= 0xEF) {
-      len = 3;
-      if (c == 0xE0)
-        lo = 0xA0;  // overlong
-      if (c == 0xED)
-        hi = 0x9F;  // surrogates
-    } else if (c >= 0xF0 && c <= 0xF4) {
-      len = 4;
-      if (c == 0xF0)
-        lo = 0x90;  // overlong
-      if (c == 0xF4)
-        hi = 0x8F;  // above U+10FFFF
-    } else {
-      return i;
-    }
-    if (i + len > n || p[i + 1] < lo || p[i + 1] > hi)
-      return i;
-    for (int k = 2; k < len; ++k)
-      if ((p[i + k] & 0xC0) != 0x80)
-        return i;
-    i += len;
-  }
-  return std::string_view::npos;
-}
-
 void check_utf8(std::string_view text, const std::string& what) {
   const size_t bad = first_invalid_utf8(text);
   if (bad == std::string_view::npos)
@@ -245,6 +201,45 @@ std::string load_fortunes() {
 }  // namespace
 
 // ---- Public -----------------------------------------------------------------------------------
+
+size_t first_invalid_utf8(std::string_view s) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const size_t n = s.size();
+  size_t i = 0;
+  while (i < n) {
+    const unsigned c = p[i];
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    int len;
+    unsigned lo = 0x80, hi = 0xBF;  // allowed range of the second byte
+    if (c >= 0xC2 && c <= 0xDF) {
+      len = 2;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      len = 3;
+      if (c == 0xE0)
+        lo = 0xA0;  // overlong
+      if (c == 0xED)
+        hi = 0x9F;  // surrogates
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      len = 4;
+      if (c == 0xF0)
+        lo = 0x90;  // overlong
+      if (c == 0xF4)
+        hi = 0x8F;  // above U+10FFFF
+    } else {
+      return i;
+    }
+    if (i + len > n || p[i + 1] < lo || p[i + 1] > hi)
+      return i;
+    for (int k = 2; k < len; ++k)
+      if ((p[i + k] & 0xC0) != 0x80)
+        return i;
+    i += len;
+  }
+  return std::string_view::npos;
+}
 
 std::string load_corpus(const std::string& spec) {
   if (spec == "kjv")

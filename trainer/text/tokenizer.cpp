@@ -30,7 +30,7 @@ namespace {
 // sentences above max_sentence_length, and its BPE encoder slows down on long inputs.
 constexpr size_t kMaxChunkBytes = 4096;
 // Training text budget: BPE training time grows with it (~0.5 s per MB here).
-constexpr size_t kMaxTrainingBytes = 8u << 20;
+constexpr size_t kMaxTrainingBytes = kTokenizerTrainingBytes;
 
 [[noreturn]] void fail(const std::string& message) {
   throw std::runtime_error(message);

@@ -63,6 +63,9 @@ class Tokenizer {
   std::string path_;
 };
 
+/// The most text train_tokenizer() learns from: beyond it, lines are sampled.
+inline constexpr size_t kTokenizerTrainingBytes = 8u << 20;
+
 /// Trains a BPE tokenizer of `vocab_size` ids (unk = 0, bos = 1, eos = 2, then 256 byte pieces,
 /// then the merges) on `text`, deterministic for a given (text, vocab_size, seed). At most
 /// ~8 MB of lines, sampled with `seed`, are used, which keeps training to a few seconds on one

@@ -252,10 +252,13 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
           finetune_->eval_examples().size(), t.batch_size));
     } else {
       progress_->message(fmt::format(
-          "fsdp-train: {} on {} rank(s) | data: {} train / {} held-out tokens, vocab {} | "
-          "{} x {} tokens per rank per step",
-          model_.description, world, data_.train_tokens, data_.val_tokens, data_.vocab_size,
-          t.batch_size, t.seq_len));
+          "fsdp-train: {} on {} rank(s) | data: {} document(s){}, {} train / {} held-out "
+          "tokens ({:.1f}%), vocab {} | {} x {} tokens per rank per step",
+          model_.description, world, data_.documents,
+          data_.files > 0 ? fmt::format(" in {} file(s)", data_.files) : std::string(),
+          data_.train_tokens, data_.val_tokens,
+          100.0 * data_.val_tokens / std::max<int64_t>(1, data_.train_tokens + data_.val_tokens),
+          data_.vocab_size, t.batch_size, t.seq_len));
     }
     std::string sharding = f.strategy;
     if (f.strategy == "hybrid_shard") {
