@@ -490,3 +490,47 @@ TEST_F(InstructData, TokenizerKeepsEveryByteOrRefuses) {
     missing += !tok_->can_encode_byte(static_cast<uint8_t>(b));
   EXPECT_EQ(missing, 21);
 }
+
+// Another family's template with a tokenizer that lacks its delimiters is refused by name, and
+// Mistral's template refuses a system message with the file and line.
+TEST_F(InstructData, TemplatesOfOtherFamiliesNeedTheirTokensAndRoles) {
+  const std::string llama3 =
+      "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+      "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | "
+      "trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
+      "{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+      "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}";
+  const fsdp_trainer::ChatTemplate t(llama3, "llama3");
+  try {
+    fsdp_trainer::encode_conversation({{"user", "Q"}, {"assistant", "A"}}, *tok_, t);
+    ADD_FAILURE() << "encoded without <|start_header_id|>";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("the tokenizer has no special token "
+                                         "<|start_header_id|>, which the Llama 3 chat template "
+                                         "needs"),
+              std::string::npos)
+        << e.what();
+  }
+  const fsdp_trainer::ChatTemplate mistral(
+      "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != "
+      "(loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate "
+      "user/assistant/user/assistant/...') }}{% endif %}{% if message['role'] == 'user' %}"
+      "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == "
+      "'assistant' %}{{ message['content'] + eos_token}}{% else %}{{ raise_exception('Only "
+      "user and assistant roles are supported!') }}{% endif %}{% endfor %}",
+      "mistral", "<|im_start|>", "<|im_end|>");
+  const auto path = write("system.jsonl",
+                          line_of({{"user", "Q"}, {"assistant", "A"}}) + "\n" +
+                              line_of({{"system", "S"}, {"user", "Q"}, {"assistant", "A"}}) + "\n");
+  const auto error =
+      fsdp::test::error_of([&] { fsdp_trainer::load_instruct_jsonl(path, *tok_, mistral, 256); });
+  EXPECT_NE(error.find(path + ":2: message 1 is a system message; the Mistral template has only "
+                              "user and assistant roles"),
+            std::string::npos)
+      << error;
+  // Its first line encodes: Mistral's delimiters here are the tokenizer's bos and eos.
+  const auto ex =
+      fsdp_trainer::encode_conversation({{"user", "Q"}, {"assistant", "A"}}, *tok_, mistral);
+  EXPECT_EQ(tok_->decode(ex.ids), "<|im_start|>[INST] Q [/INST]A<|im_end|>");
+  EXPECT_EQ(answers(ex), std::vector<std::string>{"A<|im_end|>"});
+}

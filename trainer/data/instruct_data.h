@@ -20,9 +20,10 @@
 //
 // Why a mask: the model should learn to answer, not to write the user's questions or the system
 // prompt, which it will always be given. Only the tokens the model emits when it answers are
-// targets: every assistant message's content and its closing <|im_end|> (so that it learns to
-// stop). The header `<|im_start|>assistant\n` is in the prompt at inference, and the newline
-// after <|im_end|> is never generated, so neither is a target.
+// targets: every assistant message's content and the token that ends its turn (so that it
+// learns to stop): <|im_end|> in ChatML, <|eot_id|> in Llama 3, eos in Mistral. The header
+// (`<|im_start|>assistant\n`) is in the prompt at inference, and what the template writes after
+// the turn's end (ChatML's newline) is never generated, so neither is a target.
 #pragma once
 
 #include <cstdint>
@@ -51,11 +52,12 @@ struct InstructExample {
 /// encoded as one text, so that ids are what the model sees at inference: tok.encode(text) when
 /// no content spells a special token, else the same with that content's ordinary tokens (the
 /// order and emptiness rules are load_instruct_jsonl's, not checked here). A token is a target if
-/// any of its bytes lie in an assistant message's content or its <|im_end|>: the BPE may merge
+/// any of its bytes lie in an assistant message's content or its end of turn: the BPE may merge
 /// the header's newline with content that starts with whitespace ("\n\n" as one token), and that
 /// token is then a target, as transformers' assistant-token mask makes it.
-/// Throws std::logic_error if the template does not render ChatML as expected, runtime_error if
-/// the tokenizer lacks ChatML's special tokens.
+/// Throws std::logic_error if the tokens do not spell the rendered text, runtime_error if the
+/// tokenizer lacks one of the template's special tokens or the template refuses the
+/// conversation (ChatTemplate::problem).
 InstructExample encode_conversation(const std::vector<ChatMessage>& messages,
                                     const BpeTokenizer& tok, const ChatTemplate& tmpl);
 

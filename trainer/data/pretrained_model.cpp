@@ -229,12 +229,13 @@ std::map<std::string, std::string> pretrained_tokenizer_files(const std::string&
   if (!jinja.empty())
     config["chat_template"] = jinja;
   // Generation stops at the end of a turn as well as at eos (ChatML models answer with
-  // <|im_end|>), as our own sampling does.
+  // <|im_end|>, Llama 3 ones with <|eot_id|>), as our own sampling does.
   Json eos = Json::array();
   if (tok.eos_id() >= 0)
     eos.push_back(tok.eos_id());
-  if (const auto end = tok.special_id("<|im_end|>"); end >= 0 && end != tok.eos_id())
-    eos.push_back(end);
+  for (const char* turn_end : {"<|im_end|>", "<|eot_id|>"})  // ChatML's, Llama 3's
+    if (const auto end = tok.special_id(turn_end); end >= 0 && end != tok.eos_id())
+      eos.push_back(end);
   Json generation = {{"bos_token_id", tok.bos_id() >= 0 ? Json(tok.bos_id()) : Json()},
                      {"eos_token_id", eos.size() == 1 ? eos[0] : eos}};
   files["tokenizer.json"] = std::move(tokenizer_json);

@@ -1235,9 +1235,7 @@ void Trainer::write_finetune_outputs(const std::vector<std::string>& before,
   for (size_t i = 0; i < questions.size() && i < before.size() && i < after.size(); ++i) {
     // The question is the prompt's last user turn.
     const auto prompt = finetune_->tokenizer().decode(questions[i].first);
-    const auto user = prompt.rfind("<|im_start|>user\n");
-    auto question = user == std::string::npos ? prompt : prompt.substr(user + 17);
-    question = question.substr(0, question.find("<|im_end|>"));
+    const auto question = finetune_->chat_template().last_user_message(prompt);
     text += fmt::format("Q: {}\n   reference: {}\n   before:    {}\n   after:     {}\n\n", question,
                         questions[i].second, before[i], after[i]);
   }
