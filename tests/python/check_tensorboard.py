@@ -17,6 +17,7 @@ stop at such a record instead, so it cannot be the check for corruption.
     check_tensorboard.py DIR
 """
 import json
+import logging
 import math
 import os
 import sys
@@ -42,6 +43,9 @@ def read_records(path):
 
 
 def main():
+    # EventAccumulator logs a warning when a SessionLog START purges steps, which is what a
+    # resumed run's file is for; stdout must hold only the JSON.
+    logging.getLogger("tensorboard").setLevel(logging.ERROR)
     directory = sys.argv[1]
     files = sorted(f for f in os.listdir(directory) if "tfevents" in f)
     out = {"files": files, "records": [], "scalars": {}}
