@@ -1171,9 +1171,9 @@ TEST(TrainerRun, TensorBoardChartsWhatMetricsJsonlHolds) {
   const auto dir = fs::path(FSDP_TEST_WORK_DIR) / "tensorboard";
   fs::remove_all(dir);
   const auto config = write_config("tensorboard", tiny_config(dir.string()));
-  const std::string cmd = train_cmd() + " --nproc 2 " + config +
-                          " --logging.tensorboard=true --logging.plot=false"
-                          " --generate.tokens=0 --checkpoint.every=3";
+  const std::string base = train_cmd() + " --nproc 2 " + config +
+                           " --logging.tensorboard=true --logging.plot=false --generate.tokens=0";
+  const std::string cmd = base + " --checkpoint.every=3";
   const auto read_back = [&] {
     const auto r = run(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR +
                        "/tests/python/check_tensorboard.py " + (dir / "tensorboard").string());
@@ -1216,7 +1216,7 @@ TEST(TrainerRun, TensorBoardChartsWhatMetricsJsonlHolds) {
   // Every field of the line has its chart (memory by category, waits, collective bytes...).
   for (const auto& s : fsdp_trainer::tensorboard_scalars(m[5]))
     EXPECT_TRUE(tb["scalars"].contains(s.tag)) << s.tag;
-  r = run(cmd + " --training.steps=2");
+  r = run(base + " --training.steps=2");
   ASSERT_EQ(r.code, 0) << r.output;
   tb = read_back();
   EXPECT_EQ(tb["files"].size(), 1u) << tb.dump();
