@@ -1591,8 +1591,22 @@ std::vector<fsdp_trainer::StepMetrics> finetune_run(const std::string& name,
 
 TEST(TrainerRun, FinetunesSmolLM2WithLora) {
   std::string lora_out;
-  const auto lora = finetune_run("ft-lora", "--finetune.export_merged=true", &lora_out);
+  const auto lora = finetune_run(
+      "ft-lora", "--finetune.export_merged=true --logging.tensorboard=true", &lora_out);
   ASSERT_EQ(lora.size(), 4u) << lora_out;
+  // finetune writes TensorBoard's file as train does: each step's loss, read by TensorBoard.
+  {
+    const auto tb = run(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR +
+                        "/tests/python/check_tensorboard.py " +
+                        (fs::path(FSDP_TEST_WORK_DIR) / "run-ft-lora" / "tensorboard").string());
+    ASSERT_EQ(tb.code, 0) << tb.output;
+    const auto loss = nlohmann::json::parse(tb.output)["scalars"]["train/loss"];
+    ASSERT_EQ(loss.size(), lora.size()) << tb.output;
+    for (size_t i = 0; i < lora.size(); ++i) {
+      EXPECT_EQ(loss[i][0], lora[i].step);
+      EXPECT_EQ(loss[i][1].get<double>(), static_cast<double>(static_cast<float>(lora[i].loss)));
+    }
+  }
   // The held-out loss over the answers falls.
   const auto at = lora_out.find("held-out loss: ");
   ASSERT_NE(at, std::string::npos) << lora_out;
