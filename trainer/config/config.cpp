@@ -491,7 +491,8 @@ const std::vector<Option>& options() {
           "Offload: bypass the page cache (O_DIRECT) where the file system allows it, so the "
           "state really leaves memory."),
       opt("logging.run_dir", FIELD(logging.run_dir),
-          "Output directory: metrics.jsonl, config.toml, breakdown.txt, plot.png, sample.txt."),
+          "Output directory: metrics.jsonl, config.toml, breakdown.txt, plot.png, sample.txt, "
+          "tensorboard/."),
       opt("logging.progress", FIELD(logging.progress),
           "Rank 0's progress display: a live bar (terminals), lines, or none; auto picks.",
           {"auto", "bar", "lines", "none"}),
@@ -503,6 +504,11 @@ const std::vector<Option>& options() {
           "Print the planner's prediction of the per-rank peak memory by category before step "
           "1, and predicted against measured at the end (fsdp-train --plan sets it). CPU "
           "runs."),
+      opt("logging.tensorboard", FIELD(logging.tensorboard),
+          "Rank 0 also writes every per-step scalar of metrics.jsonl (loss, eval loss, lr, "
+          "throughput, times, memory, collective bytes...) as a TensorBoard event file in "
+          "<logging.run_dir>/tensorboard, one event per step, flushed each step: "
+          "`tensorboard --logdir runs/`. Tags are listed in docs/trainer.md."),
       opt("logging.flight_recorder", FIELD(logging.flight_recorder),
           "Collectives each rank remembers (0: none): dumped as JSON to "
           "<logging.run_dir>/flight_recorder/rank<R>.json when a collective or a step fails "

@@ -111,6 +111,7 @@ struct LoggingConfig {
   bool plot = true;
   bool plan = false;               // fsdp-train --plan
   int64_t flight_recorder = 2000;  // collectives kept per rank (0: off)
+  bool tensorboard = false;        // <run_dir>/tensorboard/events.out.tfevents.*
 };
 
 struct GenerateConfig {

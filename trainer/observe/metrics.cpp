@@ -1,8 +1,8 @@
 // StepMetrics <-> JSON lines, the breakdown table, and the FLOP estimate for MFU.
 //
-// The field table below is the single place that knows the JSON names, their order and their
-// types; writing, reading and validation all walk it, so a field cannot be added to one and
-// forgotten in another.
+// The field table below is the single place that knows the JSON names, their order, their
+// types and their TensorBoard tags; writing, reading, validation and the TensorBoard scalars all
+// walk it, so a field cannot be added to one and forgotten in another.
 #include "metrics.h"
 
 #include <nlohmann/json.hpp>
@@ -35,44 +35,49 @@ using Member =
                  std::optional<double> StepMetrics::*, std::optional<int64_t> StepMetrics::*>;
 struct Field {
   const char* name;
+  // Its TensorBoard tag, "<group>/<name>" (docs/trainer.md lists them); nullptr for the step,
+  // which is the event's step rather than a value.
+  const char* tensorboard_tag;
   Member member;
 };
 
 // Order = order in each JSON line: what a human reading the log wants first.
 const std::array<Field, 33> kFields = {{
-    {"step", &StepMetrics::step},
-    {"loss", &StepMetrics::loss},
-    {"eval_loss", &StepMetrics::eval_loss},
-    {"lr", &StepMetrics::lr},
-    {"grad_norm", &StepMetrics::grad_norm},
-    {"tokens", &StepMetrics::tokens},
-    {"tokens_per_second", &StepMetrics::tokens_per_second},
-    {"mfu", &StepMetrics::mfu},
-    {"step_time_s", &StepMetrics::step_time_s},
-    {"time_forward_s", &StepMetrics::time_forward_s},
-    {"time_backward_s", &StepMetrics::time_backward_s},
-    {"time_allgather_wait_s", &StepMetrics::time_allgather_wait_s},
-    {"time_allgather_wait_forward_s", &StepMetrics::time_allgather_wait_forward_s},
-    {"time_reducescatter_wait_s", &StepMetrics::time_reducescatter_wait_s},
-    {"time_optimizer_s", &StepMetrics::time_optimizer_s},
-    {"peak_bytes", &StepMetrics::peak_bytes},
-    {"allgather_bytes", &StepMetrics::allgather_bytes},
-    {"reducescatter_bytes", &StepMetrics::reducescatter_bytes},
-    {"allreduce_bytes", &StepMetrics::allreduce_bytes},
-    {"loss_scale", &StepMetrics::loss_scale},
-    {"skipped_steps", &StepMetrics::skipped_steps},
-    {"mem_params_bytes", &StepMetrics::mem_params_bytes},
-    {"mem_grads_bytes", &StepMetrics::mem_grads_bytes},
-    {"mem_optimizer_bytes", &StepMetrics::mem_optimizer_bytes},
-    {"mem_gathered_bytes", &StepMetrics::mem_gathered_bytes},
-    {"mem_activations_bytes", &StepMetrics::mem_activations_bytes},
-    {"mem_other_bytes", &StepMetrics::mem_other_bytes},
-    {"grads_peak_bytes", &StepMetrics::grads_peak_bytes},
-    {"rss_bytes", &StepMetrics::rss_bytes},
-    {"peak_rss_bytes", &StepMetrics::peak_rss_bytes},
-    {"offload_read_bytes", &StepMetrics::offload_read_bytes},
-    {"offload_written_bytes", &StepMetrics::offload_written_bytes},
-    {"time_offload_wait_s", &StepMetrics::time_offload_wait_s},
+    {"step", nullptr, &StepMetrics::step},
+    {"loss", "train/loss", &StepMetrics::loss},
+    {"eval_loss", "eval/loss", &StepMetrics::eval_loss},
+    {"lr", "train/lr", &StepMetrics::lr},
+    {"grad_norm", "train/grad_norm", &StepMetrics::grad_norm},
+    {"tokens", "throughput/tokens", &StepMetrics::tokens},
+    {"tokens_per_second", "throughput/tokens_per_second", &StepMetrics::tokens_per_second},
+    {"mfu", "throughput/mfu", &StepMetrics::mfu},
+    {"step_time_s", "time/step_s", &StepMetrics::step_time_s},
+    {"time_forward_s", "time/forward_s", &StepMetrics::time_forward_s},
+    {"time_backward_s", "time/backward_s", &StepMetrics::time_backward_s},
+    {"time_allgather_wait_s", "time/allgather_wait_s", &StepMetrics::time_allgather_wait_s},
+    {"time_allgather_wait_forward_s", "time/allgather_wait_forward_s",
+     &StepMetrics::time_allgather_wait_forward_s},
+    {"time_reducescatter_wait_s", "time/reducescatter_wait_s",
+     &StepMetrics::time_reducescatter_wait_s},
+    {"time_optimizer_s", "time/optimizer_s", &StepMetrics::time_optimizer_s},
+    {"peak_bytes", "memory/peak_bytes", &StepMetrics::peak_bytes},
+    {"allgather_bytes", "comm/allgather_bytes", &StepMetrics::allgather_bytes},
+    {"reducescatter_bytes", "comm/reducescatter_bytes", &StepMetrics::reducescatter_bytes},
+    {"allreduce_bytes", "comm/allreduce_bytes", &StepMetrics::allreduce_bytes},
+    {"loss_scale", "train/loss_scale", &StepMetrics::loss_scale},
+    {"skipped_steps", "train/skipped_steps", &StepMetrics::skipped_steps},
+    {"mem_params_bytes", "memory/params_bytes", &StepMetrics::mem_params_bytes},
+    {"mem_grads_bytes", "memory/grads_bytes", &StepMetrics::mem_grads_bytes},
+    {"mem_optimizer_bytes", "memory/optimizer_bytes", &StepMetrics::mem_optimizer_bytes},
+    {"mem_gathered_bytes", "memory/gathered_bytes", &StepMetrics::mem_gathered_bytes},
+    {"mem_activations_bytes", "memory/activations_bytes", &StepMetrics::mem_activations_bytes},
+    {"mem_other_bytes", "memory/other_bytes", &StepMetrics::mem_other_bytes},
+    {"grads_peak_bytes", "memory/grads_peak_bytes", &StepMetrics::grads_peak_bytes},
+    {"rss_bytes", "memory/rss_bytes", &StepMetrics::rss_bytes},
+    {"peak_rss_bytes", "memory/peak_rss_bytes", &StepMetrics::peak_rss_bytes},
+    {"offload_read_bytes", "offload/read_bytes", &StepMetrics::offload_read_bytes},
+    {"offload_written_bytes", "offload/written_bytes", &StepMetrics::offload_written_bytes},
+    {"time_offload_wait_s", "time/offload_wait_s", &StepMetrics::time_offload_wait_s},
 }};
 
 // JSON has no NaN or infinity; a diverged loss must still be logged, so it becomes null.
@@ -181,6 +186,24 @@ std::string to_json_line(const StepMetrics& m) {
         f.member);
   }
   return j.dump();
+}
+
+std::vector<TensorBoardScalar> tensorboard_scalars(const StepMetrics& m) {
+  std::vector<TensorBoardScalar> out;
+  for (const Field& f : kFields) {
+    if (!f.tensorboard_tag)
+      continue;
+    std::visit(
+        [&](auto member) {
+          using T = std::remove_cvref_t<decltype(m.*member)>;
+          if constexpr (std::is_same_v<T, int64_t> || std::is_same_v<T, double>)
+            out.push_back({f.tensorboard_tag, static_cast<double>(m.*member)});
+          else if ((m.*member).has_value())
+            out.push_back({f.tensorboard_tag, static_cast<double>(*(m.*member))});
+        },
+        f.member);
+  }
+  return out;
 }
 
 // ---- MetricsWriter -------------------------------------------------------------------------

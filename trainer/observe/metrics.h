@@ -21,6 +21,8 @@
 #include <string>
 #include <vector>
 
+#include "tensorboard.h"
+
 namespace fsdp_trainer {
 
 // ---- One step ------------------------------------------------------------------------------
@@ -93,6 +95,13 @@ struct StepMetrics {
 
 /// One JSON object, no newline. Fields in a fixed, readable order; optional fields only when set.
 std::string to_json_line(const StepMetrics& m);
+
+/// Every numeric field of `m` that is present, except the step, as TensorBoard scalars in the
+/// JSON line's order, tagged "<group>/<name>": train/ (loss, lr, grad_norm, loss_scale,
+/// skipped_steps), eval/loss, throughput/ (tokens, tokens_per_second, mfu), time/ (step_s and
+/// the phases and waits, in seconds), memory/ (peak_bytes, the categories, rss), comm/ (bytes
+/// of each collective) and offload/ (file bytes). The list is in docs/trainer.md.
+std::vector<TensorBoardScalar> tensorboard_scalars(const StepMetrics& m);
 
 // ---- The JSON-lines log --------------------------------------------------------------------
 

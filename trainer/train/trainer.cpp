@@ -242,6 +242,18 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
     } else {
       metrics_ = std::make_unique<MetricsWriter>(metrics_path.string(), start_step_ + 1);
     }
+    if (config_.logging.tensorboard) {
+      // The same policy as metrics.jsonl: a fresh run removes an earlier run's event files
+      // (TensorBoard would show both runs' steps as one run's); a resumed run adds a file,
+      // whose SessionLog START hides the earlier files' steps after the checkpoint.
+      const auto tb_dir = std::filesystem::path(config_.logging.run_dir) / "tensorboard";
+      if (start_step_ == 0 && std::filesystem::is_directory(tb_dir)) {
+        for (const auto& entry : std::filesystem::directory_iterator(tb_dir))
+          if (is_tensorboard_event_file(entry.path().filename().string()))
+            std::filesystem::remove(entry.path());
+      }
+      tensorboard_ = std::make_unique<TensorBoardWriter>(tb_dir.string(), start_step_ + 1);
+    }
     progress_ =
         std::make_unique<Progress>(config_.logging.progress, t.steps, config_.logging.log_every);
     if (finetune_) {
@@ -856,6 +868,8 @@ void Trainer::train() {
     // checkpoint resumes after this step and must find its metrics line written.
     if (pg_->rank() == 0) {
       metrics_->append(m);
+      if (tensorboard_)
+        tensorboard_->write_scalars(m.step, tensorboard_scalars(m));
       const double elapsed = seconds_since(start);
       progress_->update({step, m.loss, m.tokens_per_second, m.mfu, m.peak_bytes,
                          elapsed / static_cast<double>(step - start_step_) *
@@ -1179,8 +1193,8 @@ void Trainer::write_outputs() {
     write_plot(history, (dir / "plot.png").string(),
                fmt::format("fsdp-train: {} on {} rank(s)", model_.description, pg_->size()));
   }
-  std::printf("run directory: %s (metrics.jsonl, breakdown.txt%s, config.toml)\n", dir.c_str(),
-              config_.logging.plot ? ", plot.png" : "");
+  std::printf("run directory: %s (metrics.jsonl, breakdown.txt%s%s, config.toml)\n", dir.c_str(),
+              config_.logging.plot ? ", plot.png" : "", tensorboard_ ? ", tensorboard/" : "");
 }
 
 std::vector<std::string> Trainer::answer_questions() {

@@ -25,6 +25,7 @@
 #include "model_factory.h"
 #include "observe/metrics.h"
 #include "observe/progress.h"
+#include "observe/tensorboard.h"
 #include "step_plan.h"
 #include "text/tokenizer.h"
 
@@ -148,6 +149,7 @@ class Trainer {
   std::vector<torch::Tensor> params_;
   double previous_grad_norm_ = std::numeric_limits<double>::quiet_NaN();  // none yet
   std::unique_ptr<MetricsWriter> metrics_;
+  std::unique_ptr<TensorBoardWriter> tensorboard_;  // rank 0 with logging.tensorboard
   std::unique_ptr<Progress> progress_;
   // This run's steps are not kept in memory (a long run would grow by ~0.3 KB a step): the
   // breakdown and the plot at the end read them back from metrics.jsonl.
