@@ -3,7 +3,8 @@
 // one row per thread or track.
 //
 // The fields are those of PyTorch's profiler (Kineto) traces, so that Holistic Trace Analysis
-// finds what it reads: top-level "traceEvents" and "distributedInfo" {"rank", "world_size"};
+// finds what it reads: top-level "distributedInfo" {"rank", "world_size"} first (HTA finds the
+// rank by matching `"rank": <n>` in the text) and "traceEvents", one event per line;
 // every span a complete event ("ph": "X", "cat": "user_annotation", "name", "pid" = the rank,
 // "tid", "ts" and "dur" in microseconds with three decimals, "args" {"kind", "step", "for",
 // "bytes"}); "M" metadata events name each process "rank N" and each thread. Times are the
