@@ -92,15 +92,17 @@ def summary(rows):
     """Per rank: milliseconds of the main thread's top-level kinds and of the waits."""
     out = {}
     for (rank, _), (name, placed) in rows.items():
+        tot = out.setdefault(rank, {})
         if not name.endswith("main"):
+            for _, e in placed:  # a lane: how long its transfers ran, by collective
+                k = "lanes " + e["name"].split(" ")[0]
+                tot[k] = tot.get(k, 0) + e["dur"] / 1000
             continue
-        tot = {}
         for _, e in placed:
             k = e["args"]["kind"]
             if k in ("step", "forward_pass", "backward_pass", "optimizer_phase", "data",
                      "all_gather_wait", "reduce_scatter_wait", "recompute"):
                 tot[k] = tot.get(k, 0) + e["dur"] / 1000
-        out[rank] = tot
     return out
 
 
@@ -164,7 +166,8 @@ def main():
     if args.run:
         run_dir = tempfile.mkdtemp(prefix="trace-demo-")
         subprocess.run([TRAIN, "--nproc", "2", os.path.join(ROOT, "configs", "demo.toml"),
-                        f"--training.steps={args.step}", "--training.eval_every=0",
+                        # One step more: the last step evaluates, which is not the picture.
+                        f"--training.steps={args.step + 1}", "--training.eval_every=0",
                         "--logging.plot=false", "--logging.progress=none",
                         f"--logging.run_dir={run_dir}", f"--logging.trace_steps={args.step}"],
                        check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
