@@ -28,6 +28,7 @@
 
 #include <array>
 #include <functional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -64,9 +65,11 @@ namespace detail {
 using CheckpointFn = std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)>;
 
 /// The checkpointed region as an autograd node: `first` runs now (without grad), `again` in
-/// backward. Returns first's outputs, connected to `inputs` through the node.
+/// backward. Returns first's outputs, connected to `inputs` through the node. `name`: whose
+/// region it is (the unit), for the recomputation's trace span.
 std::vector<torch::Tensor> checkpoint_apply(const CheckpointFn& first, CheckpointFn again,
-                                            std::vector<torch::Tensor> inputs, CheckpointMode mode);
+                                            std::vector<torch::Tensor> inputs, CheckpointMode mode,
+                                            std::string name = {});
 
 }  // namespace detail
 }  // namespace fsdp

@@ -19,10 +19,12 @@
 #include <fsdp/core/caching_allocator.h>
 #include <fsdp/core/durable_file.h>
 #include <fsdp/core/memory.h>
+#include <fsdp/core/trace.h>
 #include <fsdp/distributed/collectives.h>
 #include <fsdp/distributed/comm_stats.h>
 #include <fsdp/distributed/flight_recorder.h>
 #include <fsdp/distributed/process_group.h>
+#include <fsdp/observe/chrome_trace.h>
 #include <fsdp/observe/step_profiler.h>
 #include <fsdp/optim/fused_optimizer.h>
 #include <fsdp/plan/activations.h>

@@ -272,7 +272,7 @@ auto forward(M&& module, Args&&... args) {
     Result result = [&]() -> Result {
       if constexpr (replayable && std::is_move_constructible_v<Result>) {
         if (ac != CheckpointMode::kNone)
-          return detail::checkpointed_forward<Result, Args...>(impl, ac, slots);
+          return detail::checkpointed_forward<Result, Args...>(impl, ac, slots, call.unit_name());
       }
       return std::apply(
           [&](auto&... slot) -> decltype(auto) { return impl.forward(slot.get()...); }, slots);

@@ -5,12 +5,15 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <fsdp/core/trace.h>
+
 #include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <string_view>
 #include <thread>
 
 #include "collective_check.h"
@@ -146,6 +149,70 @@ std::string diagnose_failure(ProcessGroup& group, const RecordTicket& ticket,
   return last_message.empty() ? "" : " [" + last_message + "]";
 }
 
+// ---- Trace spans (fsdp/core/trace.h) --------------------------------------------------------
+// Each collective records three spans while tracing is on: its issue and its wait on the
+// calling thread, and its transfer on the track of the lane it ran on ("<group> lane <k>"),
+// from its issue (or the end of the lane's previous transfer) to the backend's completion
+// callback, which Gloo runs on the lane's worker thread as the collective finishes.
+
+struct TraceNames {
+  const char* issue_kind;
+  const char* issue;
+  const char* wait_kind;
+  const char* wait;
+  const char* transfer;
+};
+constexpr TraceNames kAllGatherNames{"all_gather_issue", "all-gather issue", "all_gather_wait",
+                                     "all-gather wait", "all-gather"};
+constexpr TraceNames kReduceScatterNames{"reduce_scatter_issue", "reduce-scatter issue",
+                                         "reduce_scatter_wait", "reduce-scatter wait",
+                                         "reduce-scatter"};
+constexpr TraceNames kAllReduceNames{"all_reduce_issue", "all-reduce issue", "all_reduce_wait",
+                                     "all-reduce wait", "all-reduce"};
+constexpr TraceNames kBroadcastNames{"broadcast_issue", "broadcast issue", "broadcast_wait",
+                                     "broadcast wait", "broadcast"};
+constexpr TraceNames kPointToPointNames{"p2p_issue", "send/recv issue", "p2p_wait",
+                                        "send/recv wait", "send/recv"};
+constexpr TraceNames kBarrierNames{"barrier_issue", "barrier issue", "barrier_wait", "barrier wait",
+                                   "barrier"};
+
+// "unit 'h3'" -> "h3": the spans name a unit as the engine's own spans do.
+std::string_view trace_subject(const std::string& context) {
+  std::string_view v = context;
+  if (v.size() > 7 && v.starts_with("unit '") && v.ends_with('\''))
+    return v.substr(6, v.size() - 7);
+  return v;
+}
+
+std::unique_ptr<CollectiveWork> labelled(std::unique_ptr<CollectiveWork> work,
+                                         const TraceNames& names, const std::string& context) {
+  work->set_trace_label(names.wait_kind, names.wait, std::string(trace_subject(context)));
+  return work;
+}
+
+// The transfer's span on its lane, recorded by the backend's completion callback.
+void trace_transfer(const ProcessGroup& group, const c10d::Backend& lane,
+                    const c10::intrusive_ptr<c10d::Work>& work, const TraceNames& names,
+                    const std::string& context, int64_t bytes, int64_t issued_ns) {
+  if (!trace::enabled() || !work)
+    return;
+  try {
+    auto future = work->getFuture();
+    std::string track =
+        group.name() + " lane " + std::to_string(detail::GroupAccess::lane_index(group, lane));
+    std::string subject(trace_subject(context));
+    std::string name = std::string(names.transfer) + (subject.empty() ? "" : " " + subject);
+    future->addCallback([track = std::move(track), name = std::move(name),
+                         subject = std::move(subject), bytes, issued_ns,
+                         generation = trace::generation()](c10::ivalue::Future&) {
+      trace::record_on_track(track, generation, "transfer", name, subject, bytes, issued_ns,
+                             trace::now_ns());
+    });
+  } catch (const std::exception&) {
+    // A backend without futures: no transfer span, the issue and wait spans remain.
+  }
+}
+
 }  // namespace
 
 torch::Tensor as_bytes(const torch::Tensor& t) {
@@ -187,6 +254,7 @@ void CollectiveWork::wait() {
   if (waited_)
     return;
   waited_ = true;
+  trace::Span span(trace_kind_, trace_label_, trace_subject_);
   auto& recorder = FlightRecorder::global();
   recorder.transition(ticket_, CollectiveState::kWaiting);
   auto start = std::chrono::steady_clock::now();
@@ -252,6 +320,7 @@ std::unique_ptr<CollectiveWork> all_gather(ProcessGroup& group,
                                            int64_t bucket_bytes, const std::string& context) {
   TORCH_CHECK(!inputs.empty() && inputs.size() == outputs.size(),
               "fsdp all_gather: need one output per input");
+  trace::Span span(kAllGatherNames.issue_kind, kAllGatherNames.issue, trace_subject(context));
   const int n = group.size();
   int64_t in_bytes = 0;
   std::vector<torch::Tensor> in_bytes_views, out_bytes_views;
@@ -272,6 +341,7 @@ std::unique_ptr<CollectiveWork> all_gather(ProcessGroup& group,
   auto& counter = group.comm_stats().all_gather;
   counter.calls += 1;
   counter.bytes += in_bytes * n;
+  span.set_bytes(in_bytes * n);
   if (local(group)) {
     // This rank's piece in every rank's slot: the output is filled, every byte written once.
     torch::NoGradGuard no_grad;
@@ -279,7 +349,7 @@ std::unique_ptr<CollectiveWork> all_gather(ProcessGroup& group,
       const int64_t b = in_bytes_views[i].numel();
       out_bytes_views[i].view({n, b}).copy_(in_bytes_views[i].unsqueeze(0).expand({n, b}));
     }
-    return done_locally(group, counter, what, ticket);
+    return labelled(done_locally(group, counter, what, ticket), kAllGatherNames, context);
   }
   counter.sent_bytes += in_bytes * (n - 1);
 
@@ -297,8 +367,13 @@ std::unique_ptr<CollectiveWork> all_gather(ProcessGroup& group,
       if (bucket_in.empty())
         return;
       // Buckets take the lanes in turn, so consecutive buckets move at the same time.
-      works.push_back(
-          detail::GroupAccess::next_lane(group).allgather_coalesced(bucket_out, bucket_in));
+      const int64_t issued = trace::enabled() ? trace::now_ns() : 0;
+      int64_t bucket_bytes_out = 0;
+      for (const auto& t : bucket_in)
+        bucket_bytes_out += t.numel() * n;
+      auto& lane = detail::GroupAccess::next_lane(group);
+      works.push_back(lane.allgather_coalesced(bucket_out, bucket_in));
+      trace_transfer(group, lane, works.back(), kAllGatherNames, context, bucket_bytes_out, issued);
       bucket_in.clear();
       for (auto& l : bucket_out)
         l.clear();
@@ -318,14 +393,18 @@ std::unique_ptr<CollectiveWork> all_gather(ProcessGroup& group,
       }
     }
     flush();
-    return std::make_unique<CollectiveWork>(group, counter, what, std::move(works), nullptr,
-                                            ticket);
+    return labelled(
+        std::make_unique<CollectiveWork>(group, counter, what, std::move(works), nullptr, ticket),
+        kAllGatherNames, context);
   }
   // Backends with a native flat all-gather (NCCL): gather into one buffer, then copy out. The
   // copy is enqueued by the waiting thread on the current stream, after the collective.
   auto flat_in = torch::cat(in_bytes_views);
   auto flat_out = torch::empty({in_bytes * n}, flat_in.options());
-  auto work = detail::GroupAccess::next_lane(group).all_gather_single(flat_out, flat_in);
+  const int64_t issued = trace::enabled() ? trace::now_ns() : 0;
+  auto& lane = detail::GroupAccess::next_lane(group);
+  auto work = lane.all_gather_single(flat_out, flat_in);
+  trace_transfer(group, lane, work, kAllGatherNames, context, in_bytes * n, issued);
   auto finish = [flat_out, out_bytes_views, in_bytes, n]() {
     auto rows = flat_out.view({n, in_bytes});
     int64_t offset = 0;
@@ -335,8 +414,9 @@ std::unique_ptr<CollectiveWork> all_gather(ProcessGroup& group,
       offset += b;
     }
   };
-  return std::make_unique<CollectiveWork>(group, counter, what, std::move(work), std::move(finish),
-                                          ticket);
+  return labelled(std::make_unique<CollectiveWork>(group, counter, what, std::move(work),
+                                                   std::move(finish), ticket),
+                  kAllGatherNames, context);
 }
 
 std::unique_ptr<CollectiveWork> reduce_scatter(ProcessGroup& group, const torch::Tensor& input,
@@ -344,6 +424,8 @@ std::unique_ptr<CollectiveWork> reduce_scatter(ProcessGroup& group, const torch:
                                                const std::string& context) {
   check_contiguous(input, "reduce-scatter input");
   check_contiguous(output, "reduce-scatter output");
+  trace::Span span(kReduceScatterNames.issue_kind, kReduceScatterNames.issue,
+                   trace_subject(context), input.numel() * input.element_size());
   const int n = group.size();
   const int64_t s = output.numel();
   TORCH_CHECK(input.numel() == s * n, "fsdp reduce_scatter: input has ", input.numel(),
@@ -365,10 +447,11 @@ std::unique_ptr<CollectiveWork> reduce_scatter(ProcessGroup& group, const torch:
     // The sum (or mean) over one rank: this rank's own block of its input.
     torch::NoGradGuard no_grad;
     output.copy_(input.view({n, s}).select(0, group.rank()));
-    return done_locally(group, counter, what, ticket);
+    return labelled(done_locally(group, counter, what, ticket), kReduceScatterNames, context);
   }
   counter.sent_bytes += s * (n - 1) * input.element_size();
 
+  const int64_t issued = trace::enabled() ? trace::now_ns() : 0;
   c10d::Backend& backend = detail::GroupAccess::next_lane(group);
   if (is_gloo(group)) {
     // Each rank receives the N copies of its own block, then sums them locally in rank order
@@ -377,6 +460,8 @@ std::unique_ptr<CollectiveWork> reduce_scatter(ProcessGroup& group, const torch:
     torch::Tensor in = input;
     std::vector<int64_t> equal_splits;
     auto work = backend.all_to_all_single(received, in, equal_splits, equal_splits);
+    trace_transfer(group, backend, work, kReduceScatterNames, context,
+                   input.numel() * input.element_size(), issued);
     auto finish = [received, output, n, s, op]() {
       torch::NoGradGuard no_grad;
       auto blocks = received.view({n, s});
@@ -384,14 +469,19 @@ std::unique_ptr<CollectiveWork> reduce_scatter(ProcessGroup& group, const torch:
       if (op == ReduceOp::kAvg)
         output.div_(n);
     };
-    return std::make_unique<CollectiveWork>(group, counter, what, std::move(work),
-                                            std::move(finish), ticket);
+    return labelled(std::make_unique<CollectiveWork>(group, counter, what, std::move(work),
+                                                     std::move(finish), ticket),
+                    kReduceScatterNames, context);
   }
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = op == ReduceOp::kAvg ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
   torch::Tensor out = output, in = input;
   auto work = backend.reduce_scatter_single(out, in, opts);
-  return std::make_unique<CollectiveWork>(group, counter, what, std::move(work), nullptr, ticket);
+  trace_transfer(group, backend, work, kReduceScatterNames, context,
+                 input.numel() * input.element_size(), issued);
+  return labelled(
+      std::make_unique<CollectiveWork>(group, counter, what, std::move(work), nullptr, ticket),
+      kReduceScatterNames, context);
 }
 
 std::unique_ptr<CollectiveWork> reduce_scatter_exchange(ProcessGroup& group,
@@ -407,6 +497,8 @@ std::unique_ptr<CollectiveWork> reduce_scatter_exchange(ProcessGroup& group,
               "size divisible by the group's ",
               n, " ranks, got ", input.numel(), " and ", output.numel());
   const int64_t bytes = input.numel() * input.element_size();
+  trace::Span span(kReduceScatterNames.issue_kind, kReduceScatterNames.issue,
+                   trace_subject(context), bytes);
   const std::string what = describe("reduce-scatter", bytes,
                                     std::string("encoded ") + c10::toString(input.scalar_type()) +
                                         (local(group) ? " (local copy)" : ""),
@@ -420,14 +512,18 @@ std::unique_ptr<CollectiveWork> reduce_scatter_exchange(ProcessGroup& group,
   if (local(group)) {
     torch::NoGradGuard no_grad;
     output.copy_(input);
-    return done_locally(group, counter, what, ticket);
+    return labelled(done_locally(group, counter, what, ticket), kReduceScatterNames, context);
   }
   counter.sent_bytes += bytes / n * (n - 1);
+  const int64_t issued = trace::enabled() ? trace::now_ns() : 0;
   c10d::Backend& backend = detail::GroupAccess::next_lane(group);
   torch::Tensor in = input, out = output;
   std::vector<int64_t> equal_splits;
   auto work = backend.all_to_all_single(out, in, equal_splits, equal_splits);
-  return std::make_unique<CollectiveWork>(group, counter, what, std::move(work), nullptr, ticket);
+  trace_transfer(group, backend, work, kReduceScatterNames, context, bytes, issued);
+  return labelled(
+      std::make_unique<CollectiveWork>(group, counter, what, std::move(work), nullptr, ticket),
+      kReduceScatterNames, context);
 }
 
 std::unique_ptr<CollectiveWork> all_reduce(ProcessGroup& group, const torch::Tensor& tensor,
@@ -436,6 +532,8 @@ std::unique_ptr<CollectiveWork> all_reduce(ProcessGroup& group, const torch::Ten
   const int n = group.size();
   auto& counter = group.comm_stats().all_reduce;
   const int64_t bytes = tensor.numel() * tensor.element_size();
+  trace::Span span(kAllReduceNames.issue_kind, kAllReduceNames.issue, trace_subject(context),
+                   bytes);
   const std::string what =
       describe("all-reduce", bytes,
                std::string(op_name(op)) + " " + c10::toString(tensor.scalar_type()) +
@@ -447,7 +545,7 @@ std::unique_ptr<CollectiveWork> all_reduce(ProcessGroup& group, const torch::Ten
   counter.calls += 1;
   counter.bytes += bytes;
   if (local(group))  // in place, and any op over one rank is the tensor itself
-    return done_locally(group, counter, what, ticket);
+    return labelled(done_locally(group, counter, what, ticket), kAllReduceNames, context);
   counter.sent_bytes += 2 * bytes * (n - 1) / n;
   std::vector<torch::Tensor> tensors{tensor};
   c10d::AllreduceOptions opts;
@@ -456,7 +554,10 @@ std::unique_ptr<CollectiveWork> all_reduce(ProcessGroup& group, const torch::Ten
                   : op == ReduceOp::kMin               ? c10d::ReduceOp::MIN
                   : op == ReduceOp::kAvg && native_avg ? c10d::ReduceOp::AVG
                                                        : c10d::ReduceOp::SUM;
-  auto work = detail::GroupAccess::next_lane(group).allreduce(tensors, opts);
+  const int64_t issued = trace::enabled() ? trace::now_ns() : 0;
+  auto& lane = detail::GroupAccess::next_lane(group);
+  auto work = lane.allreduce(tensors, opts);
+  trace_transfer(group, lane, work, kAllReduceNames, context, bytes, issued);
   std::function<void()> finish;
   if (op == ReduceOp::kAvg && !native_avg) {
     finish = [tensor, n]() {
@@ -464,8 +565,9 @@ std::unique_ptr<CollectiveWork> all_reduce(ProcessGroup& group, const torch::Ten
       tensor.div_(n);
     };
   }
-  return std::make_unique<CollectiveWork>(group, counter, what, std::move(work), std::move(finish),
-                                          ticket);
+  return labelled(std::make_unique<CollectiveWork>(group, counter, what, std::move(work),
+                                                   std::move(finish), ticket),
+                  kAllReduceNames, context);
 }
 
 std::unique_ptr<CollectiveWork> broadcast(ProcessGroup& group, const torch::Tensor& tensor,
@@ -473,6 +575,8 @@ std::unique_ptr<CollectiveWork> broadcast(ProcessGroup& group, const torch::Tens
   check_contiguous(tensor, "broadcast tensor");
   auto& counter = group.comm_stats().broadcast;
   const int64_t bytes = tensor.numel() * tensor.element_size();
+  trace::Span span(kBroadcastNames.issue_kind, kBroadcastNames.issue, trace_subject(context),
+                   bytes);
   const std::string what = describe(
       "broadcast", bytes,
       "from group rank " + std::to_string(root) + (local(group) ? " (local copy)" : ""), context);
@@ -482,13 +586,18 @@ std::unique_ptr<CollectiveWork> broadcast(ProcessGroup& group, const torch::Tens
   counter.calls += 1;
   counter.bytes += bytes;
   if (local(group))  // every rank keeps its own values
-    return done_locally(group, counter, what, ticket);
+    return labelled(done_locally(group, counter, what, ticket), kBroadcastNames, context);
   counter.sent_bytes += group.rank() == root ? bytes : 0;
   std::vector<torch::Tensor> tensors{tensor};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
-  auto work = detail::GroupAccess::next_lane(group).broadcast(tensors, opts);
-  return std::make_unique<CollectiveWork>(group, counter, what, std::move(work), nullptr, ticket);
+  const int64_t issued = trace::enabled() ? trace::now_ns() : 0;
+  auto& lane = detail::GroupAccess::next_lane(group);
+  auto work = lane.broadcast(tensors, opts);
+  trace_transfer(group, lane, work, kBroadcastNames, context, bytes, issued);
+  return labelled(
+      std::make_unique<CollectiveWork>(group, counter, what, std::move(work), nullptr, ticket),
+      kBroadcastNames, context);
 }
 
 std::unique_ptr<CollectiveWork> send(ProcessGroup& group, const torch::Tensor& tensor, int dst,
@@ -507,8 +616,9 @@ std::unique_ptr<CollectiveWork> send(ProcessGroup& group, const torch::Tensor& t
   std::string what = describe("send", bytes, "to group rank " + std::to_string(dst), context);
   RecordTicket ticket = record(group, "send", bytes, c10::toString(tensor.scalar_type()), what,
                                context, /*in_sequence=*/false);
-  return std::make_unique<CollectiveWork>(group, counter, std::move(what), std::move(work), nullptr,
-                                          std::move(ticket));
+  return labelled(std::make_unique<CollectiveWork>(group, counter, std::move(what), std::move(work),
+                                                   nullptr, std::move(ticket)),
+                  kPointToPointNames, context);
 }
 
 std::unique_ptr<CollectiveWork> recv(ProcessGroup& group, const torch::Tensor& tensor, int src,
@@ -526,8 +636,9 @@ std::unique_ptr<CollectiveWork> recv(ProcessGroup& group, const torch::Tensor& t
   std::string what = describe("recv", bytes, "from group rank " + std::to_string(src), context);
   RecordTicket ticket = record(group, "recv", bytes, c10::toString(tensor.scalar_type()), what,
                                context, /*in_sequence=*/false);
-  return std::make_unique<CollectiveWork>(group, counter, std::move(what), std::move(work), nullptr,
-                                          std::move(ticket));
+  return labelled(std::make_unique<CollectiveWork>(group, counter, std::move(what), std::move(work),
+                                                   nullptr, std::move(ticket)),
+                  kPointToPointNames, context);
 }
 
 std::unique_ptr<CollectiveWork> barrier(ProcessGroup& group, const std::string& context) {
@@ -537,7 +648,9 @@ std::unique_ptr<CollectiveWork> barrier(ProcessGroup& group, const std::string& 
   auto& counter = group.comm_stats().barrier;
   counter.calls += 1;
   auto work = detail::GroupAccess::first_lane(group).barrier();
-  return std::make_unique<CollectiveWork>(group, counter, what, std::move(work), nullptr, ticket);
+  return labelled(
+      std::make_unique<CollectiveWork>(group, counter, what, std::move(work), nullptr, ticket),
+      kBarrierNames, context);
 }
 
 std::vector<std::string> all_gather_bytes(ProcessGroup& group, const std::string& mine,

@@ -13,6 +13,8 @@
 #include <mutex>
 #include <utility>
 
+#include <fsdp/core/trace.h>
+
 #include "saved_ops.h"
 
 namespace fsdp {
@@ -72,6 +74,7 @@ class ReplayRng {
 // What the node keeps between forward and backward.
 struct Region : torch::CustomClassHolder {
   CheckpointFn again;
+  std::string name;       // the unit's, for the trace
   size_t num_inputs = 0;  // the caller's; a placeholder may follow them (checkpoint_apply)
   CheckpointMode mode = CheckpointMode::kFull;
   std::vector<torch::Tensor> inputs;  // detached: same storage and version counter
@@ -131,6 +134,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     }
     std::vector<torch::Tensor> outputs;
     {
+      trace::Span span("recompute", "recompute", r.name);
       torch::AutoGradMode grad_mode(true);
       ReplayRng rng(r.generators, r.rng_states);
       SavedOps::Scope scope(r.mode == CheckpointMode::kSelective ? &r.saved_ops : nullptr,
@@ -161,8 +165,8 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
 }  // namespace
 
 std::vector<torch::Tensor> checkpoint_apply(const CheckpointFn& first, CheckpointFn again,
-                                            std::vector<torch::Tensor> inputs,
-                                            CheckpointMode mode) {
+                                            std::vector<torch::Tensor> inputs, CheckpointMode mode,
+                                            std::string name) {
   if (mode == CheckpointMode::kNone || !torch::GradMode::is_enabled())
     return first(inputs);
   const bool any_grad = std::any_of(inputs.begin(), inputs.end(), [](const torch::Tensor& t) {
@@ -177,6 +181,7 @@ std::vector<torch::Tensor> checkpoint_apply(const CheckpointFn& first, Checkpoin
   auto region = c10::make_intrusive<Region>();
   region->mode = mode;
   region->again = std::move(again);
+  region->name = std::move(name);
   region->num_inputs = num_inputs;
   return CheckpointFunction::apply(std::move(region), &first, at::TensorList(inputs));
 }

@@ -98,6 +98,10 @@ torch::Tensor ForwardCall::cast_output(const torch::Tensor& t) const {
   return t.to(*output_dtype_);
 }
 
+const std::string& ForwardCall::unit_name() const {
+  return unit_->name();
+}
+
 CheckpointMode ForwardCall::checkpoint_mode(bool replayable) const {
   const auto mode = unit_->options().activation_checkpointing();
   if (mode == CheckpointMode::kNone || !torch::GradMode::is_enabled())

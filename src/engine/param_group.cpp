@@ -226,8 +226,10 @@ void ParamGroup::pre_forward(bool is_root_call) {
   }
   unit_state_.forward_entered(is_root_call);
   moment_before_forward_ = memory::current_moment();
-  memory::set_moment(torch::autograd::get_current_graph_task_id() != -1 ? moments().recompute
-                                                                        : moments().forward);
+  const bool recompute = torch::autograd::get_current_graph_task_id() != -1;
+  memory::set_moment(recompute ? moments().recompute : moments().forward);
+  forward_kind_ = recompute ? "recompute" : "forward";
+  forward_span_ = trace::begin();
   try {
     auto& prefetcher = state_->prefetcher();
     prefetcher.record_forward(*this);
@@ -261,6 +263,13 @@ std::vector<torch::Tensor> ParamGroup::wrap_inputs(std::vector<torch::Tensor> in
 void ParamGroup::post_forward(const std::vector<torch::Tensor>& outputs) {
   TORCH_INTERNAL_ASSERT(unit_state_.training() == TrainingState::kForward, context(),
                         ": post_forward outside its forward");
+  // The forward's span ends when this returns, on whichever path (a reshard may throw).
+  struct EndSpan {
+    ParamGroup& unit;
+    ~EndSpan() {
+      trace::end(unit.forward_span_, unit.forward_kind_, unit.forward_kind_, unit.name_);
+    }
+  } end_span{*this};
   std::vector<torch::Tensor> hooked;
   if (torch::GradMode::is_enabled()) {
     for (const auto& out : outputs) {
@@ -324,6 +333,7 @@ void ParamGroup::abort_forward() {
   if (unit_state_.training() != TrainingState::kForward)
     return;  // post_forward completed before the throw
   forming_.reset();
+  forward_span_ = {};
   unit_state_.forward_exited();
   // The forward fails: what the rate limiter held back is not needed (RootState::exit_forward
   // drops it too). Dropped first, so that giving back this unit's slot issues nothing.
@@ -368,6 +378,8 @@ void ParamGroup::pre_backward(CallRecord& call) {
   if (call.pre_pass == pass)
     return;  // another output of the same call
   call.pre_pass = pass;
+  if (!backward_span_.active())
+    backward_span_ = trace::begin();
   if (std::none_of(calls_.begin(), calls_.end(), [&](const auto& c) { return c.get() == &call; })) {
     // A call processed by an earlier pass runs backward again (its graph was retained).
     calls_.push_back(c10::intrusive_ptr<CallRecord>::reclaim_copy(&call));
@@ -405,6 +417,11 @@ void ParamGroup::post_backward(CallRecord& call) {
 }
 
 void ParamGroup::reduce_gradients() {
+  // The backward's span ends with its reduce-scatter issued and the next prefetch requested.
+  struct EndSpan {
+    ParamGroup& unit;
+    ~EndSpan() { trace::end(unit.backward_span_, "backward", "backward", unit.name_); }
+  } end_span{*this};
   memory::CategoryScope tag(memory::Category::kGrads);
   unit_state_.reduce_began();
   std::vector<ShardedParam*> trainable;
@@ -597,6 +614,8 @@ bool ParamGroup::run_post_reduce_hook(bool end_of_pass, uint64_t round) {
         return false;
     }
   }
+  // The optimizer inside backward runs here: its span, under this one, steps this unit.
+  trace::Span span("post_reduce_hook", "post-reduce hook", name_);
   wait_reduces();
   install_grads();
   std::vector<torch::Tensor> params;
@@ -624,6 +643,7 @@ void ParamGroup::end_backward_pass(uint64_t pass) {
   reduces_.clear();
   reduced_in_pass_ = false;
   post_reduced_ = false;
+  backward_span_ = {};  // a unit whose backward never reduced (nothing reached it)
   unit_state_.pass_closed();
   drop_block_shards();
   release();
@@ -652,6 +672,7 @@ void ParamGroup::abort_backward_pass(uint64_t pass, std::vector<std::string>& er
   }
   reduced_in_pass_ = false;
   post_reduced_ = false;
+  backward_span_ = {};
   unit_state_.pass_closed();
   collect_errors(errors, [&] { release(); });
   drop_block_shards();

@@ -47,6 +47,7 @@
 
 #include <fsdp/fully_shard.h>
 
+#include <fsdp/core/trace.h>
 #include <fsdp/distributed/collectives.h>
 #include "int8_reduce.h"
 #include "sharded_param.h"
@@ -262,6 +263,12 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   PostReduceHook post_reduce_hook_;
   // ReduceFormat::kInt8 with a reduce-scatter (made on the first reduction that needs it).
   std::optional<Int8Reduce> int8_reduce_;
+  // Trace spans (fsdp/core/trace.h) that open in one hook and close in another: the forward
+  // (pre_forward to the end of post_forward; "recompute" when it runs inside a backward) and the
+  // backward (the first pre_backward of the pass to the end of reduce_gradients). Inert unless
+  // tracing was on when they opened.
+  trace::Mark forward_span_, backward_span_;
+  const char* forward_kind_ = "forward";
 };
 
 }  // namespace fsdp::detail

@@ -2,6 +2,8 @@
 // pieces the kernels run on (see include/fsdp/optim/fused_optimizer.h).
 #include <fsdp/optim/fused_optimizer.h>
 
+#include <fsdp/core/trace.h>
+
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
@@ -119,6 +121,8 @@ torch::Tensor FusedOptimizer::step(LossClosure closure) {
     at::AutoGradMode enable_grad(true);
     loss = closure();
   }
+  // One span for the whole step: the kernels run over flat buffers, not unit by unit.
+  trace::Span span("optimizer", "optimizer step");
   ensure_layout();
   step_selected(nullptr);
   return loss;
@@ -139,6 +143,8 @@ void FusedOptimizer::ensure_layout() {
 }
 
 void FusedOptimizer::step_params(const std::vector<torch::Tensor>& params) {
+  // Inside backward, the enclosing post-reduce span names the unit (param_group.cpp).
+  trace::Span span("optimizer", "optimizer step (some parameters)");
   ensure_layout();
   if (params.empty())
     return;

@@ -132,6 +132,12 @@ TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
        "'fsdp.optimizer_in_backward' cannot skip a step whose gradients overflow"},
       {"", "--training.grad_clip_mode=local",
        "'training.grad_clip_mode' must be one of global, previous_step"},
+      {"", "--logging.trace_steps=3-2", "'logging.trace_steps' = '3-2' ends before it starts"},
+      {"", "--logging.trace_steps=two", "'logging.trace_steps' = 'two' is not a step range"},
+      {"", "--logging.trace_steps=2-", "'logging.trace_steps' = '2-' is not a step range"},
+      {"", "--logging.trace_steps=0", "'logging.trace_steps' = '0' must start at step 1"},
+      {"", "--training.steps=4 --logging.trace_steps=3-5",
+       "'logging.trace_steps' = '3-5' goes past the last step (training.steps = 4)"},
       // The job's shape: checked by the launcher before any rank starts...
       {"", "--nproc 2 --fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=3",
        "'fsdp.hybrid_shard_size' = 3 must divide the world size (2 ranks)"},
@@ -350,6 +356,48 @@ TEST(TrainerRun, NprocTwoWritesEveryMetric) {
   cmd += " --nproc 2";  // by append: GCC 12 misreports train_cmd() + "..." here (-Warray-bounds)
   auto m = train_and_read("gpt-nproc2", cmd);
   expect_sane(m);
+}
+
+// logging.trace_steps: each rank writes a Chrome trace of exactly those steps, with the spans
+// of the step's parts (data, each unit's forward and backward, collectives, optimizer, metrics).
+TEST(TrainerRun, TraceStepsWritesEachRanksTraceOfThoseStepsOnly) {
+  auto m = train_and_read("trace", train_cmd() + " --nproc 2", "--logging.trace_steps=2-3");
+  ASSERT_EQ(m.size(), 6u);
+  for (int rank = 0; rank < 2; ++rank) {
+    const auto path = fs::path(FSDP_TEST_WORK_DIR) / "run-trace" / "trace" /
+                      ("rank" + std::to_string(rank) + ".json");
+    ASSERT_TRUE(fs::exists(path)) << path;
+    std::ifstream in(path);
+    const auto doc = nlohmann::json::parse(in);
+    EXPECT_EQ(doc.at("distributedInfo").at("rank"), rank);
+    EXPECT_EQ(doc.at("distributedInfo").at("world_size"), 2);
+    std::set<int64_t> steps;
+    std::set<std::string> kinds, step_names;
+    int spans = 0;
+    for (const auto& e : doc.at("traceEvents")) {
+      EXPECT_EQ(e.at("pid"), rank) << e.dump();
+      if (e.at("ph") != "X")
+        continue;
+      ++spans;
+      EXPECT_GE(e.at("dur").get<double>(), 0) << e.dump();
+      const auto& args = e.at("args");
+      ASSERT_TRUE(args.contains("step")) << e.dump();
+      steps.insert(args.at("step").get<int64_t>());
+      kinds.insert(args.at("kind").get<std::string>());
+      if (args.at("kind") == "step")
+        step_names.insert(e.at("name").get<std::string>());
+    }
+    EXPECT_EQ(steps, (std::set<int64_t>{2, 3})) << "rank " << rank;
+    EXPECT_EQ(step_names, (std::set<std::string>{"ProfilerStep#2", "ProfilerStep#3"}));
+    for (const char* kind :
+         {"data", "forward_pass", "backward_pass", "forward", "backward", "all_gather_issue",
+          "all_gather_wait", "reduce_scatter_issue", "reduce_scatter_wait", "transfer",
+          "optimizer_phase", "optimizer", "metrics"}) {
+      EXPECT_TRUE(kinds.count(kind)) << "rank " << rank << ": no '" << kind << "' span";
+    }
+    std::printf("rank %d: %d spans of steps 2-3 in %ju bytes\n", rank, spans,
+                static_cast<uintmax_t>(fs::file_size(path)));
+  }
 }
 
 // Accumulation through the config: 2 micro-batches reduce-scatter twice per step, or once with

@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <functional>
 #include <sstream>
+#include <string_view>
 
 namespace fsdp_trainer {
 namespace {
@@ -513,6 +514,10 @@ const std::vector<Option>& options() {
           "Collectives each rank remembers (0: none): dumped as JSON to "
           "<logging.run_dir>/flight_recorder/rank<R>.json when a collective or a step fails "
           "and on SIGUSR1; `fsdp-train fr-analyze DIR` names the rank that did not arrive."),
+      opt("logging.trace_steps", FIELD(logging.trace_steps),
+          "Optimizer steps to trace, \"A-B\" or \"A\" (empty: none): each rank writes a Chrome "
+          "trace of them to <logging.run_dir>/trace/rank<R>.json (Perfetto, chrome://tracing; "
+          "docs/trainer.md, \"Traces\")."),
       opt("checkpoint.every", FIELD(checkpoint.every),
           "Save a sharded checkpoint every this many steps, and after the last (0: never). Each "
           "rank writes its own rows; any number of ranks can resume from it."),
@@ -853,6 +858,11 @@ void validate(const Config& c) {
   require(c.logging.log_every >= 1, "logging.log_every", "must be >= 1");
   require(c.logging.flight_recorder >= 0 && c.logging.flight_recorder <= (1 << 24),
           "logging.flight_recorder", "must be in [0, 16777216]");
+  if (const auto range = trace_step_range(c)) {
+    require(range->second <= c.training.steps, "logging.trace_steps",
+            "= '" + c.logging.trace_steps + "' goes past the last step (training.steps = " +
+                std::to_string(c.training.steps) + ")");
+  }
   require(c.generate.tokens >= 0, "generate.tokens", "must be >= 0");
   require(c.checkpoint.every >= 0, "checkpoint.every", "must be >= 0");
   require(c.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1");
@@ -922,6 +932,33 @@ int64_t parse_bytes(const std::string& text, const std::string& key) {
   }
   throw ConfigError("'" + key + "' = '" + text + "': unknown unit '" + unit +
                     "' (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)");
+}
+
+std::optional<std::pair<int64_t, int64_t>> trace_step_range(const Config& c) {
+  const std::string& text = c.logging.trace_steps;
+  if (text.empty())
+    return std::nullopt;
+  auto bad = [&](const std::string& why) {
+    return ConfigError("'logging.trace_steps' = '" + text + "' " + why);
+  };
+  // A positive decimal step number, digits only (no sign, no spaces).
+  auto step = [&](std::string_view digits) {
+    int64_t v = 0;
+    auto [ptr, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), v);
+    if (digits.empty() || ec != std::errc() || ptr != digits.data() + digits.size() ||
+        !std::isdigit(static_cast<unsigned char>(digits.front())))
+      throw bad("is not a step range: write \"A-B\" or \"A\" (e.g. \"20-22\")");
+    if (v < 1)
+      throw bad("must start at step 1 or later");
+    return v;
+  };
+  const auto dash = text.find('-');
+  const std::string_view all = text;
+  const int64_t first = step(all.substr(0, dash));
+  const int64_t last = dash == std::string::npos ? first : step(all.substr(dash + 1));
+  if (last < first)
+    throw bad("ends before it starts");
+  return std::make_pair(first, last);
 }
 
 std::string offload_dir(const Config& c) {

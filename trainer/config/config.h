@@ -7,8 +7,10 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace fsdp_trainer {
@@ -112,6 +114,7 @@ struct LoggingConfig {
   bool plan = false;               // fsdp-train --plan
   int64_t flight_recorder = 2000;  // collectives kept per rank (0: off)
   bool tensorboard = false;        // <run_dir>/tensorboard/events.out.tfevents.*
+  std::string trace_steps;         // "A-B" or "A": Chrome traces of those steps ("": off)
 };
 
 struct GenerateConfig {
@@ -173,6 +176,10 @@ std::string offload_dir(const Config& c);
 /// "16GiB", "512 MiB", "2GB", "1e9": bytes (binary and decimal units; a plain number is bytes).
 /// ConfigError naming `key` for anything else or a size that is not positive.
 int64_t parse_bytes(const std::string& text, const std::string& key);
+
+/// The optimizer steps logging.trace_steps covers, first and last (inclusive); nullopt when it
+/// is empty. ConfigError naming the key for anything but "A" or "A-B" with 1 <= A <= B.
+std::optional<std::pair<int64_t, int64_t>> trace_step_range(const Config& c);
 
 /// The directory checkpoints are written to (checkpoint.dir, or under the run directory).
 std::string checkpoint_dir(const Config& c);

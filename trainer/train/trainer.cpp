@@ -23,9 +23,11 @@
 #include <fsdp/core/caching_allocator.h>
 #include <fsdp/core/durable_file.h>
 #include <fsdp/core/memory.h>
+#include <fsdp/core/trace.h>
 #include <fsdp/distributed/collectives.h>
 #include <fsdp/distributed/flight_recorder.h>
 #include <fsdp/fully_shard.h>
+#include <fsdp/observe/chrome_trace.h>
 #include <fsdp/observe/step_profiler.h>
 #include <fsdp/optim/fused_optimizer.h>
 #include <fsdp/unshard.h>
@@ -696,6 +698,7 @@ double Trainer::run_step(const StepParts& parts, const torch::Tensor& batch,
     fsdp::memory::CategoryScope activations(fsdp::memory::Category::kActivations);
     {
       auto scope = parts.profiler.forward();
+      fsdp::trace::Span span("forward_pass", "forward pass");
       if (finetune_) {
         auto inputs = conversations.inputs.narrow(0, i * rows, rows).to(device_);
         auto labels = conversations.labels.narrow(0, i * rows, rows).to(device_);
@@ -711,6 +714,7 @@ double Trainer::run_step(const StepParts& parts, const torch::Tensor& batch,
     }
     {
       auto scope = parts.profiler.backward();
+      fsdp::trace::Span span("backward_pass", "backward pass");
       if (in_backward)
         in_backward->arm(i == micro - 1);
       (parts.scaler ? parts.scaler->scale(loss) : loss).backward();
@@ -719,6 +723,7 @@ double Trainer::run_step(const StepParts& parts, const torch::Tensor& batch,
   }
   {
     auto scope = parts.profiler.optimizer();
+    fsdp::trace::Span span("optimizer_phase", "optimizer phase");
     fsdp::memory::CategoryScope optimizer_state(fsdp::memory::Category::kOptimizer);
     static const int optimizer_moment = fsdp::memory::moment_id("optimizer");
     fsdp::memory::set_moment(optimizer_moment);
@@ -768,10 +773,13 @@ StepMetrics Trainer::train_step(int64_t step) {
 
   torch::Tensor batch;
   InstructBatch conversations;
-  if (finetune_)
-    conversations = finetune_->sampler().next();
-  else
-    batch = sampler_->next().to(device_);
+  {
+    fsdp::trace::Span span("data", "data");
+    if (finetune_)
+      conversations = finetune_->sampler().next();
+    else
+      batch = sampler_->next().to(device_);
+  }
   const double loss_sum = run_step(
       StepParts{model_, *optimizer_, params_, *profiler_, scaler_.get(), previous_grad_norm_},
       batch, conversations, m);
@@ -825,6 +833,7 @@ StepMetrics Trainer::train_step(int64_t step) {
     mt.step += b.step_s;
     ++mt.steps;
   }
+  fsdp::trace::Span span("metrics", "metrics");
   reduce_step_metrics(m, loss_sum,
                       finetune_ ? static_cast<double>(conversations.inputs.numel()) : 0.0);
   if (!finetune_)
@@ -846,6 +855,19 @@ void Trainer::load_sampler_state(const SamplerState& state) {
     sampler_->load_state(state);
 }
 
+void Trainer::write_trace(std::pair<int64_t, int64_t> steps) {
+  fsdp::trace::stop();
+  fsdp::trace::set_step(-1);
+  const auto dir = std::filesystem::path(config_.logging.run_dir) / "trace";
+  const auto path = dir / fmt::format("rank{}.json", pg_->rank());
+  fsdp::write_chrome_trace(path.string(), fsdp::trace::collect(), pg_->rank(), pg_->size());
+  if (progress_) {
+    progress_->message(fmt::format("trace of step{} {}: {}/rank*.json (ui.perfetto.dev)",
+                                   steps.first == steps.second ? "" : "s",
+                                   config_.logging.trace_steps, dir.string()));
+  }
+}
+
 void Trainer::train() {
   const auto& t = config_.training;
   std::vector<std::string> answers_before;
@@ -856,17 +878,30 @@ void Trainer::train() {
     progress_->message(fmt::format("step {}: held-out loss {:.4f}", start_step_, initial_eval));
   const auto start = Clock::now();
   const int64_t every = config_.checkpoint.every;
+  const auto traced = trace_step_range(config_);
   for (int64_t step = start_step_ + 1; step <= t.steps; ++step) {
+    // logging.trace_steps: recording covers exactly the traced steps, from the learning rate to
+    // the metrics line (and an evaluation due after the step); not a checkpoint.
+    const bool tracing = traced && step >= traced->first && step <= traced->second;
+    if (tracing && !fsdp::trace::enabled()) {
+      fsdp::trace::set_thread_name("main");
+      fsdp::trace::start();
+    }
+    fsdp::trace::set_step(tracing ? step : -1);
+    auto step_span = fsdp::trace::begin();
     auto m = train_step(step);
     const bool eval_now = step == t.steps || (t.eval_every > 0 && step % t.eval_every == 0);
-    if (eval_now)
+    if (eval_now) {
+      fsdp::trace::Span span("eval", "evaluation");
       m.eval_loss = evaluate();
+    }
     ++steps_run_;
     if (m.eval_loss)
       last_eval_loss_ = m.eval_loss;
     // The step is logged before the checkpoint that contains it: a job killed after the
     // checkpoint resumes after this step and must find its metrics line written.
     if (pg_->rank() == 0) {
+      fsdp::trace::Span span("metrics", "metrics log");
       metrics_->append(m);
       if (tensorboard_)
         tensorboard_->write_scalars(m.step, tensorboard_scalars(m));
@@ -879,6 +914,10 @@ void Trainer::train() {
                                        *m.eval_loss, m.loss));
       }
     }
+    // Kineto's name for a step, which Holistic Trace Analysis looks for.
+    fsdp::trace::end(step_span, "step", "ProfilerStep#" + std::to_string(step));
+    if (tracing && step == traced->second)
+      write_trace(*traced);
     // Every rank sees the same (averaged) loss, so all stop together.
     if (!std::isfinite(m.loss))
       throw std::runtime_error(fmt::format("loss is {} at step {}", m.loss, step));

@@ -88,6 +88,8 @@ class Trainer {
   double run_step(const StepParts& parts, const torch::Tensor& batch,
                   const InstructBatch& conversations, StepMetrics& m);
   double evaluate();
+  /// logging.trace_steps: stops recording and writes this rank's trace of `steps`.
+  void write_trace(std::pair<int64_t, int64_t> steps);
   double learning_rate(int64_t step) const;
   double mean_over_ranks(double v);
   int64_t max_over_ranks(int64_t v);

@@ -11,6 +11,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -51,6 +52,8 @@ class ForwardCall {
   /// arguments can be copied for the recomputation (throws if they cannot and it would be
   /// needed).
   CheckpointMode checkpoint_mode(bool replayable) const;
+  /// The unit's name ("h3").
+  const std::string& unit_name() const;
 
  private:
   bool casts_input(const torch::Tensor& t) const;
@@ -188,7 +191,8 @@ decltype(auto) replay_arg(D& stored) {
 // A unit's forward under activation checkpointing: copies of the arguments (their tensors
 // detached) are kept for the recomputation, which calls the module's forward again on them.
 template <typename Result, typename... Args, typename Impl>
-Result checkpointed_forward(Impl& impl, CheckpointMode mode, std::tuple<ArgSlot<Args>...>& slots) {
+Result checkpointed_forward(Impl& impl, CheckpointMode mode, std::tuple<ArgSlot<Args>...>& slots,
+                            const std::string& unit_name) {
   using Stored = std::tuple<std::remove_cvref_t<Args>...>;
   auto saved =
       std::apply([](auto&... slot) { return std::make_shared<Stored>(slot.get()...); }, slots);
@@ -219,7 +223,7 @@ Result checkpointed_forward(Impl& impl, CheckpointMode mode, std::tuple<ArgSlot<
         Result again = run(t);
         return tensors_in(again);
       },
-      std::move(inputs), mode);
+      std::move(inputs), mode, unit_name);
   replace_tensors(*kept, outputs);
   return std::move(*kept);
 }

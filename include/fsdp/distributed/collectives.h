@@ -74,6 +74,14 @@ class CollectiveWork {
 
   void wait();
 
+  /// What the trace span of wait() is called ("all_gather_wait", "all-gather wait", "h3"; see
+  /// fsdp/core/trace.h). Set by the functions below; `kind` and `label` are static strings.
+  void set_trace_label(const char* kind, const char* label, std::string subject) {
+    trace_kind_ = kind;
+    trace_label_ = label;
+    trace_subject_ = std::move(subject);
+  }
+
  private:
   ProcessGroup& group_;
   CollectiveCounter& counter_;
@@ -82,6 +90,9 @@ class CollectiveWork {
   std::function<void()> finish_;
   RecordTicket ticket_;
   bool waited_ = false;
+  const char* trace_kind_ = "wait";
+  const char* trace_label_ = "wait";
+  std::string trace_subject_;
 };
 
 // `context` says who issues a collective ("unit 'h3'"): it appears in errors and in the
