@@ -1502,6 +1502,26 @@ TEST(TrainerRun, ExportGenerateAndInitFromSavedModels) {
       << twice.output;
 }
 
+// A fresh run in the directory of an earlier, longer one: its first checkpoint replaces the
+// earlier run's later ones (which "latest" would otherwise resume), and is itself kept.
+TEST(TrainerRun, AFreshRunReplacesTheCheckpointsOfAnEarlierLongerRun) {
+  const auto dir = fs::path(FSDP_TEST_WORK_DIR) / "replaced";
+  fs::remove_all(dir);
+  const auto config = write_config("replaced", tiny_config(dir.string()));
+  const std::string common = " --logging.plot=false --generate.tokens=0 --checkpoint.every=2";
+  auto first = run(train_cmd() + " --nproc 2 " + config + common);
+  ASSERT_EQ(first.code, 0) << first.output;
+  const auto ckpt = dir / "checkpoints";
+  EXPECT_TRUE(fs::exists(ckpt / "step-00000006") && fs::exists(ckpt / "step-00000004"));
+  auto fresh = run(train_cmd() + " --nproc 2 " + config + common + " --training.steps=2");
+  ASSERT_EQ(fresh.code, 0) << fresh.output;
+  EXPECT_TRUE(fs::exists(ckpt / "step-00000002" / "index.json"));
+  EXPECT_FALSE(fs::exists(ckpt / "step-00000004"));
+  EXPECT_FALSE(fs::exists(ckpt / "step-00000006"));
+  EXPECT_NE(fresh.output.find("a checkpoint of the run this one replaced"), std::string::npos)
+      << fresh.output;
+}
+
 namespace {
 
 // A job started in the background (sh -c), its output in `log`.

@@ -525,7 +525,9 @@ const std::vector<Option>& options() {
           "Where checkpoints go (one step-NNNNNNNN directory each); empty: "
           "<logging.run_dir>/checkpoints."),
       opt("checkpoint.keep", FIELD(checkpoint.keep),
-          "Complete checkpoints kept; older ones are removed once a newer one is complete."),
+          "Complete checkpoints kept; older ones are removed once a newer one is complete. "
+          "Checkpoints of later steps than the one just saved belong to a run this one "
+          "replaced (a fresh start, or a resume from an earlier step) and are removed."),
       opt("checkpoint.resume", FIELD(checkpoint.resume),
           "Resume from 'latest' (the newest complete checkpoint in checkpoint.dir), 'auto' (the "
           "latest if there is one, else start afresh: for jobs a launcher restarts) or a "

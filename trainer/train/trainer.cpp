@@ -1068,13 +1068,25 @@ void Trainer::save_checkpoint(int64_t step) {
   if (rank != 0)
     return;
   fs::remove_all(aside_path(dir));
-  auto done = complete_checkpoints(root);
-  const auto keep = static_cast<size_t>(config_.checkpoint.keep);
-  for (size_t i = 0; i + keep < done.size(); ++i)
-    fs::remove_all(done[i]);
   uint64_t bytes = 0;
   for (const auto& e : fs::directory_iterator(dir))
     bytes += e.is_regular_file() ? e.file_size() : 0;
+  // Checkpoints of later steps belong to a run this one replaced (a fresh start in the same
+  // directory, or a resume from an earlier checkpoint): removed, so that "latest" is this run's
+  // and checkpoint.keep counts this run's own (names sort by step).
+  std::vector<fs::path> done;
+  for (auto& p : complete_checkpoints(root)) {
+    if (p.filename().string() > dir.filename().string()) {
+      fs::remove_all(p);
+      if (progress_)
+        progress_->message("removed " + p.string() + ", a checkpoint of the run this one replaced");
+    } else {
+      done.push_back(std::move(p));
+    }
+  }
+  const auto keep = static_cast<size_t>(config_.checkpoint.keep);
+  for (size_t i = 0; i + keep < done.size(); ++i)
+    fs::remove_all(done[i]);
   if (progress_) {
     progress_->message(fmt::format("step {}: checkpoint {} ({:.1f} MB in {:.2f} s, {:.0f} MB/s)",
                                    step, dir.string(), bytes / 1e6, save_seconds,
