@@ -16,7 +16,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${FSDP_CACHE:-$HOME/.cache/fsdp-cpp}"
 VENV="$CACHE/torch-$(tr -d '[:space:]' < "$ROOT/.torch-version")"
 BUILD="${FSDP_FUZZ_BUILD:-$CACHE/build-fuzz}"
-ALL=(safetensors_header checkpoint_index gguf instruct_jsonl bpe_tokenizer hf_tokenizer chat_template config)
+ALL=(safetensors_header checkpoint_index gguf instruct_jsonl bpe_tokenizer hf_tokenizer chat_template config corpus_source)
 
 usage() {
   echo "usage: scripts/fuzz.sh [--time SECONDS] [--jobs N] [TARGET...]; targets: ${ALL[*]}" >&2

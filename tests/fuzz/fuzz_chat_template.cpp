@@ -6,7 +6,8 @@
 //     contents are any bytes, special-token text included (tests/fuzz/chat_template/dict).
 //     Bit 1: render with the generation prompt.
 //   bit 0 set: the rest is a Jinja template, which ChatTemplate accepts or refuses with
-//     runtime_error; an accepted one renders a fixed conversation as ChatML.
+//     runtime_error; an accepted one renders a fixed conversation as its family does (ChatML,
+//     Llama 3, Mistral: the corpus holds their published templates to mutate).
 // Invariants (traps): render writes ChatML exactly (the default system message when the first
 // message is not a system one, then each message); the encoded ids decode to the rendered text,
 // their only special tokens are one <|im_start|> and one <|im_end|> per rendered message (content
@@ -104,10 +105,26 @@ void conversation(const uint8_t* data, size_t size, bool generation_prompt) {
 void jinja(const uint8_t* data, size_t size) {
   std::string text(reinterpret_cast<const char*>(data), size);
   try {
-    const fsdp_trainer::ChatTemplate t(text, "fuzz");
+    const fsdp_trainer::ChatTemplate t(text, "fuzz", "<s>", "</s>");
     const std::vector<ChatMessage> m = {{"user", "Hi"}, {"assistant", "Hello"}};
-    if (t.render(m, true) != chatml(m, t.default_system(), true))
-      __builtin_trap();
+    const std::string r = t.render(m, true);
+    switch (t.family()) {
+      case fsdp_trainer::ChatFamily::kChatML:
+        if (r != chatml(m, t.default_system(), true))
+          __builtin_trap();
+        break;
+      case fsdp_trainer::ChatFamily::kLlama3:
+        if (r !=
+            "<s><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>"
+            "assistant<|end_header_id|>\n\nHello<|eot_id|><|start_header_id|>assistant"
+            "<|end_header_id|>\n\n")
+          __builtin_trap();
+        break;
+      case fsdp_trainer::ChatFamily::kMistral:
+        if (r != "<s>[INST] Hi [/INST]Hello</s>" && r != "<s>[INST] Hi [/INST]Hello</s> ")
+          __builtin_trap();
+        break;
+    }
   } catch (const std::runtime_error&) {
   }
 }
