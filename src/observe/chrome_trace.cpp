@@ -81,7 +81,9 @@ std::string chrome_trace(const std::vector<trace::ThreadSpans>& threads, int ran
                     ", \"world_size\": " + std::to_string(world_size) +
                     "},\n\"schemaVersion\": 1,\n\"displayTimeUnit\": \"ms\",\n\"traceEvents\": [\n";
   for (size_t i = 0; i < events.size(); ++i) {
-    out += events[i].dump();
+    // Names come from user code (unit names): bytes that are not UTF-8 become U+FFFD rather
+    // than a nlohmann type error.
+    out += events[i].dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
     out += i + 1 < events.size() ? ",\n" : "\n";
   }
   out += "]}\n";

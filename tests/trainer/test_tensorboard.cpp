@@ -172,7 +172,7 @@ TEST(TensorBoardWriter, TensorBoardReadsEveryScalarAsWritten) {
   ASSERT_EQ(::gethostname(host, sizeof(host) - 1), 0);
   const std::string name = fs::path(path).filename().string();
   EXPECT_TRUE(name.starts_with("events.out.tfevents.")) << name;
-  EXPECT_TRUE(name.ends_with(std::string(".") + host)) << name;
+  EXPECT_TRUE(name.ends_with(std::string(".") + host + "." + std::to_string(::getpid()))) << name;
   // No temporary file left beside it.
   EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator()), 1);
 
@@ -298,7 +298,8 @@ TEST(TensorBoardWriter, ErrorsAreOneLineNamingThePath) {
   const auto now = static_cast<long long>(std::time(nullptr));
   for (long long t = now; t < now + 5; ++t) {
     char name[400];
-    std::snprintf(name, sizeof(name), "events.out.tfevents.%010lld.%s", t, host);
+    std::snprintf(name, sizeof(name), "events.out.tfevents.%010lld.%s.%d", t, host,
+                  static_cast<int>(::getpid()));
     std::ofstream(fs::path(tmp.path()) / name) << "keep";
   }
   try {

@@ -139,13 +139,17 @@ CorpusSource::CorpusSource(std::string spec) : spec_(std::move(spec)) {
              spec_, fs::directory_options::skip_permission_denied, ec);
          !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
       const auto name = it->path().filename().string();
+      // Per-entry checks have their own error: a dangling link is skipped, not the end of the
+      // listing. Links to folders are not followed (a cycle would never end); links to files
+      // are read.
+      std::error_code entry;
       if (!name.empty() && name[0] == '.') {  // hidden files and folders (.git)
-        if (it->is_directory(ec))
+        if (it->is_directory(entry))
           it.disable_recursion_pending();
         continue;
       }
       const auto path = it->path().string();
-      if (it->is_regular_file(ec) && (has_suffix(path, ".txt") || is_jsonl(path)))
+      if (it->is_regular_file(entry) && (has_suffix(path, ".txt") || is_jsonl(path)))
         found.push_back(path);
     }
     if (ec)

@@ -588,6 +588,15 @@ PreparedData prepare_data(const PrepareOptions& options) {
   if (ec)
     fail(options.out_dir + ": cannot create the data directory: " + ec.message());
   DirLock lock(options.out_dir);
+  // What an interrupted preparation left (atomic writes' hidden temporaries, the whole-stream
+  // token file): ours (data_dir_problem), and no other preparer is running while we hold the
+  // lock.
+  for (const auto& entry : fs::directory_iterator(options.out_dir, ec)) {
+    const auto name = entry.path().filename().string();
+    if ((name.size() > 1 && name[0] == '.' && name.find(".tmp.") != std::string::npos) ||
+        name == std::string(kTrainFile) + ".all")
+      fs::remove(entry.path(), ec);
+  }
 
   // Pass 1 reads the corpus once for its checksum (reuse needs the same bytes: a file may have
   // changed under the same path), its document count and the tokenizer's training sample.
@@ -630,6 +639,12 @@ PreparedData prepare_data(const PrepareOptions& options) {
   // copy buffer whatever the corpus's size. Documents are separated by eos, so that the model
   // sees where one ends (one document, as the built-in corpora, gets none).
   const std::string all_path = d.train_path + ".all";  // a name data_dir_problem() knows
+  // Removed on every way out: it is the size of the token files, and a failure after it is
+  // complete (no space left for train.bin) must not leave it behind.
+  struct RemoveOnExit {
+    const std::string& path;
+    ~RemoveOnExit() { ::unlink(path.c_str()); }
+  } remove_all_file{all_path};
   {
     TokenFileWriter all(all_path, d.vocab_size);
     bool document_starts = true;
@@ -668,7 +683,6 @@ PreparedData prepare_data(const PrepareOptions& options) {
     train = copy(d.train_path, 0, d.train_tokens);
     val = copy(d.val_path, d.train_tokens, d.val_tokens);
   }
-  ::unlink(all_path.c_str());
 
   auto split_json = [](const TokenFileInfo& info, const char* file) {
     return json{{"file", file},

@@ -169,11 +169,12 @@ TensorBoardWriter::TensorBoardWriter(const std::string& dir, int64_t first_step)
   if (ec)
     throw std::runtime_error(fmt::format("{}: cannot create directory: {}", dir, ec.message()));
   // The same pattern as TensorFlow's writer ("%010lld"): zero-padded, so that TensorBoard,
-  // which reads a run's files in name order, reads them in time order.
-  const std::string path =
-      (fs::path(dir) / fmt::format("{}{:010d}.{}", kEventFilePrefix,
-                                   static_cast<long long>(std::time(nullptr)), host_name()))
-          .string();
+  // which reads a run's files in name order, reads them in time order; the pid makes a restart
+  // within the same second a new name, not an error.
+  const std::string path = (fs::path(dir) / fmt::format("{}{:010d}.{}.{}", kEventFilePrefix,
+                                                        static_cast<long long>(std::time(nullptr)),
+                                                        host_name(), ::getpid()))
+                               .string();
   // The temporary name must not contain "tfevents": TensorBoard reads every such file in the
   // directory, and would read this one half-written.
   static std::atomic<int> counter{0};

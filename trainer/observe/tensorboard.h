@@ -37,7 +37,7 @@ std::string tfrecord(std::string_view data);
 class TensorBoardWriter {
  public:
   /// Creates `dir` if needed and in it a new file events.out.tfevents.<unix time, 10
-  /// digits>.<hostname> (the name TensorBoard looks for; `dir` is one run to TensorBoard).
+  /// digits>.<hostname>.<pid> (the name TensorBoard looks for; `dir` is one run to TensorBoard).
   /// The file appears whole, with its first records (file version and a SessionLog START at
   /// `first_step`), or not at all: they are written to a temporary name and linked into
   /// place, which also refuses to replace an existing file. The START event makes TensorBoard

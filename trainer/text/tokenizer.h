@@ -63,6 +63,12 @@ class Tokenizer {
   std::string path_;
 };
 
+/// The files an export carries so that transformers uses the tokenizer as it is:
+/// tokenizer.json, tokenizer_config.json (special tokens, `model_max_length`) and
+/// generation_config.json (bos and eos ids). Throws what to_hf_json() throws.
+std::map<std::string, std::string> tokenizer_export_files(const Tokenizer& tok,
+                                                          int64_t model_max_length);
+
 /// The most text train_tokenizer() learns from: beyond it, lines are sampled.
 inline constexpr size_t kTokenizerTrainingBytes = 8u << 20;
 
@@ -72,12 +78,6 @@ inline constexpr size_t kTokenizerTrainingBytes = 8u << 20;
 /// core (the 4.3 MB KJV: ~2 s). If `model_prefix` is not empty, writes `<model_prefix>.model`
 /// atomically. Not thread-safe: SentencePiece seeds a process-wide generator.
 /// Throws "tokenizer training (vocab_size N on M bytes) failed: <SentencePiece's reason>".
-/// The files an export carries so that transformers uses the tokenizer as it is:
-/// tokenizer.json, tokenizer_config.json (special tokens, `model_max_length`) and
-/// generation_config.json (bos and eos ids). Throws what to_hf_json() throws.
-std::map<std::string, std::string> tokenizer_export_files(const Tokenizer& tok,
-                                                          int64_t model_max_length);
-
 Tokenizer train_tokenizer(const std::string& text, int vocab_size, const std::string& model_prefix,
                           uint64_t seed);
 

@@ -18,6 +18,8 @@
 //   same order; pieces of equal score would be ordered by id, and our BPE models give every
 //   learned piece its own score.
 // - Characters outside the vocabulary become their UTF-8 bytes <0xXX> in both (byte fallback).
+// One difference remains: `tokenizers` matches the special pieces (<unk>, <s>, </s>) where text
+// spells them, SentencePiece never does; text holding them gets other ids (the corpora do not).
 #include <sentencepiece_processor.h>
 
 #include <nlohmann/json.hpp>
@@ -117,9 +119,15 @@ std::string Tokenizer::to_hf_json() const {
       return a.id < b.id;
     return a.left.size() < b.left.size();
   });
+  // "left right" strings, the form every `tokenizers` version reads (pieces hold no ASCII
+  // space: SentencePiece writes it as U+2581).
   Json merge_list = Json::array();
-  for (const auto& m : merges)
-    merge_list.push_back({m.left, m.right});
+  for (const auto& m : merges) {
+    if (m.left.find(' ') != std::string::npos || m.right.find(' ') != std::string::npos)
+      throw std::runtime_error(path_ + ": the piece '" + m.left + m.right +
+                               "' holds a space, which tokenizer.json merges cannot");
+    merge_list.push_back(m.left + " " + m.right);
+  }
 
   const std::string space = "\xE2\x96\x81";  // U+2581, SentencePiece's visible space
   Json j;
@@ -142,7 +150,6 @@ std::string Tokenizer::to_hf_json() const {
                 {"end_of_word_suffix", nullptr},
                 {"fuse_unk", true},
                 {"byte_fallback", true},
-                {"ignore_merges", false},
                 {"vocab", std::move(vocab)},
                 {"merges", std::move(merge_list)}};
   try {

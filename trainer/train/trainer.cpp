@@ -860,7 +860,14 @@ void Trainer::write_trace(std::pair<int64_t, int64_t> steps) {
   fsdp::trace::set_step(-1);
   const auto dir = std::filesystem::path(config_.logging.run_dir) / "trace";
   const auto path = dir / fmt::format("rank{}.json", pg_->rank());
-  fsdp::write_chrome_trace(path.string(), fsdp::trace::collect(), pg_->rank(), pg_->size());
+  try {
+    fsdp::write_chrome_trace(path.string(), fsdp::trace::collect(), pg_->rank(), pg_->size());
+  } catch (const std::exception& e) {
+    // A diagnostics file that cannot be written (a full disk) must not end the run: the other
+    // ranks would wait for this one in their next collective.
+    std::fprintf(stderr, "fsdp-train: warning: no trace written: %s\n", e.what());
+    return;
+  }
   if (progress_) {
     progress_->message(fmt::format("trace of step{} {}: {}/rank*.json (ui.perfetto.dev)",
                                    steps.first == steps.second ? "" : "s",
@@ -880,8 +887,9 @@ void Trainer::train() {
   const int64_t every = config_.checkpoint.every;
   const auto traced = trace_step_range(config_);
   for (int64_t step = start_step_ + 1; step <= t.steps; ++step) {
-    // logging.trace_steps: recording covers exactly the traced steps, from the learning rate to
-    // the metrics line (and an evaluation due after the step); not a checkpoint.
+    // logging.trace_steps: recording covers the traced steps, from the learning rate to the
+    // metrics line (and an evaluation due after the step), and a checkpoint saved after a traced
+    // step but the last (its collectives, tagged with that step).
     const bool tracing = traced && step >= traced->first && step <= traced->second;
     if (tracing && !fsdp::trace::enabled()) {
       fsdp::trace::set_thread_name("main");
