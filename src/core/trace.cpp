@@ -1,7 +1,10 @@
 // The trace recorder (include/fsdp/core/trace.h): per-thread buffers, tracks, start/stop.
 //
-// Invariant: every buffer ever created stays registered (threads come and go, their buffers
-// are shared with the registry), so collect() sees the spans of threads that have ended.
+// Invariants: every buffer ever created stays registered (threads come and go, their buffers
+// are shared with the registry), so collect() sees the spans of threads that have ended. A
+// buffer holds the spans of one generation (one start()) only: a span of a newer generation
+// empties it first, one of an older generation is dropped, both decided under the buffer's
+// mutex, so a span that raced a start() never lands in the new recording.
 #include <fsdp/core/trace.h>
 
 #include <algorithm>
@@ -27,7 +30,20 @@ struct Buffer {
   bool is_track = false;
   std::vector<Event> events;
   int64_t last_end_ns = 0;  // tracks: where the next span may start at the earliest
+  uint64_t generation = 0;  // of the spans in `events`
 };
+
+// Under b.mutex: whether a span of `generation` may be appended to `b` (see the invariants).
+bool admit(Buffer& b, uint64_t generation) {
+  if (generation < b.generation)
+    return false;
+  if (generation > b.generation) {
+    b.events.clear();
+    b.last_end_ns = 0;
+    b.generation = generation;
+  }
+  return true;
+}
 
 // Every buffer, in order of creation (a thread's on its first span or name, a track's on its
 // first span). Process-wide like the memory counters: ranks are processes.
@@ -75,27 +91,24 @@ int64_t now_ns() noexcept {
 void start() {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
-  for (auto& b : r.buffers) {
-    std::lock_guard<std::mutex> l(b->mutex);
-    b->events.clear();
-    b->last_end_ns = 0;
-  }
-  // A new generation first: spans opened under an earlier recording are not recorded in this one.
+  // A new generation (buffers of earlier ones empty themselves on their next span, and
+  // collect() skips them): spans opened under an earlier recording are not recorded in this one.
   detail::g_generation.fetch_add(1, std::memory_order_relaxed);
-  detail::g_enabled.store(true, std::memory_order_relaxed);
+  detail::g_enabled.store(true, std::memory_order_release);
 }
 
 void stop() {
-  detail::g_enabled.store(false, std::memory_order_relaxed);
+  detail::g_enabled.store(false, std::memory_order_release);
 }
 
 std::vector<ThreadSpans> collect() {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   std::vector<ThreadSpans> out;
+  const uint64_t current = detail::g_generation.load(std::memory_order_relaxed);
   for (auto& b : r.buffers) {
     std::lock_guard<std::mutex> l(b->mutex);
-    if (b->events.empty())
+    if (b->events.empty() || b->generation != current)
       continue;
     ThreadSpans t;
     t.tid = b->tid;
@@ -145,7 +158,8 @@ void end(Mark& mark, const char* kind, std::string_view label, std::string_view 
     e.step = current_step();
     auto& b = this_thread();
     std::lock_guard<std::mutex> lock(b.mutex);
-    b.events.push_back(std::move(e));
+    if (admit(b, m.generation))
+      b.events.push_back(std::move(e));
   } catch (...) {
   }
 }
@@ -170,6 +184,8 @@ void record_on_track(std::string_view track, uint64_t generation, const char* ki
         buffer = r.add_locked(std::string(track), true);
     }
     std::lock_guard<std::mutex> lock(buffer->mutex);
+    if (!admit(*buffer, generation))
+      return;
     Event e;
     // A track's work runs one item at a time: what was issued while the previous item ran
     // starts when that one ended.

@@ -192,6 +192,11 @@ TEST(CorpusSource, DirectoriesGlobsAndJsonlAreDocumentsInPathOrder) {
   write_text(dir / "books/empty.txt", "");
   write_text(dir / "books/notes.md", "not a corpus file");
   write_text(dir / "books/.git/x.txt", "hidden");
+  // A dangling link is skipped (it used to end the listing); a link to a folder is not followed.
+  fs::create_symlink(dir / "nowhere.txt", dir / "books/dangling.txt");
+  fs::create_directories(dir / "elsewhere");
+  write_text(dir / "elsewhere/e.txt", "linked folder");
+  fs::create_directory_symlink(dir / "elsewhere", dir / "books/linked");
   const CorpusSource all(dir / "books");
   EXPECT_EQ(all.files(),
             (std::vector<std::string>{dir / "books/a.txt", dir / "books/b.txt",

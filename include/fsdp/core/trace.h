@@ -41,9 +41,10 @@ extern std::atomic<bool> g_enabled;
 extern std::atomic<uint64_t> g_generation;
 }  // namespace detail
 
-/// Whether spans are being recorded now (one relaxed load).
+/// Whether spans are being recorded now (one load; acquire, so that a thread that sees
+/// recording on also sees the generation start() made: a plain load on x86).
 inline bool enabled() noexcept {
-  return detail::g_enabled.load(std::memory_order_relaxed);
+  return detail::g_enabled.load(std::memory_order_acquire);
 }
 
 /// Nanoseconds on the steady clock (the time base of every span).
