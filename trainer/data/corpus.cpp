@@ -129,11 +129,6 @@ std::string load_kjv() {
 
 // ---- Fortunes ---------------------------------------------------------------------------------
 
-bool ends_with(const std::string& s, std::string_view suffix) {
-  return s.size() >= suffix.size() &&
-         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 // Appends each entry of one fortune file, followed by "\n%\n". Entries lose their leading and
 // trailing blank lines (leading spaces of the first line stay: ASCII art depends on them).
 void append_fortunes(const std::string& file_text, std::string& out) {
@@ -178,7 +173,7 @@ std::string load_fortunes() {
     const std::string name = e.path().filename().string();
     // *.dat are strfile indexes, *.u8 symlinks to the same text; subdirectories hold other
     // languages or the offensive set.
-    if (name.empty() || name[0] == '.' || ends_with(name, ".dat") || ends_with(name, ".u8"))
+    if (name.empty() || name[0] == '.' || name.ends_with(".dat") || name.ends_with(".u8"))
       continue;
     if (e.is_symlink(ec) || !e.is_regular_file(ec))
       continue;

@@ -34,13 +34,8 @@ bool is_builtin(const std::string& spec) {
   return spec == "kjv" || spec == "fortunes";
 }
 
-bool has_suffix(const std::string& s, std::string_view suffix) {
-  return s.size() >= suffix.size() &&
-         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 bool is_jsonl(const std::string& path) {
-  return has_suffix(path, ".jsonl");
+  return path.ends_with(".jsonl");
 }
 
 bool is_glob(const std::string& spec) {
@@ -113,7 +108,7 @@ void for_each_piece(const std::string& path, size_t min_bytes,
 
 void add_file(std::vector<std::string>& files, int64_t& bytes, const std::string& path,
               const std::string& what) {
-  if (!has_suffix(path, ".txt") && !is_jsonl(path))
+  if (!path.ends_with(".txt") && !is_jsonl(path))
     fail(what + ": '" + path + "' is neither .txt nor .jsonl");
   std::error_code ec;
   const auto size = fs::file_size(path, ec);
@@ -149,7 +144,7 @@ CorpusSource::CorpusSource(std::string spec) : spec_(std::move(spec)) {
         continue;
       }
       const auto path = it->path().string();
-      if (it->is_regular_file(entry) && (has_suffix(path, ".txt") || is_jsonl(path)))
+      if (it->is_regular_file(entry) && (path.ends_with(".txt") || is_jsonl(path)))
         found.push_back(path);
     }
     if (ec)
