@@ -1,10 +1,11 @@
-// The invariants every byte-level BPE tokenizer keeps, whatever it was read from (GGUF
-// metadata, tokenizer.json): the fuzz targets bpe_tokenizer and hf_tokenizer trap when one
-// breaks.
+// The invariants every BPE tokenizer keeps, whatever it was read from (GGUF metadata,
+// tokenizer.json): the fuzz targets bpe_tokenizer and hf_tokenizer trap when one breaks.
 //   Any byte string, valid UTF-8 or not, decodes back to itself through encode and through
-//   encode_plain, unless it holds a byte the vocabulary has no token for, which both refuse
-//   (UnencodableByte, naming a byte that is there); encode_plain never yields a special token's
-//   id; encode without a special id equals encode_plain; ids lie in the vocabulary.
+//   encode_plain (SentencePiece-style: through encode_plain if it does not start with a space,
+//   and its tokens spell it after the prefix space), unless it holds a byte the vocabulary has
+//   no token for, which both refuse (UnencodableByte, naming a byte that is there);
+//   encode_plain never yields a special token's id; encode without a special id equals
+//   encode_plain; ids lie in the vocabulary.
 #pragma once
 
 #include <string>
@@ -41,13 +42,22 @@ inline void check_bpe(const fsdp_trainer::BpeTokenizer& tok, const std::string& 
       __builtin_trap();
     special = special || tok.is_special(id);
   }
-  if (tok.decode(ids) != text)
+  if (tok.byte_level() && tok.decode(ids) != text)
     __builtin_trap();  // text lost or changed
   const auto plain = tok.encode_plain(text);
   for (auto id : plain)
     if (id < 0 || id >= tok.vocab_size() || tok.is_special(id))
       __builtin_trap();  // plain text became a control token
-  if (tok.decode(plain) != text)
+  if (tok.byte_level() && tok.decode(plain) != text)
+    __builtin_trap();
+  // SentencePiece-style: the tokens spell the text, after the prefix space if one was put
+  // (decoding may drop leading spaces, as the file's decoder says).
+  std::string spelled;
+  for (auto id : plain)
+    spelled += tok.token_bytes(id);
+  if (spelled != (tok.adds_space_prefix(text, true) ? " " : "") + text)
+    __builtin_trap();
+  if (!tok.byte_level() && !text.empty() && text[0] != ' ' && tok.decode(plain) != text)
     __builtin_trap();
   if (!special && plain != ids)
     __builtin_trap();  // the two encodings differ where no special token was matched

@@ -11,6 +11,7 @@
 #include "harness/command.h"
 #include "harness/files.h"
 #include "text/chat_template.h"
+#include "tokenizer_samples.h"
 
 namespace {
 
@@ -42,14 +43,7 @@ const std::string kLlama3Pretty =
     "    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}\n"
     "{%- endif -%}";
 std::string mistral(const std::string& after_eos) {
-  return "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != "
-         "(loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate "
-         "user/assistant/user/assistant/...') }}{% endif %}{% if message['role'] == 'user' %}"
-         "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == "
-         "'assistant' %}{{ message['content'] + eos_token" +
-         after_eos +
-         "}}{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}"
-         "{% endif %}{% endfor %}";
+  return fsdp::test::mistral_template(after_eos);
 }
 const std::string kChatML =
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "

@@ -31,6 +31,7 @@
 #include "text/bpe_tokenizer.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
+#include "tokenizer_samples.h"
 
 namespace {
 
@@ -137,29 +138,9 @@ FSDP_WORKER(hf_dir_sharded_logits) {
 
 // The three shipped corpora (KJV verses, fortunes, the instruction set's JSONL lines) and a
 // sample of scripts, emoji, numbers, spacing, code and chat markup.
-std::string tokenizer_corpus() {
-  std::string corpus = fsdp::test::first_lines(fsdp_trainer::load_corpus("kjv"), 300);
-  corpus += fsdp::test::first_lines(fsdp_trainer::load_corpus("fortunes"), 300);
-  corpus += fsdp::test::first_lines(
-      fsdp::test::file_bytes(fs::path(FSDP_SOURCE_DIR) / "data/instruct/kjv_train.jsonl"), 100);
-  corpus +=
-      "Voilà l'été, déjà! Größe und Übermaß. "
-      "Привет, мир. "
-      "こんにちは世界。你好，世界。\n"
-      "Emoji: 🚀🔥👍🏽 👨‍👩‍👧 — "
-      "“quotes” ‘single’ … "
-      "naïve café x² ½ ∑ ∞\n"
-      "Numbers 1234567890 3.14159 -42 1e-5 0x1F and   many    spaces\t\ttabs   \n"
-      "Code: for (int i = 0; i < n; ++i) { sum += a[i]; } // it's can't we'll they've I'm I'd\n"
-      "SHOUTING IT'S WE'LL Don'T\r\nwindows\r\n\r\n  lines\n\n\n"
-      "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n4<|endoftext|>\n"
-      "   leading spaces and trailing   ";
-  return corpus;
-}
-
 TEST(HfModel, SmolLM2TokenizerJsonEncodesAsTokenizersDoes) {
   fsdp::test::TempDir dir;
-  const auto corpus = tokenizer_corpus();
+  const auto corpus = fsdp::test::tokenizer_corpus();
   const auto text_path = dir.path() + "/corpus.txt";
   std::ofstream(text_path, std::ios::binary) << corpus;
   run(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR +
@@ -206,7 +187,7 @@ TEST(HfModel, SmolLM2TokenizerJsonEncodesAsTokenizersDoes) {
 // models: a small vocabulary (most text through single characters and bytes) and the demo's.
 TEST(HfModel, PretrainingTokenizerJsonEncodesAsSentencePieceDoes) {
   fsdp::test::TempDir dir;
-  const auto corpus = tokenizer_corpus();
+  const auto corpus = fsdp::test::tokenizer_corpus();
   const auto lines = fsdp::test::split_lines(corpus);
   const auto kjv = fsdp_trainer::load_corpus("kjv");
   for (const int vocab : {512, 2048}) {

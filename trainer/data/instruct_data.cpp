@@ -236,32 +236,49 @@ InstructExample encode_conversation(const std::vector<ChatMessage>& messages,
   // content can end its message early or forge a turn. For content without such text the ids
   // are tok.encode(text)'s, which splits the text at the same places.
   InstructExample ex;
+  // Where each stretch of plain text starts among the ids, and whether the tokenizer put a
+  // word-boundary space before it (SentencePiece-style prefixes): that space is in the first
+  // token's bytes but not in the text.
+  std::vector<std::pair<size_t, bool>> prefixed;
+  auto encode_plain = [&](size_t begin, size_t end) {
+    const auto part = text.substr(begin, end - begin);
+    if (tok.adds_space_prefix(part, begin == 0))
+      prefixed.emplace_back(ex.ids.size(), true);
+    const auto ids = tok.encode_plain(part, begin == 0);
+    ex.ids.insert(ex.ids.end(), ids.begin(), ids.end());
+  };
   size_t plain = 0;
   for (const auto& [pos, delim] : delims) {
     const int64_t id = tok.special_id(std::string(delim));
     if (id < 0)
       throw std::runtime_error("the tokenizer has no special token " + std::string(delim) +
                                ", which the " + tmpl.family_name() + " chat template needs");
-    const auto ids = tok.encode_plain(text.substr(plain, pos - plain));
-    ex.ids.insert(ex.ids.end(), ids.begin(), ids.end());
+    encode_plain(plain, pos);
     ex.ids.push_back(id);
     plain = pos + delim.size();
   }
-  const auto tail = tok.encode_plain(text.substr(plain));
-  ex.ids.insert(ex.ids.end(), tail.begin(), tail.end());
+  encode_plain(plain, text.size());
   ex.target.assign(ex.ids.size(), 0);
-  // Each token's bytes, in order, are the text (byte-level BPE loses nothing): a token is a
-  // target if its bytes overlap a span. Checking the bytes as we go verifies the offsets.
-  size_t pos = 0, s = 0;
+  // Each token's bytes, in order, are the text (BPE loses nothing; a prefix space aside): a
+  // token is a target if its bytes overlap a span, or if it has none (a lone prefix space)
+  // and stands inside one. Checking the bytes as we go verifies the offsets.
+  size_t pos = 0, s = 0, next_prefix = 0;
   for (size_t i = 0; i < ex.ids.size(); ++i) {
-    const std::string bytes = tok.decode({ex.ids[i]});
+    std::string bytes = tok.token_bytes(ex.ids[i]);
+    if (next_prefix < prefixed.size() && prefixed[next_prefix].first == i) {
+      ++next_prefix;
+      if (bytes.empty() || bytes[0] != ' ')
+        throw std::logic_error("encode_conversation: no prefix space where one was put");
+      bytes.erase(0, 1);
+    }
     if (text.compare(pos, bytes.size(), bytes) != 0)
       throw std::logic_error("encode_conversation: the tokens do not spell the text at byte " +
                              std::to_string(pos));
     const size_t end = pos + bytes.size();
     while (s < spans.size() && spans[s].second <= pos)
       ++s;
-    ex.target[i] = s < spans.size() && spans[s].first < end && pos < spans[s].second;
+    ex.target[i] = s < spans.size() && pos < spans[s].second &&
+                   (spans[s].first < end || (bytes.empty() && spans[s].first <= pos));
     pos = end;
   }
   if (pos != text.size())

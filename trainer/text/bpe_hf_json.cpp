@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cstdio>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -94,6 +95,110 @@ void add_pre_tokenizer(const Json& p, const std::string& where, bool& byte_level
   }
 }
 
+const std::string kMetaSpace = "\xE2\x96\x81";  // U+2581, SentencePiece's visible space
+
+// What a SentencePiece-style tokenizer.json does around its BPE, read from its normalizer,
+// pre-tokenizer and decoder.
+struct SentencePieceText {
+  bool prepend = false;              // a Prepend(U+2581) normalizer
+  bool replace = false;              // a Replace(" " -> U+2581) normalizer
+  bool metaspace = false;            // a Metaspace pre-tokenizer (replaces spaces too)
+  std::string scheme = "never";      // its prepend_scheme
+  bool split = false;                // its split
+  bool decodes_space = false;        // the decoder turns U+2581 back into spaces
+  bool decodes_bytes = false;        // ... and <0xXX> tokens into bytes (ByteFallback)
+  bool strip_leading_space = false;  // a Strip decoder taking one leading space
+  bool strip_first_token = false;    // a Metaspace decoder with a prepend scheme
+};
+
+std::string type_of(const Json& j, const std::string& where, const char* what) {
+  if (!j.is_object() || !j.contains("type") || !j["type"].is_string())
+    throw FormatError(where + ": a " + what + " without a 'type'");
+  return j["type"].get<std::string>();
+}
+
+// The String of a Replace/Split pattern ("" if it is a Regex or absent).
+std::string string_pattern(const Json& j) {
+  const auto p = j.value("pattern", Json());
+  return p.is_object() && p.contains("String") && p["String"].is_string()
+             ? p["String"].get<std::string>()
+             : std::string();
+}
+
+std::string string_field(const Json& j, const char* key) {
+  return j.contains(key) && j[key].is_string() ? j[key].get<std::string>() : std::string();
+}
+
+void add_sentencepiece_normalizer(const Json& n, const std::string& where, SentencePieceText& sp,
+                                  int depth = 0) {
+  const auto type = type_of(n, where, "normalizer");
+  if (type == "Sequence" && depth == 0 && n.contains("normalizers") &&
+      n["normalizers"].is_array()) {
+    for (const auto& m : n["normalizers"])
+      add_sentencepiece_normalizer(m, where, sp, depth + 1);
+  } else if (type == "Prepend" && string_field(n, "prepend") == kMetaSpace) {
+    sp.prepend = true;
+  } else if (type == "Replace" && string_pattern(n) == " " &&
+             string_field(n, "content") == kMetaSpace) {
+    sp.replace = true;
+  } else {
+    throw FormatError(where + ": normalizer " + type +
+                      " is not supported (SentencePiece-style BPE: only Prepend of U+2581 "
+                      "and Replace of ' ' by U+2581)");
+  }
+}
+
+// Metaspace's prefix scheme, from its current field or the older add_prefix_space.
+std::string metaspace_scheme(const Json& m, const std::string& where) {
+  if (m.contains("prepend_scheme") && !m["prepend_scheme"].is_null()) {
+    const auto scheme = string_field(m, "prepend_scheme");
+    if (scheme != "always" && scheme != "first" && scheme != "never")
+      throw FormatError(where + ": Metaspace's prepend_scheme is not always, first or never");
+    return scheme;
+  }
+  return flag(m, "add_prefix_space", true, where + ": Metaspace") ? "always" : "never";
+}
+
+void read_metaspace(const Json& m, const std::string& where) {
+  if (string_field(m, "replacement") != kMetaSpace)
+    throw FormatError(where + ": Metaspace's replacement is not U+2581");
+}
+
+void add_sentencepiece_decoder(const Json& d, const std::string& where, SentencePieceText& sp,
+                               int depth = 0) {
+  const auto type = type_of(d, where, "decoder");
+  if (type == "Sequence" && depth == 0 && d.contains("decoders") && d["decoders"].is_array()) {
+    for (const auto& e : d["decoders"])
+      add_sentencepiece_decoder(e, where, sp, depth + 1);
+  } else if (type == "Replace" && string_pattern(d) == kMetaSpace &&
+             string_field(d, "content") == " ") {
+    sp.decodes_space = true;
+  } else if (type == "ByteFallback") {
+    sp.decodes_bytes = true;
+  } else if (type == "Fuse") {
+  } else if (type == "Strip" && string_field(d, "content") == " " && d.value("stop", Json()) == 0 &&
+             (d.value("start", Json()) == 0 || d.value("start", Json()) == 1)) {
+    sp.strip_leading_space = sp.strip_leading_space || d["start"] == 1;
+  } else if (type == "Metaspace") {
+    read_metaspace(d, where + ": decoder");
+    sp.decodes_space = true;
+    sp.strip_first_token = metaspace_scheme(d, where + ": decoder") != "never";
+  } else {
+    throw FormatError(where + ": decoder " + type +
+                      " is not supported (SentencePiece-style BPE: Replace of U+2581 by ' ', "
+                      "ByteFallback, Fuse, Strip of one leading ' ', Metaspace)");
+  }
+}
+
+std::string dump_json(const Json& out) {
+  try {
+    return out.dump();
+  } catch (const Json::exception&) {  // nlohmann refuses invalid UTF-8 (error 316)
+    throw FormatError(
+        "tokenizer.json: a token or pattern is not valid UTF-8, which JSON text cannot hold");
+  }
+}
+
 // A string field of `j` ("" when absent or null); FormatError if it has another type.
 std::string optional_string(const Json& j, const char* key, const std::string& where) {
   if (!j.contains(key) || j[key].is_null())
@@ -119,10 +224,9 @@ BpeTokenizer BpeTokenizer::from_hf_json(const std::string& json_text, const std:
   const auto type = optional_string(model, "type", path + ": model");
   if (type != "BPE")
     throw FormatError(path + ": model type '" + type + "' is not supported (only BPE)");
-  if (flag(model, "byte_fallback", false, path + ": model"))
-    throw FormatError(path +
-                      ": model BPE with byte_fallback (SentencePiece style) is not supported; "
-                      "only byte-level BPE is read");
+  // byte_fallback marks the SentencePiece family (characters, then their bytes); without it
+  // the model must be byte-level.
+  const bool sentencepiece = flag(model, "byte_fallback", false, path + ": model");
   if (!optional_string(model, "continuing_subword_prefix", path).empty() ||
       !optional_string(model, "end_of_word_suffix", path).empty())
     throw FormatError(path +
@@ -131,22 +235,55 @@ BpeTokenizer BpeTokenizer::from_hf_json(const std::string& json_text, const std:
   if (model.contains("dropout") && !model["dropout"].is_null() &&
       !(model["dropout"].is_number() && model["dropout"].get<double>() == 0))
     throw FormatError(path + ": BPE dropout is not supported");
-  if (j.contains("normalizer") && !j["normalizer"].is_null())
-    throw FormatError(path + ": normalizer " +
-                      optional_string(j["normalizer"], "type", path + ": normalizer") +
-                      " is not supported (byte-level BPE has none)");
-  if (!j.contains("pre_tokenizer") || j["pre_tokenizer"].is_null())
-    throw FormatError(path + ": no pre_tokenizer (byte-level BPE needs ByteLevel)");
-  bool byte_level = false;
   std::vector<std::pair<std::string, bool>> splits;
-  add_pre_tokenizer(j["pre_tokenizer"], path, byte_level, splits);
-  if (!byte_level)
-    throw FormatError(path + ": the pre_tokenizer has no ByteLevel; only byte-level BPE is read");
-  if (j.contains("decoder") && !j["decoder"].is_null() &&
-      optional_string(j["decoder"], "type", path + ": decoder") != "ByteLevel")
-    throw FormatError(path + ": decoder " +
-                      optional_string(j["decoder"], "type", path + ": decoder") +
-                      " is not supported (only ByteLevel)");
+  SentencePieceText sp;
+  if (!sentencepiece) {
+    if (j.contains("normalizer") && !j["normalizer"].is_null())
+      throw FormatError(path + ": normalizer " +
+                        optional_string(j["normalizer"], "type", path + ": normalizer") +
+                        " is not supported (byte-level BPE has none)");
+    if (!j.contains("pre_tokenizer") || j["pre_tokenizer"].is_null())
+      throw FormatError(path + ": no pre_tokenizer (byte-level BPE needs ByteLevel)");
+    bool byte_level = false;
+    add_pre_tokenizer(j["pre_tokenizer"], path, byte_level, splits);
+    if (!byte_level)
+      throw FormatError(path +
+                        ": the pre_tokenizer has no ByteLevel and the model no byte_fallback; "
+                        "only byte-level and SentencePiece-style BPE are read");
+    if (j.contains("decoder") && !j["decoder"].is_null() &&
+        optional_string(j["decoder"], "type", path + ": decoder") != "ByteLevel")
+      throw FormatError(path + ": decoder " +
+                        optional_string(j["decoder"], "type", path + ": decoder") +
+                        " is not supported (only ByteLevel)");
+  } else {
+    if (j.contains("normalizer") && !j["normalizer"].is_null())
+      add_sentencepiece_normalizer(j["normalizer"], path, sp);
+    if (j.contains("pre_tokenizer") && !j["pre_tokenizer"].is_null()) {
+      const auto& p = j["pre_tokenizer"];
+      const auto type = type_of(p, path, "pre_tokenizer");
+      if (type != "Metaspace")
+        throw FormatError(path + ": pre_tokenizer " + type +
+                          " is not supported with byte_fallback (SentencePiece-style BPE: "
+                          "none, or Metaspace)");
+      read_metaspace(p, path + ": pre_tokenizer");
+      sp.metaspace = true;
+      sp.scheme = metaspace_scheme(p, path + ": pre_tokenizer");
+      sp.split = flag(p, "split", true, path + ": pre_tokenizer Metaspace");
+    }
+    if (!sp.replace && !sp.metaspace)
+      throw FormatError(path +
+                        ": a BPE with byte_fallback whose spaces are not made U+2581 (by a "
+                        "Replace normalizer or a Metaspace pre-tokenizer) is not supported");
+    if (!j.contains("decoder") || j["decoder"].is_null())
+      throw FormatError(path +
+                        ": no decoder (SentencePiece-style BPE needs one undoing "
+                        "U+2581 and byte fallback)");
+    add_sentencepiece_decoder(j["decoder"], path, sp);
+    if (!sp.decodes_space || !sp.decodes_bytes)
+      throw FormatError(path +
+                        ": the decoder does not turn U+2581 back into spaces and "
+                        "<0xXX> tokens into bytes (Replace and ByteFallback)");
+  }
 
   // Ids: the vocabulary's and the added tokens'; every id below the largest must have a token,
   // so no id can exceed their count (checked before anything is sized by an id).
@@ -253,6 +390,35 @@ BpeTokenizer BpeTokenizer::from_hf_json(const std::string& json_text, const std:
                         "') is listed twice");
   }
   t.ignore_merges_ = flag(model, "ignore_merges", false, path + ": model");
+  if (sentencepiece) {
+    t.byte_level_ = false;
+    t.metaspace_ = sp.metaspace;
+    t.split_at_space_ = sp.metaspace && sp.split;
+    t.space_prefix_ = sp.prepend              ? SpacePrefix::kEverySegment
+                      : sp.scheme == "always" ? SpacePrefix::kUnlessSpace
+                      : sp.scheme == "first"  ? SpacePrefix::kFirstSegment
+                                              : SpacePrefix::kNone;
+    t.decode_prefix_ = sp.strip_leading_space ? DecodePrefix::kStripLeadingSpace
+                       : sp.strip_first_token ? DecodePrefix::kStripFirstToken
+                                              : DecodePrefix::kKeep;
+    for (int b = 0; b < 256; ++b) {
+      char text[8];
+      std::snprintf(text, sizeof text, "<0x%02X>", b);
+      if (auto it = t.ids_.find(text); it != t.ids_.end()) {
+        t.byte_token_[b] = it->second;
+        t.byte_of_token_[it->second] = static_cast<uint8_t>(b);
+      }
+    }
+    const auto unk = optional_string(model, "unk_token", path + ": model");
+    if (!unk.empty()) {
+      if (const int64_t s = t.special_id(unk); s >= 0)
+        t.unk_ = s;
+      else if (auto it = t.ids_.find(unk); it != t.ids_.end())
+        t.unk_ = it->second;
+      else
+        throw FormatError(path + ": the unk_token '" + unk + "' is not in the vocabulary");
+    }
+  }
 
   auto id_of = [&](const std::string& text, const char* what) -> int64_t {
     if (text.empty())
@@ -299,6 +465,65 @@ std::string BpeTokenizer::to_hf_json() const {
     const auto space = pair->find(' ');
     merges.push_back({pair->substr(0, space), pair->substr(space + 1)});
   }
+  if (!byte_level_) {
+    // The SentencePiece-style pipeline as read (Prepend / Replace normalizers or a Metaspace
+    // pre-tokenizer; a decoder undoing them), in the layout transformers' Llama conversion
+    // writes.
+    const Json prepend = {{"type", "Prepend"}, {"prepend", kMetaSpace}};
+    const Json replace = {
+        {"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", kMetaSpace}};
+    Json normalizer, pre;
+    if (metaspace_) {
+      if (space_prefix_ == SpacePrefix::kEverySegment)
+        normalizer = prepend;
+      const char* scheme = space_prefix_ == SpacePrefix::kUnlessSpace    ? "always"
+                           : space_prefix_ == SpacePrefix::kFirstSegment ? "first"
+                                                                         : "never";
+      pre = {{"type", "Metaspace"},
+             {"replacement", kMetaSpace},
+             {"prepend_scheme", scheme},
+             {"split", split_at_space_}};
+    } else {
+      normalizer =
+          space_prefix_ == SpacePrefix::kEverySegment
+              ? Json{{"type", "Sequence"}, {"normalizers", Json::array({prepend, replace})}}
+              : replace;
+    }
+    Json decoders = Json::array();
+    decoders.push_back(
+        {{"type", "Replace"}, {"pattern", {{"String", kMetaSpace}}}, {"content", " "}});
+    decoders.push_back({{"type", "ByteFallback"}});
+    decoders.push_back({{"type", "Fuse"}});
+    if (decode_prefix_ == DecodePrefix::kStripLeadingSpace)
+      decoders.push_back({{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}});
+    else if (decode_prefix_ == DecodePrefix::kStripFirstToken)  // after Replace: strips nothing
+      decoders = Json::array({{{"type", "ByteFallback"}},
+                              {{"type", "Metaspace"},
+                               {"replacement", kMetaSpace},
+                               {"prepend_scheme", "always"},
+                               {"split", true}}});
+    const Json out = {
+        {"version", "1.0"},
+        {"truncation", nullptr},
+        {"padding", nullptr},
+        {"added_tokens", added},
+        {"normalizer", normalizer},
+        {"pre_tokenizer", pre},
+        {"post_processor", nullptr},
+        {"decoder", {{"type", "Sequence"}, {"decoders", decoders}}},
+        {"model",
+         {{"type", "BPE"},
+          {"dropout", nullptr},
+          {"unk_token", unk_ >= 0 ? Json(tokens_[static_cast<size_t>(unk_)]) : Json()},
+          {"continuing_subword_prefix", nullptr},
+          {"end_of_word_suffix", nullptr},
+          {"fuse_unk", true},
+          {"byte_fallback", true},
+          {"ignore_merges", ignore_merges_},
+          {"vocab", vocab},
+          {"merges", merges}}}};
+    return dump_json(out);
+  }
   // The pre-tokenizer from the patterns read (never the file's own JSON, which could nest
   // anything): GPT-2's pattern alone is ByteLevel's own; otherwise Split steps (Digits' patterns
   // are Splits of the same pattern) then ByteLevel without a pattern.
@@ -343,12 +568,7 @@ std::string BpeTokenizer::to_hf_json() const {
                       {"ignore_merges", ignore_merges_},
                       {"vocab", vocab},
                       {"merges", merges}}}};
-  try {
-    return out.dump();
-  } catch (const Json::exception&) {  // nlohmann refuses invalid UTF-8 (error 316)
-    throw fsdp_models::gguf::FormatError(
-        "tokenizer.json: a token or pattern is not valid UTF-8, which JSON text cannot hold");
-  }
+  return dump_json(out);
 }
 
 }  // namespace fsdp_trainer

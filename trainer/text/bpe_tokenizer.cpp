@@ -25,6 +25,14 @@ namespace {
 
 constexpr int32_t kRegexTimeLimit = 10000;
 
+const std::string kMetaSpace = "\xE2\x96\x81";  // U+2581, SentencePiece's visible space
+
+std::string byte_token_text(uint8_t b) {
+  char text[8];
+  std::snprintf(text, sizeof text, "<0x%02X>", b);
+  return text;
+}
+
 std::string utf8(char32_t cp) {
   std::string out;
   icu::UnicodeString(static_cast<UChar32>(cp)).toUTF8String(out);
@@ -88,10 +96,12 @@ UnencodableByte::UnencodableByte(uint8_t b)
       byte(b) {}
 
 bool BpeTokenizer::can_encode_byte(uint8_t b) const {
-  return ids_.count(byte_char_[b]) != 0;
+  return byte_level_ ? ids_.count(byte_char_[b]) != 0 : byte_token_[b] >= 0;
 }
 
-BpeTokenizer::BpeTokenizer() = default;
+BpeTokenizer::BpeTokenizer() {
+  std::fill(std::begin(byte_token_), std::end(byte_token_), int64_t{-1});
+}
 BpeTokenizer::~BpeTokenizer() = default;
 BpeTokenizer::BpeTokenizer(BpeTokenizer&&) noexcept = default;
 BpeTokenizer& BpeTokenizer::operator=(BpeTokenizer&&) noexcept = default;
@@ -197,14 +207,34 @@ int64_t BpeTokenizer::special_id(const std::string& text) const {
   return -1;
 }
 
+std::vector<std::string> BpeTokenizer::sentencepiece_symbols(const std::string& piece) const {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < piece.size();) {
+    const size_t n = utf8_length(std::string_view(piece).substr(i));
+    if (n > 0 && ids_.count(piece.substr(i, n))) {
+      out.push_back(piece.substr(i, n));
+    } else {  // byte fallback: the character's bytes (or the one invalid byte)
+      for (size_t k = i; k < i + std::max<size_t>(n, 1); ++k)
+        out.push_back(byte_token_text(static_cast<uint8_t>(piece[k])));
+    }
+    i += std::max<size_t>(n, 1);
+  }
+  return out;
+}
+
 void BpeTokenizer::bpe(const std::string& piece, std::vector<int64_t>& out) const {
   if (auto it = cache_.find(piece); it != cache_.end()) {
     out.insert(out.end(), it->second.begin(), it->second.end());
     return;
   }
+  // Byte-level: the piece's bytes in GPT-2's alphabet; SentencePiece-style: its characters.
   std::string mapped;
-  for (unsigned char c : piece)
-    mapped += byte_char_[c];
+  if (byte_level_) {
+    for (unsigned char c : piece)
+      mapped += byte_char_[c];
+  } else {
+    mapped = piece;
+  }
   if (ignore_merges_) {  // a piece that is a word of the vocabulary is that word, unmerged
     if (auto it = ids_.find(mapped); it != ids_.end()) {
       out.push_back(it->second);
@@ -221,7 +251,7 @@ void BpeTokenizer::bpe(const std::string& piece, std::vector<int64_t>& out) cons
     int version = 0;  // bumped when the symbol changes or dies: stale heap entries are skipped
   };
   std::vector<Symbol> syms;
-  for (auto& ch : characters(mapped)) {
+  for (auto& ch : byte_level_ ? characters(mapped) : sentencepiece_symbols(mapped)) {
     const int i = static_cast<int>(syms.size());
     syms.push_back({std::move(ch), i - 1, i + 1});
   }
@@ -272,6 +302,8 @@ void BpeTokenizer::bpe(const std::string& piece, std::vector<int64_t>& out) cons
     auto it = ids_.find(s);
     if (it != ids_.end()) {
       ids.push_back(it->second);
+    } else if (!byte_level_) {  // a byte token the vocabulary lacks: "<0xXX>"
+      throw UnencodableByte(static_cast<uint8_t>(std::stoi(s.substr(3, 2), nullptr, 16)));
     } else {  // not in the vocabulary: by bytes
       for (const auto& ch : characters(s)) {
         auto b = ids_.find(ch);
@@ -281,7 +313,8 @@ void BpeTokenizer::bpe(const std::string& piece, std::vector<int64_t>& out) cons
       }
     }
   }
-  if (cache_.size() < 200000)
+  // Words repeat, whole lines (SentencePiece-style pieces) rarely: only short pieces are kept.
+  if (cache_.size() < 200000 && piece.size() <= 64)
     cache_.emplace(piece, ids);
   out.insert(out.end(), ids.begin(), ids.end());
 }
@@ -289,7 +322,12 @@ void BpeTokenizer::bpe(const std::string& piece, std::vector<int64_t>& out) cons
 // Ordinary text: pre-tokens by the pattern, each merged by bpe(). A byte that is not part of
 // valid UTF-8 (RFC 3629: no overlong forms, surrogates or code points above U+10FFFF) is a
 // pre-token of its own, so that it is kept as its byte token, not replaced by U+FFFD.
-void BpeTokenizer::encode_text(std::string_view text, std::vector<int64_t>& out) const {
+void BpeTokenizer::encode_text(std::string_view text, bool at_input_start,
+                               std::vector<int64_t>& out) const {
+  if (!byte_level_) {
+    encode_sentencepiece(text, at_input_start, out);
+    return;
+  }
   size_t i = 0;
   while (i < text.size()) {
     size_t end = i;
@@ -342,6 +380,52 @@ void BpeTokenizer::encode_text(std::string_view text, std::vector<int64_t>& out)
   }
 }
 
+bool BpeTokenizer::adds_space_prefix(std::string_view text, bool at_input_start) const {
+  if (byte_level_ || text.empty())
+    return false;
+  const bool space = text[0] == ' ' || text.starts_with(kMetaSpace);
+  switch (space_prefix_) {
+    case SpacePrefix::kNone:
+      return false;
+    case SpacePrefix::kEverySegment:
+      return true;
+    case SpacePrefix::kUnlessSpace:
+      return !space;
+    case SpacePrefix::kFirstSegment:
+      return at_input_start && !space;
+  }
+  return false;
+}
+
+// SentencePiece-style text: spaces as U+2581, the prefix, then BPE over the whole text (or over
+// the pieces Metaspace's split cuts before each U+2581), as `tokenizers` does.
+void BpeTokenizer::encode_sentencepiece(std::string_view text, bool at_input_start,
+                                        std::vector<int64_t>& out) const {
+  std::string s;
+  s.reserve(text.size() + text.size() / 4 + 3);
+  if (adds_space_prefix(text, at_input_start))
+    s += kMetaSpace;
+  for (char c : text) {
+    if (c == ' ')
+      s += kMetaSpace;
+    else
+      s.push_back(c);
+  }
+  if (s.empty())
+    return;
+  if (!split_at_space_) {
+    bpe(s, out);
+    return;
+  }
+  size_t begin = 0;
+  for (size_t at = s.find(kMetaSpace, 1); at != std::string::npos;
+       at = s.find(kMetaSpace, at + 1)) {
+    bpe(s.substr(begin, at - begin), out);
+    begin = at;
+  }
+  bpe(s.substr(begin), out);
+}
+
 std::vector<int64_t> BpeTokenizer::encode(const std::string& text) const {
   std::vector<int64_t> out;
   size_t start = 0, pos = 0;
@@ -349,7 +433,7 @@ std::vector<int64_t> BpeTokenizer::encode(const std::string& text) const {
     bool matched = false;
     for (const auto& [s, id] : specials_) {
       if (!s.empty() && text.compare(pos, s.size(), s) == 0) {
-        encode_text(std::string_view(text).substr(start, pos - start), out);
+        encode_text(std::string_view(text).substr(start, pos - start), start == 0, out);
         out.push_back(id);
         pos += s.size();
         start = pos;
@@ -360,30 +444,56 @@ std::vector<int64_t> BpeTokenizer::encode(const std::string& text) const {
     if (!matched)
       ++pos;
   }
-  encode_text(std::string_view(text).substr(start), out);
+  encode_text(std::string_view(text).substr(start), start == 0, out);
   return out;
 }
 
-std::vector<int64_t> BpeTokenizer::encode_plain(const std::string& text) const {
+std::vector<int64_t> BpeTokenizer::encode_plain(const std::string& text,
+                                                bool at_input_start) const {
   std::vector<int64_t> out;
-  encode_text(text, out);
+  encode_text(text, at_input_start, out);
   return out;
 }
 
-std::string BpeTokenizer::decode(const std::vector<int64_t>& ids) const {
+std::string BpeTokenizer::token_bytes(int64_t id) const {
+  const auto& tok = tokens_.at(static_cast<size_t>(id));
+  if (is_special_[static_cast<size_t>(id)])
+    return tok;
   std::string out;
-  for (auto id : ids) {
-    const auto& tok = tokens_.at(id);
-    if (is_special_[id]) {
-      out += tok;
-      continue;
-    }
+  if (byte_level_) {
     for (const auto& ch : characters(tok)) {
       auto it = char_byte_.find(ch);
       if (it != char_byte_.end())
         out.push_back(static_cast<char>(it->second));
     }
+    return out;
   }
+  if (auto b = byte_of_token_.find(id); b != byte_of_token_.end())
+    return std::string(1, static_cast<char>(b->second));
+  for (size_t i = 0; i < tok.size();) {
+    if (tok.compare(i, kMetaSpace.size(), kMetaSpace) == 0) {
+      out.push_back(' ');
+      i += kMetaSpace.size();
+    } else {
+      out.push_back(tok[i++]);
+    }
+  }
+  return out;
+}
+
+std::string BpeTokenizer::decode(const std::vector<int64_t>& ids) const {
+  std::string out;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    std::string bytes = token_bytes(ids[i]);
+    // Metaspace's decoder turns every U+2581 of the first token into nothing, not a space.
+    if (i == 0 && decode_prefix_ == DecodePrefix::kStripFirstToken &&
+        !is_special_.at(static_cast<size_t>(ids[0])) && !byte_of_token_.count(ids[0]))
+      std::erase(bytes, ' ');
+    out += bytes;
+  }
+  // The Strip decoder: one space at the start of the text.
+  if (decode_prefix_ == DecodePrefix::kStripLeadingSpace && !out.empty() && out[0] == ' ')
+    out.erase(0, 1);
   return out;
 }
 

@@ -1,7 +1,11 @@
-// Byte-level BPE, the tokenizer of SmolLM2 (and GPT-2, Llama 3 style models), read from a GGUF
-// file's metadata (tokenizer.ggml.tokens, .merges, .token_type and the special token ids) or
-// from a Hugging Face tokenizer.json (bpe_hf_json.cpp).
+// BPE tokenizers of pretrained models, in the two families they come in:
+// - byte-level BPE, the tokenizer of SmolLM2 (and GPT-2, Llama 3 style models), read from a GGUF
+//   file's metadata (tokenizer.ggml.tokens, .merges, .token_type and the special token ids) or
+//   from a Hugging Face tokenizer.json (bpe_hf_json.cpp);
+// - SentencePiece-style BPE with byte fallback (Llama 2, Mistral, TinyLlama, and the tokenizer
+//   our pretraining exports write), read from a tokenizer.json. It is described at the end.
 //
+// Byte-level BPE.
 // Encoding: special (control) tokens are matched first as whole strings; the text between
 // them is cut into pre-tokens by GPT-2's pattern (contractions, letters, digits, other
 // symbols, whitespace; a tokenizer.json may chain other patterns before it, or replace it), each
@@ -17,6 +21,19 @@
 // is refused (UnencodableByte), where it used to lose those bytes silently. encode_plain() is
 // encode without the special tokens: text that spells
 // "<|im_end|>" becomes ordinary tokens, never the control token (user content in a chat).
+//
+// SentencePiece-style BPE. The text between special tokens is one piece: each space becomes
+// U+2581 ("\u2581", the visible space), and a U+2581 may be put in front as a word boundary
+// (SpacePrefix: Llama 2's "legacy" Prepend normalizer before every piece, or a Metaspace
+// pre-tokenizer's "always" / "first" scheme); a Metaspace pre-tokenizer with `split` cuts the
+// piece before each U+2581. BPE starts from the piece's characters; a character outside the
+// vocabulary becomes its UTF-8 bytes' tokens <0xXX> (byte fallback), and a byte that is not part
+// of valid UTF-8 its byte token. Decoding writes U+2581 back as a space and byte tokens as their
+// bytes, and removes the prefix as the file's decoder does: Strip takes one leading space of
+// the text, Metaspace's decoder every U+2581 of the first token. So decode(encode_plain(x)) == x
+// for text that does not start with a space (and for all text with Llama 2's Prepend and
+// Strip); otherwise leading spaces are lost exactly as the `tokenizers` library loses them, and
+// around special tokens the prefixes show as spaces. token_bytes() spells what was encoded.
 #pragma once
 
 #include <cstdint>
@@ -51,11 +68,15 @@ class BpeTokenizer {
   /// The same from a GGUF header's metadata; `path` names the file in errors.
   static BpeTokenizer from_gguf_metadata(
       const std::map<std::string, fsdp_models::gguf::Value>& metadata, const std::string& path);
-  /// A Hugging Face tokenizer.json's text (`path` names it in errors) holding a byte-level BPE:
-  /// model BPE without byte fallback, pre-tokenizers ByteLevel, Split (a regex or string,
-  /// "Isolated") and Digits, in a Sequence ending with ByteLevel; added tokens matched whole.
-  /// Anything else is refused by name (FormatError): another model type, a normalizer, other
-  /// pre-tokenizers or split behaviours, a prefix space, subword prefixes or suffixes.
+  /// A Hugging Face tokenizer.json's text (`path` names it in errors) holding
+  /// - a byte-level BPE: model BPE without byte fallback, pre-tokenizers ByteLevel, Split (a
+  ///   regex or string, "Isolated") and Digits, in a Sequence ending with ByteLevel; or
+  /// - a SentencePiece-style BPE: model BPE with byte fallback, spaces made U+2581 by a Replace
+  ///   normalizer or a Metaspace pre-tokenizer, optionally a Prepend("\u2581") normalizer; the
+  ///   decoder undoing it (Replace, ByteFallback, Fuse, Strip, Metaspace);
+  /// added tokens matched whole. Anything else is refused by name (FormatError): another model
+  /// type, other normalizers, pre-tokenizers, decoders or split behaviours, a prefix space on
+  /// byte-level BPE, subword prefixes or suffixes.
   /// `bos` and `eos` are the texts of those tokens ("" for none), as tokenizer_config.json
   /// names them.
   static BpeTokenizer from_hf_json(const std::string& json_text, const std::string& path,
@@ -75,14 +96,23 @@ class BpeTokenizer {
   /// text (outside special tokens) holds a byte the vocabulary has no token for.
   std::vector<int64_t> encode(const std::string& text) const;
   /// Ids of `text` as ordinary text: no special token id, whatever the text holds.
-  std::vector<int64_t> encode_plain(const std::string& text) const;
+  /// `at_input_start` says whether the text begins the input, for a "first" prefix scheme.
+  std::vector<int64_t> encode_plain(const std::string& text, bool at_input_start = true) const;
   std::string decode(const std::vector<int64_t>& ids) const;
+  /// The bytes one token stands for in the text it was encoded from, a prefix U+2581 included
+  /// (as a space): encode_plain's tokens spell " " + text if adds_space_prefix(), else text.
+  std::string token_bytes(int64_t id) const;
+  /// Whether encode_plain(text, at_input_start) puts a word-boundary U+2581 before the text
+  /// (SentencePiece-style tokenizers with a prefix scheme; never for byte-level BPE).
+  bool adds_space_prefix(std::string_view text, bool at_input_start) const;
+  /// Whether this is a byte-level BPE (false: SentencePiece-style).
+  bool byte_level() const { return byte_level_; }
   int64_t vocab_size() const { return static_cast<int64_t>(tokens_.size()); }
   int64_t bos_id() const { return bos_; }
   int64_t eos_id() const { return eos_; }
   const std::string& token(int64_t id) const { return tokens_.at(id); }
   bool is_special(int64_t id) const { return is_special_.at(id); }
-  /// Whether the vocabulary has the ordinary token for byte `b`.
+  /// Whether the vocabulary has the ordinary token for byte `b` (SentencePiece-style: <0xXX>).
   bool can_encode_byte(uint8_t b) const;
   /// The id of the special token spelled `text`, or -1 if there is none.
   int64_t special_id(const std::string& text) const;
@@ -97,7 +127,11 @@ class BpeTokenizer {
   void set_splits(const std::vector<std::pair<std::string, bool>>& patterns,
                   const std::string& where, bool from_file);
   void bpe(const std::string& piece, std::vector<int64_t>& out) const;
-  void encode_text(std::string_view text, std::vector<int64_t>& out) const;
+  void encode_text(std::string_view text, bool at_input_start, std::vector<int64_t>& out) const;
+  void encode_sentencepiece(std::string_view text, bool at_input_start,
+                            std::vector<int64_t>& out) const;
+  /// SentencePiece-style: the initial symbols of a piece (characters, or byte tokens' texts).
+  std::vector<std::string> sentencepiece_symbols(const std::string& piece) const;
 
   std::vector<std::string> tokens_;
   std::unordered_map<std::string, int64_t> ids_;  // ordinary tokens only: BPE never makes a special
@@ -112,6 +146,28 @@ class BpeTokenizer {
   std::vector<std::pair<std::string, bool>> splits_;
   struct Regex;
   std::unique_ptr<Regex> regex_;
+
+  // SentencePiece-style BPE (byte_level_ false): where the word-boundary U+2581 goes, and how
+  // decoding removes it again.
+  enum class SpacePrefix {
+    kNone,
+    kEverySegment,  // a Prepend normalizer: before every non-empty text between special tokens
+    kUnlessSpace,   // Metaspace "always": before every such text not starting with a space
+    kFirstSegment,  // Metaspace "first": as "always", only for the text that begins the input
+  };
+  enum class DecodePrefix {
+    kKeep,
+    kStripLeadingSpace,  // the Strip decoder: one space at the start of the decoded text
+    kStripFirstToken,    // the Metaspace decoder: every U+2581 of the first token
+  };
+  bool byte_level_ = true;
+  SpacePrefix space_prefix_ = SpacePrefix::kNone;
+  DecodePrefix decode_prefix_ = DecodePrefix::kKeep;
+  bool metaspace_ = false;       // spaces are replaced by a Metaspace pre-tokenizer (to write back)
+  bool split_at_space_ = false;  // Metaspace's split: pieces start at each U+2581
+  int64_t unk_ = -1;             // the model's unk_token (written back only)
+  int64_t byte_token_[256] = {};  // id of <0xXX>, -1 if the vocabulary lacks it
+  std::unordered_map<int64_t, uint8_t> byte_of_token_;
   mutable std::unordered_map<std::string, std::vector<int64_t>> cache_;
 };
 

@@ -1,0 +1,231 @@
+// SentencePiece-style BPE read from a Hugging Face tokenizer.json (trainer/text/bpe_tokenizer.h):
+// the family of Llama 2, Mistral and TinyLlama, and of the tokenizer our pretraining exports
+// write. Three references:
+// - SentencePiece itself: our trained tokenizer written as tokenizer.json and read back encodes
+//   every line of the shipped corpora to SentencePiece's ids (no Python);
+// - the `tokenizers` library, for the ways such files put the word-boundary U+2581 (Llama 2's
+//   Prepend normalizer, Metaspace's always / first / never, with and without split): ids of
+//   text with special tokens in it, and decoded text;
+// - transformers' apply_chat_template with Mistral's template: a conversation's ids, and the
+//   answer tokens it marks as targets.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "data/instruct_data.h"
+#include "data/pretrained_model.h"
+#include "gguf.h"
+#include "harness/command.h"
+#include "harness/files.h"
+#include "text/bpe_tokenizer.h"
+#include "text/chat_template.h"
+#include "text/tokenizer.h"
+#include "tokenizer_samples.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+using fsdp_trainer::BpeTokenizer;
+
+std::string run(const std::string& cmd) {
+  const auto r = fsdp::test::run_command(cmd);
+  EXPECT_EQ(r.code, 0) << cmd << "\n" << r.output;
+  return r.output;
+}
+
+// Our SentencePiece tokenizer trained on the KJV, as tokenizer.json (trained once per size).
+const fsdp_trainer::Tokenizer& trained(int vocab) {
+  static std::map<int, fsdp_trainer::Tokenizer> cache;
+  auto it = cache.find(vocab);
+  if (it == cache.end())
+    it = cache
+             .emplace(vocab, fsdp_trainer::train_tokenizer(fsdp_trainer::load_corpus("kjv"), vocab,
+                                                           "", 1234))
+             .first;
+  return it->second;
+}
+
+// The ways a SentencePiece-style tokenizer.json puts U+2581 in front of text, applied to ours.
+std::map<std::string, Json> variants(const Json& ours) {
+  const std::string space = "\xE2\x96\x81";
+  const Json replace = {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", space}};
+  const Json prepend = {{"type", "Prepend"}, {"prepend", space}};
+  auto decoder = [&](bool strip) {
+    Json d = Json::array({{{"type", "Replace"}, {"pattern", {{"String", space}}}, {"content", " "}},
+                          {{"type", "ByteFallback"}},
+                          {{"type", "Fuse"}}});
+    if (strip)
+      d.push_back({{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}});
+    return Json{{"type", "Sequence"}, {"decoders", d}};
+  };
+  auto metaspace = [&](const char* scheme, bool split) {
+    Json j = ours;
+    j["normalizer"] = nullptr;
+    j["pre_tokenizer"] = {{"type", "Metaspace"},
+                          {"replacement", space},
+                          {"prepend_scheme", scheme},
+                          {"split", split}};
+    j["decoder"] = decoder(std::string(scheme) != "never");
+    return j;
+  };
+  std::map<std::string, Json> out;
+  out["as-written"] = ours;
+  Json legacy = ours;  // Llama 2's and Mistral's files
+  legacy["normalizer"] = {{"type", "Sequence"}, {"normalizers", Json::array({prepend, replace})}};
+  legacy["decoder"] = decoder(true);
+  out["legacy"] = legacy;
+  out["metaspace-first"] = metaspace("first", false);
+  out["metaspace-always"] = metaspace("always", false);
+  out["metaspace-always-split"] = metaspace("always", true);
+  out["metaspace-never-split"] = metaspace("never", true);
+  Json metaspace_decoder = metaspace("first", false);  // the Metaspace decoder
+  metaspace_decoder["decoder"] = {
+      {"type", "Sequence"},
+      {"decoders",
+       Json::array(
+           {{{"type", "ByteFallback"}},
+            {{"type", "Metaspace"}, {"replacement", space}, {"prepend_scheme", "first"}}})}};
+  out["metaspace-decoder"] = metaspace_decoder;
+  return out;
+}
+
+}  // namespace
+
+// Our tokenizer.json read back encodes as SentencePiece does: every line of the corpora, a
+// 2,000-byte multi-line text, at two vocabulary sizes; decoding gives the text back; and the
+// tokenizer written again by to_hf_json reads back to the same encoder.
+TEST(SentencePieceBpe, ReadsOurTokenizerJsonAsSentencePieceEncodes) {
+  const auto corpus = fsdp::test::tokenizer_corpus();
+  auto texts = fsdp::test::split_lines(corpus);
+  texts.push_back(corpus.substr(0, 2000));
+  for (const int vocab : {512, 2048}) {
+    SCOPED_TRACE(vocab);
+    const auto& sp = trained(vocab);
+    const auto tok = BpeTokenizer::from_hf_json(sp.to_hf_json(), "ours", "<s>", "</s>");
+    const auto again = BpeTokenizer::from_hf_json(tok.to_hf_json(), "again", "<s>", "</s>");
+    EXPECT_FALSE(tok.byte_level());
+    EXPECT_EQ(tok.vocab_size(), vocab);
+    EXPECT_EQ(tok.bos_id(), sp.bos_id());
+    EXPECT_EQ(tok.eos_id(), sp.eos_id());
+    size_t same = 0, decoded = 0, rewritten = 0;
+    std::string first;  // the first text that differs
+    for (const auto& text : texts) {
+      const auto ids = sp.encode(text);
+      const auto ours = tok.encode_plain(text);
+      const bool a = std::vector<int64_t>(ids.begin(), ids.end()) == ours;
+      const bool b = tok.decode(ours) == text;
+      const bool c = again.encode_plain(text) == ours;
+      same += a;
+      decoded += b;
+      rewritten += c;
+      if (!(a && b && c) && first.empty())
+        first = text;
+    }
+    EXPECT_EQ(first, "");
+    EXPECT_EQ(same, texts.size());
+    EXPECT_EQ(decoded, texts.size());
+    EXPECT_EQ(rewritten, texts.size());
+    std::cout << "vocab " << vocab << ": " << same << "/" << texts.size()
+              << " texts encode to SentencePiece's ids\n";
+  }
+}
+
+// Seven ways of putting the word-boundary U+2581, compared with the `tokenizers` library on the
+// corpora's lines and on text around special tokens, where they differ: the ids of encode
+// (special tokens matched) and decode's text.
+TEST(SentencePieceBpe, PrefixSchemesEncodeAndDecodeAsTheTokenizersLibrary) {
+  fsdp::test::TempDir dir;
+  auto texts = fsdp::test::split_lines(fsdp::test::tokenizer_corpus());
+  for (const char* t :
+       {"<s>hello</s> hello", " leading", "  two leading", "a<s></s>b", "<s>", "</s> after",
+        "before </s>", "<s>[INST] What is it? [/INST]It is.</s>[INST] And? [/INST]", "x\n y",
+        "\xE2\x96\x81literal", " \xE2\x96\x81 mixed", "", " ", "<unk> unknown"})
+    texts.emplace_back(t);
+  const auto ours = Json::parse(trained(2048).to_hf_json());
+  const auto cases_path = dir.path() + "/cases.jsonl";
+  std::ofstream cases(cases_path, std::ios::binary);
+  for (const auto& [name, json] : variants(ours)) {
+    const auto path = dir.path() + "/" + name + ".json";
+    std::ofstream(path, std::ios::binary) << json.dump();
+    const auto tok = BpeTokenizer::from_hf_json(json.dump(), path, "<s>", "</s>");
+    for (const auto& text : texts) {
+      const auto ids = tok.encode(text);
+      cases
+          << Json{{"file", path}, {"text", text}, {"ids", ids}, {"decoded", tok.decode(ids)}}.dump()
+          << "\n";
+    }
+  }
+  cases.close();
+  const auto out = run(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR +
+                       "/tests/python/check_sp_variants.py tokenizers " + cases_path);
+  std::cout << out;
+  const auto n = std::to_string(texts.size());
+  for (const auto& [name, json] : variants(ours))
+    EXPECT_NE(out.find(name + ".json: encoded " + n + "/" + n + " decoded " + n + "/" + n),
+              std::string::npos)
+        << name << "\n"
+        << out;
+}
+
+// Mistral's chat template with a Llama-2-style tokenizer.json in a model directory: the
+// conversation's ids are transformers' apply_chat_template(tokenize=True), and the targets are
+// the answers' tokens and their eos.
+TEST(SentencePieceBpe, MistralChatsEncodeAsTransformersApplyChatTemplate) {
+  fsdp::test::TempDir dir;
+  auto json = variants(Json::parse(trained(2048).to_hf_json())).at("legacy");
+  std::ofstream(dir.path() + "/tokenizer.json", std::ios::binary) << json.dump();
+  // PreTrainedTokenizerFast uses tokenizer.json as it is; transformers 5's LlamaTokenizer class
+  // would replace its pre-tokenization with its own (docs/trainer.md).
+  const Json config = {{"tokenizer_class", "PreTrainedTokenizerFast"},
+                       {"bos_token", "<s>"},
+                       {"eos_token", "</s>"},
+                       {"unk_token", "<unk>"},
+                       {"chat_template", fsdp::test::mistral_template(" + ' ' ")}};
+  std::ofstream(dir.path() + "/tokenizer_config.json") << config.dump();
+  const auto tok = fsdp_trainer::pretrained_tokenizer(dir.path());
+  const fsdp_trainer::ChatTemplate tmpl(fsdp_trainer::pretrained_chat_template(dir.path()),
+                                        dir.path(), "<s>", "</s>");
+  ASSERT_EQ(tmpl.family(), fsdp_trainer::ChatFamily::kMistral);
+  const std::vector<std::vector<fsdp_trainer::ChatMessage>> chats = {
+      {{"user", "Who wrote the book?"}, {"assistant", "Moses, by tradition."}},
+      {{"user", " In the beginning "},
+       {"assistant", "God created the heaven and the earth."},
+       {"user", "And then?\n"},
+       {"assistant", "  Light, on the first day.\n"}},
+      {{"user", "Say [/INST] or [INST]"},
+       {"assistant", "[INST] no [/INST] \xC3\xA9t\xC3\xA9 \xF0\x9F\x9A\x80"}}};
+  const auto cases_path = dir.path() + "/chats.jsonl";
+  {
+    std::ofstream cases(cases_path, std::ios::binary);
+    for (const auto& chat : chats) {
+      const auto ex = fsdp_trainer::encode_conversation(chat, tok, tmpl);
+      Json messages = Json::array();
+      std::string answers;
+      for (const auto& m : chat) {
+        messages.push_back({{"role", m.role}, {"content", m.content}});
+        if (m.role == "assistant")
+          answers += m.content + "</s>";
+      }
+      // The target tokens spell the answers and their eos (with the word-boundary space the
+      // tokenizer put before the first, here inside the [/INST] line: none).
+      std::vector<int64_t> target;
+      for (size_t i = 0; i < ex.ids.size(); ++i)
+        if (ex.target[i])
+          target.push_back(ex.ids[i]);
+      EXPECT_EQ(tok.decode(target), answers);
+      cases << Json{{"messages", messages}, {"ids", ex.ids}}.dump() << "\n";
+    }
+  }
+  const auto out = run(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR +
+                       "/tests/python/check_sp_variants.py chat " + dir.path() + " " + cases_path);
+  std::cout << out;
+  const auto n = std::to_string(chats.size());
+  EXPECT_NE(out.find("chats " + n + "/" + n + " equal"), std::string::npos) << out;
+}
