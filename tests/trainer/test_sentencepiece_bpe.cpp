@@ -14,6 +14,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -228,4 +229,100 @@ TEST(SentencePieceBpe, MistralChatsEncodeAsTransformersApplyChatTemplate) {
   std::cout << out;
   const auto n = std::to_string(chats.size());
   EXPECT_NE(out.find("chats " + n + "/" + n + " equal"), std::string::npos) << out;
+}
+
+// What a SentencePiece-style file may do that we do not implement is refused, naming the file
+// and the part.
+TEST(SentencePieceBpe, FilesOutsideWhatIsImplementedAreRefusedByName) {
+  const auto ours = Json::parse(trained(512).to_hf_json());
+  const std::string space = "\xE2\x96\x81";
+  struct Case {
+    const char* name;
+    std::function<void(Json&)> edit;
+    const char* message;
+  };
+  const std::vector<Case> cases{
+      {"NFKC",
+       [](Json& j) {
+         j["normalizer"] = {{"type", "NFKC"}};
+       },
+       "normalizer NFKC"},
+      {"replace other", [&](Json& j) { j["normalizer"]["content"] = "_"; }, "normalizer Replace"},
+      {"nested sequences",
+       [&](Json& j) {
+         j["normalizer"] = {
+             {"type", "Sequence"},
+             {"normalizers",
+              Json::array({{{"type", "Sequence"}, {"normalizers", Json::array()}}})}};
+       },
+       "normalizer Sequence"},
+      {"no space replacement", [](Json& j) { j["normalizer"] = nullptr; }, "are not made U+2581"},
+      {"byte level",
+       [](Json& j) {
+         j["pre_tokenizer"] = {{"type", "ByteLevel"}};
+       },
+       "pre_tokenizer ByteLevel is not supported with byte_fallback"},
+      {"metaspace replacement",
+       [](Json& j) {
+         j["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", "_"}};
+       },
+       "Metaspace's replacement"},
+      {"prepend scheme",
+       [&](Json& j) {
+         j["pre_tokenizer"] = {
+             {"type", "Metaspace"}, {"replacement", space}, {"prepend_scheme", "sometimes"}};
+       },
+       "prepend_scheme"},
+      {"no decoder", [](Json& j) { j["decoder"] = nullptr; }, "no decoder"},
+      {"decoder without bytes", [](Json& j) { j["decoder"]["decoders"].erase(1); },
+       "<0xXX> tokens into bytes"},
+      {"other decoder",
+       [](Json& j) {
+         j["decoder"] = {{"type", "WordPiece"}};
+       },
+       "decoder WordPiece"},
+      {"strip two",
+       [](Json& j) {
+         j["decoder"]["decoders"].push_back(
+             {{"type", "Strip"}, {"content", " "}, {"start", 2}, {"stop", 0}});
+       },
+       "decoder Strip"},
+      {"unknown unk", [](Json& j) { j["model"]["unk_token"] = "<nothing>"; },
+       "unk_token '<nothing>'"},
+  };
+  for (const auto& c : cases) {
+    auto j = ours;
+    c.edit(j);
+    std::string e;
+    try {
+      BpeTokenizer::from_hf_json(j.dump(), "t/tokenizer.json", "<s>", "</s>");
+    } catch (const std::exception& ex) {
+      e = ex.what();
+    }
+    EXPECT_NE(e.find(c.message), std::string::npos) << c.name << ": '" << e << "'";
+    EXPECT_NE(e.find("t/tokenizer.json"), std::string::npos) << c.name << ": '" << e << "'";
+  }
+  // A text needing a byte the vocabulary lacks is refused, naming the byte.
+  auto j = ours;
+  j["model"]["vocab"].erase("<0xE2>");
+  for (auto& [text, id] : j["model"]["vocab"].items())  // ids stay 0..n-1 without the gap
+    if (id.get<int64_t>() > 3 + 0xE2)
+      id = id.get<int64_t>() - 1;
+  Json merges = Json::array();
+  for (const auto& m : j["model"]["merges"]) {
+    const auto s = m.get<std::string>();
+    if (s.find("\xE2") == std::string::npos)
+      merges.push_back(m);
+  }
+  j["model"]["merges"] = merges;
+  const auto tok = BpeTokenizer::from_hf_json(j.dump(), "t/tokenizer.json", "<s>", "</s>");
+  EXPECT_FALSE(tok.can_encode_byte(0xE2));
+  EXPECT_TRUE(tok.can_encode_byte(0xE3));
+  EXPECT_EQ(tok.decode(tok.encode_plain("abc")), "abc");
+  try {
+    tok.encode_plain("\xE2\x82\xAC");  // the euro sign, not in the KJV's vocabulary
+    ADD_FAILURE() << "encoded without a token for 0xE2";
+  } catch (const fsdp_trainer::UnencodableByte& e) {
+    EXPECT_EQ(e.byte, 0xE2);
+  }
 }

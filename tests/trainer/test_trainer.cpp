@@ -28,6 +28,7 @@
 #include "harness/files.h"
 #include "observe/metrics.h"
 #include "text/tokenizer.h"
+#include "tokenizer_samples.h"
 
 namespace {
 
@@ -1821,6 +1822,77 @@ TEST(TrainerRun, FinetunesSmolLM2FromAHuggingFaceDirectoryAsFromItsGguf) {
       std::printf(" %.6f", m.loss);
     std::printf(" (GGUF: equal)\n");
   }
+}
+
+// The instruction set without its system messages (Mistral's template has no system role).
+std::string without_system(const std::string& from, const std::string& name) {
+  const auto path = fs::path(FSDP_TEST_WORK_DIR) / name;
+  std::ifstream in(from);
+  std::ofstream out(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty())
+      continue;
+    auto j = nlohmann::json::parse(line);
+    auto& messages = j["messages"];
+    messages.erase(std::remove_if(messages.begin(), messages.end(),
+                                  [](const auto& m) { return m["role"] == "system"; }),
+                   messages.end());
+    out << j.dump() << "\n";
+  }
+  return path.string();
+}
+
+// A Hugging Face directory with a SentencePiece-style tokenizer (Llama 2 / Mistral family): our
+// own pretraining export, given Mistral's chat template, is fine-tuned with LoRA. The merged
+// export carries the directory's tokenizer files byte for byte, and transformers' pipeline()
+// answers the held-out question as fsdp-train did (greedy, fp32).
+TEST(TrainerRun, FinetunesASentencePieceModelDirectoryWithMistralsTemplate) {
+  const auto work = fs::path(FSDP_TEST_WORK_DIR);
+  const auto pre = work / "sp-pretrain", model = work / "sp-mistral-model";
+  fs::remove_all(pre);
+  fs::remove_all(model);
+  const auto config = write_config("sp-pretrain", tiny_config(pre.string(), "llama", "llama-tiny"));
+  auto trained = run(train_cmd() + " --nproc 2 " + config +
+                     " --training.steps=2 --training.seq_len=128 --training.eval_every=0 "
+                     "--checkpoint.export_hf=true --logging.plot=false --generate.tokens=0");
+  ASSERT_EQ(trained.code, 0) << trained.output;
+  fs::copy(pre / "hf", model);
+  auto tokenizer_config = nlohmann::json::parse(file_bytes(model / "tokenizer_config.json"));
+  tokenizer_config["chat_template"] = fsdp::test::mistral_template(" + ' ' ");
+  std::ofstream(model / "tokenizer_config.json") << tokenizer_config.dump(2);
+
+  const auto data = fs::path(FSDP_SOURCE_DIR) / "data" / "instruct";
+  const auto train = without_system((data / "kjv_train.jsonl").string(), "mistral_train.jsonl");
+  const auto eval = without_system(small_eval_file(8), "mistral_eval.jsonl");
+  std::string out;
+  const auto steps = finetune_run("ft-sp-mistral",
+                                  "--training.steps=3 --finetune.export_merged=true "
+                                  "--finetune.model=" +
+                                      model.string() + " --finetune.train_file=" + train +
+                                      " --finetune.eval_file=" + eval,
+                                  &out);
+  ASSERT_EQ(steps.size(), 3u) << out;
+  for (const auto& m : steps)
+    EXPECT_TRUE(std::isfinite(m.loss)) << out;
+  EXPECT_NE(out.find("fine-tuning " + model.string()), std::string::npos) << out;
+  const auto dir = work / "run-ft-sp-mistral";
+  for (const char* f : {"tokenizer.json", "tokenizer_config.json"})
+    EXPECT_TRUE(file_bytes(dir / "merged" / f) == file_bytes(model / f)) << f;
+  const auto answers = file_bytes(dir / "answers.txt");
+  const auto py = run(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR +
+                      "/tests/python/check_export.py " + (dir / "merged").string() + " " + eval +
+                      " 8 " + eval + " " + (dir / "transformers.json").string());
+  ASSERT_EQ(py.code, 0) << py.output;
+  const auto answer =
+      nlohmann::json::parse(file_bytes(dir / "transformers.json"))["answer"].get<std::string>();
+  EXPECT_NE(answers.find("   after:     " + answer + "\n"), std::string::npos)
+      << "transformers answered '" << answer << "'; answers.txt:\n"
+      << answers;
+  std::printf(
+      "SentencePiece model with Mistral's template: losses %.5f %.5f %.5f; "
+      "transformers' greedy answer '%s' equals ours\n",
+      steps[0].loss, steps[1].loss, steps[2].loss, answer.c_str());
 }
 
 TEST(TrainerRun, FinetuneBadInputIsOneLineAndExitCode2) {

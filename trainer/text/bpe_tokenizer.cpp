@@ -86,6 +86,22 @@ size_t utf8_length(std::string_view s) {
 
 }  // namespace
 
+std::string printable_utf8(std::string_view bytes) {
+  std::string out;
+  out.reserve(bytes.size());
+  for (size_t i = 0; i < bytes.size();) {
+    const size_t n = utf8_length(bytes.substr(i));
+    if (n == 0) {
+      out += "\xEF\xBF\xBD";  // U+FFFD
+      ++i;
+    } else {
+      out.append(bytes.substr(i, n));
+      i += n;
+    }
+  }
+  return out;
+}
+
 UnencodableByte::UnencodableByte(uint8_t b)
     : std::runtime_error([b] {
         char hex[8];

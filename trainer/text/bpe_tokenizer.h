@@ -60,6 +60,11 @@ struct UnencodableByte : std::runtime_error {
   uint8_t byte;
 };
 
+/// `bytes` for display: each byte that is not part of valid UTF-8 (a character cut short at the
+/// end of a generated answer) becomes U+FFFD, as the `tokenizers` library's ByteFallback decoder
+/// writes such bytes.
+std::string printable_utf8(std::string_view bytes);
+
 class BpeTokenizer {
  public:
   /// FormatError (naming the file and key) if the metadata is not a byte-level BPE ("gpt2").

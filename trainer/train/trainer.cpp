@@ -1278,7 +1278,7 @@ std::vector<std::string> Trainer::answer_questions() {
       ids.push_back(next);
       answer.push_back(next);
     }
-    answers.push_back(tok.decode(answer));
+    answers.push_back(printable_utf8(tok.decode(answer)));
   }
   return answers;
 }
