@@ -1,9 +1,9 @@
 // The invariants every BPE tokenizer keeps, whatever it was read from (GGUF metadata,
 // tokenizer.json): the fuzz targets bpe_tokenizer and hf_tokenizer trap when one breaks.
 //   Any byte string, valid UTF-8 or not, decodes back to itself through encode and through
-//   encode_plain (SentencePiece-style: through encode_plain if it does not start with a space,
-//   and its tokens spell it after the prefix space), unless it holds a byte the vocabulary has
-//   no token for, which both refuse (UnencodableByte, naming a byte that is there);
+//   encode_plain (SentencePiece-style: through encode_plain if it is valid UTF-8 that does not
+//   start with a space, and its tokens spell it after the prefix space), unless it holds a byte the
+//   vocabulary has no token for, which both refuse (UnencodableByte, naming a byte that is there);
 //   encode_plain never yields a special token's id; encode without a special id equals
 //   encode_plain; ids lie in the vocabulary.
 #pragma once
@@ -11,6 +11,7 @@
 #include <string>
 
 #include "text/bpe_tokenizer.h"
+#include "text/utf8.h"
 
 namespace fsdp_fuzz {
 
@@ -57,7 +58,8 @@ inline void check_bpe(const fsdp_trainer::BpeTokenizer& tok, const std::string& 
     spelled += tok.token_bytes(id);
   if (spelled != (tok.adds_space_prefix(text, true) ? " " : "") + text)
     __builtin_trap();
-  if (!tok.byte_level() && !text.empty() && text[0] != ' ' && tok.decode(plain) != text)
+  const bool valid = fsdp_trainer::printable_utf8(text) == text;
+  if (!tok.byte_level() && valid && !text.empty() && text[0] != ' ' && tok.decode(plain) != text)
     __builtin_trap();
   if (!special && plain != ids)
     __builtin_trap();  // the two encodings differ where no special token was matched

@@ -133,6 +133,18 @@ TEST(SentencePieceBpe, ReadsOurTokenizerJsonAsSentencePieceEncodes) {
     EXPECT_EQ(same, texts.size());
     EXPECT_EQ(decoded, texts.size());
     EXPECT_EQ(rewritten, texts.size());
+    // A run of byte tokens that is not UTF-8 (a text cut inside a character) decodes as the
+    // ByteFallback decoder writes it, one U+FFFD per token, in both tokenizers.
+    const std::vector<int> cut = {3 + 0xE2, 3 + 0x0D,
+                                  static_cast<int>(tok.encode_plain("a").at(0))};
+    ASSERT_EQ(sp.piece(cut[0]), "<0xE2>");
+    ASSERT_EQ(sp.piece(cut[1]), "<0x0D>");
+    EXPECT_EQ(sp.decode_for_display(cut),
+              "\xEF\xBF\xBD\xEF\xBF\xBD"
+              "a");
+    EXPECT_EQ(tok.decode(std::vector<int64_t>(cut.begin(), cut.end())),
+              "\xEF\xBF\xBD\xEF\xBF\xBD"
+              "a");
     std::cout << "vocab " << vocab << ": " << same << "/" << texts.size()
               << " texts encode to SentencePiece's ids\n";
   }

@@ -1844,7 +1844,8 @@ std::string without_system(const std::string& from, const std::string& name) {
 }
 
 // A Hugging Face directory with a SentencePiece-style tokenizer (Llama 2 / Mistral family): our
-// own pretraining export, given Mistral's chat template, is fine-tuned with LoRA. The merged
+// own pretraining export, which transformers' pipeline() continues greedily as fsdp-train
+// generate does; then, given Mistral's chat template, fine-tuned with LoRA. The merged
 // export carries the directory's tokenizer files byte for byte, and transformers' pipeline()
 // answers the held-out question as fsdp-train did (greedy, fp32).
 TEST(TrainerRun, FinetunesASentencePieceModelDirectoryWithMistralsTemplate) {
@@ -1857,6 +1858,23 @@ TEST(TrainerRun, FinetunesASentencePieceModelDirectoryWithMistralsTemplate) {
                      " --training.steps=2 --training.seq_len=128 --training.eval_every=0 "
                      "--checkpoint.export_hf=true --logging.plot=false --generate.tokens=0");
   ASSERT_EQ(trained.code, 0) << trained.output;
+  // The pretraining export as it is: transformers' pipeline() continues a prompt greedily as
+  // `fsdp-train generate --generate.top_k=1` does (a text cut inside a character shown with
+  // U+FFFD in both).
+  const std::string prompt = "In the beginning";
+  auto generated =
+      run(train_cmd() + " generate --nproc 2 " + config + " --checkpoint " + (pre / "hf").string() +
+          " --generate.top_k=1 --generate.tokens=12 '--generate.prompt=" + prompt + "'");
+  ASSERT_EQ(generated.code, 0) << generated.output;
+  const auto greedy = work / "sp-pretrain-greedy.json";
+  const auto py_generate =
+      run(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR + "/tests/python/check_generate.py " +
+          (pre / "hf").string() + " '" + prompt + "' 12 " + greedy.string());
+  ASSERT_EQ(py_generate.code, 0) << py_generate.output;
+  const auto theirs = nlohmann::json::parse(file_bytes(greedy))["text"].get<std::string>();
+  EXPECT_NE(generated.output.find("top-k 1):\n" + theirs + "\n"), std::string::npos)
+      << "transformers: '" << theirs << "'\n"
+      << generated.output;
   fs::copy(pre / "hf", model);
   auto tokenizer_config = nlohmann::json::parse(file_bytes(model / "tokenizer_config.json"));
   tokenizer_config["chat_template"] = fsdp::test::mistral_template(" + ' ' ");
@@ -1890,9 +1908,10 @@ TEST(TrainerRun, FinetunesASentencePieceModelDirectoryWithMistralsTemplate) {
       << "transformers answered '" << answer << "'; answers.txt:\n"
       << answers;
   std::printf(
-      "SentencePiece model with Mistral's template: losses %.5f %.5f %.5f; "
-      "transformers' greedy answer '%s' equals ours\n",
-      steps[0].loss, steps[1].loss, steps[2].loss, answer.c_str());
+      "pretraining export: transformers' greedy text '%s' equals fsdp-train generate's\n"
+      "with Mistral's template: losses %.5f %.5f %.5f; transformers' greedy answer '%s' equals "
+      "ours\n",
+      theirs.c_str(), steps[0].loss, steps[1].loss, steps[2].loss, answer.c_str());
 }
 
 TEST(TrainerRun, FinetuneBadInputIsOneLineAndExitCode2) {

@@ -1,5 +1,7 @@
 #include "bpe_tokenizer.h"
 
+#include "utf8.h"
+
 #include <unicode/regex.h>
 #include <unicode/unistr.h>
 
@@ -51,56 +53,7 @@ std::vector<std::string> characters(const std::string& s) {
   return out;
 }
 
-// The length of the UTF-8 character at the start of s (RFC 3629, Unicode table 3-7), 0 if s
-// does not start with one.
-size_t utf8_length(std::string_view s) {
-  if (s.empty())
-    return 0;
-  const auto b = static_cast<unsigned char>(s[0]);
-  if (b < 0x80)
-    return 1;
-  size_t n = 0;
-  unsigned char lo = 0x80, hi = 0xBF;  // the range of the second byte
-  if (b >= 0xC2 && b < 0xE0) {
-    n = 2;
-  } else if (b >= 0xE0 && b < 0xF0) {
-    n = 3;
-    lo = b == 0xE0 ? 0xA0 : 0x80;
-    hi = b == 0xED ? 0x9F : 0xBF;
-  } else if (b >= 0xF0 && b < 0xF5) {
-    n = 4;
-    lo = b == 0xF0 ? 0x90 : 0x80;
-    hi = b == 0xF4 ? 0x8F : 0xBF;
-  } else {
-    return 0;
-  }
-  if (s.size() < n)
-    return 0;
-  for (size_t k = 1; k < n; ++k) {
-    const auto c = static_cast<unsigned char>(s[k]);
-    if (c < (k == 1 ? lo : 0x80) || c > (k == 1 ? hi : 0xBF))
-      return 0;
-  }
-  return n;
-}
-
 }  // namespace
-
-std::string printable_utf8(std::string_view bytes) {
-  std::string out;
-  out.reserve(bytes.size());
-  for (size_t i = 0; i < bytes.size();) {
-    const size_t n = utf8_length(bytes.substr(i));
-    if (n == 0) {
-      out += "\xEF\xBF\xBD";  // U+FFFD
-      ++i;
-    } else {
-      out.append(bytes.substr(i, n));
-      i += n;
-    }
-  }
-  return out;
-}
 
 UnencodableByte::UnencodableByte(uint8_t b)
     : std::runtime_error([b] {
@@ -498,15 +451,24 @@ std::string BpeTokenizer::token_bytes(int64_t id) const {
 }
 
 std::string BpeTokenizer::decode(const std::vector<int64_t>& ids) const {
-  std::string out;
+  std::string out, run;  // run: consecutive byte tokens (SentencePiece-style)
   for (size_t i = 0; i < ids.size(); ++i) {
+    if (!byte_level_) {
+      if (auto b = byte_of_token_.find(ids[i]); b != byte_of_token_.end()) {
+        run.push_back(static_cast<char>(b->second));
+        continue;
+      }
+      append_byte_run(out, run);
+      run.clear();
+    }
     std::string bytes = token_bytes(ids[i]);
     // Metaspace's decoder turns every U+2581 of the first token into nothing, not a space.
     if (i == 0 && decode_prefix_ == DecodePrefix::kStripFirstToken &&
-        !is_special_.at(static_cast<size_t>(ids[0])) && !byte_of_token_.count(ids[0]))
+        !is_special_.at(static_cast<size_t>(ids[0])))
       std::erase(bytes, ' ');
     out += bytes;
   }
+  append_byte_run(out, run);
   // The Strip decoder: one space at the start of the text.
   if (decode_prefix_ == DecodePrefix::kStripLeadingSpace && !out.empty() && out[0] == ' ')
     out.erase(0, 1);

@@ -29,11 +29,13 @@
 // piece before each U+2581. BPE starts from the piece's characters; a character outside the
 // vocabulary becomes its UTF-8 bytes' tokens <0xXX> (byte fallback), and a byte that is not part
 // of valid UTF-8 its byte token. Decoding writes U+2581 back as a space and byte tokens as their
-// bytes, and removes the prefix as the file's decoder does: Strip takes one leading space of
-// the text, Metaspace's decoder every U+2581 of the first token. So decode(encode_plain(x)) == x
-// for text that does not start with a space (and for all text with Llama 2's Prepend and
-// Strip); otherwise leading spaces are lost exactly as the `tokenizers` library loses them, and
-// around special tokens the prefixes show as spaces. token_bytes() spells what was encoded.
+// bytes (a run of byte tokens that is not valid UTF-8 as one U+FFFD per token, as the
+// ByteFallback decoder does), and removes the prefix as the file's decoder does: Strip takes one
+// leading space of the text, Metaspace's decoder every U+2581 of the first token. So
+// decode(encode_plain(x)) == x for valid UTF-8 that does not start with a space (and for all
+// valid UTF-8 with Llama 2's Prepend and Strip); otherwise leading spaces are lost exactly as
+// the `tokenizers` library loses them, and around special tokens the prefixes show as spaces.
+// token_bytes() spells what was encoded, invalid bytes included.
 #pragma once
 
 #include <cstdint>
@@ -59,11 +61,6 @@ struct UnencodableByte : std::runtime_error {
   explicit UnencodableByte(uint8_t b);
   uint8_t byte;
 };
-
-/// `bytes` for display: each byte that is not part of valid UTF-8 (a character cut short at the
-/// end of a generated answer) becomes U+FFFD, as the `tokenizers` library's ByteFallback decoder
-/// writes such bytes.
-std::string printable_utf8(std::string_view bytes);
 
 class BpeTokenizer {
  public:

@@ -15,6 +15,7 @@
 #include <unordered_map>
 
 #include "data/corpus.h"
+#include "utf8.h"
 
 // Exported by libsentencepiece (common.h) but absent from its public headers: it silences the
 // trainer's pages of INFO logging.
@@ -144,6 +145,29 @@ std::vector<int> Tokenizer::encode(std::string_view text) const {
     ids.insert(ids.end(), piece.begin(), piece.end());
   });
   return ids;
+}
+
+std::string Tokenizer::decode_for_display(const std::vector<int>& ids) const {
+  const auto& sp = this->sp();
+  std::string out, run;
+  std::vector<int> pieces;  // a run of other pieces, decoded by SentencePiece
+  for (const int id : ids) {
+    if (id >= 0 && id < sp.GetPieceSize() && sp.IsByte(id)) {
+      if (!pieces.empty())
+        out += decode(pieces);
+      pieces.clear();
+      const auto piece = sp.IdToPiece(id);  // "<0xXX>"
+      run.push_back(static_cast<char>(std::stoi(piece.substr(3, 2), nullptr, 16)));
+    } else {
+      append_byte_run(out, run);
+      run.clear();
+      pieces.push_back(id);
+    }
+  }
+  append_byte_run(out, run);
+  if (!pieces.empty())
+    out += decode(pieces);
+  return out;
 }
 
 std::string Tokenizer::decode(const std::vector<int>& ids) const {

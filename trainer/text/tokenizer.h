@@ -39,6 +39,10 @@ class Tokenizer {
   /// of spaces longer than a piece is cut), and the exact round trip holds.
   std::vector<int> encode(std::string_view text) const;
   std::string decode(const std::vector<int>& ids) const;
+  /// decode() as transformers decodes our tokenizer.json (to_hf_json), to show generated text: a
+  /// run of byte pieces that is not valid UTF-8 (text cut inside a character) becomes one U+FFFD
+  /// per piece; the same as decode() for any other ids.
+  std::string decode_for_display(const std::vector<int>& ids) const;
 
   int vocab_size() const;
   int bos_id() const;

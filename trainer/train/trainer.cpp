@@ -36,6 +36,7 @@
 #include "matmul_speed.h"
 #include "observe/plot.h"
 #include "optimizer_factory.h"
+#include "text/utf8.h"
 
 namespace fsdp_trainer {
 namespace {
@@ -1278,6 +1279,7 @@ std::vector<std::string> Trainer::answer_questions() {
       ids.push_back(next);
       answer.push_back(next);
     }
+    // Valid UTF-8 to show (a byte-level answer may end inside a character).
     answers.push_back(printable_utf8(tok.decode(answer)));
   }
   return answers;
@@ -1348,7 +1350,8 @@ std::string Trainer::generate() {
     auto probs = torch::softmax(logits, 0);
     ids.push_back(static_cast<int>(probs.multinomial(1, false, gen).item<int64_t>()));
   }
-  const std::string text = tokenizer_.decode(std::vector<int>(ids.begin(), ids.end()));
+  // Shown and written as transformers shows it (the sample may end inside a character).
+  const std::string text = tokenizer_.decode_for_display(std::vector<int>(ids.begin(), ids.end()));
   if (pg_->rank() == 0) {
     if (purpose_ == Purpose::kTrain)
       fsdp::write_file_atomic(
