@@ -53,6 +53,28 @@ const fsdp_trainer::Tokenizer& trained(int vocab) {
   return it->second;
 }
 
+// Our SentencePiece tokenizer as a GGUF file's "llama" tokenizer metadata, as llama.cpp's
+// converter writes it: pieces, scores, token types (1 normal, 2 unknown, 3 control, 6 byte).
+std::map<std::string, fsdp_models::gguf::Value> gguf_metadata(const fsdp_trainer::Tokenizer& sp,
+                                                              bool add_space_prefix) {
+  using fsdp_models::gguf::Value;
+  std::vector<Value> tokens, scores, types;
+  for (int id = 0; id < sp.vocab_size(); ++id) {
+    tokens.push_back(Value{sp.piece(id)});
+    scores.push_back(Value{static_cast<double>(sp.score(id))});
+    const int64_t type = sp.is_unknown(id) ? 2 : sp.is_control(id) ? 3 : sp.is_byte(id) ? 6 : 1;
+    types.push_back(Value{type});
+  }
+  return {{"tokenizer.ggml.model", Value{std::string("llama")}},
+          {"tokenizer.ggml.tokens", Value{tokens}},
+          {"tokenizer.ggml.scores", Value{scores}},
+          {"tokenizer.ggml.token_type", Value{types}},
+          {"tokenizer.ggml.bos_token_id", Value{int64_t{sp.bos_id()}}},
+          {"tokenizer.ggml.eos_token_id", Value{int64_t{sp.eos_id()}}},
+          {"tokenizer.ggml.unknown_token_id", Value{int64_t{sp.unk_id()}}},
+          {"tokenizer.ggml.add_space_prefix", Value{add_space_prefix}}};
+}
+
 // The ways a SentencePiece-style tokenizer.json puts U+2581 in front of text, applied to ours.
 std::map<std::string, Json> variants(const Json& ours) {
   const std::string space = "\xE2\x96\x81";
@@ -94,6 +116,9 @@ std::map<std::string, Json> variants(const Json& ours) {
            {{{"type", "ByteFallback"}},
             {{"type", "Metaspace"}, {"replacement", space}, {"prepend_scheme", "first"}}})}};
   out["metaspace-decoder"] = metaspace_decoder;
+  // A GGUF "llama" tokenizer with llama.cpp's space prefix, written as tokenizer.json.
+  out["from-gguf"] = Json::parse(
+      BpeTokenizer::from_gguf_metadata(gguf_metadata(trained(2048), true), "gguf").to_hf_json());
   return out;
 }
 
@@ -150,7 +175,8 @@ TEST(SentencePieceBpe, ReadsOurTokenizerJsonAsSentencePieceEncodes) {
   }
 }
 
-// Seven ways of putting the word-boundary U+2581, compared with the `tokenizers` library on the
+// Seven ways of putting the word-boundary U+2581 (and a GGUF "llama" tokenizer written as
+// tokenizer.json), compared with the `tokenizers` library on the
 // corpora's lines and on text around special tokens, where they differ: the ids of encode
 // (special tokens matched) and decode's text.
 TEST(SentencePieceBpe, PrefixSchemesEncodeAndDecodeAsTheTokenizersLibrary) {
@@ -168,8 +194,10 @@ TEST(SentencePieceBpe, PrefixSchemesEncodeAndDecodeAsTheTokenizersLibrary) {
     const auto path = dir.path() + "/" + name + ".json";
     std::ofstream(path, std::ios::binary) << json.dump();
     const auto tok = BpeTokenizer::from_hf_json(json.dump(), path, "<s>", "</s>");
+    const auto again = BpeTokenizer::from_hf_json(tok.to_hf_json(), path, "<s>", "</s>");
     for (const auto& text : texts) {
       const auto ids = tok.encode(text);
+      EXPECT_EQ(again.encode(text), ids) << name << " written back: '" << text << "'";
       cases
           << Json{{"file", path}, {"text", text}, {"ids", ids}, {"decoded", tok.decode(ids)}}.dump()
           << "\n";
@@ -336,5 +364,52 @@ TEST(SentencePieceBpe, FilesOutsideWhatIsImplementedAreRefusedByName) {
     ADD_FAILURE() << "encoded without a token for 0xE2";
   } catch (const fsdp_trainer::UnencodableByte& e) {
     EXPECT_EQ(e.byte, 0xE2);
+  }
+}
+
+// A GGUF file's "llama" tokenizer (SentencePiece: pieces with scores, no merges): without a space
+// prefix it encodes every corpus line to SentencePiece's own ids; with llama.cpp's prefix (its
+// default) as the Llama-2-style tokenizer.json, special tokens inside the text included, whose
+// ids the test above checks against the `tokenizers` library.
+TEST(SentencePieceBpe, GgufLlamaTokenizerEncodesAsSentencePiece) {
+  auto texts = fsdp::test::split_lines(fsdp::test::tokenizer_corpus());
+  for (const int vocab : {512, 2048}) {
+    SCOPED_TRACE(vocab);
+    const auto& sp = trained(vocab);
+    const auto plain = BpeTokenizer::from_gguf_metadata(gguf_metadata(sp, false), "plain.gguf");
+    const auto prefixed = BpeTokenizer::from_gguf_metadata(gguf_metadata(sp, true), "p.gguf");
+    const auto legacy = BpeTokenizer::from_hf_json(
+        variants(Json::parse(sp.to_hf_json())).at("legacy").dump(), "legacy", "<s>", "</s>");
+    EXPECT_EQ(plain.bos_id(), sp.bos_id());
+    EXPECT_EQ(plain.eos_id(), sp.eos_id());
+    size_t same = 0, decoded = 0, as_legacy = 0, legacy_decoded = 0;
+    for (const auto& text : texts) {
+      const auto ids = sp.encode(text);
+      const auto ours = plain.encode_plain(text);
+      same += std::vector<int64_t>(ids.begin(), ids.end()) == ours;
+      decoded += plain.decode(ours) == text;
+      const auto with_specials = text + "</s><s> " + text;
+      const auto p = prefixed.encode(with_specials);
+      as_legacy += p == legacy.encode(with_specials);
+      legacy_decoded += prefixed.decode(p) == legacy.decode(p);
+    }
+    EXPECT_EQ(same, texts.size());
+    EXPECT_EQ(decoded, texts.size());
+    EXPECT_EQ(as_legacy, texts.size());
+    EXPECT_EQ(legacy_decoded, texts.size());
+    std::cout << "vocab " << vocab << ": GGUF llama tokenizer " << same << "/" << texts.size()
+              << " as SentencePiece, " << as_legacy << "/" << texts.size()
+              << " with its prefix as the legacy tokenizer.json\n";
+  }
+  // Bad metadata is refused naming the key.
+  auto md = gguf_metadata(trained(512), true);
+  md["tokenizer.ggml.scores"] = fsdp_models::gguf::Value{std::vector<fsdp_models::gguf::Value>{}};
+  try {
+    BpeTokenizer::from_gguf_metadata(md, "bad.gguf");
+    ADD_FAILURE() << "scores of another length were read";
+  } catch (const fsdp_models::gguf::FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("bad.gguf: tokenizer.ggml.scores has 0 entries"),
+              std::string::npos)
+        << e.what();
   }
 }

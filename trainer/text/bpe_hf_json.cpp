@@ -6,7 +6,6 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <cstdio>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -401,14 +400,7 @@ BpeTokenizer BpeTokenizer::from_hf_json(const std::string& json_text, const std:
     t.decode_prefix_ = sp.strip_leading_space ? DecodePrefix::kStripLeadingSpace
                        : sp.strip_first_token ? DecodePrefix::kStripFirstToken
                                               : DecodePrefix::kKeep;
-    for (int b = 0; b < 256; ++b) {
-      char text[8];
-      std::snprintf(text, sizeof text, "<0x%02X>", b);
-      if (auto it = t.ids_.find(text); it != t.ids_.end()) {
-        t.byte_token_[b] = it->second;
-        t.byte_of_token_[it->second] = static_cast<uint8_t>(b);
-      }
-    }
+    t.index_byte_tokens();
     const auto unk = optional_string(model, "unk_token", path + ": model");
     if (!unk.empty()) {
       if (const int64_t s = t.special_id(unk); s >= 0)

@@ -75,68 +75,13 @@ BpeTokenizer::~BpeTokenizer() = default;
 BpeTokenizer::BpeTokenizer(BpeTokenizer&&) noexcept = default;
 BpeTokenizer& BpeTokenizer::operator=(BpeTokenizer&&) noexcept = default;
 
-BpeTokenizer BpeTokenizer::from_gguf(const gguf::File& f) {
-  return from_gguf_metadata(f.metadata(), f.path());
-}
-
-BpeTokenizer BpeTokenizer::from_gguf_metadata(const std::map<std::string, gguf::Value>& md,
-                                              const std::string& path) {
-  auto key = [&](const std::string& k) { return path + ": " + k; };
-  auto value = [&](const std::string& k) -> const gguf::Value& {
-    auto it = md.find(k);
-    if (it == md.end())
-      throw gguf::FormatError(path + ": no metadata key '" + k + "'");
-    return it->second;
-  };
-  const auto model = value("tokenizer.ggml.model").as_string(key("tokenizer.ggml.model"));
-  if (model != "gpt2")
-    throw gguf::FormatError(key("tokenizer.ggml.model") + " is '" + model +
-                            "'; only byte-level BPE (gpt2) is read");
-  BpeTokenizer t;
-  const auto& tokens = value("tokenizer.ggml.tokens").as_array(key("tokenizer.ggml.tokens"));
-  const auto& types = value("tokenizer.ggml.token_type").as_array(key("tokenizer.ggml.token_type"));
-  const auto& merges = value("tokenizer.ggml.merges").as_array(key("tokenizer.ggml.merges"));
-  if (types.size() != tokens.size())
-    throw gguf::FormatError(key("tokenizer.ggml.token_type") + " has " +
-                            std::to_string(types.size()) + " entries for " +
-                            std::to_string(tokens.size()) + " tokens");
-  t.is_special_.assign(tokens.size(), false);
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    t.tokens_.push_back(tokens[i].as_string(key("tokenizer.ggml.tokens")));
-    // llama.cpp's token types: 3 control (<|im_start|>...), 4 user-defined; both are matched
-    // whole in text, as Hugging Face's added tokens are. Only ordinary tokens are BPE's results:
-    // a special token that happens to be spelled like a merge never comes out of plain text.
-    const auto type = types[i].as_int(key("tokenizer.ggml.token_type"));
-    if (type == 3 || type == 4) {
-      t.is_special_[i] = true;
-      t.specials_.emplace_back(t.tokens_.back(), static_cast<int64_t>(i));
-    } else {
-      t.ids_.emplace(t.tokens_.back(), static_cast<int64_t>(i));
+void BpeTokenizer::index_byte_tokens() {
+  for (int b = 0; b < 256; ++b) {
+    if (auto it = ids_.find(byte_token_text(static_cast<uint8_t>(b))); it != ids_.end()) {
+      byte_token_[b] = it->second;
+      byte_of_token_[it->second] = static_cast<uint8_t>(b);
     }
   }
-  std::sort(t.specials_.begin(), t.specials_.end(),
-            [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
-  for (size_t r = 0; r < merges.size(); ++r) {
-    const auto& m = merges[r].as_string(key("tokenizer.ggml.merges"));
-    if (m.find(' ') == std::string::npos)
-      throw gguf::FormatError(key("tokenizer.ggml.merges") + " entry " + std::to_string(r) +
-                              " is not two tokens separated by a space");
-    t.merge_rank_.emplace(m, static_cast<int>(r));
-  }
-  auto token_id = [&](const std::string& k) {
-    const int64_t id = value(k).as_int(key(k));
-    if (id < 0 || id >= static_cast<int64_t>(tokens.size()))
-      throw gguf::FormatError(key(k) + " is " + std::to_string(id) + ", outside the " +
-                              std::to_string(tokens.size()) + " tokens");
-    return id;
-  };
-  if (md.count("tokenizer.ggml.bos_token_id"))
-    t.bos_ = token_id("tokenizer.ggml.bos_token_id");
-  if (md.count("tokenizer.ggml.eos_token_id"))
-    t.eos_ = token_id("tokenizer.ggml.eos_token_id");
-  t.init_byte_alphabet();
-  t.set_splits({{kGpt2Pattern, false}}, path, /*from_file=*/false);
-  return t;
 }
 
 void BpeTokenizer::init_byte_alphabet() {

@@ -3,7 +3,8 @@
 //   file's metadata (tokenizer.ggml.tokens, .merges, .token_type and the special token ids) or
 //   from a Hugging Face tokenizer.json (bpe_hf_json.cpp);
 // - SentencePiece-style BPE with byte fallback (Llama 2, Mistral, TinyLlama, and the tokenizer
-//   our pretraining exports write), read from a tokenizer.json. It is described at the end.
+//   our pretraining exports write), read from a tokenizer.json or a GGUF file's "llama"
+//   tokenizer (bpe_gguf.cpp). It is described at the end.
 //
 // Byte-level BPE.
 // Encoding: special (control) tokens are matched first as whole strings; the text between
@@ -64,8 +65,9 @@ struct UnencodableByte : std::runtime_error {
 
 class BpeTokenizer {
  public:
-  /// FormatError (naming the file and key) if the metadata is not a byte-level BPE ("gpt2").
-  /// Refused too: a bos/eos id outside the vocabulary.
+  /// FormatError (naming the file and key) if the metadata is neither a byte-level BPE ("gpt2")
+  /// nor a SentencePiece BPE ("llama", bpe_gguf.cpp says how its scores become merges).
+  /// Refused too: a bos/eos id outside the vocabulary, arrays of other lengths than the tokens'.
   static BpeTokenizer from_gguf(const fsdp_models::gguf::File& file);
   /// The same from a GGUF header's metadata; `path` names the file in errors.
   static BpeTokenizer from_gguf_metadata(
@@ -122,6 +124,11 @@ class BpeTokenizer {
  private:
   BpeTokenizer();
   void init_byte_alphabet();
+  /// SentencePiece-style: finds the byte tokens <0xXX> among the ordinary tokens.
+  void index_byte_tokens();
+  /// A GGUF `llama` tokenizer (SentencePiece BPE: pieces with scores, no merges).
+  static BpeTokenizer from_gguf_sentencepiece(
+      const std::map<std::string, fsdp_models::gguf::Value>& metadata, const std::string& path);
   /// The pre-tokenizer's patterns, applied in turn (pattern, literal: a plain string). A
   /// tokenizer.json's own patterns (`from_file`) are compiled as Oniguruma, which the
   /// `tokenizers` library uses, reads them: `.`, `^` and `$` know only "\n" as a line end, and

@@ -201,6 +201,26 @@ std::string Tokenizer::piece(int id) const {
     fail(path_ + ": no piece " + std::to_string(id));
   return sp().IdToPiece(id);
 }
+
+float Tokenizer::score(int id) const {
+  piece(id);  // checks the id
+  return sp().GetScore(id);
+}
+
+bool Tokenizer::is_byte(int id) const {
+  piece(id);
+  return sp().IsByte(id);
+}
+
+bool Tokenizer::is_control(int id) const {
+  piece(id);
+  return sp().IsControl(id);
+}
+
+bool Tokenizer::is_unknown(int id) const {
+  piece(id);
+  return sp().IsUnknown(id);
+}
 std::string Tokenizer::serialized() const {
   const auto bytes = sp().serialized_model_proto();
   return std::string(bytes.data(), bytes.size());

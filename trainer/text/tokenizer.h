@@ -50,6 +50,11 @@ class Tokenizer {
   int unk_id() const;
   /// The text of one id's piece (spaces shown as U+2581, bytes as <0xXX>).
   std::string piece(int id) const;
+  /// The piece's score (BPE: higher merges first) and kind, as SentencePiece keeps them.
+  float score(int id) const;
+  bool is_byte(int id) const;
+  bool is_control(int id) const;
+  bool is_unknown(int id) const;
   /// The file it was loaded from (or the name given to load_from_bytes).
   const std::string& path() const { return path_; }
   /// The model file's bytes, to write it elsewhere.
