@@ -2,7 +2,8 @@
 // tokenizer.json): the fuzz targets bpe_tokenizer and hf_tokenizer trap when one breaks.
 //   Any byte string, valid UTF-8 or not, decodes back to itself through encode and through
 //   encode_plain (SentencePiece-style: through encode_plain if it is valid UTF-8 that does not
-//   start with a space, and its tokens spell it after the prefix space), unless it holds a byte the
+//   start with a space nor hold U+2581, and its tokens spell it after the prefix space, U+2581
+//   as a space), unless it holds a byte the
 //   vocabulary has no token for, which both refuse (UnencodableByte, naming a byte that is there);
 //   encode_plain never yields a special token's id; encode without a special id equals
 //   encode_plain; ids lie in the vocabulary.
@@ -34,7 +35,8 @@ inline void check_bpe(const fsdp_trainer::BpeTokenizer& tok, const std::string& 
     }
     return;
   }
-  if (unencodable)
+  // (SentencePiece-style: a character in the vocabulary needs no byte tokens.)
+  if (unencodable && tok.byte_level())
     __builtin_trap();  // a byte without a token was encoded (dropped)
   const auto ids = tok.encode(text);
   bool special = false;
@@ -51,15 +53,25 @@ inline void check_bpe(const fsdp_trainer::BpeTokenizer& tok, const std::string& 
       __builtin_trap();  // plain text became a control token
   if (tok.byte_level() && tok.decode(plain) != text)
     __builtin_trap();
-  // SentencePiece-style: the tokens spell the text, after the prefix space if one was put
-  // (decoding may drop leading spaces, as the file's decoder says).
-  std::string spelled;
+  // SentencePiece-style: the tokens spell the text, after the prefix space if one was put, with
+  // its U+2581 as spaces (decoding may drop leading spaces, as the file's decoder says).
+  std::string spelled, expected = tok.adds_space_prefix(text, true) ? " " : "";
   for (auto id : plain)
     spelled += tok.token_bytes(id);
-  if (spelled != (tok.adds_space_prefix(text, true) ? " " : "") + text)
+  const std::string meta = "\xE2\x96\x81";
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (!tok.byte_level() && text.compare(i, meta.size(), meta) == 0) {
+      expected += ' ';
+      i += meta.size() - 1;
+    } else {
+      expected += text[i];
+    }
+  }
+  if (spelled != expected)
     __builtin_trap();
   const bool valid = fsdp_trainer::printable_utf8(text) == text;
-  if (!tok.byte_level() && valid && !text.empty() && text[0] != ' ' && tok.decode(plain) != text)
+  if (!tok.byte_level() && valid && text.find(meta) == std::string::npos && !text.empty() &&
+      text[0] != ' ' && tok.decode(plain) != text)
     __builtin_trap();
   if (!special && plain != ids)
     __builtin_trap();  // the two encodings differ where no special token was matched

@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -73,6 +74,60 @@ std::map<std::string, fsdp_models::gguf::Value> gguf_metadata(const fsdp_trainer
           {"tokenizer.ggml.eos_token_id", Value{int64_t{sp.eos_id()}}},
           {"tokenizer.ggml.unknown_token_id", Value{int64_t{sp.unk_id()}}},
           {"tokenizer.ggml.add_space_prefix", Value{add_space_prefix}}};
+}
+
+// SentencePiece's BPE as stated, naively (quadratic): of the adjacent pairs whose concatenation
+// is a normal piece, merge the one whose piece scores highest, the leftmost on ties; characters
+// outside the vocabulary are their bytes' tokens. `text` has its spaces as U+2581 already.
+std::vector<int64_t> naive_sentencepiece(
+    const std::string& text, const std::map<std::string, fsdp_models::gguf::Value>& md) {
+  const auto& tokens = md.at("tokenizer.ggml.tokens").as_array("");
+  const auto& scores = md.at("tokenizer.ggml.scores").as_array("");
+  const auto& types = md.at("tokenizer.ggml.token_type").as_array("");
+  std::map<std::string, std::pair<int64_t, double>> normal;  // piece -> id, score
+  std::map<std::string, int64_t> bytes;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const auto& t = tokens[i].as_string("");
+    if (types[i].as_int("") == 1)
+      normal[t] = {static_cast<int64_t>(i), scores[i].as_double("")};
+    else if (types[i].as_int("") == 6)
+      bytes[t] = static_cast<int64_t>(i);
+  }
+  std::vector<std::string> sym;
+  for (size_t i = 0; i < text.size();) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    const size_t n = c < 0x80 ? 1 : c < 0xE0 ? 2 : c < 0xF0 ? 3 : 4;
+    const auto ch = text.substr(i, n);
+    if (normal.count(ch)) {
+      sym.push_back(ch);
+    } else {
+      for (const char b : ch) {
+        char hex[8];
+        std::snprintf(hex, sizeof hex, "<0x%02X>", static_cast<unsigned char>(b));
+        sym.push_back(hex);
+      }
+    }
+    i += n;
+  }
+  for (;;) {
+    int best = -1;
+    double best_score = 0;
+    for (size_t k = 0; k + 1 < sym.size(); ++k) {
+      auto it = normal.find(sym[k] + sym[k + 1]);
+      if (it != normal.end() && (best < 0 || it->second.second > best_score)) {
+        best = static_cast<int>(k);
+        best_score = it->second.second;
+      }
+    }
+    if (best < 0)
+      break;
+    sym[best] += sym[best + 1];
+    sym.erase(sym.begin() + best + 1);
+  }
+  std::vector<int64_t> ids;
+  for (const auto& x : sym)
+    ids.push_back(normal.count(x) ? normal.at(x).first : bytes.at(x));
+  return ids;
 }
 
 // The ways a SentencePiece-style tokenizer.json puts U+2581 in front of text, applied to ours.
@@ -240,6 +295,7 @@ TEST(SentencePieceBpe, MistralChatsEncodeAsTransformersApplyChatTemplate) {
        {"assistant", "God created the heaven and the earth."},
        {"user", "And then?\n"},
        {"assistant", "  Light, on the first day.\n"}},
+      {{"user", "a \xE2\x96\x81 b\xE2\x96\x81"}, {"assistant", "\xE2\x96\x81x \xE2\x96\x81"}},
       {{"user", "Say [/INST] or [INST]"},
        {"assistant", "[INST] no [/INST] \xC3\xA9t\xC3\xA9 \xF0\x9F\x9A\x80"}}};
   const auto cases_path = dir.path() + "/chats.jsonl";
@@ -254,13 +310,23 @@ TEST(SentencePieceBpe, MistralChatsEncodeAsTransformersApplyChatTemplate) {
         if (m.role == "assistant")
           answers += m.content + "</s>";
       }
+      // A U+2581 of the text is a space to the tokens, as in `tokenizers`.
+      std::string spaced;
+      for (size_t i = 0; i < answers.size(); ++i) {
+        if (answers.compare(i, 3, "\xE2\x96\x81") == 0) {
+          spaced += ' ';
+          i += 2;
+        } else {
+          spaced += answers[i];
+        }
+      }
       // The target tokens spell the answers and their eos (with the word-boundary space the
       // tokenizer put before the first, here inside the [/INST] line: none).
-      std::vector<int64_t> target;
+      std::string target;
       for (size_t i = 0; i < ex.ids.size(); ++i)
         if (ex.target[i])
-          target.push_back(ex.ids[i]);
-      EXPECT_EQ(tok.decode(target), answers);
+          target += tok.token_bytes(ex.ids[i]);
+      EXPECT_EQ(target, spaced);
       cases << Json{{"messages", messages}, {"ids", ex.ids}}.dump() << "\n";
     }
   }
@@ -315,7 +381,26 @@ TEST(SentencePieceBpe, FilesOutsideWhatIsImplementedAreRefusedByName) {
        "prepend_scheme"},
       {"no decoder", [](Json& j) { j["decoder"] = nullptr; }, "no decoder"},
       {"decoder without bytes", [](Json& j) { j["decoder"]["decoders"].erase(1); },
-       "<0xXX> tokens into bytes"},
+       "decoder [Replace, Fuse] is not supported"},
+      {"strip before fuse",
+       [](Json& j) {
+         auto& d = j["decoder"]["decoders"];
+         d = Json::array(
+             {d[0], d[1], {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}, d[2]});
+       },
+       "decoder [Replace, ByteFallback, Strip, Fuse]"},
+      {"normalized added token", [](Json& j) { j["added_tokens"][1]["normalized"] = true; },
+       "added token '<s>' is normalized"},
+      {"merge making an added token",
+       [](Json& j) {  // the first merge's result, also an added token
+         auto made = j["model"]["merges"][0].get<std::string>();
+         made.erase(made.find(' '), 1);
+         j["added_tokens"].push_back({{"id", j["model"]["vocab"][made]},
+                                      {"content", made},
+                                      {"special", true},
+                                      {"normalized", false}});
+       },
+       "is not of two ordinary vocabulary tokens making a third"},
       {"other decoder",
        [](Json& j) {
          j["decoder"] = {{"type", "WordPiece"}};
@@ -400,6 +485,26 @@ TEST(SentencePieceBpe, GgufLlamaTokenizerEncodesAsSentencePiece) {
     std::cout << "vocab " << vocab << ": GGUF llama tokenizer " << same << "/" << texts.size()
               << " as SentencePiece, " << as_legacy << "/" << texts.size()
               << " with its prefix as the legacy tokenizer.json\n";
+  }
+  // Pieces of equal score (converters that know no scores write -1000 for every piece) merge
+  // leftmost first, as SentencePiece's rule says: compared with the rule applied naively, with
+  // the real scores and with all of them equal.
+  for (const bool tied : {false, true}) {
+    auto md = gguf_metadata(trained(512), false);
+    if (tied)
+      for (auto& v : std::get<std::vector<fsdp_models::gguf::Value>>(md["tokenizer.ggml.scores"].v))
+        v = fsdp_models::gguf::Value{-1000.0};
+    const auto tok = BpeTokenizer::from_gguf_metadata(md, "tied.gguf");
+    size_t same = 0;
+    for (const auto& text : texts) {
+      std::string spaced;
+      for (const char c : text)
+        spaced += c == ' ' ? std::string("\xE2\x96\x81") : std::string(1, c);
+      same += tok.encode_plain(text) == naive_sentencepiece(spaced, md);
+    }
+    EXPECT_EQ(same, texts.size()) << (tied ? "tied scores" : "real scores");
+    std::cout << (tied ? "all scores equal: " : "real scores: ") << same << "/" << texts.size()
+              << " as SentencePiece's rule applied naively\n";
   }
   // Bad metadata is refused naming the key.
   auto md = gguf_metadata(trained(512), true);

@@ -271,10 +271,18 @@ InstructExample encode_conversation(const std::vector<ChatMessage>& messages,
         throw std::logic_error("encode_conversation: no prefix space where one was put");
       bytes.erase(0, 1);
     }
-    if (text.compare(pos, bytes.size(), bytes) != 0)
-      throw std::logic_error("encode_conversation: the tokens do not spell the text at byte " +
-                             std::to_string(pos));
-    const size_t end = pos + bytes.size();
+    // A SentencePiece-style token spells a space and a U+2581 of the text alike (both are
+    // U+2581 to it).
+    size_t end = pos;
+    for (const char c : bytes) {
+      if (end < text.size() && text[end] == c)
+        ++end;
+      else if (c == ' ' && !tok.byte_level() && text.compare(end, 3, "\xE2\x96\x81") == 0)
+        end += 3;
+      else
+        throw std::logic_error("encode_conversation: the tokens do not spell the text at byte " +
+                               std::to_string(end));
+    }
     while (s < spans.size() && spans[s].second <= pos)
       ++s;
     ex.target[i] = s < spans.size() && pos < spans[s].second &&

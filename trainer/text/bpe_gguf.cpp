@@ -41,9 +41,9 @@ struct Metadata {
 // llama.cpp's token types.
 constexpr int64_t kNormal = 1, kUnknown = 2, kControl = 3, kUserDefined = 4, kUnused = 5, kByte = 6;
 
-// SentencePiece pieces are at most 16 characters by default; a token this long is no piece, and
-// would cost its length squared in merges.
-constexpr size_t kMaxPieceBytes = 1024;
+// SentencePiece pieces are at most 16 characters by default (Llama's longest: 16 U+2581, 48
+// bytes); a token this long is no piece, and would cost its length squared in merges.
+constexpr size_t kMaxPieceBytes = 128;
 
 // The bytes of the UTF-8 character starting with `lead` (1 for a stray byte, so splitting
 // always advances).
@@ -108,8 +108,9 @@ BpeTokenizer BpeTokenizer::from_gguf_metadata(const std::map<std::string, gguf::
 
 // SentencePiece's BPE merges, among adjacent symbols whose concatenation is a piece, the one
 // whose piece scores highest (leftmost on ties); BPE by merge rank does the same when every split
-// of a piece into two pieces is a merge ranked by that piece's score (ties by id), which is how
-// this reader (like Tokenizer::to_hf_json) turns scores into merges. Spaces are written as
+// of a piece into two pieces is a merge ranked by that piece's score (equal scores sharing a
+// rank, which the BPE loop breaks leftmost first), which is how this reader turns scores into
+// merges. Spaces are written as
 // U+2581 and, unless tokenizer.ggml.add_space_prefix is false, one is put before the text after
 // every special token and at the start, as llama.cpp does (Llama 2's "legacy" behaviour);
 // decoding drops that leading space again. Control, user-defined and unknown tokens are matched
@@ -178,16 +179,17 @@ BpeTokenizer BpeTokenizer::from_gguf_sentencepiece(const std::map<std::string, g
       if (normal(piece.substr(0, k)) && normal(piece.substr(k)))
         merges.push_back({score[id], id, k});
   }
-  std::sort(merges.begin(), merges.end(), [](const Merge& a, const Merge& b) {
-    if (a.score != b.score)
-      return a.score > b.score;
-    return a.id != b.id ? a.id < b.id : a.left_bytes < b.left_bytes;
-  });
+  // Pieces of equal score share a rank: BPE then merges the leftmost such pair first, as
+  // SentencePiece and llama.cpp do (converters that know no scores give every piece the same).
+  std::sort(merges.begin(), merges.end(),
+            [](const Merge& a, const Merge& b) { return a.score > b.score; });
+  int rank = -1;
   for (size_t r = 0; r < merges.size(); ++r) {
+    if (r == 0 || merges[r].score != merges[r - 1].score)
+      ++rank;
     const auto& piece = t.tokens_[merges[r].id];
     t.merge_rank_.emplace(
-        piece.substr(0, merges[r].left_bytes) + " " + piece.substr(merges[r].left_bytes),
-        static_cast<int>(r));
+        piece.substr(0, merges[r].left_bytes) + " " + piece.substr(merges[r].left_bytes), rank);
   }
 
   t.bos_ = m.token_id("tokenizer.ggml.bos_token_id", tokens.size());

@@ -104,8 +104,6 @@ struct SentencePieceText {
   bool metaspace = false;            // a Metaspace pre-tokenizer (replaces spaces too)
   std::string scheme = "never";      // its prepend_scheme
   bool split = false;                // its split
-  bool decodes_space = false;        // the decoder turns U+2581 back into spaces
-  bool decodes_bytes = false;        // ... and <0xXX> tokens into bytes (ByteFallback)
   bool strip_leading_space = false;  // a Strip decoder taking one leading space
   bool strip_first_token = false;    // a Metaspace decoder with a prepend scheme
 };
@@ -163,30 +161,55 @@ void read_metaspace(const Json& m, const std::string& where) {
     throw FormatError(where + ": Metaspace's replacement is not U+2581");
 }
 
-void add_sentencepiece_decoder(const Json& d, const std::string& where, SentencePieceText& sp,
-                               int depth = 0) {
+// One decoder step: its type, checked to be one that undoes SentencePiece-style encoding.
+std::string sentencepiece_decoder_step(const Json& d, const std::string& where,
+                                       SentencePieceText& sp) {
   const auto type = type_of(d, where, "decoder");
-  if (type == "Sequence" && depth == 0 && d.contains("decoders") && d["decoders"].is_array()) {
-    for (const auto& e : d["decoders"])
-      add_sentencepiece_decoder(e, where, sp, depth + 1);
-  } else if (type == "Replace" && string_pattern(d) == kMetaSpace &&
-             string_field(d, "content") == " ") {
-    sp.decodes_space = true;
-  } else if (type == "ByteFallback") {
-    sp.decodes_bytes = true;
-  } else if (type == "Fuse") {
-  } else if (type == "Strip" && string_field(d, "content") == " " && d.value("stop", Json()) == 0 &&
-             (d.value("start", Json()) == 0 || d.value("start", Json()) == 1)) {
-    sp.strip_leading_space = sp.strip_leading_space || d["start"] == 1;
-  } else if (type == "Metaspace") {
-    read_metaspace(d, where + ": decoder");
-    sp.decodes_space = true;
-    sp.strip_first_token = metaspace_scheme(d, where + ": decoder") != "never";
-  } else {
-    throw FormatError(where + ": decoder " + type +
-                      " is not supported (SentencePiece-style BPE: Replace of U+2581 by ' ', "
-                      "ByteFallback, Fuse, Strip of one leading ' ', Metaspace)");
+  if ((type == "Replace" && string_pattern(d) == kMetaSpace && string_field(d, "content") == " ") ||
+      type == "ByteFallback" || type == "Fuse")
+    return type;
+  if (type == "Strip" && string_field(d, "content") == " " && d.value("stop", Json()) == 0 &&
+      (d.value("start", Json()) == 0 || d.value("start", Json()) == 1)) {
+    sp.strip_leading_space = d["start"] == 1;
+    return type;
   }
+  if (type == "Metaspace") {
+    read_metaspace(d, where + ": decoder");
+    sp.strip_first_token = metaspace_scheme(d, where + ": decoder") != "never";
+    return type;
+  }
+  throw FormatError(where + ": decoder " + type +
+                    " is not supported (SentencePiece-style BPE: Replace of U+2581 by ' ', "
+                    "ByteFallback, Fuse, Strip of one leading ' ', Metaspace)");
+}
+
+// The decoder, which must be one of the layouts that undo the encoding: `tokenizers` applies
+// the steps in order (Strip before Fuse strips every token, Metaspace after Fuse sees one token),
+// so the order is checked, not only the steps.
+void read_sentencepiece_decoder(const Json& d, const std::string& where, SentencePieceText& sp) {
+  std::vector<std::string> steps;
+  if (type_of(d, where, "decoder") == "Sequence" && d.contains("decoders") &&
+      d["decoders"].is_array()) {
+    for (const auto& e : d["decoders"])
+      steps.push_back(sentencepiece_decoder_step(e, where, sp));
+  } else {
+    steps.push_back(sentencepiece_decoder_step(d, where, sp));
+  }
+  using Steps = std::vector<std::string>;
+  const bool replace = steps == Steps{"Replace", "ByteFallback", "Fuse"} ||
+                       steps == Steps{"Replace", "ByteFallback", "Fuse", "Strip"};
+  const bool metaspace = steps == Steps{"ByteFallback", "Metaspace"} ||
+                         steps == Steps{"ByteFallback", "Metaspace", "Fuse"};
+  if (!replace && !metaspace) {
+    std::string layout;
+    for (const auto& step : steps)
+      layout += (layout.empty() ? "" : ", ") + step;
+    throw FormatError(where + ": decoder [" + layout +
+                      "] is not supported (SentencePiece-style BPE: Replace, ByteFallback, Fuse "
+                      "and optionally Strip; or ByteFallback, Metaspace and optionally Fuse)");
+  }
+  sp.strip_leading_space = replace && sp.strip_leading_space;
+  sp.strip_first_token = metaspace && sp.strip_first_token;
 }
 
 std::string dump_json(const Json& out) {
@@ -277,11 +300,7 @@ BpeTokenizer BpeTokenizer::from_hf_json(const std::string& json_text, const std:
       throw FormatError(path +
                         ": no decoder (SentencePiece-style BPE needs one undoing "
                         "U+2581 and byte fallback)");
-    add_sentencepiece_decoder(j["decoder"], path, sp);
-    if (!sp.decodes_space || !sp.decodes_bytes)
-      throw FormatError(path +
-                        ": the decoder does not turn U+2581 back into spaces and "
-                        "<0xXX> tokens into bytes (Replace and ByteFallback)");
+    read_sentencepiece_decoder(j["decoder"], path, sp);
   }
 
   // Ids: the vocabulary's and the added tokens'; every id below the largest must have a token,
@@ -328,6 +347,14 @@ BpeTokenizer BpeTokenizer::from_hf_json(const std::string& json_text, const std:
         if (flag(a, key, false, path + ": added token"))
           throw FormatError(path + ": added token '" + content + "' uses " + key +
                             ", which is not supported");
+      // `tokenizers` matches a normalized added token in the normalized text ("<x>" as "▁<x>"
+      // after a Prepend), so the normalizer runs across it: not implemented. Without a
+      // normalizer (byte-level) the flag changes nothing.
+      if (sentencepiece && flag(a, "normalized", !flag(a, "special", false, path + ": added token"),
+                                path + ": added token"))
+        throw FormatError(path + ": added token '" + content +
+                          "' is normalized, which is not supported with a SentencePiece-style "
+                          "normalizer");
       auto [slot, fresh] = place(a["id"].get<int64_t>(), content, "added token");
       if (!fresh && *slot != content)
         throw FormatError(path + ": added token '" + content + "' has the id of '" + *slot + "'");
@@ -356,7 +383,6 @@ BpeTokenizer BpeTokenizer::from_hf_json(const std::string& json_text, const std:
   if (!model.contains("merges") || !model["merges"].is_array())
     throw FormatError(path + ": model has no 'merges' list");
   const auto& merges = model["merges"];
-  const auto& vocab = model["vocab"];
   for (size_t r = 0; r < merges.size(); ++r) {
     const auto& m = merges[r];
     std::string left, right;
@@ -375,13 +401,15 @@ BpeTokenizer BpeTokenizer::from_hf_json(const std::string& json_text, const std:
     } else {
       throw FormatError(path + ": merge " + std::to_string(r) + " is not a pair of tokens");
     }
-    // Byte-level tokens never hold a space (GPT-2's alphabet maps it to 'Ġ'), which keeps the
-    // "left right" key unambiguous.
+    // Tokens BPE works on never hold a space (GPT-2's alphabet maps it to 'Ġ', SentencePiece's
+    // text has U+2581), which keeps the "left right" key unambiguous. Added tokens are matched
+    // whole and never come out of BPE (plain text must not become a control token): a merge
+    // using or making one is refused.
     if (left.empty() || right.empty() || left.find(' ') != std::string::npos ||
-        right.find(' ') != std::string::npos || !vocab.contains(left) || !vocab.contains(right) ||
-        !vocab.contains(left + right))
+        right.find(' ') != std::string::npos || !t.ids_.count(left) || !t.ids_.count(right) ||
+        !t.ids_.count(left + right))
       throw FormatError(path + ": merge " + std::to_string(r) + " ('" + left + "', '" + right +
-                        "') is not of two vocabulary tokens making a third");
+                        "') is not of two ordinary vocabulary tokens making a third");
     // `tokenizers` keeps the last rank of a merge listed twice, a map would keep the first:
     // such a file is refused rather than read either way.
     if (!t.merge_rank_.emplace(left + " " + right, static_cast<int>(r)).second)
@@ -447,13 +475,18 @@ std::string BpeTokenizer::to_hf_json() const {
                        {"normalized", false},
                        {"special", true}});
   }
-  std::vector<const std::string*> by_rank(merge_rank_.size());
+  // Merges in rank order. Ranks may have gaps (a GGUF file listing a merge twice: its later
+  // rank never applies) or be shared (a GGUF "llama" file's pieces of equal score, which merge
+  // leftmost first): tokenizer.json has no shared ranks, so those are ordered by their text,
+  // and `tokenizers` may merge them in another order than we do.
+  std::vector<std::pair<int, const std::string*>> by_rank;
   for (const auto& [pair, rank] : merge_rank_)
-    by_rank.at(static_cast<size_t>(rank)) = &pair;
+    by_rank.emplace_back(rank, &pair);
+  std::sort(by_rank.begin(), by_rank.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first < b.first : *a.second < *b.second;
+  });
   Json merges = Json::array();
-  for (const auto* pair : by_rank) {
-    if (!pair)  // a GGUF file listing a merge twice: its later rank never applies
-      continue;
+  for (const auto& [rank, pair] : by_rank) {
     const auto space = pair->find(' ');
     merges.push_back({pair->substr(0, space), pair->substr(space + 1)});
   }

@@ -217,7 +217,10 @@ void BpeTokenizer::bpe(const std::string& piece, std::vector<int64_t>& out) cons
     if (it != ids_.end()) {
       ids.push_back(it->second);
     } else if (!byte_level_) {  // a byte token the vocabulary lacks: "<0xXX>"
-      throw UnencodableByte(static_cast<uint8_t>(std::stoi(s.substr(3, 2), nullptr, 16)));
+      unsigned byte = 0;
+      if (s.size() != 6 || std::sscanf(s.c_str(), "<0x%2X>", &byte) != 1)
+        throw std::logic_error("BpeTokenizer: the symbol '" + s + "' is not in the vocabulary");
+      throw UnencodableByte(static_cast<uint8_t>(byte));
     } else {  // not in the vocabulary: by bytes
       for (const auto& ch : characters(s)) {
         auto b = ids_.find(ch);
