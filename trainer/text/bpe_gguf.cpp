@@ -200,7 +200,7 @@ BpeTokenizer BpeTokenizer::from_gguf_sentencepiece(const std::map<std::string, g
       m.value("tokenizer.ggml.add_space_prefix").as_bool(m.key("tokenizer.ggml.add_space_prefix"));
   t.space_prefix_ = prefix ? SpacePrefix::kEverySegment : SpacePrefix::kNone;
   t.decode_prefix_ = prefix ? DecodePrefix::kStripLeadingSpace : DecodePrefix::kKeep;
-  t.index_byte_tokens();
+  t.index_byte_tokens(path);
   t.init_byte_alphabet();
   t.set_splits({}, path, /*from_file=*/false);
   return t;

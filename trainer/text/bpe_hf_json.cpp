@@ -428,7 +428,7 @@ BpeTokenizer BpeTokenizer::from_hf_json(const std::string& json_text, const std:
     t.decode_prefix_ = sp.strip_leading_space ? DecodePrefix::kStripLeadingSpace
                        : sp.strip_first_token ? DecodePrefix::kStripFirstToken
                                               : DecodePrefix::kKeep;
-    t.index_byte_tokens();
+    t.index_byte_tokens(path);
     const auto unk = optional_string(model, "unk_token", path + ": model");
     if (!unk.empty()) {
       if (const int64_t s = t.special_id(unk); s >= 0)

@@ -75,13 +75,18 @@ BpeTokenizer::~BpeTokenizer() = default;
 BpeTokenizer::BpeTokenizer(BpeTokenizer&&) noexcept = default;
 BpeTokenizer& BpeTokenizer::operator=(BpeTokenizer&&) noexcept = default;
 
-void BpeTokenizer::index_byte_tokens() {
+void BpeTokenizer::index_byte_tokens(const std::string& where) {
   for (int b = 0; b < 256; ++b) {
     if (auto it = ids_.find(byte_token_text(static_cast<uint8_t>(b))); it != ids_.end()) {
       byte_token_[b] = it->second;
       byte_of_token_[it->second] = static_cast<uint8_t>(b);
     }
   }
+  // Every SentencePiece vocabulary has it; without it a space would be three byte tokens, which
+  // the decoders leave as U+2581 rather than a space.
+  if (!ids_.count(kMetaSpace))
+    throw gguf::FormatError(
+        where + ": the vocabulary has no ordinary token U+2581 (SentencePiece's space)");
 }
 
 void BpeTokenizer::init_byte_alphabet() {

@@ -125,8 +125,9 @@ class BpeTokenizer {
  private:
   BpeTokenizer();
   void init_byte_alphabet();
-  /// SentencePiece-style: finds the byte tokens <0xXX> among the ordinary tokens.
-  void index_byte_tokens();
+  /// SentencePiece-style: finds the byte tokens <0xXX> among the ordinary tokens; FormatError
+  /// (naming `where`) if U+2581 is not one of them.
+  void index_byte_tokens(const std::string& where);
   /// A GGUF `llama` tokenizer (SentencePiece BPE: pieces with scores, no merges).
   static BpeTokenizer from_gguf_sentencepiece(
       const std::map<std::string, fsdp_models::gguf::Value>& metadata, const std::string& path);
