@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "bpe_tokenizer.h"
+#include "utf8.h"
 
 namespace fsdp_trainer {
 
@@ -44,12 +45,6 @@ constexpr int64_t kNormal = 1, kUnknown = 2, kControl = 3, kUserDefined = 4, kUn
 // SentencePiece pieces are at most 16 characters by default (Llama's longest: 16 U+2581, 48
 // bytes); a token this long is no piece, and would cost its length squared in merges.
 constexpr size_t kMaxPieceBytes = 128;
-
-// The bytes of the UTF-8 character starting with `lead` (1 for a stray byte, so splitting
-// always advances).
-size_t lead_length(unsigned char lead) {
-  return lead >= 0xF0 ? 4 : lead >= 0xE0 ? 3 : lead >= 0xC0 ? 2 : 1;
-}
 
 }  // namespace
 
@@ -174,8 +169,8 @@ BpeTokenizer BpeTokenizer::from_gguf_sentencepiece(const std::map<std::string, g
     // and would make the "left right" key ambiguous.
     if (type[id] != kNormal || piece.find(' ') != std::string::npos)
       continue;
-    for (size_t k = lead_length(static_cast<unsigned char>(piece[0])); k < piece.size();
-         k += lead_length(static_cast<unsigned char>(piece[k])))
+    for (size_t k = utf8_lead_length(static_cast<unsigned char>(piece[0])); k < piece.size();
+         k += utf8_lead_length(static_cast<unsigned char>(piece[k])))
       if (normal(piece.substr(0, k)) && normal(piece.substr(k)))
         merges.push_back({score[id], id, k});
   }

@@ -33,23 +33,12 @@
 #include <vector>
 
 #include "tokenizer.h"
+#include "utf8.h"
 
 namespace fsdp_trainer {
 namespace {
 
 using Json = nlohmann::ordered_json;
-
-// Bytes of the UTF-8 character starting with `lead` (1 for a stray continuation byte, so that
-// splitting always advances).
-size_t utf8_length(unsigned char lead) {
-  if (lead >= 0xF0)
-    return 4;
-  if (lead >= 0xE0)
-    return 3;
-  if (lead >= 0xC0)
-    return 2;
-  return 1;
-}
 
 }  // namespace
 
@@ -105,8 +94,8 @@ std::string Tokenizer::to_hf_json() const {
   };
   std::vector<Merge> merges;
   for (const auto& [piece, id] : normal) {
-    for (size_t k = utf8_length(piece[0]); k < piece.size();
-         k += utf8_length(static_cast<unsigned char>(piece[k]))) {
+    for (size_t k = utf8_lead_length(piece[0]); k < piece.size();
+         k += utf8_lead_length(static_cast<unsigned char>(piece[k]))) {
       auto left = piece.substr(0, k), right = piece.substr(k);
       if (normal.count(left) && normal.count(right))
         merges.push_back({sp.GetScore(id), id, std::move(left), std::move(right)});

@@ -33,6 +33,10 @@ size_t utf8_length(std::string_view s) {
   return n;
 }
 
+size_t utf8_lead_length(unsigned char lead) {
+  return lead >= 0xF0 ? 4 : lead >= 0xE0 ? 3 : lead >= 0xC0 ? 2 : 1;
+}
+
 std::string printable_utf8(std::string_view bytes) {
   std::string out;
   out.reserve(bytes.size());

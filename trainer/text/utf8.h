@@ -13,6 +13,11 @@ namespace fsdp_trainer {
 /// start with one.
 size_t utf8_length(std::string_view s);
 
+/// The bytes of the UTF-8 character whose first byte is `lead`, by that byte alone (1 for a
+/// byte that cannot start one, so that splitting always advances): for vocabulary pieces, which
+/// are valid UTF-8.
+size_t utf8_lead_length(unsigned char lead);
+
 /// `bytes` for display: each byte that is not part of valid UTF-8 (a character cut short at the
 /// end of a generated text) becomes U+FFFD, as the `tokenizers` library's ByteFallback decoder
 /// writes such bytes.
