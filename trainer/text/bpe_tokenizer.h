@@ -32,11 +32,12 @@
 // of valid UTF-8 its byte token. Decoding writes U+2581 back as a space and byte tokens as their
 // bytes (a run of byte tokens that is not valid UTF-8 as one U+FFFD per token, as the
 // ByteFallback decoder does), and removes the prefix as the file's decoder does: Strip takes one
-// leading space of the text, Metaspace's decoder every U+2581 of the first token. So
-// decode(encode_plain(x)) == x for valid UTF-8 that holds no U+2581 and does not start with a
-// space (with Llama 2's Prepend and Strip, whatever its start); otherwise a U+2581 of the text
-// comes back as a space and leading spaces are lost, exactly as in the `tokenizers` library, and
-// around special tokens the prefixes show as spaces. token_bytes() spells what was encoded
+// leading space of the text, Metaspace's decoder every U+2581 of the first token. So for valid
+// UTF-8 that holds no U+2581 and does not start with a space, decode(encode_plain(x)) is x, or
+// " " + x where the file's decoder keeps the prefix (with Llama 2's Prepend and Strip it is x
+// whatever the start); otherwise a U+2581 of the text comes back as a space and leading spaces
+// are lost, exactly as in the `tokenizers` library, and around special tokens the prefixes show
+// as spaces. token_bytes() spells what was encoded
 // (U+2581 as a space), invalid bytes included.
 #pragma once
 
