@@ -32,6 +32,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <fsdp/distributed/collectives.h>
+#include "distributed/backend_calls.h"
 #include "distributed/group_access.h"
 
 namespace {
@@ -213,7 +214,7 @@ std::vector<Result> bench_all_gather(fsdp::ProcessGroup& pg, int64_t shard_numel
                 auto flat_out = torch::empty({n * shard_numel}, torch::kFloat);
                 auto flat_in = flat_out.narrow(0, rank * shard_numel, shard_numel);
                 torch::cat_out(flat_in, shards);
-                wait_released(raw(pg).all_gather_single(flat_out, flat_in));
+                wait_released(fsdp::detail::all_gather_single(raw(pg), flat_out, flat_in));
                 auto rows = flat_out.view({n, shard_numel});
                 int64_t offset = 0;
                 for (int i = 0; i < num_params; ++i) {
@@ -245,7 +246,8 @@ bool gloo_has_reduce_scatter(fsdp::ProcessGroup& pg) {
   auto out = torch::empty({1}, torch::kFloat);
   bool works = false;
   try {
-    wait_released(raw(pg).reduce_scatter_single(out, in));
+    wait_released(
+        fsdp::detail::reduce_scatter_single(raw(pg), out, in, c10d::ReduceScatterOptions()));
     works = out.item<float>() == static_cast<float>(pg.size());
   } catch (const std::exception&) {
   }
@@ -281,7 +283,8 @@ std::vector<Result> bench_reduce_scatter(fsdp::ProcessGroup& pg, int64_t shard_n
     gloo = {"b) gloo reduce_scatter_single", nullptr, poison,
             [&] {
               torch::Tensor in = input;
-              wait_released(raw(pg).reduce_scatter_single(output, in));
+              wait_released(fsdp::detail::reduce_scatter_single(raw(pg), output, in,
+                                                                c10d::ReduceScatterOptions()));
             },
             check};
   } else {

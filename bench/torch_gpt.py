@@ -1,8 +1,9 @@
-"""The PyTorch side of bench/vs_pytorch.py: fsdp-train's GPT training step, in Python.
+"""The PyTorch side of bench/vs_pytorch.py and bench/gpu_check.py: fsdp-train's training step,
+in Python.
 
-One process per rank (torchrun, or bench/emulated_link.sh's RANK/WORLD_SIZE variables), Gloo,
-CPU. Everything the step computes mirrors fsdp-train, so that the two can be compared loss for
-loss and second for second:
+One process per rank (torchrun, or bench/emulated_link.sh's RANK/WORLD_SIZE variables): Gloo on
+the CPU, or NCCL with --device cuda (GPU LOCAL_RANK). Everything the step computes mirrors
+fsdp-train, so that the two can be compared loss for loss and second for second:
   - the model is models/gpt.cpp (learned positions, pre-LayerNorm blocks, GELU tanh MLP, causal
     scaled_dot_product_attention, tied embeddings), loaded from the Hugging Face directory the
     driver writes once (fsdp-train reads the same file through model.init_from);
@@ -14,6 +15,16 @@ loss and second for second:
   --mode fsdp2   torch.distributed.fsdp.fully_shard on every block, then on the root
   --mode ddp     torch.nn.parallel.DistributedDataParallel
   --mode single  the plain model in one process (the compute reference)
+
+  --param-dtype bf16   MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on every
+                       block and on the root, whose output (the logits) is fp32: fsdp-train's
+                       precision.param_dtype = "bf16"
+  --ac                 every block in checkpoint_wrapper (recomputed in backward):
+                       fsdp.activation_checkpointing = "full"
+  --init random        no Hugging Face directory: a model of --arch's shape (--n-layer ...)
+                       built on the device with random weights, for speed runs
+  --arch llama         models/llama.cpp's Llama (RMSNorm, RoPE on adjacent pairs, grouped-query
+                       attention, SwiGLU; tied head), --init random only
 
 Each rank writes one JSON line per step to --out.<rank> (loss, step time) and a summary line
 (RSS, VmHWM) at the end. Step time is what fsdp-train's is: from fetching the batch to the end
@@ -124,6 +135,79 @@ class DistributedSampler:
         return torch.from_numpy(np.stack(rows).astype(np.int64))
 
 
+class RMSNorm(nn.Module):
+    """models/lean_ops.cpp's rms_norm: normalise in fp32, scale in the input's dtype."""
+
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return y * self.weight
+
+
+def rope_tables(seq_len, head_dim, theta, device):
+    freqs = torch.pow(theta, -torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), freqs)
+    return angles.cos().float().to(device), angles.sin().float().to(device)
+
+
+def apply_rotary(x, cos, sin):
+    """(B, T, H, D), adjacent pairs rotated, in fp32 (models/llama.cpp's apply_rotary_emb)."""
+    b, t, h, d = x.shape
+    pairs = x.float().unflatten(-1, (d // 2, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    cos, sin = cos.view(1, t, 1, d // 2), sin.view(1, t, 1, d // 2)
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1).flatten(-2).to(x.dtype)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, dim, n_heads, n_kv_heads, ffn):
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = n_heads, n_kv_heads, dim // n_heads
+        self.attention_norm, self.ffn_norm = RMSNorm(dim), RMSNorm(dim)
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.hd, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.hd, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.w1 = nn.Linear(dim, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, dim, bias=False)
+        self.w3 = nn.Linear(dim, ffn, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        h = self.attention_norm(x)
+        q = apply_rotary(self.wq(h).view(b, t, self.n_heads, self.hd), cos, sin)
+        k = apply_rotary(self.wk(h).view(b, t, self.n_kv, self.hd), cos, sin)
+        v = self.wv(h).view(b, t, self.n_kv, self.hd)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+        x = x + self.wo(y.transpose(1, 2).reshape(b, t, -1))
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg["vocab_size"], cfg["dim"])
+        self.h = nn.ModuleList(LlamaBlock(cfg["dim"], cfg["n_heads"], cfg["n_kv_heads"], cfg["ffn"])
+                               for _ in range(cfg["n_layer"]))
+        self.norm = RMSNorm(cfg["dim"])
+
+    def forward(self, idx):
+        cos, sin = rope_tables(idx.size(1), self.cfg["dim"] // self.cfg["n_heads"],
+                               self.cfg["rope_theta"], idx.device)
+        x = self.tok_embeddings(idx)
+        for block in self.h:
+            x = block(x, cos, sin)
+        return F.linear(self.norm(x), self.tok_embeddings.weight)  # tied head
+
+
 class Attention(nn.Module):
     def __init__(self, n_embd, n_head):
         super().__init__()
@@ -171,7 +255,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg["n_embd"])
 
     def forward(self, idx):
-        pos = torch.arange(idx.size(1))
+        pos = torch.arange(idx.size(1), device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.h:
             x = block(x)
@@ -229,6 +313,25 @@ def save_gpt(hf_dir, vocab_size, block_size, n_layer, n_head, n_embd, seed, init
         json.dump(cfg, f, indent=2)
 
 
+def random_model(a, device):
+    """--init random: the shape from the arguments, built on the device, N(0, 0.02) weights."""
+    if a.arch == "llama":
+        cfg = {"vocab_size": a.vocab, "dim": a.n_embd, "n_layer": a.n_layer, "n_heads": a.n_head,
+               "n_kv_heads": a.n_kv_head or a.n_head, "ffn": a.ffn, "rope_theta": a.rope_theta}
+        cls = Llama
+    else:
+        cfg = {"vocab_size": a.vocab, "n_positions": a.seq_len, "n_embd": a.n_embd,
+               "n_layer": a.n_layer, "n_head": a.n_head}
+        cls = GPT
+    torch.manual_seed(a.seed)
+    with torch.device(device):
+        model = cls(cfg)
+        for name, t in model.named_parameters():
+            if t.dim() >= 2:
+                nn.init.normal_(t, std=0.02)
+    return model
+
+
 def learning_rate(step, a):
     if step <= a.warmup_steps:
         return a.lr * step / max(1, a.warmup_steps)
@@ -247,7 +350,19 @@ def proc_status_bytes(field):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=("fsdp2", "ddp", "single"), required=True)
-    p.add_argument("--hf-dir", required=True)
+    p.add_argument("--hf-dir")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--ac", action="store_true")
+    p.add_argument("--init", choices=("hf", "random"), default="hf")
+    p.add_argument("--arch", choices=("gpt", "llama"), default="gpt")
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--n-layer", type=int, default=0)
+    p.add_argument("--n-embd", type=int, default=0)
+    p.add_argument("--n-head", type=int, default=0)
+    p.add_argument("--n-kv-head", type=int, default=0)
+    p.add_argument("--ffn", type=int, default=0)
+    p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--train-bin", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, required=True)
@@ -265,17 +380,46 @@ def main():
 
     torch.set_num_threads(1)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    cuda = a.device == "cuda"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else \
+        torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+        # Exact fp32 matmuls, as fsdp-train's (LibTorch's default).
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     if a.mode != "single":
-        dist.init_process_group("gloo")
+        if cuda:
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
     elif world != 1:
         sys.exit("--mode single runs one process")
 
-    model, _ = load_gpt(a.hf_dir)
+    if a.init == "random":
+        model = random_model(a, device)
+    else:
+        if a.arch != "gpt" or not a.hf_dir:
+            sys.exit("--init hf needs --hf-dir and --arch gpt")
+        model, _ = load_gpt(a.hf_dir)
+        model.to(device)
+    bf16 = a.param_dtype == "bf16"
+    if a.ac:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        for i, block in enumerate(model.h):
+            model.h[i] = checkpoint_wrapper(block)
     if a.mode == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        block_mp, root_mp = MixedPrecisionPolicy(), MixedPrecisionPolicy()
+        if bf16:
+            block_mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            root_mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                           output_dtype=torch.float32)
         for block in model.h:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mp_policy=block_mp)
+        fully_shard(model, mp_policy=root_mp)
+    elif bf16:
+        sys.exit("--param-dtype bf16 needs --mode fsdp2")
     elif a.mode == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
     params = [q for q in model.parameters() if q.requires_grad]
@@ -297,8 +441,10 @@ def main():
         lr = learning_rate(step, a)
         for g in optimizer.param_groups:
             g["lr"] = lr
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
-        xy = sampler.next()
+        xy = sampler.next().to(device)
         optimizer.zero_grad(set_to_none=True)
         logits = model(xy[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), xy[:, 1:].reshape(-1))
@@ -310,12 +456,15 @@ def main():
         optimizer.step()
         local_loss = loss.item()
         step_s = time.perf_counter() - start
-        mean = torch.tensor([local_loss], dtype=torch.float64)
+        mean = torch.tensor([local_loss], dtype=torch.float64, device=device)
         if a.mode != "single":
             dist.all_reduce(mean)
-        out.write(json.dumps({"step": step, "loss": mean.item() / world, "step_time_s": step_s,
-                              "grad_norm": float(grad_norm),
-                              "rss_bytes": proc_status_bytes("VmRSS")}) + "\n")
+        line = {"step": step, "loss": mean.item() / world, "step_time_s": step_s,
+                "grad_norm": float(grad_norm), "rss_bytes": proc_status_bytes("VmRSS")}
+        if cuda:
+            line["peak_bytes"] = torch.cuda.max_memory_allocated(device)
+            line["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+        out.write(json.dumps(line) + "\n")
     out.write(json.dumps({"summary": True, "fused_adamw": fused,
                           "peak_rss_bytes": proc_status_bytes("VmHWM"),
                           "rss_bytes": proc_status_bytes("VmRSS")}) + "\n")

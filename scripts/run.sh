@@ -5,7 +5,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${FSDP_CACHE:-$HOME/.cache/fsdp-cpp}"
-VENV="$CACHE/torch-$(tr -d '[:space:]' < "$ROOT/.torch-version")"
+VENV="$CACHE/torch-${FSDP_TORCH_VERSION:-$(tr -d '[:space:]' < "$ROOT/.torch-version")}"
 BUILD="${FSDP_BUILD_DIR:-$ROOT/build}"
 cmd="${1:-}"
 shift || true

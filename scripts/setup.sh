@@ -13,7 +13,9 @@ case "${1:-}" in
   *) echo "usage: scripts/setup.sh [--checks]" >&2; exit 2 ;;
 esac
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-TORCH_VERSION="$(tr -d '[:space:]' < "$ROOT/.torch-version")"
+# FSDP_TORCH_VERSION: another torch than the pinned one (each version has its own environment
+# in the cache; use its own FSDP_BUILD_DIR too), e.g. 2.11.0 as on the GPU machine.
+TORCH_VERSION="${FSDP_TORCH_VERSION:-$(tr -d '[:space:]' < "$ROOT/.torch-version")}"
 CACHE="${FSDP_CACHE:-$HOME/.cache/fsdp-cpp}"
 VENV="$CACHE/torch-$TORCH_VERSION"
 BUILD="${FSDP_BUILD_DIR:-$ROOT/build}"

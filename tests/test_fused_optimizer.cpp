@@ -13,6 +13,7 @@
 #include <fsdp/core/memory.h>
 #include <fsdp/fsdp.h>
 #include <fsdp/optim/fused_optimizer.h>
+#include <fsdp/optim/torch_fused_adamw.h>
 
 #include "harness/files.h"
 #include "harness/multiprocess.h"
@@ -183,6 +184,64 @@ TEST(FusedAdamW, OneStepMatchesTorchAdamW) {
       EXPECT_LE(worst, 3);
       EXPECT_LT(differing, total / 100);
     }
+  }
+}
+
+// fsdp::TorchFusedAdamW (the optimizer of shards on a GPU) runs torch's fused AdamW kernel,
+// which ATen also has for the CPU: the same update as torch::optim::AdamW to float rounding,
+// the same state (moments and step counts), and it resumes from torch::optim::AdamW's state
+// (a loaded checkpoint) with the step count the state says.
+TEST(TorchFusedAdamW, MatchesTorchAdamWAndResumesFromItsState) {
+  for (double wd : {0.0, 0.1}) {
+    auto params = make_params(2), ref = clone_all(params);
+    for (auto& r : ref)
+      r.requires_grad_(true);
+    for (auto& p : params)
+      p.requires_grad_(true);
+    auto opts = torch::optim::AdamWOptions(2e-3).weight_decay(wd);
+    torch::optim::AdamW torch_opt(ref, opts);
+    // Two steps of torch's, whose state the fused one then takes over, then three of each.
+    auto start = clone_all(params);
+    for (int step = 0; step < 2; ++step) {
+      set_grads(ref, 20 + step);
+      torch_opt.step();
+    }
+    for (size_t i = 0; i < params.size(); ++i)
+      params[i].detach().copy_(ref[i].detach());
+    fsdp::TorchFusedAdamW fused(params, opts);
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& st = static_cast<torch::optim::AdamWParamState&>(
+          *torch_opt.state()[ref[i].unsafeGetTensorImpl()]);
+      auto copy = std::make_unique<torch::optim::AdamWParamState>();
+      copy->step(st.step());
+      copy->exp_avg(st.exp_avg().clone());
+      copy->exp_avg_sq(st.exp_avg_sq().clone());
+      fused.state()[params[i].unsafeGetTensorImpl()] = std::move(copy);
+    }
+    for (int step = 2; step < 5; ++step) {
+      set_grads(params, 20 + step);
+      set_grads(ref, 20 + step);
+      fused.step();
+      torch_opt.step();
+    }
+    double worst = 0;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& st = static_cast<torch::optim::AdamWParamState&>(
+          *torch_opt.state()[ref[i].unsafeGetTensorImpl()]);
+      const auto& mine = static_cast<torch::optim::AdamWParamState&>(
+          *fused.state()[params[i].unsafeGetTensorImpl()]);
+      EXPECT_EQ(mine.step(), 5);
+      EXPECT_EQ(st.step(), 5);
+      EXPECT_TRUE(torch::allclose(mine.exp_avg(), st.exp_avg(), 1e-6, 1e-9)) << "param " << i;
+      EXPECT_TRUE(torch::allclose(mine.exp_avg_sq(), st.exp_avg_sq(), 1e-6, 1e-12))
+          << "param " << i;
+      worst = std::max(worst, scaled_ulps(params[i], ref[i], 2e-3));
+      // It moved the parameters (the comparison is not between two untouched copies).
+      EXPECT_FALSE(torch::equal(params[i], start[i])) << "param " << i;
+    }
+    std::cout << "wd=" << wd << ": TorchFusedAdamW within " << worst
+              << " ulp of max(|p|, lr) of torch::optim::AdamW after 5 steps\n";
+    EXPECT_LE(worst, 8);
   }
 }
 

@@ -27,6 +27,7 @@
 #include <fsdp/observe/chrome_trace.h>
 #include <fsdp/observe/step_profiler.h>
 #include <fsdp/optim/fused_optimizer.h>
+#include <fsdp/optim/torch_fused_adamw.h>
 #include <fsdp/plan/activations.h>
 #include <fsdp/plan/hardware.h>
 #include <fsdp/plan/machine_profile.h>

@@ -16,6 +16,7 @@
 #include <string_view>
 #include <thread>
 
+#include "backend_calls.h"
 #include "collective_check.h"
 #include "group_access.h"
 #include "peer_progress.h"
@@ -82,6 +83,15 @@ const char* op_name(ReduceOp op) {
 // call to wait for.
 bool local(const ProcessGroup& g) {
   return g.bench_local_collectives();
+}
+
+// See "Gloo carrying CUDA tensors" in collectives.h.
+bool staged_through_host(const ProcessGroup& g, const torch::Tensor& t) {
+  return is_gloo(g) && !local(g) && t.is_cuda();
+}
+
+torch::Tensor host_buffer(const torch::Tensor& t) {
+  return torch::empty(t.sizes(), t.options().device(torch::kCPU));
 }
 
 std::unique_ptr<CollectiveWork> done_locally(ProcessGroup& group, CollectiveCounter& counter,
@@ -250,6 +260,16 @@ CollectiveWork::~CollectiveWork() {
   }
 }
 
+void CollectiveWork::then(std::function<void()> after) {
+  TORCH_CHECK(!waited_, "CollectiveWork::then after wait()");
+  auto first = std::move(finish_);
+  finish_ = [first = std::move(first), after = std::move(after)]() {
+    if (first)
+      first();
+    after();
+  };
+}
+
 void CollectiveWork::wait() {
   if (waited_)
     return;
@@ -320,6 +340,19 @@ std::unique_ptr<CollectiveWork> all_gather(ProcessGroup& group,
                                            int64_t bucket_bytes, const std::string& context) {
   TORCH_CHECK(!inputs.empty() && inputs.size() == outputs.size(),
               "fsdp all_gather: need one output per input");
+  if (staged_through_host(group, inputs[0])) {
+    std::vector<torch::Tensor> host_in, host_out;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      host_in.push_back(inputs[i].cpu());
+      host_out.push_back(host_buffer(outputs[i]));
+    }
+    auto work = all_gather(group, host_in, host_out, bucket_bytes, context);
+    work->then([outputs, host_out]() {
+      for (size_t i = 0; i < outputs.size(); ++i)
+        outputs[i].copy_(host_out[i]);
+    });
+    return work;
+  }
   trace::Span span(kAllGatherNames.issue_kind, kAllGatherNames.issue, trace_subject(context));
   const int n = group.size();
   int64_t in_bytes = 0;
@@ -403,7 +436,7 @@ std::unique_ptr<CollectiveWork> all_gather(ProcessGroup& group,
   auto flat_out = torch::empty({in_bytes * n}, flat_in.options());
   const int64_t issued = trace::enabled() ? trace::now_ns() : 0;
   auto& lane = detail::GroupAccess::next_lane(group);
-  auto work = lane.all_gather_single(flat_out, flat_in);
+  auto work = detail::all_gather_single(lane, flat_out, flat_in);
   trace_transfer(group, lane, work, kAllGatherNames, context, in_bytes * n, issued);
   auto finish = [flat_out, out_bytes_views, in_bytes, n]() {
     auto rows = flat_out.view({n, in_bytes});
@@ -424,6 +457,12 @@ std::unique_ptr<CollectiveWork> reduce_scatter(ProcessGroup& group, const torch:
                                                const std::string& context) {
   check_contiguous(input, "reduce-scatter input");
   check_contiguous(output, "reduce-scatter output");
+  if (staged_through_host(group, input)) {
+    auto host_out = host_buffer(output);
+    auto work = reduce_scatter(group, input.cpu(), host_out, op, context);
+    work->then([output, host_out]() { output.copy_(host_out); });
+    return work;
+  }
   trace::Span span(kReduceScatterNames.issue_kind, kReduceScatterNames.issue,
                    trace_subject(context), input.numel() * input.element_size());
   const int n = group.size();
@@ -458,8 +497,7 @@ std::unique_ptr<CollectiveWork> reduce_scatter(ProcessGroup& group, const torch:
     // (the same order on every run, so results are reproducible).
     auto received = torch::empty_like(input);
     torch::Tensor in = input;
-    std::vector<int64_t> equal_splits;
-    auto work = backend.all_to_all_single(received, in, equal_splits, equal_splits);
+    auto work = detail::all_to_all_single(backend, received, in);
     trace_transfer(group, backend, work, kReduceScatterNames, context,
                    input.numel() * input.element_size(), issued);
     auto finish = [received, output, n, s, op]() {
@@ -476,7 +514,7 @@ std::unique_ptr<CollectiveWork> reduce_scatter(ProcessGroup& group, const torch:
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = op == ReduceOp::kAvg ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
   torch::Tensor out = output, in = input;
-  auto work = backend.reduce_scatter_single(out, in, opts);
+  auto work = detail::reduce_scatter_single(backend, out, in, opts);
   trace_transfer(group, backend, work, kReduceScatterNames, context,
                  input.numel() * input.element_size(), issued);
   return labelled(
@@ -490,6 +528,12 @@ std::unique_ptr<CollectiveWork> reduce_scatter_exchange(ProcessGroup& group,
                                                         const std::string& context) {
   check_contiguous(input, "reduce-scatter exchange input");
   check_contiguous(output, "reduce-scatter exchange output");
+  if (staged_through_host(group, input)) {
+    auto host_out = host_buffer(output);
+    auto work = reduce_scatter_exchange(group, input.cpu(), host_out, context);
+    work->then([output, host_out]() { output.copy_(host_out); });
+    return work;
+  }
   const int n = group.size();
   TORCH_CHECK(input.numel() == output.numel() && input.scalar_type() == output.scalar_type() &&
                   input.numel() % n == 0,
@@ -518,8 +562,7 @@ std::unique_ptr<CollectiveWork> reduce_scatter_exchange(ProcessGroup& group,
   const int64_t issued = trace::enabled() ? trace::now_ns() : 0;
   c10d::Backend& backend = detail::GroupAccess::next_lane(group);
   torch::Tensor in = input, out = output;
-  std::vector<int64_t> equal_splits;
-  auto work = backend.all_to_all_single(out, in, equal_splits, equal_splits);
+  auto work = detail::all_to_all_single(backend, out, in);
   trace_transfer(group, backend, work, kReduceScatterNames, context, bytes, issued);
   return labelled(
       std::make_unique<CollectiveWork>(group, counter, what, std::move(work), nullptr, ticket),
@@ -529,6 +572,12 @@ std::unique_ptr<CollectiveWork> reduce_scatter_exchange(ProcessGroup& group,
 std::unique_ptr<CollectiveWork> all_reduce(ProcessGroup& group, const torch::Tensor& tensor,
                                            ReduceOp op, const std::string& context) {
   check_contiguous(tensor, "all-reduce tensor");
+  if (staged_through_host(group, tensor)) {
+    auto host = tensor.cpu();
+    auto work = all_reduce(group, host, op, context);
+    work->then([tensor, host]() { tensor.copy_(host); });
+    return work;
+  }
   const int n = group.size();
   auto& counter = group.comm_stats().all_reduce;
   const int64_t bytes = tensor.numel() * tensor.element_size();
@@ -573,6 +622,12 @@ std::unique_ptr<CollectiveWork> all_reduce(ProcessGroup& group, const torch::Ten
 std::unique_ptr<CollectiveWork> broadcast(ProcessGroup& group, const torch::Tensor& tensor,
                                           int root, const std::string& context) {
   check_contiguous(tensor, "broadcast tensor");
+  if (staged_through_host(group, tensor)) {
+    auto host = tensor.cpu();
+    auto work = broadcast(group, host, root, context);
+    work->then([tensor, host]() { tensor.copy_(host); });
+    return work;
+  }
   auto& counter = group.comm_stats().broadcast;
   const int64_t bytes = tensor.numel() * tensor.element_size();
   trace::Span span(kBroadcastNames.issue_kind, kBroadcastNames.issue, trace_subject(context),
@@ -603,6 +658,8 @@ std::unique_ptr<CollectiveWork> broadcast(ProcessGroup& group, const torch::Tens
 std::unique_ptr<CollectiveWork> send(ProcessGroup& group, const torch::Tensor& tensor, int dst,
                                      int tag, const std::string& context) {
   check_contiguous(tensor, "send tensor");
+  if (staged_through_host(group, tensor))
+    return send(group, tensor.cpu(), dst, tag, context);  // the work keeps the host copy
   refuse_locally(group, "send");
   TORCH_CHECK(dst >= 0 && dst < group.size() && dst != group.rank(), "fsdp send: bad peer ", dst,
               " from group rank ", group.rank(), " of ", group.size());
@@ -624,6 +681,12 @@ std::unique_ptr<CollectiveWork> send(ProcessGroup& group, const torch::Tensor& t
 std::unique_ptr<CollectiveWork> recv(ProcessGroup& group, const torch::Tensor& tensor, int src,
                                      int tag, const std::string& context) {
   check_contiguous(tensor, "recv tensor");
+  if (staged_through_host(group, tensor)) {
+    auto host = host_buffer(tensor);
+    auto work = recv(group, host, src, tag, context);
+    work->then([tensor, host]() { tensor.copy_(host); });
+    return work;
+  }
   refuse_locally(group, "recv");
   TORCH_CHECK(src >= 0 && src < group.size() && src != group.rank(), "fsdp recv: bad peer ", src,
               " at group rank ", group.rank(), " of ", group.size());

@@ -568,7 +568,7 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store,
 ProcessGroup::~ProcessGroup() = default;
 
 c10::DeviceType ProcessGroup::device_type() const {
-  return options_.backend() == "nccl" ? c10::kCUDA : c10::kCPU;
+  return options_.backend() == "nccl" ? c10::kCUDA : options_.gloo_device();
 }
 
 std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ranks) {

@@ -43,6 +43,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <fsdp/fully_shard.h>
@@ -54,6 +56,22 @@
 #include "unit_state.h"
 
 namespace fsdp::detail {
+
+// A weak reference to an autograd node, whichever pointer this torch holds nodes by: a
+// std::shared_ptr up to torch 2.14 (2.11 is what GPU images carry), a c10::intrusive_ptr from
+// 2.15. Tensor::grad_fn() says which.
+template <typename P>
+struct WeakPointerOf;
+template <typename T>
+struct WeakPointerOf<std::shared_ptr<T>> {
+  using type = std::weak_ptr<T>;
+};
+template <typename T>
+struct WeakPointerOf<c10::intrusive_ptr<T>> {
+  using type = c10::weak_intrusive_ptr<T>;
+};
+using WeakNode =
+    typename WeakPointerOf<std::decay_t<decltype(std::declval<at::Tensor>().grad_fn())>>::type;
 
 class RootState;
 
@@ -81,9 +99,9 @@ struct CallRecord : torch::CustomClassHolder {
   /// The model forward (RootState::epoch()) the call belongs to.
   uint64_t epoch = 0;
   /// The PostBackward node on the call's inputs (none if no input required grad).
-  std::optional<c10::weak_intrusive_ptr<torch::autograd::Node>> post_node;
+  std::optional<WeakNode> post_node;
   /// The grad_fn of each output that requires grad: the call's graph is alive while one is.
-  std::vector<c10::weak_intrusive_ptr<torch::autograd::Node>> output_nodes;
+  std::vector<WeakNode> output_nodes;
   /// Backward passes (RootState::pass_id()) in which its pre-/post-backward ran; 0: not yet.
   uint64_t pre_pass = 0;
   uint64_t post_pass = 0;

@@ -56,6 +56,14 @@ std::vector<DeviceProfile> make_devices() {
                  "(nvidia.com/en-us/data-center/h100/); NVIDIA DGX H100 user guide and DGX "
                  "BasePOD reference architecture (8x ConnectX-7 400 Gb/s); Intel Xeon Platinum "
                  "8480C specifications"});
+  // H200 SXM: the H100's compute (989.4 TFLOPS dense BF16, 67 FP32), 141 GB of HBM3e at 4.8
+  // TB/s, the same NVLink, network and PCIe as a DGX H100. Memory: the 143,771 MiB nvidia-smi
+  // reports on the H200 machines our GPU checks run on (docs/gpu.md).
+  out.push_back({"h200", "NVIDIA H200 141GB SXM (DGX H200)", 143771 * (int64_t{1} << 20),
+                 4800 * kGB, 67 * kT, 989.4 * kT, 450 * kGB, 50 * kGB, kNvlinkHop, kNetHop,
+                 64 * kGB, 307.2 * kGB / 4,
+                 "NVIDIA H200 Tensor Core GPU product page and data sheet "
+                 "(nvidia.com/en-us/data-center/h200/); NVIDIA DGX H200 specifications"});
   // L40S: 362.05 TFLOPS BF16 dense (733 with sparsity), 91.6 FP32, 864 GB/s, no NVLink: peers
   // talk over PCIe Gen4 x16 ("64 GB/s bidirectional"). Memory: 48 GiB nominal. No standard
   // multi-node system.

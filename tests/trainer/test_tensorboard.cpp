@@ -127,6 +127,7 @@ StepMetrics synthetic(int64_t step) {
     m.mem_params_bytes = 1, m.mem_grads_bytes = 2, m.mem_optimizer_bytes = 3;
     m.mem_gathered_bytes = 4, m.mem_activations_bytes = 5, m.mem_other_bytes = 6;
     m.grads_peak_bytes = 7, m.rss_bytes = 8, m.peak_rss_bytes = 9;
+    m.peak_reserved_bytes = 12;
     m.offload_read_bytes = 10, m.offload_written_bytes = 11, m.time_offload_wait_s = 0.5;
   }
   return m;

@@ -90,10 +90,10 @@ fsdp_trainer::DeviceMemory prepare_cuda(int local_rank, int local_world_size) {
   namespace alloc = c10::cuda::CUDACachingAllocator;
   fsdp_trainer::DeviceMemory memory;
   memory.reset_peak = [device] { alloc::resetPeakStats(device); };
-  memory.peak_bytes = [device] {
-    const auto stats = alloc::getDeviceStats(device);
-    return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)]
-        .peak;
+  constexpr auto kAll = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+  memory.peak_bytes = [device] { return alloc::getDeviceStats(device).allocated_bytes[kAll].peak; };
+  memory.peak_reserved_bytes = [device] {
+    return alloc::getDeviceStats(device).reserved_bytes[kAll].peak;
   };
   return memory;
 }

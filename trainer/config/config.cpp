@@ -469,7 +469,9 @@ const std::vector<Option>& options() {
           "vectorised pass over each rank's shards (several times faster; moments bitwise "
           "torch's, parameters within an ulp, see docs/design.md), with bf16 moments and file "
           "offload. sgd: fsdp::FusedSGD (torch::optim::SGD's update, bitwise) with "
-          "optimizer.momentum.",
+          "optimizer.momentum. With the shards on a GPU (training.device = cuda without "
+          "fsdp.cpu_offload), adamw_fused is fsdp::TorchFusedAdamW (torch's fused CUDA AdamW "
+          "kernel, as torch.optim.AdamW(fused=True)) and sgd is torch::optim::SGD.",
           {"adamw", "adamw_fused", "sgd"}),
       opt("optimizer.moments_dtype", FIELD(optimizer.moments_dtype),
           "Dtype of the optimizer state (fused optimizers): bf16 halves it; stored with "
@@ -871,6 +873,17 @@ void validate(const Config& c) {
   require(c.model.init_from.empty() || directory(c.model.init_from), "model.init_from",
           "'" + shown(c.model.init_from) + "' is not a directory");
   require(c.generate.temperature > 0, "generate.temperature", "must be > 0");
+  // The shards on a GPU are stepped by torch's optimizers (optimizer_factory.cpp), which have
+  // neither bf16 moments nor file offload, nor a per-unit step inside backward.
+  const bool shards_on_gpu = c.training.device == "cuda" && !c.fsdp.cpu_offload;
+  const std::string on_gpu_hint = " needs the shards on the CPU (fsdp.cpu_offload = true): on a "
+                                  "GPU the optimizer is torch's";
+  require(!shards_on_gpu || c.optimizer.moments_dtype == "fp32", "optimizer.moments_dtype",
+          "= " + c.optimizer.moments_dtype + on_gpu_hint);
+  require(!shards_on_gpu || c.optimizer.offload == "none", "optimizer.offload",
+          "= " + c.optimizer.offload + on_gpu_hint);
+  require(!shards_on_gpu || !c.fsdp.optimizer_in_backward, "fsdp.optimizer_in_backward",
+          on_gpu_hint.substr(1));
   require(c.optimizer.moments_dtype == "fp32" || c.optimizer.name != "adamw",
           "optimizer.moments_dtype",
           "= " + c.optimizer.moments_dtype + " needs a fused optimizer (adamw_fused or sgd)");

@@ -42,7 +42,7 @@ struct Field {
 };
 
 // Order = order in each JSON line: what a human reading the log wants first.
-const std::array<Field, 33> kFields = {{
+const std::array<Field, 34> kFields = {{
     {"step", nullptr, &StepMetrics::step},
     {"loss", "train/loss", &StepMetrics::loss},
     {"eval_loss", "eval/loss", &StepMetrics::eval_loss},
@@ -75,6 +75,7 @@ const std::array<Field, 33> kFields = {{
     {"grads_peak_bytes", "memory/grads_peak_bytes", &StepMetrics::grads_peak_bytes},
     {"rss_bytes", "memory/rss_bytes", &StepMetrics::rss_bytes},
     {"peak_rss_bytes", "memory/peak_rss_bytes", &StepMetrics::peak_rss_bytes},
+    {"peak_reserved_bytes", "memory/peak_reserved_bytes", &StepMetrics::peak_reserved_bytes},
     {"offload_read_bytes", "offload/read_bytes", &StepMetrics::offload_read_bytes},
     {"offload_written_bytes", "offload/written_bytes", &StepMetrics::offload_written_bytes},
     {"time_offload_wait_s", "time/offload_wait_s", &StepMetrics::time_offload_wait_s},

@@ -84,6 +84,10 @@ struct StepMetrics {
   /// Resident set size at the end of the step and the process's high-water mark so far, max
   /// over ranks (fsdp::memory::resident_bytes): what the OS charges beside the tracked tensors.
   std::optional<int64_t> rss_bytes, peak_rss_bytes;
+  /// CUDA runs: the caching allocator's reserved bytes (what it holds from the driver, the
+  /// allocated ones and its cached free blocks) at their high-water mark during the step, max
+  /// over ranks; peak_bytes is then the allocator's allocated bytes.
+  std::optional<int64_t> peak_reserved_bytes;
   /// With optimizer.offload = file, rank 0: state bytes its optimizer step read from and wrote
   /// to the file, and the time the update waited for the file (the rest of the I/O overlapped
   /// the update).

@@ -3,6 +3,7 @@
 #include <filesystem>
 
 #include <fsdp/optim/fused_optimizer.h>
+#include <fsdp/optim/torch_fused_adamw.h>
 
 namespace fsdp_trainer {
 
@@ -11,6 +12,11 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Config& config,
                                                         std::vector<torch::Tensor> no_decay) {
   const auto& t = config.training;
   const auto& o = config.optimizer;
+  // Shards on a GPU (training.device = cuda without fsdp.cpu_offload): the fused optimizers of
+  // fsdp::FusedAdamW / FusedSGD are CPU kernels; torch's own fused CUDA AdamW and its SGD step
+  // there instead (config.cpp refuses the options only the CPU kernels have).
+  const bool on_gpu = !decay.empty() ? !decay[0].device().is_cpu()
+                                     : (!no_decay.empty() && !no_decay[0].device().is_cpu());
   auto state = fsdp::OptimizerStateOptions()
                    .moments_dtype(o.moments_dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32)
                    .chunk_bytes(static_cast<int64_t>(o.chunk_mb * (1 << 20)))
@@ -30,6 +36,8 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Config& config,
     groups.emplace_back(std::move(decay), std::make_unique<torch::optim::SGDOptions>(sgd));
     groups.emplace_back(std::move(no_decay), std::make_unique<torch::optim::SGDOptions>(
                                                  torch::optim::SGDOptions(sgd).weight_decay(0.0)));
+    if (on_gpu)
+      return std::make_unique<torch::optim::SGD>(std::move(groups), sgd);
     return std::make_unique<fsdp::FusedSGD>(std::move(groups), sgd, state);
   }
   auto adamw =
@@ -40,6 +48,8 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Config& config,
                           torch::optim::AdamWOptions(adamw).weight_decay(0.0)));
   if (o.name == "adamw")
     return std::make_unique<torch::optim::AdamW>(std::move(groups), adamw);
+  if (on_gpu)
+    return std::make_unique<fsdp::TorchFusedAdamW>(std::move(groups), adamw);
   return std::make_unique<fsdp::FusedAdamW>(std::move(groups), adamw, state);
 }
 

@@ -511,9 +511,10 @@ void Trainer::reduce_step_metrics(StepMetrics& m, double loss_sum, double local_
   // Four separate all-reduces cost ~5 ms per step between steps at batch 1 on 2 cores (each a
   // round trip, and a point where the faster rank waits). Doubles hold byte counts exactly
   // below 2^53.
-  enum Col { kLoss, kTokens, kRss, kPeakRss, kPeak, kGradsPeak, kCategories };
+  enum Col { kLoss, kTokens, kRss, kPeakRss, kPeak, kGradsPeak, kPeakReserved, kCategories };
   constexpr int kCols = kCategories + fsdp::memory::kNumCategories;
-  const bool tracked = fsdp::memory::tracking_installed();
+  // The tracking allocator counts host tensors; on a GPU the peaks are the device's.
+  const bool tracked = device_.is_cpu() && fsdp::memory::tracking_installed();
   std::vector<double> mine(kCols, 0.0);
   mine[kLoss] = loss_sum;
   mine[kTokens] = local_tokens;
@@ -529,6 +530,8 @@ void Trainer::reduce_step_metrics(StepMetrics& m, double loss_sum, double local_
   } else {
     mine[kPeak] = static_cast<double>(device_memory_.peak_bytes());
   }
+  if (device_memory_.peak_reserved_bytes)
+    mine[kPeakReserved] = static_cast<double>(device_memory_.peak_reserved_bytes());
   const int world = pg_->size();
   auto table = torch::zeros({world, kCols}, torch::kDouble);
   table[pg_->rank()].copy_(torch::tensor(mine, torch::kDouble));
@@ -546,6 +549,8 @@ void Trainer::reduce_step_metrics(StepMetrics& m, double loss_sum, double local_
   const auto top = col(kPeak).argmax().item<int64_t>();
   const auto row = table[top];
   m.peak_bytes = static_cast<int64_t>(row[kPeak].item<double>());
+  if (device_memory_.peak_reserved_bytes)
+    m.peak_reserved_bytes = static_cast<int64_t>(col(kPeakReserved).max().item<double>());
   if (!tracked)
     return;
   using fsdp::memory::Category;

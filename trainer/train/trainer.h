@@ -37,6 +37,8 @@ namespace fsdp_trainer {
 struct DeviceMemory {
   std::function<void()> reset_peak;
   std::function<int64_t()> peak_bytes;
+  /// CUDA: the caching allocator's peak reserved bytes (StepMetrics::peak_reserved_bytes).
+  std::function<int64_t()> peak_reserved_bytes;
 };
 
 /// What the process is for: a training run owns the run directory (config.toml, metrics.jsonl,

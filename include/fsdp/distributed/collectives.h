@@ -18,6 +18,12 @@
 //    NCCL: reduce_scatter_single with ReduceOp::AVG. reduce_scatter_exchange is the same
 //    all-to-all for payloads the caller encodes (int8 gradients) and sums after decoding.
 //
+// Gloo carrying CUDA tensors (ProcessGroupOptions::gloo_device = kCUDA, several ranks on one
+// GPU): c10d's Gloo has no CUDA path for allgather_coalesced, and its CUDA paths of the others
+// stage through host memory anyway, so each function copies its CUDA tensors to the host
+// (ordered after the current stream's work), runs the collective there and copies the result
+// back on the waiting thread's current stream.
+//
 // Benchmark mode (ProcessGroupOptions::bench_local_collectives, FSDP_BENCH_LOCAL_COLLECTIVES=1):
 // all_gather, reduce_scatter, all_reduce and broadcast are carried out at issue as local copies
 // of the same bytes (see the option) and never reach the backend; they are counted and
@@ -73,6 +79,10 @@ class CollectiveWork {
   CollectiveWork& operator=(const CollectiveWork&) = delete;
 
   void wait();
+
+  /// Adds a step that runs inside wait() after the result is in place (and before wait()
+  /// returns): the copy back of a collective staged through host memory.
+  void then(std::function<void()> after);
 
   /// What the trace span of wait() is called ("all_gather_wait", "all-gather wait", "h3"; see
   /// fsdp/core/trace.h). Set by the functions below; `kind` and `label` are static strings.

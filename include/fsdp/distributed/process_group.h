@@ -72,6 +72,11 @@ struct ProcessGroupOptions {
   /// allgather_coalesced calls on 2 threads crashed in about half the runs, and never on
   /// separate contexts). NCCL ignores it.
   TORCH_ARG(int, gloo_lanes) = 2;
+  /// Gloo: where the group's tensors live. kCUDA lets several ranks share one GPU (NCCL refuses
+  /// two ranks on one device): every collective then moves through host memory
+  /// (collectives.h), so it tests placement and stream order on a GPU, not NCCL's speed.
+  /// NCCL ignores it (always kCUDA).
+  TORCH_ARG(c10::DeviceType, gloo_device) = c10::kCPU;
   /// Debug mode: every this many collectives, the ranks of each group compare (through the
   /// rendezvous store) the sequence of collectives each issued, and every rank throws one
   /// message naming the first collective where they differ and what each rank issued there
@@ -113,7 +118,8 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   /// Global rank of each member, in group-rank order.
   const std::vector<int>& global_ranks() const { return global_ranks_; }
   const std::string& backend_name() const { return options_.backend(); }
-  /// kCPU for Gloo, kCUDA for NCCL: where tensors handed to collectives must live.
+  /// kCUDA for NCCL, ProcessGroupOptions::gloo_device for Gloo: where tensors handed to
+  /// collectives must live.
   c10::DeviceType device_type() const;
   std::chrono::milliseconds timeout() const { return options_.timeout(); }
   int num_lanes() const { return static_cast<int>(lanes_.size()); }

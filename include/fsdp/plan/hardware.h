@@ -45,7 +45,8 @@ struct DeviceProfile {
   double flops(torch::ScalarType dtype) const;
 };
 
-/// A100 40 GB and 80 GB SXM (in a DGX A100), H100 80 GB SXM (in a DGX H100), L40S, RTX 4090.
+/// A100 40 GB and 80 GB SXM (in a DGX A100), H100 80 GB SXM (in a DGX H100), H200 (in a DGX
+/// H200), L40S, RTX 4090.
 const std::vector<DeviceProfile>& builtin_devices();
 /// The built-in profile named `name`; throws naming the known ones.
 const DeviceProfile& builtin_device(const std::string& name);
