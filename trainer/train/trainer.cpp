@@ -4,6 +4,8 @@
 // cover every group the units use (hybrid_shard's subgroups included).
 #include "trainer.h"
 
+#include <torch/cuda.h>
+
 #include <fmt/core.h>
 
 #include <numeric>
@@ -789,6 +791,10 @@ StepMetrics Trainer::train_step(int64_t step) {
   const double loss_sum = run_step(
       StepParts{model_, *optimizer_, params_, *profiler_, scaler_.get(), previous_grad_norm_},
       batch, conversations, m);
+  // A step ends when the device is done with it: CUDA runs behind the host, and without this
+  // the optimizer's kernels would finish inside the metrics' all-reduce, outside the step time.
+  if (device_.is_cuda())
+    torch::cuda::synchronize(device_.index());
   const fsdp::StepBreakdown b = profiler_->end_step();
 
   // StepMetrics' phase times include the waits inside them (Note [Waits inside phases] in
