@@ -477,8 +477,11 @@ def section_sanitizer(c):
     r = {}
     for test in ("Nccl.FullShardStepsWithClippingEqualOneCpuProcess",
                  "Nccl.CpuOffloadStepsEqualOneCpuProcess"):
+        # API errors are not memory errors: NCCL probes its kernels for other architectures
+        # at start-up and gets cudaErrorNoKernelImageForDevice 8 times (seen on an H200).
         code, out = c.run([tool, "--tool", "memcheck", "--target-processes", "all",
-                           "--error-exitcode", "3", "--leak-check", "no", c.cuda_tests,
+                           "--error-exitcode", "3", "--leak-check", "no",
+                           "--report-api-errors", "no", c.cuda_tests,
                            f"--gtest_filter={test}"], 150, env=env)
         errors = [l for l in out.splitlines() if "========= ERROR SUMMARY" in l]
         r[test] = {"exit": code, "error_summaries": errors,

@@ -386,6 +386,13 @@ c10::intrusive_ptr<c10d::TCPStore> connect_store(const LaunchEnv& env, bool serv
   }
 }
 
+// Every backend a ProcessGroup was built on, weakly: what shutdown_process_groups() ends.
+std::mutex g_backends_mutex;
+std::vector<c10::weak_intrusive_ptr<c10d::Backend>>& live_backends() {
+  static auto* backends = new std::vector<c10::weak_intrusive_ptr<c10d::Backend>>();
+  return *backends;  // never destroyed: usable until the very end of the process
+}
+
 }  // namespace
 
 // ---- Public API -------------------------------------------------------------------------------
@@ -559,6 +566,13 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store,
   TORCH_CHECK(options_.check_collectives() >= 0, "ProcessGroupOptions::check_collectives must be ",
               ">= 0, got ", options_.check_collectives());
   FlightRecorder::global().register_group(name_, global_ranks_);
+  {
+    std::lock_guard<std::mutex> lock(g_backends_mutex);
+    auto& live = live_backends();
+    std::erase_if(live, [](const auto& w) { return w.expired(); });
+    for (const auto& lane : lanes_)
+      live.emplace_back(lane);
+  }
   if (options_.check_collectives() > 0 && size_ > 1) {
     check_ = std::make_unique<detail::CollectiveCheck>(
         store_, rank_, global_ranks_, options_.check_collectives(), options_.timeout());
@@ -566,6 +580,20 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store,
 }
 
 ProcessGroup::~ProcessGroup() = default;
+
+void shutdown_process_groups() {
+  std::vector<c10::intrusive_ptr<c10d::Backend>> alive;
+  {
+    std::lock_guard<std::mutex> lock(g_backends_mutex);
+    for (auto& w : live_backends()) {
+      if (auto b = w.lock())
+        alive.push_back(std::move(b));
+    }
+    live_backends().clear();
+  }
+  for (auto& b : alive)
+    b->shutdown();
+}
 
 c10::DeviceType ProcessGroup::device_type() const {
   return options_.backend() == "nccl" ? c10::kCUDA : options_.gloo_device();

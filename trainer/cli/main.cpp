@@ -305,6 +305,12 @@ int main(int argc, char** argv) {
         return 2;
       throw;
     }
+    // Declared before the trainer, so it runs after the trainer is gone, on every way out:
+    // the models' groups otherwise live in fsdp's registry until static destruction, after the
+    // CUDA runtime's, and NCCL's teardown then aborts the process (process_group.h).
+    struct EndProcessGroups {
+      ~EndProcessGroups() { fsdp::shutdown_process_groups(); }
+    } end_process_groups;
     fsdp_trainer::DeviceMemory device_memory;
 #ifdef FSDP_TRAIN_CUDA
     if (config.training.device == "cuda")

@@ -24,7 +24,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <filesystem>
+#include <optional>
 #include <numeric>
 #include <random>
 #include <stdexcept>
@@ -600,7 +602,26 @@ PreparedData prepare_data(const PrepareOptions& options) {
 
   // Pass 1 reads the corpus once for its checksum (reuse needs the same bytes: a file may have
   // changed under the same path), its document count and the tokenizer's training sample.
-  const CorpusSource source(options.corpus);
+  // A directory prepared elsewhere and copied here (a GPU machine without Debian's bible-kjv,
+  // say) is used as it is when its corpus cannot be read on this machine: it still passes every
+  // check of its own files; only the comparison with the corpus's bytes is impossible.
+  std::optional<CorpusSource> readable;
+  try {
+    readable.emplace(options.corpus);
+  } catch (const std::exception& unreadable) {
+    const auto error = std::current_exception();
+    PreparedData d;
+    try {
+      d = verify_prepared(options, nullptr);
+    } catch (const std::exception&) {
+      std::rethrow_exception(error);  // nothing prepared either: the corpus's own error
+    }
+    std::printf("fsdp-train: %s: using the prepared data as it is (its corpus cannot be read "
+                "here: %s)\n",
+                options.out_dir.c_str(), unreadable.what());
+    return d;
+  }
+  const CorpusSource& source = *readable;
   const CorpusScan scan = scan_corpus(source, options.seed);
   const std::string corpus_sum = hex64(scan.checksum);
   try {
