@@ -570,7 +570,7 @@ def main():
                    help="seconds: a section that would start later is not run")
     p.add_argument("--grace", type=float, default=60,
                    help="seconds past --deadline after which a running command is stopped")
-    p.add_argument("--only", default="", help="comma-separated sections to run")
+    p.add_argument("--only", default="", help="comma-separated sections to run, in this order")
     p.add_argument("--cpu-dry-run", action="store_true")
     p.add_argument("--full-size", action="store_true",
                    help="--cpu-dry-run: section fsdp2 at the GPU's sizes (the CPU's bf16 bound)")
@@ -596,11 +596,16 @@ def main():
                   "--cpu-dry-run runs every section on the CPU instead", file=sys.stderr)
             return 1
     c = Check(a)
-    only = set(filter(None, a.only.split(",")))
+    only = [x for x in a.only.split(",") if x]
+    unknown = set(only) - {name for name, _, _ in SECTIONS}
+    if unknown:
+        print(f"gpu_check: --only: unknown sections {sorted(unknown)}", file=sys.stderr)
+        return 2
     failures = 0
-    for name, fn, estimate in SECTIONS:
-        if only and name not in only:
-            continue
+    # --only runs its sections in the order it names them (the most wanted first).
+    chosen = sorted((x for x in SECTIONS if x[0] in only), key=lambda x: only.index(x[0])) \
+        if only else SECTIONS
+    for name, fn, estimate in chosen:
         if c.elapsed() + estimate > a.deadline:
             c.report["sections"][name] = {"not_run": f"{c.elapsed():.0f} s spent, ~{estimate} s "
                                                     f"more would pass --deadline {a.deadline:.0f}"}

@@ -207,6 +207,13 @@ CommStats comm_stats(const torch::nn::Module& module);
 /// Resets those counters.
 void reset_comm_stats(const torch::nn::Module& module);
 
+/// Releases now what fsdp keeps for models that no longer exist (their units, and through them
+/// their buffers and process groups), which it otherwise releases lazily, at its next call for
+/// another model. Call it after the last model is gone, before main returns, on a GPU above all:
+/// a NCCL process group released during static destruction, after the CUDA runtime has shut
+/// down, aborts the process ("driver shutting down").
+void release_dead_models();
+
 /// Gradient accumulation without communication (DDP's no_sync, FSDP2's
 /// set_requires_gradient_sync): with `sync` false, the backward passes of every unit under
 /// `module` keep their unsharded gradients locally (one full-size gradient per unit per rank)

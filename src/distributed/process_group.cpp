@@ -386,13 +386,6 @@ c10::intrusive_ptr<c10d::TCPStore> connect_store(const LaunchEnv& env, bool serv
   }
 }
 
-// Every backend a ProcessGroup was built on, weakly: what shutdown_process_groups() ends.
-std::mutex g_backends_mutex;
-std::vector<c10::weak_intrusive_ptr<c10d::Backend>>& live_backends() {
-  static auto* backends = new std::vector<c10::weak_intrusive_ptr<c10d::Backend>>();
-  return *backends;  // never destroyed: usable until the very end of the process
-}
-
 }  // namespace
 
 // ---- Public API -------------------------------------------------------------------------------
@@ -566,33 +559,26 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store,
   TORCH_CHECK(options_.check_collectives() >= 0, "ProcessGroupOptions::check_collectives must be ",
               ">= 0, got ", options_.check_collectives());
   FlightRecorder::global().register_group(name_, global_ranks_);
-  {
-    std::lock_guard<std::mutex> lock(g_backends_mutex);
-    auto& live = live_backends();
-    std::erase_if(live, [](const auto& w) { return w.expired(); });
-    for (const auto& lane : lanes_)
-      live.emplace_back(lane);
-  }
+
   if (options_.check_collectives() > 0 && size_ > 1) {
     check_ = std::make_unique<detail::CollectiveCheck>(
         store_, rank_, global_ranks_, options_.check_collectives(), options_.timeout());
   }
 }
 
-ProcessGroup::~ProcessGroup() = default;
-
-void shutdown_process_groups() {
-  std::vector<c10::intrusive_ptr<c10d::Backend>> alive;
-  {
-    std::lock_guard<std::mutex> lock(g_backends_mutex);
-    for (auto& w : live_backends()) {
-      if (auto b = w.lock())
-        alive.push_back(std::move(b));
+ProcessGroup::~ProcessGroup() {
+  // NCCL: end the communicators here, as Python's destroy_process_group() does (c10d warns
+  // about, and leaks, a ProcessGroupNCCL destroyed without it). Gloo has nothing to end.
+  if (options_.backend() != "nccl")
+    return;
+  for (auto& lane : lanes_) {
+    try {
+      lane->shutdown();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[rank %d] fsdp: ending NCCL group '%s': %s\n",
+                   global_ranks_.at(rank_), name_.c_str(), e.what());
     }
-    live_backends().clear();
   }
-  for (auto& b : alive)
-    b->shutdown();
 }
 
 c10::DeviceType ProcessGroup::device_type() const {

@@ -382,6 +382,10 @@ void fully_shard(const std::shared_ptr<torch::nn::Module>& module,
   detail::register_unit(module, std::move(unit));
 }
 
+void release_dead_models() {
+  detail::release_dead_units();
+}
+
 void set_requires_gradient_sync(torch::nn::Module& module, bool sync) {
   for (auto& unit : detail::units_under(module))
     unit->set_requires_gradient_sync(sync);

@@ -60,6 +60,23 @@ void register_unit(const std::shared_ptr<torch::nn::Module>& module,
   g_by_module[module.get()] = Entry{module, std::move(unit), g_next_order++};
 }
 
+void release_dead_units() {
+  std::vector<std::shared_ptr<ParamGroup>> dead;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    for (auto it = g_by_module.begin(); it != g_by_module.end();) {
+      auto next = std::next(it);
+      if (it->second.module.expired()) {
+        dead.push_back(it->second.unit);
+        erase_locked(it);
+      }
+      it = next;
+    }
+  }
+  // Destroyed here, outside the lock: a unit's teardown may end a process group.
+  dead.clear();
+}
+
 std::vector<UnitEntry> live_entries() {
   std::vector<std::pair<uint64_t, UnitEntry>> ordered;
   {

@@ -32,6 +32,8 @@ void register_unit(const std::shared_ptr<torch::nn::Module>& module,
                    std::shared_ptr<ParamGroup> unit);
 /// Units whose modules are still alive, with their modules, in the order they were created.
 std::vector<UnitEntry> live_entries();
+/// Drops every unit whose module died (fsdp::release_dead_models).
+void release_dead_units();
 std::vector<std::shared_ptr<ParamGroup>> live_units();
 /// The distinct RootStates of the live units.
 std::vector<std::shared_ptr<RootState>> live_states();

@@ -199,6 +199,15 @@ torch::Tensor dequantize_absmax(const torch::Tensor& absmax_codes, const torch::
               "nf4::dequantize_absmax: ", scales.numel(), " scales for ", n, " absmaxes");
   auto codes = absmax_codes.contiguous();
   auto sc = scales.contiguous();
+  if (!codes.device().is_cpu()) {
+    // Other devices (QLoRA on a GPU): the same float32 product, then sum, in ATen ops.
+    const auto& code = scale_code();
+    auto table = torch::tensor(std::vector<float>(code.begin(), code.end()),
+                               torch::TensorOptions().device(codes.device()));
+    auto per_absmax = sc.to(codes.device()).repeat_interleave(kScaleBlock).narrow(0, 0, n);
+    return table.index_select(0, codes.to(torch::kLong)) * per_absmax +
+           offset.to(codes.device()).reshape({});
+  }
   auto out = torch::empty({n}, torch::kFloat32);
   const float off = offset.item<float>();
   const auto& table = scale_code();

@@ -50,6 +50,7 @@
 #include <fsdp/distributed/flight_recorder.h>
 #include <fsdp/distributed/local_launch.h>
 #include <fsdp/distributed/process_group.h>
+#include <fsdp/fully_shard.h>
 
 #include "config/config.h"
 #include "data/data.h"
@@ -306,11 +307,12 @@ int main(int argc, char** argv) {
       throw;
     }
     // Declared before the trainer, so it runs after the trainer is gone, on every way out:
-    // the models' groups otherwise live in fsdp's registry until static destruction, after the
-    // CUDA runtime's, and NCCL's teardown then aborts the process (process_group.h).
-    struct EndProcessGroups {
-      ~EndProcessGroups() { fsdp::shutdown_process_groups(); }
-    } end_process_groups;
+    // the model's units (and through them its NCCL groups) otherwise live in fsdp's registry
+    // until static destruction, after the CUDA runtime's, and NCCL's teardown then aborts the
+    // process (fsdp::release_dead_models).
+    struct ReleaseModels {
+      ~ReleaseModels() { fsdp::release_dead_models(); }
+    } release_models;
     fsdp_trainer::DeviceMemory device_memory;
 #ifdef FSDP_TRAIN_CUDA
     if (config.training.device == "cuda")

@@ -50,13 +50,6 @@ struct LaunchEnv {
   std::string source = "single";
 };
 
-/// Ends the backend of every process group still alive in this process (NCCL's communicators;
-/// Gloo has nothing to end), so that none is torn down during static destruction: models keep
-/// their groups in fsdp's registry until exit, and an NCCL group destroyed after the CUDA
-/// runtime has shut down aborts the process ("driver shutting down"). Call it last, before
-/// main returns; the groups must not be used afterwards.
-void shutdown_process_groups();
-
 /// Reads RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun), or
 /// SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID/SLURM_NTASKS_PER_NODE/SLURM_LAUNCH_NODE_IPADDR, or
 /// defaults to a single process. A malformed value throws, naming the variable.
