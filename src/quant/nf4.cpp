@@ -197,17 +197,10 @@ torch::Tensor dequantize_absmax(const torch::Tensor& absmax_codes, const torch::
   const int64_t n = absmax_codes.numel();
   TORCH_CHECK(scales.numel() == ceil_div(n, kScaleBlock),
               "nf4::dequantize_absmax: ", scales.numel(), " scales for ", n, " absmaxes");
+  if (!absmax_codes.device().is_cpu())
+    return dequantize_absmax_ops(absmax_codes, scales, offset);
   auto codes = absmax_codes.contiguous();
   auto sc = scales.contiguous();
-  if (!codes.device().is_cpu()) {
-    // Other devices (QLoRA on a GPU): the same float32 product, then sum, in ATen ops.
-    const auto& code = scale_code();
-    auto table = torch::tensor(std::vector<float>(code.begin(), code.end()),
-                               torch::TensorOptions().device(codes.device()));
-    auto per_absmax = sc.to(codes.device()).repeat_interleave(kScaleBlock).narrow(0, 0, n);
-    return table.index_select(0, codes.to(torch::kLong)) * per_absmax +
-           offset.to(codes.device()).reshape({});
-  }
   auto out = torch::empty({n}, torch::kFloat32);
   const float off = offset.item<float>();
   const auto& table = scale_code();
@@ -239,6 +232,39 @@ void expand(const uint8_t* codes, const float* absmax, T* out, int64_t n) {
 
 }  // namespace
 
+torch::Tensor dequantize_absmax_ops(const torch::Tensor& absmax_codes, const torch::Tensor& scales,
+                                    const torch::Tensor& offset) {
+  const int64_t n = absmax_codes.numel();
+  const auto device = absmax_codes.device();
+  const auto& code = scale_code();
+  auto table = torch::tensor(std::vector<float>(code.begin(), code.end()),
+                             torch::TensorOptions().device(device));
+  // table[code] * scale of its block of 256, then + offset: two roundings, as the kernel's.
+  auto per_absmax = scales.to(device).repeat_interleave(kScaleBlock).narrow(0, 0, n);
+  return table.index_select(0, absmax_codes.reshape({-1}).to(torch::kLong)) * per_absmax +
+         offset.to(device).reshape({});
+}
+
+torch::Tensor dequantize_ops(const torch::Tensor& codes, const torch::Tensor& absmax_codes,
+                             const torch::Tensor& scales, const torch::Tensor& offset,
+                             torch::IntArrayRef shape, torch::ScalarType dtype) {
+  const int64_t n = c10::multiply_integers(shape);
+  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.numel() == ceil_div(n, 2),
+              "nf4::dequantize: ", codes.numel(), " code bytes for ", n, " elements");
+  auto absmax = dequantize_absmax_ops(absmax_codes, scales, offset);
+  // Flat first: byte i holds elements 2i (high nibble) and 2i + 1, whatever the codes' shape.
+  auto c = codes.reshape({-1});
+  auto table = torch::tensor(std::vector<float>(values().begin(), values().end()),
+                             torch::TensorOptions().device(c.device()));
+  auto hi = torch::bitwise_right_shift(c, 4).to(torch::kLong);
+  auto lo = torch::bitwise_and(c, 15).to(torch::kLong);
+  auto idx = torch::stack({hi, lo}, 1).reshape({-1}).narrow(0, 0, n);
+  auto padded = torch::zeros({ceil_div(n, kBlock) * kBlock}, table.options());
+  padded.narrow(0, 0, n).copy_(table.index_select(0, idx));
+  auto w = padded.view({-1, kBlock}) * absmax.view({-1, 1});
+  return w.reshape({-1}).narrow(0, 0, n).reshape(shape).to(dtype);
+}
+
 torch::Tensor dequantize(const torch::Tensor& codes, const torch::Tensor& absmax_codes,
                          const torch::Tensor& scales, const torch::Tensor& offset,
                          torch::IntArrayRef shape, torch::ScalarType dtype) {
@@ -247,20 +273,10 @@ torch::Tensor dequantize(const torch::Tensor& codes, const torch::Tensor& absmax
               "nf4::dequantize: ", codes.numel(), " code bytes for ", n, " elements");
   TORCH_CHECK(absmax_codes.numel() == ceil_div(n, kBlock),
               "nf4::dequantize: ", absmax_codes.numel(), " absmaxes for ", n, " elements");
+  if (!codes.device().is_cpu())
+    return dequantize_ops(codes, absmax_codes, scales, offset, shape, dtype);
   auto absmax = dequantize_absmax(absmax_codes, scales, offset);
   auto c = codes.contiguous();
-  const auto cpu = c.device().is_cpu();
-  if (!cpu) {  // other devices: the same arithmetic in ATen ops
-    auto table = torch::tensor(std::vector<float>(values().begin(), values().end()),
-                               torch::TensorOptions().device(c.device()));
-    auto hi = torch::bitwise_right_shift(c, 4).to(torch::kLong);
-    auto lo = torch::bitwise_and(c, 15).to(torch::kLong);
-    auto idx = torch::stack({hi, lo}, 1).reshape({-1}).narrow(0, 0, n);
-    auto padded = torch::zeros({ceil_div(n, kBlock) * kBlock}, table.options());
-    padded.narrow(0, 0, n).copy_(table.index_select(0, idx));
-    auto w = padded.view({-1, kBlock}) * absmax.to(c.device()).view({-1, 1});
-    return w.reshape({-1}).narrow(0, 0, n).reshape(shape).to(dtype);
-  }
   auto out = torch::empty(shape, torch::TensorOptions().dtype(dtype));
   const uint8_t* cp = c.data_ptr<uint8_t>();
   const float* ap = absmax.data_ptr<float>();

@@ -70,6 +70,15 @@ torch::Tensor dequantize(const torch::Tensor& codes, const torch::Tensor& absmax
                          const torch::Tensor& scales, const torch::Tensor& offset,
                          torch::IntArrayRef shape, torch::ScalarType dtype);
 
+/// dequantize_absmax and dequantize in ATen ops, which run on any device: what the two run on a
+/// GPU. The same float32 operations in the same order, so they equal the CPU kernels bitwise
+/// (tests/test_lora.cpp checks that on the CPU, where both run).
+torch::Tensor dequantize_absmax_ops(const torch::Tensor& absmax_codes, const torch::Tensor& scales,
+                                    const torch::Tensor& offset);
+torch::Tensor dequantize_ops(const torch::Tensor& codes, const torch::Tensor& absmax_codes,
+                             const torch::Tensor& scales, const torch::Tensor& offset,
+                             torch::IntArrayRef shape, torch::ScalarType dtype);
+
 /// y = x W^T with W (out, in) the NF4 weight, dequantized to x's dtype. Differentiable in x
 /// only: backward dequantizes W again instead of keeping it (what autograd keeps are the four
 /// quantized tensors, which FSDP frees and re-gathers as it does any parameter).
