@@ -29,6 +29,7 @@ import math
 import os
 import platform
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -45,8 +46,10 @@ from machine import cpu_description  # noqa: E402
 PY = sys.executable
 DATA_DIR = "data/kjv-2048"
 VOCAB = 2048
-# Dense bf16 tensor-core rate of the SXM parts' data sheets (the H200's compute is the H100's).
-DATASHEET_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
+# Dense bf16 tensor-core rate of the data sheets (the H200's compute is the H100 SXM's); the
+# first name the device's contains counts, so the PCIe part comes before the plain "H100".
+DATASHEET_BF16 = [("H100 PCIe", 756.5e12), ("H100", 989.4e12), ("H200", 989.4e12),
+                  ("A100", 312e12)]
 
 
 def free_port():
@@ -88,15 +91,19 @@ class Check:
         self.log(f"\n$ {shown}   (t={self.elapsed():.0f}s, timeout {timeout:.0f}s)")
         full_env = dict(os.environ, **(env or {}))
         t0 = time.monotonic()
+        # Its own session, so that a timeout ends everything it started (ranks, compute-
+        # sanitizer's targets), not only the direct child: nothing may go on using the GPU.
+        p = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, errors="replace",
+                             start_new_session=True)
         try:
-            p = subprocess.run(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, errors="replace",
-                               timeout=timeout, start_new_session=True)
-            code, output = p.returncode, p.stdout
-        except subprocess.TimeoutExpired as e:
+            output, _ = p.communicate(timeout=timeout)
+            code = p.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            output, _ = p.communicate()
             code = 124
-            output = (e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes)
-                      else (e.stdout or "")) + f"\n[timed out after {timeout} s]"
+            output = (output or "") + f"\n[timed out after {timeout:.0f} s]"
         self.log(output[-20000:])
         self.log(f"[exit {code} after {time.monotonic() - t0:.1f} s]")
         return code, output
@@ -195,32 +202,38 @@ def section_env(c):
         torch.cuda.synchronize()
         seconds = start.elapsed_time(end) / 1e3 / reps
         r["matmul_bf16_8192_tflops"] = round(2 * n ** 3 / seconds / 1e12, 1)
-        r["datasheet_bf16_tflops"] = next((v / 1e12 for k, v in DATASHEET_BF16.items()
-                                           if k in p.name), None)
+        r["datasheet_bf16_tflops"] = next((v / 1e12 for k, v in DATASHEET_BF16 if k in p.name),
+                                          None)
         del x, y
         torch.cuda.empty_cache()
     return r
 
 
 def parse_gtest(output):
+    """Each test's state and time from GoogleTest's output; a test that started and never ended
+    (the binary crashed in it) is "crashed"."""
     tests = {}
     for line in output.splitlines():
         line = line.strip()
-        for tag, state in (("[       OK ]", "passed"), ("[  FAILED  ]", "failed"),
-                           ("[  SKIPPED ]", "skipped")):
+        for tag, state in (("[ RUN      ]", "crashed"), ("[       OK ]", "passed"),
+                           ("[  FAILED  ]", "failed"), ("[  SKIPPED ]", "skipped")):
             if line.startswith(tag):
                 rest = line[len(tag):].strip()
                 name = rest.split(" (")[0].split(",")[0].strip()
-                if "." in name and " " not in name:
-                    ms = rest.rsplit("(", 1)[-1].split(" ms")[0] if "ms)" in rest else None
-                    tests[name] = {"state": state, "ms": int(ms) if ms and ms.isdigit() else None}
+                if "." not in name or " " in name:
+                    continue
+                ms = rest.rsplit("(", 1)[-1].split(" ms")[0] if "ms)" in rest else None
+                entry = tests.setdefault(name, {"state": state, "ms": None})
+                entry["state"] = state
+                if ms and ms.isdigit():  # the summary's repeated FAILED lines carry no time
+                    entry["ms"] = int(ms)
     return tests
 
 
 def section_cuda_tests(c):
     code, out = c.run([c.cuda_tests], 240, env={"OMP_NUM_THREADS": "1"})
     tests = parse_gtest(out)
-    failed = [k for k, v in tests.items() if v["state"] == "failed"]
+    failed = [k for k, v in tests.items() if v["state"] in ("failed", "crashed")]
     r = {"exit": code, "tests": tests, "failed": failed,
          "passed": sum(v["state"] == "passed" for v in tests.values()),
          "skipped": sum(v["state"] == "skipped" for v in tests.values())}
@@ -343,19 +356,15 @@ def section_speed(c):
 
 
 def parse_plan_peak(output):
-    """The predicted per-rank peak from fsdp-plan's table ("peak ... <bytes> B" or "... GiB")."""
+    """Rank 0's predicted peak from fsdp-plan's table: the row after the "rank  peak ..." header
+    reads "0  45.12 GiB  backward h47 ..." (two decimals: 0.01% of a peak in GiB)."""
     units = {"B": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30, "TiB": 2 ** 40}
-    for line in output.splitlines():
-        low = line.lower()
-        if "peak" in low and "predicted" in low or low.strip().startswith("peak"):
-            words = line.replace(",", "").split()
-            for i in range(len(words) - 1):
-                try:
-                    value = float(words[i])
-                except ValueError:
-                    continue
-                if words[i + 1] in units:
-                    return int(value * units[words[i + 1]])
+    lines = output.splitlines()
+    for i, line in enumerate(lines[:-1]):
+        if line.split()[:2] == ["rank", "peak"]:
+            words = lines[i + 1].split()
+            if len(words) >= 3 and words[0] == "0" and words[2] in units:
+                return int(float(words[1]) * units[words[2]])
     return None
 
 
@@ -363,9 +372,11 @@ def section_plan(c):
     speed = c.report["sections"].get("speed", {}).get("result", {}).get("models", {})
     env = c.report["sections"].get("env", {}).get("result", {})
     gpu = env.get("gpu", "")
-    hardware = "h200" if "H200" in gpu else "h100-80gb"
-    r = {"hardware_profile": hardware, "models": {}}
     memory_gib = env.get("gpu_memory_bytes", 0) / 2 ** 30
+    # The built-in profile nearest the card (src/plan/hardware.cpp); only memory matters here.
+    hardware = ("h200" if "H200" in gpu else "a100-40gb" if "A100" in gpu and memory_gib < 60
+                else "a100-80gb" if "A100" in gpu else "h100-80gb")
+    r = {"hardware_profile": hardware, "models": {}}
     for preset, arch, dims, batch, seq in speed_models(c, memory_gib):
         cmd = [c.plan, os.path.join(ROOT, "configs", "demo.toml"), "--world", "1",
                "--hardware", hardware, f"--data.dir={DATA_DIR}", f"--data.vocab_size={VOCAB}",
@@ -582,11 +593,13 @@ def main():
     a = p.parse_args()
     if a.record_lora_reference:
         a.cpu_dry_run = True
+        a.deadline = 1e9  # a slow CPU takes minutes; nothing here runs on a lease
         c = Check(a)
         ref = {m: lora_run(c, a.smollm2, m, "cpu") for m in ("lora", "qlora")}
         ref["recorded_on"] = cpu_description()
         with open(a.record_lora_reference, "w") as f:
             json.dump(ref, f, indent=1)
+        shutil.rmtree(c.work, ignore_errors=True)
         print(json.dumps(ref, indent=1))
         return 0
     if not a.cpu_dry_run:

@@ -1,4 +1,5 @@
-# fsdp::cuda: the NCCL backend for process groups. Compiled here, never run here (no GPU).
+# fsdp::cuda: the NCCL backend for process groups. Compiled on our CPU machines; run on a GPU
+# machine by scripts/gpu_check.sh (docs/gpu.md).
 option(FSDP_WITH_CUDA "Build the NCCL/CUDA path (fsdp::cuda)" ${CUDAToolkit_FOUND})
 if(NOT FSDP_WITH_CUDA)
   return()

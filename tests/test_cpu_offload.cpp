@@ -3,8 +3,8 @@
 // checks is that the offload path (staged gather inputs, host gradient copies, a unit that
 // owns its unsharded buffer even on one rank) changes nothing in the math: parameters after
 // training are bitwise those of the same run without offload, under every strategy and with
-// mixed precision and a compressed gather format. tests/cuda/test_nccl.cpp runs the same on
-// two GPUs (never run here: no GPU).
+// mixed precision and a compressed gather format. tests/cuda/test_nccl.cpp runs the same on a
+// GPU (scripts/gpu_check.sh; docs/gpu.md).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 

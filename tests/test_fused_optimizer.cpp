@@ -243,8 +243,36 @@ TEST(TorchFusedAdamW, MatchesTorchAdamWAndResumesFromItsState) {
       // It moved the parameters (the comparison is not between two untouched copies).
       EXPECT_FALSE(torch::equal(params[i], start[i])) << "param " << i;
     }
+    // A state loaded after the fused optimizer has stepped (its cached step tensors then hold
+    // 5): torch's steps twice more alone, the fused one takes its state (step 7) and both step.
+    for (int step = 5; step < 7; ++step) {
+      set_grads(ref, 20 + step);
+      torch_opt.step();
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      params[i].detach().copy_(ref[i].detach());
+      const auto& st = static_cast<torch::optim::AdamWParamState&>(
+          *torch_opt.state()[ref[i].unsafeGetTensorImpl()]);
+      auto copy = std::make_unique<torch::optim::AdamWParamState>();
+      copy->step(st.step());
+      copy->exp_avg(st.exp_avg().clone());
+      copy->exp_avg_sq(st.exp_avg_sq().clone());
+      fused.state()[params[i].unsafeGetTensorImpl()] = std::move(copy);
+    }
+    set_grads(params, 27);
+    set_grads(ref, 27);
+    fused.step();
+    torch_opt.step();
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_EQ(static_cast<torch::optim::AdamWParamState&>(
+                    *fused.state()[params[i].unsafeGetTensorImpl()])
+                    .step(),
+                8);
+      worst = std::max(worst, scaled_ulps(params[i], ref[i], 2e-3));
+    }
     std::cout << "wd=" << wd << ": TorchFusedAdamW within " << worst
-              << " ulp of max(|p|, lr) of torch::optim::AdamW after 5 steps, moments within "
+              << " ulp of max(|p|, lr) of torch::optim::AdamW after 5 steps and after a reload, "
+                 "moments within "
               << worst_moment << " of their largest element\n";
     EXPECT_LE(worst, 8);
     EXPECT_LE(worst_moment, 1e-6);

@@ -5,7 +5,8 @@
 // the old names as deprecated aliases; torch 2.11 has only the old ones. A GPU user's PyTorch is
 // whichever they installed, so each call asks the compiler which name exists (a
 // requires-expression on the backend type) instead of trusting a version number: a torch between
-// the two, or a later one that drops the aliases, builds too.
+// the two, or a later one that drops the aliases, builds too. (Templates, so that the name a
+// torch lacks is only looked up, never an error.)
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -14,7 +15,7 @@
 
 namespace fsdp::detail {
 
-template <typename B = c10d::Backend>
+template <typename B>
 c10::intrusive_ptr<c10d::Work> all_gather_single(B& backend, at::Tensor& out, at::Tensor& in) {
   if constexpr (requires { backend.all_gather_single(out, in); })
     return backend.all_gather_single(out, in);
@@ -22,7 +23,7 @@ c10::intrusive_ptr<c10d::Work> all_gather_single(B& backend, at::Tensor& out, at
     return backend._allgather_base(out, in);
 }
 
-template <typename B = c10d::Backend>
+template <typename B>
 c10::intrusive_ptr<c10d::Work> reduce_scatter_single(B& backend, at::Tensor& out, at::Tensor& in,
                                                      const c10d::ReduceScatterOptions& opts) {
   if constexpr (requires { backend.reduce_scatter_single(out, in, opts); })
@@ -32,7 +33,7 @@ c10::intrusive_ptr<c10d::Work> reduce_scatter_single(B& backend, at::Tensor& out
 }
 
 /// Equal splits (empty split lists): each rank's block of `in` goes to that rank.
-template <typename B = c10d::Backend>
+template <typename B>
 c10::intrusive_ptr<c10d::Work> all_to_all_single(B& backend, at::Tensor& out, at::Tensor& in) {
   std::vector<int64_t> equal_splits;
   if constexpr (requires { backend.all_to_all_single(out, in, equal_splits, equal_splits); })

@@ -7,11 +7,13 @@
 
 #include <fsdp/core/trace.h>
 
+#include <algorithm>
 #include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -85,9 +87,18 @@ bool local(const ProcessGroup& g) {
   return g.bench_local_collectives();
 }
 
-// See "Gloo carrying CUDA tensors" in collectives.h.
-bool staged_through_host(const ProcessGroup& g, const torch::Tensor& t) {
-  return is_gloo(g) && !local(g) && t.is_cuda();
+// See "Gloo carrying CUDA tensors" in collectives.h: any of the call's tensors on the GPU.
+bool staged_through_host(const ProcessGroup& g, std::initializer_list<torch::Tensor> tensors) {
+  return is_gloo(g) && !local(g) &&
+         std::any_of(tensors.begin(), tensors.end(), [](const auto& t) { return t.is_cuda(); });
+}
+
+bool staged_through_host(const ProcessGroup& g, const std::vector<torch::Tensor>& inputs,
+                         const std::vector<torch::Tensor>& outputs) {
+  auto cuda = [](const torch::Tensor& t) { return t.is_cuda(); };
+  return is_gloo(g) && !local(g) &&
+         (std::any_of(inputs.begin(), inputs.end(), cuda) ||
+          std::any_of(outputs.begin(), outputs.end(), cuda));
 }
 
 torch::Tensor host_buffer(const torch::Tensor& t) {
@@ -340,7 +351,7 @@ std::unique_ptr<CollectiveWork> all_gather(ProcessGroup& group,
                                            int64_t bucket_bytes, const std::string& context) {
   TORCH_CHECK(!inputs.empty() && inputs.size() == outputs.size(),
               "fsdp all_gather: need one output per input");
-  if (staged_through_host(group, inputs[0])) {
+  if (staged_through_host(group, inputs, outputs)) {
     std::vector<torch::Tensor> host_in, host_out;
     for (size_t i = 0; i < inputs.size(); ++i) {
       host_in.push_back(inputs[i].cpu());
@@ -457,7 +468,7 @@ std::unique_ptr<CollectiveWork> reduce_scatter(ProcessGroup& group, const torch:
                                                const std::string& context) {
   check_contiguous(input, "reduce-scatter input");
   check_contiguous(output, "reduce-scatter output");
-  if (staged_through_host(group, input)) {
+  if (staged_through_host(group, {input, output})) {
     auto host_out = host_buffer(output);
     auto work = reduce_scatter(group, input.cpu(), host_out, op, context);
     work->then([output, host_out]() { output.copy_(host_out); });
@@ -528,7 +539,7 @@ std::unique_ptr<CollectiveWork> reduce_scatter_exchange(ProcessGroup& group,
                                                         const std::string& context) {
   check_contiguous(input, "reduce-scatter exchange input");
   check_contiguous(output, "reduce-scatter exchange output");
-  if (staged_through_host(group, input)) {
+  if (staged_through_host(group, {input, output})) {
     auto host_out = host_buffer(output);
     auto work = reduce_scatter_exchange(group, input.cpu(), host_out, context);
     work->then([output, host_out]() { output.copy_(host_out); });
@@ -572,7 +583,7 @@ std::unique_ptr<CollectiveWork> reduce_scatter_exchange(ProcessGroup& group,
 std::unique_ptr<CollectiveWork> all_reduce(ProcessGroup& group, const torch::Tensor& tensor,
                                            ReduceOp op, const std::string& context) {
   check_contiguous(tensor, "all-reduce tensor");
-  if (staged_through_host(group, tensor)) {
+  if (staged_through_host(group, {tensor})) {
     auto host = tensor.cpu();
     auto work = all_reduce(group, host, op, context);
     work->then([tensor, host]() { tensor.copy_(host); });
@@ -622,7 +633,7 @@ std::unique_ptr<CollectiveWork> all_reduce(ProcessGroup& group, const torch::Ten
 std::unique_ptr<CollectiveWork> broadcast(ProcessGroup& group, const torch::Tensor& tensor,
                                           int root, const std::string& context) {
   check_contiguous(tensor, "broadcast tensor");
-  if (staged_through_host(group, tensor)) {
+  if (staged_through_host(group, {tensor})) {
     auto host = tensor.cpu();
     auto work = broadcast(group, host, root, context);
     work->then([tensor, host]() { tensor.copy_(host); });
@@ -658,7 +669,7 @@ std::unique_ptr<CollectiveWork> broadcast(ProcessGroup& group, const torch::Tens
 std::unique_ptr<CollectiveWork> send(ProcessGroup& group, const torch::Tensor& tensor, int dst,
                                      int tag, const std::string& context) {
   check_contiguous(tensor, "send tensor");
-  if (staged_through_host(group, tensor))
+  if (staged_through_host(group, {tensor}))
     return send(group, tensor.cpu(), dst, tag, context);  // the work keeps the host copy
   refuse_locally(group, "send");
   TORCH_CHECK(dst >= 0 && dst < group.size() && dst != group.rank(), "fsdp send: bad peer ", dst,
@@ -681,7 +692,7 @@ std::unique_ptr<CollectiveWork> send(ProcessGroup& group, const torch::Tensor& t
 std::unique_ptr<CollectiveWork> recv(ProcessGroup& group, const torch::Tensor& tensor, int src,
                                      int tag, const std::string& context) {
   check_contiguous(tensor, "recv tensor");
-  if (staged_through_host(group, tensor)) {
+  if (staged_through_host(group, {tensor})) {
     auto host = host_buffer(tensor);
     auto work = recv(group, host, src, tag, context);
     work->then([tensor, host]() { tensor.copy_(host); });

@@ -27,6 +27,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <numeric>
@@ -569,11 +570,17 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store,
 ProcessGroup::~ProcessGroup() {
   // NCCL: end the communicators here, as Python's destroy_process_group() does (c10d warns
   // about, and leaks, a ProcessGroupNCCL destroyed without it). Gloo has nothing to end.
+  // While an exception unwinds (a failed step: a peer may be dead), abort instead: shutdown()
+  // waits for the outstanding work, which may never end, and the error would never be shown.
   if (options_.backend() != "nccl")
     return;
+  const bool failing = std::uncaught_exceptions() > 0;
   for (auto& lane : lanes_) {
     try {
-      lane->shutdown();
+      if (failing)
+        lane->abort();
+      else
+        lane->shutdown();
     } catch (const std::exception& e) {
       std::fprintf(stderr, "[rank %d] fsdp: ending NCCL group '%s': %s\n",
                    global_ranks_.at(rank_), name_.c_str(), e.what());

@@ -43,35 +43,18 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <type_traits>
-#include <utility>
 #include <vector>
 
 #include <fsdp/fully_shard.h>
 
 #include <fsdp/core/trace.h>
 #include <fsdp/distributed/collectives.h>
+#include "autograd_node.h"
 #include "int8_reduce.h"
 #include "sharded_param.h"
 #include "unit_state.h"
 
 namespace fsdp::detail {
-
-// A weak reference to an autograd node, whichever pointer this torch holds nodes by: a
-// std::shared_ptr up to torch 2.14 (2.11 is what GPU images carry), a c10::intrusive_ptr from
-// 2.15. Tensor::grad_fn() says which.
-template <typename P>
-struct WeakPointerOf;
-template <typename T>
-struct WeakPointerOf<std::shared_ptr<T>> {
-  using type = std::weak_ptr<T>;
-};
-template <typename T>
-struct WeakPointerOf<c10::intrusive_ptr<T>> {
-  using type = c10::weak_intrusive_ptr<T>;
-};
-using WeakNode =
-    typename WeakPointerOf<std::decay_t<decltype(std::declval<at::Tensor>().grad_fn())>>::type;
 
 class RootState;
 

@@ -39,22 +39,29 @@ void erase_locked(std::unordered_map<const torch::nn::Module*, Entry>::iterator 
 
 // Drops units whose module died (their parameters die with them). O(units): only where a
 // listing is built anyway (units_under runs once per step in StepProfiler, so a model that
-// died is released at the latest by the next step of another one).
-void prune_locked() {
+// died is released at the latest by the next step of another one). The dropped units are
+// returned, for the caller to destroy after it unlocks: a unit's teardown may end a process
+// group (NCCL's waits for its work), which must not happen under the registry's lock.
+[[nodiscard]] std::vector<std::shared_ptr<ParamGroup>> prune_locked() {
+  std::vector<std::shared_ptr<ParamGroup>> dead;
   for (auto it = g_by_module.begin(); it != g_by_module.end();) {
     auto next = std::next(it);
-    if (it->second.module.expired())
+    if (it->second.module.expired()) {
+      dead.push_back(it->second.unit);
       erase_locked(it);
+    }
     it = next;
   }
+  return dead;
 }
 
 }  // namespace
 
 void register_unit(const std::shared_ptr<torch::nn::Module>& module,
                    std::shared_ptr<ParamGroup> unit) {
+  std::vector<std::shared_ptr<ParamGroup>> dead;  // destroyed after the lock is released
   std::lock_guard<std::mutex> lock(g_mutex);
-  prune_locked();
+  dead = prune_locked();
   for (const auto& p : unit->params())
     g_by_param[p.param().unsafeGetTensorImpl()] = unit;
   g_by_module[module.get()] = Entry{module, std::move(unit), g_next_order++};
@@ -64,24 +71,16 @@ void release_dead_units() {
   std::vector<std::shared_ptr<ParamGroup>> dead;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
-    for (auto it = g_by_module.begin(); it != g_by_module.end();) {
-      auto next = std::next(it);
-      if (it->second.module.expired()) {
-        dead.push_back(it->second.unit);
-        erase_locked(it);
-      }
-      it = next;
-    }
+    dead = prune_locked();
   }
-  // Destroyed here, outside the lock: a unit's teardown may end a process group.
-  dead.clear();
 }
 
 std::vector<UnitEntry> live_entries() {
   std::vector<std::pair<uint64_t, UnitEntry>> ordered;
+  std::vector<std::shared_ptr<ParamGroup>> dead;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
-    prune_locked();
+    dead = prune_locked();
     ordered.reserve(g_by_module.size());
     for (const auto& [key, e] : g_by_module) {
       if (auto m = e.module.lock())
@@ -114,12 +113,14 @@ std::vector<std::shared_ptr<RootState>> live_states() {
 }
 
 std::shared_ptr<ParamGroup> find_unit(const torch::nn::Module& module) {
+  std::shared_ptr<ParamGroup> dead;  // destroyed after the lock is released (prune_locked)
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_by_module.find(&module);
   if (it == g_by_module.end())
     return nullptr;
   if (it->second.module.expired()) {
     // A new module at a dead one's address: the old unit is not its unit.
+    dead = it->second.unit;
     erase_locked(it);
     return nullptr;
   }
@@ -128,9 +129,10 @@ std::shared_ptr<ParamGroup> find_unit(const torch::nn::Module& module) {
 
 std::vector<std::shared_ptr<ParamGroup>> units_under(const torch::nn::Module& module) {
   std::vector<std::pair<uint64_t, std::shared_ptr<ParamGroup>>> found;
+  std::vector<std::shared_ptr<ParamGroup>> dead;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
-    prune_locked();
+    dead = prune_locked();
     std::unordered_set<const torch::nn::Module*> seen;  // a shared submodule appears twice
     auto add = [&](const torch::nn::Module* m) {
       if (!seen.insert(m).second)

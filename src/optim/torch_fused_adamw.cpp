@@ -3,7 +3,7 @@
 
 #include <ATen/ops/_foreach_add.h>
 #include <ATen/ops/_fused_adamw.h>
-#include <torch/autograd.h>
+#include <torch/utils.h>
 
 #include <vector>
 
@@ -20,10 +20,16 @@ torch::Tensor TorchFusedAdamW::step(LossClosure closure) {
     const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
     TORCH_CHECK(!o.amsgrad(), "fsdp::TorchFusedAdamW: amsgrad is not supported");
     std::vector<torch::Tensor> params, grads, exp_avgs, exp_avg_sqs, step_values;
+    std::vector<std::pair<torch::optim::AdamWParamState*, StepTensor*>> counts;
     for (auto& p : group.params()) {
       if (!p.grad().defined())
         continue;
       TORCH_CHECK(!p.grad().is_sparse(), "fsdp::TorchFusedAdamW: sparse gradients");
+      TORCH_CHECK(p.grad().scalar_type() == p.scalar_type() && p.grad().device() == p.device(),
+                  "fsdp::TorchFusedAdamW: a gradient must have its parameter's dtype and device, "
+                  "got ",
+                  p.grad().scalar_type(), " on ", p.grad().device(), " for ", p.scalar_type(),
+                  " on ", p.device());
       if (!params.empty()) {
         TORCH_CHECK(p.device() == params[0].device() && p.scalar_type() == params[0].scalar_type(),
                     "fsdp::TorchFusedAdamW: the parameters of a group must share a device and "
@@ -47,8 +53,7 @@ torch::Tensor TorchFusedAdamW::step(LossClosure closure) {
             torch::full({}, static_cast<double>(s.step()), p.options().dtype(torch::kFloat));
         counter.step = s.step();
       }
-      s.step(s.step() + 1);
-      counter.step = s.step();
+      counts.emplace_back(&s, &counter);
       params.push_back(p);
       grads.push_back(p.grad());
       exp_avgs.push_back(s.exp_avg());
@@ -62,6 +67,12 @@ torch::Tensor TorchFusedAdamW::step(LossClosure closure) {
     at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, step_values,
                       o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(),
                       o.eps(), /*amsgrad=*/false, /*maximize=*/false);
+    // The host-side counts only now: had a launch failed, state and tensors would still agree
+    // (the next step rebuilds any tensor whose count differs).
+    for (auto& [state, counter] : counts) {
+      state->step(state->step() + 1);
+      counter->step = state->step();
+    }
   }
   return loss;
 }

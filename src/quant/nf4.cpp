@@ -197,7 +197,7 @@ torch::Tensor dequantize_absmax(const torch::Tensor& absmax_codes, const torch::
   const int64_t n = absmax_codes.numel();
   TORCH_CHECK(scales.numel() == ceil_div(n, kScaleBlock),
               "nf4::dequantize_absmax: ", scales.numel(), " scales for ", n, " absmaxes");
-  if (!absmax_codes.device().is_cpu())
+  if (!absmax_codes.device().is_cpu() || !scales.device().is_cpu())
     return dequantize_absmax_ops(absmax_codes, scales, offset);
   auto codes = absmax_codes.contiguous();
   auto sc = scales.contiguous();
@@ -235,6 +235,8 @@ void expand(const uint8_t* codes, const float* absmax, T* out, int64_t n) {
 torch::Tensor dequantize_absmax_ops(const torch::Tensor& absmax_codes, const torch::Tensor& scales,
                                     const torch::Tensor& offset) {
   const int64_t n = absmax_codes.numel();
+  TORCH_CHECK(scales.numel() == ceil_div(n, kScaleBlock) && offset.numel() == 1,
+              "nf4::dequantize_absmax: ", scales.numel(), " scales for ", n, " absmaxes");
   const auto device = absmax_codes.device();
   const auto& code = scale_code();
   auto table = torch::tensor(std::vector<float>(code.begin(), code.end()),
@@ -251,7 +253,10 @@ torch::Tensor dequantize_ops(const torch::Tensor& codes, const torch::Tensor& ab
   const int64_t n = c10::multiply_integers(shape);
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.numel() == ceil_div(n, 2),
               "nf4::dequantize: ", codes.numel(), " code bytes for ", n, " elements");
-  auto absmax = dequantize_absmax_ops(absmax_codes, scales, offset);
+  TORCH_CHECK(absmax_codes.numel() == ceil_div(n, kBlock),
+              "nf4::dequantize: ", absmax_codes.numel(), " absmaxes for ", n, " elements");
+  // Everything where the codes are (the result's device).
+  auto absmax = dequantize_absmax_ops(absmax_codes.to(codes.device()), scales, offset);
   // Flat first: byte i holds elements 2i (high nibble) and 2i + 1, whatever the codes' shape.
   auto c = codes.reshape({-1});
   auto table = torch::tensor(std::vector<float>(values().begin(), values().end()),
@@ -273,7 +278,7 @@ torch::Tensor dequantize(const torch::Tensor& codes, const torch::Tensor& absmax
               "nf4::dequantize: ", codes.numel(), " code bytes for ", n, " elements");
   TORCH_CHECK(absmax_codes.numel() == ceil_div(n, kBlock),
               "nf4::dequantize: ", absmax_codes.numel(), " absmaxes for ", n, " elements");
-  if (!codes.device().is_cpu())
+  if (!codes.device().is_cpu() || !absmax_codes.device().is_cpu() || !scales.device().is_cpu())
     return dequantize_ops(codes, absmax_codes, scales, offset, shape, dtype);
   auto absmax = dequantize_absmax(absmax_codes, scales, offset);
   auto c = codes.contiguous();

@@ -26,8 +26,8 @@
 #include <cstring>
 #include <exception>
 #include <filesystem>
-#include <optional>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <utility>

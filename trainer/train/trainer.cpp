@@ -32,6 +32,7 @@
 #include <fsdp/observe/chrome_trace.h>
 #include <fsdp/observe/step_profiler.h>
 #include <fsdp/optim/fused_optimizer.h>
+#include <fsdp/optim/torch_fused_adamw.h>
 #include <fsdp/unshard.h>
 
 #include "gradient_update.h"
@@ -311,6 +312,10 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
       optimizer +=
           fmt::format(" ({} kernels, {} moments", fused->kernel_capability(), o.moments_dtype);
       optimizer += fused->state_in_memory() ? ")" : ", state in " + fused->offload_info() + ")";
+    } else if (dynamic_cast<fsdp::TorchFusedAdamW*>(optimizer_.get())) {
+      optimizer += " (shards on the GPU: torch's fused CUDA AdamW, fsdp::TorchFusedAdamW)";
+    } else if (o.name == "sgd") {
+      optimizer += " (shards on the GPU: torch::optim::SGD)";
     }
     progress_->message("optimizer: " + optimizer);
     progress_->message(fmt::format(

@@ -2,8 +2,8 @@
 // never load CUDA libraries. Link fsdp::cuda and call register_nccl_backend() once before
 // init_process_group(ProcessGroupOptions().backend("nccl")).
 //
-// This path compiles against the wheel's NCCL but has never run on a GPU: our machines have
-// none. Treat it as untested.
+// Run on one GPU (an H200: NCCL at world size 1, docs/gpu.md); several GPUs have not been
+// tried yet.
 #pragma once
 
 namespace fsdp {

@@ -1,6 +1,7 @@
 // fsdp::TorchFusedAdamW: torch::optim::AdamW whose step runs torch's own fused kernel
-// (at::_fused_adamw_, what torch.optim.AdamW(fused=True) runs in Python): one launch per group
-// of parameters instead of about ten per parameter.
+// (at::_fused_adamw_, what torch.optim.AdamW(fused=True) runs in Python): a few launches per
+// group of parameters (the kernel works in chunks of tensors) instead of about ten per
+// parameter.
 //
 // Why: LibTorch's C++ AdamW steps parameter by parameter with separate element-wise ops. On a
 // GPU that is thousands of tiny kernel launches per step for a model of hundreds of parameter
@@ -14,6 +15,7 @@
 
 #include <cstdint>
 #include <unordered_map>
+#include <vector>
 
 namespace fsdp {
 
@@ -22,7 +24,8 @@ class TorchFusedAdamW : public torch::optim::AdamW {
   using torch::optim::AdamW::AdamW;
 
   /// Steps every parameter with a gradient: per param group, one at::_fused_adamw_ call over
-  /// all of them (they must share a device and a floating dtype; amsgrad is not supported).
+  /// all of them (they must share a device and a floating dtype, each gradient its
+  /// parameter's; amsgrad is not supported).
   torch::Tensor step(LossClosure closure = nullptr) override;
 
  private:

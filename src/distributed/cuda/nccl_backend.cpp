@@ -1,5 +1,5 @@
-// "nccl" for init_process_group(): ProcessGroupNCCL on device LOCAL_RANK. Compiled, not run
-// (no GPU on our machines).
+// "nccl" for init_process_group(): ProcessGroupNCCL on device LOCAL_RANK. Run on one H200 at
+// world size 1 (docs/gpu.md).
 #include <fsdp/distributed/cuda.h>
 #include <fsdp/distributed/process_group.h>
 
