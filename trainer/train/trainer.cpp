@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <thread>
 
 #include <fsdp/checkpoint/safetensors.h>
 #include <fsdp/checkpoint/sharded_checkpoint.h>
@@ -182,8 +183,18 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
                            : fsdp::MixedPrecisionPolicy(policy).output_dtype(torch::kFloat));
   units.blocks.activation_checkpointing(
       fsdp::from_string<fsdp::CheckpointMode>(f.activation_checkpointing));
-  model_ = finetune_ ? build_finetune_model(config_, model_file, units, device_)
-                     : build_model(config_, data_.vocab_size, units, device_);
+  {
+    // Building draws every weight on the host (counter-based draws: the values do not depend
+    // on the thread count), and with training.threads = 1 a 1.5B-parameter model took about a
+    // minute on a GPU machine whose 16 cores sat idle (docs/gpu.md). For building alone, this
+    // rank takes its share of the machine's cores.
+    const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+    const int share = std::max(1, cores / std::max(1, env.local_world_size));
+    torch::set_num_threads(std::max(static_cast<int>(t.threads), share));
+    model_ = finetune_ ? build_finetune_model(config_, model_file, units, device_)
+                       : build_model(config_, data_.vocab_size, units, device_);
+    torch::set_num_threads(static_cast<int>(t.threads));
+  }
   units_ = units;
   profiler_ = std::make_unique<fsdp::StepProfiler>(model_.module);
 
