@@ -16,7 +16,7 @@
 # report.json, every command's output to OUT_DIR/gpu_check.log.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-usage() { sed -n '5,11p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '6,11p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [ $# -ge 1 ] || usage
 OUT="$1"; shift
 BUILD="$ROOT/build-gpu"; LIBS=""; DRY=0; PASS=()
@@ -43,7 +43,8 @@ lib = os.path.join(os.path.dirname(torch.__file__), "lib")
 print(torch.__version__, torch.utils.cmake_prefix_path, lib, os.path.dirname(os.path.dirname(torch.__file__)))')
 if ((DRY == 0)); then
   if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-    echo "gpu_check: no CUDA device visible to torch $TORCH_VERSION (nvidia-smi: $(nvidia-smi -L 2>&1 | head -1)); --cpu-dry-run checks the plumbing on the CPU" >&2
+    gpus="$(nvidia-smi -L 2>/dev/null | head -1 || true)"
+    echo "gpu_check: no CUDA device visible to torch $TORCH_VERSION (nvidia-smi: ${gpus:-none}); --cpu-dry-run checks the plumbing on the CPU" >&2
     exit 1
   fi
 fi
