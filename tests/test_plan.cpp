@@ -545,7 +545,11 @@ TEST(PlanHardware, DataSheetModelIsTheArithmeticByHand) {
   EXPECT_EQ(a100.bf16_flops, 312e12);
   EXPECT_EQ(a100.flops(torch::kFloat), 19.5e12);
   EXPECT_FALSE(a100.source.empty());
-  EXPECT_EQ(plan::builtin_devices().size(), 5u);
+  EXPECT_EQ(plan::builtin_devices().size(), 6u);
+  // The H200: the H100's compute with the memory its machines report (docs/gpu.md).
+  const auto& h200 = plan::builtin_device("h200");
+  EXPECT_EQ(h200.bf16_flops, plan::builtin_device("h100-80gb").bf16_flops);
+  EXPECT_EQ(h200.memory_bytes, int64_t{143771} << 20);
   try {
     plan::builtin_device("tpu");
     ADD_FAILURE() << "an unknown profile was accepted";
