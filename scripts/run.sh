@@ -10,8 +10,12 @@ BUILD="${FSDP_BUILD_DIR:-$ROOT/build}"
 cmd="${1:-}"
 shift || true
 
-# The tests also need the Python packages they check our files against; the demo does not.
-if [ "$cmd" = test ]; then "$ROOT/scripts/setup.sh" --checks; else "$ROOT/scripts/setup.sh"; fi
+# The demo builds only what it runs (fsdp-train and the libraries it links); the tests build
+# everything and also need the Python packages they check our files against.
+case "$cmd" in
+  demo) "$ROOT/scripts/setup.sh" --target fsdp-train ;;
+  test) "$ROOT/scripts/setup.sh" --checks ;;
+esac
 
 # FSDP_EMULATE_CPU=avx2: run as on a CPU without fast bf16 (AVX2 and FMA only, no AVX-512 BF16
 # or AMX), whatever this one has: oneDNN (LibTorch's bf16 matmuls) and ATen's own kernels are

@@ -119,8 +119,8 @@ void exec_cuda_trainer(char** argv) {
     throw std::runtime_error("cannot start " + cuda_trainer.string() + ": " + std::strerror(errno));
   }
   throw fsdp_trainer::ConfigError(
-      "'training.device' = 'cuda' but this build has no CUDA path (fsdp-train-cuda is built "
-      "when CMake finds the CUDA toolkit and NCCL, with FSDP_WITH_CUDA=ON)");
+      "'training.device' = 'cuda' but there is no fsdp-train-cuda next to fsdp-train (build its "
+      "target; CMake defines it when it finds the CUDA toolkit and NCCL, FSDP_WITH_CUDA=ON)");
 }
 #endif
 
