@@ -3,8 +3,8 @@
 // `safetensors` finds every tensor equal to ours under its own mapping, `transformers` loads the
 // directory without missing or unexpected weights and computes our logits within 1e-5
 // (tests/python/check_hf.py). The way back: the export and a model written by transformers'
-// save_pretrained load on 2 and 3 ranks, to the same parameters (bitwise) and logits. Configs
-// our models cannot represent are refused naming the field.
+// save_pretrained load on other numbers of ranks than wrote them, to the same parameters
+// (bitwise) and logits. Configs our models cannot represent are refused naming the field.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -190,7 +190,9 @@ void write_reference(const std::string& family, const std::string& variant,
   w.finish();
 }
 
-// Exported from `ranks` ranks, checked by Python, loaded back on 2 and 3 ranks.
+// Exported from `ranks` ranks, checked by Python, loaded back on another number of ranks (the
+// shards of the file and of the ranks fall differently). One Python process checks the export
+// and writes transformers' own directories (torch and transformers are imported once).
 void export_and_check(const std::string& family, const std::string& variant, int ranks) {
   const auto root = fsdp::test::fresh_dir("hf-" + family + "-" + variant);
   const auto dir = (root / "hf").string(), ours = (root / "ours.safetensors").string();
@@ -199,37 +201,38 @@ void export_and_check(const std::string& family, const std::string& variant, int
       "hf_export", ranks, env({{"FAMILY", family}, {"VARIANT", variant}, {"DIR", dir}})));
   ASSERT_TRUE(fs::exists(fs::path(dir) / "config.json"));
   EXPECT_FALSE(fs::exists(dir + ".tmp"));
-  const auto py = fsdp::test::run_command(python("export " + dir + " " + ours));
-  EXPECT_EQ(py.code, 0) << py.output;
-  std::printf("%s", py.output.c_str());
-  for (int m : {2, 3}) {
-    EXPECT_WORKERS_OK(fsdp::test::run_workers("hf_load", m,
-                                              env({{"FAMILY", family},
-                                                   {"VARIANT", variant},
-                                                   {"DIR", dir},
-                                                   {"REFERENCE", ours},
-                                                   {"SAME_PARAMS", "1"},
-                                                   {"TOLERANCE", "1e-6"}})));
-  }
-  // A directory written by transformers itself (save_pretrained, from our config.json) loads
-  // and computes transformers' logits.
+  // A directory written by transformers itself (save_pretrained, from our config.json) must
+  // load and compute transformers' logits. transformers' GPT-2 has a q/k/v bias and ours has
+  // none: a directory whose bias is not zero is refused, one whose bias is zero loads.
   const auto theirs = (root / "theirs").string(), logits = (root / "theirs.safetensors").string();
+  const auto biased = (root / "biased").string(),
+             biased_logits = (root / "biased.safetensors").string();
   const bool qkv_bias = family != "gpt" || gpt_config(variant).attn_bias;
-  auto made = fsdp::test::run_command(python("make " + theirs + " " + dir + " 7 " + logits));
-  ASSERT_EQ(made.code, 0) << made.output;
+  std::string commands = "export " + dir + " " + ours;
+  if (qkv_bias) {
+    commands += " + make " + theirs + " " + dir + " 7 " + logits;
+  } else {
+    commands += " + make " + biased + " " + dir + " 7 " + biased_logits;
+    commands += " + make " + theirs + " " + dir + " 7 " + logits + " --zero-qkv-bias";
+  }
+  const auto py = fsdp::test::run_command(python(commands));
+  ASSERT_EQ(py.code, 0) << py.output;
+  std::printf("%s", py.output.c_str());
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("hf_load", ranks == 2 ? 3 : 2,
+                                            env({{"FAMILY", family},
+                                                 {"VARIANT", variant},
+                                                 {"DIR", dir},
+                                                 {"REFERENCE", ours},
+                                                 {"SAME_PARAMS", "1"},
+                                                 {"TOLERANCE", "1e-6"}})));
   if (!qkv_bias) {
-    // transformers' GPT-2 has a q/k/v bias; ours has none: refused unless it is zero.
     auto refused = fsdp::test::run_workers(
         "hf_load", 2,
-        env({{"FAMILY", family}, {"VARIANT", variant}, {"DIR", theirs}, {"REFERENCE", logits}}));
+        env({{"FAMILY", family}, {"VARIANT", variant}, {"DIR", biased}, {"REFERENCE", biased_logits}}));
     EXPECT_FALSE(refused.ok());
     EXPECT_NE(refused.outputs[0].find("tensor 'transformer.h.0.attn.c_attn.bias' is not zero"),
               std::string::npos)
         << refused.describe();
-    fs::remove_all(theirs);
-    made = fsdp::test::run_command(
-        python("make " + theirs + " " + dir + " 7 " + logits + " --zero-qkv-bias"));
-    ASSERT_EQ(made.code, 0) << made.output;
   }
   EXPECT_WORKERS_OK(fsdp::test::run_workers("hf_load", 3,
                                             env({{"FAMILY", family},
@@ -261,10 +264,12 @@ TEST(HuggingFace, LlamaTiedFromTwoRanks) {
 // Python finds each tensor in the file the index names, equal bitwise to ours rounded, and
 // transformers loads the directory; we load it back on 3 ranks to the rounded values.
 TEST(HuggingFace, Bf16ShardedExportsLoadInTransformersAndBack) {
-  for (const std::string family : {"gpt", "llama"}) {
+  const auto root = fsdp::test::fresh_dir("hf-bf16");
+  const std::vector<std::string> families{"gpt", "llama"};
+  std::string commands;  // one Python process checks both families' exports
+  for (const auto& family : families) {
     SCOPED_TRACE(family);
-    const auto root = fsdp::test::fresh_dir("hf-bf16-" + family);
-    const auto dir = (root / "hf").string(), ours = (root / "ours.safetensors").string();
+    const auto dir = (root / family).string(), ours = (root / (family + ".safetensors")).string();
     write_reference(family, "tied", ours);
     EXPECT_WORKERS_OK(fsdp::test::run_workers("hf_export", 2,
                                               env({{"FAMILY", family},
@@ -288,19 +293,24 @@ TEST(HuggingFace, Bf16ShardedExportsLoadInTransformersAndBack) {
       EXPECT_TRUE(bytes <= 8000 || r.header().tensors.size() == 1) << f << ": " << bytes;
     }
     EXPECT_FALSE(fs::exists(fs::path(dir) / "model.safetensors"));
-    const auto py = fsdp::test::run_command(python("export " + dir + " " + ours));
-    EXPECT_EQ(py.code, 0) << py.output;
-    std::printf("%s", py.output.c_str());
-    EXPECT_WORKERS_OK(fsdp::test::run_workers("hf_load", 3,
-                                              env({{"FAMILY", family},
-                                                   {"VARIANT", "tied"},
-                                                   {"DIR", dir},
-                                                   {"REFERENCE", ours},
-                                                   {"SAME_PARAMS", "1"},
-                                                   {"DTYPE", "bf16"},
-                                                   {"TOLERANCE", "0.03"}})));
-    fs::remove_all(root);
+    commands += (commands.empty() ? "export " : " + export ") + dir + " " + ours;
   }
+  const auto py = fsdp::test::run_command(python(commands));
+  EXPECT_EQ(py.code, 0) << py.output;
+  std::printf("%s", py.output.c_str());
+  for (const auto& family : families) {
+    SCOPED_TRACE(family);
+    EXPECT_WORKERS_OK(
+        fsdp::test::run_workers("hf_load", 3,
+                                env({{"FAMILY", family},
+                                     {"VARIANT", "tied"},
+                                     {"DIR", (root / family).string()},
+                                     {"REFERENCE", (root / (family + ".safetensors")).string()},
+                                     {"SAME_PARAMS", "1"},
+                                     {"DTYPE", "bf16"},
+                                     {"TOLERANCE", "0.03"}})));
+  }
+  fs::remove_all(root);
 }
 
 TEST(HuggingFace, ConfigsOurModelsCannotRepresentAreRefusedNamingTheField) {

@@ -16,6 +16,9 @@
       writes it with save_pretrained into DIR and its logits on fixed input ids into OUT
       ('input_ids', 'logits'): fsdp-cpp loads DIR and must compute the same logits.
 
+  check_hf.py COMMAND ... + COMMAND ...
+      Several of the above in order, in one process (one import of torch and transformers).
+
 Exit code 0 when every check passes; 1 with a message otherwise.
 """
 
@@ -174,15 +177,27 @@ def make(directory, reference_dir, seed, out_path, zero_qkv_bias):
     print(f"{config.model_type}: written by transformers into {directory}")
 
 
-def main(argv):
-    if len(argv) == 4 and argv[1] == "export":
-        check_export(argv[2], argv[3])
-    elif len(argv) in (6, 7) and argv[1] == "make":
-        if len(argv) == 7 and argv[6] != "--zero-qkv-bias":
+def run(args):
+    if len(args) == 3 and args[0] == "export":
+        check_export(args[1], args[2])
+    elif len(args) in (5, 6) and args[0] == "make":
+        if len(args) == 6 and args[5] != "--zero-qkv-bias":
             fail(__doc__)
-        make(argv[2], argv[3], int(argv[4]), argv[5], len(argv) == 7)
+        make(args[1], args[2], int(args[3]), args[4], len(args) == 6)
     else:
         fail(__doc__)
+
+
+def main(argv):
+    # Commands separated by "+" run in order in this one process: importing torch and
+    # transformers costs seconds of CPU, which a test pays once instead of once per command.
+    command = []
+    for word in argv[1:] + ["+"]:
+        if word != "+":
+            command.append(word)
+        elif command:
+            run(command)
+            command = []
 
 
 if __name__ == "__main__":
