@@ -21,6 +21,7 @@
 #include <torch/version.h>
 #include <nlohmann/json.hpp>
 
+#include "cli/preflight.h"
 #include "config/config.h"
 #include "data/corpus.h"
 #include "data/finetune_data.h"
@@ -74,13 +75,40 @@ int line_count(const std::string& s) {
   return static_cast<int>(std::count(s.begin(), s.end(), '\n'));
 }
 
+// What load_config and preflight (trainer/cli/preflight.h), which fsdp-train runs before
+// starting any rank, say of CONFIG (a path, or "" for none) with ARGS (--section.key=value
+// overrides and --nproc N, space-separated) for `train`: the ConfigError's message, "" if none.
+std::string preflight_refusal(const std::string& config, const std::string& args) {
+  std::vector<std::string> overrides;
+  int world = 1;
+  std::istringstream words(args);
+  for (std::string w; words >> w;) {
+    if (w == "--nproc")
+      words >> world;
+    else
+      overrides.push_back(w.substr(2));
+  }
+  try {
+    fsdp_trainer::preflight(fsdp_trainer::load_config(config, overrides), "train", world, world);
+  } catch (const fsdp_trainer::ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
 TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
   const auto ok = tiny_config((fs::path(FSDP_TEST_WORK_DIR) / "unused").string());
+  // Every case is refused in this process by what fsdp-train runs before any rank starts
+  // (load_config, then preflight); those marked kCli are also run as fsdp-train, for the one
+  // line and exit code 2 of each way out (a config file, the command line, the launcher, a
+  // rank, a single process).
+  enum Where { kPreflight, kCli, kRank };  // kRank: refused by a rank, so only through the CLI
   struct Case {
     std::string config, args, must_mention;
+    Where where = kPreflight;
   };
   std::vector<Case> cases = {
-      {ok + "[training]\n", "", "training"},  // a repeated section is a TOML error
+      {ok + "[training]\n", "", "training", kCli},  // a repeated section is a TOML error
       {"[training]\nstepz = 3\n", "",
        "unknown key 'training.stepz' (did you mean 'training.steps'?)"},
       {"[training]\nsteps = \"ten\"\n", "", "'training.steps' must be an integer, got string"},
@@ -91,9 +119,9 @@ TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
       {"[training]\nseq_len = 1\n", "", "'training.seq_len' must be >= 2"},
       {"", "--training.steps=abc", "'training.steps' must be an integer, got 'abc'"},
       {"", "--training.nope=1", "unknown key 'training.nope'"},
-      {"", "--training.steps", "must look like --section.key=value"},
+      {"", "--training.steps", "must look like --section.key=value", kCli},
       {"", "--model.preset=gpt2-huge --training.steps=1",
-       "'model.preset' = 'gpt2-huge' is not a gpt preset"},
+       "'model.preset' = 'gpt2-huge' is not a gpt preset", kRank},
       {"model = 3\n", "", "'model' must be a section"},
       {"", "--fsdp.strategy=zero3", "'fsdp.strategy' must be one of full_shard, shard_grad_op"},
       {"", "--fsdp.backward_prefetch=early", "'fsdp.backward_prefetch' must be one of none"},
@@ -141,15 +169,15 @@ TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
        "'logging.trace_steps' = '3-5' goes past the last step (training.steps = 4)"},
       // The job's shape: checked by the launcher before any rank starts...
       {"", "--nproc 2 --fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=3",
-       "'fsdp.hybrid_shard_size' = 3 must divide the world size (2 ranks)"},
+       "'fsdp.hybrid_shard_size' = 3 must divide the world size (2 ranks)", kCli},
       {"", "--nproc 2 --fsdp.hybrid_shard_size=3", "'fsdp.hybrid_shard_size'"},
       {"", "--nproc 2 --fsdp.reshard_after_forward_size=3",
        "'fsdp.reshard_after_forward_size' = 3 must divide the 2 ranks"},
       // ...and by a single process (world size 1) before it joins.
       {"", "--fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=2",
-       "'fsdp.hybrid_shard_size' = 2 must divide the world size (1 rank)"},
+       "'fsdp.hybrid_shard_size' = 2 must divide the world size (1 rank)", kCli},
       // Prepared data never goes into a directory holding files fsdp-train did not write.
-      {"", "--data.dir=/", "'data.dir' '/' holds '"},
+      {"", "--data.dir=/", "'data.dir' '/' holds '", kCli},
       {"", "--data.dir=" FSDP_SOURCE_DIR, "which fsdp-train did not write"},
       // Non-finite hyperparameters, from the command line and from the file.
       {"", "--training.lr=inf", "'training.lr' must be a finite number, got 'inf'"},
@@ -163,23 +191,33 @@ TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
        "parameters"},
       {"", "--model.n_layer=1099511627776", "model.n_layer = 1099511627776"},
       {"", "--training.seq_len=1099511627776", "one micro-batch's logits"},
-      {"", "--nproc 2 --model.n_layer=16777216", "for the 2 rank(s) on this host, more than its"},
+      {"", "--nproc 2 --model.n_layer=16777216", "for the 2 rank(s) on this host, more than its",
+       kCli},
       // A huge value is quoted cut short (the test checks the one line; the length below).
-      {"", "--training.steps=" + std::string(100000, '7'), "(100000 bytes)"},
+      {"", "--training.steps=" + std::string(100000, '7'), "(100000 bytes)", kCli},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     const auto& c = cases[i];
-    std::string cmd = train_cmd();
-    if (!c.config.empty()) {
-      cmd += ' ';  // not " " + string&&: GCC 12 warns falsely (-Wrestrict) on that insert
-      cmd += write_config("bad" + std::to_string(i), c.config);
-    }
-    cmd += " " + c.args + " --data.vocab_size=512";
+    const std::string config = c.config.empty() ? "" : write_config("bad" + std::to_string(i), c.config);
+    std::string args = c.args + " --data.vocab_size=512";
     if (c.args.find("--data.dir") == std::string::npos)
-      cmd += " --data.dir=" + data_dir();
-    if (c.must_mention.find("preset") != std::string::npos) {
-      cmd += " --logging.run_dir=" + (fs::path(FSDP_TEST_WORK_DIR) / "bad-preset").string();
+      args += " --data.dir=" + data_dir();
+    if (c.where != kRank) {
+      const std::string refused = preflight_refusal(config, args);
+      EXPECT_NE(refused.find(c.must_mention), std::string::npos)
+          << "case " << i << " should mention \"" << c.must_mention << "\": " << refused;
+      EXPECT_EQ(refused.find('\n'), std::string::npos) << "case " << i << ": " << refused;
     }
+    if (c.where == kPreflight)
+      continue;
+    std::string cmd = train_cmd();
+    if (!config.empty()) {
+      cmd += ' ';  // not " " + string&&: GCC 12 warns falsely (-Wrestrict) on that insert
+      cmd += config;
+    }
+    cmd += " " + args;
+    if (c.where == kRank)
+      cmd += " --logging.run_dir=" + (fs::path(FSDP_TEST_WORK_DIR) / "bad-preset").string();
     const CommandResult r = run(cmd);
     EXPECT_EQ(r.code, 2) << "case " << i << ": " << cmd << "\n" << r.output;
     EXPECT_NE(r.output.find(c.must_mention), std::string::npos)
@@ -187,7 +225,7 @@ TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
         << r.output;
     EXPECT_NE(r.output.find("error"), std::string::npos) << r.output;
     // The preset error comes from a rank after data preparation; the rest before any rank starts.
-    if (c.must_mention.find("preset") == std::string::npos) {
+    if (c.where != kRank) {
       EXPECT_EQ(line_count(r.output), 1) << "case " << i << ":\n" << r.output;
     }
   }

@@ -55,6 +55,7 @@
 #include "config/config.h"
 #include "data/data.h"
 #include "launcher.h"
+#include "preflight.h"
 #include "train/model_factory.h"
 #include "train/trainer.h"
 
@@ -266,19 +267,12 @@ int main(int argc, char** argv) {
       std::fputs(fsdp_trainer::to_toml(config).c_str(), stdout);
       return 0;
     }
-    // Where prepared data would go, checked before any rank starts (prepare_data checks again).
-    if (command == "train") {
-      if (const auto problem = fsdp_trainer::data_dir_problem(config.data.dir); !problem.empty())
-        throw fsdp_trainer::ConfigError("'data.dir' " + problem);
-    }
 #ifndef FSDP_TRAIN_CUDA
     if (config.training.device == "cuda")
       exec_cuda_trainer(argv);
 #endif
     if (nproc > 0 && std::getenv("RANK") == nullptr) {
-      fsdp_trainer::validate_world(config, nproc, nproc);
-      if (command != "finetune")  // (finetune's model is known once its file is read)
-        fsdp_trainer::check_model_fits(config, nproc, nproc);
+      fsdp_trainer::preflight(config, command, nproc, nproc);
 #ifdef FSDP_TRAIN_CUDA
       if (config.training.device == "cuda")
         require_gpus(nproc);
@@ -298,9 +292,7 @@ int main(int argc, char** argv) {
     // fails the same way; rank 0 says why.
     const fsdp::LaunchEnv env = fsdp::launch_env_from_environment();
     try {
-      fsdp_trainer::validate_world(config, env.world_size, env.local_world_size);
-      if (command != "finetune")
-        fsdp_trainer::check_model_fits(config, env.world_size, env.local_world_size);
+      fsdp_trainer::preflight(config, command, env.world_size, env.local_world_size);
     } catch (const fsdp_trainer::ConfigError&) {
       if (env.rank != 0)
         return 2;
