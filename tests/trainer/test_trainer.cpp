@@ -1630,28 +1630,33 @@ bool wait_for(const fs::path& path, double seconds) {
   return true;
 }
 
-// A 100-step job with a checkpoint every 10 steps under torchrun; once its step-10 checkpoint
-// is complete, rank `victim` of the first attempt is SIGKILLed. Returns the job's exit code.
+// The restart tests' job: 40 steps (about 5 s of steps on two cores), a checkpoint every 5.
+constexpr int kRestartSteps = 40;
+const std::string kRestartArgs =
+    " --training.steps=40 --training.seq_len=64 --training.batch_size=4 "
+    "--training.eval_every=0 --generate.tokens=0 --logging.plot=false";
+
+// That job under torchrun; once its step-5 checkpoint is complete, rank `victim` of the first
+// attempt is SIGKILLed (within a few steps of it: far from the end). Returns the job's exit code.
+
 int torchrun_with_a_killed_rank(const std::string& name, const fs::path& run_dir, int nproc,
                                 int max_restarts, int victim, std::string* output) {
   const std::string tag = "FSDP_TEST_TAG=" + name + "-" + std::to_string(::getpid());
   const auto config =
       write_config(name, tiny_config(run_dir.string(), "gpt", "gpt2-tiny") +
-                             "[checkpoint]\nevery = 10\nkeep = 3\nresume = \"auto\"\n");
+                             "[checkpoint]\nevery = 5\nkeep = 3\nresume = \"auto\"\n");
   BackgroundJob job(tag + " OMP_NUM_THREADS=1 " + std::string(FSDP_TORCHRUN_PATH) +
                         " --standalone --no-python --max-restarts=" + std::to_string(max_restarts) +
                         " --nproc-per-node " + std::to_string(nproc) + " " + train_cmd() + " " +
-                        config +
-                        " --training.steps=100 --training.seq_len=64 --training.batch_size=4 "
-                        "--training.eval_every=0 --generate.tokens=0 --logging.plot=false",
+                        config + kRestartArgs,
                     (fs::path(FSDP_TEST_WORK_DIR) / (name + ".log")).string());
-  EXPECT_TRUE(wait_for(run_dir / "checkpoints" / "step-00000010" / "index.json", 120))
+  EXPECT_TRUE(wait_for(run_dir / "checkpoints" / "step-00000005" / "index.json", 120))
       << job.output();
   const pid_t pid = find_process_with_env(
       {tag, "RANK=" + std::to_string(victim), "TORCHELASTIC_RESTART_COUNT=0"});
   EXPECT_GT(pid, 0) << "rank " << victim << " not found";
   // Still mid-run: far from the last step.
-  EXPECT_FALSE(fs::exists(run_dir / "checkpoints" / "step-00000050"));
+  EXPECT_FALSE(fs::exists(run_dir / "checkpoints" / "step-00000025"));
   if (pid > 0)
     ::kill(pid, SIGKILL);
   const int code = job.wait(240);
@@ -2001,20 +2006,18 @@ TEST(TrainerRun, TorchrunRestartsAKilledJobFromItsLastCheckpoint) {
       << output;
   const auto config =
       write_config("restart-whole", tiny_config(whole.string(), "gpt", "gpt2-tiny") +
-                                        "[checkpoint]\nevery = 10\nkeep = 3\n");
-  auto r = run(train_cmd() + " --nproc 2 " + config +
-               " --training.steps=100 --training.seq_len=64 --training.batch_size=4 "
-               "--training.eval_every=0 --generate.tokens=0 --logging.plot=false");
+                                        "[checkpoint]\nevery = 5\nkeep = 3\n");
+  auto r = run(train_cmd() + " --nproc 2 " + config + kRestartArgs);
   ASSERT_EQ(r.code, 0) << r.output;
   for (const char* f : {"rank-00000.safetensors", "rank-00001.safetensors"}) {
-    const auto x = file_bytes(whole / "checkpoints" / "step-00000100" / f);
+    const auto x = file_bytes(whole / "checkpoints" / "step-00000040" / f);
     EXPECT_FALSE(x.empty());
-    EXPECT_TRUE(x == file_bytes(killed / "checkpoints" / "step-00000100" / f)) << f;
+    EXPECT_TRUE(x == file_bytes(killed / "checkpoints" / "step-00000040" / f)) << f;
   }
   auto mk = fsdp_trainer::read_metrics((killed / "metrics.jsonl").string());
   auto mw = fsdp_trainer::read_metrics((whole / "metrics.jsonl").string());
-  ASSERT_EQ(mk.size(), 100u);
-  ASSERT_EQ(mw.size(), 100u);
+  ASSERT_EQ(mk.size(), size_t{kRestartSteps});
+  ASSERT_EQ(mw.size(), size_t{kRestartSteps});
   for (size_t i = 0; i < mw.size(); ++i)
     EXPECT_EQ(mk[i].loss, mw[i].loss) << "step " << i + 1;
 }
@@ -2029,13 +2032,12 @@ TEST(TrainerRun, AJobKilledOnFourRanksResumesOnThree) {
   const auto config = (fs::path(FSDP_TEST_WORK_DIR) / "restart-4to3.toml").string();
   auto r = run("OMP_NUM_THREADS=1 " + std::string(FSDP_TORCHRUN_PATH) +
                " --standalone --no-python --nproc-per-node 3 " + train_cmd() + " " + config +
-               " --training.steps=100 --training.seq_len=64 --training.batch_size=4 "
-               "--training.eval_every=0 --generate.tokens=0 --logging.plot=false");
+               kRestartArgs);
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("saved on 4 rank(s)"), std::string::npos) << r.output;
   auto m = fsdp_trainer::read_metrics((dir / "metrics.jsonl").string());
-  ASSERT_EQ(m.size(), 100u);
-  EXPECT_EQ(m.back().step, 100);
+  ASSERT_EQ(m.size(), size_t{kRestartSteps});
+  EXPECT_EQ(m.back().step, kRestartSteps);
   EXPECT_TRUE(std::isfinite(m.back().loss));
-  EXPECT_TRUE(fs::exists(dir / "checkpoints" / "step-00000100" / "index.json"));
+  EXPECT_TRUE(fs::exists(dir / "checkpoints" / "step-00000040" / "index.json"));
 }
