@@ -22,13 +22,15 @@ target_link_libraries(fsdp_fmt INTERFACE fsdp_libtorch)
 find_package(OpenMP REQUIRED COMPONENTS CXX)
 target_link_libraries(fsdp_libtorch INTERFACE OpenMP::OpenMP_CXX)
 
-# LibTorch's headers, precompiled once per target that has many translation units: nearly all
-# of them include torch/torch.h, whose parse is ~7 of a ~12 s compile here. Measured on 2 cores
-# (AMD EPYC, no ccache): the whole build 566 s without, 458 s with (four 725 MB .gch files in
-# the build tree). Per target, not shared with REUSE_FROM: the targets' definitions and flags
-# (-fPIC, -fPIE) differ, and GCC silently ignores a precompiled header built with other ones;
-# targets that share them pass REUSE_FROM (the library's subsystems, models and formats).
-# ccache needs CCACHE_SLOPPINESS for them (scripts/setup.sh sets it). FSDP_PCH=OFF turns it off.
+# LibTorch's headers, precompiled: nearly every translation unit includes torch/torch.h, whose
+# parse is most of a compile without them. Two precompiled headers serve every target, because
+# GCC uses one only under the same code-generation flags: fsdp_distributed's (-fPIC: the
+# library's subsystems) and fsdp_models' (no -fPIC: models, formats, the trainer and its
+# programs, the tests, benchmarks and examples). Each costs ~65 s of CPU to build (a 725 MB
+# .gch), so sharing them beats one per target. Definitions that LibTorch's headers never test
+# (FMT_HEADER_ONLY, TOML_*, GTEST_HAS_PTHREAD, FSDP_VERSION) may differ; -Winvalid-pch (CMake
+# adds it) warns if GCC ever refuses one. ccache needs CCACHE_SLOPPINESS for them
+# (scripts/setup.sh sets it). FSDP_PCH=OFF turns them off.
 option(FSDP_PCH "Precompile LibTorch's headers for the larger targets" ON)
 function(fsdp_precompile_torch target)
   cmake_parse_arguments(P "" "REUSE_FROM" "" ${ARGN})
