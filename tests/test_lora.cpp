@@ -489,6 +489,11 @@ TEST(Lora, SmolLM2AdapterLoadsInPeft) {
   const auto gguf = smollm2_file(kSmolLM2Cut);
   const int blocks = fsdp_models::llama_config_from_gguf(fsdp_models::gguf::File(gguf)).n_layers;
   EXPECT_EQ(blocks, 2);
+  // The reference imports torch, transformers and peft and loads its base while our ranks run.
+  fsdp::test::StartedCommand peft(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR +
+                                  "/tests/python/check_peft.py --wait " + kSmolLM2Cut + " " +
+                                  dir.path() + "/adapter " + dir.path() + "/merged " +
+                                  dir.path() + ids_as_arguments());
   EXPECT_WORKERS_OK(fsdp::test::run_workers(
       "smollm2_lora_export", 2, fsdp::test::with_env({{"GGUF", gguf}, {"OUT", dir.path()}})));
   const auto config =
@@ -496,9 +501,8 @@ TEST(Lora, SmolLM2AdapterLoadsInPeft) {
   EXPECT_EQ(config["r"], 8);
   EXPECT_EQ(config["lora_alpha"], 16.0);
   EXPECT_EQ(config["target_modules"], (std::vector<std::string>{"q_proj", "v_proj"}));
-  const auto ids = ids_as_arguments();
-  const auto out = python("check_peft.py " + kSmolLM2Cut + " " + dir.path() + "/adapter " +
-                          dir.path() + "/merged " + dir.path() + ids);
+  const auto [code, out] = peft.finish("written");
+  EXPECT_EQ(code, 0) << out;
   // wq and wv of every block.
   EXPECT_NE(out.find("adapted modules " + std::to_string(2 * blocks)), std::string::npos) << out;
   const auto ours = read_logits(dir.path() + "/ours.bin", 49152);
@@ -571,10 +575,14 @@ TEST(Qlora, SmolLM2LoadsShardedIntoNf4) {
   const auto gguf = smollm2_file(kSmolLM2Cut);
   const int blocks = fsdp_models::llama_config_from_gguf(fsdp_models::gguf::File(gguf)).n_layers;
   EXPECT_EQ(blocks, 2);
+  // The reference (the token ids are all it reads) runs while our ranks do.
+  fsdp::test::StartedCommand qlora(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR +
+                                   "/tests/python/check_qlora.py " + kSmolLM2Cut + " " +
+                                   dir.path() + ids_as_arguments());
   EXPECT_WORKERS_OK(fsdp::test::run_workers(
       "smollm2_qlora_load", 2, fsdp::test::with_env({{"GGUF", gguf}, {"OUT", dir.path()}})));
-  const auto ids = ids_as_arguments();
-  const auto out = python("check_qlora.py " + kSmolLM2Cut + " " + dir.path() + ids);
+  const auto [code, out] = qlora.finish();
+  EXPECT_EQ(code, 0) << out;
   // The 7 Linears of every block.
   EXPECT_NE(out.find("quantized linears " + std::to_string(7 * blocks)), std::string::npos)
       << out;

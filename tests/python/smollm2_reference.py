@@ -226,6 +226,13 @@ def load_tokenizer(model=FULL):
     return AutoTokenizer.from_pretrained(reference_dir(model))
 
 
+def wait_for_test():
+    """For the scripts' --wait: blocks until the test writes a line on our standard input (the
+    files we read are written); an input that ends first means the test gave up."""
+    if not sys.stdin.readline():
+        sys.exit("the test ended before its files were written")
+
+
 def main():
     if len(sys.argv) == 3 and sys.argv[1] == "gguf":
         print("FILE", gguf_path(sys.argv[2]))

@@ -95,12 +95,16 @@ TEST(Gguf, SmolLM2DequantisesAsLlamaCppsReader) {
 TEST(Gguf, SmolLM2LogitsEqualTransformers) {
   fsdp::test::TempDir dir;
   const std::vector<int64_t> ids{1, 504, 3458, 282, 4649, 314, 28, 2, 9690, 198, 11};
+  // The cut's path (made on first use; no torch imported), then the reference started: it
+  // imports torch and transformers and computes while we do.
+  const auto where = run(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR +
+                         "/tests/python/smollm2_reference.py gguf smollm2:2");
+  ASSERT_EQ(where.rfind("FILE ", 0), 0u) << where;
   std::string cmd = std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR +
                     "/tests/python/check_gguf.py smollm2:2 " + dir.path() + " --logits";
   for (auto i : ids)
     cmd += " " + std::to_string(i);
-  const auto out = run(cmd);
-  ASSERT_EQ(out.rfind("FILE ", 0), 0u) << out;
+  fsdp::test::StartedCommand reference(cmd);
   // The whole file's config (its header alone is read)...
   const auto whole =
       fsdp_models::llama_config_from_gguf(File(fsdp_trainer::resolve_model_file("smollm2")));
@@ -112,7 +116,7 @@ TEST(Gguf, SmolLM2LogitsEqualTransformers) {
   EXPECT_TRUE(whole.tie_embeddings);
   EXPECT_EQ(whole.rope_theta, 100000.0);
   // ...is the cut's but for the block count.
-  File f(out.substr(5, out.find('\n') - 5));
+  File f(where.substr(5, where.find('\n') - 5));
   auto cfg = fsdp_models::llama_config_from_gguf(f);
   EXPECT_EQ(cfg.n_layers, 2);
   EXPECT_EQ(cfg.dim, whole.dim);
@@ -128,6 +132,18 @@ TEST(Gguf, SmolLM2LogitsEqualTransformers) {
   fsdp_models::load_gguf(f, model);
   torch::NoGradGuard no_grad;
   auto ours = model->forward(torch::tensor(ids).view({1, -1}))[0];
+
+  // Sharded over 2 and 3 ranks, each rank reading only its rows: the same logits.
+  std::vector<torch::Tensor> sharded;
+  for (int world : {2, 3}) {
+    EXPECT_WORKERS_OK(fsdp::test::run_workers(
+        "gguf_sharded_logits", world,
+        fsdp::test::with_env({{"GGUF", f.path()}, {"OUT", dir.path() + "/sharded.bin"}})));
+    sharded.push_back(read_floats(dir.path() + "/sharded.bin", ours.sizes()));
+  }
+
+  const auto [code, out] = reference.finish();
+  ASSERT_EQ(code, 0) << cmd << "\n" << out;
   auto ref = read_floats(dir.path() + "/logits.bin", ours.sizes());
   const double diff = (ours - ref).abs().max().item<double>();
   const double scale = ref.abs().max().item<double>();
@@ -140,15 +156,10 @@ TEST(Gguf, SmolLM2LogitsEqualTransformers) {
   EXPECT_LT(diff, 1e-4 * scale);
   EXPECT_TRUE(torch::equal(ours.argmax(-1), ref.argmax(-1)));
 
-  // Sharded over 2 and 3 ranks, each rank reading only its rows: the same logits.
-  for (int world : {2, 3}) {
-    EXPECT_WORKERS_OK(fsdp::test::run_workers(
-        "gguf_sharded_logits", world,
-        fsdp::test::with_env({{"GGUF", f.path()}, {"OUT", dir.path() + "/sharded.bin"}})));
-    auto sharded = read_floats(dir.path() + "/sharded.bin", ours.sizes());
-    const double d = (sharded - ours).abs().max().item<double>();
-    std::cout << world << " ranks: logits vs one process, max |diff| " << d << "\n";
-    EXPECT_LT(d, 1e-5 * scale) << world << " ranks";
+  for (size_t i = 0; i < sharded.size(); ++i) {
+    const double d = (sharded[i] - ours).abs().max().item<double>();
+    std::cout << i + 2 << " ranks: logits vs one process, max |diff| " << d << "\n";
+    EXPECT_LT(d, 1e-5 * scale) << i + 2 << " ranks";
   }
 }
 
@@ -227,22 +238,19 @@ TEST(Gguf, SmolLM2ChatsAsTransformersDoes) {
        {{{"role", "user"}, {"content", "What is the capital of France? Answer in one sentence."}}}},
       {"new_tokens", new_tokens}};
   std::ofstream(dir.path() + "/in.json") << request.dump();
-  const auto out =
-      run(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR + "/tests/python/check_chat.py " +
-          dir.path() + "/in.json " + dir.path() + "/out.json");
-  ASSERT_FALSE(HasFailure()) << out;  // the reference run failed
-  const auto ref = nlohmann::json::parse(fsdp::test::file_bytes(dir.path() + "/out.json"));
-  File f(ref["file"].get<std::string>());
+  // The reference runs (imports, loads, generates) while we read the file and load the model.
+  const auto cmd = std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR +
+                   "/tests/python/check_chat.py " + dir.path() + "/in.json " + dir.path() +
+                   "/out.json";
+  fsdp::test::StartedCommand reference(cmd);
+  File f(fsdp_trainer::resolve_model_file("smollm2"));
   fsdp_trainer::ChatTemplate chat(
       f.value("tokenizer.chat_template").as_string("tokenizer.chat_template"), f.path());
   const auto text =
       chat.render({{"user", "What is the capital of France? Answer in one sentence."}},
                   /*add_generation_prompt=*/true);
-  EXPECT_EQ(text, ref["text"].get<std::string>());
   auto tok = fsdp_trainer::BpeTokenizer::from_gguf(f);
   auto ids = tok.encode(text);
-  EXPECT_EQ(ids, ref["prompt_ids"].get<std::vector<int64_t>>());
-
   // The whole model (30 blocks): a 2-block cut answers nonsense, and this is the test that
   // every block of the file loads as transformers reads it.
   auto cfg = fsdp_models::llama_config_from_gguf(f);
@@ -250,6 +258,13 @@ TEST(Gguf, SmolLM2ChatsAsTransformersDoes) {
   cfg.max_seq_len = 128;
   auto model = fsdp::test::unfilled_llama(cfg);
   fsdp_models::load_gguf(f, model);
+
+  const auto [code, out] = reference.finish();
+  ASSERT_EQ(code, 0) << cmd << "\n" << out;
+  const auto ref = nlohmann::json::parse(fsdp::test::file_bytes(dir.path() + "/out.json"));
+  EXPECT_EQ(ref["file"].get<std::string>(), f.path());
+  EXPECT_EQ(text, ref["text"].get<std::string>());
+  EXPECT_EQ(ids, ref["prompt_ids"].get<std::vector<int64_t>>());
   torch::NoGradGuard no_grad;
   // Greedy generation, checked in one forward pass: a causal model's logits at position i
   // depend on tokens 0..i only, so our greedy continuation is transformers' generated ids g

@@ -1685,6 +1685,30 @@ std::vector<fsdp_trainer::StepMetrics> finetune_run(const std::string& name,
 TEST(TrainerRun, FinetunesSmolLM2WithLora) {
   const auto cut = smollm2_cut();
   ASSERT_FALSE(cut.empty());
+  // Text for the export's tokenizer (below), written beside the run directory (which the run
+  // starts by removing).
+  const auto corpus = fs::path(FSDP_TEST_WORK_DIR) / "ft-lora-corpus.txt";
+  {
+    std::string lines;
+    for (const char* name : {"kjv", "fortunes"}) {
+      const auto all = fsdp_trainer::load_corpus(name);
+      lines += all.substr(0, all.find('\n', 20000)) + "\n";
+    }
+    std::ifstream jsonl(fs::path(FSDP_SOURCE_DIR) / "data/instruct/kjv_train.jsonl");
+    std::string line;
+    for (int i = 0; i < 50 && std::getline(jsonl, line); ++i)
+      lines += line + "\n";
+    std::ofstream(corpus, std::ios::binary) << lines << "<|im_start|>user\nHi<|im_end|>";
+  }
+  // transformers' side imports torch and transformers while fsdp-train runs, then waits for the
+  // merged export.
+  const fs::path dir = fs::path(FSDP_TEST_WORK_DIR) / "run-ft-lora";
+  const auto reference_json = fs::path(FSDP_TEST_WORK_DIR) / "ft-lora-transformers.json";
+  fs::remove(reference_json);
+  fsdp::test::StartedCommand transformers(
+      std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR + "/tests/python/check_export.py --wait " +
+      (dir / "merged").string() + " " + small_eval_file(8) + " 8 " + corpus.string() + " " +
+      reference_json.string());
   std::string lora_out;
   const auto lora = finetune_run("ft-lora",
                                  "--finetune.model=" + cut +
@@ -1715,7 +1739,6 @@ TEST(TrainerRun, FinetunesSmolLM2WithLora) {
   // rank, 8 bytes each (651 KB), against 141 MB for the whole model's.
   ASSERT_TRUE(lora.back().mem_optimizer_bytes.has_value());
   EXPECT_LT(*lora.back().mem_optimizer_bytes, 1 << 20);
-  const fs::path dir = fs::path(FSDP_TEST_WORK_DIR) / "run-ft-lora";
   for (const char* f : {"adapter/adapter_config.json", "adapter/adapter_model.safetensors",
                         "merged/config.json", "merged/model.safetensors", "answers.txt"})
     EXPECT_TRUE(fs::is_regular_file(dir / f)) << f;
@@ -1730,25 +1753,9 @@ TEST(TrainerRun, FinetunesSmolLM2WithLora) {
   for (const char* f : {"merged/tokenizer.json", "merged/tokenizer_config.json",
                         "merged/generation_config.json", "adapter/tokenizer.json"})
     EXPECT_TRUE(fs::is_regular_file(dir / f)) << f;
-  const auto corpus = dir / "corpus.txt";
-  {
-    std::string lines;
-    for (const char* name : {"kjv", "fortunes"}) {
-      const auto all = fsdp_trainer::load_corpus(name);
-      lines += all.substr(0, all.find('\n', 20000)) + "\n";
-    }
-    std::ifstream jsonl(fs::path(FSDP_SOURCE_DIR) / "data/instruct/kjv_train.jsonl");
-    std::string line;
-    for (int i = 0; i < 50 && std::getline(jsonl, line); ++i)
-      lines += line + "\n";
-    std::ofstream(corpus, std::ios::binary) << lines << "<|im_start|>user\nHi<|im_end|>";
-  }
-  const auto py =
-      run(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR + "/tests/python/check_export.py " +
-          (dir / "merged").string() + " " + small_eval_file(8) + " 8 " + corpus.string() + " " +
-          (dir / "transformers.json").string());
+  const auto py = transformers.finish("written");
   ASSERT_EQ(py.code, 0) << py.output;
-  const auto ref = nlohmann::json::parse(fsdp::test::file_bytes(dir / "transformers.json"));
+  const auto ref = nlohmann::json::parse(fsdp::test::file_bytes(reference_json));
   const auto answer = ref["answer"].get<std::string>();
   EXPECT_NE(text.find("   after:     " + answer + "\n"), std::string::npos)
       << "transformers answered '" << answer << "'; answers.txt:\n"
