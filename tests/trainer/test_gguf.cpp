@@ -90,7 +90,7 @@ TEST(Gguf, SmolLM2DequantisesAsLlamaCppsReader) {
 // logits are those of the file's first 2 blocks (tests/python/smollm2_reference.py's cut by
 // scripts/cut_gguf.py: the same tensors and bytes, block_count 2): what this checks (each
 // tensor's name and shape, the q/k permutation, a block's arithmetic, the head, sharded
-// loading) is the same in every block, and 2 blocks load and run ~10x faster than 30. All 30
+// loading) is the same in every block, and 2 blocks are a quarter of the parameters. All 30
 // are checked by SmolLM2ChatsAsTransformersDoes, whose greedy answer needs the whole model.
 TEST(Gguf, SmolLM2LogitsEqualTransformers) {
   fsdp::test::TempDir dir;

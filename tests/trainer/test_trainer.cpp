@@ -1629,7 +1629,7 @@ int torchrun_with_a_killed_rank(const std::string& name, const fs::path& run_dir
 // truncated model file are one-line errors naming the file, exit code 2. Each test's time is
 // independent of the CPU's bf16 speed. Where the claim is about the pipeline rather than the
 // whole model's answers, the runs fine-tune SmolLM2's first 2 blocks (smollm2_cut()), which
-// load and step ~10x faster than 30.
+// are a quarter of the parameters.
 
 // SmolLM2's GGUF cut to its first 2 blocks by scripts/cut_gguf.py (the same tensors, bytes,
 // tokenizer and chat template; block_count 2), made and cached on first use by
