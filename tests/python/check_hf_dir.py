@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Reference data for tests/trainer/test_hf_model.cpp: SmolLM2 as a Hugging Face directory.
 
-    check_hf_dir.py sharded
-        Prints "DIR <path>": smollm2_reference's conversion of the GGUF file saved again by
-        transformers in three safetensors files with model.safetensors.index.json.
+    check_hf_dir.py sharded MODEL
+        Prints "FILE <path>", MODEL's GGUF file ("smollm2", or "smollm2:N" for its first N
+        blocks: smollm2_reference), and "DIR <path>": smollm2_reference's conversion of that
+        file saved again by transformers in three safetensors files with
+        model.safetensors.index.json.
     check_hf_dir.py tokenizers TEXT_FILE OUT_DIR
         Writes three tokenizer.json files under OUT_DIR/<variant>/ and OUT_DIR/ids.json, the
         ids the `tokenizers` library gives each line of TEXT_FILE (no special tokens added):
@@ -61,8 +63,9 @@ def tokenizers_command(text_file, out_dir):
 
 
 def main():
-    if sys.argv[1:2] == ["sharded"]:
-        print("DIR", smollm2_reference.sharded_dir())
+    if sys.argv[1:2] == ["sharded"] and len(sys.argv) == 3:
+        print("FILE", smollm2_reference.gguf_path(sys.argv[2]))
+        print("DIR", smollm2_reference.sharded_dir(sys.argv[2]))
     elif sys.argv[1:2] == ["tokenizers"] and len(sys.argv) == 4:
         tokenizers_command(sys.argv[2], sys.argv[3])
     else:

@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
 """Reference logits for our LoRA exports (tests/test_lora.cpp), by transformers and peft.
 
-    check_peft.py ADAPTER_DIR MERGED_DIR OUT_DIR ID [ID ...]
+    check_peft.py [--wait] MODEL ADAPTER_DIR MERGED_DIR OUT_DIR ID [ID ...]
 
-Loads SmolLM2-135M-Instruct as transformers' own GGUF loader reads it (the base our model was
-loaded from), from smollm2_reference's cached conversion of that load (the same weights bit for
-bit), applies ADAPTER_DIR (adapter_config.json + adapter_model.safetensors, our PEFT export)
+Loads SmolLM2-135M-Instruct (MODEL "smollm2", or "smollm2:N" for its first N blocks) as
+transformers' own GGUF loader reads it (the base our model was loaded from), from
+smollm2_reference's cached conversion of that load (the same weights bit for bit), applies ADAPTER_DIR (adapter_config.json + adapter_model.safetensors, our PEFT export)
 with peft.PeftModel.from_pretrained, and writes the float32 logits for the token ids to
 OUT_DIR/peft.bin; loads MERGED_DIR (our merged Hugging Face export) with
 AutoModelForCausalLM.from_pretrained and writes its logits to OUT_DIR/merged.bin. Prints the
 adapter's module count, and fails if peft reports missing or unexpected adapter weights.
+--wait: import and load the base model first, then wait for a line on the standard input before
+reading ADAPTER_DIR and MERGED_DIR (the test starts this before its ranks write them, so that
+the seconds of importing overlap with their work).
 """
 import logging
 import os
@@ -36,9 +39,13 @@ def logits(model, ids):
 
 
 def main():
-    adapter_dir, merged_dir, out_dir = sys.argv[1:4]
-    ids = torch.tensor([[int(i) for i in sys.argv[4:]]])
-    base = smollm2_reference.load_model()
+    args = sys.argv[1:]
+    wait = args[:1] == ["--wait"]
+    model_name, adapter_dir, merged_dir, out_dir = args[wait:wait + 4]
+    ids = torch.tensor([[int(i) for i in args[wait + 4:]]])
+    base = smollm2_reference.load_model(model_name)
+    if wait:
+        smollm2_reference.wait_for_test()
     model = PeftModel.from_pretrained(base, adapter_dir)
     # Every lora_A/lora_B of the model must have come from the file: PeftModel leaves a weight
     # it did not find at its initial value, so compare with the file.

@@ -1,16 +1,18 @@
 #!/usr/bin/env python3
 """Reference logits for our QLoRA base (tests/test_lora.cpp), by transformers and bitsandbytes.
 
-    check_qlora.py OUT_DIR ID [ID ...]
+    check_qlora.py MODEL OUT_DIR ID [ID ...]
 
-Loads SmolLM2-135M-Instruct as transformers' GGUF loader reads it, from smollm2_reference's
-cached conversion of that load (the same weights bit for bit), writes its float32 logits for the
-token ids to OUT_DIR/dense.bin, then replaces the weight of every Linear inside the decoder
-layers by bitsandbytes' NF4 round trip (quantize_4bit, nf4, blocksize 64, compress_statistics;
+Loads SmolLM2-135M-Instruct (MODEL "smollm2", or "smollm2:N" for its first N blocks) as
+transformers' GGUF loader reads it, from smollm2_reference's cached conversion of that load
+(the same weights bit for bit), writes its float32 logits for the token ids to
+OUT_DIR/dense.bin, then replaces the weight of every Linear inside the decoder layers by
+bitsandbytes' NF4 round trip (quantize_4bit, nf4, blocksize 64, compress_statistics;
 dequantize_4bit) and writes those logits to OUT_DIR/nf4.bin, and again with the 8-bit absmax
-codes chosen by exact nearest value (our rule) to OUT_DIR/nf4_nearest.bin. q_proj and k_proj are quantized in
-the GGUF (Meta) row order, which is ours: transformers permutes their rows for its rotate-half
-RoPE, and the second quantization's blocks of 256 absmaxes span rows, so the order matters.
+codes chosen by exact nearest value (our rule) to OUT_DIR/nf4_nearest.bin. q_proj and k_proj
+are quantized in the GGUF (Meta) row order, which is ours: transformers permutes their rows
+for its rotate-half RoPE, and the second quantization's blocks of 256 absmaxes span rows, so
+the order matters.
 """
 import logging
 import os
@@ -57,9 +59,9 @@ def nf4_round_trip(w, nearest):
 
 
 def main():
-    out_dir = sys.argv[1]
-    ids = torch.tensor([[int(i) for i in sys.argv[2:]]])
-    model = smollm2_reference.load_model()
+    out_dir = sys.argv[2]
+    ids = torch.tensor([[int(i) for i in sys.argv[3:]]])
+    model = smollm2_reference.load_model(sys.argv[1])
     with torch.no_grad():
         np.ascontiguousarray(model(ids).logits[0].numpy()).tofile(
             os.path.join(out_dir, "dense.bin"))

@@ -1,9 +1,9 @@
 // Hugging Face model directories as fine-tuning's starting point (trainer/data/pretrained_model.h):
-// SmolLM2 saved by transformers in three safetensors files with their index loads the same
-// weights, bit for bit, as its GGUF file (NF4 layers included, and sharded over 3 ranks); its
-// tokenizer.json encodes the shipped corpora as the `tokenizers` library does, for three
-// pre-tokenizers; its chat template renders as the GGUF's. Hostile directories (an index naming
-// a path outside, a tensor in the wrong file or in two, tokenizer.json variants we do not
+// SmolLM2 (its first 2 blocks) saved by transformers in three safetensors files with their index
+// loads the same weights, bit for bit, as its GGUF file (NF4 layers included, and sharded over 3
+// ranks); its tokenizer.json encodes the shipped corpora as the `tokenizers` library does, for
+// three pre-tokenizers; its chat template renders as the GGUF's. Hostile directories (an index
+// naming a path outside, a tensor in the wrong file or in two, tokenizer.json variants we do not
 // implement) are refused with an error naming the file and the problem.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -32,6 +32,7 @@
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
 #include "tokenizer_samples.h"
+#include "unfilled_llama.h"
 
 namespace {
 
@@ -44,14 +45,26 @@ std::string run(const std::string& cmd) {
   return r.output;
 }
 
-// The sharded directory (converted and cached by the Python side on first use).
-std::string sharded_dir() {
+// SmolLM2's first 2 blocks (tests/python/smollm2_reference.py's cut by scripts/cut_gguf.py:
+// the same tensors and bytes) as a GGUF file and as that file converted by transformers and
+// saved in three safetensors files, both made and cached by the Python side on first use. What
+// these tests check (the names, the q/k row permutation, the NF4 encoding, rows read across
+// files, the tokenizer and template files) is the same in every block, and 2 blocks are a
+// quarter of the parameters.
+struct Smollm2Cut {
+  std::string gguf, dir;
+};
+
+Smollm2Cut sharded_cut() {
   const auto out = run(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR +
-                       "/tests/python/check_hf_dir.py sharded");
-  const auto at = out.find("DIR ");
-  if (at == std::string::npos)
-    return "";
-  return out.substr(at + 4, out.find('\n', at) - at - 4);
+                       "/tests/python/check_hf_dir.py sharded smollm2:2");
+  auto line = [&](const std::string& tag) {
+    const auto at = out.find(tag + " ");
+    return at == std::string::npos
+               ? std::string()
+               : out.substr(at + tag.size() + 1, out.find('\n', at) - at - tag.size() - 1);
+  };
+  return {line("FILE"), line("DIR")};
 }
 
 // Every parameter of two models, bitwise.
@@ -70,13 +83,15 @@ void expect_same_parameters(fsdp_models::Llama& a, fsdp_models::Llama& b) {
 }
 
 TEST(HfModel, SmolLM2ShardedDirectoryLoadsAsItsGguf) {
-  const auto dir = sharded_dir();
-  ASSERT_FALSE(dir.empty());
+  const auto [gguf, dir] = sharded_cut();
+  ASSERT_FALSE(gguf.empty() || dir.empty());
   const auto files = fsdp_models::hf_weight_files(dir);
-  EXPECT_EQ(files.size(), 3u);  // transformers' max_shard_size="200MB" on 538 MB
-  const auto gguf = fsdp_trainer::resolve_model_file("smollm2");
+  // transformers' max_shard_size="20MB" on 141 MB: the embedding alone (over the limit), then
+  // the blocks, the second across two files.
+  EXPECT_EQ(files.size(), 3u);
   const auto from_dir = fsdp_trainer::pretrained_config(dir);
   const auto from_gguf = fsdp_trainer::pretrained_config(gguf);
+  EXPECT_EQ(from_gguf.n_layers, 2);
   EXPECT_EQ(from_dir.vocab_size, from_gguf.vocab_size);
   EXPECT_EQ(from_dir.dim, from_gguf.dim);
   EXPECT_EQ(from_dir.n_layers, from_gguf.n_layers);
@@ -91,7 +106,7 @@ TEST(HfModel, SmolLM2ShardedDirectoryLoadsAsItsGguf) {
   auto cfg = from_gguf;
   cfg.max_seq_len = 64;
   for (const bool nf4 : {false, true}) {
-    fsdp_models::Llama a(cfg), b(cfg);
+    auto a = fsdp::test::unfilled_llama(cfg), b = fsdp::test::unfilled_llama(cfg);
     if (nf4) {
       fsdp_models::use_nf4(*a, /*quantize=*/false);
       fsdp_models::use_nf4(*b, /*quantize=*/false);
@@ -107,7 +122,7 @@ TEST(HfModel, SmolLM2ShardedDirectoryLoadsAsItsGguf) {
   EXPECT_WORKERS_OK(fsdp::test::run_workers(
       "hf_dir_sharded_logits", 3,
       fsdp::test::with_env({{"DIR", dir}, {"OUT", out.path() + "/logits.pt"}})));
-  fsdp_models::Llama whole(cfg);
+  auto whole = fsdp::test::unfilled_llama(cfg);
   fsdp_trainer::load_pretrained(gguf, whole);
   torch::NoGradGuard no_grad;
   const std::vector<int64_t> ids{1, 504, 3458, 282, 4649, 314, 28, 2, 9690, 198, 11};
@@ -125,8 +140,7 @@ FSDP_WORKER(hf_dir_sharded_logits) {
   const auto dir = ctx.env("DIR");
   auto cfg = fsdp_trainer::pretrained_config(dir);
   cfg.max_seq_len = 64;
-  fsdp_models::Llama model(cfg);
-  fsdp_models::parallelize_llama(model, fsdp::FullyShardOptions(pg));
+  auto model = fsdp::test::unfilled_sharded_llama(cfg, pg);
   fsdp_trainer::load_pretrained(dir, model);
   torch::NoGradGuard no_grad;
   const std::vector<int64_t> ids{1, 504, 3458, 282, 4649, 314, 28, 2, 9690, 198, 11};
@@ -220,9 +234,8 @@ TEST(HfModel, PretrainingTokenizerJsonEncodesAsSentencePieceDoes) {
 }
 
 TEST(HfModel, SmolLM2DirectoryChatsAsItsGguf) {
-  const auto dir = sharded_dir();
-  ASSERT_FALSE(dir.empty());
-  const auto gguf = fsdp_trainer::resolve_model_file("smollm2");
+  const auto [gguf, dir] = sharded_cut();  // the cut carries the whole file's template
+  ASSERT_FALSE(gguf.empty() || dir.empty());
   fsdp_trainer::ChatTemplate a(fsdp_trainer::pretrained_chat_template(dir), dir);
   fsdp_trainer::ChatTemplate b(fsdp_trainer::pretrained_chat_template(gguf), gguf);
   const std::vector<fsdp_trainer::ChatMessage> chat{{"user", "What is the capital of France?"},
