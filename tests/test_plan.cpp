@@ -396,6 +396,11 @@ TEST(PlanModelStates, PredictedBytesEqualMeasuredPerRank) {
   }
 }
 
+// One variant per mechanism of the replay, each on a real step: full_shard, shard_grad_op and
+// no_shard on 2 and 3 ranks, both model families, fp32 and bf16, the three checkpoint modes,
+// accumulation. The broader grid (world sizes 1-4, hybrid_shard, reshard-to-2, int8 and bf16
+// gathers, offload, optimizers) runs through fsdp-train in bench/plan_accuracy.py
+// (docs/planner.md has its table); this test stays within 25 s on 2 cores.
 TEST(PlanStepMemory, PeakWithinFivePercentOfMeasured) {
   const std::vector<Variant> variants{
       {2, {{"FSDP_LABEL", "gpt full_shard fp32"}}},
@@ -403,18 +408,6 @@ TEST(PlanStepMemory, PeakWithinFivePercentOfMeasured) {
        {{"FSDP_LABEL", "gpt shard_grad_op ac full"},
         {"FSDP_STRATEGY", "shard_grad_op"},
         {"FSDP_AC", "full"}}},
-      {2,
-       {{"FSDP_LABEL", "gpt no_shard selective"},
-        {"FSDP_STRATEGY", "no_shard"},
-        {"FSDP_AC", "selective"}}},
-      {4,
-       {{"FSDP_LABEL", "gpt hybrid bf16"},
-        {"FSDP_STRATEGY", "hybrid_shard"},
-        {"FSDP_DTYPE", "bf16"}}},
-      {4,
-       {{"FSDP_LABEL", "gpt full reshard-2 int8"},
-        {"FSDP_RESHARD_K", "2"},
-        {"FSDP_GATHER", "int8"}}},
       {2,
        {{"FSDP_LABEL", "gpt full every-2 micro 2"},
         {"FSDP_AC", "full"},
@@ -428,14 +421,11 @@ TEST(PlanStepMemory, PeakWithinFivePercentOfMeasured) {
         {"FSDP_STRATEGY", "no_shard"},
         {"FSDP_DTYPE", "bf16"},
         {"FSDP_MICRO", "2"}}},
-      {3, {{"FSDP_LABEL", "llama full fp32"}, {"FSDP_ARCH", "llama"}}},
       {2,
        {{"FSDP_LABEL", "llama full bf16 selective"},
         {"FSDP_ARCH", "llama"},
         {"FSDP_DTYPE", "bf16"},
         {"FSDP_AC", "selective"}}},
-      {1, {{"FSDP_LABEL", "llama world 1"}, {"FSDP_ARCH", "llama"}, {"FSDP_B", "8"}}},
-      {1, {{"FSDP_LABEL", "gpt world 1"}, {"FSDP_B", "8"}}},
   };
   for (const auto& v : variants) {
     fsdp::test::RunOptions opts;
