@@ -70,6 +70,44 @@ fsdp::plan::CalibrationPieces calibration_pieces(Llama& model, torch::ScalarType
                 });
 }
 
+int64_t max_narrowing(const GPTConfig& cfg) {
+  int64_t k = 1;
+  while (cfg.n_embd % (cfg.n_head * 2 * k) == 0 && cfg.n_embd / (cfg.n_head * 2 * k) >= 2)
+    k *= 2;
+  return k;
+}
+
+int64_t max_narrowing(const LlamaConfig& cfg) {
+  int64_t k = 1;
+  auto fits = [&](int64_t n) {
+    return cfg.dim % (cfg.n_heads * n) == 0 && cfg.ffn_hidden_dim % n == 0 &&
+           cfg.head_dim() / n >= 2 && (cfg.head_dim() / n) % 2 == 0;
+  };
+  while (fits(2 * k))
+    k *= 2;
+  return k;
+}
+
+GPTConfig narrowed(GPTConfig cfg, int64_t k, bool vocab) {
+  TORCH_CHECK(k >= 1 && k <= max_narrowing(cfg), "narrowed: GPT width ", cfg.n_embd, " with ",
+              cfg.n_head, " heads cannot be narrowed by ", k);
+  cfg.n_embd /= k;  // the MLP's 4 x n_embd follows
+  if (vocab)
+    cfg.vocab_size /= k;
+  return cfg;
+}
+
+LlamaConfig narrowed(LlamaConfig cfg, int64_t k, bool vocab) {
+  TORCH_CHECK(k >= 1 && k <= max_narrowing(cfg), "narrowed: Llama width ", cfg.dim, " with ",
+              cfg.n_heads, " heads and feed-forward ", cfg.ffn_hidden_dim,
+              " cannot be narrowed by ", k);
+  cfg.dim /= k;
+  cfg.ffn_hidden_dim /= k;
+  if (vocab)
+    cfg.vocab_size /= k;
+  return cfg;
+}
+
 fsdp::plan::PieceFlops piece_flops(const GPTConfig& cfg, int64_t b, int64_t t) {
   const double tokens = static_cast<double>(b * t), d = static_cast<double>(cfg.n_embd);
   fsdp::plan::PieceFlops f;

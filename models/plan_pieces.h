@@ -46,6 +46,18 @@ fsdp::plan::CalibrationPieces calibration_pieces(
     std::optional<torch::ScalarType> block_output = std::nullopt,
     std::optional<PlanFusedLoss> fused = std::nullopt);
 
+/// The largest power of two by which the planner's calibration may narrow `cfg`
+/// (fsdp::plan::extrapolate_to_full_width): it divides the model and feed-forward widths and
+/// leaves each head at least 2 dimensions (an even number: RoPE rotates pairs). 1 if none does.
+int64_t max_narrowing(const GPTConfig& cfg);
+int64_t max_narrowing(const LlamaConfig& cfg);
+
+/// `cfg` with its widths divided by `k` (at most max_narrowing(cfg)): the model dimension, so
+/// each head's dimension (the head counts are kept), the feed-forward width, and the vocabulary
+/// if `vocab` (the caller checks that k divides it). Depth, context and the rest unchanged.
+GPTConfig narrowed(GPTConfig cfg, int64_t k, bool vocab);
+LlamaConfig narrowed(LlamaConfig cfg, int64_t k, bool vocab);
+
 /// Forward FLOPs of a micro-batch of b rows of t tokens through each piece, for the planner's
 /// data-sheet time model (fsdp/plan/hardware.h): the matrix products only, 2 per multiply-add,
 /// attention's two products over the whole t x t (causal masking saves nothing in the kernels

@@ -207,58 +207,57 @@ torch::Tensor calibration_input(const CalibrationPieces& pieces, int64_t b, int6
   return x.requires_grad_(true);
 }
 
-ActivationModel calibrate_activations(const CalibrationPieces& pieces, int64_t b, int64_t t) {
+ActivationSample measure_activations(const CalibrationPieces& pieces, int64_t b, int64_t t) {
   TORCH_CHECK(b >= 1 && t >= 2, "fsdp::plan: calibration at B=", b, ", T=", t);
-  ActivationModel model;
-  auto hidden = [&](int64_t bb, int64_t tt) { return calibration_input(pieces, bb, tt); };
-  auto measure_all = [&](int64_t bb, int64_t tt) {
-    struct All {
-      PieceBytes pre, post;
-      std::array<PieceBytes, 3> block;
-      std::vector<std::string> post_parameters, pre_parameters;
-    } all;
-    all.pre = measure_piece([] { return torch::Tensor(); },
-                            [&](const torch::Tensor&) { return pieces.pre(bb, tt); },
-                            pieces.parameters, &all.pre_parameters);
-    for (auto mode : {CheckpointMode::kNone, CheckpointMode::kFull, CheckpointMode::kSelective}) {
-      auto run = [&, mode](const torch::Tensor& x) {
-        return fsdp::checkpoint(
-            [&](const std::vector<torch::Tensor>& in) {
-              return std::vector<torch::Tensor>{pieces.block(in[0], tt)};
-            },
-            {x}, mode)[0];
-      };
-      auto& block = all.block[static_cast<size_t>(mode)];
-      block = measure_piece([&] { return hidden(bb, tt); }, run, pieces.parameters);
-      // A block's output stays alive only if the next block keeps it for its backward; one that
-      // casts it on entry (output_dtype) keeps the cast copy and the output goes. Two blocks in
-      // a row tell: the second's increment is what each block adds to a chain.
-      int64_t two = 0;
-      {
-        GradientTagging tagging(pieces.parameters);
-        mem::CategoryScope scope(mem::Category::kActivations);
-        torch::Tensor x = hidden(bb, tt);
-        const int64_t before = activations_now();
-        torch::Tensor y = run(run(x));
-        two = activations_now() - before;
-      }
-      const int64_t dropped = 2 * block.saved - two;  // the first output, if the second let go
-      block.saved -= dropped;
-      block.backward_release -= dropped;
+  auto hidden = [&] { return calibration_input(pieces, b, t); };
+  ActivationSample all;
+  all.b = b, all.t = t;
+  all.pre = measure_piece([] { return torch::Tensor(); },
+                          [&](const torch::Tensor&) { return pieces.pre(b, t); }, pieces.parameters,
+                          &all.pre_parameters);
+  for (auto mode : {CheckpointMode::kNone, CheckpointMode::kFull, CheckpointMode::kSelective}) {
+    auto run = [&, mode](const torch::Tensor& x) {
+      return fsdp::checkpoint(
+          [&](const std::vector<torch::Tensor>& in) {
+            return std::vector<torch::Tensor>{pieces.block(in[0], t)};
+          },
+          {x}, mode)[0];
+    };
+    auto& block = all.block[static_cast<size_t>(mode)];
+    block = measure_piece(hidden, run, pieces.parameters);
+    // A block's output stays alive only if the next block keeps it for its backward; one that
+    // casts it on entry (output_dtype) keeps the cast copy and the output goes. Two blocks in
+    // a row tell: the second's increment is what each block adds to a chain.
+    int64_t two = 0;
+    {
+      GradientTagging tagging(pieces.parameters);
+      mem::CategoryScope scope(mem::Category::kActivations);
+      torch::Tensor x = hidden();
+      const int64_t before = activations_now();
+      torch::Tensor y = run(run(x));
+      two = activations_now() - before;
     }
-    all.post = measure_piece([&] { return hidden(bb, tt); },
-                             [&](const torch::Tensor& x) {
-                               auto out = pieces.head(x, tt);
-                               out.register_hook([](const torch::Tensor&) {
-                                 if (auto* segments = g_segments.load())
-                                   segments->output_reached();
-                               });
-                               return pieces.loss(out, tt);
-                             },
-                             pieces.parameters, &all.post_parameters);
-    return all;
-  };
-  const auto m = measure_all(b, t), m2b = measure_all(2 * b, t), m2t = measure_all(b, 2 * t);
+    const int64_t dropped = 2 * block.saved - two;  // the first output, if the second let go
+    block.saved -= dropped;
+    block.backward_release -= dropped;
+  }
+  all.post = measure_piece(hidden,
+                           [&](const torch::Tensor& x) {
+                             auto out = pieces.head(x, t);
+                             out.register_hook([](const torch::Tensor&) {
+                               if (auto* segments = g_segments.load())
+                                 segments->output_reached();
+                             });
+                             return pieces.loss(out, t);
+                           },
+                           pieces.parameters, &all.post_parameters);
+  return all;
+}
+
+ActivationModel calibrate_activations(const CalibrationPieces& pieces, int64_t b, int64_t t) {
+  const auto m = measure_activations(pieces, b, t), m2b = measure_activations(pieces, 2 * b, t),
+             m2t = measure_activations(pieces, b, 2 * t);
+  ActivationModel model;
   model.pre = fit(b, t, m.pre, m2b.pre, m2t.pre);
   model.post = fit(b, t, m.post, m2b.post, m2t.post);
   model.post_parameters = m.post_parameters;
@@ -266,6 +265,80 @@ ActivationModel calibrate_activations(const CalibrationPieces& pieces, int64_t b
   for (size_t i = 0; i < 3; ++i)
     model.block[i] = fit(b, t, m.block[i], m2b.block[i], m2t.block[i]);
   return model;
+}
+
+ActivationModel extrapolate_to_full_width(const ActivationSample& widest, int64_t widest_narrowing,
+                                          const NarrowedCalibration& narrower,
+                                          const NarrowedCalibration& narrowest) {
+  const double u1 = 1.0 / static_cast<double>(widest_narrowing),
+               u2 = 1.0 / static_cast<double>(narrower.narrowing),
+               u3 = 1.0 / static_cast<double>(narrowest.narrowing);
+  TORCH_CHECK(widest_narrowing >= 1 && narrower.narrowing >= 1 && narrowest.narrowing >= 1 &&
+                  u1 != u2 && u1 != u3 && u2 != u3,
+              "fsdp::plan: extrapolation from narrowings ", widest_narrowing, ", ",
+              narrower.narrowing, " and ", narrowest.narrowing, " (three distinct, >= 1)");
+  // The straight line through (u2, y2), (u3, y3) at u; the parabola through three points at 1.
+  auto line = [&](double y2, double y3, double u) { return y2 + (y3 - y2) * (u - u2) / (u3 - u2); };
+  auto parabola = [&](double y1, double y2, double y3) {
+    return y1 * (1 - u2) * (1 - u3) / ((u1 - u2) * (u1 - u3)) +
+           y2 * (1 - u1) * (1 - u3) / ((u2 - u1) * (u2 - u3)) +
+           y3 * (1 - u1) * (1 - u2) / ((u3 - u1) * (u3 - u2));
+  };
+  const double bt = static_cast<double>(widest.b) * static_cast<double>(widest.t);
+  const double btt = bt * static_cast<double>(widest.t);
+  // One count: the per-token coefficients a and q on the line through the two narrowest; the
+  // widest's constant is its sample less what those lines give there; c on the parabola.
+  auto scaling = [&](const Scaling& s2, const Scaling& s3, int64_t sample) {
+    const double a1 = line(s2.a, s3.a, u1), q1 = line(s2.q, s3.q, u1);
+    const double c1 = static_cast<double>(sample) - a1 * bt - q1 * btt;
+    Scaling out;
+    out.a = line(s2.a, s3.a, 1);
+    out.q = line(s2.q, s3.q, 1);
+    out.c = parabola(c1, s2.c, s3.c);
+    return out;
+  };
+  auto piece = [&](const char* name, const PieceBytes& p1, const PieceScaling& p2,
+                   const PieceScaling& p3) {
+    TORCH_CHECK(p1.backward.size() == p2.backward.size() &&
+                    p2.backward.size() == p3.backward.size() &&
+                    p1.segments_before_output == p2.segments_before_output &&
+                    p2.segments_before_output == p3.segments_before_output,
+                "fsdp::plan: the ", name, " piece took different paths at narrowings ",
+                widest_narrowing, ", ", narrower.narrowing, " and ", narrowest.narrowing, " (",
+                p1.backward.size(), ", ", p2.backward.size(), " and ", p3.backward.size(),
+                " backward segments): it cannot be extrapolated to full width");
+    PieceScaling out;
+    out.saved = scaling(p2.saved, p3.saved, p1.saved);
+    out.forward_peak = scaling(p2.forward_peak, p3.forward_peak, p1.forward_peak);
+    out.output = scaling(p2.output, p3.output, p1.output);
+    out.backward_release = scaling(p2.backward_release, p3.backward_release, p1.backward_release);
+    out.segments_before_output = p1.segments_before_output;
+    for (size_t s = 0; s < p1.backward.size(); ++s) {
+      const double grads = parabola(static_cast<double>(p1.backward[s].grads),
+                                    static_cast<double>(p2.backward[s].second),
+                                    static_cast<double>(p3.backward[s].second));
+      out.backward.emplace_back(
+          scaling(p2.backward[s].first, p3.backward[s].first, p1.backward[s].activations),
+          std::llround(grads));
+    }
+    return out;
+  };
+  const auto &m2 = narrower.model, &m3 = narrowest.model;
+  TORCH_CHECK(widest.pre_parameters == m2.pre_parameters &&
+                  m2.pre_parameters == m3.pre_parameters &&
+                  widest.post_parameters == m2.post_parameters &&
+                  m2.post_parameters == m3.post_parameters,
+              "fsdp::plan: calibrations at narrowings ", widest_narrowing, ", ",
+              narrower.narrowing, " and ", narrowest.narrowing,
+              " give gradients to different parameters");
+  ActivationModel out;
+  out.pre_parameters = m2.pre_parameters;
+  out.post_parameters = m2.post_parameters;
+  out.pre = piece("pre", widest.pre, m2.pre, m3.pre);
+  out.post = piece("post", widest.post, m2.post, m3.post);
+  for (size_t b = 0; b < out.block.size(); ++b)
+    out.block[b] = piece("block", widest.block[b], m2.block[b], m3.block[b]);
+  return out;
 }
 
 }  // namespace fsdp::plan

@@ -682,107 +682,102 @@ TEST(TrainerRun, CheckpointingAndPrecisionKnobs) {
 
 // --plan: the planner's per-rank peak, predicted before step 1, against what the run measured
 // (plan.json, rank 0), within 5% (of the range Gloo's staging buffers leave open) and at the
-// same moment and largest category; bench/plan_accuracy.py runs the full grid. The fused loss
-// (training.loss_chunk) in chunks of the default size, of 37 positions, and unfused. Also the first
-// run with bf16 blocks under an fp32 root (precision.root_fp32), which trains. And a budget
-// below the prediction gets the warning, naming a change that fits.
-TEST(TrainerRun, PlanPredictsThePeakWithinFivePercent) {
-  struct Case {
-    std::string name, preset;
-    int nproc;
-    std::string args;
-  };
-  const std::vector<Case> cases = {
-      {"plan-fp32", "gpt2-tiny", 2, ""},
-      {"plan-root-fp32", "gpt2-tiny", 2,
-       "--precision.param_dtype=bf16 --precision.root_fp32=true --precision.reduce_dtype=bf16"},
-      {"plan-selective-3", "gpt2-tiny", 3,
-       "--fsdp.activation_checkpointing=selective --optimizer.moments_dtype=bf16"},
-      {"plan-sgo-int8", "gpt2-tiny", 2,
-       "--fsdp.strategy=shard_grad_op --precision.gather_format=int8 --training.micro_batches=2"},
-      // The fused head and loss in chunks smaller than the micro-batch (the default's chunk
-      // covers gpt2-tiny's whole micro-batch), and the unfused head.
-      {"plan-loss-chunk-37", "gpt2-tiny", 2, "--training.loss_chunk=37"},
-      {"plan-unfused-loss", "gpt2-tiny", 2, "--training.loss_chunk=-1"},
-      // int8 reduce-scatters (the wire in flight, error feedback's residuals) on 3 ranks, and
-      // the optimizer inside backward at a batch small enough for the gradients to matter.
-      {"plan-int8-reduce", "gpt2-tiny", 3,
-       "--precision.reduce_format=int8 --precision.gather_format=int8"},
-      {"plan-in-backward", "gpt2-tiny", 2,
-       "--fsdp.optimizer_in_backward=true --training.grad_clip=0 --training.batch_size=2 "
-       "--training.seq_len=16"},
-      {"plan-in-backward-int8", "gpt2-tiny", 3,
-       "--fsdp.optimizer_in_backward=true --training.grad_clip=0 --training.batch_size=2 "
-       "--training.seq_len=16 --precision.reduce_format=int8"},
-  };
-  for (const auto& c : cases) {
-    const auto run_dir = (fs::path(FSDP_TEST_WORK_DIR) / ("run-" + c.name)).string();
-    fs::remove_all(run_dir);
-    auto body = tiny_config(run_dir, "gpt", c.preset);
-    const auto config = write_config(c.name, body);
-    const std::string cmd = train_cmd() + " --nproc " + std::to_string(c.nproc) + " " + config +
-                            " --plan --training.steps=4 --training.eval_every=0"
-                            " --training.eval_batches=1 --training.batch_size=8"
-                            " --training.seq_len=64 --generate.tokens=0 --logging.plot=false " +
-                            c.args;
-    const CommandResult r = run(cmd);
-    ASSERT_EQ(r.code, 0) << cmd << "\n" << r.output;
-    EXPECT_NE(r.output.find("predicted peak per rank"), std::string::npos) << r.output;
-    std::ifstream in(fs::path(run_dir) / "plan.json");
-    ASSERT_TRUE(in.good()) << "no plan.json: " << r.output;
-    const auto plan = nlohmann::json::parse(in);
-    const auto& p = plan["predicted"];
-    const auto& m = plan["measured"];
-    const double measured = m["peak"].get<double>();
-    EXPECT_GE(measured, 0.95 * p["peak_without_staging"].get<double>()) << c.name << ": " << plan;
-    EXPECT_LE(measured, 1.05 * p["peak"].get<double>()) << c.name << ": " << plan;
-    // Two moments can peak within a few kB of each other, and which one a run reaches depends on
-    // when Gloo frees its staging buffers (a CI run measured backward h2 at 19.52 MB, predicted
-    // 19.52 MB, while backward h3, predicted 20.56 MB with staging and 19.49 MB without, stayed
-    // below it): the prediction must put the measured moment within 5% of the low end of its
-    // range, as the peak itself.
-    ASSERT_TRUE(p["moments"].contains(m["moment"].get<std::string>())) << plan;
-    EXPECT_GE(p["moments"][m["moment"].get<std::string>()].get<double>(),
-              0.95 * p["peak_without_staging"].get<double>())
-        << c.name << ": " << plan;
-    auto largest = [](const nlohmann::json& categories) {
-      std::string best;
-      int64_t most = -1;
-      for (const auto& [name, bytes] : categories.items()) {
-        if (bytes.get<int64_t>() > most)
-          best = name, most = bytes.get<int64_t>();
-      }
-      return best;
-    };
-    EXPECT_EQ(largest(p["categories"]), largest(m["categories"])) << c.name << ": " << plan;
-    // The step time by phase (a figure, not a check: bench/plan_accuracy.py measures it), and
-    // the bytes each kind of collective moves per step, exactly as the run counted them.
-    ASSERT_TRUE(plan.contains("time") && plan.contains("traffic")) << plan;
-    EXPECT_GT(plan["time"]["predicted"]["step"].get<double>(), 0) << plan;
-    const auto metrics = fsdp_trainer::read_metrics((fs::path(run_dir) / "metrics.jsonl").string());
-    ASSERT_FALSE(metrics.empty());
-    const auto& last = metrics.back();
-    EXPECT_EQ(plan["traffic"]["all_gather"].get<int64_t>(), last.allgather_bytes) << c.name;
-    EXPECT_EQ(plan["traffic"]["reduce_scatter"].get<int64_t>(), last.reducescatter_bytes) << c.name;
-    // The global norm's all-reduce (8 bytes, when clipping) is the trainer's, not the model's.
-    const int64_t norm = c.args.find("grad_clip=0") == std::string::npos ? 8 : 0;
-    EXPECT_EQ(plan["traffic"]["all_reduce"].get<int64_t>() + norm, last.allreduce_bytes) << c.name;
-    // The gradients' own high-water mark (the optimizer inside backward and error feedback's
-    // residuals move it most), within 5%. Not for bf16 reductions into fp32 grads (root-fp32):
-    // there the replay frees each unit's bf16 output as its grads are installed, the engine
-    // only once all are, and the measured gradient peak is 1.31x the predicted one (2.53 vs
-    // 1.93 MB), below the step's peak, which stays within 5%.
-    if (c.name != "plan-root-fp32") {
-      const double grads = m["category_peaks"]["gradients"].get<double>();
-      EXPECT_NEAR(grads, p["category_peaks"]["gradients"].get<double>(), 0.05 * grads)
-          << c.name << ": " << plan;
+// same moment and largest category, with the gradients' own peak and each collective's bytes.
+// Each test below runs one mechanism that only fsdp-train exercises; bench/plan_accuracy.py
+// runs the grid (strategies, world sizes, checkpointing, gathers, the unfused loss, ...).
+struct PlanCase {
+  std::string name, preset;
+  int nproc;
+  std::string args;
+};
+
+void check_plan_run(const PlanCase& c) {
+  const auto run_dir = (fs::path(FSDP_TEST_WORK_DIR) / ("run-" + c.name)).string();
+  fs::remove_all(run_dir);
+  auto body = tiny_config(run_dir, "gpt", c.preset);
+  const auto config = write_config(c.name, body);
+  const std::string cmd = train_cmd() + " --nproc " + std::to_string(c.nproc) + " " + config +
+                          " --plan --training.steps=3 --training.eval_every=0"
+                          " --training.eval_batches=1 --training.batch_size=8"
+                          " --training.seq_len=64 --generate.tokens=0 --logging.plot=false " +
+                          c.args;
+  const CommandResult r = run(cmd);
+  ASSERT_EQ(r.code, 0) << cmd << "\n" << r.output;
+  EXPECT_NE(r.output.find("predicted peak per rank"), std::string::npos) << r.output;
+  std::ifstream in(fs::path(run_dir) / "plan.json");
+  ASSERT_TRUE(in.good()) << "no plan.json: " << r.output;
+  const auto plan = nlohmann::json::parse(in);
+  const auto& p = plan["predicted"];
+  const auto& m = plan["measured"];
+  const double measured = m["peak"].get<double>();
+  EXPECT_GE(measured, 0.95 * p["peak_without_staging"].get<double>()) << c.name << ": " << plan;
+  EXPECT_LE(measured, 1.05 * p["peak"].get<double>()) << c.name << ": " << plan;
+  // Two moments can peak within a few kB of each other, and which one a run reaches depends on
+  // when Gloo frees its staging buffers (a CI run measured backward h2 at 19.52 MB, predicted
+  // 19.52 MB, while backward h3, predicted 20.56 MB with staging and 19.49 MB without, stayed
+  // below it): the prediction must put the measured moment within 5% of the low end of its
+  // range, as the peak itself.
+  ASSERT_TRUE(p["moments"].contains(m["moment"].get<std::string>())) << plan;
+  EXPECT_GE(p["moments"][m["moment"].get<std::string>()].get<double>(),
+            0.95 * p["peak_without_staging"].get<double>())
+      << c.name << ": " << plan;
+  auto largest = [](const nlohmann::json& categories) {
+    std::string best;
+    int64_t most = -1;
+    for (const auto& [name, bytes] : categories.items()) {
+      if (bytes.get<int64_t>() > most)
+        best = name, most = bytes.get<int64_t>();
     }
-    std::printf("%s: predicted %lld B, measured %lld B at %s\n", c.name.c_str(),
-                (long long)p["peak"].get<int64_t>(), (long long)m["peak"].get<int64_t>(),
-                m["moment"].get<std::string>().c_str());
+    return best;
+  };
+  EXPECT_EQ(largest(p["categories"]), largest(m["categories"])) << c.name << ": " << plan;
+  // The step time by phase (a figure, not a check: bench/plan_accuracy.py measures it), and
+  // the bytes each kind of collective moves per step, exactly as the run counted them.
+  ASSERT_TRUE(plan.contains("time") && plan.contains("traffic")) << plan;
+  EXPECT_GT(plan["time"]["predicted"]["step"].get<double>(), 0) << plan;
+  const auto metrics = fsdp_trainer::read_metrics((fs::path(run_dir) / "metrics.jsonl").string());
+  ASSERT_FALSE(metrics.empty());
+  const auto& last = metrics.back();
+  EXPECT_EQ(plan["traffic"]["all_gather"].get<int64_t>(), last.allgather_bytes) << c.name;
+  EXPECT_EQ(plan["traffic"]["reduce_scatter"].get<int64_t>(), last.reducescatter_bytes) << c.name;
+  // The global norm's all-reduce (8 bytes, when clipping) is the trainer's, not the model's.
+  const int64_t norm = c.args.find("grad_clip=0") == std::string::npos ? 8 : 0;
+  EXPECT_EQ(plan["traffic"]["all_reduce"].get<int64_t>() + norm, last.allreduce_bytes) << c.name;
+  // The gradients' own high-water mark (the optimizer inside backward and error feedback's
+  // residuals move it most), within 5%. Not for bf16 reductions into fp32 grads (root-fp32):
+  // there the replay frees each unit's bf16 output as its grads are installed, the engine
+  // only once all are, and the measured gradient peak is 1.31x the predicted one (2.53 vs
+  // 1.93 MB), below the step's peak, which stays within 5%.
+  if (c.name != "plan-root-fp32") {
+    const double grads = m["category_peaks"]["gradients"].get<double>();
+    EXPECT_NEAR(grads, p["category_peaks"]["gradients"].get<double>(), 0.05 * grads)
+        << c.name << ": " << plan;
   }
-  // A budget the prediction exceeds: the warning before step 1 names the categories and a
-  // change predicted to fit.
+  std::printf("%s: predicted %lld B, measured %lld B at %s\n", c.name.c_str(),
+              (long long)p["peak"].get<int64_t>(), (long long)m["peak"].get<int64_t>(),
+              m["moment"].get<std::string>().c_str());
+}
+
+// bf16 blocks under an fp32 root (precision.root_fp32: the first run with it, which trains),
+// with the fused loss in chunks smaller than the micro-batch (the default chunk covers
+// gpt2-tiny's whole micro-batch: 37 splits it).
+TEST(TrainerRun, PlanPredictsThePeakWithinFivePercent) {
+  check_plan_run({"plan-root-fp32", "gpt2-tiny", 2,
+                  "--precision.param_dtype=bf16 --precision.root_fp32=true "
+                  "--precision.reduce_dtype=bf16 --training.loss_chunk=37"});
+}
+
+// int8 reduce-scatters (the wire in flight, error feedback's residuals) on 3 ranks, and the
+// optimizer inside backward at a batch small enough for the gradients to matter.
+TEST(TrainerRun, PlanPredictsInt8ReductionsWithTheOptimizerInBackward) {
+  check_plan_run({"plan-in-backward-int8", "gpt2-tiny", 3,
+                  "--fsdp.optimizer_in_backward=true --training.grad_clip=0 "
+                  "--training.batch_size=2 --training.seq_len=16 --precision.reduce_format=int8"});
+}
+
+// A budget the prediction exceeds: the warning before step 1 names the categories and a
+// change predicted to fit.
+TEST(TrainerRun, PlanBudgetWarningNamesAChangeThatFits) {
   const auto run_dir = (fs::path(FSDP_TEST_WORK_DIR) / "run-plan-budget").string();
   const auto config = write_config("plan-budget", tiny_config(run_dir, "gpt", "gpt2-tiny"));
   const CommandResult r =
@@ -840,16 +835,40 @@ TEST(FsdpPlan, PrintsEachRanksPeakAndRefusesBadInputInOneLine) {
   }
 }
 
+// The plan cache the two --auto tests share: the first measures this machine into it, the second
+// reuses that profile (run alone, it measures first).
+std::string plan_cache() {
+  return (fs::path(FSDP_TEST_WORK_DIR) / "plan-cache").string();
+}
+
+// fsdp-plan --auto measures this machine the first time (the profile is saved in the cache) and
+// reuses the profile after.
+TEST(FsdpPlan, AutoMeasuresTheMachineOnceAndReusesIt) {
+  const auto run_dir = (fs::path(FSDP_TEST_WORK_DIR) / "run-fsdp-plan-auto").string();
+  const auto config = write_config("fsdp-plan-auto", tiny_config(run_dir, "gpt", "gpt2-tiny"));
+  const auto cache = plan_cache();
+  fs::remove_all(cache);
+  const std::string search = "FSDP_CACHE_DIR=" + cache + " " + FSDP_PLAN_PATH + " " + config +
+                             " --training.seq_len=64 --training.eval_batches=1 --world 2 --auto "
+                             "--budget 1GiB --global-batch 8 --space ac=none --space dtype=fp32 "
+                             "--top 1";
+  const auto first = run(search);
+  ASSERT_EQ(first.code, 0) << first.output;
+  EXPECT_NE(first.output.find("machine profile saved: " + cache), std::string::npos)
+      << first.output;
+  const auto again = run(search);
+  ASSERT_EQ(again.code, 0) << again.output;
+  EXPECT_NE(again.output.find("machine profile: " + cache), std::string::npos) << again.output;
+  EXPECT_EQ(again.output.find("# 2: "), std::string::npos) << again.output;
+}
+
 // fsdp-plan --auto: every point of the search space predicted (--json), the fastest that fit
-// printed with a TOML snippet each; the first one, run by fsdp-train, stays within the budget;
-// the calibration is cached and reused. Then --hardware on a data sheet, and bad input: one
-// line, exit 2.
-TEST(FsdpPlan, AutoChoosesAConfigurationThatFitsAndRefusesBadInput) {
+// printed with a TOML snippet each; the first one, run by fsdp-train, stays within the budget.
+TEST(FsdpPlan, AutoChoosesAConfigurationThatFits) {
   const auto run_dir = (fs::path(FSDP_TEST_WORK_DIR) / "run-fsdp-plan-auto").string();
   fs::remove_all(run_dir);
   const auto config = write_config("fsdp-plan-auto", tiny_config(run_dir, "gpt", "gpt2-tiny"));
-  const auto cache = (fs::path(FSDP_TEST_WORK_DIR) / "plan-cache").string();
-  fs::remove_all(cache);
+  const auto cache = plan_cache();
   const std::string plan = "FSDP_CACHE_DIR=" + cache + " " + FSDP_PLAN_PATH + " " + config +
                            " --training.seq_len=64 --training.eval_batches=1";
   const auto json_path = (fs::path(FSDP_TEST_WORK_DIR) / "plan-auto.json").string();
@@ -858,7 +877,6 @@ TEST(FsdpPlan, AutoChoosesAConfigurationThatFitsAndRefusesBadInput) {
       run(plan + " --world 2 --auto --budget " + budget +
           " --global-batch 8 --space ac=none,full --space dtype=fp32 --json " + json_path);
   ASSERT_EQ(r.code, 0) << r.output;
-  EXPECT_NE(r.output.find("machine profile saved: " + cache), std::string::npos) << r.output;
   for (const char* expected : {"\n1 ", "\n5 ", "# 1: ", "[fsdp]\nstrategy = ", "[training]\n"})
     EXPECT_NE(r.output.find(expected), std::string::npos) << expected << "\n" << r.output;
   std::ifstream in(json_path);
@@ -893,13 +911,17 @@ TEST(FsdpPlan, AutoChoosesAConfigurationThatFitsAndRefusesBadInput) {
   ASSERT_EQ(m.size(), 3u);
   for (const auto& s : m)
     EXPECT_LE(s.peak_bytes, int64_t{14} << 20) << "step " << s.step << overrides;
-  // The second search reuses the cached profile.
-  const auto again =
-      run(plan + " --world 2 --auto --budget 1GiB --global-batch 8 --space ac=none --top 1");
-  ASSERT_EQ(again.code, 0) << again.output;
-  EXPECT_NE(again.output.find("machine profile: " + cache), std::string::npos) << again.output;
-  EXPECT_EQ(again.output.find("# 2: "), std::string::npos) << again.output;
+}
 
+// fsdp-plan --hardware: the table and the time a data sheet allows; bad input to it and to
+// --auto: one line, exit 2 (the search that fits nothing searches for a data sheet, so that no
+// machine calibration runs).
+TEST(FsdpPlan, HardwareAndAutoRefuseBadInputInOneLine) {
+  const auto run_dir = (fs::path(FSDP_TEST_WORK_DIR) / "run-fsdp-plan-bad").string();
+  const auto config = write_config("fsdp-plan-bad", tiny_config(run_dir, "gpt", "gpt2-tiny"));
+  const auto cache = (fs::path(FSDP_TEST_WORK_DIR) / "plan-cache-unused").string();
+  const std::string plan = "FSDP_CACHE_DIR=" + cache + " " + FSDP_PLAN_PATH + " " + config +
+                           " --training.seq_len=64 --training.eval_batches=1";
   // A data sheet: the table and the time the hardware allows.
   const auto gpu = run(plan + " --world 8 --hardware a100-80gb");
   ASSERT_EQ(gpu.code, 0) << gpu.output;
@@ -917,7 +939,7 @@ TEST(FsdpPlan, AutoChoosesAConfigurationThatFitsAndRefusesBadInput) {
       {"--world 2 --auto --budget 1GiB", "--auto needs --global-batch"},
       {"--world 2 --auto --global-batch 8", "--auto needs --budget"},
       {"--world 2 --auto --budget 1GiB --global-batch 7", "--global-batch 7 is not a multiple"},
-      {"--world 2 --auto --budget 1MiB --global-batch 8 --space ac=none",
+      {"--world 2 --auto --budget 1MiB --global-batch 8 --space ac=none --hardware a100-80gb",
        "no configuration fits --budget = 1.00 MiB: the smallest predicted peak is"},
       {"--world 2 --auto --budget 1GiB --global-batch 8 --space colour=red",
        "unknown dimension 'colour'"},
@@ -932,6 +954,7 @@ TEST(FsdpPlan, AutoChoosesAConfigurationThatFitsAndRefusesBadInput) {
     EXPECT_EQ(line_count(b.output), 1) << c.args << "\n" << b.output;
     EXPECT_NE(b.output.find(c.must_mention), std::string::npos) << c.args << "\n" << b.output;
   }
+  EXPECT_FALSE(fs::exists(cache)) << "a machine calibration ran";
 }
 
 // hybrid_shard on 4 ranks in 2 groups of 2: reduce-scatter inside a group, all-reduce of the

@@ -82,7 +82,7 @@ int plan_auto(PlanRequest request) {
     const int together =
         std::max(1, std::min(per_node, static_cast<int>(std::thread::hardware_concurrency())));
     runs[dtype] = plan_run(c, c.data.vocab_size, model_file, world, per_node, dtype, other,
-                           /*time_compute=*/device == nullptr, nullptr, together);
+                           /*time_compute=*/device == nullptr, nullptr, together, plan_progress);
     if (device)
       runs[dtype].options.gloo_staging = runs[dtype].options.gloo_reduce_scatter = false;
   }

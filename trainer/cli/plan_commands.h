@@ -34,6 +34,9 @@ struct PlanRequest {
   bool recalibrate = false;
 };
 
+/// A line of the calibration's progress (plan_run's `progress`), on stderr: "fsdp-plan: LINE".
+void plan_progress(const std::string& line);
+
 /// Prints each rank's predicted peak by category (and with a device, the step time it allows);
 /// returns the exit code.
 int plan_table(const PlanRequest& request);

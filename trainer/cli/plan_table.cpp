@@ -51,6 +51,11 @@ std::string describe_time(const plan::TimePrediction& t, double tokens) {
 
 }  // namespace
 
+void plan_progress(const std::string& line) {
+  std::fprintf(stderr, "fsdp-plan: %s\n", line.c_str());
+  std::fflush(stderr);
+}
+
 int plan_table(const PlanRequest& request) {
   const auto& config = request.config;
   const auto& t = config.training;
@@ -66,7 +71,8 @@ int plan_table(const PlanRequest& request) {
                          ? (config.precision.param_dtype == "auto" ? std::string("bf16")
                                                                    : config.precision.param_dtype)
                          : compute_dtype(config);
-  auto run = plan_run(config, config.data.vocab_size, model_file, world, per_node, dtype, other);
+  auto run = plan_run(config, config.data.vocab_size, model_file, world, per_node, dtype, other,
+                      false, nullptr, 1, plan_progress);
   if (device)
     run.options.gloo_staging = run.options.gloo_reduce_scatter = false;
   std::vector<fsdp::plan::MemoryPrediction> predictions;

@@ -5,7 +5,9 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <array>
 #include <cctype>
+#include <chrono>
 #include <cmath>
 #include <functional>
 #include <optional>
@@ -83,15 +85,18 @@ fsdp_models::PlanLoss trainer_loss(const Config& config) {
 }
 
 // The same loss through the model's fused head (training.loss_chunk >= 0), for a run of
-// `positions` per micro-batch.
+// `positions` per micro-batch, on a model of `vocab` tokens. The chunk is the run's, chosen for
+// the run's vocabulary `run_vocab`: a narrowed model's (fsdp_models::narrowed) must keep it, or
+// what a chunk holds would not scale with the widths as the extrapolation assumes.
 std::optional<fsdp_models::PlanFusedLoss> trainer_fused_loss(const Config& config, int64_t vocab,
-                                                             int64_t positions) {
+                                                             int64_t run_vocab, int64_t positions) {
   if (config.training.loss_chunk < 0)
     return std::nullopt;
   const bool finetune = config.finetuning;
   const double micro = static_cast<double>(config.training.micro_batches);
   fsdp_models::PlanFusedLoss fused;
-  fused.chunk = config.training.loss_chunk;
+  fused.chunk = config.training.loss_chunk > 0 ? config.training.loss_chunk
+                                               : fsdp_models::auto_loss_chunk(run_vocab);
   fused.positions = std::max<int64_t>(1, positions);
   fused.spec = [finetune, micro, vocab](int64_t b, int64_t t) {
     fsdp_models::LossSpec spec;
@@ -107,13 +112,24 @@ std::optional<fsdp_models::PlanFusedLoss> trainer_fused_loss(const Config& confi
   return fused;
 }
 
-// `make` builds a one-block model of the run (real tensors); `out` gets the activations, and
-// with `time_compute` the pieces of `copies` such models and their times (timed together).
-template <typename Model>
-void calibrate(const std::function<Model()>& make, const Config& config, torch::ScalarType dtype,
-               int64_t seq_len, const std::function<bool(const std::string&)>& is_blocks,
-               bool time_compute, int copies, const std::function<void()>& before_timing,
-               RunPlan& out) {
+// The most parameters the calibration's one-block model may have before it is narrowed
+// (fsdp/plan/activations.h, extrapolate_to_full_width). Calibrating runs ~20 passes of it at a
+// few hundred tokens, three times: at 2M parameters that is a few seconds in fp32 on 2 cores,
+// and in bf16 or fp16 on a CPU without AVX-512 BF16 (~10-36x slower matmuls) a few seconds at
+// 2M / 16 parameters. Below these the model is calibrated as it is, at full width.
+int64_t calibration_params_limit(torch::ScalarType dtype) {
+  return dtype == torch::kFloat ? int64_t{4} << 20 : int64_t{1} << 18;
+}
+
+// `make` builds a one-block model of the run (real tensors) from the run's one-block config
+// `one`, narrowed or not (fsdp_models::narrowed); `out` gets the activations, and with
+// `time_compute` the pieces of `copies` full-width such models and their times (timed together).
+template <typename Model, typename ModelConfig>
+void calibrate(const ModelConfig& one, const std::function<Model(const ModelConfig&)>& make,
+               const Config& config, torch::ScalarType dtype, int64_t seq_len,
+               const std::function<bool(const std::string&)>& is_blocks, bool time_compute,
+               int copies, const std::function<void()>& before_timing,
+               const PlanProgress& progress, RunPlan& out) {
   // With root_fp32 the blocks hand fp32 to each other and to the root (output_dtype, as
   // trainer.cpp sets it).
   const auto output = config.precision.root_fp32 && dtype != torch::kFloat
@@ -123,17 +139,61 @@ void calibrate(const std::function<Model()>& make, const Config& config, torch::
     to_compute_dtypes(*model, dtype, config.precision.root_fp32, is_blocks);
     return std::make_shared<const plan::CalibrationPieces>(fsdp_models::calibration_pieces(
         model, dtype, trainer_loss(config), output,
-        trainer_fused_loss(config, model->config().vocab_size, out.options.batch_rows * seq_len)));
+        trainer_fused_loss(config, model->config().vocab_size, one.vocab_size,
+                           out.options.batch_rows * seq_len)));
   };
-  const auto pieces = pieces_of(make());
+  // Lines only for big models (their calibration takes seconds even narrowed): a small model's
+  // errors stay one line.
+  auto say = [&](const std::string& line) {
+    if (progress && one.num_params() > (int64_t{16} << 20))
+      progress(line);
+  };
   const auto [b, t] = calibration_size(seq_len);
-  out.activations = plan::calibrate_activations(*pieces, b, t);
+  const char* dtype_text = dtype == torch::kFloat      ? "fp32"
+                           : dtype == torch::kBFloat16 ? "bf16"
+                                                       : "fp16";
+  // Narrowed by k, 2k and 4k: the least k >= 2 (k = 1 would be the full width itself) that
+  // brings the widest copy within the limit, as far as the widths allow.
+  const int64_t limit = calibration_params_limit(dtype), most = fsdp_models::max_narrowing(one);
+  auto vocab_divides = [&](int64_t k) { return one.vocab_size % (4 * k) == 0; };
+  auto params_at = [&](int64_t k) {
+    return fsdp_models::narrowed(one, k, vocab_divides(k)).num_params();
+  };
+  int64_t k = 0;
+  if (one.num_params() > limit && most >= 8) {
+    k = 2;
+    while (8 * k <= most && params_at(k) > limit)
+      k *= 2;
+  }
+  if (k == 0) {
+    out.activations = plan::calibrate_activations(*pieces_of(make(one)), b, t);
+  } else {
+    const auto timer = std::chrono::steady_clock::now();
+    const bool vocab = vocab_divides(k);
+    auto model_at = [&](int64_t by, int step) {
+      const auto cfg = fsdp_models::narrowed(one, by, vocab);
+      say(fmt::format("calibrating activations on one block narrowed {}x ({} of 3: {} "
+                      "parameters instead of {}, {})",
+                      by, step, cfg.num_params(), one.num_params(), dtype_text));
+      return pieces_of(make(cfg));
+    };
+    // The widest at one size, the two narrower at three (plan::extrapolate_to_full_width).
+    const auto widest = plan::measure_activations(*model_at(k, 1), b, t);
+    const plan::NarrowedCalibration narrower{2 * k,
+                                             plan::calibrate_activations(*model_at(2 * k, 2), b, t)};
+    const plan::NarrowedCalibration narrowest{
+        4 * k, plan::calibrate_activations(*model_at(4 * k, 3), b, t)};
+    out.activations = plan::extrapolate_to_full_width(widest, k, narrower, narrowest);
+    const double took =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - timer).count();
+    say(fmt::format("activations calibrated in {:.1f} s", took));
+  }
   if (!time_compute)
     return;
-  out.pieces = pieces;
-  out.timing_pieces = {pieces};
+  out.pieces = pieces_of(make(one));
+  out.timing_pieces = {out.pieces};
   for (int i = 1; i < copies; ++i)
-    out.timing_pieces.push_back(pieces_of(make()));
+    out.timing_pieces.push_back(pieces_of(make(one)));
   if (before_timing)
     before_timing();
   out.compute = plan::time_pieces_together(out.timing_pieces, out.options.batch_rows, seq_len);
@@ -152,7 +212,7 @@ bool is_llama_blocks(const std::string& name) {
 RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& model_path,
                  int world_size, int local_world_size, const std::string& compute_dtype,
                  int64_t other_bytes, bool time_compute, const std::function<void()>& before_timing,
-                 int timing_copies) {
+                 int timing_copies, const PlanProgress& progress) {
   RunPlan out;
   auto& o = out.options;
   auto& s = o.states;
@@ -231,13 +291,14 @@ RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& mo
     }
     auto one = cfg;
     one.n_layers = 1;
-    const std::function<fsdp_models::Llama()> make = [&] {
-      fsdp_models::Llama model(one);
-      shape(model, fsdp_models::ModelInit(), true);
-      return model;
-    };
-    calibrate(make, config, dtype, o.seq_len, is_llama_blocks, time_compute, timing_copies,
-              before_timing, out);
+    const std::function<fsdp_models::Llama(const fsdp_models::LlamaConfig&)> make =
+        [&](const fsdp_models::LlamaConfig& c) {
+          fsdp_models::Llama model(c);
+          shape(model, fsdp_models::ModelInit(), true);
+          return model;
+        };
+    calibrate(one, make, config, dtype, o.seq_len, is_llama_blocks, time_compute, timing_copies,
+              before_timing, progress, out);
     checkpointing(cfg.n_layers);
   } else if (config.model.arch == "gpt") {
     const auto cfg = gpt_config(config, vocab_size);
@@ -249,9 +310,10 @@ RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& mo
     }
     auto one = cfg;
     one.n_layer = 1;
-    const std::function<fsdp_models::GPT()> make = [&] { return fsdp_models::GPT(one); };
-    calibrate(make, config, dtype, o.seq_len, is_gpt_block, time_compute, timing_copies,
-              before_timing, out);
+    const std::function<fsdp_models::GPT(const fsdp_models::GPTConfig&)> make =
+        [](const fsdp_models::GPTConfig& c) { return fsdp_models::GPT(c); };
+    calibrate(one, make, config, dtype, o.seq_len, is_gpt_block, time_compute, timing_copies,
+              before_timing, progress, out);
     checkpointing(cfg.n_layer);
   } else {
     const auto cfg = llama_config(config, vocab_size);
@@ -263,9 +325,10 @@ RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& mo
     }
     auto one = cfg;
     one.n_layers = 1;
-    const std::function<fsdp_models::Llama()> make = [&] { return fsdp_models::Llama(one); };
-    calibrate(make, config, dtype, o.seq_len, is_llama_blocks, time_compute, timing_copies,
-              before_timing, out);
+    const std::function<fsdp_models::Llama(const fsdp_models::LlamaConfig&)> make =
+        [](const fsdp_models::LlamaConfig& c) { return fsdp_models::Llama(c); };
+    calibrate(one, make, config, dtype, o.seq_len, is_llama_blocks, time_compute, timing_copies,
+              before_timing, progress, out);
     checkpointing(cfg.n_layers);
   }
   return out;

@@ -44,10 +44,17 @@ struct RunPlan {
 /// once), on `timing_copies` one-block models at once in this process
 /// (fsdp::plan::time_pieces_together: what one process predicts for the ranks of its machine).
 /// `before_timing` runs right before (a barrier, so that every rank times at once).
+/// A model too large to calibrate in a second or two is calibrated on three narrowed copies
+/// (fsdp::plan::extrapolate_to_full_width); for a one-block model above 16M parameters (with its
+/// embeddings: SmolLM2-135M's has 32M) `progress` then gets a line as each starts and one when
+/// all are done (fsdp-plan prints them on stderr). Smaller models say nothing, so that errors
+/// found after the calibration stay one line.
+using PlanProgress = std::function<void(const std::string& line)>;
 RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& model_path,
                  int world_size, int local_world_size, const std::string& compute_dtype,
                  int64_t other_bytes, bool time_compute = false,
-                 const std::function<void()>& before_timing = nullptr, int timing_copies = 1);
+                 const std::function<void()>& before_timing = nullptr, int timing_copies = 1,
+                 const PlanProgress& progress = nullptr);
 
 /// Mean seconds per steady step by phase, as fsdp::StepProfiler measures them (forward and
 /// backward without the waits inside them).

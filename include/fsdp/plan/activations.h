@@ -125,6 +125,46 @@ torch::Tensor calibration_input(const CalibrationPieces& pieces, int64_t b, int6
 ActivationModel calibrate_activations(const CalibrationPieces& pieces, int64_t b = 2,
                                       int64_t t = 64);
 
+/// The calibration's measurements at one size: each piece run once at (b, t), blocks in every
+/// checkpoint mode (calibrate_activations takes three of these and fits them).
+struct ActivationSample {
+  int64_t b = 0, t = 0;
+  PieceBytes pre, post;
+  std::array<PieceBytes, 3> block;  // indexed by CheckpointMode
+  std::vector<std::string> pre_parameters, post_parameters;  // as in ActivationModel
+};
+ActivationSample measure_activations(const CalibrationPieces& pieces, int64_t b, int64_t t);
+
+/// A calibration of a narrowed copy of the model: every width (the model dimension, the
+/// feed-forward width, each head's dimension; the vocabulary where it divides) divided by
+/// `narrowing`, the head counts kept.
+struct NarrowedCalibration {
+  int64_t narrowing = 1;
+  ActivationModel model;
+};
+
+/// The calibration at full width (narrowing 1) from narrowed copies of the model: a sample of the
+/// widest (narrowing k1, at one size) and calibrations of two narrower ones (k2, k3).
+///
+/// Why: a one-block model of Llama-70B's widths has 1.4 G parameters, and a calibration runs
+/// ~20 passes of it at a few hundred tokens; in bf16 on a CPU without AVX-512 BF16 (matmuls
+/// ~10-36x slower than fp32's) that took more than 10 minutes for 13B's widths. Narrowed 16x and
+/// more it takes seconds, and nothing is lost, because of what the counts are made of. With the
+/// head counts kept, every tensor a transformer piece allocates is a product of at most two
+/// widths: a parameter's gradient or a weight-sized temporary (two: dim x ffn), a per-token
+/// tensor (one: B x T x dim, B x T x vocab), or none (the attention scores B x H x T x T and
+/// log-sum-exp B x H x T, RoPE's tables are per head dimension: one). In the narrowing's inverse
+/// u = 1/k each count is then x0 + x1 u + x2 u^2, and the per-token parts (the coefficients of
+/// B·T and B·T² in Scaling) have no u^2: they are straight lines in u, which the two narrower
+/// calibrations give exactly; the widest sample, less those lines at its u, gives the constant
+/// there, the third point of its parabola. The widest copy, the costly one, runs at one size
+/// instead of three. The pieces must take the same path at each narrowing (same backward
+/// segments and parameters with gradients; checked). tests/test_plan.cpp holds the result to a
+/// calibration at full width, count by count.
+ActivationModel extrapolate_to_full_width(const ActivationSample& widest, int64_t widest_narrowing,
+                                          const NarrowedCalibration& narrower,
+                                          const NarrowedCalibration& narrowest);
+
 /// One piece measured once: runs forward(x0) where x0 = make_input() (not counted), keeps the
 /// output, then backward from a gradient of ones (none if the output needs no gradient, e.g.
 /// frozen embeddings: then it has no backward segments and releases what it saved). Exposed for
