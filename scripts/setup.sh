@@ -97,12 +97,15 @@ export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-5G}"
 # Release builds by default; FSDP_BUILD_TYPE=Debug for a debugger session.
 if [ ! -f "$BUILD/build.ninja" ]; then
   phase "configuring the build in $BUILD (CMake)"
+  mkdir -p "$BUILD"
   cmake -S "$ROOT" -B "$BUILD" -G Ninja \
     -DCMAKE_BUILD_TYPE="${FSDP_BUILD_TYPE:-Release}" \
     -DCMAKE_PREFIX_PATH="$TORCH_CMAKE_PREFIX" \
     -DCMAKE_CXX_COMPILER_LAUNCHER=ccache \
-    -DCMAKE_EXPORT_COMPILE_COMMANDS=ON >/dev/null
-  phase_done
+    -DCMAKE_EXPORT_COMPILE_COMMANDS=ON >"$BUILD/configure.log" 2>&1 ||
+    { cat "$BUILD/configure.log" >&2; exit 1; }
+  # (LibTorch's CMake files warn about CUDA settings a CPU build does not use: kept in the log.)
+  phase_done "its output in $BUILD/configure.log"
 fi
 # Two cores: parallel compile of LibTorch-heavy files needs ~1.5 GB each, which fits.
 jobs="${FSDP_JOBS:-2}"
