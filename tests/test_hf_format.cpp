@@ -226,9 +226,11 @@ void export_and_check(const std::string& family, const std::string& variant, int
                                                  {"SAME_PARAMS", "1"},
                                                  {"TOLERANCE", "1e-6"}})));
   if (!qkv_bias) {
-    auto refused = fsdp::test::run_workers(
-        "hf_load", 2,
-        env({{"FAMILY", family}, {"VARIANT", variant}, {"DIR", biased}, {"REFERENCE", biased_logits}}));
+    auto refused = fsdp::test::run_workers("hf_load", 2,
+                                           env({{"FAMILY", family},
+                                                {"VARIANT", variant},
+                                                {"DIR", biased},
+                                                {"REFERENCE", biased_logits}}));
     EXPECT_FALSE(refused.ok());
     EXPECT_NE(refused.outputs[0].find("tensor 'transformer.h.0.attn.c_attn.bias' is not zero"),
               std::string::npos)

@@ -199,7 +199,8 @@ TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     const auto& c = cases[i];
-    const std::string config = c.config.empty() ? "" : write_config("bad" + std::to_string(i), c.config);
+    const std::string config =
+        c.config.empty() ? "" : write_config("bad" + std::to_string(i), c.config);
     std::string args = c.args + " --data.vocab_size=512";
     if (c.args.find("--data.dir") == std::string::npos)
       args += " --data.dir=" + data_dir();
@@ -1705,8 +1706,7 @@ std::string smollm2_cut() {
                      "/tests/python/smollm2_reference.py gguf smollm2:2");
   EXPECT_EQ(r.code, 0) << r.output;
   const auto at = r.output.find("FILE ");
-  return at == std::string::npos ? ""
-                                 : r.output.substr(at + 5, r.output.find('\n', at) - at - 5);
+  return at == std::string::npos ? "" : r.output.substr(at + 5, r.output.find('\n', at) - at - 5);
 }
 
 // The first n of the 40 held-out conversations: the held-out loss is computed before the first
@@ -1771,17 +1771,17 @@ TEST(TrainerRun, FinetunesSmolLM2WithLora) {
   const fs::path dir = fs::path(FSDP_TEST_WORK_DIR) / "run-ft-lora";
   const auto reference_json = fs::path(FSDP_TEST_WORK_DIR) / "ft-lora-transformers.json";
   fs::remove(reference_json);
-  fsdp::test::StartedCommand transformers(
-      std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR + "/tests/python/check_export.py --wait " +
-      (dir / "merged").string() + " " + small_eval_file(4) + " 8 " + corpus.string() + " " +
-      reference_json.string());
+  fsdp::test::StartedCommand transformers(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR +
+                                          "/tests/python/check_export.py --wait " +
+                                          (dir / "merged").string() + " " + small_eval_file(4) +
+                                          " 8 " + corpus.string() + " " + reference_json.string());
   // 4 held-out conversations: on the 2-block model, evaluating 8 before and after took a
   // quarter of the run.
   std::string lora_out;
-  const auto lora = finetune_run("ft-lora",
-                                 "--finetune.model=" + cut +
-                                     " --finetune.export_merged=true --logging.tensorboard=true",
-                                 &lora_out, 4);
+  const auto lora = finetune_run(
+      "ft-lora",
+      "--finetune.model=" + cut + " --finetune.export_merged=true --logging.tensorboard=true",
+      &lora_out, 4);
   ASSERT_EQ(lora.size(), 4u) << lora_out;
   // finetune writes TensorBoard's file as train does: each step's loss, read by TensorBoard.
   {
@@ -1873,17 +1873,18 @@ TEST(TrainerRun, QloraGathersBlockWeightsIn4BitsAndResumesExactly) {
   const auto cfg = fsdp_trainer::pretrained_config(cut);
   ASSERT_EQ(cfg.n_layers, 2);
   const int64_t kv_dim = cfg.dim / cfg.n_heads * cfg.n_kv_heads;
-  const double blocks_fp32 = 4.0 * static_cast<double>(cfg.n_layers) *
-                             static_cast<double>(cfg.dim * (2 * cfg.dim + 2 * kv_dim) +
-                                                 3 * cfg.dim * cfg.ffn_hidden_dim);
+  const double blocks_fp32 =
+      4.0 * static_cast<double>(cfg.n_layers) *
+      static_cast<double>(cfg.dim * (2 * cfg.dim + 2 * kv_dim) + 3 * cfg.dim * cfg.ffn_hidden_dim);
   const double saved =
       static_cast<double>(lora.back().allgather_bytes - qlora.back().allgather_bytes);
   EXPECT_GT(saved, 0.8 * 2 * blocks_fp32)
       << qlora.back().allgather_bytes << " vs " << lora.back().allgather_bytes;
-  std::printf("all-gather bytes per step: LoRA %.1f MiB, QLoRA %.1f MiB; saved %.1f%% of the "
-              "blocks' fp32 weights gathered twice\n",
-              lora.back().allgather_bytes / 1048576.0, qlora.back().allgather_bytes / 1048576.0,
-              100 * saved / (2 * blocks_fp32));
+  std::printf(
+      "all-gather bytes per step: LoRA %.1f MiB, QLoRA %.1f MiB; saved %.1f%% of the "
+      "blocks' fp32 weights gathered twice\n",
+      lora.back().allgather_bytes / 1048576.0, qlora.back().allgather_bytes / 1048576.0,
+      100 * saved / (2 * blocks_fp32));
   // Resumed from step 1 (frozen NF4 base, adapters, their optimizer state, the data order), step
   // 2 is the same.
   std::string resumed_out;
@@ -1906,9 +1907,10 @@ TEST(TrainerRun, FinetunesSmolLM2FromAHuggingFaceDirectoryAsFromItsGguf) {
   ASSERT_EQ(py.code, 0) << py.output;
   auto line = [&](const std::string& tag) {
     const auto at = py.output.find(tag + " ");
-    return at == std::string::npos ? std::string()
-                                   : py.output.substr(at + tag.size() + 1,
-                                                      py.output.find('\n', at) - at - tag.size() - 1);
+    return at == std::string::npos
+               ? std::string()
+               : py.output.substr(at + tag.size() + 1,
+                                  py.output.find('\n', at) - at - tag.size() - 1);
   };
   const auto cut = line("FILE"), dir = line("DIR");
   ASSERT_FALSE(cut.empty() || dir.empty()) << py.output;
@@ -1917,10 +1919,9 @@ TEST(TrainerRun, FinetunesSmolLM2FromAHuggingFaceDirectoryAsFromItsGguf) {
     SCOPED_TRACE(method);
     const std::string steps = method == "lora" ? " --training.steps=2" : " --training.steps=1";
     std::string gguf_out, dir_out;
-    const auto gguf =
-        finetune_run("ft-gguf-" + method,
-                     "--finetune.method=" + method + steps + lean + " --finetune.model=" + cut,
-                     &gguf_out, 2, 0);
+    const auto gguf = finetune_run(
+        "ft-gguf-" + method,
+        "--finetune.method=" + method + steps + lean + " --finetune.model=" + cut, &gguf_out, 2, 0);
     // LoRA from the directory writes its adapter: with the directory's own tokenizer files.
     const std::string adapter = method == "lora" ? "" : lean;
     const auto hf =
