@@ -93,7 +93,8 @@ TEST(Nf4, RowRangesEncodeAsTheWhole) {
 // ones with a short last block, in float32 and bf16.
 TEST(Nf4, DeviceOpsEqualTheCpuKernel) {
   torch::manual_seed(3);
-  for (const auto& shape : {std::vector<int64_t>{96, 320}, std::vector<int64_t>{5 * 64 * 256 + 70}}) {
+  for (const auto& shape :
+       {std::vector<int64_t>{96, 320}, std::vector<int64_t>{5 * 64 * 256 + 70}}) {
     auto w = torch::randn(shape) * 0.05;
     auto q = nf4::quantize(w);
     if (shape.size() == 2)
@@ -103,8 +104,8 @@ TEST(Nf4, DeviceOpsEqualTheCpuKernel) {
     for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
       auto kernel = nf4::dequantize(q.codes, q.absmax_codes, q.scales, q.offset, shape, dtype);
       auto ops = nf4::dequantize_ops(q.codes, q.absmax_codes, q.scales, q.offset, shape, dtype);
-      EXPECT_TRUE(torch::equal(ops, kernel)) << "shape " << shape << " " << dtype << ": max diff "
-                                             << (ops - kernel).abs().max();
+      EXPECT_TRUE(torch::equal(ops, kernel))
+          << "shape " << shape << " " << dtype << ": max diff " << (ops - kernel).abs().max();
     }
   }
 }
@@ -492,8 +493,8 @@ TEST(Lora, SmolLM2AdapterLoadsInPeft) {
   // The reference imports torch, transformers and peft and loads its base while our ranks run.
   fsdp::test::StartedCommand peft(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR +
                                   "/tests/python/check_peft.py --wait " + kSmolLM2Cut + " " +
-                                  dir.path() + "/adapter " + dir.path() + "/merged " +
-                                  dir.path() + ids_as_arguments());
+                                  dir.path() + "/adapter " + dir.path() + "/merged " + dir.path() +
+                                  ids_as_arguments());
   EXPECT_WORKERS_OK(fsdp::test::run_workers(
       "smollm2_lora_export", 2, fsdp::test::with_env({{"GGUF", gguf}, {"OUT", dir.path()}})));
   const auto config =
@@ -584,8 +585,7 @@ TEST(Qlora, SmolLM2LoadsShardedIntoNf4) {
   const auto [code, out] = qlora.finish();
   EXPECT_EQ(code, 0) << out;
   // The 7 Linears of every block.
-  EXPECT_NE(out.find("quantized linears " + std::to_string(7 * blocks)), std::string::npos)
-      << out;
+  EXPECT_NE(out.find("quantized linears " + std::to_string(7 * blocks)), std::string::npos) << out;
   const auto ours = read_logits(dir.path() + "/ours.bin", 49152);
   const auto nearest = read_logits(dir.path() + "/nf4_nearest.bin", 49152);
   const auto bnb = read_logits(dir.path() + "/nf4.bin", 49152);

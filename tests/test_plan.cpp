@@ -495,10 +495,10 @@ TEST(PlanActivations, ScalingPredictsAnotherSizeAndCheckpointingKeepsLess) {
 }
 
 // Calibrating narrowed copies (every width / 2 sampled at one size, / 4 and / 8 calibrated) and
-// extrapolating to full width gives what calibrating the full width measures: each count of each piece at a size neither calibration
-// ran, within a few bytes of rounding. A bf16 Llama with grouped-query attention and a
-// vocabulary that narrows with it, and an fp32 GPT whose vocabulary (prime) does not, with the
-// fused, chunked head and loss.
+// extrapolating to full width gives what calibrating the full width measures: each count of each
+// piece at a size neither calibration ran, within a few bytes of rounding. A bf16 Llama with
+// grouped-query attention and a vocabulary that narrows with it, and an fp32 GPT whose vocabulary
+// (prime) does not, with the fused, chunked head and loss.
 TEST(PlanActivations, NarrowedCalibrationExtrapolatesToTheFullWidth) {
   mem::install_tracking_allocator();
   auto loss = [](const torch::Tensor& logits, int64_t b, int64_t t) {
@@ -513,8 +513,8 @@ TEST(PlanActivations, NarrowedCalibrationExtrapolatesToTheFullWidth) {
     auto same = [&](const std::string& what, int64_t expected, int64_t actual) {
       worst = std::max(worst, std::abs(expected - actual));
       largest = std::max(largest, std::abs(expected));
-      EXPECT_LE(std::abs(expected - actual), 64) << model << " " << what << ": full width "
-                                                 << expected << " B, extrapolated " << actual;
+      EXPECT_LE(std::abs(expected - actual), 64)
+          << model << " " << what << ": full width " << expected << " B, extrapolated " << actual;
     };
     auto piece = [&](const std::string& name, const fsdp::plan::PieceScaling& f,
                      const fsdp::plan::PieceScaling& e) {
@@ -537,8 +537,22 @@ TEST(PlanActivations, NarrowedCalibrationExtrapolatesToTheFullWidth) {
       piece("block mode " + std::to_string(m), full.block[m], extrapolated.block[m]);
     EXPECT_EQ(full.pre_parameters, extrapolated.pre_parameters);
     EXPECT_EQ(full.post_parameters, extrapolated.post_parameters);
-    std::printf("NARROWED OK (%s): every count within %lld B of the full width's (largest %lld B)\n",
-                model, (long long)worst, (long long)largest);
+    std::printf(
+        "NARROWED OK (%s): every count within %lld B of the full width's (largest %lld B)\n", model,
+        (long long)worst, (long long)largest);
+  };
+  // The full width's calibration against the extrapolation from narrowings 2 (one size), 4 and
+  // 8 (calibrated), as fsdp-plan combines them.
+  auto narrowed_against_full = [&](const char* model, const auto& cfg, const auto& pieces,
+                                   bool vocab) {
+    auto calibrate = [&](const auto& c) {
+      return fsdp::plan::calibrate_activations(pieces(c), 2, 64);
+    };
+    const auto extrapolated = fsdp::plan::extrapolate_to_full_width(
+        fsdp::plan::measure_activations(pieces(fsdp_models::narrowed(cfg, 2, vocab)), 2, 64), 2,
+        {4, calibrate(fsdp_models::narrowed(cfg, 4, vocab))},
+        {8, calibrate(fsdp_models::narrowed(cfg, 8, vocab))});
+    compare(model, calibrate(cfg), extrapolated);
   };
   {
     LlamaConfig cfg;
@@ -551,17 +565,7 @@ TEST(PlanActivations, NarrowedCalibrationExtrapolatesToTheFullWidth) {
       model->to(torch::kBFloat16);
       return fsdp_models::calibration_pieces(model, torch::kBFloat16, loss);
     };
-    auto calibrate = [&](const LlamaConfig& c) {
-      return fsdp::plan::calibrate_activations(pieces(c), 2, 64);
-    };
-    auto sample = [&](const LlamaConfig& c) {
-      return fsdp::plan::measure_activations(pieces(c), 2, 64);
-    };
-    const auto extrapolated = fsdp::plan::extrapolate_to_full_width(
-        sample(fsdp_models::narrowed(cfg, 2, /*vocab=*/true)), 2,
-        {4, calibrate(fsdp_models::narrowed(cfg, 4, true))},
-        {8, calibrate(fsdp_models::narrowed(cfg, 8, true))});
-    compare("llama bf16", calibrate(cfg), extrapolated);
+    narrowed_against_full("llama bf16", cfg, pieces, /*vocab=*/true);
   }
   {
     auto cfg = GPTConfig::preset("gpt2-tiny");
@@ -581,17 +585,7 @@ TEST(PlanActivations, NarrowedCalibrationExtrapolatesToTheFullWidth) {
       GPT model(c);
       return fsdp_models::calibration_pieces(model, torch::kFloat, loss, std::nullopt, fused);
     };
-    auto calibrate = [&](const GPTConfig& c) {
-      return fsdp::plan::calibrate_activations(pieces(c), 2, 64);
-    };
-    auto sample = [&](const GPTConfig& c) {
-      return fsdp::plan::measure_activations(pieces(c), 2, 64);
-    };
-    const auto extrapolated = fsdp::plan::extrapolate_to_full_width(
-        sample(fsdp_models::narrowed(cfg, 2, /*vocab=*/false)), 2,
-        {4, calibrate(fsdp_models::narrowed(cfg, 4, false))},
-        {8, calibrate(fsdp_models::narrowed(cfg, 8, false))});
-    compare("gpt fp32", calibrate(cfg), extrapolated);
+    narrowed_against_full("gpt fp32", cfg, pieces, /*vocab=*/false);
   }
 }
 

@@ -241,16 +241,17 @@ ActivationSample measure_activations(const CalibrationPieces& pieces, int64_t b,
     block.saved -= dropped;
     block.backward_release -= dropped;
   }
-  all.post = measure_piece(hidden,
-                           [&](const torch::Tensor& x) {
-                             auto out = pieces.head(x, t);
-                             out.register_hook([](const torch::Tensor&) {
-                               if (auto* segments = g_segments.load())
-                                 segments->output_reached();
-                             });
-                             return pieces.loss(out, t);
-                           },
-                           pieces.parameters, &all.post_parameters);
+  all.post = measure_piece(
+      hidden,
+      [&](const torch::Tensor& x) {
+        auto out = pieces.head(x, t);
+        out.register_hook([](const torch::Tensor&) {
+          if (auto* segments = g_segments.load())
+            segments->output_reached();
+        });
+        return pieces.loss(out, t);
+      },
+      pieces.parameters, &all.post_parameters);
   return all;
 }
 
@@ -324,13 +325,11 @@ ActivationModel extrapolate_to_full_width(const ActivationSample& widest, int64_
     return out;
   };
   const auto &m2 = narrower.model, &m3 = narrowest.model;
-  TORCH_CHECK(widest.pre_parameters == m2.pre_parameters &&
-                  m2.pre_parameters == m3.pre_parameters &&
-                  widest.post_parameters == m2.post_parameters &&
-                  m2.post_parameters == m3.post_parameters,
-              "fsdp::plan: calibrations at narrowings ", widest_narrowing, ", ",
-              narrower.narrowing, " and ", narrowest.narrowing,
-              " give gradients to different parameters");
+  TORCH_CHECK(
+      widest.pre_parameters == m2.pre_parameters && m2.pre_parameters == m3.pre_parameters &&
+          widest.post_parameters == m2.post_parameters && m2.post_parameters == m3.post_parameters,
+      "fsdp::plan: calibrations at narrowings ", widest_narrowing, ", ", narrower.narrowing,
+      " and ", narrowest.narrowing, " give gradients to different parameters");
   ActivationModel out;
   out.pre_parameters = m2.pre_parameters;
   out.post_parameters = m2.post_parameters;

@@ -62,7 +62,8 @@ class StartedCommand {
     if (!line.empty()) {
       // A command that already exited has closed its end: without this, writing to it would
       // raise SIGPIPE and kill the test instead of failing it.
-      struct sigaction ignore {}, previous {};
+      struct sigaction ignore {
+      }, previous{};
       ignore.sa_handler = SIG_IGN;
       ::sigaction(SIGPIPE, &ignore, &previous);
       std::fputs((line + "\n").c_str(), pipe_);

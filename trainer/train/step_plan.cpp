@@ -114,9 +114,9 @@ std::optional<fsdp_models::PlanFusedLoss> trainer_fused_loss(const Config& confi
 
 // The most parameters the calibration's one-block model may have before it is narrowed
 // (fsdp/plan/activations.h, extrapolate_to_full_width). Calibrating runs ~20 passes of it at a
-// few hundred tokens, three times: at 2M parameters that is a few seconds in fp32 on 2 cores,
+// few hundred tokens, three times: at 4M parameters that is a few seconds in fp32 on 2 cores,
 // and in bf16 or fp16 on a CPU without AVX-512 BF16 (~10-36x slower matmuls) a few seconds at
-// 2M / 16 parameters. Below these the model is calibrated as it is, at full width.
+// 4M / 16 parameters. Below these the model is calibrated as it is, at full width.
 int64_t calibration_params_limit(torch::ScalarType dtype) {
   return dtype == torch::kFloat ? int64_t{4} << 20 : int64_t{1} << 18;
 }
@@ -128,8 +128,8 @@ template <typename Model, typename ModelConfig>
 void calibrate(const ModelConfig& one, const std::function<Model(const ModelConfig&)>& make,
                const Config& config, torch::ScalarType dtype, int64_t seq_len,
                const std::function<bool(const std::string&)>& is_blocks, bool time_compute,
-               int copies, const std::function<void()>& before_timing,
-               const PlanProgress& progress, RunPlan& out) {
+               int copies, const std::function<void()>& before_timing, const PlanProgress& progress,
+               RunPlan& out) {
   // With root_fp32 the blocks hand fp32 to each other and to the root (output_dtype, as
   // trainer.cpp sets it).
   const auto output = config.precision.root_fp32 && dtype != torch::kFloat
@@ -165,22 +165,26 @@ void calibrate(const ModelConfig& one, const std::function<Model(const ModelConf
     while (8 * k <= most && params_at(k) > limit)
       k *= 2;
   }
+  // At full width the calibrated pieces are also the first timed ones (below): built once.
+  std::shared_ptr<const plan::CalibrationPieces> full_width;
   if (k == 0) {
-    out.activations = plan::calibrate_activations(*pieces_of(make(one)), b, t);
+    full_width = pieces_of(make(one));
+    out.activations = plan::calibrate_activations(*full_width, b, t);
   } else {
     const auto timer = std::chrono::steady_clock::now();
     const bool vocab = vocab_divides(k);
     auto model_at = [&](int64_t by, int step) {
       const auto cfg = fsdp_models::narrowed(one, by, vocab);
-      say(fmt::format("calibrating activations on one block narrowed {}x ({} of 3: {} "
+      say(
+          fmt::format("calibrating activations on one block narrowed {}x ({} of 3: {} "
                       "parameters instead of {}, {})",
                       by, step, cfg.num_params(), one.num_params(), dtype_text));
       return pieces_of(make(cfg));
     };
     // The widest at one size, the two narrower at three (plan::extrapolate_to_full_width).
     const auto widest = plan::measure_activations(*model_at(k, 1), b, t);
-    const plan::NarrowedCalibration narrower{2 * k,
-                                             plan::calibrate_activations(*model_at(2 * k, 2), b, t)};
+    const plan::NarrowedCalibration narrower{
+        2 * k, plan::calibrate_activations(*model_at(2 * k, 2), b, t)};
     const plan::NarrowedCalibration narrowest{
         4 * k, plan::calibrate_activations(*model_at(4 * k, 3), b, t)};
     out.activations = plan::extrapolate_to_full_width(widest, k, narrower, narrowest);
@@ -190,7 +194,7 @@ void calibrate(const ModelConfig& one, const std::function<Model(const ModelConf
   }
   if (!time_compute)
     return;
-  out.pieces = pieces_of(make(one));
+  out.pieces = full_width ? full_width : pieces_of(make(one));
   out.timing_pieces = {out.pieces};
   for (int i = 1; i < copies; ++i)
     out.timing_pieces.push_back(pieces_of(make(one)));

@@ -130,7 +130,7 @@ ActivationModel calibrate_activations(const CalibrationPieces& pieces, int64_t b
 struct ActivationSample {
   int64_t b = 0, t = 0;
   PieceBytes pre, post;
-  std::array<PieceBytes, 3> block;  // indexed by CheckpointMode
+  std::array<PieceBytes, 3> block;                           // indexed by CheckpointMode
   std::vector<std::string> pre_parameters, post_parameters;  // as in ActivationModel
 };
 ActivationSample measure_activations(const CalibrationPieces& pieces, int64_t b, int64_t t);
