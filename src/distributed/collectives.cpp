@@ -123,6 +123,29 @@ void check_sequence(ProcessGroup& group, const std::string& description) {
     check->before(description);
 }
 
+// FSDP_COMM_STATS=0: no collective is counted or timed (every CommStats stays zero, and
+// fsdp-train's wait times read 0). Read once; it exists for bench/step_overheads.py to measure
+// what the accounting costs (docs/benchmarks.md, "Per-step overheads").
+bool accounting() {
+  static const bool on = [] {
+    const char* v = std::getenv("FSDP_COMM_STATS");
+    if (v == nullptr || *v == '\0' || std::strcmp(v, "1") == 0)
+      return true;
+    TORCH_CHECK(std::strcmp(v, "0") == 0, "FSDP_COMM_STATS=\"", v, "\" must be 0 or 1");
+    return false;
+  }();
+  return on;
+}
+
+// The group's counter of one kind of collective, or a scratch one nobody reads when nothing is
+// counted (accounting()): the callers update it unconditionally.
+CollectiveCounter& counter_of(ProcessGroup& group, CollectiveCounter CommStats::*kind) {
+  if (accounting())
+    return group.comm_stats().*kind;
+  thread_local CollectiveCounter scratch;
+  return scratch;
+}
+
 // The collective's flight-recorder entry (flight_recorder.h). Point-to-point messages take no
 // number in the group's sequence: a sender's and a receiver's sequences differ by design.
 RecordTicket record(ProcessGroup& group, const char* kind, int64_t bytes, const std::string& dtype,
@@ -288,8 +311,13 @@ void CollectiveWork::wait() {
   trace::Span span(trace_kind_, trace_label_, trace_subject_);
   auto& recorder = FlightRecorder::global();
   recorder.transition(ticket_, CollectiveState::kWaiting);
-  auto start = std::chrono::steady_clock::now();
+  // Without accounting the wait is not timed either (the clock is read only to count it).
+  const bool timed = accounting();
+  const auto start =
+      timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
   auto add_wait = [&] {
+    if (!timed)
+      return;
     const double w =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     counter_.wait_seconds += w;
@@ -382,7 +410,7 @@ std::unique_ptr<CollectiveWork> all_gather(ProcessGroup& group,
   check_sequence(group, what);
   const RecordTicket ticket = record(group, "all-gather", in_bytes * n,
                                      c10::toString(inputs[0].scalar_type()), what, context);
-  auto& counter = group.comm_stats().all_gather;
+  auto& counter = counter_of(group, &CommStats::all_gather);
   counter.calls += 1;
   counter.bytes += in_bytes * n;
   span.set_bytes(in_bytes * n);
@@ -490,7 +518,7 @@ std::unique_ptr<CollectiveWork> reduce_scatter(ProcessGroup& group, const torch:
   check_sequence(group, what);
   const RecordTicket ticket = record(group, "reduce-scatter", input.numel() * input.element_size(),
                                      c10::toString(input.scalar_type()), what, context);
-  auto& counter = group.comm_stats().reduce_scatter;
+  auto& counter = counter_of(group, &CommStats::reduce_scatter);
   counter.calls += 1;
   counter.bytes += input.numel() * input.element_size();
   if (local(group)) {
@@ -561,7 +589,7 @@ std::unique_ptr<CollectiveWork> reduce_scatter_exchange(ProcessGroup& group,
   check_sequence(group, what);
   const RecordTicket ticket =
       record(group, "reduce-scatter", bytes, c10::toString(input.scalar_type()), what, context);
-  auto& counter = group.comm_stats().reduce_scatter;
+  auto& counter = counter_of(group, &CommStats::reduce_scatter);
   counter.calls += 1;
   counter.bytes += bytes;
   if (local(group)) {
@@ -590,7 +618,7 @@ std::unique_ptr<CollectiveWork> all_reduce(ProcessGroup& group, const torch::Ten
     return work;
   }
   const int n = group.size();
-  auto& counter = group.comm_stats().all_reduce;
+  auto& counter = counter_of(group, &CommStats::all_reduce);
   const int64_t bytes = tensor.numel() * tensor.element_size();
   trace::Span span(kAllReduceNames.issue_kind, kAllReduceNames.issue, trace_subject(context),
                    bytes);
@@ -639,7 +667,7 @@ std::unique_ptr<CollectiveWork> broadcast(ProcessGroup& group, const torch::Tens
     work->then([tensor, host]() { tensor.copy_(host); });
     return work;
   }
-  auto& counter = group.comm_stats().broadcast;
+  auto& counter = counter_of(group, &CommStats::broadcast);
   const int64_t bytes = tensor.numel() * tensor.element_size();
   trace::Span span(kBroadcastNames.issue_kind, kBroadcastNames.issue, trace_subject(context),
                    bytes);
@@ -674,7 +702,7 @@ std::unique_ptr<CollectiveWork> send(ProcessGroup& group, const torch::Tensor& t
   refuse_locally(group, "send");
   TORCH_CHECK(dst >= 0 && dst < group.size() && dst != group.rank(), "fsdp send: bad peer ", dst,
               " from group rank ", group.rank(), " of ", group.size());
-  auto& counter = group.comm_stats().point_to_point;
+  auto& counter = counter_of(group, &CommStats::point_to_point);
   const int64_t bytes = tensor.numel() * tensor.element_size();
   counter.calls += 1;
   counter.bytes += bytes;
@@ -701,7 +729,7 @@ std::unique_ptr<CollectiveWork> recv(ProcessGroup& group, const torch::Tensor& t
   refuse_locally(group, "recv");
   TORCH_CHECK(src >= 0 && src < group.size() && src != group.rank(), "fsdp recv: bad peer ", src,
               " at group rank ", group.rank(), " of ", group.size());
-  auto& counter = group.comm_stats().point_to_point;
+  auto& counter = counter_of(group, &CommStats::point_to_point);
   const int64_t bytes = tensor.numel() * tensor.element_size();
   counter.calls += 1;
   counter.bytes += bytes;
@@ -719,7 +747,7 @@ std::unique_ptr<CollectiveWork> barrier(ProcessGroup& group, const std::string& 
   const std::string what = context.empty() ? "barrier" : "barrier for " + context;
   check_sequence(group, what);
   const RecordTicket ticket = record(group, "barrier", 0, "", what, context);
-  auto& counter = group.comm_stats().barrier;
+  auto& counter = counter_of(group, &CommStats::barrier);
   counter.calls += 1;
   auto work = detail::GroupAccess::first_lane(group).barrier();
   return labelled(

@@ -62,6 +62,11 @@ bool env_switch(const char* name) {
   throw std::invalid_argument(std::string(name) + "=\"" + v + "\" must be 0 or 1");
 }
 
+// A switch that is on unless the environment sets it to 0.
+bool env_switch_default_on(const char* name) {
+  return env_or_null(name) == nullptr || env_switch(name);
+}
+
 [[noreturn]] void bad_env(const std::string& what) {
   throw std::runtime_error("invalid launch environment: " + what);
 }
@@ -522,7 +527,10 @@ std::shared_ptr<ProcessGroup> init_process_group(const LaunchEnv& env,
                                               world, opts);
   FlightRecorder::global().set_identity(env.rank, env.world_size);
   FlightRecorder::global().dump_on_terminate();
-  if (env.world_size > 1) {
+  // FSDP_PEER_PROGRESS=0 turns the reports off, for bench/step_overheads.py to measure what
+  // they cost (docs/benchmarks.md, "Per-step overheads"); a failed collective's error then
+  // says only that it timed out.
+  if (env.world_size > 1 && env_switch_default_on("FSDP_PEER_PROGRESS")) {
     // Reports often enough that a peer stopped for a fraction of the timeout is seen as silent
     // when a collective times out (peer_progress.h), and no more than once a second.
     const auto interval = std::clamp(opts.timeout() / 10, std::chrono::milliseconds(100),
@@ -582,8 +590,8 @@ ProcessGroup::~ProcessGroup() {
       else
         lane->shutdown();
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "[rank %d] fsdp: ending NCCL group '%s': %s\n",
-                   global_ranks_.at(rank_), name_.c_str(), e.what());
+      std::fprintf(stderr, "[rank %d] fsdp: ending NCCL group '%s': %s\n", global_ranks_.at(rank_),
+                   name_.c_str(), e.what());
     }
   }
 }
