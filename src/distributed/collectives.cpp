@@ -125,7 +125,7 @@ void check_sequence(ProcessGroup& group, const std::string& description) {
 
 // FSDP_COMM_STATS=0: no collective is counted or timed (every CommStats stays zero, and
 // fsdp-train's wait times read 0). Read once; it exists for bench/step_overheads.py to measure
-// what the accounting costs (docs/benchmarks.md, "Per-step overheads").
+// what the accounting costs (docs/step_overheads.md).
 bool accounting() {
   static const bool on = [] {
     const char* v = std::getenv("FSDP_COMM_STATS");

@@ -528,7 +528,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const LaunchEnv& env,
   FlightRecorder::global().set_identity(env.rank, env.world_size);
   FlightRecorder::global().dump_on_terminate();
   // FSDP_PEER_PROGRESS=0 turns the reports off, for bench/step_overheads.py to measure what
-  // they cost (docs/benchmarks.md, "Per-step overheads"); a failed collective's error then
+  // they cost (docs/step_overheads.md); a failed collective's error then
   // says only that it timed out.
   if (env.world_size > 1 && env_switch_default_on("FSDP_PEER_PROGRESS")) {
     // Reports often enough that a peer stopped for a fraction of the timeout is seen as silent
