@@ -483,11 +483,12 @@ TEST(TrainerRun, SampleIsTheSameGatheredOnceOrPerToken) {
 // A short run without evaluation, sample or plot: only metrics.jsonl matters.
 std::vector<fsdp_trainer::StepMetrics> quick_run(const std::string& name, int nproc,
                                                  const std::string& extra,
-                                                 const std::string& preset = "gpt2-test") {
+                                                 const std::string& preset = "gpt2-test",
+                                                 const std::string& env = "") {
   const auto run_dir = (fs::path(FSDP_TEST_WORK_DIR) / ("run-" + name)).string();
   fs::remove_all(run_dir);
   const auto config = write_config(name, tiny_config(run_dir, "gpt", preset));
-  const std::string cmd = train_cmd() + " --nproc " + std::to_string(nproc) + " " + config +
+  const std::string cmd = env + train_cmd() + " --nproc " + std::to_string(nproc) + " " + config +
                           " --training.steps=3 --training.eval_every=0 --training.eval_batches=1"
                           " --generate.tokens=0 --logging.plot=false " +
                           extra;
@@ -496,6 +497,33 @@ std::vector<fsdp_trainer::StepMetrics> quick_run(const std::string& name, int np
   if (r.code != 0)
     return {};
   return fsdp_trainer::read_metrics((fs::path(run_dir) / "metrics.jsonl").string());
+}
+
+// The switches bench/step_overheads.py turns the per-step mechanisms off with: without the
+// collective accounting (FSDP_COMM_STATS=0) or the peer progress reports (FSDP_PEER_PROGRESS=0)
+// the run trains the same losses, bitwise; without accounting, no traffic and no wait is
+// counted. Another value is refused with the variable's name.
+TEST(TrainerRun, OverheadSwitchesChangeNothingButWhatTheyCount) {
+  const auto on = quick_run("switches-on", 2, "");
+  const auto off =
+      quick_run("switches-off", 2, "", "gpt2-test", "FSDP_COMM_STATS=0 FSDP_PEER_PROGRESS=0 ");
+  ASSERT_EQ(on.size(), 3u);
+  ASSERT_EQ(off.size(), 3u);
+  for (size_t i = 0; i < on.size(); ++i) {
+    EXPECT_EQ(on[i].loss, off[i].loss) << "step " << i + 1;
+    EXPECT_GT(on[i].allgather_bytes, 0) << "step " << i + 1;
+    EXPECT_EQ(off[i].allgather_bytes, 0) << "step " << i + 1;
+    EXPECT_EQ(off[i].reducescatter_bytes, 0) << "step " << i + 1;
+    EXPECT_EQ(off[i].time_allgather_wait_s, 0.0) << "step " << i + 1;
+  }
+  const auto bad =
+      run("FSDP_COMM_STATS=yes " + train_cmd() + " --nproc 2 " +
+          write_config("switches-bad",
+                       tiny_config((fs::path(FSDP_TEST_WORK_DIR) / "run-switches-bad").string())) +
+          " --training.steps=1 --generate.tokens=0 --logging.plot=false");
+  EXPECT_NE(bad.code, 0);
+  EXPECT_NE(bad.output.find("FSDP_COMM_STATS=\"yes\" must be 0 or 1"), std::string::npos)
+      << bad.output;
 }
 
 // The same model and data under three strategies, 2 ranks: memory and traffic move the
