@@ -2002,6 +2002,16 @@ TEST(TrainerRun, FinetunesASentencePieceModelDirectoryWithMistralsTemplate) {
   const auto pre = work / "sp-pretrain", model = work / "sp-mistral-model";
   fs::remove_all(pre);
   fs::remove_all(model);
+  const auto data = fs::path(FSDP_SOURCE_DIR) / "data" / "instruct";
+  const auto train = without_system((data / "kjv_train.jsonl").string(), "mistral_train.jsonl");
+  const auto eval = without_system(small_eval_file(8), "mistral_eval.jsonl");
+  // transformers' side of the fine-tuned export imports while fsdp-train runs, then waits for it.
+  const auto dir = work / "run-ft-sp-mistral";
+  fs::remove(work / "sp-mistral-transformers.json");
+  fsdp::test::StartedCommand transformers_export(
+      std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR + "/tests/python/check_export.py --wait " +
+      (dir / "merged").string() + " " + eval + " 8 " + eval + " " +
+      (work / "sp-mistral-transformers.json").string());
   const auto config = write_config("sp-pretrain", tiny_config(pre.string(), "llama", "llama-tiny"));
   auto trained = run(train_cmd() + " --nproc 2 " + config +
                      " --training.steps=2 --training.seq_len=128 --training.eval_every=0 "
@@ -2009,29 +2019,22 @@ TEST(TrainerRun, FinetunesASentencePieceModelDirectoryWithMistralsTemplate) {
   ASSERT_EQ(trained.code, 0) << trained.output;
   // The pretraining export as it is: transformers' pipeline() continues a prompt greedily as
   // `fsdp-train generate --generate.top_k=1` does (a text cut inside a character shown with
-  // U+FFFD in both).
+  // U+FFFD in both). transformers runs while fsdp-train generates and fine-tunes.
   const std::string prompt = "In the beginning";
+  const auto greedy = work / "sp-pretrain-greedy.json";
+  fs::remove(greedy);
+  fsdp::test::StartedCommand transformers_generate(
+      std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR + "/tests/python/check_generate.py " +
+      (pre / "hf").string() + " '" + prompt + "' 12 " + greedy.string());
   auto generated =
       run(train_cmd() + " generate --nproc 2 " + config + " --checkpoint " + (pre / "hf").string() +
           " --generate.top_k=1 --generate.tokens=12 '--generate.prompt=" + prompt + "'");
   ASSERT_EQ(generated.code, 0) << generated.output;
-  const auto greedy = work / "sp-pretrain-greedy.json";
-  const auto py_generate =
-      run(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR + "/tests/python/check_generate.py " +
-          (pre / "hf").string() + " '" + prompt + "' 12 " + greedy.string());
-  ASSERT_EQ(py_generate.code, 0) << py_generate.output;
-  const auto theirs = nlohmann::json::parse(file_bytes(greedy))["text"].get<std::string>();
-  EXPECT_NE(generated.output.find("top-k 1):\n" + theirs + "\n"), std::string::npos)
-      << "transformers: '" << theirs << "'\n"
-      << generated.output;
   fs::copy(pre / "hf", model);
   auto tokenizer_config = nlohmann::json::parse(file_bytes(model / "tokenizer_config.json"));
   tokenizer_config["chat_template"] = fsdp::test::mistral_template(" + ' ' ");
   std::ofstream(model / "tokenizer_config.json") << tokenizer_config.dump(2);
 
-  const auto data = fs::path(FSDP_SOURCE_DIR) / "data" / "instruct";
-  const auto train = without_system((data / "kjv_train.jsonl").string(), "mistral_train.jsonl");
-  const auto eval = without_system(small_eval_file(8), "mistral_eval.jsonl");
   std::string out;
   const auto steps = finetune_run("ft-sp-mistral",
                                   "--training.steps=3 --finetune.export_merged=true "
@@ -2043,16 +2046,21 @@ TEST(TrainerRun, FinetunesASentencePieceModelDirectoryWithMistralsTemplate) {
   for (const auto& m : steps)
     EXPECT_TRUE(std::isfinite(m.loss)) << out;
   EXPECT_NE(out.find("fine-tuning " + model.string()), std::string::npos) << out;
-  const auto dir = work / "run-ft-sp-mistral";
   for (const char* f : {"tokenizer.json", "tokenizer_config.json"})
     EXPECT_TRUE(file_bytes(dir / "merged" / f) == file_bytes(model / f)) << f;
+
+  const auto py_generate = transformers_generate.finish();
+  ASSERT_EQ(py_generate.code, 0) << py_generate.output;
+  const auto theirs = nlohmann::json::parse(file_bytes(greedy))["text"].get<std::string>();
+  EXPECT_NE(generated.output.find("top-k 1):\n" + theirs + "\n"), std::string::npos)
+      << "transformers: '" << theirs << "'\n"
+      << generated.output;
   const auto answers = file_bytes(dir / "answers.txt");
-  const auto py = run(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR +
-                      "/tests/python/check_export.py " + (dir / "merged").string() + " " + eval +
-                      " 8 " + eval + " " + (dir / "transformers.json").string());
+  const auto py = transformers_export.finish("written");
   ASSERT_EQ(py.code, 0) << py.output;
   const auto answer =
-      nlohmann::json::parse(file_bytes(dir / "transformers.json"))["answer"].get<std::string>();
+      nlohmann::json::parse(file_bytes(work / "sp-mistral-transformers.json"))["answer"]
+          .get<std::string>();
   EXPECT_NE(answers.find("   after:     " + answer + "\n"), std::string::npos)
       << "transformers answered '" << answer << "'; answers.txt:\n"
       << answers;
