@@ -3,7 +3,8 @@
 // Every collective goes through fsdp/distributed/collectives.h (the only code that reaches a
 // c10d backend: ProcessGroup does not hand its backend out), which updates the CommStats of its
 // ProcessGroup. Tests compare them with the analytic count; the trainer and benchmarks print
-// them next to compute time.
+// them next to compute time. FSDP_COMM_STATS=0 in the environment turns the counting off (every
+// counter stays zero): a switch for measuring its cost (bench/step_overheads.py).
 #pragma once
 
 #include <cstdint>
