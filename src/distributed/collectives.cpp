@@ -20,6 +20,7 @@
 
 #include "backend_calls.h"
 #include "collective_check.h"
+#include "env_switch.h"
 #include "group_access.h"
 #include "peer_progress.h"
 
@@ -127,13 +128,7 @@ void check_sequence(ProcessGroup& group, const std::string& description) {
 // fsdp-train's wait times read 0). Read once; it exists for bench/step_overheads.py to measure
 // what the accounting costs (docs/step_overheads.md).
 bool accounting() {
-  static const bool on = [] {
-    const char* v = std::getenv("FSDP_COMM_STATS");
-    if (v == nullptr || *v == '\0' || std::strcmp(v, "1") == 0)
-      return true;
-    TORCH_CHECK(std::strcmp(v, "0") == 0, "FSDP_COMM_STATS=\"", v, "\" must be 0 or 1");
-    return false;
-  }();
+  static const bool on = detail::env_switch("FSDP_COMM_STATS", true);
   return on;
 }
 

@@ -38,6 +38,7 @@
 #include <fsdp/distributed/collectives.h>
 
 #include "collective_check.h"
+#include "env_switch.h"
 #include "group_access.h"
 #include "peer_progress.h"
 
@@ -49,22 +50,6 @@ namespace {
 const char* env_or_null(const char* name) {
   const char* v = std::getenv(name);
   return (v != nullptr && *v != '\0') ? v : nullptr;
-}
-
-// A boolean switch from the environment: unset, empty or 0 is off, 1 is on, anything else is
-// refused (a typo must not silently run the other mode).
-bool env_switch(const char* name) {
-  const char* v = env_or_null(name);
-  if (v == nullptr || std::strcmp(v, "0") == 0)
-    return false;
-  if (std::strcmp(v, "1") == 0)
-    return true;
-  throw std::invalid_argument(std::string(name) + "=\"" + v + "\" must be 0 or 1");
-}
-
-// A switch that is on unless the environment sets it to 0.
-bool env_switch_default_on(const char* name) {
-  return env_or_null(name) == nullptr || env_switch(name);
 }
 
 [[noreturn]] void bad_env(const std::string& what) {
@@ -480,7 +465,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const LaunchEnv& env,
   if (opts.check_collectives() == 0)
     opts.check_collectives(detail::check_collectives_from_environment());
   if (!opts.bench_local_collectives())
-    opts.bench_local_collectives(env_switch("FSDP_BENCH_LOCAL_COLLECTIVES"));
+    opts.bench_local_collectives(detail::env_switch("FSDP_BENCH_LOCAL_COLLECTIVES"));
   if (opts.bench_local_collectives() && env.rank == 0) {
     std::fprintf(stderr,
                  "fsdp: benchmark mode (bench_local_collectives): every collective is a local "
@@ -489,7 +474,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const LaunchEnv& env,
   // FSDP_FLIGHT_RECORDER_DUMP_AT_EXIT=1: dump the flight recorder (to its dump directory) when
   // the process exits normally too, not only on a failure: bench/bounds.py replays a run's
   // collectives from these dumps.
-  if (env_switch("FSDP_FLIGHT_RECORDER_DUMP_AT_EXIT")) {
+  if (detail::env_switch("FSDP_FLIGHT_RECORDER_DUMP_AT_EXIT")) {
     static std::once_flag registered;
     std::call_once(registered,
                    [] { std::atexit([] { FlightRecorder::global().dump("process exit"); }); });
@@ -527,10 +512,9 @@ std::shared_ptr<ProcessGroup> init_process_group(const LaunchEnv& env,
                                               world, opts);
   FlightRecorder::global().set_identity(env.rank, env.world_size);
   FlightRecorder::global().dump_on_terminate();
-  // FSDP_PEER_PROGRESS=0 turns the reports off, for bench/step_overheads.py to measure what
-  // they cost (docs/step_overheads.md); a failed collective's error then
-  // says only that it timed out.
-  if (env.world_size > 1 && env_switch_default_on("FSDP_PEER_PROGRESS")) {
+  // FSDP_PEER_PROGRESS=0 turns the reports off, for bench/step_overheads.py to measure what they
+  // cost (docs/step_overheads.md); a failed collective's error then says only that it timed out.
+  if (env.world_size > 1 && detail::env_switch("FSDP_PEER_PROGRESS", true)) {
     // Reports often enough that a peer stopped for a fraction of the timeout is seen as silent
     // when a collective times out (peer_progress.h), and no more than once a second.
     const auto interval = std::clamp(opts.timeout() / 10, std::chrono::milliseconds(100),
