@@ -14,10 +14,7 @@
 
 #include "distributed/group_access.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -33,6 +30,7 @@
 #include <thread>
 
 #include "harness/multiprocess.h"
+#include "harness/ports.h"
 
 namespace {
 
@@ -244,23 +242,6 @@ INSTANTIATE_TEST_SUITE_P(
 
 // ---- In-process groups ------------------------------------------------------------------------
 
-// A port nothing listens on (for the moment: good enough for a test).
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof addr;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    ::close(fd);
-    throw std::runtime_error("free_port: bind failed");
-  }
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
 TEST(ProcessGroup, SingleProcessNeedsNoNetwork) {
   fsdp::LaunchEnv env;  // world of one
   auto pg = fsdp::init_process_group(env, fsdp::ProcessGroupOptions().timeout(10s));
@@ -316,7 +297,7 @@ TEST(ProcessGroup, UnreachableStoreFailsWithinTheTimeout) {
   fsdp::LaunchEnv env;
   env.rank = 1;
   env.world_size = 2;
-  env.master_port = free_port();
+  env.master_port = fsdp::test::reserved_port();
   env.agent_store = true;
   const auto start = Clock::now();
   auto err =
@@ -398,7 +379,7 @@ TEST(ProcessGroup, ThreeRanksRankZeroHostsTheStore) {
   // As under SLURM or torchrun without the shared store: no agent, rank 0 serves.
   fsdp::test::RunOptions opts;
   opts.env = {{"TORCHELASTIC_USE_AGENT_STORE", "False"},
-              {"MASTER_PORT", std::to_string(free_port())}};
+              {"MASTER_PORT", std::to_string(fsdp::test::reserved_port())}};
   EXPECT_WORKERS_OK(fsdp::test::run_workers("pg_collectives", 3, opts));
 }
 
@@ -451,14 +432,14 @@ TEST(ProcessGroup, MissingRankFailsTheRendezvousWithoutHanging) {
 }
 
 TEST(ProcessGroup, MissingRankWhenRankZeroHostsTheStore) {
-  expect_no_hang(
-      {2},
-      {{"TORCHELASTIC_USE_AGENT_STORE", "False"}, {"MASTER_PORT", std::to_string(free_port())}},
-      {"failed: rank(s) 2 of 3 did not join within 3s"});
+  expect_no_hang({2},
+                 {{"TORCHELASTIC_USE_AGENT_STORE", "False"},
+                  {"MASTER_PORT", std::to_string(fsdp::test::reserved_port())}},
+                 {"failed: rank(s) 2 of 3 did not join within 3s"});
 }
 
 TEST(ProcessGroup, MissingRankZeroMeansNoStore) {
-  const int port = free_port();
+  const int port = fsdp::test::reserved_port();
   expect_no_hang(
       {0}, {{"TORCHELASTIC_USE_AGENT_STORE", "False"}, {"MASTER_PORT", std::to_string(port)}},
       {"cannot reach the rendezvous store at 127.0.0.1:" + std::to_string(port) + " within 3s"});
