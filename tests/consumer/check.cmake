@@ -1,13 +1,12 @@
-# Installs the build tree into a scratch prefix, then configures, builds and runs the consumer
-# project against it. Run by CTest (tests/CMakeLists.txt) with BUILD_DIR, SOURCE_DIR, WORK_DIR,
-# TORCH_PREFIX and LAUNCHER defined.
+# Installs the build tree into a scratch prefix, then configures and builds the consumer project
+# against it. Run by the build (tests/CMakeLists.txt: the fsdp_consumer target) with BUILD_DIR,
+# SOURCE_DIR, WORK_DIR, TORCH_PREFIX and LAUNCHER defined; CTest runs the consumer it builds.
 file(REMOVE_RECURSE "${WORK_DIR}")
 function(run)
   execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
   if(NOT rc EQUAL 0)
     message(FATAL_ERROR "failed (${rc}): ${ARGN}\n${out}")
   endif()
-  message(STATUS "${out}")
 endfunction()
 run(${CMAKE_COMMAND} --install "${BUILD_DIR}" --prefix "${WORK_DIR}/prefix")
 # The environment form of the search path: a ';' list would be split into separate arguments.
@@ -18,4 +17,3 @@ set(ENV{CMAKE_PREFIX_PATH} "${WORK_DIR}/prefix:${TORCH_PREFIX}")
 run(${CMAKE_COMMAND} -S "${SOURCE_DIR}" -B "${WORK_DIR}/build" -G Ninja
     -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_COMPILER_LAUNCHER=${LAUNCHER})
 run(${CMAKE_COMMAND} --build "${WORK_DIR}/build")
-run("${WORK_DIR}/build/consumer")

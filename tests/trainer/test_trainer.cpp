@@ -1150,8 +1150,7 @@ TEST(TrainerRun, Int8GradientReductionMovesAQuarterAndTrainsTheSame) {
 // longer grow with the model: what is left is the few units' gradients in flight (computed,
 // being reduced, stepped), the same at 8 and 16 blocks, while the usual step's peak grows by the
 // added blocks' gradient shards. (With several micro-batches the earlier ones' gradients are
-// accumulated for the whole model whatever the mode.) Clipping by the previous step's norm
-// gives the losses of the usual step clipped the same way, up to the norm's summation order.
+// accumulated for the whole model whatever the mode.)
 TEST(TrainerRun, OptimizerInBackwardTrainsTheSameWithOneUnitsGradients) {
   std::map<std::string, std::vector<fsdp_trainer::StepMetrics>> runs;
   for (const std::string micro : {"1", "2-sync", "2-nosync"}) {
@@ -1186,7 +1185,12 @@ TEST(TrainerRun, OptimizerInBackwardTrainsTheSameWithOneUnitsGradients) {
   EXPECT_GE(*usual16.grads_peak_bytes - *usual8.grads_peak_bytes,
             *usual16.mem_params_bytes - *usual8.mem_params_bytes);
   EXPECT_LT(*inside16.grads_peak_bytes * 2, *usual16.grads_peak_bytes);
-  // A small clip, so that steps 2 and 3 are scaled.
+}
+
+// fsdp.optimizer_in_backward with clipping: by the previous step's norm (the only norm known
+// while backward still runs), the losses of the usual step clipped the same way, up to the
+// norm's summation order; a small clip, so that steps 2 and 3 are scaled.
+TEST(TrainerRun, OptimizerInBackwardClipsByThePreviousStepsNorm) {
   const std::string shape = "--model.n_layer=8 --training.batch_size=6 --training.micro_batches=2 ";
   const std::string clip =
       shape + "--training.grad_clip=0.05 --training.grad_clip_mode=previous_step";
@@ -1226,8 +1230,8 @@ TEST(TrainerRun, EveryCollectiveOfAJobPassesTheSequenceCheck) {
 
 TEST(TrainerRun, TorchrunAndNprocGiveIdenticalLosses) {
   const std::string torchrun = FSDP_TORCHRUN_PATH;
-  if (!fs::exists(torchrun))
-    GTEST_SKIP() << "torchrun not found at " << torchrun;
+  // scripts/setup.sh installs torch with its torchrun: its absence is a broken setup, not a skip.
+  ASSERT_TRUE(fs::exists(torchrun)) << "torchrun not found at " << torchrun;
   auto ours = train_and_read("launch-nproc", train_cmd() + " --nproc 2");
   auto theirs = train_and_read("launch-torchrun",
                                "OMP_NUM_THREADS=1 " + torchrun +
@@ -1248,8 +1252,8 @@ TEST(TrainerRun, TorchrunAndNprocGiveIdenticalLosses) {
 // differently would show as a difference of order 1e-2, not of rounding.
 TEST(TrainerRun, PyTorchMirrorOfTheBenchmarkTrainsTheSameLosses) {
   const std::string torchrun = FSDP_TORCHRUN_PATH;
-  if (!fs::exists(torchrun))
-    GTEST_SKIP() << "torchrun not found at " << torchrun;
+  // scripts/setup.sh installs torch with its torchrun: its absence is a broken setup, not a skip.
+  ASSERT_TRUE(fs::exists(torchrun)) << "torchrun not found at " << torchrun;
   const auto work = fs::path(FSDP_TEST_WORK_DIR) / "pytorch-mirror";
   fs::remove_all(work);
   fs::create_directories(work);
