@@ -3,6 +3,8 @@
 
 #include <fsdp/core/memory.h>
 
+#include <ATen/native/CPUBlas.h>
+
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
@@ -266,6 +268,10 @@ ActivationModel calibrate_activations(const CalibrationPieces& pieces, int64_t b
   for (size_t i = 0; i < 3; ++i)
     model.block[i] = fit(b, t, m.block[i], m2b.block[i], m2t.block[i]);
   return model;
+}
+
+bool narrowing_is_exact(torch::ScalarType dtype) {
+  return dtype == torch::kFloat || !at::native::cpublas::could_pack(dtype);
 }
 
 ActivationModel extrapolate_to_full_width(const ActivationSample& widest, int64_t widest_narrowing,

@@ -116,9 +116,12 @@ std::optional<fsdp_models::PlanFusedLoss> trainer_fused_loss(const Config& confi
 // (fsdp/plan/activations.h, extrapolate_to_full_width). Calibrating runs ~20 passes of it at a
 // few hundred tokens, three times: at 4M parameters that is a few seconds in fp32 on 2 cores,
 // and in bf16 or fp16 on a CPU without AVX-512 BF16 (~10-36x slower matmuls) a few seconds at
-// 4M / 16 parameters. Below these the model is calibrated as it is, at full width.
+// 4M / 16 parameters. Below these the model is calibrated as it is, at full width. Where oneDNN
+// packs bf16/fp16 (AVX-512 BF16, AMX), they are as fast as fp32 and narrowing them is only
+// approximate (plan::narrowing_is_exact): the fp32 limit.
 int64_t calibration_params_limit(torch::ScalarType dtype) {
-  return dtype == torch::kFloat ? int64_t{4} << 20 : int64_t{1} << 18;
+  return plan::narrowing_is_exact(dtype) && dtype != torch::kFloat ? int64_t{1} << 18
+                                                                   : int64_t{4} << 20;
 }
 
 // `make` builds a one-block model of the run (real tensors) from the run's one-block config
@@ -172,6 +175,11 @@ void calibrate(const ModelConfig& one, const std::function<Model(const ModelConf
     out.activations = plan::calibrate_activations(*full_width, b, t);
   } else {
     const auto timer = std::chrono::steady_clock::now();
+    if (progress && !plan::narrowing_is_exact(dtype))
+      progress(fmt::format(
+          "note: one block has {} parameters, calibrated narrowed; on this CPU oneDNN pads {} "
+          "to its block sizes, so the activations' extrapolation is approximate",
+          one.num_params(), dtype_text));
     const bool vocab = vocab_divides(k);
     auto model_at = [&](int64_t by, int step) {
       const auto cfg = fsdp_models::narrowed(one, by, vocab);

@@ -160,10 +160,18 @@ struct NarrowedCalibration {
 /// there, the third point of its parabola. The widest copy, the costly one, runs at one size
 /// instead of three. The pieces must take the same path at each narrowing (same backward
 /// segments and parameters with gradients; checked). tests/test_plan.cpp holds the result to a
-/// calibration at full width, count by count.
+/// calibration at full width, count by count, where narrowing_is_exact().
 ActivationModel extrapolate_to_full_width(const ActivationSample& widest, int64_t widest_narrowing,
                                           const NarrowedCalibration& narrower,
                                           const NarrowedCalibration& narrowest);
+
+/// Whether extrapolate_to_full_width is exact for pieces computing in `dtype` on this CPU. fp32:
+/// yes. bf16 and fp16: only where ATen runs its own kernels for them (AVX2-only CPUs, or
+/// ONEDNN_MAX_CPU_ISA=AVX2). Where oneDNN packs them into its blocked layouts (AVX-512 BF16,
+/// AMX: at::native::cpublas::could_pack), the packed copies are padded to its block sizes, which
+/// no polynomial in the width follows: a bf16 Llama block of width 128 narrowed 2x, 4x and 8x
+/// extrapolated up to 234 kB of 1.78 MB off on such a CPU (2026-11-28).
+bool narrowing_is_exact(torch::ScalarType dtype);
 
 /// One piece measured once: runs forward(x0) where x0 = make_input() (not counted), keeps the
 /// output, then backward from a gradient of ones (none if the output needs no gradient, e.g.
