@@ -561,13 +561,14 @@ torch::Tensor random_target_loss(const torch::Tensor& logits, int64_t b, int64_t
 }
 
 // A bf16 Llama with grouped-query attention and a vocabulary that narrows with it. Run as a
-// worker with ATen's own bf16 kernels (ONEDNN_MAX_CPU_ISA=AVX2), where the extrapolation is exact
-// on every CPU; where oneDNN packs bf16 it is not (fsdp::plan::narrowing_is_exact), and the
-// planner calibrates such models at full width up to the fp32 limit.
+// worker with ATen's own bf16 kernels (ONEDNN_MAX_CPU_ISA=AVX2), where the extrapolation is
+// exact on every CPU; where ATen hands bf16 to oneDNN it is not (plan::narrowing_is_exact), and
+// the planner calibrates such models at full width up to the fp32 limit.
 FSDP_WORKER(narrowed_llama_bf16) {
   mem::install_tracking_allocator();
   WORKER_CHECK(fsdp::plan::narrowing_is_exact(torch::kBFloat16))
-      << "oneDNN still packs bf16 under ONEDNN_MAX_CPU_ISA=" << ctx.env("ONEDNN_MAX_CPU_ISA");
+      << "ATen still hands bf16 to oneDNN under ONEDNN_MAX_CPU_ISA="
+      << ctx.env("ONEDNN_MAX_CPU_ISA");
   LlamaConfig cfg;
   cfg.vocab_size = 384, cfg.max_seq_len = 256, cfg.dim = 128, cfg.n_layers = 1;
   cfg.n_heads = 4, cfg.n_kv_heads = 2, cfg.ffn_hidden_dim = 352;
@@ -593,7 +594,7 @@ TEST(PlanActivations, NarrowedCalibrationExtrapolatesToTheFullWidth) {
   EXPECT_WORKERS_OK(llama);
   std::printf("this CPU: bf16 narrowing %s\n", fsdp::plan::narrowing_is_exact(torch::kBFloat16)
                                                    ? "exact"
-                                                   : "approximate (oneDNN packs bf16)");
+                                                   : "approximate (ATen hands bf16 to oneDNN)");
   mem::install_tracking_allocator();
   auto cfg = GPTConfig::preset("gpt2-tiny");
   cfg.n_layer = 1, cfg.block_size = 256, cfg.vocab_size = 509;

@@ -3,7 +3,7 @@
 
 #include <fsdp/core/memory.h>
 
-#include <ATen/native/CPUBlas.h>
+#include <ATen/Context.h>
 
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -11,6 +11,8 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 namespace fsdp::plan {
 namespace {
@@ -271,7 +273,22 @@ ActivationModel calibrate_activations(const CalibrationPieces& pieces, int64_t b
 }
 
 bool narrowing_is_exact(torch::ScalarType dtype) {
-  return dtype == torch::kFloat || !at::native::cpublas::could_pack(dtype);
+  if (dtype == torch::kFloat || !at::globalContext().userEnabledMkldnn())
+    return true;
+  // ATen hands bf16/fp16 matmuls to oneDNN where oneDNN may use AVX-512 (ideep's
+  // has_bf16_type_support: AVX-512 F, BW, VL and DQ), which it reads off the CPU, lowered by
+  // ONEDNN_MAX_CPU_ISA. oneDNN's headers are not in the wheel: the same test, by hand. (A CPU
+  // whose oneDNN ISA is AVX2_VNNI_2 also qualifies; none of ours has it.)
+  for (const char* name : {"ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"}) {
+    if (const char* isa = std::getenv(name); isa && *isa) {
+      const std::string v = isa;
+      if (v.rfind("SSE", 0) == 0 || v.rfind("AVX2", 0) == 0 || v == "AVX")
+        return true;
+    }
+  }
+  __builtin_cpu_init();
+  return !(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"));
 }
 
 ActivationModel extrapolate_to_full_width(const ActivationSample& widest, int64_t widest_narrowing,

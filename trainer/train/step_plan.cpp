@@ -116,9 +116,9 @@ std::optional<fsdp_models::PlanFusedLoss> trainer_fused_loss(const Config& confi
 // (fsdp/plan/activations.h, extrapolate_to_full_width). Calibrating runs ~20 passes of it at a
 // few hundred tokens, three times: at 4M parameters that is a few seconds in fp32 on 2 cores,
 // and in bf16 or fp16 on a CPU without AVX-512 BF16 (~10-36x slower matmuls) a few seconds at
-// 4M / 16 parameters. Below these the model is calibrated as it is, at full width. Where oneDNN
-// packs bf16/fp16 (AVX-512 BF16, AMX), they are as fast as fp32 and narrowing them is only
-// approximate (plan::narrowing_is_exact): the fp32 limit.
+// 4M / 16 parameters. Below these the model is calibrated as it is, at full width. Where ATen
+// hands bf16/fp16 to oneDNN (AVX-512 CPUs), narrowing them is only approximate
+// (plan::narrowing_is_exact), and they are faster: the fp32 limit.
 int64_t calibration_params_limit(torch::ScalarType dtype) {
   return plan::narrowing_is_exact(dtype) && dtype != torch::kFloat ? int64_t{1} << 18
                                                                    : int64_t{4} << 20;

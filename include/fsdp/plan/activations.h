@@ -166,11 +166,11 @@ ActivationModel extrapolate_to_full_width(const ActivationSample& widest, int64_
                                           const NarrowedCalibration& narrowest);
 
 /// Whether extrapolate_to_full_width is exact for pieces computing in `dtype` on this CPU. fp32:
-/// yes. bf16 and fp16: only where ATen runs its own kernels for them (AVX2-only CPUs, or
-/// ONEDNN_MAX_CPU_ISA=AVX2). Where oneDNN packs them into its blocked layouts (AVX-512 BF16,
-/// AMX: at::native::cpublas::could_pack), the packed copies are padded to its block sizes, which
-/// no polynomial in the width follows: a bf16 Llama block of width 128 narrowed 2x, 4x and 8x
-/// extrapolated up to 234 kB of 1.78 MB off on such a CPU (2026-11-28).
+/// yes. bf16 and fp16: only where ATen runs its own kernels for them (CPUs without AVX-512, or
+/// ONEDNN_MAX_CPU_ISA=AVX2). Where ATen hands them to oneDNN (AVX-512 CPUs), oneDNN's copies in
+/// its blocked layouts are padded to its block sizes, which no polynomial in the width follows:
+/// a bf16 Llama block of width 128 narrowed 2x, 4x and 8x extrapolated up to 234 kB of 1.78 MB
+/// off on such a CPU (AVX-512 BF16, 2026-11-28).
 bool narrowing_is_exact(torch::ScalarType dtype);
 
 /// One piece measured once: runs forward(x0) where x0 = make_input() (not counted), keeps the
