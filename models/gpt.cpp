@@ -167,6 +167,10 @@ torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets)
 }  // namespace fsdp_models
 
 namespace fsdp_models {
+std::vector<std::string> unit_paths(const GPTConfig& cfg) {
+  return detail::block_unit_paths("h", cfg.n_layer);
+}
+
 void parallelize_gpt(GPT& model, const fsdp::FullyShardOptions& options) {
   parallelize_gpt(model, options, options);
 }

@@ -125,4 +125,7 @@ void parallelize_gpt(GPT& model, const fsdp::FullyShardOptions& options);
 /// block").
 void parallelize_gpt(GPT& model, const fsdp::FullyShardOptions& block_options,
                      const fsdp::FullyShardOptions& root_options, int64_t checkpoint_every = 1);
+/// The module paths of the units parallelize_gpt makes: "h0" ... "h<n_layer-1>", then "" (the
+/// root); what fsdp::plan::describe_units takes.
+std::vector<std::string> unit_paths(const GPTConfig& cfg);
 }  // namespace fsdp_models

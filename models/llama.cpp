@@ -240,6 +240,10 @@ torch::Tensor LlamaImpl::forward(const torch::Tensor& tokens, const LossSpec& sp
 }  // namespace fsdp_models
 
 namespace fsdp_models {
+std::vector<std::string> unit_paths(const LlamaConfig& cfg) {
+  return detail::block_unit_paths("layers.", cfg.n_layers);
+}
+
 void parallelize_llama(Llama& model, const fsdp::FullyShardOptions& options) {
   parallelize_llama(model, options, options);
 }

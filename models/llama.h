@@ -172,4 +172,7 @@ void parallelize_llama(Llama& model, const fsdp::FullyShardOptions& options);
 /// block").
 void parallelize_llama(Llama& model, const fsdp::FullyShardOptions& block_options,
                        const fsdp::FullyShardOptions& root_options, int64_t checkpoint_every = 1);
+/// The module paths of the units parallelize_llama makes: "layers.0" ... "layers.<n_layers-1>",
+/// then "" (the root); what fsdp::plan::describe_units takes.
+std::vector<std::string> unit_paths(const LlamaConfig& cfg);
 }  // namespace fsdp_models

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <fsdp/fully_shard.h>
 
@@ -24,6 +25,19 @@ void parallelize_blocks(Model& model, const fsdp::FullyShardOptions& block_optio
     fsdp::fully_shard(model->blocks[i], options);
   }
   fsdp::fully_shard(model, root_options);
+}
+
+/// "<prefix>0" ... "<prefix>n-1", then "" (the root): the module paths of the units
+/// parallelize_blocks makes of a model whose blocks are registered as <prefix><i>.
+inline std::vector<std::string> block_unit_paths(const std::string& prefix, int64_t n_blocks) {
+  std::vector<std::string> paths;
+  for (int64_t i = 0; i < n_blocks; ++i) {
+    std::string path(prefix);  // (appended: GCC 12 misreports prefix + string as an overflow)
+    path += std::to_string(i);
+    paths.push_back(path);
+  }
+  paths.push_back("");
+  return paths;
 }
 
 }  // namespace fsdp_models::detail

@@ -35,18 +35,6 @@ using fsdp_models::GPTConfig;
 using fsdp_models::Llama;
 using fsdp_models::LlamaConfig;
 
-// "<prefix>0" ... "<prefix>n-1", then "" (the root): the units parallelize_* makes.
-std::vector<std::string> block_units(const std::string& prefix, int64_t n) {
-  std::vector<std::string> paths;
-  for (int64_t i = 0; i < n; ++i) {
-    std::string path(prefix);  // (appended: GCC 12 misreports prefix + string as an overflow)
-    path += std::to_string(i);
-    paths.push_back(path);
-  }
-  paths.push_back("");
-  return paths;
-}
-
 // After sharding (`params` measured since `base`): runs `backward`, then the optimizer step
 // (tagged as the trainer tags it), and compares the three categories with the prediction.
 int check_states(const std::string& what, int rank, const mem::CategoryBytes& base, int64_t params,
@@ -86,7 +74,7 @@ int qlora_states(const std::shared_ptr<fsdp::ProcessGroup>& pg,
   Llama model(cfg);
   fsdp_models::use_nf4(*model, /*quantize=*/true);
   fsdp_models::add_lora(*model, "wq|wv", fsdp_models::LoraOptions().rank(4).alpha(8));
-  const auto paths = block_units("layers.", cfg.n_layers);
+  const auto paths = fsdp_models::unit_paths(cfg);
   const auto units = fsdp::plan::describe_units(*model, paths);
   const auto predicted = fsdp::plan::model_states(units, plan, rank);
   fsdp_models::parallelize_llama(model, fsdp::FullyShardOptions(pg));
@@ -137,7 +125,7 @@ FSDP_WORKER(plan_model_states) {
   cfg.n_layer = 3;
   torch::manual_seed(8);
   GPT model(cfg);
-  const auto paths = block_units("h", cfg.n_layer);
+  const auto paths = fsdp_models::unit_paths(cfg);
   const auto units = fsdp::plan::describe_units(*model, paths);
   const auto predicted = fsdp::plan::model_states(units, plan, rank);
 
@@ -254,7 +242,7 @@ FSDP_WORKER(plan_step_memory) {
     }
     torch::manual_seed(3);
     GPT model(cfg);
-    paths = block_units("h", cfg.n_layer);
+    paths = fsdp_models::unit_paths(cfg);
     fsdp_models::parallelize_gpt(model, block_opts, root_opts, ac_every);
     module = model.ptr();
     forward = [model](const torch::Tensor& x) mutable { return fsdp::forward(model, x); };
@@ -274,7 +262,7 @@ FSDP_WORKER(plan_step_memory) {
     }
     torch::manual_seed(3);
     Llama model(cfg);
-    paths = block_units("layers.", cfg.n_layers);
+    paths = fsdp_models::unit_paths(cfg);
     fsdp_models::parallelize_llama(model, block_opts, root_opts, ac_every);
     module = model.ptr();
     forward = [model](const torch::Tensor& x) mutable { return fsdp::forward(model, x); };

@@ -1,5 +1,6 @@
 // Training text for fsdp-train: the corpora available offline (Debian packages) or a user's file,
-// and the whole-file read the data pipeline shares (atomic replace: fsdp/core/durable_file.h).
+// and the file helpers the data pipeline uses (io/read_file.h; atomic replace:
+// fsdp/core/durable_file.h).
 //
 // A corpus is returned as one UTF-8 string; the tokenizer and the token files are built from it
 // (data.h). Every error is one line naming the corpus or file and, where there is one, the fix.
@@ -9,6 +10,8 @@
 #include <string_view>
 
 #include <fsdp/core/durable_file.h>
+
+#include "io/read_file.h"
 
 namespace fsdp_trainer {
 
@@ -28,9 +31,6 @@ std::string load_corpus(const std::string& spec);
 /// tokenizer's normalizer would silently rewrite invalid sequences and break the exact text
 /// round trip.
 size_t first_invalid_utf8(std::string_view s);
-
-/// The whole file. Throws "<path>: cannot read: <reason>".
-std::string read_file(const std::string& path);
 
 /// Atomic replace of a file: the library's (fsdp/core/durable_file.h).
 using fsdp::write_file_atomic;

@@ -14,7 +14,9 @@
 #include <stdexcept>
 #include <unordered_map>
 
-#include "data/corpus.h"
+#include <fsdp/core/durable_file.h>
+
+#include "io/read_file.h"
 #include "utf8.h"
 
 // Exported by libsentencepiece (common.h) but absent from its public headers: it silences the
@@ -275,7 +277,7 @@ Tokenizer train_tokenizer(const std::string& text, int vocab_size, const std::st
   tok.load_from_bytes(model,
                       model_prefix.empty() ? "<trained tokenizer>" : model_prefix + ".model");
   if (!model_prefix.empty())
-    write_file_atomic(model_prefix + ".model", model);
+    fsdp::write_file_atomic(model_prefix + ".model", model);
   return tok;
 }
 

@@ -29,17 +29,6 @@ namespace {
 namespace mem = fsdp::memory;
 namespace plan = fsdp::plan;
 
-std::vector<std::string> block_paths(const std::string& prefix, int64_t n) {
-  std::vector<std::string> paths;
-  for (int64_t i = 0; i < n; ++i) {
-    std::string path(prefix);  // (appended: GCC 12 misreports prefix + string as an overflow)
-    path += std::to_string(i);
-    paths.push_back(path);
-  }
-  paths.push_back("");
-  return paths;
-}
-
 // The calibration's sizes: (b, t), (2b, t) and (b, 2t) within the model's context, at least 128
 // tokens each (fsdp/plan/activations.h says why).
 std::pair<int64_t, int64_t> calibration_size(int64_t seq_len) {
@@ -299,7 +288,7 @@ RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& mo
     {
       fsdp_models::Llama model(cfg, meta);
       shape(model, meta, false);
-      out.units = plan::describe_units(*model, block_paths("layers.", cfg.n_layers));
+      out.units = plan::describe_units(*model, fsdp_models::unit_paths(cfg));
     }
     auto one = cfg;
     one.n_layers = 1;
@@ -318,7 +307,7 @@ RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& mo
     o.other_bytes = other_bytes + t.batch_size * (t.seq_len + 1) * 8;  // the batch's token ids
     {
       fsdp_models::GPT model(cfg, meta);
-      out.units = plan::describe_units(*model, block_paths("h", cfg.n_layer));
+      out.units = plan::describe_units(*model, fsdp_models::unit_paths(cfg));
     }
     auto one = cfg;
     one.n_layer = 1;
@@ -333,7 +322,7 @@ RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& mo
     o.other_bytes = other_bytes + t.batch_size * (t.seq_len + 1) * 8;
     {
       fsdp_models::Llama model(cfg, meta);
-      out.units = plan::describe_units(*model, block_paths("layers.", cfg.n_layers));
+      out.units = plan::describe_units(*model, fsdp_models::unit_paths(cfg));
     }
     auto one = cfg;
     one.n_layers = 1;
