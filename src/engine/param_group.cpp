@@ -305,10 +305,7 @@ void ParamGroup::post_forward(const std::vector<torch::Tensor>& outputs) {
   unit_state_.forward_exited();
   if (unit_state_.training() != TrainingState::kIdle)
     return;  // a recomputation inside this unit's backward: the backward needs it gathered
-  // kNoShard "reshards" too: it points the parameters back at their (whole) shards and frees
-  // a mixed-precision copy, which is what keeps its memory equal to DDP's.
-  const bool reshards = options_.strategy() != ShardingStrategy::kShardGradOp &&
-                        options_.reshard_after_forward().value_or(true);
+  const bool reshards = frees_after_forward(options_);
   // The root call's backward starts right after forward: resharding it would only gather it
   // again. Held memory is the strategy's, not the prefetch pipeline's: no slot.
   if (pending && (unit_state_.root_call() || !reshards)) {
@@ -483,7 +480,7 @@ void ParamGroup::reduce_gradients() {
         // Grads kept by earlier no-sync passes travel with the pass's first reduction only.
         const bool has_grad = p->copy_grad_into(
             g, rows.narrow(1, offset, len).view({n, p->chunk_rows(), p->row_numel()}),
-            /*add_kept=*/!reduced_in_pass_);
+            /*add_kept=*/pass_reduction_.get() == PassReduction::kNone);
         flags.select(1, i).fill_(has_grad ? 1 : 0);
         offset += len;
       }
@@ -499,16 +496,19 @@ void ParamGroup::reduce_gradients() {
         pending.received = torch::empty_like(pending.wire);
         pending.reduce_scatter =
             reduce_scatter_exchange(*groups_.shard, pending.wire, pending.received, context());
+        pending.advance(ReduceStage::kScattering, name_);
       } else if (n > 1) {
         pending.output = torch::empty({s}, opts);
         pending.reduce_scatter = reduce_scatter(*groups_.shard, pending.input, pending.output,
                                                 ReduceOp::kAvg, context());
+        pending.advance(ReduceStage::kScattering, name_);
       } else {
         pending.output = std::move(pending.input);  // nothing to scatter: the grads are ours
+        pending.advance(ReduceStage::kScattered, name_);
       }
     }
     reduces_.push_back(std::move(pending));
-    reduced_in_pass_ = true;
+    pass_reduction_.reduced(name_);
     if (n == 1)
       issue_all_reduce();  // no reduce-scatter to wait for: overlap it with what follows
     else
@@ -531,9 +531,9 @@ void ParamGroup::reduce_gradients() {
 void ParamGroup::issue_all_reduce() {
   memory::CategoryScope tag(memory::Category::kGrads);
   for (auto& r : reduces_) {
-    if (r.all_reduce_issued || r.reduce_scatter)
+    if (r.stage() != ReduceStage::kScattered)
       continue;
-    r.all_reduce_issued = true;
+    r.advance(ReduceStage::kReplicating, name_);
     r.all_reduce_round = state_->reduce_round();
     if (!groups_.replicate || groups_.replicate->size() == 1)
       continue;
@@ -552,7 +552,7 @@ void ParamGroup::issue_all_reduce() {
 void ParamGroup::finish_reduce_scatter() {
   memory::CategoryScope tag(memory::Category::kGrads);
   for (auto& r : reduces_) {
-    if (r.reduce_scatter) {
+    if (r.stage() == ReduceStage::kScattering) {
       r.reduce_scatter->wait();
       r.reduce_scatter.reset();
       r.input = torch::Tensor();
@@ -561,6 +561,7 @@ void ParamGroup::finish_reduce_scatter() {
         r.wire = torch::Tensor();
         r.received = torch::Tensor();
       }
+      r.advance(ReduceStage::kScattered, name_);
     }
   }
   issue_all_reduce();
@@ -573,11 +574,14 @@ void ParamGroup::finish_backward() {
 
 void ParamGroup::wait_reduces() {
   memory::CategoryScope tag(memory::Category::kGrads);
-  finish_reduce_scatter();
+  finish_reduce_scatter();  // every reduction is kReplicating or kReduced after it
   for (auto& r : reduces_) {
+    if (r.stage() != ReduceStage::kReplicating)
+      continue;
     for (auto& w : r.all_reduces)
       w->wait();
     r.all_reduces.clear();
+    r.advance(ReduceStage::kReduced, name_);
   }
 }
 
@@ -585,6 +589,8 @@ void ParamGroup::install_grads() {
   memory::CategoryScope tag(memory::Category::kGrads);
   torch::NoGradGuard no_grad;
   for (auto& r : reduces_) {
+    TORCH_INTERNAL_ASSERT(r.stage() == ReduceStage::kReduced, "fsdp: unit '", name_,
+                          "': grads installed from a reduction still ", to_string(r.stage()));
     // One host copy of the flags per unit (a device sync on CUDA, at the end of backward only).
     auto flags = r.output.narrow(0, r.flags_offset, static_cast<int64_t>(r.params.size()))
                      .to(torch::kCPU, torch::kFloat);
@@ -601,7 +607,7 @@ void ParamGroup::install_grads() {
 }
 
 bool ParamGroup::run_post_reduce_hook(bool end_of_pass, uint64_t round) {
-  if (!post_reduce_hook_ || !reduced_in_pass_ || post_reduced_)
+  if (!post_reduce_hook_ || pass_reduction_.get() != PassReduction::kReduced)
     return false;
   if (!end_of_pass) {
     for (const auto& c : calls_) {
@@ -609,8 +615,10 @@ bool ParamGroup::run_post_reduce_hook(bool end_of_pass, uint64_t round) {
         return false;  // this call's backward may still come and reduce again
     }
     for (const auto& r : reduces_) {
-      if (r.reduce_scatter ||
-          (r.all_reduce_issued && r.all_reduce_round == round && !r.all_reduces.empty()))
+      // Still scattering, or replicating over collectives issued in this round.
+      if (r.stage() == ReduceStage::kScattering ||
+          (r.stage() == ReduceStage::kReplicating && r.all_reduce_round == round &&
+           !r.all_reduces.empty()))
         return false;
     }
   }
@@ -627,22 +635,22 @@ bool ParamGroup::run_post_reduce_hook(bool end_of_pass, uint64_t round) {
   }
   // The reduced buffers now back the grads (or were copied into them): the hook may free them.
   reduces_.clear();
-  post_reduced_ = true;
+  pass_reduction_.hook_ran(name_);
   post_reduce_hook_(params);
   return true;
 }
 
 void ParamGroup::end_backward_pass(uint64_t pass) {
   // A reduction in this pass sent the grads kept by earlier no-sync passes along.
-  const bool kept_consumed = reduced_in_pass_;
+  const bool kept_consumed = pass_reduction_.get() != PassReduction::kNone;
+  const bool hook_ran = pass_reduction_.get() == PassReduction::kHookRan;
   for (auto& p : params_) {
-    if (unit_state_.grads_stashed() && !post_reduced_)
+    if (unit_state_.grads_stashed() && !hook_ran)
       p.restore_stash();
     p.commit_pass(/*drop_kept=*/kept_consumed);
   }
   reduces_.clear();
-  reduced_in_pass_ = false;
-  post_reduced_ = false;
+  pass_reduction_.pass_closed();
   backward_span_ = {};  // a unit whose backward never reduced (nothing reached it)
   unit_state_.pass_closed();
   drop_block_shards();
@@ -655,23 +663,23 @@ void ParamGroup::end_backward_pass(uint64_t pass) {
 void ParamGroup::abort_backward_pass(uint64_t pass, std::vector<std::string>& errors) {
   // Every transfer must have landed (or failed) before its buffers go.
   for (auto& r : reduces_) {
-    if (r.reduce_scatter)
+    if (r.stage() == ReduceStage::kScattering)
       collect_errors(errors, [&] { r.reduce_scatter->wait(); });
     for (auto& w : r.all_reduces)
       collect_errors(errors, [&] { w->wait(); });
   }
   reduces_.clear();
-  if (int8_reduce_ && reduced_in_pass_)
+  if (int8_reduce_ && pass_reduction_.get() != PassReduction::kNone)
     int8_reduce_->abort();  // its residual describes a reduction that did not land
+  const bool hook_ran = pass_reduction_.get() == PassReduction::kHookRan;
   for (auto& p : params_) {
     // The stash replaces whatever autograd accumulated in the failed pass (a unit whose
     // post-reduce hook ran keeps what the hook left: see set_post_reduce_hook).
-    if (unit_state_.grads_stashed() && !post_reduced_)
+    if (unit_state_.grads_stashed() && !hook_ran)
       p.restore_stash();
     p.abort_pass();
   }
-  reduced_in_pass_ = false;
-  post_reduced_ = false;
+  pass_reduction_.pass_closed();
   backward_span_ = {};
   unit_state_.pass_closed();
   collect_errors(errors, [&] { release(); });

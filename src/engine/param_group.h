@@ -51,6 +51,7 @@
 #include <fsdp/distributed/collectives.h>
 #include "autograd_node.h"
 #include "int8_reduce.h"
+#include "pending_reduce.h"
 #include "sharded_param.h"
 #include "unit_state.h"
 
@@ -58,13 +59,19 @@ namespace fsdp::detail {
 
 class RootState;
 
-/// Whether a sharded unit with these options frees its gathered parameters after forward
-/// (kFullShard and kHybridShard, unless reshard_after_forward(false)): what
-/// reshard_after_forward_size applies to.
+/// Whether a unit with these options lets go of its unsharded parameters after forward: every
+/// strategy but kShardGradOp, unless reshard_after_forward(false). kNoShard "reshards" too: it
+/// points the parameters back at their (whole) shards and frees a mixed-precision copy, which is
+/// what keeps its memory equal to DDP's.
+inline bool frees_after_forward(const FullyShardOptions& o) {
+  return o.strategy() != ShardingStrategy::kShardGradOp && o.reshard_after_forward().value_or(true);
+}
+
+/// Whether a sharded unit frees its gathered parameters after forward (kFullShard and
+/// kHybridShard, unless reshard_after_forward(false)): what reshard_after_forward_size applies
+/// to, there being no gather to shrink under kNoShard.
 inline bool reshards_after_forward(const FullyShardOptions& o) {
-  return (o.strategy() == ShardingStrategy::kFullShard ||
-          o.strategy() == ShardingStrategy::kHybridShard) &&
-         o.reshard_after_forward().value_or(true);
+  return o.strategy() != ShardingStrategy::kNoShard && frees_after_forward(o);
 }
 
 /// The process groups one unit communicates over, resolved from its options.
@@ -209,24 +216,6 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   torch::ScalarType reduce_dtype(torch::ScalarType master) const;
 
  private:
-  // Gradient communication of one post-backward, in flight until wait_reduces(). Each rank's
-  // block of the reduce-scatter input is [param 0 chunk | ... | param P-1 chunk | P flags]:
-  // flag i is 1 where this rank produced a gradient for param i, so after the (averaging)
-  // reduction a param gets a grad exactly when some rank produced one, as in one process.
-  struct PendingReduce {
-    std::vector<ShardedParam*> params;
-    torch::Tensor input;       // reduce-scatter input (released when the reduce-scatter is done)
-    torch::Tensor output;      // this rank's reduced shards, then the P flags
-    int64_t flags_offset = 0;  // where the flags start in output
-    // ReduceFormat::kInt8: the exchange's buffers ([N x piece] bytes); decoded into output
-    // when the exchange is done.
-    torch::Tensor wire, received;
-    std::unique_ptr<CollectiveWork> reduce_scatter;
-    std::vector<std::unique_ptr<CollectiveWork>> all_reduces;
-    bool all_reduce_issued = false;
-    uint64_t all_reduce_round = 0;  // RootState::reduce_round() when the all-reduce was issued
-  };
-
   void begin_backward();
   void reduce_gradients();
   void issue_all_reduce();
@@ -257,10 +246,8 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   int moment_before_forward_ = 0;
   // One per reduction of this pass: one per call whose backward ran on its own.
   std::vector<PendingReduce> reduces_;
-  // This pass reduced (it sent the grads kept by earlier no-sync passes along).
-  bool reduced_in_pass_ = false;
-  // The post-reduce hook ran in this pass: the grads are the hook's, not stashed any more.
-  bool post_reduced_ = false;
+  // What this pass did with the unit's grads (pending_reduce.h).
+  PassReductionState pass_reduction_;
   PostReduceHook post_reduce_hook_;
   // ReduceFormat::kInt8 with a reduce-scatter (made on the first reduction that needs it).
   std::optional<Int8Reduce> int8_reduce_;

@@ -1,0 +1,57 @@
+// See pending_reduce.h.
+#include "pending_reduce.h"
+
+#include <c10/util/Exception.h>
+
+namespace fsdp::detail {
+
+const char* to_string(ReduceStage s) {
+  switch (s) {
+    case ReduceStage::kScattering:
+      return "scattering";
+    case ReduceStage::kScattered:
+      return "scattered";
+    case ReduceStage::kReplicating:
+      return "replicating";
+    case ReduceStage::kReduced:
+      return "reduced";
+  }
+  return "?";
+}
+
+const char* to_string(PassReduction s) {
+  switch (s) {
+    case PassReduction::kNone:
+      return "none";
+    case PassReduction::kReduced:
+      return "reduced";
+    case PassReduction::kHookRan:
+      return "hook ran";
+  }
+  return "?";
+}
+
+void PendingReduce::advance(ReduceStage to, const std::string& unit) {
+  // The first transition enters the pipeline: at kScattering (a reduce-scatter issued) or, for a
+  // unit of one shard, straight at kScattered. Every later one goes to the next stage.
+  const bool ok = started_ ? static_cast<int>(to) == static_cast<int>(stage_) + 1
+                           : to == ReduceStage::kScattering || to == ReduceStage::kScattered;
+  TORCH_INTERNAL_ASSERT(ok, "fsdp: unit '", unit, "': a reduction went from ",
+                        started_ ? to_string(stage_) : "unissued", " to ", to_string(to));
+  stage_ = to;
+  started_ = true;
+}
+
+void PassReductionState::reduced(const std::string& unit) {
+  TORCH_INTERNAL_ASSERT(state_ != PassReduction::kHookRan, "fsdp: unit '", unit,
+                        "' reduced again after its post-reduce hook ran in the same pass");
+  state_ = PassReduction::kReduced;
+}
+
+void PassReductionState::hook_ran(const std::string& unit) {
+  TORCH_INTERNAL_ASSERT(state_ == PassReduction::kReduced, "fsdp: unit '", unit,
+                        "': post-reduce hook in state '", to_string(state_), "'");
+  state_ = PassReduction::kHookRan;
+}
+
+}  // namespace fsdp::detail

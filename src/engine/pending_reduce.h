@@ -1,0 +1,82 @@
+// The gradient reduction pipeline of one unit, as states (like UnitState for the parameters):
+// each reduction a unit issues in a backward pass (PendingReduce) and what the pass as a whole
+// has done with the unit's gradients (PassReduction), each with its transitions in one place and
+// asserted.
+//
+// ReduceStage, per reduction, in this order only:
+//   kScattering   the reduce-scatter (or ReduceFormat::kInt8's exchange) is in flight
+//   kScattered    this rank's reduced shards are in `output`; the all-reduce across replicas
+//                 (kHybridShard, kNoShard) is not issued yet (a unit of one shard starts here)
+//   kReplicating  the all-reduce is issued, in RootState::reduce_round() `all_reduce_round`
+//                 (no collective at all where there is one replica)
+//   kReduced      every collective is done: `output` holds the final reduced shards and flags
+//
+// PassReduction, per unit and backward pass:
+//   kNone      no reduction yet: the grads kept by earlier no-sync passes still wait to travel
+//   kReduced   a reduction carried them (with this pass's): later ones of the pass do not
+//   kHookRan   the post-reduce hook (the optimizer in backward) took the reduced grads: they are
+//              the hook's, not stashed any more, and no reduction may follow in this pass
+// Both kReduced and kHookRan return to kNone when the pass ends or fails.
+#pragma once
+
+#include <torch/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fsdp/distributed/collectives.h>
+
+namespace fsdp::detail {
+
+class ShardedParam;
+
+enum class ReduceStage { kScattering, kScattered, kReplicating, kReduced };
+enum class PassReduction { kNone, kReduced, kHookRan };
+
+const char* to_string(ReduceStage s);
+const char* to_string(PassReduction s);
+
+// Gradient communication of one post-backward, in flight until ParamGroup::wait_reduces(). Each
+// rank's block of the reduce-scatter input is [param 0 chunk | ... | param P-1 chunk | P flags]:
+// flag i is 1 where this rank produced a gradient for param i, so after the (averaging)
+// reduction a param gets a grad exactly when some rank produced one, as in one process.
+struct PendingReduce {
+  std::vector<ShardedParam*> params;
+  torch::Tensor input;       // reduce-scatter input (released when the reduce-scatter is done)
+  torch::Tensor output;      // this rank's reduced shards, then the P flags
+  int64_t flags_offset = 0;  // where the flags start in output
+  // ReduceFormat::kInt8: the exchange's buffers ([N x piece] bytes); decoded into output when
+  // the exchange is done.
+  torch::Tensor wire, received;
+  std::unique_ptr<CollectiveWork> reduce_scatter;
+  std::vector<std::unique_ptr<CollectiveWork>> all_reduces;
+  uint64_t all_reduce_round = 0;  // set on kScattered -> kReplicating
+
+  ReduceStage stage() const { return stage_; }
+  /// The one transition: to the next stage, in ReduceStage's order; kScattered first for a
+  /// reduction without a reduce-scatter. `unit` names the unit in the assertion's message.
+  void advance(ReduceStage to, const std::string& unit);
+
+ private:
+  ReduceStage stage_ = ReduceStage::kScattering;
+  bool started_ = false;
+};
+
+// What one unit's backward pass has done with its gradients (see above).
+class PassReductionState {
+ public:
+  PassReduction get() const { return state_; }
+  /// A reduction of this pass was issued: kNone | kReduced -> kReduced.
+  void reduced(const std::string& unit);
+  /// The post-reduce hook ran: kReduced -> kHookRan.
+  void hook_ran(const std::string& unit);
+  /// The pass ended or failed: -> kNone.
+  void pass_closed() { state_ = PassReduction::kNone; }
+
+ private:
+  PassReduction state_ = PassReduction::kNone;
+};
+
+}  // namespace fsdp::detail
