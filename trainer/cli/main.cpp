@@ -32,6 +32,7 @@
 #include <cstring>
 #include <filesystem>
 #include <new>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -154,51 +155,56 @@ static void bound_malloc_arenas() {
 #endif
 }
 
-int main(int argc, char** argv) {
-  bound_malloc_arenas();
-  fsdp::die_with_launcher();
-  // Under the tracker, which then counts the bytes requested; training.cpu_cache turns the
-  // caching off once the config is read (Trainer).
-  fsdp::memory::install_caching_allocator();
-  fsdp::memory::install_tracking_allocator();
+namespace {
 
-  // fr-analyze reads files only: no config, no ranks.
-  if (argc > 1 && std::strcmp(argv[1], "fr-analyze") == 0) {
-    if (argc != 3) {
-      std::fprintf(stderr,
-                   "usage: fsdp-train fr-analyze DIR (a run's flight_recorder directory)\n");
-      return 2;
-    }
-    try {
-      std::fputs(fsdp::analyze_flight_dumps(argv[2]).text.c_str(), stdout);
-      return 0;
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "fsdp-train fr-analyze: %s\n", first_line(e.what()).c_str());
-      return 2;
-    }
+// fsdp-train fr-analyze DIR: reads files only (no config, no ranks).
+int fr_analyze(int argc, char** argv) {
+  if (argc != 3) {
+    std::fprintf(stderr, "usage: fsdp-train fr-analyze DIR (a run's flight_recorder directory)\n");
+    return 2;
   }
+  try {
+    std::fputs(fsdp::analyze_flight_dumps(argv[2]).text.c_str(), stdout);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fsdp-train fr-analyze: %s\n", first_line(e.what()).c_str());
+    return 2;
+  }
+}
+
+// What the command line asks for.
+struct CommandLine {
+  std::string command = "train";  // train, finetune, export, generate
+  std::string config_path, checkpoint, out_dir;
+  int nproc = 0;
+  bool print_config = false;
+  std::vector<std::string> overrides;  // section.key=value
+};
+
+// Parses the command line into `cl`; returns an exit code when there is nothing more to do
+// (help, version, the option reference, or bad usage: one line, exit 2).
+std::optional<int> parse_command_line(int argc, char** argv, CommandLine& cl) {
   // The command is the first argument, when it is one ("train" otherwise).
-  std::string command = "train";
   int shift = 0;
   if (argc > 1 &&
       (std::strcmp(argv[1], "train") == 0 || std::strcmp(argv[1], "export") == 0 ||
        std::strcmp(argv[1], "generate") == 0 || std::strcmp(argv[1], "finetune") == 0)) {
-    command = argv[1];
+    cl.command = argv[1];
     shift = 1;
   }
   CLI::App app{"fsdp-train: Fully Sharded Data Parallel training of GPT and Llama models"};
   app.allow_extras();
-  std::string config_path, checkpoint, out_dir;
-  int nproc = 0;
-  bool print_config = false, print_reference = false, plan = false;
-  app.add_option("--checkpoint", checkpoint,
+  bool print_reference = false, plan = false;
+  app.add_option("--checkpoint", cl.checkpoint,
                  "export, generate: the saved model (a sharded checkpoint directory, 'latest', or "
                  "a Hugging Face directory)");
-  app.add_option("--out", out_dir, "export: the Hugging Face directory to write (must not exist)");
-  app.add_option("config", config_path, "TOML configuration file (defaults apply without one)");
-  app.add_option("--nproc", nproc, "Start this many local ranks (like torchrun --nproc-per-node)")
+  app.add_option("--out", cl.out_dir,
+                 "export: the Hugging Face directory to write (must not exist)");
+  app.add_option("config", cl.config_path, "TOML configuration file (defaults apply without one)");
+  app.add_option("--nproc", cl.nproc,
+                 "Start this many local ranks (like torchrun --nproc-per-node)")
       ->check(CLI::Range(1, 1024));
-  app.add_flag("--print-config", print_config, "Print the resolved configuration and exit");
+  app.add_flag("--print-config", cl.print_config, "Print the resolved configuration and exit");
   app.add_flag("--plan", plan,
                "Print the predicted per-rank peak memory before step 1 and predicted vs "
                "measured at the end (logging.plan)");
@@ -232,7 +238,6 @@ int main(int argc, char** argv) {
     std::fputs(fsdp_trainer::reference_markdown().c_str(), stdout);
     return 0;
   }
-  std::vector<std::string> overrides;
   for (const auto& extra : app.remaining()) {
     if (extra.rfind("--", 0) != 0) {
       std::fprintf(stderr,
@@ -241,29 +246,109 @@ int main(int argc, char** argv) {
                    extra.c_str());
       return 2;
     }
-    overrides.push_back(extra.substr(2));
+    cl.overrides.push_back(extra.substr(2));
   }
   if (plan)
-    overrides.push_back("logging.plan=true");
+    cl.overrides.push_back("logging.plan=true");
 
+  const bool trains = cl.command == "train" || cl.command == "finetune";
   const char* misuse = nullptr;
-  if ((command == "train" || command == "finetune") && (!checkpoint.empty() || !out_dir.empty()))
+  if (trains && (!cl.checkpoint.empty() || !cl.out_dir.empty()))
     misuse = "--checkpoint and --out belong to the commands export and generate";
-  else if (command != "train" && command != "finetune" && checkpoint.empty())
+  else if (!trains && cl.checkpoint.empty())
     misuse = "this command needs --checkpoint PATH";
-  else if (command == "export" && out_dir.empty())
+  else if (cl.command == "export" && cl.out_dir.empty())
     misuse = "export needs --out DIR";
-  else if (command == "generate" && !out_dir.empty())
+  else if (cl.command == "generate" && !cl.out_dir.empty())
     misuse = "generate takes no --out";
   if (misuse) {
     std::fprintf(stderr, "fsdp-train: %s\n", misuse);
     return 2;
   }
+  return std::nullopt;
+}
 
+// --nproc N without a launcher around: checks the job, then starts N ranks of this program with
+// the same arguments less --nproc.
+int launch_ranks(const fsdp_trainer::Config& config, const CommandLine& cl, int argc, char** argv) {
+  fsdp_trainer::preflight(config, cl.command, cl.nproc, cl.nproc);
+#ifdef FSDP_TRAIN_CUDA
+  if (config.training.device == "cuda")
+    require_gpus(cl.nproc);
+#endif
+  std::vector<std::string> args;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--nproc") {
+      ++i;
+    } else if (a.rfind("--nproc=", 0) != 0) {
+      args.push_back(a);
+    }
+  }
+  return fsdp_trainer::launch_local(cl.nproc, args, static_cast<int>(config.training.threads));
+}
+
+// One rank of the job (started by a launcher, or alone): checks the job's shape before joining
+// it (every rank fails the same way; rank 0 says why), then runs the command.
+int run_rank(const fsdp_trainer::Config& config, const CommandLine& cl) {
+  const fsdp::LaunchEnv env = fsdp::launch_env_from_environment();
+  try {
+    fsdp_trainer::preflight(config, cl.command, env.world_size, env.local_world_size);
+  } catch (const fsdp_trainer::ConfigError&) {
+    if (env.rank != 0)
+      return 2;
+    throw;
+  }
+  // Declared before the trainer, so it runs after the trainer is gone, on every way out: the
+  // model's units (and through them its NCCL groups) otherwise live in fsdp's registry until
+  // static destruction, after the CUDA runtime's, and NCCL's teardown then aborts the process
+  // (fsdp::release_dead_models).
+  struct ReleaseModels {
+    ~ReleaseModels() { fsdp::release_dead_models(); }
+  } release_models;
+  fsdp_trainer::DeviceMemory device_memory;
+#ifdef FSDP_TRAIN_CUDA
+  if (config.training.device == "cuda")
+    device_memory = prepare_cuda(env.local_rank, env.local_world_size);
+#endif
+  if (cl.command == "train" || cl.command == "finetune") {
+    fsdp_trainer::Trainer trainer(config, std::move(device_memory));
+    trainer.train();
+    if (cl.command == "train")
+      trainer.generate();  // finetune answers its held-out questions inside train()
+    return 0;
+  }
+  fsdp_trainer::Trainer trainer(config, std::move(device_memory), fsdp_trainer::Purpose::kUseSaved);
+  const auto from = trainer.load_weights(cl.checkpoint);
+  if (trainer.rank() == 0)
+    std::printf("fsdp-train %s: parameters from %s\n", cl.command.c_str(), from.c_str());
+  if (cl.command == "export")
+    trainer.export_hf(cl.out_dir, /*replace=*/false);
+  else
+    trainer.generate();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bound_malloc_arenas();
+  fsdp::die_with_launcher();
+  // Under the tracker, which then counts the bytes requested; training.cpu_cache turns the
+  // caching off once the config is read (Trainer).
+  fsdp::memory::install_caching_allocator();
+  fsdp::memory::install_tracking_allocator();
+
+  if (argc > 1 && std::strcmp(argv[1], "fr-analyze") == 0)
+    return fr_analyze(argc, argv);
+  CommandLine cl;
+  if (const auto done = parse_command_line(argc, argv, cl))
+    return *done;
   try {
     // Validate before starting any rank: a bad config fails once, immediately.
-    const auto config = fsdp_trainer::load_config(config_path, overrides, command == "finetune");
-    if (print_config) {
+    const auto config =
+        fsdp_trainer::load_config(cl.config_path, cl.overrides, cl.command == "finetune");
+    if (cl.print_config) {
       std::fputs(fsdp_trainer::to_toml(config).c_str(), stdout);
       return 0;
     }
@@ -271,62 +356,9 @@ int main(int argc, char** argv) {
     if (config.training.device == "cuda")
       exec_cuda_trainer(argv);
 #endif
-    if (nproc > 0 && std::getenv("RANK") == nullptr) {
-      fsdp_trainer::preflight(config, command, nproc, nproc);
-#ifdef FSDP_TRAIN_CUDA
-      if (config.training.device == "cuda")
-        require_gpus(nproc);
-#endif
-      std::vector<std::string> args;
-      for (int i = 1; i < argc; ++i) {
-        const std::string a = argv[i];
-        if (a == "--nproc") {
-          ++i;
-        } else if (a.rfind("--nproc=", 0) != 0) {
-          args.push_back(a);
-        }
-      }
-      return fsdp_trainer::launch_local(nproc, args, static_cast<int>(config.training.threads));
-    }
-    // Started by a launcher (or alone): check the job's shape before joining it. Every rank
-    // fails the same way; rank 0 says why.
-    const fsdp::LaunchEnv env = fsdp::launch_env_from_environment();
-    try {
-      fsdp_trainer::preflight(config, command, env.world_size, env.local_world_size);
-    } catch (const fsdp_trainer::ConfigError&) {
-      if (env.rank != 0)
-        return 2;
-      throw;
-    }
-    // Declared before the trainer, so it runs after the trainer is gone, on every way out:
-    // the model's units (and through them its NCCL groups) otherwise live in fsdp's registry
-    // until static destruction, after the CUDA runtime's, and NCCL's teardown then aborts the
-    // process (fsdp::release_dead_models).
-    struct ReleaseModels {
-      ~ReleaseModels() { fsdp::release_dead_models(); }
-    } release_models;
-    fsdp_trainer::DeviceMemory device_memory;
-#ifdef FSDP_TRAIN_CUDA
-    if (config.training.device == "cuda")
-      device_memory = prepare_cuda(env.local_rank, env.local_world_size);
-#endif
-    if (command == "train" || command == "finetune") {
-      fsdp_trainer::Trainer trainer(config, std::move(device_memory));
-      trainer.train();
-      if (command == "train")
-        trainer.generate();  // finetune answers its held-out questions inside train()
-      return 0;
-    }
-    fsdp_trainer::Trainer trainer(config, std::move(device_memory),
-                                  fsdp_trainer::Purpose::kUseSaved);
-    const auto from = trainer.load_weights(checkpoint);
-    if (trainer.rank() == 0)
-      std::printf("fsdp-train %s: parameters from %s\n", command.c_str(), from.c_str());
-    if (command == "export")
-      trainer.export_hf(out_dir, /*replace=*/false);
-    else
-      trainer.generate();
-    return 0;
+    if (cl.nproc > 0 && std::getenv("RANK") == nullptr)
+      return launch_ranks(config, cl, argc, argv);
+    return run_rank(config, cl);
   } catch (const fsdp_trainer::ConfigError& e) {
     std::fprintf(stderr, "%sfsdp-train: config error: %s\n", rank_prefix().c_str(), e.what());
     return 2;
