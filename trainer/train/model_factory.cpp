@@ -11,6 +11,7 @@
 
 #include <fsdp/distributed/process_group.h>
 
+#include "compute_dtype.h"
 #include "data/pretrained_model.h"
 #include "gpt.h"
 #include "hf_format.h"
@@ -329,6 +330,53 @@ TrainModel build_finetune_model(const Config& config, const std::string& model_p
                   pretrained_name(model_path), cfg.n_layers, cfg.dim, cfg.num_params() / 1e6,
                   f.method, trainable / 1e6, f.method == "qlora" ? ", block weights in NF4" : "");
   return out;
+}
+
+UnitOptions unit_options(const Config& config, std::shared_ptr<fsdp::ProcessGroup> group,
+                         const std::string& compute_dtype, int local_world_size) {
+  const auto& f = config.fsdp;
+  const auto& prec = config.precision;
+  fsdp::FullyShardOptions o(std::move(group));
+  // Each knob only where it means something: fully_shard refuses the others.
+  const auto strategy = fsdp::from_string<fsdp::ShardingStrategy>(f.strategy);
+  o.strategy(strategy);
+  if (strategy == fsdp::ShardingStrategy::kHybridShard)
+    o.hybrid_shard_size(static_cast<int>(resolved_hybrid_shard_size(config, local_world_size)));
+  if (strategy == fsdp::ShardingStrategy::kFullShard ||
+      strategy == fsdp::ShardingStrategy::kHybridShard) {
+    o.reshard_after_forward(f.reshard_after_forward)
+        .reshard_after_forward_size(static_cast<int>(f.reshard_after_forward_size));
+  }
+  o.forward_prefetch(f.forward_prefetch)
+      .backward_prefetch(fsdp::from_string<fsdp::BackwardPrefetch>(f.backward_prefetch))
+      .max_inflight_all_gathers(static_cast<int>(f.max_inflight_all_gathers))
+      .all_reduce_bucket_bytes(
+          std::max<int64_t>(1, std::llround(f.all_reduce_bucket_mb * (1 << 20))))
+      .all_gather_bucket_bytes(std::llround(f.all_gather_bucket_mb * (1 << 20)))
+      .sync_module_states(f.sync_module_states);
+  if (f.cpu_offload)
+    o.offload_policy(fsdp::CPUOffloadPolicy());
+  // Blocks gather and compute in param_dtype; the root too unless root_fp32, and its logits
+  // come out in fp32 either way (the loss and its softmax in fp32). gather_format applies to
+  // the root unless root_fp32 (which keeps the root exact).
+  UnitOptions units{o, o};
+  auto policy = fsdp::MixedPrecisionPolicy()
+                    .param_dtype(dtype_named(compute_dtype))
+                    .reduce_dtype(dtype_named(prec.reduce_dtype))
+                    .gather_format(fsdp::from_string<fsdp::GatherFormat>(prec.gather_format))
+                    .int8_block_size(prec.int8_block)
+                    .reduce_format(fsdp::from_string<fsdp::ReduceFormat>(prec.reduce_format))
+                    .error_feedback(prec.error_feedback);
+  // With an fp32 root the blocks hand it fp32 (the last block's output meets fp32 weights);
+  // each block casts its input back to param_dtype on entry.
+  units.blocks.mp_policy(
+      prec.root_fp32 ? fsdp::MixedPrecisionPolicy(policy).output_dtype(torch::kFloat) : policy);
+  units.root.mp_policy(prec.root_fp32
+                           ? fsdp::MixedPrecisionPolicy()
+                           : fsdp::MixedPrecisionPolicy(policy).output_dtype(torch::kFloat));
+  units.blocks.activation_checkpointing(
+      fsdp::from_string<fsdp::CheckpointMode>(f.activation_checkpointing));
+  return units;
 }
 
 }  // namespace fsdp_trainer

@@ -50,6 +50,14 @@ struct UnitOptions {
   fsdp::FullyShardOptions root;
 };
 
+/// The units' options a config asks for: the one translation of [fsdp] and [precision] into
+/// engine options, which the trainer shards with and the planner (step_plan.cpp) predicts from.
+/// `group`: the job's (null where the options are only read). `compute_dtype`: the resolved
+/// precision.param_dtype ("fp32", "bf16", "fp16"). `local_world_size`: ranks per node (for
+/// hybrid_shard's default block).
+UnitOptions unit_options(const Config& config, std::shared_ptr<fsdp::ProcessGroup> group,
+                         const std::string& compute_dtype, int local_world_size);
+
 /// `only_blocks` > 0 (the planner's timing): that many blocks, the weights not read (zeros).
 /// The pretrained model of `model_path` (config.finetune: LoRA or QLoRA applied before
 /// sharding; max_seq_len finetune.max_tokens), sharded with `options`, each rank reading its

@@ -223,14 +223,19 @@ RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& mo
   const auto& opt = config.optimizer;
   const auto dtype = dtype_named(compute_dtype);
 
+  // What the engine will be given (model_factory.h, unit_options: the trainer shards with the
+  // same), read back into the planner's terms.
+  const UnitOptions units = unit_options(config, nullptr, compute_dtype, local_world_size);
+  const auto& blocks = units.blocks;
+  const auto& mp = blocks.mp_policy();
   s.world_size = world_size;
-  s.strategy = fsdp::from_string<fsdp::ShardingStrategy>(f.strategy);
+  s.strategy = blocks.strategy();
   if (s.strategy == fsdp::ShardingStrategy::kHybridShard)
-    s.hybrid_shard_size = static_cast<int>(resolved_hybrid_shard_size(config, local_world_size));
+    s.hybrid_shard_size = blocks.hybrid_shard_size();
   s.param_dtype = dtype;
   s.reduce_dtype = dtype_named(prec.reduce_dtype);
   s.root_full_precision = prec.root_fp32;
-  s.cpu_offload = f.cpu_offload;
+  s.cpu_offload = blocks.offload_policy().has_value();
   if (opt.name == "sgd") {
     s.optimizer = opt.momentum > 0 ? plan::Optimizer::kSgdMomentum : plan::Optimizer::kSgd;
   } else {
@@ -240,20 +245,19 @@ RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& mo
   s.moments_dtype = opt.moments_dtype == "bf16" ? torch::kBFloat16 : torch::kFloat;
   s.optimizer_in_file = opt.offload == "file";
   s.chunk_bytes = std::llround(opt.chunk_mb * (1 << 20));
-  if (s.strategy == fsdp::ShardingStrategy::kFullShard ||
-      s.strategy == fsdp::ShardingStrategy::kHybridShard) {
-    o.reshard_after_forward = f.reshard_after_forward;
-    o.reshard_after_forward_size = static_cast<int>(f.reshard_after_forward_size);
+  if (blocks.reshard_after_forward().has_value()) {
+    o.reshard_after_forward = *blocks.reshard_after_forward();
+    o.reshard_after_forward_size = blocks.reshard_after_forward_size();
   }
-  o.forward_prefetch = f.forward_prefetch;
-  o.backward_prefetch = fsdp::from_string<fsdp::BackwardPrefetch>(f.backward_prefetch);
-  o.max_inflight_all_gathers = static_cast<int>(f.max_inflight_all_gathers);
-  o.gather_format = fsdp::from_string<fsdp::GatherFormat>(prec.gather_format);
-  o.int8_block_size = prec.int8_block;
-  o.reduce_format = fsdp::from_string<fsdp::ReduceFormat>(prec.reduce_format);
-  o.error_feedback = prec.error_feedback;
+  o.forward_prefetch = blocks.forward_prefetch();
+  o.backward_prefetch = blocks.backward_prefetch();
+  o.max_inflight_all_gathers = blocks.max_inflight_all_gathers();
+  o.gather_format = mp.gather_format();
+  o.int8_block_size = mp.int8_block_size();
+  o.reduce_format = mp.reduce_format();
+  o.error_feedback = mp.error_feedback();
   o.optimizer_in_backward = f.optimizer_in_backward;
-  o.all_gather_bucket_bytes = std::llround(f.all_gather_bucket_mb * (1 << 20));
+  o.all_gather_bucket_bytes = blocks.all_gather_bucket_bytes();
   o.gloo_staging = o.gloo_reduce_scatter = t.device == "cpu";
   o.micro_batches = static_cast<int>(t.micro_batches);
   o.sync_every_micro_batch = f.sync_every_micro_batch;

@@ -139,50 +139,9 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
 
   compute_dtype_ = resolve_compute_dtype();
   const auto& f = config_.fsdp;
-  const int64_t hybrid_size = resolved_hybrid_shard_size(config_, local_world);
-  fsdp::FullyShardOptions fsdp_options(pg_);
-  // Each knob only where it means something: fully_shard refuses the others.
-  const auto strategy = fsdp::from_string<fsdp::ShardingStrategy>(f.strategy);
-  fsdp_options.strategy(strategy);
-  if (strategy == fsdp::ShardingStrategy::kHybridShard)
-    fsdp_options.hybrid_shard_size(static_cast<int>(hybrid_size));
-  if (strategy == fsdp::ShardingStrategy::kFullShard ||
-      strategy == fsdp::ShardingStrategy::kHybridShard) {
-    fsdp_options.reshard_after_forward(f.reshard_after_forward)
-        .reshard_after_forward_size(static_cast<int>(f.reshard_after_forward_size));
-  }
-  fsdp_options.forward_prefetch(f.forward_prefetch)
-      .backward_prefetch(fsdp::from_string<fsdp::BackwardPrefetch>(f.backward_prefetch))
-      .max_inflight_all_gathers(static_cast<int>(f.max_inflight_all_gathers))
-      .all_reduce_bucket_bytes(
-          std::max<int64_t>(1, std::llround(f.all_reduce_bucket_mb * (1 << 20))))
-      .all_gather_bucket_bytes(std::llround(f.all_gather_bucket_mb * (1 << 20)))
-      .sync_module_states(f.sync_module_states);
-  if (f.cpu_offload)
-    fsdp_options.offload_policy(fsdp::CPUOffloadPolicy());
-  // Blocks gather and compute in param_dtype; the root too unless root_fp32, and its logits
-  // come out in fp32 either way (the loss and its softmax in fp32).
   const auto& prec = config_.precision;
-  const auto param_dtype = dtype_named(compute_dtype_.dtype);
-  const auto reduce_dtype = dtype_named(prec.reduce_dtype);
-  // gather_format applies to the root unless root_fp32 (which keeps the root exact).
-  UnitOptions units{fsdp_options, fsdp_options};
-  auto policy = fsdp::MixedPrecisionPolicy()
-                    .param_dtype(param_dtype)
-                    .reduce_dtype(reduce_dtype)
-                    .gather_format(fsdp::from_string<fsdp::GatherFormat>(prec.gather_format))
-                    .int8_block_size(prec.int8_block)
-                    .reduce_format(fsdp::from_string<fsdp::ReduceFormat>(prec.reduce_format))
-                    .error_feedback(prec.error_feedback);
-  // With an fp32 root the blocks hand it fp32 (the last block's output meets fp32 weights);
-  // each block casts its input back to param_dtype on entry.
-  units.blocks.mp_policy(
-      prec.root_fp32 ? fsdp::MixedPrecisionPolicy(policy).output_dtype(torch::kFloat) : policy);
-  units.root.mp_policy(prec.root_fp32
-                           ? fsdp::MixedPrecisionPolicy()
-                           : fsdp::MixedPrecisionPolicy(policy).output_dtype(torch::kFloat));
-  units.blocks.activation_checkpointing(
-      fsdp::from_string<fsdp::CheckpointMode>(f.activation_checkpointing));
+  const int64_t hybrid_size = resolved_hybrid_shard_size(config_, local_world);
+  const UnitOptions units = unit_options(config_, pg_, compute_dtype_.dtype, local_world);
   {
     // Building draws every weight on the host (counter-based draws: the values do not depend
     // on the thread count), and with training.threads = 1 a 1.5B-parameter model took about a
