@@ -108,37 +108,9 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
   const int local_world = env.local_world_size;
   validate_world(config_, world, local_world);  // main() checked already; never hang on it
 
-  std::string model_file;
-  if (config_.finetuning) {
-    model_file = resolve_model_file(config_.finetune.model);
-    if (rank == 0)
-      std::printf("fsdp-train: fine-tuning %s ...\n", model_file.c_str());
-    std::fflush(stdout);
-    finetune_ = std::make_unique<FinetuneData>(config_, model_file, rank, world);
-  } else {
-    PrepareOptions prep;
-    prep.corpus = config_.data.corpus;
-    prep.out_dir = config_.data.dir;
-    prep.vocab_size = static_cast<int>(config_.data.vocab_size);
-    prep.held_out_fraction = config_.data.held_out_fraction;
-    prep.seed = static_cast<uint64_t>(t.seed);
-    if (rank == 0)
-      std::printf("fsdp-train: preparing data in %s ...\n", prep.out_dir.c_str());
-    std::fflush(stdout);
-    data_ = prepare_data(prep, rank, [this] { pg_->barrier(); });
-    tokenizer_.load(data_.tokenizer_path);
-    export_files_ = tokenizer_export_files(tokenizer_, t.seq_len);
-    train_file_ = std::make_unique<TokenFile>(data_.train_path);
-    val_file_ = std::make_unique<TokenFile>(data_.val_path);
-    sampler_ = std::make_unique<DistributedSampler>(*train_file_, t.batch_size, t.seq_len, rank,
-                                                    world, static_cast<uint64_t>(t.seed));
-    eval_set_ = eval_batches(*val_file_, t.batch_size, t.seq_len, rank, world, t.eval_batches);
-    for (auto& batch : eval_set_)
-      batch = batch.to(device_);
-  }
+  const std::string model_file = prepare_inputs(rank, world);
 
   compute_dtype_ = resolve_compute_dtype();
-  const auto& f = config_.fsdp;
   const auto& prec = config_.precision;
   const int64_t hybrid_size = resolved_hybrid_shard_size(config_, local_world);
   const UnitOptions units = unit_options(config_, pg_, compute_dtype_.dtype, local_world);
@@ -183,6 +155,18 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
       std::printf("fsdp-train: parameters from %s\n", from.c_str());
   }
 
+  measure_mfu_peak();
+
+  if (rank == 0) {
+    open_run_directory();
+    describe_run(world, hybrid_size);
+  }
+  plan_memory(model_file);
+}
+
+// MFU's two sides: the model's FLOPs per token, and the peak it is relative to.
+void Trainer::measure_mfu_peak() {
+  const auto& t = config_.training;
   if (finetune_) {
     // Adapters leave out the weight gradients: forward 2N and input gradients 2N of 6N.
     flops_per_token_ = gpt_flops_per_token(model_.num_params, model_.n_layer, model_.n_embd,
@@ -203,97 +187,140 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
   pg_->barrier();
   peak_flops_per_rank_ = static_cast<double>(max_over_ranks(
       std::llround(peak_matmul_flops(dtype_named(compute_dtype_.dtype), shapes, device_))));
+}
 
-  if (rank == 0) {
-    std::filesystem::create_directories(config_.logging.run_dir);
-    fsdp::write_file_atomic(
-        (std::filesystem::path(config_.logging.run_dir) / "config.toml").string(),
-        to_toml(config_));
-    // A fresh run replaces the metrics of an earlier one in the same directory; a resumed one
-    // keeps the lines before the step it resumes after.
-    const auto metrics_path = std::filesystem::path(config_.logging.run_dir) / "metrics.jsonl";
-    if (start_step_ == 0) {
-      std::filesystem::remove(metrics_path);
-      metrics_ = std::make_unique<MetricsWriter>(metrics_path.string());
-    } else {
-      metrics_ = std::make_unique<MetricsWriter>(metrics_path.string(), start_step_ + 1);
-    }
-    if (config_.logging.tensorboard) {
-      // The same policy as metrics.jsonl: a fresh run removes an earlier run's event files
-      // (TensorBoard would show both runs' steps as one run's); a resumed run adds a file,
-      // whose SessionLog START hides the earlier files' steps after the checkpoint.
-      const auto tb_dir = std::filesystem::path(config_.logging.run_dir) / "tensorboard";
-      if (start_step_ == 0 && std::filesystem::is_directory(tb_dir)) {
-        for (const auto& entry : std::filesystem::directory_iterator(tb_dir))
-          if (is_tensorboard_event_file(entry.path().filename().string()))
-            std::filesystem::remove(entry.path());
-      }
-      tensorboard_ = std::make_unique<TensorBoardWriter>(tb_dir.string(), start_step_ + 1);
-    }
-    progress_ =
-        std::make_unique<Progress>(config_.logging.progress, t.steps, config_.logging.log_every);
-    if (finetune_) {
-      progress_->message(fmt::format(
-          "fsdp-train finetune: {} on {} rank(s) | data: {} conversations ({}), {} held-out "
-          "| {} conversations per rank per step, loss on the answers only",
-          model_.description, world, finetune_->train_size(), config_.finetune.train_file,
-          finetune_->eval_examples().size(), t.batch_size));
-    } else {
-      progress_->message(fmt::format(
-          "fsdp-train: {} on {} rank(s) | data: {} document(s){}, {} train / {} held-out "
-          "tokens ({:.1f}%), vocab {} | {} x {} tokens per rank per step",
-          model_.description, world, data_.documents,
-          data_.files > 0 ? fmt::format(" in {} file(s)", data_.files) : std::string(),
-          data_.train_tokens, data_.val_tokens,
-          100.0 * data_.val_tokens / std::max<int64_t>(1, data_.train_tokens + data_.val_tokens),
-          data_.vocab_size, t.batch_size, t.seq_len));
-    }
-    std::string sharding = f.strategy;
-    if (f.strategy == "hybrid_shard") {
-      sharding += fmt::format(" (sharded in groups of {} ranks, replicated {}x)", hybrid_size,
-                              world / hybrid_size);
-    } else if (f.strategy == "full_shard" && !f.reshard_after_forward) {
-      sharding += " (reshard_after_forward off)";
-    }
-    if (f.reshard_after_forward_size > 1 && f.reshard_after_forward &&
-        (f.strategy == "full_shard" || f.strategy == "hybrid_shard")) {
-      sharding +=
-          fmt::format(", resharded over {} ranks after forward", f.reshard_after_forward_size);
-    }
-    progress_->message(fmt::format(
-        "fsdp: {} | prefetch: forward {}, backward {}, at most {} all-gathers in flight", sharding,
-        f.forward_prefetch ? "on" : "off", f.backward_prefetch, f.max_inflight_all_gathers));
-    std::string ac = f.activation_checkpointing;
-    if (f.activation_checkpointing != "none" && f.ac_every > 1)
-      ac += fmt::format(" (every {} blocks)", f.ac_every);
-    progress_->message(fmt::format(
-        "precision: compute {}{}, gather {}, reduce {}{} | activation checkpointing: {}",
-        compute_dtype_.dtype,
-        prec.root_fp32 && compute_dtype_.dtype != "fp32" ? " (root fp32)" : "",
-        prec.gather_format == "int8" ? fmt::format("int8 (blocks of {})", prec.int8_block)
-                                     : prec.gather_format,
-        prec.reduce_format == "int8" ? fmt::format("int8 (blocks of {}{})", prec.int8_block,
-                                                   prec.error_feedback ? ", error feedback" : "")
-                                     : prec.reduce_dtype,
-        scaler_ ? ", dynamic loss scaling" : "", ac));
-    const auto& o = config_.optimizer;
-    std::string optimizer = o.name == "adamw" ? "torch::optim::AdamW" : o.name;
-    if (auto* fused = dynamic_cast<fsdp::FusedOptimizer*>(optimizer_.get())) {
-      optimizer +=
-          fmt::format(" ({} kernels, {} moments", fused->kernel_capability(), o.moments_dtype);
-      optimizer += fused->state_in_memory() ? ")" : ", state in " + fused->offload_info() + ")";
-    } else if (dynamic_cast<fsdp::TorchFusedAdamW*>(optimizer_.get())) {
-      optimizer += " (shards on the GPU: torch's fused CUDA AdamW, fsdp::TorchFusedAdamW)";
-    } else if (o.name == "sgd") {
-      optimizer += " (shards on the GPU: torch::optim::SGD)";
-    }
-    progress_->message("optimizer: " + optimizer);
-    progress_->message(fmt::format(
-        "MFU is relative to {:.1f} GFLOP/s per rank: the fastest {} matmul of the model's shapes, "
-        "{} thread(s), measured on every rank at once (the highest)",
-        peak_flops_per_rank_ / 1e9, compute_dtype_.dtype, t.threads));
+// The run's inputs: the pretrained model and instruction data (finetune), or the corpus made
+// into a tokenizer and token files (once, by rank 0), with this rank's sampler and held-out
+// batches. Returns the pretrained model's file ("" when pretraining).
+std::string Trainer::prepare_inputs(int rank, int world) {
+  const auto& t = config_.training;
+  std::string model_file;
+  if (config_.finetuning) {
+    model_file = resolve_model_file(config_.finetune.model);
+    if (rank == 0)
+      std::printf("fsdp-train: fine-tuning %s ...\n", model_file.c_str());
+    std::fflush(stdout);
+    finetune_ = std::make_unique<FinetuneData>(config_, model_file, rank, world);
+  } else {
+    PrepareOptions prep;
+    prep.corpus = config_.data.corpus;
+    prep.out_dir = config_.data.dir;
+    prep.vocab_size = static_cast<int>(config_.data.vocab_size);
+    prep.held_out_fraction = config_.data.held_out_fraction;
+    prep.seed = static_cast<uint64_t>(t.seed);
+    if (rank == 0)
+      std::printf("fsdp-train: preparing data in %s ...\n", prep.out_dir.c_str());
+    std::fflush(stdout);
+    data_ = prepare_data(prep, rank, [this] { pg_->barrier(); });
+    tokenizer_.load(data_.tokenizer_path);
+    export_files_ = tokenizer_export_files(tokenizer_, t.seq_len);
+    train_file_ = std::make_unique<TokenFile>(data_.train_path);
+    val_file_ = std::make_unique<TokenFile>(data_.val_path);
+    sampler_ = std::make_unique<DistributedSampler>(*train_file_, t.batch_size, t.seq_len, rank,
+                                                    world, static_cast<uint64_t>(t.seed));
+    eval_set_ = eval_batches(*val_file_, t.batch_size, t.seq_len, rank, world, t.eval_batches);
+    for (auto& batch : eval_set_)
+      batch = batch.to(device_);
   }
-  plan_memory(model_file);
+  return model_file;
+}
+
+// Rank 0: the run directory with the resolved config, metrics.jsonl (replaced by a fresh run,
+// continued by a resumed one) and the TensorBoard events.
+void Trainer::open_run_directory() {
+  std::filesystem::create_directories(config_.logging.run_dir);
+  fsdp::write_file_atomic((std::filesystem::path(config_.logging.run_dir) / "config.toml").string(),
+                          to_toml(config_));
+  // A fresh run replaces the metrics of an earlier one in the same directory; a resumed one
+  // keeps the lines before the step it resumes after.
+  const auto metrics_path = std::filesystem::path(config_.logging.run_dir) / "metrics.jsonl";
+  if (start_step_ == 0) {
+    std::filesystem::remove(metrics_path);
+    metrics_ = std::make_unique<MetricsWriter>(metrics_path.string());
+  } else {
+    metrics_ = std::make_unique<MetricsWriter>(metrics_path.string(), start_step_ + 1);
+  }
+  if (config_.logging.tensorboard) {
+    // The same policy as metrics.jsonl: a fresh run removes an earlier run's event files
+    // (TensorBoard would show both runs' steps as one run's); a resumed run adds a file,
+    // whose SessionLog START hides the earlier files' steps after the checkpoint.
+    const auto tb_dir = std::filesystem::path(config_.logging.run_dir) / "tensorboard";
+    if (start_step_ == 0 && std::filesystem::is_directory(tb_dir)) {
+      for (const auto& entry : std::filesystem::directory_iterator(tb_dir))
+        if (is_tensorboard_event_file(entry.path().filename().string()))
+          std::filesystem::remove(entry.path());
+    }
+    tensorboard_ = std::make_unique<TensorBoardWriter>(tb_dir.string(), start_step_ + 1);
+  }
+}
+
+// Rank 0: the progress display and the lines that say what runs (data, sharding, precision,
+// optimizer, MFU's peak) before step 1.
+void Trainer::describe_run(int world, int64_t hybrid_size) {
+  const auto& t = config_.training;
+  const auto& f = config_.fsdp;
+  const auto& prec = config_.precision;
+  progress_ =
+      std::make_unique<Progress>(config_.logging.progress, t.steps, config_.logging.log_every);
+  if (finetune_) {
+    progress_->message(fmt::format(
+        "fsdp-train finetune: {} on {} rank(s) | data: {} conversations ({}), {} held-out "
+        "| {} conversations per rank per step, loss on the answers only",
+        model_.description, world, finetune_->train_size(), config_.finetune.train_file,
+        finetune_->eval_examples().size(), t.batch_size));
+  } else {
+    progress_->message(fmt::format(
+        "fsdp-train: {} on {} rank(s) | data: {} document(s){}, {} train / {} held-out "
+        "tokens ({:.1f}%), vocab {} | {} x {} tokens per rank per step",
+        model_.description, world, data_.documents,
+        data_.files > 0 ? fmt::format(" in {} file(s)", data_.files) : std::string(),
+        data_.train_tokens, data_.val_tokens,
+        100.0 * data_.val_tokens / std::max<int64_t>(1, data_.train_tokens + data_.val_tokens),
+        data_.vocab_size, t.batch_size, t.seq_len));
+  }
+  std::string sharding = f.strategy;
+  if (f.strategy == "hybrid_shard") {
+    sharding += fmt::format(" (sharded in groups of {} ranks, replicated {}x)", hybrid_size,
+                            world / hybrid_size);
+  } else if (f.strategy == "full_shard" && !f.reshard_after_forward) {
+    sharding += " (reshard_after_forward off)";
+  }
+  if (f.reshard_after_forward_size > 1 && f.reshard_after_forward &&
+      (f.strategy == "full_shard" || f.strategy == "hybrid_shard")) {
+    sharding +=
+        fmt::format(", resharded over {} ranks after forward", f.reshard_after_forward_size);
+  }
+  progress_->message(fmt::format(
+      "fsdp: {} | prefetch: forward {}, backward {}, at most {} all-gathers in flight", sharding,
+      f.forward_prefetch ? "on" : "off", f.backward_prefetch, f.max_inflight_all_gathers));
+  std::string ac = f.activation_checkpointing;
+  if (f.activation_checkpointing != "none" && f.ac_every > 1)
+    ac += fmt::format(" (every {} blocks)", f.ac_every);
+  progress_->message(fmt::format(
+      "precision: compute {}{}, gather {}, reduce {}{} | activation checkpointing: {}",
+      compute_dtype_.dtype, prec.root_fp32 && compute_dtype_.dtype != "fp32" ? " (root fp32)" : "",
+      prec.gather_format == "int8" ? fmt::format("int8 (blocks of {})", prec.int8_block)
+                                   : prec.gather_format,
+      prec.reduce_format == "int8" ? fmt::format("int8 (blocks of {}{})", prec.int8_block,
+                                                 prec.error_feedback ? ", error feedback" : "")
+                                   : prec.reduce_dtype,
+      scaler_ ? ", dynamic loss scaling" : "", ac));
+  const auto& o = config_.optimizer;
+  std::string optimizer = o.name == "adamw" ? "torch::optim::AdamW" : o.name;
+  if (auto* fused = dynamic_cast<fsdp::FusedOptimizer*>(optimizer_.get())) {
+    optimizer +=
+        fmt::format(" ({} kernels, {} moments", fused->kernel_capability(), o.moments_dtype);
+    optimizer += fused->state_in_memory() ? ")" : ", state in " + fused->offload_info() + ")";
+  } else if (dynamic_cast<fsdp::TorchFusedAdamW*>(optimizer_.get())) {
+    optimizer += " (shards on the GPU: torch's fused CUDA AdamW, fsdp::TorchFusedAdamW)";
+  } else if (o.name == "sgd") {
+    optimizer += " (shards on the GPU: torch::optim::SGD)";
+  }
+  progress_->message("optimizer: " + optimizer);
+  progress_->message(fmt::format(
+      "MFU is relative to {:.1f} GFLOP/s per rank: the fastest {} matmul of the model's shapes, "
+      "{} thread(s), measured on every rank at once (the highest)",
+      peak_flops_per_rank_ / 1e9, compute_dtype_.dtype, t.threads));
 }
 
 Trainer::~Trainer() = default;

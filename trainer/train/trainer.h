@@ -73,6 +73,10 @@ class Trainer {
 
  private:
   void start_flight_recorder(const fsdp::LaunchEnv& env);
+  std::string prepare_inputs(int rank, int world);
+  void open_run_directory();
+  void describe_run(int world, int64_t hybrid_size);
+  void measure_mfu_peak();
   StepMetrics train_step(int64_t step);
   /// What a training step runs on: the job's model, optimizer, trainable parameters, profiler
   /// and loss scaler (or a smaller model's, for the planner's timing).
