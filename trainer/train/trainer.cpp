@@ -112,7 +112,6 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
 
   compute_dtype_ = resolve_compute_dtype();
   const auto& prec = config_.precision;
-  const int64_t hybrid_size = resolved_hybrid_shard_size(config_, local_world);
   const UnitOptions units = unit_options(config_, pg_, compute_dtype_.dtype, local_world);
   {
     // Building draws every weight on the host (counter-based draws: the values do not depend
@@ -159,7 +158,7 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
 
   if (rank == 0) {
     open_run_directory();
-    describe_run(world, hybrid_size);
+    describe_run(world);
   }
   plan_memory(model_file);
 }
@@ -256,7 +255,7 @@ void Trainer::open_run_directory() {
 
 // Rank 0: the progress display and the lines that say what runs (data, sharding, precision,
 // optimizer, MFU's peak) before step 1.
-void Trainer::describe_run(int world, int64_t hybrid_size) {
+void Trainer::describe_run(int world) {
   const auto& t = config_.training;
   const auto& f = config_.fsdp;
   const auto& prec = config_.precision;
@@ -280,6 +279,7 @@ void Trainer::describe_run(int world, int64_t hybrid_size) {
   }
   std::string sharding = f.strategy;
   if (f.strategy == "hybrid_shard") {
+    const int hybrid_size = units_->blocks.hybrid_shard_size();
     sharding += fmt::format(" (sharded in groups of {} ranks, replicated {}x)", hybrid_size,
                             world / hybrid_size);
   } else if (f.strategy == "full_shard" && !f.reshard_after_forward) {

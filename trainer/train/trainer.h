@@ -75,7 +75,7 @@ class Trainer {
   void start_flight_recorder(const fsdp::LaunchEnv& env);
   std::string prepare_inputs(int rank, int world);
   void open_run_directory();
-  void describe_run(int world, int64_t hybrid_size);
+  void describe_run(int world);
   void measure_mfu_peak();
   StepMetrics train_step(int64_t step);
   /// What a training step runs on: the job's model, optimizer, trainable parameters, profiler
