@@ -150,8 +150,9 @@ FSDP_WORKER(optimizer_in_backward_equivalence) {
   return 0;
 }
 
+// One rank (no communication) and three (shards that divide no size); hybrid_shard on four below.
 TEST(OptimizerInBackward, BitwiseTheUsualStep) {
-  for (int world : {1, 2, 3})
+  for (int world : {1, 3})
     EXPECT_WORKERS_OK(fsdp::test::run_workers("optimizer_in_backward_equivalence", world));
 }
 

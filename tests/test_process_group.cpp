@@ -19,14 +19,18 @@
 
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <sstream>
+#include <string>
 #include <thread>
 
 #include "harness/multiprocess.h"
@@ -603,6 +607,56 @@ TEST(Harness, CapturesExitCodesAndOutput) {
   EXPECT_EQ(text.find("| hello from rank 0"), std::string::npos) << text;
 
   EXPECT_WORKERS_OK(fsdp::test::run_workers("harness_echo", 2));
+}
+
+// What a rank is: a fork of the test binary (its command line is the parent's: gtest's), or the
+// binary executed anew (its command line names the worker); either way it sees the launcher's
+// environment as it is at the launch, with the rank's variables, and its output and exit code
+// reach the test.
+FSDP_WORKER(harness_how_started) {
+  std::ifstream in("/proc/self/cmdline", std::ios::binary);
+  const std::string cmdline((std::istreambuf_iterator<char>(in)), {});
+  const bool executed = cmdline.find("--fsdp-worker=harness_how_started") != std::string::npos;
+  std::printf("rank %d %s, OMP threads %d, RANK %s\n", ctx.rank, executed ? "executed" : "forked",
+              at::get_num_threads(), std::getenv("RANK"));
+  const char* set_late = std::getenv("FSDP_TEST_SET_BEFORE_LAUNCH");
+  WORKER_CHECK(set_late && std::string(set_late) == "yes") << (set_late ? set_late : "unset");
+  return 10 + ctx.rank;
+}
+
+TEST(LocalLaunch, ForksTheRanksWhereSingleThreadedAndExecutesThemOtherwise) {
+  // Set after the binary started: a rank started either way sees it, as a spawned one would.
+  ::setenv("FSDP_TEST_SET_BEFORE_LAUNCH", "yes", 1);
+  const fsdp::test::RunOptions no_env;
+  auto forked = fsdp::test::run_workers("harness_how_started", 2, no_env);
+  EXPECT_TRUE(forked.forked);
+  // With another thread alive, a fork could copy a lock that thread holds: spawned instead.
+  std::mutex m;
+  std::condition_variable cv;
+  bool done = false;
+  std::thread other([&] {
+    std::unique_lock lock(m);
+    cv.wait(lock, [&] { return done; });
+  });
+  auto executed = fsdp::test::run_workers("harness_how_started", 2, no_env);
+  {
+    std::lock_guard lock(m);
+    done = true;
+  }
+  cv.notify_all();
+  other.join();
+  ::unsetenv("FSDP_TEST_SET_BEFORE_LAUNCH");
+  EXPECT_FALSE(executed.forked);
+  for (const auto* run : {&forked, &executed}) {
+    const char* how = run == &forked ? "forked" : "executed";
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(run->exit_codes[r], 10 + r) << run->describe();
+      EXPECT_NE(run->outputs[r].find("rank " + std::to_string(r) + " " + how +
+                                     ", OMP threads 1, RANK " + std::to_string(r)),
+                std::string::npos)
+          << run->outputs[r];
+    }
+  }
 }
 
 FSDP_WORKER(harness_hang) {

@@ -531,7 +531,7 @@ FSDP_WORKER(strategy_memory) {
 }
 
 TEST(Strategies, PeakMemoryOrderingPrefetchAndLimiter) {
-  EXPECT_WORKERS_OK(fsdp::test::run_workers("strategy_memory", 3));
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("strategy_memory", 2));
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // See include/fsdp/distributed/local_launch.h.
 #include <fsdp/distributed/local_launch.h>
 
+#include <ATen/Parallel.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <arpa/inet.h>
@@ -15,8 +16,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <stdexcept>
 #include <thread>
 
@@ -93,6 +96,82 @@ pid_t spawn(const std::string& exe, const std::vector<std::string>& args,
   return pid;
 }
 
+// Whether this process runs one thread (this one): only then does fork() copy all of it.
+bool single_threaded() {
+  std::error_code ec;
+  int threads = 0;
+  for (std::filesystem::directory_iterator it("/proc/self/task", ec), end; !ec && it != end;
+       it.increment(ec))
+    ++threads;
+  return !ec && threads == 1;
+}
+
+// In a fork()ed copy of the launcher: becomes the rank that spawn() would have started (its own
+// process group, default signals, stdin from /dev/null, its log, exactly its environment, dead
+// with the launcher), runs rank_main and exits with its status.
+[[noreturn]] void run_forked_rank(const LocalLaunchOptions& o, const std::vector<std::string>& env,
+                                  const std::string& log_path, int listen_fd, pid_t launcher) {
+  ::setpgid(0, 0);
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() != launcher)  // the launcher died before the prctl
+    std::_Exit(1);
+  sigset_t none;
+  sigemptyset(&none);
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);
+  for (int sig = 1; sig < NSIG; ++sig) {
+    if (sig != SIGKILL && sig != SIGSTOP)
+      ::signal(sig, SIG_DFL);
+  }
+  ::close(listen_fd);  // the store's socket is the launcher's
+  const int in = ::open("/dev/null", O_RDONLY);
+  ::dup2(in, STDIN_FILENO);
+  ::close(in);
+  if (!log_path.empty()) {
+    const int out = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (out < 0) {
+      std::fprintf(stderr, "cannot open the rank's log %s: %s\n", log_path.c_str(),
+                   std::strerror(errno));
+      std::_Exit(127);
+    }
+    ::dup2(out, STDOUT_FILENO);
+    ::dup2(out, STDERR_FILENO);
+    ::close(out);
+  }
+  ::clearenv();
+  for (const auto& e : env) {
+    const size_t eq = e.find('=');
+    ::setenv(e.substr(0, eq).c_str(), eq == std::string::npos ? "" : e.c_str() + eq + 1, 1);
+  }
+  at::set_num_threads(o.threads_per_rank);
+  int code = 1;
+  try {
+    code = o.rank_main();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+  } catch (...) {
+    std::fprintf(stderr, "a rank ended with an unknown exception\n");
+  }
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::_Exit(code);
+}
+
+// Starts one rank: a fork()ed copy running rank_main, or `executable`.
+pid_t start_rank(const LocalLaunchOptions& o, bool fork_rank, const std::vector<std::string>& env,
+                 const std::string& log_path, int listen_fd) {
+  if (!fork_rank)
+    return spawn(o.executable, o.argv, env, log_path);
+  const pid_t launcher = ::getpid();
+  std::fflush(nullptr);  // or the copy would print what the launcher buffered
+  const pid_t pid = ::fork();
+  if (pid < 0)
+    throw std::runtime_error(std::string("cannot start a rank: fork: ") + std::strerror(errno));
+  if (pid == 0)
+    run_forked_rank(o, env, log_path, listen_fd, launcher);
+  ::setpgid(pid, pid);  // as the child does: whichever runs first, kill(-pid) then reaches it
+  return pid;
+}
+
 // The ranks still running, killed and reaped on every way out of launch_local_ranks.
 class Children {
  public:
@@ -158,7 +237,9 @@ LocalLaunchResult launch_local_ranks(const LocalLaunchOptions& o) {
   store_opts.waitWorkers = false;
   if (o.timeout.count() > 0)
     store_opts.timeout = o.timeout;
-  auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", store_opts);
+  // Decided before the store starts its threads, and the ranks started before it: the ranks
+  // connect to the listening socket, which queues them until the store accepts.
+  result.forked = o.rank_main && single_threaded();
 
   const auto start = std::chrono::steady_clock::now();
   Children children;
@@ -171,7 +252,7 @@ LocalLaunchResult launch_local_ranks(const LocalLaunchOptions& o) {
         {"LOCAL_RANK", std::to_string(r)},
         {"LOCAL_WORLD_SIZE", std::to_string(o.nproc)},
         {"MASTER_ADDR", "127.0.0.1"},
-        {"MASTER_PORT", std::to_string(store->getPort())},
+        {"MASTER_PORT", std::to_string(store_opts.port)},
         {"TORCHELASTIC_USE_AGENT_STORE", "True"},
         {"TORCHELASTIC_RESTART_COUNT", "0"},
         {"OMP_NUM_THREADS", std::to_string(o.threads_per_rank)},
@@ -180,10 +261,12 @@ LocalLaunchResult launch_local_ranks(const LocalLaunchOptions& o) {
     for (const auto& [k, v] : o.env)
       vars[k] = v;
     const std::string log = o.log_path ? o.log_path(r) : std::string();
-    const pid_t pid = spawn(o.executable, o.argv, rank_environment(vars), log);
+    const pid_t pid =
+        start_rank(o, result.forked, rank_environment(vars), log, *store_opts.masterListenFd);
     children.add(pid);
     result.pids[static_cast<size_t>(r)] = pid;
   }
+  auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", store_opts);
 
   auto rank_of = [&](pid_t pid) {
     return static_cast<size_t>(std::find(result.pids.begin(), result.pids.end(), pid) -

@@ -1,9 +1,10 @@
 // The launcher side (run_workers) and the worker side (worker_main) of the multi-process tests.
 //
 // The ranks are started, bounded and reaped by the library's local launcher
-// (fsdp/distributed/local_launch.h, as fsdp-train --nproc): /proc/self/exe posix_spawn()ed,
-// each in its own process group so that a kill reaches anything it started, each dying with the
-// test binary (die_with_launcher), so that no rank outlives a crashed or killed test binary.
+// (fsdp/distributed/local_launch.h, as fsdp-train --nproc): forks of the test binary running
+// the worker where the test binary has no other thread, /proc/self/exe posix_spawn()ed where it
+// has, each in its own process group so that a kill reaches anything it started, each dying with
+// the test binary (die_with_launcher), so that no rank outlives a crashed or killed test binary.
 #include "harness/multiprocess.h"
 
 #include <fsdp/distributed/local_launch.h>
@@ -177,8 +178,21 @@ std::string RunResult::describe() const {
     os << " after " << exit_seconds[static_cast<size_t>(r)] << " s\n";
     // On a time-out the ranks that did not fail are the interesting ones too.
     if (code != 0 || timed_out) {
-      const std::string tail = tail_lines(outputs[static_cast<size_t>(r)], 30);
-      std::istringstream lines(tail);
+      // The first lines too: a backtrace can push the error it follows out of the tail.
+      const std::string& all = outputs[static_cast<size_t>(r)];
+      std::string shown = tail_lines(all, 30);
+      if (shown.size() < all.size()) {
+        size_t head_end = 0;  // just past the 6th line
+        for (int n = 0; n < 6; ++n) {
+          const size_t nl = all.find('\n', head_end);
+          if (nl == std::string::npos)
+            break;
+          head_end = nl + 1;
+        }
+        if (head_end < all.size() - shown.size())
+          shown = all.substr(0, head_end) + "...\n" + shown;
+      }
+      std::istringstream lines(shown);
       std::string l;
       while (std::getline(lines, l))
         os << "    | " << l << "\n";
@@ -220,12 +234,16 @@ RunResult run_workers(const std::string& name, int world_size, RunOptions opts) 
   // ignored and only make the ranks recognisable in ps.
   launch.argv = {std::filesystem::read_symlink("/proc/self/exe").string(), "--fsdp-worker=" + name};
   launch.log_path = [&](int r) { return tmp_dir + "/rank" + std::to_string(r) + ".log"; };
+  // Forked from this process where it has no other thread (the usual case): the worker then
+  // starts without loading LibTorch again (fsdp/distributed/local_launch.h).
+  launch.rank_main = [name] { return worker_main(name); };
   const auto start = std::chrono::steady_clock::now();
   const auto launched = fsdp::launch_local_ranks(launch);
   result.exit_codes = launched.exit_codes;
   result.exit_seconds = launched.exit_seconds;
   result.pids = launched.pids;
   result.timed_out = launched.timed_out;
+  result.forked = launched.forked;
   result.seconds = since(start);
 
   for (int r = 0; r < world_size; ++r) {

@@ -78,6 +78,8 @@ struct RunResult {
   std::vector<int> pids;
   /// The run hit RunOptions::timeout and the remaining ranks were killed.
   bool timed_out = false;
+  /// The ranks were forks of the test binary (else: the binary executed anew).
+  bool forked = false;
   /// Wall time of the whole run.
   double seconds = 0;
 

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <utility>
 
 #include <fsdp/distributed/local_launch.h>
 
@@ -22,7 +23,8 @@ std::string read_tail(const std::string& path, size_t max_bytes) {
 
 }  // namespace
 
-int launch_local(int nproc, const std::vector<std::string>& args, int threads_per_rank) {
+int launch_local(int nproc, const std::vector<std::string>& args, int threads_per_rank,
+                 std::function<int()> rank_main) {
   const auto logs =
       std::filesystem::temp_directory_path() / ("fsdp-train-" + std::to_string(::getpid()));
   std::filesystem::create_directories(logs);
@@ -31,6 +33,7 @@ int launch_local(int nproc, const std::vector<std::string>& args, int threads_pe
   o.argv.insert(o.argv.end(), args.begin(), args.end());
   o.nproc = nproc;
   o.threads_per_rank = threads_per_rank;
+  o.rank_main = std::move(rank_main);
   // Rank 0 speaks to the user directly; the others write to a log shown only if they fail.
   o.log_path = [&](int r) {
     return r == 0 ? std::string() : (logs / ("rank" + std::to_string(r) + ".log")).string();

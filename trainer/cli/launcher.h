@@ -1,17 +1,21 @@
 // `fsdp-train --nproc N`: this process becomes the launcher of N local ranks, the way torchrun's
 // agent is (fsdp::launch_local_ranks: it hosts the TCPStore and starts N copies of itself with
-// torchrun's environment); it shows rank 0's output as it comes, keeps the other ranks quiet
-// unless they fail (then prints their output, prefixed with the rank), and stops every rank
-// soon after one fails. A rank calls fsdp::die_with_launcher() first.
+// torchrun's environment, forked copies of the launcher where it can); it shows rank 0's output as
+// it comes, keeps the other ranks quiet unless they fail (then prints their output, prefixed with
+// the rank), and stops every rank soon after one fails. A rank calls fsdp::die_with_launcher()
+// first.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
 namespace fsdp_trainer {
 
 /// Runs `args` (argv without the program name and without --nproc) as `nproc` ranks of this
-/// executable and returns the job's exit code: 0, or the first failing rank's code.
-int launch_local(int nproc, const std::vector<std::string>& args, int threads_per_rank);
+/// executable and returns the job's exit code: 0, or the first failing rank's code. With
+/// rank_main, a rank may instead be a fork of this process that runs it (LocalLaunchOptions).
+int launch_local(int nproc, const std::vector<std::string>& args, int threads_per_rank,
+                 std::function<int()> rank_main = {});
 
 }  // namespace fsdp_trainer

@@ -31,6 +31,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <new>
 #include <optional>
 #include <string>
@@ -268,6 +269,32 @@ std::optional<int> parse_command_line(int argc, char** argv, CommandLine& cl) {
   return std::nullopt;
 }
 
+// Runs the launcher's or a rank's work; what a failure prints and the exit code it gives are
+// the same in both, and whether the rank was started anew or forked from the launcher.
+int report_failures(const std::function<int()>& work) {
+  try {
+    return work();
+  } catch (const fsdp_trainer::ConfigError& e) {
+    std::fprintf(stderr, "%sfsdp-train: config error: %s\n", rank_prefix().c_str(), e.what());
+    return 2;
+  } catch (const std::bad_alloc&) {
+    // What the size check before building (check_model_fits) could not foresee.
+    std::fprintf(stderr,
+                 "%sfsdp-train: out of memory (std::bad_alloc): the model, batch or sequence "
+                 "length does not fit this machine (fsdp-train --plan predicts the peak)\n",
+                 rank_prefix().c_str());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%sfsdp-train: %s\n", rank_prefix().c_str(), first_line(e.what()).c_str());
+    // A failed step: what this rank's collectives were doing (a no-op before the trainer set
+    // the flight recorder's directory).
+    fsdp::FlightRecorder::global().dump("failed: " + first_line(e.what()));
+    return 1;
+  }
+}
+
+int run_rank(const fsdp_trainer::Config& config, const CommandLine& cl);
+
 // --nproc N without a launcher around: checks the job, then starts N ranks of this program with
 // the same arguments less --nproc.
 int launch_ranks(const fsdp_trainer::Config& config, const CommandLine& cl, int argc, char** argv) {
@@ -285,7 +312,18 @@ int launch_ranks(const fsdp_trainer::Config& config, const CommandLine& cl, int 
       args.push_back(a);
     }
   }
-  return fsdp_trainer::launch_local(cl.nproc, args, static_cast<int>(config.training.threads));
+  std::function<int()> rank_main;
+#ifndef FSDP_TRAIN_CUDA
+  // A rank forked from this launcher (fsdp/distributed/local_launch.h) trains the config parsed
+  // here, and ends as main() does: through exit(), which runs the atexit handlers (the flight
+  // recorder's dump at exit). The CUDA trainer's ranks are always new processes (CUDA does not
+  // survive a fork).
+  rank_main = [&config, &cl]() -> int {
+    std::exit(report_failures([&] { return run_rank(config, cl); }));
+  };
+#endif
+  return fsdp_trainer::launch_local(cl.nproc, args, static_cast<int>(config.training.threads),
+                                    rank_main);
 }
 
 // One rank of the job (started by a launcher, or alone): checks the job's shape before joining
@@ -344,7 +382,7 @@ int main(int argc, char** argv) {
   CommandLine cl;
   if (const auto done = parse_command_line(argc, argv, cl))
     return *done;
-  try {
+  return report_failures([&] {
     // Validate before starting any rank: a bad config fails once, immediately.
     const auto config =
         fsdp_trainer::load_config(cl.config_path, cl.overrides, cl.command == "finetune");
@@ -359,21 +397,5 @@ int main(int argc, char** argv) {
     if (cl.nproc > 0 && std::getenv("RANK") == nullptr)
       return launch_ranks(config, cl, argc, argv);
     return run_rank(config, cl);
-  } catch (const fsdp_trainer::ConfigError& e) {
-    std::fprintf(stderr, "%sfsdp-train: config error: %s\n", rank_prefix().c_str(), e.what());
-    return 2;
-  } catch (const std::bad_alloc&) {
-    // What the size check before building (check_model_fits) could not foresee.
-    std::fprintf(stderr,
-                 "%sfsdp-train: out of memory (std::bad_alloc): the model, batch or sequence "
-                 "length does not fit this machine (fsdp-train --plan predicts the peak)\n",
-                 rank_prefix().c_str());
-    return 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%sfsdp-train: %s\n", rank_prefix().c_str(), first_line(e.what()).c_str());
-    // A failed step: what this rank's collectives were doing (a no-op before the trainer set
-    // the flight recorder's directory).
-    fsdp::FlightRecorder::global().dump("failed: " + first_line(e.what()));
-    return 1;
-  }
+  });
 }

@@ -3,11 +3,16 @@
 // them. fsdp-train --nproc and the multi-process tests both launch through it, so one
 // implementation decides what a rank inherits and guarantees that no process outlives a job.
 //
-// Ranks are posix_spawn()ed (never fork without exec: the launcher already runs LibTorch and
-// TCPStore threads), each the leader of its own process group so that stopping a rank stops
-// anything it started, with default signal dispositions and an empty signal mask whatever the
-// launcher has set (CTest, GoogleTest). A rank calls die_with_launcher() first thing: it then
-// dies with its launcher, even a SIGKILLed one.
+// A rank is either posix_spawn()ed (a new program) or, where the caller gives the rank's work as
+// a function (rank_main) and the launcher has no thread but its own, fork()ed without exec: the
+// copy skips loading LibTorch and registering its operators again, about 0.25 s of CPU per rank
+// on our 2-core machines, most of a small job's start. With any other thread alive (LibTorch's
+// intra-op pool, a store's threads) a fork could copy a lock held by a thread that the child
+// does not have, so the rank is spawned instead; the store's threads start after the forks.
+// Either way each rank leads its own process group, so that stopping a rank stops anything it
+// started, with default signal dispositions and an empty signal mask whatever the launcher has
+// set (CTest, GoogleTest), and dies with its launcher, even a SIGKILLed one (a spawned rank
+// calls die_with_launcher() first thing; a forked one has it done before rank_main runs).
 #pragma once
 
 #include <chrono>
@@ -32,6 +37,13 @@ struct LocalLaunchOptions {
   /// Where rank r's stdout and stderr go; an empty path (or no function) inherits the
   /// launcher's.
   std::function<std::string(int rank)> log_path;
+  /// The rank's work, run in a fork()ed copy of the launcher instead of starting `executable`
+  /// (see above): it sees the rank's environment through getenv, OMP_NUM_THREADS applied with
+  /// at::set_num_threads, and its return value is the rank's exit status (an exception: 1).
+  /// The copy then ends with std::_Exit after flushing stdio (no atexit handler, no static
+  /// destructor); a rank_main that wants them ends the process itself with std::exit, as a
+  /// main() returning would. Empty, or with other threads alive, the rank runs `executable`.
+  std::function<int()> rank_main;
   /// Bounds the whole job: then every rank still running is killed (zero: no bound).
   std::chrono::milliseconds timeout{0};
   /// After the first rank fails, the others have this long to notice a dead peer and exit on
@@ -47,6 +59,8 @@ struct LocalLaunchResult {
   std::vector<double> exit_seconds;
   /// Per rank: the process id (0 if absent). Every one has been reaped.
   std::vector<int> pids;
+  /// The ranks were fork()ed copies running rank_main (else: spawned executables).
+  bool forked = false;
   /// The first rank (in the order they exited) that failed, or -1.
   int first_failed = -1;
   /// `timeout` was reached and the remaining ranks were killed.

@@ -1,0 +1,251 @@
+"""One Python with torch and transformers imported, forked for each reference script of the tests.
+
+The tests check fsdp-cpp against transformers, peft, safetensors, gguf and TensorBoard by running
+the scripts beside this file. Each such run used to import torch and transformers anew: 2-7 s of
+CPU before its first line of work, about a hundred seconds over the suite on a 2-core machine.
+This server imports them once and forks a copy of itself per script (the way Python's own
+multiprocessing "forkserver" does): the copy runs the script as __main__ with the client's
+arguments, working directory, environment, stdin, stdout and stderr (passed as file
+descriptors), and the client exits with the script's status.
+
+    forkserver.py start SOCKET       start a server in the background (a CTest fixture)
+    forkserver.py stop SOCKET        stop it
+    forkserver.py SOCKET SCRIPT ...  run SCRIPT with its arguments: through the server when one
+                                     answers on SOCKET, else in a new Python (the same result)
+
+The client imports nothing beyond the standard library, so that it starts in milliseconds. The
+server never starts a thread (a fork copies only the forking thread), ends when the process that
+started it (CTest) is gone or after an hour idle, and a script's copy dies with its client.
+"""
+
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+import time
+
+# What the scripts import (FSDP_FORKSERVER_PRELOAD, comma-separated, overrides it).
+PRELOAD = ["numpy", "torch", "safetensors.torch", "tokenizers", "transformers", "gguf",
+           "peft", "tensorboard.backend.event_processing.event_accumulator"]
+IDLE_LIMIT_S = 3600
+STARTUP_WAIT_S = 120
+MAX_REQUEST_BYTES = 1 << 20
+
+
+def run_directly(argv):
+    os.execv(sys.executable, [sys.executable] + argv)
+
+
+def client(sock_path, argv):
+    """Runs argv (a script and its arguments) through the server, or directly without one."""
+    if not argv or not argv[0].endswith(".py"):
+        run_directly(argv)
+    # A server still importing (started with the tests, CTest's fixture) is waited for.
+    # The marker holds the server's pid: a server that died while importing is not waited for.
+    deadline = time.monotonic() + STARTUP_WAIT_S
+    while not os.path.exists(sock_path) and time.monotonic() < deadline:
+        try:
+            with open(sock_path + ".starting") as f:
+                pid = f.read().strip()
+            if pid:
+                os.kill(int(pid), 0)
+        except (OSError, ValueError):
+            break
+        time.sleep(0.05)
+    try:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(sock_path)
+    except OSError:
+        run_directly(argv)
+    request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
+    # The length first, so that the server needs no end of input: the connection stays open
+    # until the script's status comes back, and its closing early means this client died.
+    socket.send_fds(conn, [struct.pack("<Q", len(request)) + request], [0, 1, 2])
+    reply = b""
+    while True:
+        chunk = conn.recv(64)
+        if not chunk:
+            break
+        reply += chunk
+    # No status: the copy died before reporting one (killed, or the server stopped).
+    sys.exit(int(reply) if reply.strip().lstrip(b"-").isdigit() else 1)
+
+
+def run_script(conn, fds, request):
+    """In the forked copy: becomes the client's Python process for one script."""
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for target, fd in zip((0, 1, 2), fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.environ["FSDP_FORKSERVED"] = "1"  # for tests/python/check_forkserver.py
+    argv = request["argv"]
+    sys.argv = argv
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+    # A client that dies (killed by a test's time-out) takes its script, and anything the script
+    # started, with it.
+    watcher = os.fork()
+    if watcher == 0:
+        select.select([conn], [], [])
+        if not conn.recv(1):
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        os._exit(0)
+    code = 0
+    try:
+        import runpy
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(watcher, signal.SIGKILL)
+    conn.sendall(str(code).encode())
+    conn.close()
+    os._exit(code)
+
+
+def receive(conn):
+    """The client's request and its stdin, stdout and stderr."""
+    data = b""
+    fds = []
+    need = 8
+    while len(data) < need:
+        chunk, got, _, _ = socket.recv_fds(conn, 65536, 3)
+        fds += got
+        if not chunk:
+            break
+        data += chunk
+        if len(data) >= 8:
+            need = 8 + struct.unpack("<Q", data[:8])[0]
+            if need > MAX_REQUEST_BYTES:
+                raise ValueError("request over %d bytes" % MAX_REQUEST_BYTES)
+    if len(fds) != 3 or len(data) != need:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError("a truncated request")
+    return fds, json.loads(data[8:])
+
+
+def serve(sock_path, owner):
+    with open(sock_path + ".starting", "w") as f:
+        f.write(str(os.getpid()))
+    preload = os.environ.get("FSDP_FORKSERVER_PRELOAD")
+    for name in PRELOAD if preload is None else [m for m in preload.split(",") if m]:
+        try:
+            __import__(name)
+        except Exception:  # a package this machine lacks: its scripts import it themselves
+            pass
+    if "transformers" in sys.modules:
+        try:  # transformers loads its classes when first named
+            from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+        except Exception:
+            pass
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # copies are reaped by the kernel
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    tmp = sock_path + ".%d" % os.getpid()
+    listener.bind(tmp)
+    listener.listen(64)
+    os.rename(tmp, sock_path)  # clients see a socket only once it listens
+    os.unlink(sock_path + ".starting")
+    last = time.monotonic()
+    while True:
+        ready, _, _ = select.select([listener], [], [], 1.0)
+        if not ready:
+            try:
+                os.kill(owner, 0)
+            except ProcessLookupError:
+                break
+            if not os.path.exists(sock_path) or time.monotonic() - last > IDLE_LIMIT_S:
+                break
+            continue
+        conn, _ = listener.accept()
+        last = time.monotonic()
+        try:
+            fds, request = receive(conn)
+        except (OSError, ValueError):
+            conn.close()
+            continue
+        if request.get("stop"):
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            break
+        if os.fork() == 0:
+            listener.close()
+            run_script(conn, fds, request)
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+    listener.close()
+    try:
+        os.unlink(sock_path)
+    except FileNotFoundError:
+        pass
+
+
+def start(sock_path):
+    """Starts a server for the process that runs this one (CTest) and returns at once: clients
+    wait for it while it imports (sock_path.starting exists until it listens)."""
+    owner = os.getppid()
+    for path in (sock_path, sock_path + ".starting"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    open(sock_path + ".starting", "w").close()
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            devnull = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(devnull, fd)
+            try:
+                serve(sock_path, owner)
+            finally:
+                try:
+                    os.unlink(sock_path + ".starting")
+                except FileNotFoundError:
+                    pass
+            os._exit(0)
+        os._exit(0)
+    print("forkserver.py: starting on %s for process %d" % (sock_path, owner))
+
+
+def stop(sock_path):
+    try:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(sock_path)
+        request = json.dumps({"stop": True}).encode()
+        socket.send_fds(conn, [struct.pack("<Q", len(request)) + request], [0, 1, 2])
+        conn.close()
+    except OSError:
+        pass
+    print("forkserver.py: stopped")
+
+
+def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "start":
+        start(sys.argv[2])
+    elif len(sys.argv) == 3 and sys.argv[1] == "stop":
+        stop(sys.argv[2])
+    elif len(sys.argv) >= 2:
+        client(sys.argv[1], sys.argv[2:])
+    else:
+        sys.exit(__doc__)
+
+
+if __name__ == "__main__":
+    main()
