@@ -660,7 +660,8 @@ TEST(LocalLaunch, ForksTheRanksWhereSingleThreadedAndExecutesThemOtherwise) {
 }
 
 FSDP_WORKER(harness_hang) {
-  std::printf("rank %d hangs\n", ctx.rank);
+  std::printf("rank %d hangs (pid %d)\n", ctx.rank, static_cast<int>(::getpid()));
+  std::fflush(stdout);
   std::this_thread::sleep_for(std::chrono::minutes(10));
   return 0;
 }

@@ -476,8 +476,12 @@ std::shared_ptr<ProcessGroup> init_process_group(const LaunchEnv& env,
   // collectives from these dumps.
   if (detail::env_switch("FSDP_FLIGHT_RECORDER_DUMP_AT_EXIT")) {
     static std::once_flag registered;
-    std::call_once(registered,
-                   [] { std::atexit([] { FlightRecorder::global().dump("process exit"); }); });
+    // Both ways a process may end normally: exit() (main returning), and quick_exit(), which
+    // skips static destructors (fsdp-train ends so).
+    std::call_once(registered, [] {
+      std::atexit([] { FlightRecorder::global().dump("process exit"); });
+      std::at_quick_exit([] { FlightRecorder::global().dump("process exit"); });
+    });
   }
   std::vector<int> world(static_cast<size_t>(env.world_size));
   for (int r = 0; r < env.world_size; ++r)

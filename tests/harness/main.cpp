@@ -1,15 +1,21 @@
-// The main() of every test binary: GoogleTest in the parent, a single worker in the ranks.
+// The main() of every test binary: GoogleTest in the parent, a single worker in the ranks, and
+// under CTest a zygote that forks a copy of itself per test (harness/zygote.h).
 //
-// run_workers() re-executes this binary with FSDP_TEST_WORKER=<name> (harness/multiprocess.h);
-// such a process runs that worker and exits with its code instead of running the tests.
+// run_workers() starts ranks with FSDP_TEST_WORKER=<name> (harness/multiprocess.h); such a
+// process runs that worker and exits with its code instead of running the tests.
 #include <gtest/gtest.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 
 #include "harness/multiprocess.h"
+#include "harness/zygote.h"
 
-int main(int argc, char** argv) {
+namespace {
+
+// What a new process of this binary runs: in main(), or in a copy the zygote forked.
+int run(int argc, char** argv) {
   if (const char* worker = std::getenv("FSDP_TEST_WORKER")) {
     const int code = fsdp::test::worker_main(worker);
     std::fflush(stdout);
@@ -20,4 +26,18 @@ int main(int argc, char** argv) {
   }
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Started by tests/python/forkserver.py for CTest's fixture (tests/CMakeLists.txt).
+  if (const char* socket = std::getenv("FSDP_TEST_ZYGOTE")) {
+    const char* owner = std::getenv("FSDP_TEST_ZYGOTE_OWNER");
+    const std::string path = socket;
+    ::unsetenv("FSDP_TEST_ZYGOTE");
+    ::unsetenv("FSDP_TEST_ZYGOTE_OWNER");
+    return fsdp::test::serve_as_zygote(path, owner ? std::atoi(owner) : 1, run);
+  }
+  return run(argc, argv);
 }

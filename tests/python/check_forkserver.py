@@ -1,9 +1,12 @@
 """tests/python/forkserver.py: a script run through the server sees what it would see in a Python
 of its own (arguments, working directory, environment, stdin, stdout and stderr apart) and its
 client exits with its status; a killed client takes the script and its children with it; without
-a server the client runs the script itself, with the same results. Exits non-zero on a mismatch.
+a server the client runs the script itself, with the same results. With a test binary's path
+(tests/harness/zygote.h): the same of a run through the binary's zygote, and a zygote whose
+binary changed refuses (the client runs the binary itself) and ends. Exits non-zero on a mismatch.
 """
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,6 +81,56 @@ def cases(sock, tmp, script, sleeper, served):
     check(not alive(grandchild), "the script's child outlived its killed client")
 
 
+def check_zygote(binary, tmp):
+    """A test binary's zygote: runs are what the binary run directly gives."""
+    copy = os.path.join(tmp, "test-binary")
+    shutil.copy2(binary, copy)
+    sock = os.path.join(tmp, "z.sock")
+    through = [sys.executable, "-S", SERVER, sock, copy]
+
+    def both(args, env=None):
+        env = dict(os.environ, **(env or {}))
+        direct = subprocess.run([copy] + args, capture_output=True, text=True, env=env,
+                                timeout=60)
+        served = subprocess.run(through + args, capture_output=True, text=True, env=env,
+                                timeout=60)
+        return direct, served
+
+    subprocess.run([sys.executable, SERVER, "start", sock, copy], check=True, timeout=30)
+    for args, env in ((["--gtest_list_tests"], None),
+                      (["--gtest_filter=Harness.AbsentRanksAreNotLaunched"], None),
+                      ([], {"FSDP_TEST_WORKER": "no_such_worker"})):
+        direct, served = both(args, env)
+        check(os.path.exists(sock), "the zygote listens")
+        lines = lambda r: [l for l in r.stdout.splitlines() if "ms" not in l]  # noqa: E731
+        check(served.returncode == direct.returncode and lines(served) == lines(direct) and
+              served.stderr == direct.stderr,
+              "%s: through the zygote %r, directly %r" % (args or env, served, direct))
+    check(direct.returncode == 2, "an unknown worker exits with 2: %r" % direct)
+    # A killed client takes its run with it.
+    env = dict(os.environ, FSDP_TEST_WORKER="harness_hang")
+    p = subprocess.Popen(through, stdout=subprocess.PIPE, text=True, env=env)
+    line = p.stdout.readline()  # "rank 0 hangs (pid N)"
+    check("hangs (pid " in line, "the hanging run started: %r" % line)
+    run = int(line.split("pid ")[1].rstrip(")\n"))
+    check(run != p.pid and alive(run), "the run is a process of the zygote's")
+    p.kill()
+    p.wait()
+    deadline = time.monotonic() + 10
+    while alive(run) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    check(not alive(run), "the run outlived its killed client")
+    # The binary changed (rebuilt): refused, run directly instead, and the zygote ends.
+    os.utime(copy, (time.time() + 10, time.time() + 10))
+    direct, served = both(["--gtest_list_tests"])
+    check(served.returncode == 0 and served.stdout == direct.stdout, "rebuilt: %r" % served)
+    deadline = time.monotonic() + 10
+    while os.path.exists(sock) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    check(not os.path.exists(sock), "a zygote whose binary changed ends")
+    print("a test binary's zygote: OK")
+
+
 def main():
     with tempfile.TemporaryDirectory() as tmp:
         tmp = os.path.realpath(tmp)
@@ -101,6 +154,8 @@ def main():
             time.sleep(0.05)
         check(not os.path.exists(sock), "the server removes its socket when stopped")
         print("through the server: OK")
+        if len(sys.argv) > 1:
+            check_zygote(sys.argv[1], tmp)
 
 
 if __name__ == "__main__":

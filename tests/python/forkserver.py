@@ -1,21 +1,26 @@
-"""One Python with torch and transformers imported, forked for each reference script of the tests.
+"""Runs the tests' programs in forks of one loaded copy instead of new processes.
 
 The tests check fsdp-cpp against transformers, peft, safetensors, gguf and TensorBoard by running
-the scripts beside this file. Each such run used to import torch and transformers anew: 2-7 s of
-CPU before its first line of work, about a hundred seconds over the suite on a 2-core machine.
-This server imports them once and forks a copy of itself per script (the way Python's own
-multiprocessing "forkserver" does): the copy runs the script as __main__ with the client's
-arguments, working directory, environment, stdin, stdout and stderr (passed as file
-descriptors), and the client exits with the script's status.
+the Python scripts beside this file, and CTest runs each GoogleTest test of the two test
+binaries as a process of its own. Each such process used to start from nothing: a Python script
+imported torch and transformers (2-7 s of CPU before its first line of work), a test binary
+loaded LibTorch and ran its static initialisers (0.25 s). A server does that once and forks a
+copy of itself per run (as Python's multiprocessing "forkserver" and Android's zygote do): the
+copy becomes the run, with the client's arguments, working directory, environment, stdin, stdout
+and stderr (passed as file descriptors), and the client exits with the run's status. This file
+is the Python server, and the client of both servers; tests/harness/zygote.h is a test binary's.
 
-    forkserver.py start SOCKET       start a server in the background (a CTest fixture)
-    forkserver.py stop SOCKET        stop it
-    forkserver.py SOCKET SCRIPT ...  run SCRIPT with its arguments: through the server when one
-                                     answers on SOCKET, else in a new Python (the same result)
+    forkserver.py start SOCKET [BINARY]  start a server in the background (CTest's fixture):
+                                         this Python, or BINARY serving itself
+    forkserver.py stop SOCKET            stop it
+    forkserver.py SOCKET PROGRAM ...     run PROGRAM (a .py script, or the binary) with its
+                                         arguments: through the server when one answers on
+                                         SOCKET and accepts, else as a new process (the same
+                                         result, slower)
 
 The client imports nothing beyond the standard library, so that it starts in milliseconds. The
-server never starts a thread (a fork copies only the forking thread), ends when the process that
-started it (CTest) is gone or after an hour idle, and a script's copy dies with its client.
+servers never start a thread (a fork copies only the forking thread), end when the process that
+started them (CTest) is gone or after an hour idle, and a run dies with its client.
 """
 
 import json
@@ -36,12 +41,14 @@ MAX_REQUEST_BYTES = 1 << 20
 
 
 def run_directly(argv):
-    os.execv(sys.executable, [sys.executable] + argv)
+    if argv[0].endswith(".py") or argv[0].startswith("-"):
+        os.execv(sys.executable, [sys.executable] + argv)
+    os.execv(argv[0], argv)
 
 
 def client(sock_path, argv):
-    """Runs argv (a script and its arguments) through the server, or directly without one."""
-    if not argv or not argv[0].endswith(".py"):
+    """Runs argv (a program and its arguments) through the server, or directly without one."""
+    if not argv or argv[0].startswith("-"):
         run_directly(argv)
     # A server still importing (started with the tests, CTest's fixture) is waited for.
     # The marker holds the server's pid: a server that died while importing is not waited for.
@@ -70,6 +77,9 @@ def client(sock_path, argv):
         if not chunk:
             break
         reply += chunk
+    if reply == b"refused":  # not the server's program (or its binary was rebuilt)
+        conn.close()
+        run_directly(argv)
     # No status: the copy died before reporting one (killed, or the server stopped).
     sys.exit(int(reply) if reply.strip().lstrip(b"-").isdigit() else 1)
 
@@ -183,6 +193,13 @@ def serve(sock_path, owner):
                 os.close(fd)
             conn.close()
             break
+        argv = request.get("argv") or [""]
+        if not argv[0].endswith(".py"):
+            conn.sendall(b"refused")
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            continue
         if os.fork() == 0:
             listener.close()
             run_script(conn, fds, request)
@@ -196,9 +213,10 @@ def serve(sock_path, owner):
         pass
 
 
-def start(sock_path):
+def start(sock_path, binary=None):
     """Starts a server for the process that runs this one (CTest) and returns at once: clients
-    wait for it while it imports (sock_path.starting exists until it listens)."""
+    wait for it while it loads (sock_path.starting exists, then holds its pid, until it
+    listens)."""
     owner = os.getppid()
     for path in (sock_path, sock_path + ".starting"):
         try:
@@ -213,6 +231,10 @@ def start(sock_path):
             for fd in (0, 1, 2):
                 os.dup2(devnull, fd)
             try:
+                if binary:
+                    env = dict(os.environ, FSDP_TEST_ZYGOTE=sock_path,
+                               FSDP_TEST_ZYGOTE_OWNER=str(owner))
+                    os.execve(binary, [binary], env)
                 serve(sock_path, owner)
             finally:
                 try:
@@ -221,7 +243,8 @@ def start(sock_path):
                     pass
             os._exit(0)
         os._exit(0)
-    print("forkserver.py: starting on %s for process %d" % (sock_path, owner))
+    print("forkserver.py: starting %s on %s for process %d" %
+          (binary or "Python", sock_path, owner))
 
 
 def stop(sock_path):
@@ -237,8 +260,8 @@ def stop(sock_path):
 
 
 def main():
-    if len(sys.argv) == 3 and sys.argv[1] == "start":
-        start(sys.argv[2])
+    if len(sys.argv) in (3, 4) and sys.argv[1] == "start":
+        start(*sys.argv[2:])
     elif len(sys.argv) == 3 and sys.argv[1] == "stop":
         stop(sys.argv[2])
     elif len(sys.argv) >= 2:
