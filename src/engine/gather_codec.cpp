@@ -11,17 +11,8 @@
 namespace fsdp::detail {
 namespace {
 
-// Rows narrower than this travel as bf16 under kInt8: int8 plus a 4-byte scale only beats
-// bf16's 2 bytes per value from 5 values per block on, and the bias and norm vectors these
-// are weigh nothing next to the matrices.
-constexpr int64_t kMinInt8Row = 16;
-
 // 1.5 * 2^23: see the rounding in encode().
 constexpr float kRoundMagic = 12582912.f;
-
-int64_t round_up(int64_t v, int64_t to) {
-  return (v + to - 1) / to * to;
-}
 
 int64_t rows_of(const torch::Tensor& t, int64_t row_numel) {
   return row_numel == 0 ? 0 : t.numel() / row_numel;
@@ -29,46 +20,25 @@ int64_t rows_of(const torch::Tensor& t, int64_t row_numel) {
 
 }  // namespace
 
-GatherCodec::GatherCodec(bool int8, torch::ScalarType cast, int64_t row_numel, int64_t block)
-    : int8_(int8),
-      cast_(cast),
-      row_numel_(row_numel),
-      block_(block),
-      blocks_per_row_(int8 ? (row_numel + block - 1) / block : 0) {}
+GatherCodec::GatherCodec(const WireFormat& format, torch::ScalarType compute)
+    : format_(format),
+      int8_(format.int8),
+      cast_(format.int8 ? compute : format.dtype),
+      row_numel_(format.row_numel),
+      block_(format.block),
+      blocks_per_row_(format.blocks_per_row) {}
 
 std::optional<GatherCodec> GatherCodec::make(const MixedPrecisionPolicy& mp,
                                              torch::ScalarType dtype, torch::ScalarType compute,
                                              int64_t row_numel) {
-  if (!c10::isFloatingType(dtype))
-    return std::nullopt;  // packed or integer parameters are gathered as they are
-  torch::ScalarType cast = compute;
-  switch (mp.gather_format()) {
-    case GatherFormat::kComputeDtype:
-      return std::nullopt;
-    case GatherFormat::kBFloat16:
-      cast = torch::kBFloat16;
-      break;
-    case GatherFormat::kFloat16:
-      cast = torch::kHalf;
-      break;
-    case GatherFormat::kInt8:
-      TORCH_CHECK(mp.int8_block_size() >= 1,
-                  "fsdp MixedPrecisionPolicy: int8_block_size must be at least 1, got ",
-                  mp.int8_block_size());
-      if (row_numel >= kMinInt8Row)
-        return GatherCodec(true, compute, row_numel, mp.int8_block_size());
-      cast = torch::kBFloat16;
-      break;
-  }
-  if (cast == compute)
+  const auto format = gather_wire_format(mp, dtype, compute, row_numel);
+  if (!format)
     return std::nullopt;
-  return GatherCodec(false, cast, row_numel, 0);
+  return GatherCodec(*format, compute);
 }
 
 int64_t GatherCodec::wire_numel(int64_t rows) const {
-  if (!int8_)
-    return rows * row_numel_;
-  return round_up(rows * blocks_per_row_ * 4 + rows * row_numel_, 4);
+  return format_.numel(rows);
 }
 
 torch::Tensor GatherCodec::encode(const torch::Tensor& shard, bool portable) const {

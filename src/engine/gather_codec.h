@@ -15,6 +15,7 @@
 #include <optional>
 #include <vector>
 
+#include <fsdp/detail/param_layout.h>
 #include <fsdp/mixed_precision.h>
 
 namespace fsdp::detail {
@@ -22,7 +23,8 @@ namespace fsdp::detail {
 class GatherCodec {
  public:
   /// The codec of a parameter whose rows have `row_numel` elements, stored in `dtype` and
-  /// computed in `compute`; nullopt when the gather moves the compute dtype unchanged.
+  /// computed in `compute`; nullopt when the gather moves the compute dtype unchanged. Which
+  /// format, and its sizes, are the parameter's layout's (fsdp/detail/param_layout.h).
   static std::optional<GatherCodec> make(const MixedPrecisionPolicy& mp, torch::ScalarType dtype,
                                          torch::ScalarType compute, int64_t row_numel);
 
@@ -42,7 +44,7 @@ class GatherCodec {
               bool portable = false) const;
 
  private:
-  GatherCodec(bool int8, torch::ScalarType cast, int64_t row_numel, int64_t block);
+  GatherCodec(const WireFormat& format, torch::ScalarType compute);
   /// Views [n, k, len] of the blocks of `m` ([n, row_numel], any dtype): the k full blocks of
   /// each row, then its shorter last block, if any.
   std::vector<torch::Tensor> row_blocks(const torch::Tensor& m) const;
@@ -50,6 +52,7 @@ class GatherCodec {
   void decode_portable(const torch::Tensor& wire, const torch::Tensor& dst, int64_t pieces,
                        int64_t rows) const;
 
+  WireFormat format_;
   bool int8_;
   torch::ScalarType cast_;  // the wire dtype of a cast format
   int64_t row_numel_;

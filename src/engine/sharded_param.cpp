@@ -12,10 +12,6 @@
 namespace fsdp::detail {
 namespace {
 
-int64_t ceil_div(int64_t a, int64_t b) {
-  return (a + b - 1) / b;
-}
-
 // A tensor over the same memory as `v` that autograd does not consider a view: optimizers
 // call grad.detach_() in zero_grad(), which autograd refuses on views. Holding the storage
 // keeps the shared buffer (the reduce-scatter output) alive as long as any grad uses it.
@@ -66,14 +62,13 @@ ShardedParam::ShardedParam(
   if (param_.requires_grad() && !torch::autograd::impl::post_acc_grad_hooks(param_))
     torch::autograd::impl::set_post_acc_grad_hooks(param_, std::make_unique<TagGradAsGradient>());
   auto full = param_.detach();
-  shape_ = full.sizes().vec();
-  // A 0-d parameter is sharded as a single row.
-  rows_ = full.dim() == 0 ? 1 : full.size(0);
-  row_numel_ = rows_ == 0 ? 0 : full.numel() / rows_;
-  if (full.dim() > 0 && rows_ == 0)
-    row_numel_ = 1;
-  chunk_rows_ = ceil_div(rows_, world_size_);
-  local_rows_ = std::clamp<int64_t>(rows_ - rank_ * chunk_rows_, 0, chunk_rows_);
+  // What this rank holds and allocates: the layout the planner predicts from too.
+  layout_ = param_layout(full.sizes().vec(), full.scalar_type(), rank_, world_size_, mp, offload_);
+  shape_ = layout_.shape;
+  rows_ = layout_.rows;
+  row_numel_ = layout_.row_numel;
+  chunk_rows_ = layout_.chunk_rows;
+  local_rows_ = layout_.local_rows;
 
   std::vector<int64_t> row_shape = full.dim() == 0 ? std::vector<int64_t>{} : shape_;
   if (!row_shape.empty())
@@ -98,10 +93,9 @@ ShardedParam::ShardedParam(
   }
 
   const auto dtype = full.scalar_type();
-  const auto unsharded_dtype =
-      mp.param_dtype() && c10::isFloatingType(dtype) ? *mp.param_dtype() : dtype;
+  const auto unsharded_dtype = layout_.unsharded_dtype;
   codec_ = GatherCodec::make(mp, dtype, unsharded_dtype, row_numel_);
-  owns_unsharded_ = world_size_ > 1 || unsharded_dtype != dtype || codec_ || offload_;
+  owns_unsharded_ = layout_.owns_unsharded;
   if (!owns_unsharded_) {
     // Unsharded (kNoShard, or a group of one) in its own dtype: the shard is the parameter;
     // no second copy.

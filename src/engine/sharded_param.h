@@ -25,6 +25,7 @@
 #include <optional>
 #include <string>
 
+#include <fsdp/detail/param_layout.h>
 #include <fsdp/mixed_precision.h>
 
 #include "gather_codec.h"
@@ -58,6 +59,7 @@ class ShardedParam {
   torch::Device compute_device() const { return padded_unsharded_.device(); }
   bool offloaded() const { return offload_; }
 
+  const ParamLayout& layout() const { return layout_; }
   int64_t rows() const { return rows_; }                        // d0 (1 for a 0-d parameter)
   const std::vector<int64_t>& shape() const { return shape_; }  // the unsharded shape
   /// First global row of this rank's shard (clamped to rows() when it holds none).
@@ -150,6 +152,7 @@ class ShardedParam {
   std::vector<int64_t> shape_;  // original shape
   int rank_;
   int world_size_;
+  ParamLayout layout_;           // what is allocated, as the planner predicts it
   bool owns_unsharded_ = false;  // the unsharded buffer is not the shard itself
   bool offload_ = false;         // shard and grad on the host (CPUOffloadPolicy)
   bool pin_memory_ = false;

@@ -1,5 +1,6 @@
-// See include/fsdp/plan/model_states.h. Each rule below restates where the engine allocates
-// (the file and function named): a change there must change this, and PlanModelStates.* in
+// See include/fsdp/plan/model_states.h. A parameter's shard is the engine's own layout
+// (fsdp/detail/param_layout.h); each other rule below restates where the engine allocates (the
+// file and function named): a change there must change this, and PlanModelStates.* in
 // tests/test_plan.cpp compares the two byte for byte.
 #include <fsdp/plan/model_states.h>
 
@@ -10,9 +11,6 @@
 #include "unit_bytes.h"
 
 namespace fsdp::plan {
-
-using detail::Shard;
-using detail::shard_of;
 
 RankStates model_states(const std::vector<UnitInfo>& units, const StateOptions& o, int rank) {
   TORCH_CHECK(o.world_size >= 1 && rank >= 0 && rank < o.world_size, "fsdp::plan: rank ", rank,
@@ -26,16 +24,18 @@ RankStates model_states(const std::vector<UnitInfo>& units, const StateOptions& 
     int64_t reduce_elements = 0, trainable = 0, local_grad_bytes = 0;
     torch::ScalarType master = torch::kFloat32;
     for (const auto& p : unit.params) {
-      const Shard s = shard_of(p, n, r);
+      // As the engine lays the parameter out (ShardedParam): only its shard matters here.
+      const auto s =
+          fsdp::detail::param_layout(p.shape, p.dtype, r, n, MixedPrecisionPolicy(), o.cpu_offload);
       // The padded shard, in the parameter's own (master) dtype.
-      out.params += s.chunk_rows * s.row_numel * detail::esize(p.dtype);
+      out.params += s.shard_bytes();
       if (!p.trainable)
         continue;
       master = p.dtype;
       ++trainable;
-      reduce_elements += s.chunk_rows * s.row_numel;
-      local_grad_bytes += s.local_rows * s.row_numel * detail::esize(p.dtype);
-      const int64_t local = s.local_rows * s.row_numel;
+      reduce_elements += s.shard_numel();
+      const int64_t local = s.local_numel();
+      local_grad_bytes += local * detail::esize(p.dtype);
       slot_elements += (local + 63) / 64 * 64;  // src/optim/fused_optimizer.cpp, kSlotAlign
       torch_state_bytes += local * detail::esize(p.dtype);
     }

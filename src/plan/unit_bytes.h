@@ -1,6 +1,8 @@
-// What one unit allocates on one rank, in bytes, by the engine's rules (sharded_param.cpp,
-// param_group.cpp, gather_codec.cpp): shared by the memory replay (step_memory.cpp) and the
-// time model (step_time.cpp), which needs the same bytes as traffic.
+// What one unit allocates on one rank, in bytes: each parameter's buffers as the engine lays
+// them out (fsdp/detail/param_layout.h, which ShardedParam allocates from), and the unit's
+// reduction buffers by the engine's rules (param_group.cpp, int8_reduce.cpp). Shared by the
+// memory replay (step_memory.cpp) and the time model (step_time.cpp), which needs the same
+// bytes as traffic.
 #pragma once
 
 #include <c10/util/Exception.h>
@@ -11,6 +13,8 @@
 #include <set>
 #include <string>
 
+#include <fsdp/detail/param_layout.h>
+#include <fsdp/mixed_precision.h>
 #include <fsdp/plan/step_memory.h>
 
 namespace fsdp::plan::detail {
@@ -21,26 +25,6 @@ inline int64_t ceil_div(int64_t a, int64_t b) {
 
 inline int64_t esize(torch::ScalarType t) {
   return static_cast<int64_t>(c10::elementSize(t));
-}
-
-// A parameter's dim-0 sharding over `n` ranks, seen from shard rank `r`
-// (src/engine/sharded_param.cpp, the ShardedParam constructor).
-struct Shard {
-  int64_t chunk_rows = 0;  // rows of the padded shard
-  int64_t local_rows = 0;  // real rows on this rank
-  int64_t row_numel = 0;
-};
-
-inline Shard shard_of(const ParamInfo& p, int n, int r) {
-  Shard s;
-  const int64_t rows = p.shape.empty() ? 1 : p.shape[0];
-  int64_t numel = 1;
-  for (auto d : p.shape)
-    numel *= d;
-  s.row_numel = rows == 0 ? (p.shape.empty() ? 0 : 1) : numel / rows;
-  s.chunk_rows = ceil_div(rows, n);
-  s.local_rows = std::clamp<int64_t>(rows - r * s.chunk_rows, 0, s.chunk_rows);
-  return s;
 }
 
 // What one unit allocates on this rank, in bytes (sharded_param.cpp and param_group.cpp).
@@ -96,82 +80,40 @@ inline UnitBytes unit_bytes(const UnitInfo& unit, const StepOptions& o, const Ge
   const int n = g.n;
   // precision.root_fp32: the root has no MixedPrecisionPolicy (no cast, no gather format).
   const bool mixed = !(s.root_full_precision && unit.path.empty());
+  MixedPrecisionPolicy mp;
+  if (mixed) {
+    mp.param_dtype(s.param_dtype)
+        .reduce_dtype(s.reduce_dtype)
+        .gather_format(o.gather_format)
+        .int8_block_size(o.int8_block_size);
+  }
   int64_t flags = 0, chunk_elems = 0, local_grad_bytes = 0;
   torch::ScalarType master = torch::kFloat32;
   for (const auto& p : unit.params) {
-    const Shard shard = shard_of(p, n, g.r);
-    const int64_t row_numel = shard.row_numel, chunk_rows = shard.chunk_rows,
-                  local_rows = shard.local_rows;
-    int64_t numel = 1;
-    for (auto d : p.shape)
-      numel *= d;
-    const bool floating = c10::isFloatingType(p.dtype);
-    const torch::ScalarType unsharded =
-        mixed && s.param_dtype && floating ? *s.param_dtype : p.dtype;
-    // GatherCodec::make: a wire format other than the compute dtype, for floating parameters.
-    std::optional<torch::ScalarType> wire;
-    bool int8 = false;
-    if (floating && mixed) {
-      switch (o.gather_format) {
-        case GatherFormat::kComputeDtype:
-          break;
-        case GatherFormat::kBFloat16:
-          wire = torch::kBFloat16;
-          break;
-        case GatherFormat::kFloat16:
-          wire = torch::kHalf;
-          break;
-        case GatherFormat::kInt8:
-          if (row_numel >= 16)  // gather_codec.cpp, kMinInt8Row
-            int8 = true;
-          else
-            wire = torch::kBFloat16;
-          break;
-      }
-      if (wire && *wire == unsharded)
-        wire.reset();
-    }
-    const bool codec = int8 || wire.has_value();
-    const bool owns = n > 1 || unsharded != p.dtype || codec || s.cpu_offload;
-    const int64_t padded_full = chunk_rows * n * row_numel;
-    if (owns)
-      u.gathered += padded_full * esize(unsharded);
+    // What the engine allocates for it, as the engine lays it out (ShardedParam).
+    const auto l = fsdp::detail::param_layout(p.shape, p.dtype, g.r, n, mp, s.cpu_offload);
+    const int64_t unsharded_size = esize(l.unsharded_dtype);
+    u.gathered += l.unsharded_bytes();
     if (n > 1) {
-      // issue_unshard: gather_input() (staged host copy under offload, then cast or encoded) and
-      // gather_output() (the wire buffer of a codec), both kept until wait_unshard.
-      const int64_t shard_elems = chunk_rows * row_numel;
-      int64_t input = 0, output = 0;
-      if (int8) {
-        const int64_t blocks = ceil_div(row_numel, o.int8_block_size);
-        const int64_t wire_numel = (chunk_rows * blocks * 4 + chunk_rows * row_numel + 3) / 4 * 4;
-        input = wire_numel;
-        output = n * wire_numel;
-      } else if (wire) {
-        input = shard_elems * esize(*wire);
-        output = n * input;
-      } else if (unsharded != p.dtype) {
-        input = shard_elems * esize(unsharded);
-      } else if (s.cpu_offload) {
-        input = shard_elems * esize(p.dtype);  // the staged copy is what is sent
-      }
-      u.gather_inputs += input + output;
-      u.gather_wire += output > 0 ? output : padded_full * esize(unsharded);
+      // issue_unshard: gather_input() and gather_output(), both kept until wait_unshard.
+      u.gather_inputs += l.gather_input_bytes() + l.gather_output_bytes();
+      u.gather_wire += l.gather_wire_bytes();
       if (block_k)
-        u.block_shard += padded_full / *block_k * esize(unsharded);
+        u.block_shard += l.padded_numel() / *block_k * unsharded_size;
     }
     if (!p.trainable)
       continue;
     u.trainable = true;
     master = p.dtype;
     ++flags;
-    chunk_elems += chunk_rows * row_numel;
-    u.unsharded_grads += numel * esize(unsharded);
+    chunk_elems += l.shard_numel();
+    u.unsharded_grads += l.numel() * unsharded_size;
     if (post.count(p.name))
-      u.unsharded_grads_post += numel * esize(unsharded);
+      u.unsharded_grads_post += l.numel() * unsharded_size;
     if (post.count(p.name) && pre.count(p.name))
-      u.unsharded_grads_tied += numel * esize(unsharded);
-    u.kept_grads += numel * esize(p.dtype);
-    local_grad_bytes += local_rows * row_numel * esize(p.dtype);
+      u.unsharded_grads_tied += l.numel() * unsharded_size;
+    u.kept_grads += l.numel() * esize(p.dtype);
+    local_grad_bytes += l.local_numel() * esize(p.dtype);
   }
   if (o.gloo_staging && n > 1) {
     auto staged = [&](int64_t wire, int group) {

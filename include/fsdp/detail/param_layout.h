@@ -1,0 +1,84 @@
+// How the engine lays one parameter out on one rank, and what it puts on the wire to gather it:
+// the one description of those buffers. The engine allocates from it (ShardedParam,
+// GatherCodec) and the planner predicts from it (fsdp::plan's step memory and step time), so
+// that a change to what the engine allocates changes the planner's answer with no edit there.
+//
+// A parameter is sharded on dim 0 (a 0-d one as a single row): `chunk_rows` rows per rank, the
+// last ranks' chunks padded with zero rows (or all padding), so that every rank's piece has the
+// same size and the gather is one flat all-gather of world * chunk_rows rows.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include <fsdp/mixed_precision.h>
+
+namespace fsdp::detail {
+
+/// What one rank's piece of a parameter becomes on the wire of the all-gather
+/// (MixedPrecisionPolicy::gather_format). Cast formats send the rows in `dtype`; int8 sends
+/// [rows * blocks_per_row fp32 scales][rows * row_numel int8 values][padding to 4 bytes], as
+/// kByte (gather_codec.h).
+struct WireFormat {
+  bool int8 = false;
+  c10::ScalarType dtype = c10::ScalarType::Float;  // kByte for int8
+  int64_t row_numel = 0;
+  int64_t block = 0;           // int8: elements per scale
+  int64_t blocks_per_row = 0;  // int8: ceil(row_numel / block)
+
+  /// Elements (of `dtype`) of an encoded piece of `rows` rows.
+  int64_t numel(int64_t rows) const;
+  int64_t bytes(int64_t rows) const;
+};
+
+/// The gather's wire format for a parameter stored in `dtype`, computed in `compute`, with rows
+/// of `row_numel` elements; nullopt when the gather moves `compute` unchanged. Integer and
+/// packed parameters travel as they are; under kInt8, rows narrower than 16 elements travel as
+/// bf16 (a scale per block would cost more than it saves on the bias and norm vectors).
+std::optional<WireFormat> gather_wire_format(const MixedPrecisionPolicy& mp, c10::ScalarType dtype,
+                                             c10::ScalarType compute, int64_t row_numel);
+
+/// One parameter on one rank of its shard group, and the sizes of what the engine allocates
+/// for it (ShardedParam).
+struct ParamLayout {
+  std::vector<int64_t> shape;  // the unsharded shape
+  int64_t rows = 0;            // dim 0 (1 for a 0-d parameter)
+  int64_t row_numel = 0;
+  int64_t chunk_rows = 0;  // rows of every rank's padded shard
+  int64_t local_rows = 0;  // of which real rows on this rank
+  int world_size = 1;
+  bool offload = false;
+  c10::ScalarType dtype = c10::ScalarType::Float;            // as stored (the shard's)
+  c10::ScalarType unsharded_dtype = c10::ScalarType::Float;  // as computed (param_dtype)
+  std::optional<WireFormat> wire;
+  /// A gathered copy of its own (else the shard is the parameter: one rank, its own dtype, no
+  /// wire format, not offloaded).
+  bool owns_unsharded = false;
+
+  int64_t numel() const;
+  int64_t shard_numel() const { return chunk_rows * row_numel; }
+  int64_t local_numel() const { return local_rows * row_numel; }
+  /// The padded shard, in the parameter's own dtype (on the host when offloaded).
+  int64_t shard_bytes() const;
+  int64_t padded_numel() const { return chunk_rows * world_size * row_numel; }
+  /// The gathered parameter (alloc_unsharded): 0 unless it owns one.
+  int64_t unsharded_bytes() const;
+  /// What a gather sends, alive from issue to wait (gather_input): the encoded or cast piece,
+  /// or the staged host copy under offload; 0 when the shard itself is sent.
+  int64_t gather_input_bytes() const;
+  /// What a gather receives into besides the parameter (gather_output): the wire buffer of a
+  /// format, decoded into the parameter at the wait; 0 without one.
+  int64_t gather_output_bytes() const;
+  /// What the backend sees arrive: the wire buffer, or the gathered parameter itself.
+  int64_t gather_wire_bytes() const;
+};
+
+/// The layout of a parameter of `shape` and `dtype` on `rank` of a shard group of `world_size`
+/// ranks, under `mp` (the root without a policy: a default one), offloaded or not.
+ParamLayout param_layout(const std::vector<int64_t>& shape, c10::ScalarType dtype, int rank,
+                         int world_size, const MixedPrecisionPolicy& mp, bool offload);
+
+}  // namespace fsdp::detail
