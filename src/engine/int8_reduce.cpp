@@ -4,10 +4,6 @@
 
 namespace fsdp::detail {
 
-int64_t Int8Reduce::flags_offset(int64_t chunks) const {
-  return (chunks + block_ - 1) / block_ * block_;
-}
-
 void Int8Reduce::prepare(const torch::Tensor& input) {
   const int64_t row = input.size(1);
   if (row == row_numel_)

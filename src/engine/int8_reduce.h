@@ -3,13 +3,13 @@
 // reduce_scatter_exchange, and decoded and summed by its owner in fp32.
 //
 // A rank's block is laid out [param chunks | zeros up to a multiple of the scale block | P
-// flags], so that the 0/1 flags get scale blocks of their own and never coarsen a gradient's
-// scale. Error feedback keeps, per rank, what the encoding lost of each block it sent (the
-// unit's unsharded gradient size, in the reduce dtype); the next reduction adds it before
-// encoding. The residual is updated in place as each block is encoded: keeping the previous
-// one until the pass commits would hold two of them per unit at the end of every backward.
-// A failed pass therefore drops the residual (abort()), as a resume from a checkpoint does:
-// what is lost is at most half a quantization step per element of one reduction.
+// flags] (fsdp/detail/param_layout.h, ReduceLayout), so that the 0/1 flags get scale blocks of
+// their own and never coarsen a gradient's scale. Error feedback keeps, per rank, what the encoding
+// lost of each block it sent (the unit's unsharded gradient size, in the reduce dtype); the next
+// reduction adds it before encoding. The residual is updated in place as each block is encoded:
+// keeping the previous one until the pass commits would hold two of them per unit at the end of
+// every backward. A failed pass therefore drops the residual (abort()), as a resume from a
+// checkpoint does: what is lost is at most half a quantization step per element of one reduction.
 #pragma once
 
 #include <torch/types.h>
@@ -25,9 +25,6 @@ namespace fsdp::detail {
 class Int8Reduce {
  public:
   Int8Reduce(int64_t block, bool error_feedback) : block_(block), error_feedback_(error_feedback) {}
-
-  /// Where the flags start in a rank's block of `chunks` gradient elements.
-  int64_t flags_offset(int64_t chunks) const;
 
   /// Encodes `input` ([n, row]; the padding columns must be zero) into the wire, [n x piece]
   /// bytes with piece j for rank j. With error feedback, the residual is added to the first

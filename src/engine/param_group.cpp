@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include <fsdp/core/memory.h>
+#include <fsdp/detail/param_layout.h>
 
 #include "prefetch.h"
 #include "root_state.h"
@@ -115,10 +116,7 @@ int64_t ParamGroup::unsharded_bytes() const {
 }
 
 torch::ScalarType ParamGroup::reduce_dtype(torch::ScalarType master) const {
-  const auto& mp = options_.mp_policy();
-  if (mp.reduce_dtype())
-    return *mp.reduce_dtype();
-  return mp.param_dtype() ? *mp.param_dtype() : master;
+  return reduce_dtype_of(options_.mp_policy(), master);
 }
 
 // ---- Gathering --------------------------------------------------------------------------------
@@ -451,17 +449,19 @@ void ParamGroup::reduce_gradients() {
       chunks += p->padded_shard_numel();
     // ReduceFormat::kInt8 (a reduce-scatter to quantize): the flags start at a scale-block
     // boundary, the columns before them zero (int8_reduce.h).
+    // Reduced in reduce_dtype; the results join the grads in the master dtype (add_to_stash).
+    // On the compute device, also when the shards are offloaded to the host. The row's layout
+    // is the one the planner predicts from (fsdp/detail/param_layout.h).
     const auto& mp = options_.mp_policy();
-    const bool int8 = n > 1 && mp.reduce_format() == ReduceFormat::kInt8;
+    const auto layout =
+        reduce_layout(chunks, n_params, n, reduce_dtype(trainable.front()->dtype()), mp);
+    const bool int8 = layout.int8;
     if (int8 && !int8_reduce_)
       int8_reduce_.emplace(mp.int8_block_size(), mp.error_feedback());
-    const int64_t flags_at = int8 ? int8_reduce_->flags_offset(chunks) : chunks;
-    const int64_t s = flags_at + n_params;
-    // Reduced in reduce_dtype; the results join the grads in the master dtype (add_to_stash).
-    // On the compute device, also when the shards are offloaded to the host.
-    auto opts = torch::TensorOptions()
-                    .dtype(reduce_dtype(trainable.front()->dtype()))
-                    .device(trainable.front()->compute_device());
+    const int64_t flags_at = layout.flags_at;
+    const int64_t s = layout.row;
+    auto opts =
+        torch::TensorOptions().dtype(layout.dtype).device(trainable.front()->compute_device());
     PendingReduce pending;
     pending.params = trainable;
     pending.flags_offset = flags_at;

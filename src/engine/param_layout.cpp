@@ -105,6 +105,50 @@ int64_t ParamLayout::gather_wire_bytes() const {
   return wire ? gather_output_bytes() : padded_numel() * element_size(unsharded_dtype);
 }
 
+int64_t ReduceLayout::input_bytes() const {
+  return world_size * row * element_size(dtype);
+}
+
+int64_t ReduceLayout::output_bytes() const {
+  return world_size > 1 ? row * element_size(dtype) : 0;
+}
+
+int64_t ReduceLayout::piece_bytes() const {
+  return wire ? wire->bytes(1) : row * element_size(dtype);
+}
+
+int64_t ReduceLayout::residual_bytes(bool error_feedback) const {
+  return int8 && error_feedback && wire ? world_size * chunks * element_size(dtype) : 0;
+}
+
+c10::ScalarType reduce_dtype_of(const MixedPrecisionPolicy& mp, c10::ScalarType master) {
+  if (mp.reduce_dtype())
+    return *mp.reduce_dtype();
+  return mp.param_dtype() ? *mp.param_dtype() : master;
+}
+
+ReduceLayout reduce_layout(int64_t chunks, int64_t params, int world_size,
+                           c10::ScalarType reduce_dtype, const MixedPrecisionPolicy& mp) {
+  ReduceLayout l;
+  l.world_size = world_size;
+  l.chunks = chunks;
+  l.dtype = reduce_dtype;
+  l.int8 = world_size > 1 && mp.reduce_format() == ReduceFormat::kInt8;
+  TORCH_CHECK(!l.int8 || mp.int8_block_size() >= 1,
+              "fsdp MixedPrecisionPolicy: int8_block_size must be at least 1, got ",
+              mp.int8_block_size());
+  // int8: the flags get scale blocks of their own, so that they never coarsen a gradient's.
+  l.flags_at = l.int8 ? round_up(chunks, mp.int8_block_size()) : chunks;
+  l.row = l.flags_at + params;
+  if (l.int8) {
+    l.wire = gather_wire_format(MixedPrecisionPolicy()
+                                    .gather_format(GatherFormat::kInt8)
+                                    .int8_block_size(mp.int8_block_size()),
+                                reduce_dtype, reduce_dtype, l.row);
+  }
+  return l;
+}
+
 ParamLayout param_layout(const std::vector<int64_t>& shape, c10::ScalarType dtype, int rank,
                          int world_size, const MixedPrecisionPolicy& mp, bool offload) {
   TORCH_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "fsdp: rank ", rank,

@@ -46,10 +46,10 @@ RankStates model_states(const std::vector<UnitInfo>& units, const StateOptions& 
     // is the master dtype (ShardedParam::add_to_stash); otherwise, and under CPU offload, each
     // gets a tensor of its own real rows and the output is freed.
     const bool mixed = !(o.root_full_precision && unit.path.empty());
-    const torch::ScalarType reduce = !mixed           ? master
-                                     : o.reduce_dtype ? *o.reduce_dtype
-                                     : o.param_dtype  ? *o.param_dtype
-                                                      : master;
+    const torch::ScalarType reduce = fsdp::detail::reduce_dtype_of(
+        mixed ? MixedPrecisionPolicy().param_dtype(o.param_dtype).reduce_dtype(o.reduce_dtype)
+              : MixedPrecisionPolicy(),
+        master);
     out.grads += o.cpu_offload || reduce != master
                      ? local_grad_bytes
                      : (reduce_elements + trainable) * detail::esize(reduce);

@@ -127,33 +127,24 @@ inline UnitBytes unit_bytes(const UnitInfo& unit, const StepOptions& o, const Ge
   }
   if (!u.trainable)
     return u;
-  const torch::ScalarType reduce = !mixed           ? master
-                                   : s.reduce_dtype ? *s.reduce_dtype
-                                   : s.param_dtype  ? *s.param_dtype
-                                                    : master;
-  if (n > 1 && mixed && o.reduce_format == ReduceFormat::kInt8) {
-    // param_group.cpp / int8_reduce.cpp: the flags start at a scale-block boundary; each
-    // rank's block is encoded alone (GatherCodec: int8 from 16 values on, else bf16, else as
-    // it is), exchanged all-to-all into a buffer as large, decoded at the wait.
-    const int64_t block = o.int8_block_size;
-    const int64_t row = ceil_div(chunk_elems, block) * block + flags;
-    int64_t piece = row * esize(reduce);
-    if (row >= 16)
-      piece = (ceil_div(row, block) * 4 + row + 3) / 4 * 4;
-    else if (reduce != torch::kBFloat16)
-      piece = row * 2;
-    u.reduce_staging = n * row * esize(reduce);
-    u.reduce_input = u.reduce_received = n * piece;
-    u.reduce_output = row * esize(reduce);
-    u.decode_scratch = n * row * esize(reduce);
-    const bool encoded = row >= 16 || reduce != torch::kBFloat16;
-    if (o.error_feedback && encoded)
-      u.residual = n * chunk_elems * esize(reduce);
+  if (mixed)
+    mp.reduce_format(o.reduce_format).error_feedback(o.error_feedback);
+  const torch::ScalarType reduce = fsdp::detail::reduce_dtype_of(mp, master);
+  // The unit's reduction as the engine lays it out (ParamGroup::reduce_gradients).
+  const auto r = fsdp::detail::reduce_layout(chunk_elems, flags, n, reduce, mp);
+  if (r.int8) {
+    // int8_reduce.cpp: the reduce-dtype input until it is encoded, the wire and the
+    // all-to-all's receive buffer (as large) until the next reduction waits, the N decoded
+    // rows while they are summed at the wait.
+    u.reduce_staging = r.input_bytes();
+    u.reduce_input = u.reduce_received = r.wire_bytes();
+    u.reduce_output = r.output_bytes();
+    u.decode_scratch = r.input_bytes();
+    u.residual = r.residual_bytes(o.error_feedback);
   } else {
-    const int64_t row = chunk_elems + flags;
-    u.reduce_input = n * row * esize(reduce);
+    u.reduce_input = r.input_bytes();
     u.reduce_received = o.gloo_reduce_scatter && n > 1 ? u.reduce_input : 0;
-    u.reduce_output = n > 1 ? row * esize(reduce) : 0;
+    u.reduce_output = r.output_bytes();
   }
   // install_grads / add_to_stash: aliases of the output when it is in the master dtype, else a
   // tensor of the real rows (a host copy under offload).

@@ -1,7 +1,8 @@
-// How the engine lays one parameter out on one rank, and what it puts on the wire to gather it:
-// the one description of those buffers. The engine allocates from it (ShardedParam,
-// GatherCodec) and the planner predicts from it (fsdp::plan's step memory and step time), so
-// that a change to what the engine allocates changes the planner's answer with no edit there.
+// How the engine lays one parameter out on one rank, what it puts on the wire to gather it, and
+// how a unit's gradients are laid out to be reduced: the one description of those buffers. The
+// engine allocates from it (ShardedParam, GatherCodec) and the planner predicts from it
+// (fsdp::plan's step memory and step time), so that a change to what the engine allocates changes
+// the planner's answer with no edit there.
 //
 // A parameter is sharded on dim 0 (a 0-d one as a single row): `chunk_rows` rows per rank, the
 // last ranks' chunks padded with zero rows (or all padding), so that every rank's piece has the
@@ -75,6 +76,42 @@ struct ParamLayout {
   /// What the backend sees arrive: the wire buffer, or the gathered parameter itself.
   int64_t gather_wire_bytes() const;
 };
+
+/// A unit's gradient reduction on one rank (ParamGroup::reduce_gradients): the trainable
+/// parameters' padded shards side by side, `chunks` elements, then one 0/1 flag per parameter
+/// (has it a gradient), as a row per rank of the shard group; the reduce-scatter input is the
+/// N rows, its output this rank's row, in the reduce dtype. Under ReduceFormat::kInt8 (N > 1)
+/// the flags start at a scale-block boundary (zeros before them) and each rank's row is encoded
+/// alone, in the gather's int8 rules (int8 from 16 values on, else bf16, else as it is).
+struct ReduceLayout {
+  int world_size = 1;
+  int64_t chunks = 0;    // gradient elements of a row
+  int64_t flags_at = 0;  // where the flags start
+  int64_t row = 0;       // elements of a row: flags_at + one flag per parameter
+  c10::ScalarType dtype = c10::ScalarType::Float;  // the reduce dtype
+  bool int8 = false;
+  std::optional<WireFormat> wire;  // int8: a row's encoding (nullopt: sent as it is)
+
+  /// The reduce-scatter input, N rows (under int8: the rows before encoding).
+  int64_t input_bytes() const;
+  /// This rank's row of the result; 0 with one rank (the input is the output).
+  int64_t output_bytes() const;
+  /// int8: what one row becomes on the wire, and the N of them sent (as many received).
+  int64_t piece_bytes() const;
+  int64_t wire_bytes() const { return world_size * piece_bytes(); }
+  /// int8 with error feedback: what the encoding lost of each row sent, kept between steps
+  /// (nothing is lost when a row is sent as it is).
+  int64_t residual_bytes(bool error_feedback) const;
+};
+
+/// The dtype gradients are reduced in: the policy's reduce_dtype, else its param_dtype, else
+/// the parameters' own (`master`).
+c10::ScalarType reduce_dtype_of(const MixedPrecisionPolicy& mp, c10::ScalarType master);
+
+/// The reduction of `params` trainable parameters whose padded shards add up to `chunks`
+/// elements, over a shard group of `world_size`, in `reduce_dtype`, under `mp`'s reduce format.
+ReduceLayout reduce_layout(int64_t chunks, int64_t params, int world_size,
+                           c10::ScalarType reduce_dtype, const MixedPrecisionPolicy& mp);
 
 /// The layout of a parameter of `shape` and `dtype` on `rank` of a shard group of `world_size`
 /// ranks, under `mp` (the root without a policy: a default one), offloaded or not.
