@@ -2,6 +2,7 @@
 // ForwardCall, the unit side of fsdp::forward; the per-model settings (prefetch lists, gradient
 // sync, communication counters).
 #include <fsdp/core/memory.h>
+#include <fsdp/detail/group_layout.h>
 #include <fsdp/fully_shard.h>
 
 #include <torch/torch.h>
@@ -219,6 +220,15 @@ UnitGroups resolve_groups(const FullyShardOptions& options) {
   auto& group = options.group();
   const int n = group->size();
   const int me = group->global_ranks().at(group->rank());
+  // The sizes (and their checks) are the layout's, which the planner predicts from.
+  GroupLayout layout;
+  try {
+    layout = group_layout(options.strategy(), options.hybrid_shard_size(),
+                          options.reshard_after_forward(), options.reshard_after_forward_size(), n,
+                          group->rank());
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "[rank ", me, "] ", e.what_without_backtrace());
+  }
   UnitGroups g;
   switch (options.strategy()) {
     case ShardingStrategy::kFullShard:
@@ -229,9 +239,7 @@ UnitGroups resolve_groups(const FullyShardOptions& options) {
       g.replicate = group;
       break;
     case ShardingStrategy::kHybridShard: {
-      const int s = options.hybrid_shard_size();
-      TORCH_CHECK(s >= 1 && n % s == 0, "[rank ", me, "] fully_shard: hybrid_shard_size ", s,
-                  " must be at least 1 and divide the group's ", n, " ranks");
+      const int s = layout.shard_size;
       if (s == n) {
         g.shard = group;  // one block: plain full sharding
       } else if (s == 1) {
@@ -243,14 +251,10 @@ UnitGroups resolve_groups(const FullyShardOptions& options) {
       break;
     }
   }
-  const int k = options.reshard_after_forward_size();
-  if (k > 1 && reshards_after_forward(options) && g.shard) {
-    const int shard_n = g.shard->size();
-    TORCH_CHECK(shard_n % k == 0, "[rank ", me, "] fully_shard: reshard_after_forward_size ", k,
-                " must divide the shard group's ", shard_n, " ranks");
-    if (k < shard_n)
-      g.post_forward = g.shard->block_group(k);
-  }
+  if (layout.post_forward_size > 0)
+    g.post_forward = g.shard->block_group(layout.post_forward_size);
+  TORCH_INTERNAL_ASSERT((g.shard ? g.shard->size() : 1) == layout.shard_size &&
+                        (g.shard ? g.shard->rank() : 0) == layout.shard_rank);
   return g;
 }
 

@@ -48,10 +48,12 @@
 #include <fsdp/fully_shard.h>
 
 #include <fsdp/core/trace.h>
+#include <fsdp/detail/group_layout.h>
 #include <fsdp/distributed/collectives.h>
 #include "autograd_node.h"
 #include "int8_reduce.h"
 #include "pending_reduce.h"
+
 #include "sharded_param.h"
 #include "unit_state.h"
 
@@ -59,19 +61,13 @@ namespace fsdp::detail {
 
 class RootState;
 
-/// Whether a unit with these options lets go of its unsharded parameters after forward: every
-/// strategy but kShardGradOp, unless reshard_after_forward(false). kNoShard "reshards" too: it
-/// points the parameters back at their (whole) shards and frees a mixed-precision copy, which is
-/// what keeps its memory equal to DDP's.
+/// Whether a unit with these options lets go of its unsharded parameters after forward, and
+/// whether it is a sharded one that does (fsdp/detail/group_layout.h says which and why).
 inline bool frees_after_forward(const FullyShardOptions& o) {
-  return o.strategy() != ShardingStrategy::kShardGradOp && o.reshard_after_forward().value_or(true);
+  return frees_after_forward(o.strategy(), o.reshard_after_forward());
 }
-
-/// Whether a sharded unit frees its gathered parameters after forward (kFullShard and
-/// kHybridShard, unless reshard_after_forward(false)): what reshard_after_forward_size applies
-/// to, there being no gather to shrink under kNoShard.
 inline bool reshards_after_forward(const FullyShardOptions& o) {
-  return o.strategy() != ShardingStrategy::kNoShard && frees_after_forward(o);
+  return reshards_after_forward(o.strategy(), o.reshard_after_forward());
 }
 
 /// The process groups one unit communicates over, resolved from its options.

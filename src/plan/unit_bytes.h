@@ -13,6 +13,7 @@
 #include <set>
 #include <string>
 
+#include <fsdp/detail/group_layout.h>
 #include <fsdp/detail/param_layout.h>
 #include <fsdp/mixed_precision.h>
 #include <fsdp/plan/step_memory.h>
@@ -54,22 +55,11 @@ struct Geometry {
   int r = 0;  // rank in it
 };
 
-/// The shard group of `rank` (src/engine/fully_shard.cpp, resolve_groups): blocks of
-/// consecutive ranks under kHybridShard, the world under kFullShard and kShardGradOp, one rank
-/// (nothing sharded) under kNoShard.
+/// The shard group of `rank`, as fully_shard makes it (fsdp/detail/group_layout.h).
 inline Geometry shard_group(const StateOptions& s, int rank) {
-  Geometry g;
-  g.n = s.world_size;
-  if (s.strategy == ShardingStrategy::kNoShard) {
-    g.n = 1;
-  } else if (s.strategy == ShardingStrategy::kHybridShard) {
-    TORCH_CHECK(s.hybrid_shard_size >= 1 && s.world_size % s.hybrid_shard_size == 0,
-                "fsdp::plan: hybrid_shard_size ", s.hybrid_shard_size,
-                " does not divide the world size ", s.world_size);
-    g.n = s.hybrid_shard_size;
-  }
-  g.r = rank % g.n;
-  return g;
+  const auto l = fsdp::detail::group_layout(s.strategy, s.hybrid_shard_size, std::nullopt, 0,
+                                            s.world_size, rank);
+  return Geometry{l.shard_size, l.shard_rank};
 }
 
 inline UnitBytes unit_bytes(const UnitInfo& unit, const StepOptions& o, const Geometry& g,
@@ -162,18 +152,14 @@ struct Layout {
 
 inline Layout layout_of(const StepOptions& o, int rank) {
   const auto& s = o.states;
+  const auto g =
+      fsdp::detail::group_layout(s.strategy, s.hybrid_shard_size, o.reshard_after_forward,
+                                 o.reshard_after_forward_size, s.world_size, rank);
   Layout l;
-  l.geometry = shard_group(s, rank);
-  const Geometry& g = l.geometry;
-  // As param_group.cpp decides it: every strategy but shard_grad_op reshards after forward
-  // unless told not to; no_shard's "reshard" frees its mixed-precision copy.
-  l.blocks_reshard =
-      s.strategy != ShardingStrategy::kShardGradOp && o.reshard_after_forward.value_or(true);
-  if (l.blocks_reshard && o.reshard_after_forward_size > 0 && o.reshard_after_forward_size < g.n) {
-    TORCH_CHECK(g.n % o.reshard_after_forward_size == 0, "fsdp::plan: reshard_after_forward_size ",
-                o.reshard_after_forward_size, " does not divide the shard group size ", g.n);
-    l.block_k = o.reshard_after_forward_size;
-  }
+  l.geometry = Geometry{g.shard_size, g.shard_rank};
+  l.blocks_reshard = g.frees_after_forward;
+  if (g.post_forward_size > 0)
+    l.block_k = g.post_forward_size;
   return l;
 }
 
