@@ -397,6 +397,9 @@ fsdp::plan::TimePrediction Trainer::predict_time(const RunPlan& run) {
   return fsdp::plan::predict_step_time(run.units, run.options, in, pg_->rank());
 }
 
+// How --plan predicts the step time (time_by_blocks), as the outputs name it.
+constexpr const char* kStepTimeMethod = "the job with 1 and 3 blocks";
+
 void Trainer::plan_memory(const std::string& model_file) {
   const auto& t = config_.training;
   if (!config_.logging.plan && t.memory_budget.empty())
@@ -417,9 +420,11 @@ void Trainer::plan_memory(const std::string& model_file) {
                       /*other_bytes=*/0, timed, [this] { pg_->barrier(); });
   if (finetune_)  // batches are padded to their longest conversation
     run.options.seq_len = std::min(run.options.seq_len, finetune_->longest_train_input());
+  std::optional<fsdp::plan::TimePrediction> time_prediction;
+  std::optional<MeasuredTime> step_time;
   if (timed) {
-    time_prediction_ = predict_time(run);
-    step_time_ = time_by_blocks(model_file);
+    time_prediction = predict_time(run);
+    step_time = time_by_blocks(model_file);
   }
   run.pieces.reset();  // the one-block model goes
   run.timing_pieces.clear();
@@ -428,14 +433,16 @@ void Trainer::plan_memory(const std::string& model_file) {
   // What is tracked outside the model when step 1 starts (the data, and what the timing runs
   // leave behind: Gloo keeps buffers for the groups they used), after all of the above.
   run.options.other_bytes += fsdp::memory::current_by_category()[fsdp::memory::Category::kOther];
-  prediction_ =
+  auto prediction =
       fsdp::plan::predict_step_memory(run.units, run.options, run.activations, pg_->rank());
-  plan_ = run;
+  plan_check_.emplace(run, std::move(prediction), std::move(time_prediction), std::move(step_time),
+                      kStepTimeMethod);
+  const auto& predicted = plan_check_->prediction();
   if (config_.logging.plan && pg_->rank() == 0) {
-    progress_->message(describe_prediction(*prediction_));
-    if (step_time_) {
-      const auto& p = *step_time_;
-      const auto& lib = *time_prediction_;
+    progress_->message(describe_prediction(predicted));
+    if (plan_check_->step_time()) {
+      const auto& p = *plan_check_->step_time();
+      const auto& lib = *plan_check_->time_prediction();
       progress_->message(fmt::format(
           "predicted step {:.4f} s (the job with 1 and 3 blocks): forward {:.4f}, backward "
           "{:.4f}, all-gather wait {:.4f}, reduce wait {:.4f}, optimizer {:.4f}; timed pieces and "
@@ -448,13 +455,13 @@ void Trainer::plan_memory(const std::string& model_file) {
   }
   if (!t.memory_budget.empty()) {
     const int64_t budget = parse_bytes(t.memory_budget, "training.memory_budget");
-    const int64_t highest = max_over_ranks(prediction_->peak);
+    const int64_t highest = max_over_ranks(predicted.peak);
     // Every rank takes part in the reduction; the rank with the highest peak explains it.
-    const int64_t mine = highest == prediction_->peak ? pg_->rank() : pg_->size();
+    const int64_t mine = highest == predicted.peak ? pg_->rank() : pg_->size();
     const int64_t who = -max_over_ranks(-mine);
     if (highest > budget && pg_->rank() == who) {
       std::fprintf(stderr, "fsdp-train: warning: rank %d: %s\n", pg_->rank(),
-                   budget_warning(run, *prediction_, budget, pg_->rank()).c_str());
+                   budget_warning(run, predicted, budget, pg_->rank()).c_str());
       std::fflush(stderr);
     }
   }
@@ -595,9 +602,6 @@ double Trainer::evaluate() {
   }
   return mean_over_ranks(total / static_cast<double>(eval_set_.size()));
 }
-
-// How --plan predicts the step time (time_by_blocks), as the outputs name it.
-constexpr const char* kStepTimeMethod = "the job with 1 and 3 blocks";
 
 MeasuredTime Trainer::time_by_blocks(const std::string& model_file) {
   // The job with 1 and then 3 blocks (2 if it has fewer), on the job's ranks with the job's
@@ -821,32 +825,10 @@ StepMetrics Trainer::train_step(int64_t step) {
   m.allgather_bytes = b.comm.all_gather.bytes;
   m.reducescatter_bytes = b.comm.reduce_scatter.bytes;
   m.allreduce_bytes = b.comm.all_reduce.bytes;
-  // This rank's own peak, for the planner's comparison: steady steps only (the first one
-  // creates the optimizer state, which the prediction already counts).
-  if (prediction_ && step > start_step_ + 1 && fsdp::memory::peak_bytes() > measured_.peak) {
-    measured_.peak = fsdp::memory::peak_bytes();
-    measured_.at_peak = fsdp::memory::at_peak_by_category();
-    measured_.moment = fsdp::memory::at_peak_moment();
-    measured_.seq_len = finetune_ ? conversations.inputs.size(1) : t.seq_len;
-  }
-  if (prediction_ && step > start_step_ + 1) {
-    ++measured_.steps;
-    const auto peaks = fsdp::memory::peak_by_category();
-    for (int c = 0; c < fsdp::memory::kNumCategories; ++c)
-      measured_.category_peaks.bytes[c] =
-          std::max(measured_.category_peaks.bytes[c], peaks.bytes[c]);
-  }
-  if (time_prediction_ && step > start_step_ + 1) {
-    auto& mt = measured_time_;
-    mt.forward += b.forward_s;
-    mt.backward += b.backward_s;
-    mt.all_gather_wait += b.all_gather_wait_s;
-    mt.reduce_wait += b.reduce_wait_s;
-    mt.optimizer += b.optimizer_s;
-    mt.other += b.other_s;
-    mt.step += b.step_s;
-    ++mt.steps;
-  }
+  // This rank's own measurements, for the planner's comparison: steady steps only (the first
+  // one creates the optimizer state, which the prediction already counts).
+  if (plan_check_ && step > start_step_ + 1)
+    plan_check_->record_step(finetune_ ? conversations.inputs.size(1) : t.seq_len, b);
   fsdp::trace::Span span("metrics", "metrics");
   reduce_step_metrics(m, loss_sum,
                       finetune_ ? static_cast<double>(conversations.inputs.numel()) : 0.0);
@@ -946,25 +928,13 @@ void Trainer::train() {
     if (every > 0 && (step % every == 0 || step == t.steps))
       save_checkpoint(step);
   }
-  if (prediction_ && config_.logging.plan && pg_->rank() == 0 && measured_.steps > 0) {
-    // Compared at the length the measured step had (fine-tuning batches vary; the prediction
-    // before step 1 is for the longest).
-    auto options = plan_->options;
-    options.seq_len = measured_.seq_len;
-    const auto at_measured =
-        fsdp::plan::predict_step_memory(plan_->units, options, plan_->activations, 0);
-    progress_->message(compare_prediction(at_measured, measured_));
-    MeasuredTime mean = measured_time_;
-    if (mean.steps > 0) {
-      for (double* v : {&mean.forward, &mean.backward, &mean.all_gather_wait, &mean.reduce_wait,
-                        &mean.optimizer, &mean.other, &mean.step})
-        *v /= static_cast<double>(mean.steps);
-      if (step_time_)
-        progress_->message(compare_time(*step_time_, mean, kStepTimeMethod));
-    }
-    fsdp::write_file_atomic(
-        (std::filesystem::path(config_.logging.run_dir) / "plan.json").string(),
-        plan_json(at_measured, measured_, step_time_, mean, kStepTimeMethod, time_prediction_));
+  if (plan_check_ && config_.logging.plan && pg_->rank() == 0 &&
+      plan_check_->measured().steps > 0) {
+    std::string json;
+    for (const auto& line : plan_check_->compare(&json))
+      progress_->message(line);
+    fsdp::write_file_atomic((std::filesystem::path(config_.logging.run_dir) / "plan.json").string(),
+                            json);
   }
   if (config_.checkpoint.export_hf)
     export_hf(export_dir(config_), /*replace=*/true);

@@ -26,6 +26,7 @@
 #include "observe/metrics.h"
 #include "observe/progress.h"
 #include "observe/tensorboard.h"
+#include "plan_check.h"
 #include "step_plan.h"
 #include "text/tokenizer.h"
 
@@ -166,13 +167,8 @@ class Trainer {
   int64_t start_step_ = 0;  // the step a resumed run continues after
   double flops_per_token_ = 0;
   double peak_flops_per_rank_ = 0;
-  std::optional<RunPlan> plan_;                             // plan_memory()
-  std::optional<fsdp::plan::MemoryPrediction> prediction_;  // of plan_, before step 1
-  MeasuredPeak measured_;  // this rank's highest steady-step peak, for the comparison
-  std::optional<fsdp::plan::TimePrediction> time_prediction_;  // --plan
-  MeasuredTime measured_time_;             // sums over the steady steps (means at the end)
-  std::optional<MeasuredTime> step_time_;  // time_by_blocks()
-  std::optional<UnitOptions> units_;       // how the job's units are sharded
+  std::optional<PlanCheck> plan_check_;  // plan_memory(): predicted, then measured
+  std::optional<UnitOptions> units_;     // how the job's units are sharded
 };
 
 }  // namespace fsdp_trainer
