@@ -756,12 +756,16 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
   }
 }
 
-void validate(const Config& c) {
-  auto require = [](bool ok, const std::string& key, const std::string& what) {
-    if (!ok)
-      throw ConfigError("'" + key + "' " + what);
-  };
-  require(c.model.n_layer >= 0, "model.n_layer", "must be >= 0");
+namespace {
+
+// One rule of validate(): refused with the key and why, as one line.
+void require(bool ok, const std::string& key, const std::string& what) {
+  if (!ok)
+    throw ConfigError("'" + key + "' " + what);
+}
+
+// [model] and [data].
+void validate_model_and_data(const Config& c) {
   require(c.model.n_embd >= 0, "model.n_embd", "must be >= 0");
   require(c.model.n_head >= 0, "model.n_head", "must be >= 0");
   require(c.data.vocab_size >= 300 && c.data.vocab_size <= (1 << 20), "data.vocab_size",
@@ -774,6 +778,10 @@ void validate(const Config& c) {
           "names no corpus: '" + shown(c.data.corpus) +
               "' is neither kjv, fortunes, an existing file or directory, nor a glob that "
               "matches files");
+}
+
+// [training], and what the optimizer inside backward rules out.
+void validate_training(const Config& c) {
   require(c.training.steps >= 1, "training.steps", "must be >= 1");
   require(c.training.batch_size >= 1, "training.batch_size", "must be >= 1");
   require(c.training.micro_batches >= 1 && c.training.batch_size % c.training.micro_batches == 0,
@@ -814,6 +822,10 @@ void validate(const Config& c) {
           "must be between 1 and 1024, got " + std::to_string(c.training.threads));
   if (!c.training.memory_budget.empty())
     parse_bytes(c.training.memory_budget, "training.memory_budget");
+}
+
+// [fsdp] and [checkpoint]'s export size.
+void validate_fsdp(const Config& c) {
   require(c.fsdp.hybrid_shard_size >= 0, "fsdp.hybrid_shard_size",
           "must be >= 0 (0: the ranks per node), got " + std::to_string(c.fsdp.hybrid_shard_size));
   require(c.fsdp.reshard_after_forward_size >= 0, "fsdp.reshard_after_forward_size",
@@ -848,6 +860,10 @@ void validate(const Config& c) {
   require(c.fsdp.check_collectives >= 0, "fsdp.check_collectives", "must be >= 0");
   require(c.fsdp.ac_every >= 1, "fsdp.ac_every",
           "must be >= 1, got " + std::to_string(c.fsdp.ac_every));
+}
+
+// [precision] and [logging].
+void validate_precision_and_logging(const Config& c) {
   require(!(c.precision.param_dtype == "fp16" && c.precision.loss_scaling == "none"),
           "precision.loss_scaling",
           "must not be none with precision.param_dtype = fp16: fp16 gradients below 6e-8 flush to "
@@ -867,6 +883,10 @@ void validate(const Config& c) {
             "= '" + c.logging.trace_steps + "' goes past the last step (training.steps = " +
                 std::to_string(c.training.steps) + ")");
   }
+}
+
+// [generate], [checkpoint], model.init_from and [optimizer].
+void validate_generate_and_optimizer(const Config& c) {
   require(c.generate.tokens >= 0, "generate.tokens", "must be >= 0");
   require(c.checkpoint.every >= 0, "checkpoint.every", "must be >= 0");
   require(c.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1");
@@ -876,8 +896,9 @@ void validate(const Config& c) {
   // The shards on a GPU are stepped by torch's optimizers (optimizer_factory.cpp), which have
   // neither bf16 moments nor file offload, nor a per-unit step inside backward.
   const bool shards_on_gpu = c.training.device == "cuda" && !c.fsdp.cpu_offload;
-  const std::string on_gpu_hint = " needs the shards on the CPU (fsdp.cpu_offload = true): on a "
-                                  "GPU the optimizer is torch's";
+  const std::string on_gpu_hint =
+      " needs the shards on the CPU (fsdp.cpu_offload = true): on a "
+      "GPU the optimizer is torch's";
   require(!shards_on_gpu || c.optimizer.moments_dtype == "fp32", "optimizer.moments_dtype",
           "= " + c.optimizer.moments_dtype + on_gpu_hint);
   require(!shards_on_gpu || c.optimizer.offload == "none", "optimizer.offload",
@@ -899,6 +920,10 @@ void validate(const Config& c) {
           "optimizer.offload_dir",
           "'" + shown(c.optimizer.offload_dir) + "' is not an existing directory");
   require(c.generate.top_k >= 0, "generate.top_k", "must be >= 0");
+}
+
+// [finetune].
+void validate_finetune(const Config& c) {
   const auto& f = c.finetune;
   require(f.lora_rank >= 1, "finetune.lora_rank", "must be >= 1");
   require(f.lora_alpha > 0, "finetune.lora_alpha", "must be > 0");
@@ -916,6 +941,18 @@ void validate(const Config& c) {
     require(c.model.init_from.empty(), "model.init_from",
             "is not used by finetune (the model is finetune.model)");
   }
+}
+
+}  // namespace
+
+void validate(const Config& c) {
+  // In the order a reader meets the sections; the first rule broken is the one reported.
+  validate_model_and_data(c);
+  validate_training(c);
+  validate_fsdp(c);
+  validate_precision_and_logging(c);
+  validate_generate_and_optimizer(c);
+  validate_finetune(c);
 }
 
 std::string export_dir(const Config& c) {

@@ -581,84 +581,29 @@ std::string data_dir_problem(const std::string& dir) {
   return "";
 }
 
-PreparedData prepare_data(const PrepareOptions& options) {
-  validate(options);
-  if (const std::string problem = data_dir_problem(options.out_dir); !problem.empty())
-    fail("data.dir " + problem);
+namespace {
+
+// What an interrupted preparation left in `dir` (atomic writes' hidden temporaries, the
+// whole-stream token file): ours (data_dir_problem), and no other preparer runs while the caller
+// holds the directory's lock.
+void remove_leftovers(const std::string& dir) {
   std::error_code ec;
-  fs::create_directories(options.out_dir, ec);
-  if (ec)
-    fail(options.out_dir + ": cannot create the data directory: " + ec.message());
-  DirLock lock(options.out_dir);
-  // What an interrupted preparation left (atomic writes' hidden temporaries, the whole-stream
-  // token file): ours (data_dir_problem), and no other preparer is running while we hold the
-  // lock.
-  for (const auto& entry : fs::directory_iterator(options.out_dir, ec)) {
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const auto name = entry.path().filename().string();
     if ((name.size() > 1 && name[0] == '.' && name.find(".tmp.") != std::string::npos) ||
         name == std::string(kTrainFile) + ".all")
       fs::remove(entry.path(), ec);
   }
+}
 
-  // Pass 1 reads the corpus once for its checksum (reuse needs the same bytes: a file may have
-  // changed under the same path), its document count and the tokenizer's training sample.
-  // A directory prepared elsewhere and copied here (a GPU machine without Debian's bible-kjv,
-  // say) is used as it is when its corpus cannot be read on this machine: it still passes every
-  // check of its own files; only the comparison with the corpus's bytes is impossible.
-  std::optional<CorpusSource> readable;
-  try {
-    readable.emplace(options.corpus);
-  } catch (const std::exception& unreadable) {
-    const auto error = std::current_exception();
-    PreparedData d;
-    try {
-      d = verify_prepared(options, nullptr);
-    } catch (const std::exception&) {
-      std::rethrow_exception(error);  // nothing prepared either: the corpus's own error
-    }
-    std::printf("fsdp-train: %s: using the prepared data as it is (its corpus cannot be read "
-                "here: %s)\n",
-                options.out_dir.c_str(), unreadable.what());
-    return d;
-  }
-  const CorpusSource& source = *readable;
-  const CorpusScan scan = scan_corpus(source, options.seed);
-  const std::string corpus_sum = hex64(scan.checksum);
-  try {
-    json meta;
-    PreparedData d = verify_prepared(options, &meta);
-    if (meta.value("/corpus/xxh64"_json_pointer, std::string()) == corpus_sum &&
-        meta.value("/corpus/bytes"_json_pointer, int64_t{-1}) == scan.bytes)
-      return d;
-  } catch (const std::exception&) {
-    // Missing, stale or damaged: prepare again below.
-  }
-
-  const std::string meta_path = join(options.out_dir, kMetaFile);
-  // meta.json goes first and comes back last: until then the directory is visibly incomplete.
-  if (::unlink(meta_path.c_str()) != 0 && errno != ENOENT)
-    fail(meta_path + ": cannot remove the stale file: " + std::strerror(errno));
-
-  PreparedData d;
-  d.dir = options.out_dir;
-  d.meta_path = meta_path;
-  d.tokenizer_path = join(options.out_dir, kTokenizerFile);
-  d.train_path = join(options.out_dir, kTrainFile);
-  d.val_path = join(options.out_dir, kValFile);
-  d.documents = scan.documents;
-  d.files = static_cast<int64_t>(source.files().size());
-
-  const std::string prefix = (fs::path(options.out_dir) / "tokenizer").string();
-  Tokenizer tok = train_tokenizer(scan.sample, options.vocab_size, prefix, options.seed);
-  const std::string model = read_file(d.tokenizer_path);
-  d.vocab_size = tok.vocab_size();
-  d.bos_id = tok.bos_id();
-  d.eos_id = tok.eos_id();
-
-  // Pass 2 encodes block by block into one token file of the whole stream, which is then cut
-  // into train.bin and its last held_out_fraction, val.bin: memory stays at a few blocks and a
-  // copy buffer whatever the corpus's size. Documents are separated by eos, so that the model
-  // sees where one ends (one document, as the built-in corpora, gets none).
+// Pass 2 encodes block by block into one token file of the whole stream, which is then cut
+// into train.bin and its last held_out_fraction, val.bin: memory stays at a few blocks and a
+// copy buffer whatever the corpus's size. Documents are separated by eos, so that the model
+// sees where one ends (one document, as the built-in corpora, gets none). Sets d's token
+// counts; returns the two files' descriptions.
+std::pair<TokenFileInfo, TokenFileInfo> write_token_files(const PrepareOptions& options,
+                                                          const CorpusSource& source,
+                                                          const Tokenizer& tok, PreparedData& d) {
   const std::string all_path = d.train_path + ".all";  // a name data_dir_problem() knows
   // Removed on every way out: it is the size of the token files, and a failure after it is
   // complete (no space left for train.bin) must not leave it behind.
@@ -680,31 +625,34 @@ PreparedData prepare_data(const PrepareOptions& options) {
     });
     all.finish();
   }
-  TokenFileInfo train, val;
-  {
-    const TokenFile all(all_path);
-    const int64_t n = all.size();
-    d.val_tokens =
-        static_cast<int64_t>(std::llround(static_cast<double>(n) * options.held_out_fraction));
-    d.train_tokens = n - d.val_tokens;
-    auto copy = [&](const std::string& path, int64_t from, int64_t count) {
-      TokenFileWriter out(path, d.vocab_size);
-      std::vector<int64_t> wide;
-      std::vector<int> ids;
-      for (int64_t at = from; at < from + count;) {
-        const int64_t len = std::min<int64_t>(int64_t{1} << 20, from + count - at);
-        wide.resize(static_cast<size_t>(len));
-        all.read(at, len, wide.data());
-        ids.assign(wide.begin(), wide.end());
-        out.append(ids);
-        at += len;
-      }
-      return out.finish();
-    };
-    train = copy(d.train_path, 0, d.train_tokens);
-    val = copy(d.val_path, d.train_tokens, d.val_tokens);
-  }
+  const TokenFile all(all_path);
+  const int64_t n = all.size();
+  d.val_tokens =
+      static_cast<int64_t>(std::llround(static_cast<double>(n) * options.held_out_fraction));
+  d.train_tokens = n - d.val_tokens;
+  auto copy = [&](const std::string& path, int64_t from, int64_t count) {
+    TokenFileWriter out(path, d.vocab_size);
+    std::vector<int64_t> wide;
+    std::vector<int> ids;
+    for (int64_t at = from; at < from + count;) {
+      const int64_t len = std::min<int64_t>(int64_t{1} << 20, from + count - at);
+      wide.resize(static_cast<size_t>(len));
+      all.read(at, len, wide.data());
+      ids.assign(wide.begin(), wide.end());
+      out.append(ids);
+      at += len;
+    }
+    return out.finish();
+  };
+  TokenFileInfo train = copy(d.train_path, 0, d.train_tokens);
+  TokenFileInfo val = copy(d.val_path, d.train_tokens, d.val_tokens);
+  return {train, val};
+}
 
+// meta.json's content (without its checksum) for what was just prepared.
+json prepared_meta(const PrepareOptions& options, const CorpusScan& scan, const PreparedData& d,
+                   const Tokenizer& tok, const std::string& model, const TokenFileInfo& train,
+                   const TokenFileInfo& val) {
   auto split_json = [](const TokenFileInfo& info, const char* file) {
     return json{{"file", file},
                 {"tokens", info.tokens},
@@ -712,13 +660,13 @@ PreparedData prepare_data(const PrepareOptions& options) {
                 {"bytes", kTokenFileHeaderBytes + info.tokens * info.bytes_per_token},
                 {"xxh64", hex64(info.checksum)}};
   };
-  json meta = {
+  return {
       {"format", "fsdp-cpp token data"},
       {"version", kMetaVersion},
       {"options", options_json(options)},
       {"corpus",
        {{"bytes", scan.bytes},
-        {"xxh64", corpus_sum},
+        {"xxh64", hex64(scan.checksum)},
         {"documents", scan.documents},
         {"files", d.files}}},
       {"tokenizer",
@@ -733,10 +681,87 @@ PreparedData prepare_data(const PrepareOptions& options) {
       {"train", split_json(train, kTrainFile)},
       {"val", split_json(val, kValFile)},
   };
+}
+
+// Prepares `options.out_dir` from a corpus readable here (scanned: `scan`): the tokenizer, the
+// token files, and meta.json last.
+PreparedData prepare_anew(const PrepareOptions& options, const CorpusSource& source,
+                          const CorpusScan& scan) {
+  const std::string meta_path = join(options.out_dir, kMetaFile);
+  // meta.json goes first and comes back last: until then the directory is visibly incomplete.
+  if (::unlink(meta_path.c_str()) != 0 && errno != ENOENT)
+    fail(meta_path + ": cannot remove the stale file: " + std::strerror(errno));
+
+  PreparedData d;
+  d.dir = options.out_dir;
+  d.meta_path = meta_path;
+  d.tokenizer_path = join(options.out_dir, kTokenizerFile);
+  d.train_path = join(options.out_dir, kTrainFile);
+  d.val_path = join(options.out_dir, kValFile);
+  d.documents = scan.documents;
+  d.files = static_cast<int64_t>(source.files().size());
+
+  const std::string prefix = (fs::path(options.out_dir) / "tokenizer").string();
+  Tokenizer tok = train_tokenizer(scan.sample, options.vocab_size, prefix, options.seed);
+  const std::string model = read_file(d.tokenizer_path);
+  d.vocab_size = tok.vocab_size();
+  d.bos_id = tok.bos_id();
+  d.eos_id = tok.eos_id();
+  const auto [train, val] = write_token_files(options, source, tok, d);
+  json meta = prepared_meta(options, scan, d, tok, model, train, val);
   meta[kMetaChecksumKey] = meta_checksum(meta);
   write_file_atomic(meta_path, meta.dump(2) + "\n");
   d.reused = false;
   return d;
+}
+
+}  // namespace
+
+PreparedData prepare_data(const PrepareOptions& options) {
+  validate(options);
+  if (const std::string problem = data_dir_problem(options.out_dir); !problem.empty())
+    fail("data.dir " + problem);
+  std::error_code ec;
+  fs::create_directories(options.out_dir, ec);
+  if (ec)
+    fail(options.out_dir + ": cannot create the data directory: " + ec.message());
+  DirLock lock(options.out_dir);
+  remove_leftovers(options.out_dir);
+
+  // Pass 1 reads the corpus once for its checksum (reuse needs the same bytes: a file may have
+  // changed under the same path), its document count and the tokenizer's training sample.
+  // A directory prepared elsewhere and copied here (a GPU machine without Debian's bible-kjv,
+  // say) is used as it is when its corpus cannot be read on this machine: it still passes every
+  // check of its own files; only the comparison with the corpus's bytes is impossible.
+  std::optional<CorpusSource> readable;
+  try {
+    readable.emplace(options.corpus);
+  } catch (const std::exception& unreadable) {
+    const auto error = std::current_exception();
+    PreparedData d;
+    try {
+      d = verify_prepared(options, nullptr);
+    } catch (const std::exception&) {
+      std::rethrow_exception(error);  // nothing prepared either: the corpus's own error
+    }
+    std::printf(
+        "fsdp-train: %s: using the prepared data as it is (its corpus cannot be read "
+        "here: %s)\n",
+        options.out_dir.c_str(), unreadable.what());
+    return d;
+  }
+  const CorpusSource& source = *readable;
+  const CorpusScan scan = scan_corpus(source, options.seed);
+  try {
+    json meta;
+    PreparedData d = verify_prepared(options, &meta);
+    if (meta.value("/corpus/xxh64"_json_pointer, std::string()) == hex64(scan.checksum) &&
+        meta.value("/corpus/bytes"_json_pointer, int64_t{-1}) == scan.bytes)
+      return d;
+  } catch (const std::exception&) {
+    // Missing, stale or damaged: prepare again below.
+  }
+  return prepare_anew(options, source, scan);
 }
 
 PreparedData prepare_data(const PrepareOptions& options, int rank,
