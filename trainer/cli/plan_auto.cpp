@@ -51,10 +51,69 @@ double optimizer_seconds_per_byte(Config config) {
 
 }  // namespace
 
+// --json: every configuration considered, with its prediction by phase.
+void write_candidates_json(const std::string& path, const std::vector<Candidate>& all) {
+  nlohmann::json j = nlohmann::json::array();
+  for (const auto& c : all) {
+    j.push_back({{"overrides", c.overrides},
+                 {"peak", c.peak},
+                 {"moment", c.moment},
+                 {"step_s", c.time.step_s},
+                 {"phases",
+                  {{"forward", c.time.forward_s},
+                   {"backward", c.time.backward_s},
+                   {"recompute", c.time.recompute_s},
+                   {"all_gather_exposed", c.time.all_gather_exposed_s},
+                   {"reduce_exposed", c.time.reduce_exposed_s},
+                   {"optimizer", c.time.optimizer_s},
+                   {"offload", c.time.offload_s},
+                   {"overhead", c.time.overhead_s}}},
+                 {"tokens_per_s", c.tokens_per_s},
+                 {"fits", c.fits}});
+  }
+  std::ofstream(path) << j.dump(1) << "\n";
+}
+
+// The search's answer: the fitting configurations, fastest first, each with its TOML.
+void print_fitting(const PlanRequest& request, const Config& config,
+                   const std::map<std::string, RunPlan>& runs, size_t considered,
+                   const std::vector<const Candidate*>& fitting) {
+  const auto* device = request.device;
+  std::printf(
+      "fsdp-plan --auto: %s on %d rank(s)%s, global batch %lld x %lld tokens, budget %s "
+      "(predicted peak + %.0f%%), %zu configurations predicted%s\n",
+      request.finetune ? config.finetune.model.c_str()
+                       : (config.model.arch + " " + config.model.preset).c_str(),
+      request.world, device ? (" of " + device->description).c_str() : " on this machine",
+      (long long)request.global_batch, (long long)runs.begin()->second.options.seq_len,
+      mem::format_bytes(request.budget).c_str(), 100 * request.margin, considered,
+      device ? fmt::format(", time at {:.0f}% of the data sheet's matmul rate",
+                           100 * request.efficiency)
+                   .c_str()
+             : "");
+  std::printf("%-3s %12s %10s %12s  %-20s %s\n", "#", "tokens/s", "step s", "peak", "moment",
+              "strategy / AC / dtype / gather / offload / micro-batches");
+  for (size_t i = 0; i < fitting.size(); ++i) {
+    const auto& c = *fitting[i];
+    const auto& k = c.knobs;
+    std::printf("%-3zu %12.0f %10.4f %12s  %-20s %s%s / %s%s / %s / %s / %s / %lld x %lld\n", i + 1,
+                c.tokens_per_s, c.time.step_s, mem::format_bytes(c.peak).c_str(), c.moment.c_str(),
+                k.strategy.c_str(),
+                k.reshard_size ? fmt::format("/{}", k.reshard_size).c_str() : "", k.ac.c_str(),
+                k.ac_every > 1 ? fmt::format("/{}", k.ac_every).c_str() : "", k.dtype.c_str(),
+                k.gather.c_str(), k.offload.c_str(), (long long)k.micro_batches,
+                (long long)(config.training.batch_size / k.micro_batches));
+  }
+  for (size_t i = 0; i < fitting.size(); ++i) {
+    std::printf("\n# %zu: %.0f tokens/s, peak %s per rank (predicted)\n%s", i + 1,
+                fitting[i]->tokens_per_s, mem::format_bytes(fitting[i]->peak).c_str(),
+                toml_snippet(*fitting[i]).c_str());
+  }
+}
+
 int plan_auto(PlanRequest request) {
   auto& config = request.config;
   const int world = request.world, per_node = request.per_node;
-  const bool finetune = request.finetune;
   const auto* device = request.device;
   const int64_t budget = request.budget, global_batch = request.global_batch;
   const auto& budget_key = request.budget_key;
@@ -96,27 +155,8 @@ int plan_auto(PlanRequest request) {
   }
   const auto all = search_configs(config, runs, space, world, per_node, budget, margin, timing,
                                   device != nullptr);
-  if (!json_path.empty()) {
-    nlohmann::json j = nlohmann::json::array();
-    for (const auto& c : all) {
-      j.push_back({{"overrides", c.overrides},
-                   {"peak", c.peak},
-                   {"moment", c.moment},
-                   {"step_s", c.time.step_s},
-                   {"phases",
-                    {{"forward", c.time.forward_s},
-                     {"backward", c.time.backward_s},
-                     {"recompute", c.time.recompute_s},
-                     {"all_gather_exposed", c.time.all_gather_exposed_s},
-                     {"reduce_exposed", c.time.reduce_exposed_s},
-                     {"optimizer", c.time.optimizer_s},
-                     {"offload", c.time.offload_s},
-                     {"overhead", c.time.overhead_s}}},
-                   {"tokens_per_s", c.tokens_per_s},
-                   {"fits", c.fits}});
-    }
-    std::ofstream(json_path) << j.dump(1) << "\n";
-  }
+  if (!json_path.empty())
+    write_candidates_json(json_path, all);
   std::vector<const Candidate*> fitting;
   const Candidate* smallest = &all.front();
   for (const auto& c : all) {
@@ -136,35 +176,7 @@ int plan_auto(PlanRequest request) {
   }
   for (const auto& line : notes)
     log(line);
-  std::printf(
-      "fsdp-plan --auto: %s on %d rank(s)%s, global batch %lld x %lld tokens, budget %s "
-      "(predicted peak + %.0f%%), %zu configurations predicted%s\n",
-      finetune ? config.finetune.model.c_str()
-               : (config.model.arch + " " + config.model.preset).c_str(),
-      world, device ? (" of " + device->description).c_str() : " on this machine",
-      (long long)global_batch, (long long)runs.begin()->second.options.seq_len,
-      mem::format_bytes(budget).c_str(), 100 * margin, all.size(),
-      device ? fmt::format(", time at {:.0f}% of the data sheet's matmul rate", 100 * efficiency)
-                   .c_str()
-             : "");
-  std::printf("%-3s %12s %10s %12s  %-20s %s\n", "#", "tokens/s", "step s", "peak", "moment",
-              "strategy / AC / dtype / gather / offload / micro-batches");
-  for (size_t i = 0; i < fitting.size(); ++i) {
-    const auto& c = *fitting[i];
-    const auto& k = c.knobs;
-    std::printf("%-3zu %12.0f %10.4f %12s  %-20s %s%s / %s%s / %s / %s / %s / %lld x %lld\n", i + 1,
-                c.tokens_per_s, c.time.step_s, mem::format_bytes(c.peak).c_str(), c.moment.c_str(),
-                k.strategy.c_str(),
-                k.reshard_size ? fmt::format("/{}", k.reshard_size).c_str() : "", k.ac.c_str(),
-                k.ac_every > 1 ? fmt::format("/{}", k.ac_every).c_str() : "", k.dtype.c_str(),
-                k.gather.c_str(), k.offload.c_str(), (long long)k.micro_batches,
-                (long long)(config.training.batch_size / k.micro_batches));
-  }
-  for (size_t i = 0; i < fitting.size(); ++i) {
-    std::printf("\n# %zu: %.0f tokens/s, peak %s per rank (predicted)\n%s", i + 1,
-                fitting[i]->tokens_per_s, mem::format_bytes(fitting[i]->peak).c_str(),
-                toml_snippet(*fitting[i]).c_str());
-  }
+  print_fitting(request, config, runs, all.size(), fitting);
   return 0;
 }
 
