@@ -36,6 +36,7 @@
 #include <fsdp/optim/torch_fused_adamw.h>
 #include <fsdp/unshard.h>
 
+#include "checkpoint_meta.h"
 #include "gradient_update.h"
 #include "matmul_speed.h"
 #include "observe/plot.h"
@@ -1098,80 +1099,40 @@ int64_t Trainer::resume_from_checkpoint() {
                                checkpoint_dir(config_));
     dir = *latest;
   }
-  auto meta = fsdp::load_sharded(dir.string(), *model_.module, optimizer_.get());
-  // The index's checksum catches edits; these catch a writer that saved nonsense, and name the
-  // file and the key either way.
-  const std::string index = (dir / "index.json").string();
-  auto bad = [&](const std::string& key, const std::string& what) {
-    return fsdp::safetensors::FormatError(index + ": metadata '" + key + "' " + what);
-  };
-  auto number = [&](const std::string& key) -> int64_t {
-    auto it = meta.find(key);
-    int64_t v = 0;
-    if (it == meta.end())
-      throw bad(key, "is missing");
-    const auto& text = it->second;
-    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-    if (ec != std::errc() || end != text.data() + text.size())
-      throw bad(key, "is not an integer");
-    if (v < 0)
-      throw bad(key, "is negative (" + text + ")");
-    return v;
-  };
-  const int64_t step = number("step");
-  const int64_t saved_world = number("world_size");
-  for (const auto& [key, value] : meta) {
-    if (!key.starts_with("rng."))
-      continue;
-    int64_t r = -1;
-    const auto [end, ec] = std::from_chars(key.data() + 4, key.data() + key.size(), r);
-    if (ec != std::errc() || end != key.data() + key.size() || r < 0 || r >= saved_world)
-      throw bad(key, "names no rank of the " + std::to_string(saved_world) + " that saved it");
-  }
-  for (int64_t r = 0; r < saved_world; ++r)
-    if (!meta.count("rng." + std::to_string(r)))
-      throw bad("rng." + std::to_string(r),
-                "is missing (world_size is " + std::to_string(saved_world) + ")");
+  const CheckpointMeta meta(fsdp::load_sharded(dir.string(), *model_.module, optimizer_.get()),
+                            (dir / "index.json").string());
+  const int64_t step = meta.count("step");
+  const int64_t saved_world = meta.count("world_size");
+  meta.check_random_states(saved_world);
   try {
-    load_sampler_state({number("sampler.epoch"), number("sampler.position"),
-                        static_cast<uint64_t>(number("sampler.seed"))});
+    load_sampler_state({meta.count("sampler.epoch"), meta.count("sampler.position"),
+                        static_cast<uint64_t>(meta.count("sampler.seed"))});
   } catch (const fsdp::safetensors::FormatError&) {
     throw;
   } catch (const std::exception& e) {
-    throw bad("sampler.*", std::string("does not fit this run: ") + e.what());
+    throw meta.bad("sampler.*", std::string("does not fit this run: ") + e.what());
   }
-  if (scaler_ && meta.count("scaler.scale")) {
-    double scale = 0;
-    const auto& text = meta["scaler.scale"];
-    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), scale);
-    if (ec != std::errc() || end != text.data() + text.size() || !std::isfinite(scale) ||
-        scale <= 0)
-      throw bad("scaler.scale", "is not a positive finite number");
-    scaler_->load_state({scale, number("scaler.growth_tracker"), number("scaler.skipped_steps")});
+  if (scaler_ && meta.has("scaler.scale")) {
+    scaler_->load_state({*meta.positive("scaler.scale"), meta.count("scaler.growth_tracker"),
+                         meta.count("scaler.skipped_steps")});
   }
-  if (auto it = meta.find("clip.previous_norm"); it != meta.end()) {
-    double norm = 0;
-    const auto& text = it->second;
-    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), norm);
-    if (ec != std::errc() || end != text.data() + text.size() || !std::isfinite(norm) || norm < 0)
-      throw bad("clip.previous_norm", "is not a finite number >= 0");
-    previous_grad_norm_ = norm;
-  }
+  if (const auto norm = meta.non_negative("clip.previous_norm"))
+    previous_grad_norm_ = *norm;
   // Ranks that existed when it was saved get their random state back; others keep theirs.
-  auto rng = meta.find("rng." + std::to_string(pg_->rank()));
-  if (rng != meta.end()) {
+  if (const auto rng = meta.rng_state(pg_->rank())) {
+    const std::string key = "rng." + std::to_string(pg_->rank());
     at::Generator gen = at::detail::getDefaultCPUGenerator();  // a handle to the global one
     std::lock_guard<std::mutex> lock(gen.mutex());
-    const auto state = from_hex(rng->second, index + ": metadata '" + rng->first + "'");
+    const auto state = from_hex(*rng, meta.index() + ": metadata '" + key + "'");
     try {
       gen.set_state(state);
     } catch (const c10::Error& e) {
-      throw bad(rng->first, "is not a random state: " + e.msg());
+      throw meta.bad(key, "is not a random state: " + e.msg());
     }
   }
   if (pg_->rank() == 0) {
     std::printf("resumed from %s (step %lld, saved on %s rank(s))\n", dir.c_str(),
-                static_cast<long long>(step), meta["world_size"].c_str());
+                static_cast<long long>(step), meta.text("world_size").c_str());
   }
   return step;
 }

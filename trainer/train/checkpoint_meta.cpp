@@ -1,0 +1,81 @@
+// See checkpoint_meta.h.
+#include "checkpoint_meta.h"
+
+#include <charconv>
+#include <cmath>
+#include <system_error>
+#include <utility>
+
+namespace fsdp_trainer {
+
+CheckpointMeta::CheckpointMeta(std::map<std::string, std::string> meta, std::string index)
+    : meta_(std::move(meta)), index_(std::move(index)) {}
+
+fsdp::safetensors::FormatError CheckpointMeta::bad(const std::string& key,
+                                                   const std::string& what) const {
+  return fsdp::safetensors::FormatError(index_ + ": metadata '" + key + "' " + what);
+}
+
+const std::string& CheckpointMeta::text(const std::string& key) const {
+  auto it = meta_.find(key);
+  if (it == meta_.end())
+    throw bad(key, "is missing");
+  return it->second;
+}
+
+int64_t CheckpointMeta::count(const std::string& key) const {
+  const auto& text = this->text(key);
+  int64_t v = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || end != text.data() + text.size())
+    throw bad(key, "is not an integer");
+  if (v < 0)
+    throw bad(key, "is negative (" + text + ")");
+  return v;
+}
+
+std::optional<double> CheckpointMeta::finite(const std::string& key, bool zero_allowed) const {
+  if (!has(key))
+    return std::nullopt;
+  const auto& text = this->text(key);
+  double v = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || end != text.data() + text.size() || !std::isfinite(v) || v < 0 ||
+      (v == 0 && !zero_allowed))
+    throw bad(key,
+              zero_allowed ? "is not a finite number >= 0" : "is not a positive finite number");
+  return v;
+}
+
+std::optional<double> CheckpointMeta::positive(const std::string& key) const {
+  return finite(key, false);
+}
+
+std::optional<double> CheckpointMeta::non_negative(const std::string& key) const {
+  return finite(key, true);
+}
+
+std::optional<std::string> CheckpointMeta::rng_state(int rank) const {
+  auto it = meta_.find("rng." + std::to_string(rank));
+  if (it == meta_.end())
+    return std::nullopt;
+  return it->second;
+}
+
+void CheckpointMeta::check_random_states(int64_t world) const {
+  for (const auto& [key, value] : meta_) {
+    if (!key.starts_with("rng."))
+      continue;
+    int64_t r = -1;
+    const auto [end, ec] = std::from_chars(key.data() + 4, key.data() + key.size(), r);
+    if (ec != std::errc() || end != key.data() + key.size() || r < 0 || r >= world)
+      throw bad(key, "names no rank of the " + std::to_string(world) + " that saved it");
+  }
+  for (int64_t r = 0; r < world; ++r) {
+    if (!meta_.count("rng." + std::to_string(r)))
+      throw bad("rng." + std::to_string(r),
+                "is missing (world_size is " + std::to_string(world) + ")");
+  }
+}
+
+}  // namespace fsdp_trainer
