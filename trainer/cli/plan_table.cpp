@@ -56,6 +56,33 @@ void plan_progress(const std::string& line) {
   std::fflush(stderr);
 }
 
+// The table: a row per rank, each different row once (ranks differ only by the padding of the
+// last shard), with its peak, moment and categories at the peak.
+void print_rank_rows(const std::vector<fsdp::plan::MemoryPrediction>& predictions) {
+  const int world = static_cast<int>(predictions.size());
+  std::printf("%-6s %12s  %-20s", "rank", "peak", "moment");
+  for (int c = 1; c <= mem::kNumCategories; ++c)
+    std::printf(" %20s", mem::to_string(static_cast<mem::Category>(c % mem::kNumCategories)));
+  std::printf("\n");
+  std::map<std::vector<int64_t>, std::vector<int>> rows;
+  for (int r = 0; r < world; ++r) {
+    const auto& p = predictions[static_cast<size_t>(r)];
+    std::vector<int64_t> key(p.at_peak.bytes.begin(), p.at_peak.bytes.end());
+    key.push_back(p.peak);
+    auto& ranks = rows[key];
+    if (ranks.empty()) {
+      std::printf("%-6d %12s  %-20s", r, mem::format_bytes(p.peak).c_str(),
+                  fsdp::plan::moment_label(p.moment).c_str());
+      for (int c = 1; c <= mem::kNumCategories; ++c)
+        std::printf(" %20s", mem::format_bytes(p.at_peak.bytes[c % mem::kNumCategories]).c_str());
+      std::printf("\n");
+    }
+    ranks.push_back(r);
+  }
+  if (rows.size() < static_cast<size_t>(world))
+    std::printf("(the other ranks predict the same as the row above them)\n");
+}
+
 int plan_table(const PlanRequest& request) {
   const auto& config = request.config;
   const auto& t = config.training;
@@ -114,28 +141,7 @@ int plan_table(const PlanRequest& request) {
       dtype.c_str(), (long long)run.options.batch_rows, (long long)run.options.seq_len,
       run.options.micro_batches,
       finetune ? " (the longest conversation finetune.max_tokens allows)" : "");
-  std::printf("%-6s %12s  %-20s", "rank", "peak", "moment");
-  for (int c = 1; c <= mem::kNumCategories; ++c)
-    std::printf(" %20s", mem::to_string(static_cast<mem::Category>(c % mem::kNumCategories)));
-  std::printf("\n");
-  // Ranks differ only by the padding of the last shard: print each different row once.
-  std::map<std::vector<int64_t>, std::vector<int>> rows;
-  for (int r = 0; r < world; ++r) {
-    const auto& p = predictions[static_cast<size_t>(r)];
-    std::vector<int64_t> key(p.at_peak.bytes.begin(), p.at_peak.bytes.end());
-    key.push_back(p.peak);
-    auto& ranks = rows[key];
-    if (ranks.empty()) {
-      std::printf("%-6d %12s  %-20s", r, mem::format_bytes(p.peak).c_str(),
-                  fsdp::plan::moment_label(p.moment).c_str());
-      for (int c = 1; c <= mem::kNumCategories; ++c)
-        std::printf(" %20s", mem::format_bytes(p.at_peak.bytes[c % mem::kNumCategories]).c_str());
-      std::printf("\n");
-    }
-    ranks.push_back(r);
-  }
-  if (rows.size() < static_cast<size_t>(world))
-    std::printf("(the other ranks predict the same as the row above them)\n");
+  print_rank_rows(predictions);
   if (worst.peak_without_staging != worst.peak) {
     std::printf(
         "Gloo's staging buffers for a gather in flight are counted; without them rank "
