@@ -604,6 +604,29 @@ double Trainer::evaluate() {
   return mean_over_ranks(total / static_cast<double>(eval_set_.size()));
 }
 
+namespace {
+
+// Each phase's median over `runs` (without the step's total).
+MeasuredTime median_phases(const std::vector<fsdp::StepBreakdown>& runs) {
+  auto median = [&](double fsdp::StepBreakdown::*f) {
+    std::vector<double> v;
+    for (const auto& b : runs)
+      v.push_back(b.*f);
+    std::sort(v.begin(), v.end());
+    return (v[v.size() / 2] + v[(v.size() - 1) / 2]) / 2;
+  };
+  MeasuredTime m;
+  m.forward = median(&fsdp::StepBreakdown::forward_s);
+  m.backward = median(&fsdp::StepBreakdown::backward_s);
+  m.all_gather_wait = median(&fsdp::StepBreakdown::all_gather_wait_s);
+  m.reduce_wait = median(&fsdp::StepBreakdown::reduce_wait_s);
+  m.optimizer = median(&fsdp::StepBreakdown::optimizer_s);
+  m.other = median(&fsdp::StepBreakdown::other_s);
+  return m;
+}
+
+}  // namespace
+
 MeasuredTime Trainer::time_by_blocks(const std::string& model_file) {
   // The job with 1 and then 3 blocks (2 if it has fewer), on the job's ranks with the job's
   // options and batch shape (random tokens), timed by its own profiler, the median of 4 steps
@@ -655,20 +678,7 @@ MeasuredTime Trainer::time_by_blocks(const std::string& model_file) {
       if (step >= kWarmup)
         runs.push_back(b);
     }
-    auto median = [&](double fsdp::StepBreakdown::*f) {
-      std::vector<double> v;
-      for (const auto& b : runs)
-        v.push_back(b.*f);
-      std::sort(v.begin(), v.end());
-      return (v[v.size() / 2] + v[(v.size() - 1) / 2]) / 2;
-    };
-    auto& m = at[k];
-    m.forward = median(&fsdp::StepBreakdown::forward_s);
-    m.backward = median(&fsdp::StepBreakdown::backward_s);
-    m.all_gather_wait = median(&fsdp::StepBreakdown::all_gather_wait_s);
-    m.reduce_wait = median(&fsdp::StepBreakdown::reduce_wait_s);
-    m.optimizer = median(&fsdp::StepBreakdown::optimizer_s);
-    m.other = median(&fsdp::StepBreakdown::other_s);
+    at[k] = median_phases(runs);
   }
   const double n = static_cast<double>(model_.n_layer);
   const double apart = static_cast<double>(sizes[1] - sizes[0]);
