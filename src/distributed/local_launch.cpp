@@ -110,11 +110,20 @@ bool single_threaded() {
 // process group, default signals, stdin from /dev/null, its log, exactly its environment, dead
 // with the launcher), runs rank_main and exits with its status.
 [[noreturn]] void run_forked_rank(const LocalLaunchOptions& o, const std::vector<std::string>& env,
-                                  const std::string& log_path, int listen_fd, pid_t launcher) {
+                                  const std::string& log_path, int listen_fd, const int gate[2],
+                                  pid_t launcher) {
   ::setpgid(0, 0);
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (::getppid() != launcher)  // the launcher died before the prctl
     std::_Exit(1);
+  // Wait until the launcher's store is up (the gate's write end closed, in every process):
+  // connecting earlier, a rank waited on a listening socket nobody answered yet, and under load
+  // ran out of a short rendezvous timeout.
+  ::close(gate[1]);
+  char byte;
+  while (::read(gate[0], &byte, 1) < 0 && errno == EINTR) {
+  }
+  ::close(gate[0]);
   sigset_t none;
   sigemptyset(&none);
   ::sigprocmask(SIG_SETMASK, &none, nullptr);
@@ -158,7 +167,7 @@ bool single_threaded() {
 
 // Starts one rank: a fork()ed copy running rank_main, or `executable`.
 pid_t start_rank(const LocalLaunchOptions& o, bool fork_rank, const std::vector<std::string>& env,
-                 const std::string& log_path, int listen_fd) {
+                 const std::string& log_path, int listen_fd, const int gate[2]) {
   if (!fork_rank)
     return spawn(o.executable, o.argv, env, log_path);
   const pid_t launcher = ::getpid();
@@ -167,7 +176,7 @@ pid_t start_rank(const LocalLaunchOptions& o, bool fork_rank, const std::vector<
   if (pid < 0)
     throw std::runtime_error(std::string("cannot start a rank: fork: ") + std::strerror(errno));
   if (pid == 0)
-    run_forked_rank(o, env, log_path, listen_fd, launcher);
+    run_forked_rank(o, env, log_path, listen_fd, gate, launcher);
   ::setpgid(pid, pid);  // as the child does: whichever runs first, kill(-pid) then reaches it
   return pid;
 }
@@ -195,6 +204,31 @@ class Children {
 
  private:
   std::vector<pid_t> pids_;
+};
+
+// What forked ranks wait at until the store is up: a pipe whose write end the launcher closes
+// (open() or, on a way out before it, the destructor); each rank then reads end-of-file.
+class StoreGate {
+ public:
+  StoreGate() {
+    if (::pipe2(fds_, O_CLOEXEC) != 0)
+      throw std::runtime_error(std::string("launch_local_ranks: pipe: ") + std::strerror(errno));
+  }
+  StoreGate(const StoreGate&) = delete;
+  StoreGate& operator=(const StoreGate&) = delete;
+  ~StoreGate() {
+    open();
+    ::close(fds_[0]);
+  }
+  const int* fds() const { return fds_; }
+  void open() {
+    if (fds_[1] >= 0)
+      ::close(fds_[1]);
+    fds_[1] = -1;
+  }
+
+ private:
+  int fds_[2] = {-1, -1};
 };
 
 }  // namespace
@@ -237,12 +271,17 @@ LocalLaunchResult launch_local_ranks(const LocalLaunchOptions& o) {
   store_opts.waitWorkers = false;
   if (o.timeout.count() > 0)
     store_opts.timeout = o.timeout;
-  // Decided before the store starts its threads, and the ranks started before it: the ranks
-  // connect to the listening socket, which queues them until the store accepts.
+  // Decided before the store starts its threads. Spawned ranks find the store up; forked ones
+  // are started before it (its threads would make the fork unsafe) and wait at the gate until
+  // it is.
   result.forked = o.rank_main && single_threaded();
+  c10::intrusive_ptr<c10d::TCPStore> store;
+  if (!result.forked)
+    store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", store_opts);
 
   const auto start = std::chrono::steady_clock::now();
   Children children;
+  StoreGate gate;
   for (int r = 0; r < o.nproc; ++r) {
     if (std::find(o.absent_ranks.begin(), o.absent_ranks.end(), r) != o.absent_ranks.end())
       continue;
@@ -261,12 +300,14 @@ LocalLaunchResult launch_local_ranks(const LocalLaunchOptions& o) {
     for (const auto& [k, v] : o.env)
       vars[k] = v;
     const std::string log = o.log_path ? o.log_path(r) : std::string();
-    const pid_t pid =
-        start_rank(o, result.forked, rank_environment(vars), log, *store_opts.masterListenFd);
+    const pid_t pid = start_rank(o, result.forked, rank_environment(vars), log,
+                                 *store_opts.masterListenFd, gate.fds());
     children.add(pid);
     result.pids[static_cast<size_t>(r)] = pid;
   }
-  auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", store_opts);
+  if (!store)
+    store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", store_opts);
+  gate.open();
 
   auto rank_of = [&](pid_t pid) {
     return static_cast<size_t>(std::find(result.pids.begin(), result.pids.end(), pid) -

@@ -8,7 +8,8 @@
 // copy skips loading LibTorch and registering its operators again, about 0.25 s of CPU per rank
 // on our 2-core machines, most of a small job's start. With any other thread alive (LibTorch's
 // intra-op pool, a store's threads) a fork could copy a lock held by a thread that the child
-// does not have, so the rank is spawned instead; the store's threads start after the forks.
+// does not have, so the rank is spawned instead; the store's threads start after the forks,
+// and a forked rank waits until the store is up before it runs.
 // Either way each rank leads its own process group, so that stopping a rank stops anything it
 // started, with default signal dispositions and an empty signal mask whatever the launcher has
 // set (CTest, GoogleTest), and dies with its launcher, even a SIGKILLed one (a spawned rank
