@@ -182,6 +182,20 @@ struct CommandLine {
   std::vector<std::string> overrides;  // section.key=value
 };
 
+// The options a command does not take, or lacks: why, or nullptr.
+const char* command_misuse(const CommandLine& cl) {
+  const bool trains = cl.command == "train" || cl.command == "finetune";
+  if (trains && (!cl.checkpoint.empty() || !cl.out_dir.empty()))
+    return "--checkpoint and --out belong to the commands export and generate";
+  if (!trains && cl.checkpoint.empty())
+    return "this command needs --checkpoint PATH";
+  if (cl.command == "export" && cl.out_dir.empty())
+    return "export needs --out DIR";
+  if (cl.command == "generate" && !cl.out_dir.empty())
+    return "generate takes no --out";
+  return nullptr;
+}
+
 // Parses the command line into `cl`; returns an exit code when there is nothing more to do
 // (help, version, the option reference, or bad usage: one line, exit 2).
 std::optional<int> parse_command_line(int argc, char** argv, CommandLine& cl) {
@@ -251,18 +265,7 @@ std::optional<int> parse_command_line(int argc, char** argv, CommandLine& cl) {
   }
   if (plan)
     cl.overrides.push_back("logging.plan=true");
-
-  const bool trains = cl.command == "train" || cl.command == "finetune";
-  const char* misuse = nullptr;
-  if (trains && (!cl.checkpoint.empty() || !cl.out_dir.empty()))
-    misuse = "--checkpoint and --out belong to the commands export and generate";
-  else if (!trains && cl.checkpoint.empty())
-    misuse = "this command needs --checkpoint PATH";
-  else if (cl.command == "export" && cl.out_dir.empty())
-    misuse = "export needs --out DIR";
-  else if (cl.command == "generate" && !cl.out_dir.empty())
-    misuse = "generate takes no --out";
-  if (misuse) {
+  if (const char* misuse = command_misuse(cl)) {
     std::fprintf(stderr, "fsdp-train: %s\n", misuse);
     return 2;
   }

@@ -456,31 +456,40 @@ BpeTokenizer BpeTokenizer::from_hf_json(const std::string& json_text, const std:
   return t;
 }
 
-std::string BpeTokenizer::to_hf_json() const {
+namespace {
+
+// The vocabulary (every token with its id, the special ones too, as transformers writes them)
+// and the added tokens (the special ones).
+std::pair<Json, Json> vocab_json(const std::vector<std::string>& tokens,
+                                 const std::vector<bool>& is_special) {
   Json vocab = Json::object();
   Json added = Json::array();
-  for (size_t id = 0; id < tokens_.size(); ++id) {
-    // The special tokens are in the vocabulary too, as transformers writes them.
-    if (vocab.contains(tokens_[id]))
+  for (size_t id = 0; id < tokens.size(); ++id) {
+    if (vocab.contains(tokens[id]))
       throw fsdp_models::gguf::FormatError(
-          "tokenizer.json: the token '" + tokens_[id] + "' has two ids, " +
-          std::to_string(vocab[tokens_[id]].get<size_t>()) + " and " + std::to_string(id));
-    vocab[tokens_[id]] = id;
-    if (is_special_[id])
+          "tokenizer.json: the token '" + tokens[id] + "' has two ids, " +
+          std::to_string(vocab[tokens[id]].get<size_t>()) + " and " + std::to_string(id));
+    vocab[tokens[id]] = id;
+    if (is_special[id])
       added.push_back({{"id", id},
-                       {"content", tokens_[id]},
+                       {"content", tokens[id]},
                        {"single_word", false},
                        {"lstrip", false},
                        {"rstrip", false},
                        {"normalized", false},
                        {"special", true}});
   }
+  return {vocab, added};
+}
+
+// The merges, [left, right] pairs in rank order.
+Json merges_json(const std::unordered_map<std::string, int>& merge_rank) {
   // Merges in rank order. Ranks may have gaps (a GGUF file listing a merge twice: its later
   // rank never applies) or be shared (a GGUF "llama" file's pieces of equal score, which merge
   // leftmost first): tokenizer.json has no shared ranks, so those are ordered by their text,
   // and `tokenizers` may merge them in another order than we do.
   std::vector<std::pair<int, const std::string*>> by_rank;
-  for (const auto& [pair, rank] : merge_rank_)
+  for (const auto& [pair, rank] : merge_rank)
     by_rank.emplace_back(rank, &pair);
   std::sort(by_rank.begin(), by_rank.end(), [](const auto& a, const auto& b) {
     return a.first != b.first ? a.first < b.first : *a.second < *b.second;
@@ -490,6 +499,39 @@ std::string BpeTokenizer::to_hf_json() const {
     const auto space = pair->find(' ');
     merges.push_back({pair->substr(0, space), pair->substr(space + 1)});
   }
+  return merges;
+}
+
+// The byte-level pre-tokenizer from the patterns read (never the file's own JSON, which could
+// nest anything): GPT-2's pattern alone is ByteLevel's own; otherwise Split steps (Digits'
+// patterns are Splits of the same pattern) then ByteLevel without a pattern.
+Json byte_level_pre_tokenizer(const std::vector<std::pair<std::string, bool>>& splits) {
+  Json pre;
+  const Json byte_level = {{"type", "ByteLevel"},
+                           {"add_prefix_space", false},
+                           {"trim_offsets", true},
+                           {"use_regex", false}};
+  if (splits.size() == 1 && !splits[0].second && splits[0].first == kGpt2Pattern) {
+    pre = byte_level;
+    pre["use_regex"] = true;
+  } else {
+    Json steps = Json::array();
+    for (const auto& [pattern, literal] : splits)
+      steps.push_back({{"type", "Split"},
+                       {"pattern", {{literal ? "String" : "Regex", pattern}}},
+                       {"behavior", "Isolated"},
+                       {"invert", false}});
+    steps.push_back(byte_level);
+    pre = {{"type", "Sequence"}, {"pretokenizers", steps}};
+  }
+  return pre;
+}
+
+}  // namespace
+
+std::string BpeTokenizer::to_hf_json() const {
+  const auto [vocab, added] = vocab_json(tokens_, is_special_);
+  const Json merges = merges_json(merge_rank_);
   if (!byte_level_) {
     // The SentencePiece-style pipeline as read (Prepend / Replace normalizers or a Metaspace
     // pre-tokenizer; a decoder undoing them), in the layout transformers' Llama conversion
@@ -549,27 +591,7 @@ std::string BpeTokenizer::to_hf_json() const {
           {"merges", merges}}}};
     return dump_json(out);
   }
-  // The pre-tokenizer from the patterns read (never the file's own JSON, which could nest
-  // anything): GPT-2's pattern alone is ByteLevel's own; otherwise Split steps (Digits' patterns
-  // are Splits of the same pattern) then ByteLevel without a pattern.
-  Json pre;
-  const Json byte_level = {{"type", "ByteLevel"},
-                           {"add_prefix_space", false},
-                           {"trim_offsets", true},
-                           {"use_regex", false}};
-  if (splits_.size() == 1 && !splits_[0].second && splits_[0].first == kGpt2Pattern) {
-    pre = byte_level;
-    pre["use_regex"] = true;
-  } else {
-    Json steps = Json::array();
-    for (const auto& [pattern, literal] : splits_)
-      steps.push_back({{"type", "Split"},
-                       {"pattern", {{literal ? "String" : "Regex", pattern}}},
-                       {"behavior", "Isolated"},
-                       {"invert", false}});
-    steps.push_back(byte_level);
-    pre = {{"type", "Sequence"}, {"pretokenizers", steps}};
-  }
+  const Json pre = byte_level_pre_tokenizer(splits_);
   const Json out = {{"version", "1.0"},
                     {"truncation", nullptr},
                     {"padding", nullptr},

@@ -42,16 +42,17 @@ using Json = nlohmann::ordered_json;
 
 }  // namespace
 
-std::string Tokenizer::to_hf_json() const {
-  const auto& sp = this->sp();
-  const int n = sp.GetPieceSize();
+namespace {
+
+// Refuses a model whose text handling the export does not reproduce.
+void check_exportable(const sentencepiece::SentencePieceProcessor& sp, const std::string& path) {
   // SentencePiece's public header keeps the model's settings (a protobuf) opaque, so the
   // text handling is checked by what it does: spaces, a tab and a ligature (which NFKC would
   // rewrite) must come back from the pieces exactly, spaces as U+2581.
   const std::string probe = "  a  \t\xEF\xAC\x81";
   std::vector<std::string> pieces;
   if (!sp.Encode(probe, &pieces).ok() || pieces.empty() || sp.unk_id() < 0)
-    throw std::runtime_error(path_ + ": cannot be written as tokenizer.json: it does not encode");
+    throw std::runtime_error(path + ": cannot be written as tokenizer.json: it does not encode");
   std::string seen;
   for (const auto& p : pieces) {
     if (p.size() == 6 && p.rfind("<0x", 0) == 0 && p.back() == '>')
@@ -63,30 +64,15 @@ std::string Tokenizer::to_hf_json() const {
       "\xE2\x96\x81\xE2\x96\x81"
       "a"
       "\xE2\x96\x81\xE2\x96\x81\t\xEF\xAC\x81")
-    throw std::runtime_error(path_ +
+    throw std::runtime_error(path +
                              ": cannot be written as tokenizer.json: it was trained with "
                              "text normalization (a dummy prefix, whitespace clean-up or NFKC), "
                              "which the export does not reproduce");
-  Json vocab = Json::object();
-  Json added = Json::array();
-  std::unordered_map<std::string, int> normal;  // the pieces merges may use and produce
-  for (int id = 0; id < n; ++id) {
-    const auto piece = sp.IdToPiece(id);
-    if (vocab.contains(piece))
-      throw std::runtime_error(path_ + ": the piece '" + piece + "' has two ids");
-    vocab[piece] = id;
-    if (sp.IsControl(id) || sp.IsUnknown(id))
-      added.push_back({{"id", id},
-                       {"content", piece},
-                       {"single_word", false},
-                       {"lstrip", false},
-                       {"rstrip", false},
-                       {"normalized", false},
-                       {"special", true}});
-    else if (!sp.IsByte(id) && !sp.IsUnused(id))
-      normal.emplace(piece, id);
-  }
+}
 
+// The merges that make each normal piece from two others, strongest first, as "left right".
+Json merges_json(const sentencepiece::SentencePieceProcessor& sp,
+                 const std::unordered_map<std::string, int>& normal, const std::string& path) {
   struct Merge {
     float score;
     int id;
@@ -113,10 +99,41 @@ std::string Tokenizer::to_hf_json() const {
   Json merge_list = Json::array();
   for (const auto& m : merges) {
     if (m.left.find(' ') != std::string::npos || m.right.find(' ') != std::string::npos)
-      throw std::runtime_error(path_ + ": the piece '" + m.left + m.right +
+      throw std::runtime_error(path + ": the piece '" + m.left + m.right +
                                "' holds a space, which tokenizer.json merges cannot");
     merge_list.push_back(m.left + " " + m.right);
   }
+
+  return merge_list;
+}
+
+}  // namespace
+
+std::string Tokenizer::to_hf_json() const {
+  const auto& sp = this->sp();
+  const int n = sp.GetPieceSize();
+  check_exportable(sp, path_);
+  Json vocab = Json::object();
+  Json added = Json::array();
+  std::unordered_map<std::string, int> normal;  // the pieces merges may use and produce
+  for (int id = 0; id < n; ++id) {
+    const auto piece = sp.IdToPiece(id);
+    if (vocab.contains(piece))
+      throw std::runtime_error(path_ + ": the piece '" + piece + "' has two ids");
+    vocab[piece] = id;
+    if (sp.IsControl(id) || sp.IsUnknown(id))
+      added.push_back({{"id", id},
+                       {"content", piece},
+                       {"single_word", false},
+                       {"lstrip", false},
+                       {"rstrip", false},
+                       {"normalized", false},
+                       {"special", true}});
+    else if (!sp.IsByte(id) && !sp.IsUnused(id))
+      normal.emplace(piece, id);
+  }
+
+  Json merge_list = merges_json(sp, normal, path_);
 
   const std::string space = "\xE2\x96\x81";  // U+2581, SentencePiece's visible space
   Json j;
