@@ -627,8 +627,9 @@ FSDP_WORKER(harness_how_started) {
 TEST(LocalLaunch, ForksTheRanksWhereSingleThreadedAndExecutesThemOtherwise) {
   // Set after the binary started: a rank started either way sees it, as a spawned one would.
   ::setenv("FSDP_TEST_SET_BEFORE_LAUNCH", "yes", 1);
-  const fsdp::test::RunOptions no_env;
-  auto forked = fsdp::test::run_workers("harness_how_started", 2, no_env);
+  fsdp::test::RunOptions fork;
+  fork.fork_ranks = true;
+  auto forked = fsdp::test::run_workers("harness_how_started", 2, fork);
   EXPECT_TRUE(forked.forked);
   // With another thread alive, a fork could copy a lock that thread holds: spawned instead.
   std::mutex m;
@@ -638,7 +639,7 @@ TEST(LocalLaunch, ForksTheRanksWhereSingleThreadedAndExecutesThemOtherwise) {
     std::unique_lock lock(m);
     cv.wait(lock, [&] { return done; });
   });
-  auto executed = fsdp::test::run_workers("harness_how_started", 2, no_env);
+  auto executed = fsdp::test::run_workers("harness_how_started", 2, fork);
   {
     std::lock_guard lock(m);
     done = true;
@@ -647,6 +648,7 @@ TEST(LocalLaunch, ForksTheRanksWhereSingleThreadedAndExecutesThemOtherwise) {
   other.join();
   ::unsetenv("FSDP_TEST_SET_BEFORE_LAUNCH");
   EXPECT_FALSE(executed.forked);
+  EXPECT_FALSE(fsdp::test::run_workers("harness_how_started", 2).forked);  // not asked to
   for (const auto* run : {&forked, &executed}) {
     const char* how = run == &forked ? "forked" : "executed";
     for (int r = 0; r < 2; ++r) {

@@ -1,10 +1,11 @@
 // The launcher side (run_workers) and the worker side (worker_main) of the multi-process tests.
 //
 // The ranks are started, bounded and reaped by the library's local launcher
-// (fsdp/distributed/local_launch.h, as fsdp-train --nproc): forks of the test binary running
-// the worker where the test binary has no other thread, /proc/self/exe posix_spawn()ed where it
-// has, each in its own process group so that a kill reaches anything it started, each dying with
-// the test binary (die_with_launcher), so that no rank outlives a crashed or killed test binary.
+// (fsdp/distributed/local_launch.h, as fsdp-train --nproc): /proc/self/exe posix_spawn()ed
+// (or, with RunOptions::fork_ranks, forks of the test binary running the worker where it has no
+// other thread), each in its own process group so that a kill reaches anything it started, each
+// dying with the test binary (die_with_launcher), so that no rank outlives a crashed or killed test
+// binary.
 #include "harness/multiprocess.h"
 
 #include <fsdp/distributed/local_launch.h>
@@ -234,9 +235,10 @@ RunResult run_workers(const std::string& name, int world_size, RunOptions opts) 
   // ignored and only make the ranks recognisable in ps.
   launch.argv = {std::filesystem::read_symlink("/proc/self/exe").string(), "--fsdp-worker=" + name};
   launch.log_path = [&](int r) { return tmp_dir + "/rank" + std::to_string(r) + ".log"; };
-  // Forked from this process where it has no other thread (the usual case): the worker then
+  // RunOptions::fork_ranks: forked from this process where it has no other thread, the worker
   // starts without loading LibTorch again (fsdp/distributed/local_launch.h).
-  launch.rank_main = [name] { return worker_main(name); };
+  if (opts.fork_ranks)
+    launch.rank_main = [name] { return worker_main(name); };
   const auto start = std::chrono::steady_clock::now();
   const auto launched = fsdp::launch_local_ranks(launch);
   result.exit_codes = launched.exit_codes;

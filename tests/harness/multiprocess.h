@@ -54,6 +54,12 @@ struct RunOptions {
   std::vector<std::pair<std::string, std::string>> env;
   /// Ranks not to launch (their exit code is kNotLaunched): the others see a missing rank.
   std::vector<int> absent_ranks;
+  /// Fork the ranks from this process where it has no other thread, as fsdp-train --nproc does
+  /// (fsdp/distributed/local_launch.h), instead of executing the binary anew. Off by default:
+  /// with every test's ranks forked, a rank's second connection to the store (its progress
+  /// reporter's) now and then took longer than the 2.5-3 s timeouts of the tests of failures,
+  /// under the full suite's load (2 of 8 runs of the suite; not reproduced alone).
+  bool fork_ranks = false;
 };
 
 /// RunOptions with these environment variables (and the default timeout).
