@@ -96,16 +96,6 @@ pid_t spawn(const std::string& exe, const std::vector<std::string>& args,
   return pid;
 }
 
-// Whether this process runs one thread (this one): only then does fork() copy all of it.
-bool single_threaded() {
-  std::error_code ec;
-  int threads = 0;
-  for (std::filesystem::directory_iterator it("/proc/self/task", ec), end; !ec && it != end;
-       it.increment(ec))
-    ++threads;
-  return !ec && threads == 1;
-}
-
 // In a fork()ed copy of the launcher: becomes the rank that spawn() would have started (its own
 // process group, default signals, stdin from /dev/null, its log, exactly its environment, dead
 // with the launcher), runs rank_main and exits with its status.
@@ -355,6 +345,15 @@ LocalLaunchResult launch_local_ranks(const LocalLaunchOptions& o) {
   }
   result.seconds = since(start);
   return result;
+}
+
+bool single_threaded() {
+  std::error_code ec;
+  int threads = 0;
+  for (std::filesystem::directory_iterator it("/proc/self/task", ec), end; !ec && it != end;
+       it.increment(ec))
+    ++threads;
+  return !ec && threads == 1;
 }
 
 void die_with_launcher() {

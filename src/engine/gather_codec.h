@@ -29,9 +29,9 @@ class GatherCodec {
                                          torch::ScalarType compute, int64_t row_numel);
 
   /// Dtype and element count of an encoded piece of `rows` rows.
-  torch::ScalarType wire_dtype() const { return int8_ ? torch::kByte : cast_; }
+  torch::ScalarType wire_dtype() const { return format_.dtype; }
   int64_t wire_numel(int64_t rows) const;
-  bool is_int8() const { return int8_; }
+  bool is_int8() const { return format_.int8; }
 
   /// Encodes `shard` (contiguous, `rows` x row_numel elements, any floating dtype) into a new
   /// 1-d tensor of wire_numel(rows) elements, on the shard's device.
@@ -44,7 +44,7 @@ class GatherCodec {
               bool portable = false) const;
 
  private:
-  GatherCodec(const WireFormat& format, torch::ScalarType compute);
+  explicit GatherCodec(const WireFormat& format);
   /// Views [n, k, len] of the blocks of `m` ([n, row_numel], any dtype): the k full blocks of
   /// each row, then its shorter last block, if any.
   std::vector<torch::Tensor> row_blocks(const torch::Tensor& m) const;
@@ -52,12 +52,7 @@ class GatherCodec {
   void decode_portable(const torch::Tensor& wire, const torch::Tensor& dst, int64_t pieces,
                        int64_t rows) const;
 
-  WireFormat format_;
-  bool int8_;
-  torch::ScalarType cast_;  // the wire dtype of a cast format
-  int64_t row_numel_;
-  int64_t block_;           // int8: elements per scale
-  int64_t blocks_per_row_;  // int8: ceil(row_numel / block)
+  WireFormat format_;  // which format, and its sizes (fsdp/detail/param_layout.h)
 };
 
 }  // namespace fsdp::detail

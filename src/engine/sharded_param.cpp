@@ -64,46 +64,40 @@ ShardedParam::ShardedParam(
   auto full = param_.detach();
   // What this rank holds and allocates: the layout the planner predicts from too.
   layout_ = param_layout(full.sizes().vec(), full.scalar_type(), rank_, world_size_, mp, offload_);
-  shape_ = layout_.shape;
-  rows_ = layout_.rows;
-  row_numel_ = layout_.row_numel;
-  chunk_rows_ = layout_.chunk_rows;
-  local_rows_ = layout_.local_rows;
 
-  std::vector<int64_t> row_shape = full.dim() == 0 ? std::vector<int64_t>{} : shape_;
+  std::vector<int64_t> row_shape = full.dim() == 0 ? std::vector<int64_t>{} : layout_.shape;
   if (!row_shape.empty())
     row_shape.erase(row_shape.begin());
-  std::vector<int64_t> shard_shape{chunk_rows_};
+  std::vector<int64_t> shard_shape{layout_.chunk_rows};
   shard_shape.insert(shard_shape.end(), row_shape.begin(), row_shape.end());
-  std::vector<int64_t> padded_full_shape{chunk_rows_ * world_size_};
+  std::vector<int64_t> padded_full_shape{layout_.chunk_rows * world_size_};
   padded_full_shape.insert(padded_full_shape.end(), row_shape.begin(), row_shape.end());
 
   // Offloaded: the shard lives on the host whatever the parameter's device.
   padded_shard_ = torch::zeros(
       shard_shape,
       offload_ ? full.options().device(torch::kCPU).pinned_memory(pin_memory_) : full.options());
-  sharded_view_ = padded_shard_.narrow(0, 0, local_rows_);
+  sharded_view_ = padded_shard_.narrow(0, 0, layout_.local_rows);
   if (init) {
     // Deferred initialisation: `full` may be a placeholder; only this rank's rows are made.
-    init(param_, sharded_view_, std::min(rank_ * chunk_rows_, rows_));
-  } else if (local_rows_ > 0) {
+    init(param_, sharded_view_, std::min(rank_ * layout_.chunk_rows, layout_.rows));
+  } else if (layout_.local_rows > 0) {
     auto rows_view = full.dim() == 0 ? full.reshape({1}) : full;  // copy_ crosses devices
-    sharded_view_.copy_(
-        rows_view.narrow(0, rank_ * chunk_rows_, local_rows_).reshape(sharded_view_.sizes()));
+    sharded_view_.copy_(rows_view.narrow(0, rank_ * layout_.chunk_rows, layout_.local_rows)
+                            .reshape(sharded_view_.sizes()));
   }
 
   const auto dtype = full.scalar_type();
   const auto unsharded_dtype = layout_.unsharded_dtype;
-  codec_ = GatherCodec::make(mp, dtype, unsharded_dtype, row_numel_);
-  owns_unsharded_ = layout_.owns_unsharded;
-  if (!owns_unsharded_) {
+  codec_ = GatherCodec::make(mp, dtype, unsharded_dtype, layout_.row_numel);
+  if (!layout_.owns_unsharded) {
     // Unsharded (kNoShard, or a group of one) in its own dtype: the shard is the parameter;
     // no second copy.
     padded_unsharded_ = padded_shard_;
   } else {
     padded_unsharded_ = torch::empty(padded_full_shape, full.options().dtype(unsharded_dtype));
   }
-  unsharded_ = padded_unsharded_.narrow(0, 0, rows_).view(shape_);
+  unsharded_ = padded_unsharded_.narrow(0, 0, layout_.rows).view(layout_.shape);
   free_unsharded();
   to_sharded();
 }
@@ -136,7 +130,7 @@ torch::Tensor ShardedParam::gather_input() const {
 torch::Tensor ShardedParam::gather_output() {
   if (!codec_)
     return padded_unsharded_;
-  wire_output_ = torch::empty({world_size_ * codec_->wire_numel(chunk_rows_)},
+  wire_output_ = torch::empty({world_size_ * codec_->wire_numel(layout_.chunk_rows)},
                               padded_unsharded_.options().dtype(codec_->wire_dtype()));
   return wire_output_;
 }
@@ -149,7 +143,7 @@ void ShardedParam::finish_gather() {
 }
 
 void ShardedParam::fill_unsharded_locally() {
-  if (!owns_unsharded_)
+  if (!layout_.owns_unsharded)
     return;
   TORCH_INTERNAL_ASSERT(world_size_ == 1);
   torch::NoGradGuard no_grad;
@@ -160,7 +154,7 @@ void ShardedParam::fill_unsharded_locally() {
 }
 
 void ShardedParam::alloc_unsharded() {
-  if (!owns_unsharded_)
+  if (!layout_.owns_unsharded)
     return;
   auto storage = padded_unsharded_.storage();
   const size_t nbytes = padded_unsharded_.numel() * padded_unsharded_.element_size();
@@ -173,7 +167,7 @@ void ShardedParam::alloc_unsharded() {
 
 void ShardedParam::free_unsharded() {
   wire_output_ = torch::Tensor();
-  if (!owns_unsharded_)
+  if (!layout_.owns_unsharded)
     return;
   auto storage = padded_unsharded_.storage();
   storage.set_data_ptr_noswap(at::DataPtr(nullptr, padded_unsharded_.device()));
@@ -244,25 +238,26 @@ bool ShardedParam::copy_grad_into(const torch::Tensor& g, const torch::Tensor& d
     dst.zero_();
     return false;
   }
-  auto rows = (g.defined() ? g : kept).reshape({rows_, row_numel_});
-  auto kept_rows = g.defined() && kept.defined() ? kept.reshape({rows_, row_numel_}) : at::Tensor();
+  auto rows = (g.defined() ? g : kept).reshape({layout_.rows, layout_.row_numel});
+  auto kept_rows = g.defined() && kept.defined() ? kept.reshape({layout_.rows, layout_.row_numel})
+                                                 : at::Tensor();
   for (int r = 0; r < world_size_; ++r) {
-    const int64_t start = r * chunk_rows_;
-    const int64_t n = std::clamp<int64_t>(rows_ - start, 0, chunk_rows_);
+    const int64_t start = r * layout_.chunk_rows;
+    const int64_t n = std::clamp<int64_t>(layout_.rows - start, 0, layout_.chunk_rows);
     auto block = dst.select(0, r);
     if (n > 0) {
       block.narrow(0, 0, n).copy_(rows.narrow(0, start, n));
       if (kept_rows.defined())
         block.narrow(0, 0, n).add_(kept_rows.narrow(0, start, n));
     }
-    if (n < chunk_rows_)
-      block.narrow(0, n, chunk_rows_ - n).zero_();
+    if (n < layout_.chunk_rows)
+      block.narrow(0, n, layout_.chunk_rows - n).zero_();
   }
   return true;
 }
 
 void ShardedParam::add_to_stash(const torch::Tensor& shard) {
-  auto g = shard.view(padded_shard_.sizes()).narrow(0, 0, local_rows_);
+  auto g = shard.view(padded_shard_.sizes()).narrow(0, 0, layout_.local_rows);
   if (offload_) {
     // Device to host: the gradient joins its shard where the optimizer steps. Synchronous, so
     // the optimizer may read it as soon as backward returns (FSDP2 overlaps this copy and
@@ -291,13 +286,13 @@ void ShardedParam::restore_stash() {
 void ShardedParam::keep_block_shard(int blocks, int index) {
   TORCH_INTERNAL_ASSERT(world_size_ % blocks == 0);
   torch::NoGradGuard no_grad;
-  const int64_t block_rows = chunk_rows_ * world_size_ / blocks;
+  const int64_t block_rows = layout_.chunk_rows * world_size_ / blocks;
   block_shard_ = padded_unsharded_.narrow(0, index * block_rows, block_rows).clone();
 }
 
 torch::Tensor ShardedParam::shard_of(const torch::Tensor& full) const {
   auto rows = full.dim() == 0 ? full.reshape({1}) : full;
-  return rows.narrow(0, std::min(rank_ * chunk_rows_, rows_), local_rows_);
+  return rows.narrow(0, std::min(rank_ * layout_.chunk_rows, layout_.rows), layout_.local_rows);
 }
 
 }  // namespace fsdp::detail

@@ -60,17 +60,17 @@ class ShardedParam {
   bool offloaded() const { return offload_; }
 
   const ParamLayout& layout() const { return layout_; }
-  int64_t rows() const { return rows_; }                        // d0 (1 for a 0-d parameter)
-  const std::vector<int64_t>& shape() const { return shape_; }  // the unsharded shape
+  int64_t rows() const { return layout_.rows; }                        // d0 (1 for a 0-d parameter)
+  const std::vector<int64_t>& shape() const { return layout_.shape; }  // the unsharded shape
   /// First global row of this rank's shard (clamped to rows() when it holds none).
-  int64_t row_begin() const { return std::min(rank_ * chunk_rows_, rows_); }
+  int64_t row_begin() const { return std::min(rank_ * layout_.chunk_rows, layout_.rows); }
   /// The shard's real rows (the param's data at rest; a view of the padded shard).
   const torch::Tensor& sharded_view() const { return sharded_view_; }
-  int64_t chunk_rows() const { return chunk_rows_; }  // ceil(d0 / N)
-  int64_t local_rows() const { return local_rows_; }  // this rank's real rows
-  int64_t row_numel() const { return row_numel_; }    // elements per row
-  int64_t padded_shard_numel() const { return chunk_rows_ * row_numel_; }
-  int64_t numel() const { return rows_ * row_numel_; }
+  int64_t chunk_rows() const { return layout_.chunk_rows; }  // ceil(d0 / N)
+  int64_t local_rows() const { return layout_.local_rows; }  // this rank's real rows
+  int64_t row_numel() const { return layout_.row_numel; }    // elements per row
+  int64_t padded_shard_numel() const { return layout_.chunk_rows * layout_.row_numel; }
+  int64_t numel() const { return layout_.rows * layout_.row_numel; }
 
   const torch::Tensor& padded_shard() const { return padded_shard_; }
   /// All-gather input: the padded shard (contiguous); encoded in the gather format, or cast to
@@ -149,14 +149,11 @@ class ShardedParam {
  private:
   std::string fqn_;
   torch::Tensor param_;
-  std::vector<int64_t> shape_;  // original shape
   int rank_;
   int world_size_;
-  ParamLayout layout_;           // what is allocated, as the planner predicts it
-  bool owns_unsharded_ = false;  // the unsharded buffer is not the shard itself
-  bool offload_ = false;         // shard and grad on the host (CPUOffloadPolicy)
+  ParamLayout layout_;    // what is allocated, as the planner predicts it
+  bool offload_ = false;  // shard and grad on the host (CPUOffloadPolicy)
   bool pin_memory_ = false;
-  int64_t rows_, chunk_rows_, local_rows_, row_numel_;
   torch::Tensor padded_shard_;        // [chunk_rows, *rest]
   torch::Tensor sharded_view_;        // [local_rows, *rest], view of padded_shard_
   torch::Tensor padded_unsharded_;    // [N * chunk_rows, *rest]

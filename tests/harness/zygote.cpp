@@ -6,6 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <fsdp/distributed/local_launch.h>
+
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -202,15 +204,6 @@ int decode(int status) {
   std::_Exit(0);
 }
 
-bool single_threaded() {
-  std::error_code ec;
-  int n = 0;
-  for (std::filesystem::directory_iterator it("/proc/self/task", ec), end; !ec && it != end;
-       it.increment(ec))
-    ++n;
-  return !ec && n == 1;
-}
-
 bool alive(pid_t pid) {
   return ::kill(pid, 0) == 0 || errno == EPERM;
 }
@@ -240,7 +233,7 @@ int serve_as_zygote(const std::string& socket_path, pid_t owner, int (*run)(int,
   struct stat self {};
   std::error_code ec;
   const auto self_path = std::filesystem::read_symlink("/proc/self/exe", ec);
-  if (!single_threaded() || ec || ::stat(self_path.c_str(), &self) != 0) {
+  if (!fsdp::single_threaded() || ec || ::stat(self_path.c_str(), &self) != 0) {
     std::fprintf(stderr, "zygote: not single-threaded after static initialisation; not serving\n");
     ::unlink(marker.c_str());
     return 1;

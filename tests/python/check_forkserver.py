@@ -45,6 +45,12 @@ def client(sock, script, *args, stdin="", cwd=None):
                           capture_output=True, text=True, cwd=cwd, env=env, timeout=60)
 
 
+def wait_while(condition, seconds=10):
+    deadline = time.monotonic() + seconds
+    while condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def alive(pid):
     try:
         os.kill(pid, 0)
@@ -75,9 +81,7 @@ def cases(sock, tmp, script, sleeper, served):
     check(alive(grandchild), "the script's child runs")
     p.kill()
     p.wait()
-    deadline = time.monotonic() + 10
-    while alive(grandchild) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_while(lambda: alive(grandchild))
     check(not alive(grandchild), "the script's child outlived its killed client")
 
 
@@ -116,17 +120,13 @@ def check_zygote(binary, tmp):
     check(run != p.pid and alive(run), "the run is a process of the zygote's")
     p.kill()
     p.wait()
-    deadline = time.monotonic() + 10
-    while alive(run) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_while(lambda: alive(run))
     check(not alive(run), "the run outlived its killed client")
     # The binary changed (rebuilt): refused, run directly instead, and the zygote ends.
     os.utime(copy, (time.time() + 10, time.time() + 10))
     direct, served = both(["--gtest_list_tests"])
     check(served.returncode == 0 and served.stdout == direct.stdout, "rebuilt: %r" % served)
-    deadline = time.monotonic() + 10
-    while os.path.exists(sock) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_while(lambda: os.path.exists(sock))
     check(not os.path.exists(sock), "a zygote whose binary changed ends")
     print("a test binary's zygote: OK")
 
@@ -149,9 +149,7 @@ def main():
         cases(sock, tmp, script, sleeper, "1")
         check(os.path.exists(sock), "the server still listens")
         subprocess.run([sys.executable, SERVER, "stop", sock], check=True, timeout=30)
-        deadline = time.monotonic() + 10
-        while os.path.exists(sock) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_while(lambda: os.path.exists(sock))
         check(not os.path.exists(sock), "the server removes its socket when stopped")
         print("through the server: OK")
         if len(sys.argv) > 1:

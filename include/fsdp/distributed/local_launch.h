@@ -77,6 +77,10 @@ struct LocalLaunchResult {
 /// on any way out (an exception too) the ranks still running are killed and reaped.
 LocalLaunchResult launch_local_ranks(const LocalLaunchOptions& options);
 
+/// Whether this process runs no thread but the calling one: only then does a fork() copy all of
+/// it (launch_local_ranks forks its ranks only then).
+bool single_threaded();
+
 /// In a rank started by launch_local_ranks: dies with the launcher (SIGKILL on its death), and
 /// exits at once if the launcher already died. Does nothing in a process it did not start.
 void die_with_launcher();
