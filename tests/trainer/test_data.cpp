@@ -19,6 +19,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "corpus_samples.h"
 #include "data/corpus.h"
 #include "data/corpus_source.h"
 #include "data/data.h"
@@ -28,6 +29,7 @@
 namespace fs = std::filesystem;
 using namespace fsdp_trainer;
 using fsdp::test::error_of;
+using fsdp::test::generated_corpus;
 
 namespace {
 
@@ -58,30 +60,6 @@ class TempDir {
 
 void write_text(const std::string& path, const std::string& text) {
   std::ofstream(path, std::ios::binary) << text;
-}
-
-// A few hundred KB of English-like text with structure (verse numbers, indentation, blank lines),
-// deterministic.
-std::string generated_corpus(int verses) {
-  static const char* words[] = {"the",    "and",       "of",      "light",   "earth",
-                                "waters", "God",       "said",    "created", "heaven",
-                                "day",    "night",     "unto",    "them",    "was",
-                                "good",   "firmament", "divided", "morning", "evening"};
-  std::string out;
-  uint64_t x = 12345;
-  for (int v = 1; v <= verses; ++v) {
-    if (v % 40 == 1)
-      out += "\nChapter " + std::to_string(v / 40 + 1) + "\n\n";
-    out += "  " + std::to_string(v % 40 + 1) + " And";
-    const int n = 8 + static_cast<int>(x % 12);
-    for (int i = 0; i < n; ++i) {
-      x = x * 6364136223846793005ull + 1442695040888963407ull;
-      out += ' ';
-      out += words[(x >> 33) % 20];
-    }
-    out += (v % 3 == 0) ? ".\n" : ";\nand it was so.\n";
-  }
-  return out;
 }
 
 std::vector<std::string> dir_listing(const fs::path& dir) {

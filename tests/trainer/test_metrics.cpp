@@ -486,8 +486,9 @@ TEST(Flops, MatmulPeakIsTheFastestFormAndMeasuredOnce) {
   const auto speed = fsdp_trainer::measure_matmul_speed(c10::kFloat, shape);
   for (double form : {speed.forward, speed.input_grad, speed.weight_grad})
     EXPECT_GT(form, 0);
-  // Timing noise between the two measurements: the peak is a best-of, so allow 2x.
-  EXPECT_LT(speed.best(), 2 * peak);
+  // The peak is not compared with this second measurement: under the suite's load two timings
+  // of the same matmul differed 6.5x (22 and 147 GFLOP/s), and a bound loose enough for that
+  // proves nothing. That the peak is the best form is what the arithmetic below checks.
   EXPECT_LE(speed.step(), speed.best());
 
   // The step's speed is its three matmuls' FLOPs over their summed time.

@@ -56,6 +56,8 @@ void plan_progress(const std::string& line) {
   std::fflush(stderr);
 }
 
+namespace {
+
 // The table: a row per rank, each different row once (ranks differ only by the padding of the
 // last shard), with its peak, moment and categories at the peak.
 void print_rank_rows(const std::vector<fsdp::plan::MemoryPrediction>& predictions) {
@@ -83,6 +85,36 @@ void print_rank_rows(const std::vector<fsdp::plan::MemoryPrediction>& prediction
     std::printf("(the other ranks predict the same as the row above them)\n");
 }
 
+// Each rank's predicted step memory; on a GPU (`on_device`), CPU offload keeps the model states
+// in host memory: the device's side.
+std::vector<fsdp::plan::MemoryPrediction> predict_every_rank(const RunPlan& run, int world,
+                                                             bool on_device) {
+  std::vector<fsdp::plan::MemoryPrediction> predictions;
+  for (int r = 0; r < world; ++r) {
+    predictions.push_back(
+        fsdp::plan::predict_step_memory(run.units, run.options, run.activations, r));
+    if (on_device && run.options.states.cpu_offload)
+      predictions.back() = fsdp::plan::device_side(predictions.back());
+  }
+  return predictions;
+}
+
+// Whether the highest peak fits the budget, and if not, what would.
+void print_budget_verdict(const RunPlan& run, const fsdp::plan::MemoryPrediction& worst,
+                          int worst_rank, int64_t budget, const std::string& budget_key) {
+  if (worst.peak > budget) {
+    std::printf("over budget: rank %d: %s\n", worst_rank,
+                budget_warning(run, worst, budget, worst_rank, budget_key).c_str());
+  } else {
+    std::printf("fits: the highest predicted peak, %s (rank %d), is %.0f%% of %s\n",
+                mem::format_bytes(worst.peak).c_str(), worst_rank,
+                100.0 * static_cast<double>(worst.peak) / static_cast<double>(budget),
+                mem::format_bytes(budget).c_str());
+  }
+}
+
+}  // namespace
+
 int plan_table(const PlanRequest& request) {
   const auto& config = request.config;
   const auto& t = config.training;
@@ -102,17 +134,12 @@ int plan_table(const PlanRequest& request) {
                       false, nullptr, 1, plan_progress);
   if (device)
     run.options.gloo_staging = run.options.gloo_reduce_scatter = false;
-  std::vector<fsdp::plan::MemoryPrediction> predictions;
+  const auto predictions = predict_every_rank(run, world, device != nullptr);
   int worst_rank = 0;
-  for (int r = 0; r < world; ++r) {
-    predictions.push_back(
-        fsdp::plan::predict_step_memory(run.units, run.options, run.activations, r));
-    // On a GPU, CPU offload keeps the model states in host memory.
-    if (device && run.options.states.cpu_offload)
-      predictions.back() = fsdp::plan::device_side(predictions.back());
-    if (predictions.back().peak > predictions[static_cast<size_t>(worst_rank)].peak)
+  for (int r = 1; r < world; ++r)
+    if (predictions[static_cast<size_t>(r)].peak >
+        predictions[static_cast<size_t>(worst_rank)].peak)
       worst_rank = r;
-  }
   const auto& worst = predictions[static_cast<size_t>(worst_rank)];
   const bool states_on_host = device && run.options.states.cpu_offload;
   if (states_on_host) {
@@ -157,17 +184,8 @@ int plan_table(const PlanRequest& request) {
     std::printf("time on %s at %.0f%% of its matmul rate: %s\n", device->name.c_str(),
                 100 * efficiency, describe_time(time, tokens).c_str());
   }
-  if (budget > 0) {
-    if (worst.peak > budget) {
-      std::printf("over budget: rank %d: %s\n", worst_rank,
-                  budget_warning(run, worst, budget, worst_rank, budget_key).c_str());
-    } else {
-      std::printf("fits: the highest predicted peak, %s (rank %d), is %.0f%% of %s\n",
-                  mem::format_bytes(worst.peak).c_str(), worst_rank,
-                  100.0 * static_cast<double>(worst.peak) / static_cast<double>(budget),
-                  mem::format_bytes(budget).c_str());
-    }
-  }
+  if (budget > 0)
+    print_budget_verdict(run, worst, worst_rank, budget, budget_key);
   return 0;
 }
 

@@ -209,6 +209,48 @@ std::vector<ChatMessage> parse_line(std::string_view line, const std::string& wh
   return messages;
 }
 
+// ex.target from the ids of `text`: the byte spans [begin, end) that are targets, and where
+// the tokenizer put a word-boundary space before a stretch of plain text (`prefixed`: the
+// index of its first id).
+void mark_targets(const std::string& text, const std::vector<std::pair<size_t, size_t>>& spans,
+                  const std::vector<std::pair<size_t, bool>>& prefixed, const BpeTokenizer& tok,
+                  InstructExample& ex) {
+  ex.target.assign(ex.ids.size(), 0);
+  // Each token's bytes, in order, are the text (BPE loses nothing; a prefix space aside): a
+  // token is a target if its bytes overlap a span, or if it has none (a lone prefix space)
+  // and stands inside one. Checking the bytes as we go verifies the offsets.
+  size_t pos = 0, s = 0, next_prefix = 0;
+  for (size_t i = 0; i < ex.ids.size(); ++i) {
+    std::string bytes = tok.token_bytes(ex.ids[i]);
+    if (next_prefix < prefixed.size() && prefixed[next_prefix].first == i) {
+      ++next_prefix;
+      if (bytes.empty() || bytes[0] != ' ')
+        throw std::logic_error("encode_conversation: no prefix space where one was put");
+      bytes.erase(0, 1);
+    }
+    // A SentencePiece-style token spells a space and a U+2581 of the text alike (both are
+    // U+2581 to it).
+    size_t end = pos;
+    for (const char c : bytes) {
+      if (end < text.size() && text[end] == c)
+        ++end;
+      else if (c == ' ' && !tok.byte_level() && text.compare(end, 3, "\xE2\x96\x81") == 0)
+        end += 3;
+      else
+        throw std::logic_error("encode_conversation: the tokens do not spell the text at byte " +
+                               std::to_string(end));
+    }
+    while (s < spans.size() && spans[s].second <= pos)
+      ++s;
+    ex.target[i] = s < spans.size() && pos < spans[s].second &&
+                   (spans[s].first < end || (bytes.empty() && spans[s].first <= pos));
+    pos = end;
+  }
+  if (pos != text.size())
+    throw std::logic_error("encode_conversation: the tokens spell " + std::to_string(pos) +
+                           " of the text's " + std::to_string(text.size()) + " bytes");
+}
+
 }  // namespace
 
 InstructExample encode_conversation(const std::vector<ChatMessage>& messages,
@@ -258,40 +300,7 @@ InstructExample encode_conversation(const std::vector<ChatMessage>& messages,
     plain = pos + delim.size();
   }
   encode_plain(plain, text.size());
-  ex.target.assign(ex.ids.size(), 0);
-  // Each token's bytes, in order, are the text (BPE loses nothing; a prefix space aside): a
-  // token is a target if its bytes overlap a span, or if it has none (a lone prefix space)
-  // and stands inside one. Checking the bytes as we go verifies the offsets.
-  size_t pos = 0, s = 0, next_prefix = 0;
-  for (size_t i = 0; i < ex.ids.size(); ++i) {
-    std::string bytes = tok.token_bytes(ex.ids[i]);
-    if (next_prefix < prefixed.size() && prefixed[next_prefix].first == i) {
-      ++next_prefix;
-      if (bytes.empty() || bytes[0] != ' ')
-        throw std::logic_error("encode_conversation: no prefix space where one was put");
-      bytes.erase(0, 1);
-    }
-    // A SentencePiece-style token spells a space and a U+2581 of the text alike (both are
-    // U+2581 to it).
-    size_t end = pos;
-    for (const char c : bytes) {
-      if (end < text.size() && text[end] == c)
-        ++end;
-      else if (c == ' ' && !tok.byte_level() && text.compare(end, 3, "\xE2\x96\x81") == 0)
-        end += 3;
-      else
-        throw std::logic_error("encode_conversation: the tokens do not spell the text at byte " +
-                               std::to_string(end));
-    }
-    while (s < spans.size() && spans[s].second <= pos)
-      ++s;
-    ex.target[i] = s < spans.size() && pos < spans[s].second &&
-                   (spans[s].first < end || (bytes.empty() && spans[s].first <= pos));
-    pos = end;
-  }
-  if (pos != text.size())
-    throw std::logic_error("encode_conversation: the tokens spell " + std::to_string(pos) +
-                           " of the text's " + std::to_string(text.size()) + " bytes");
+  mark_targets(text, spans, prefixed, tok, ex);
   return ex;
 }
 

@@ -101,6 +101,52 @@ BpeTokenizer BpeTokenizer::from_gguf_metadata(const std::map<std::string, gguf::
   return t;
 }
 
+namespace {
+
+// The merges a SentencePiece model's scores stand for (see from_gguf_sentencepiece): every split
+// of a normal piece into two normal pieces, ranked by the piece's score ("left right" -> rank).
+std::unordered_map<std::string, int> merges_from_scores(
+    const std::vector<std::string>& tokens, const std::vector<int64_t>& type,
+    const std::vector<double>& score, const std::unordered_map<std::string, int64_t>& ids) {
+  std::unordered_map<std::string, int> ranks;
+  struct Merge {
+    double score;
+    size_t id;
+    size_t left_bytes;
+  };
+  auto normal = [&](const std::string& s) {
+    auto it = ids.find(s);
+    return it != ids.end() && type[static_cast<size_t>(it->second)] == kNormal;
+  };
+  std::vector<Merge> merges;
+  for (size_t id = 0; id < tokens.size(); ++id) {
+    const auto& piece = tokens[id];
+    // A piece holding an ASCII space never comes out of BPE here (spaces are U+2581 by then),
+    // and would make the "left right" key ambiguous.
+    if (type[id] != kNormal || piece.find(' ') != std::string::npos)
+      continue;
+    for (size_t k = utf8_lead_length(static_cast<unsigned char>(piece[0])); k < piece.size();
+         k += utf8_lead_length(static_cast<unsigned char>(piece[k])))
+      if (normal(piece.substr(0, k)) && normal(piece.substr(k)))
+        merges.push_back({score[id], id, k});
+  }
+  // Pieces of equal score share a rank: BPE then merges the leftmost such pair first, as
+  // SentencePiece and llama.cpp do (converters that know no scores give every piece the same).
+  std::sort(merges.begin(), merges.end(),
+            [](const Merge& a, const Merge& b) { return a.score > b.score; });
+  int rank = -1;
+  for (size_t r = 0; r < merges.size(); ++r) {
+    if (r == 0 || merges[r].score != merges[r - 1].score)
+      ++rank;
+    const auto& piece = tokens[merges[r].id];
+    ranks.emplace(piece.substr(0, merges[r].left_bytes) + " " + piece.substr(merges[r].left_bytes),
+                  rank);
+  }
+  return ranks;
+}
+
+}  // namespace
+
 // SentencePiece's BPE merges, among adjacent symbols whose concatenation is a piece, the one
 // whose piece scores highest (leftmost on ties); BPE by merge rank does the same when every split
 // of a piece into two pieces is a merge ranked by that piece's score (equal scores sharing a
@@ -153,39 +199,7 @@ BpeTokenizer BpeTokenizer::from_gguf_sentencepiece(const std::map<std::string, g
   std::stable_sort(t.specials_.begin(), t.specials_.end(),
                    [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
 
-  struct Merge {
-    double score;
-    size_t id;
-    size_t left_bytes;
-  };
-  auto normal = [&](const std::string& s) {
-    auto it = t.ids_.find(s);
-    return it != t.ids_.end() && type[static_cast<size_t>(it->second)] == kNormal;
-  };
-  std::vector<Merge> merges;
-  for (size_t id = 0; id < tokens.size(); ++id) {
-    const auto& piece = t.tokens_[id];
-    // A piece holding an ASCII space never comes out of BPE here (spaces are U+2581 by then),
-    // and would make the "left right" key ambiguous.
-    if (type[id] != kNormal || piece.find(' ') != std::string::npos)
-      continue;
-    for (size_t k = utf8_lead_length(static_cast<unsigned char>(piece[0])); k < piece.size();
-         k += utf8_lead_length(static_cast<unsigned char>(piece[k])))
-      if (normal(piece.substr(0, k)) && normal(piece.substr(k)))
-        merges.push_back({score[id], id, k});
-  }
-  // Pieces of equal score share a rank: BPE then merges the leftmost such pair first, as
-  // SentencePiece and llama.cpp do (converters that know no scores give every piece the same).
-  std::sort(merges.begin(), merges.end(),
-            [](const Merge& a, const Merge& b) { return a.score > b.score; });
-  int rank = -1;
-  for (size_t r = 0; r < merges.size(); ++r) {
-    if (r == 0 || merges[r].score != merges[r - 1].score)
-      ++rank;
-    const auto& piece = t.tokens_[merges[r].id];
-    t.merge_rank_.emplace(
-        piece.substr(0, merges[r].left_bytes) + " " + piece.substr(merges[r].left_bytes), rank);
-  }
+  t.merge_rank_ = merges_from_scores(t.tokens_, type, score, t.ids_);
 
   t.bos_ = m.token_id("tokenizer.ggml.bos_token_id", tokens.size());
   t.eos_ = m.token_id("tokenizer.ggml.eos_token_id", tokens.size());

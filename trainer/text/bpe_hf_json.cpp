@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <array>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -230,24 +231,16 @@ std::string optional_string(const Json& j, const char* key, const std::string& w
   return j[key].get<std::string>();
 }
 
-}  // namespace
-
-BpeTokenizer BpeTokenizer::from_hf_json(const std::string& json_text, const std::string& path,
-                                        const std::string& bos, const std::string& eos) {
-  Json j;
-  try {
-    j = Json::parse(json_text);
-  } catch (const Json::exception& e) {
-    throw FormatError(path + ": not valid JSON (" + e.what() + ")");
-  }
+// The tokenizer.json's model: a BPE without what is not implemented. Returns whether it has
+// byte_fallback, which marks the SentencePiece family (characters, then their bytes); without
+// it the model must be byte-level.
+bool check_bpe_model(const Json& j, const std::string& path) {
   if (!j.is_object() || !j.contains("model") || !j["model"].is_object())
     throw FormatError(path + ": no 'model' object");
   const auto& model = j["model"];
   const auto type = optional_string(model, "type", path + ": model");
   if (type != "BPE")
     throw FormatError(path + ": model type '" + type + "' is not supported (only BPE)");
-  // byte_fallback marks the SentencePiece family (characters, then their bytes); without it
-  // the model must be byte-level.
   const bool sentencepiece = flag(model, "byte_fallback", false, path + ": model");
   if (!optional_string(model, "continuing_subword_prefix", path).empty() ||
       !optional_string(model, "end_of_word_suffix", path).empty())
@@ -257,52 +250,69 @@ BpeTokenizer BpeTokenizer::from_hf_json(const std::string& json_text, const std:
   if (model.contains("dropout") && !model["dropout"].is_null() &&
       !(model["dropout"].is_number() && model["dropout"].get<double>() == 0))
     throw FormatError(path + ": BPE dropout is not supported");
-  std::vector<std::pair<std::string, bool>> splits;
-  SentencePieceText sp;
-  if (!sentencepiece) {
-    if (j.contains("normalizer") && !j["normalizer"].is_null())
-      throw FormatError(path + ": normalizer " +
-                        optional_string(j["normalizer"], "type", path + ": normalizer") +
-                        " is not supported (byte-level BPE has none)");
-    if (!j.contains("pre_tokenizer") || j["pre_tokenizer"].is_null())
-      throw FormatError(path + ": no pre_tokenizer (byte-level BPE needs ByteLevel)");
-    bool byte_level = false;
-    add_pre_tokenizer(j["pre_tokenizer"], path, byte_level, splits);
-    if (!byte_level)
-      throw FormatError(path +
-                        ": the pre_tokenizer has no ByteLevel and the model no byte_fallback; "
-                        "only byte-level and SentencePiece-style BPE are read");
-    if (j.contains("decoder") && !j["decoder"].is_null() &&
-        optional_string(j["decoder"], "type", path + ": decoder") != "ByteLevel")
-      throw FormatError(path + ": decoder " +
-                        optional_string(j["decoder"], "type", path + ": decoder") +
-                        " is not supported (only ByteLevel)");
-  } else {
-    if (j.contains("normalizer") && !j["normalizer"].is_null())
-      add_sentencepiece_normalizer(j["normalizer"], path, sp);
-    if (j.contains("pre_tokenizer") && !j["pre_tokenizer"].is_null()) {
-      const auto& p = j["pre_tokenizer"];
-      const auto type = type_of(p, path, "pre_tokenizer");
-      if (type != "Metaspace")
-        throw FormatError(path + ": pre_tokenizer " + type +
-                          " is not supported with byte_fallback (SentencePiece-style BPE: "
-                          "none, or Metaspace)");
-      read_metaspace(p, path + ": pre_tokenizer");
-      sp.metaspace = true;
-      sp.scheme = metaspace_scheme(p, path + ": pre_tokenizer");
-      sp.split = flag(p, "split", true, path + ": pre_tokenizer Metaspace");
-    }
-    if (!sp.replace && !sp.metaspace)
-      throw FormatError(path +
-                        ": a BPE with byte_fallback whose spaces are not made U+2581 (by a "
-                        "Replace normalizer or a Metaspace pre-tokenizer) is not supported");
-    if (!j.contains("decoder") || j["decoder"].is_null())
-      throw FormatError(path +
-                        ": no decoder (SentencePiece-style BPE needs one undoing "
-                        "U+2581 and byte fallback)");
-    read_sentencepiece_decoder(j["decoder"], path, sp);
-  }
+  return sentencepiece;
+}
 
+// A byte-level BPE's text rules: no normalizer, a pre-tokenizer with ByteLevel (its patterns
+// into `splits`), a ByteLevel decoder.
+void read_byte_level_rules(const Json& j, const std::string& path,
+                           std::vector<std::pair<std::string, bool>>& splits) {
+  if (j.contains("normalizer") && !j["normalizer"].is_null())
+    throw FormatError(path + ": normalizer " +
+                      optional_string(j["normalizer"], "type", path + ": normalizer") +
+                      " is not supported (byte-level BPE has none)");
+  if (!j.contains("pre_tokenizer") || j["pre_tokenizer"].is_null())
+    throw FormatError(path + ": no pre_tokenizer (byte-level BPE needs ByteLevel)");
+  bool byte_level = false;
+  add_pre_tokenizer(j["pre_tokenizer"], path, byte_level, splits);
+  if (!byte_level)
+    throw FormatError(path +
+                      ": the pre_tokenizer has no ByteLevel and the model no byte_fallback; "
+                      "only byte-level and SentencePiece-style BPE are read");
+  if (j.contains("decoder") && !j["decoder"].is_null() &&
+      optional_string(j["decoder"], "type", path + ": decoder") != "ByteLevel")
+    throw FormatError(path + ": decoder " +
+                      optional_string(j["decoder"], "type", path + ": decoder") +
+                      " is not supported (only ByteLevel)");
+}
+
+// A SentencePiece-style BPE's text rules: its normalizer, Metaspace pre-tokenizer and decoder,
+// which together must make spaces U+2581 and undo it.
+void read_sentencepiece_rules(const Json& j, const std::string& path, SentencePieceText& sp) {
+  if (j.contains("normalizer") && !j["normalizer"].is_null())
+    add_sentencepiece_normalizer(j["normalizer"], path, sp);
+  if (j.contains("pre_tokenizer") && !j["pre_tokenizer"].is_null()) {
+    const auto& p = j["pre_tokenizer"];
+    const auto type = type_of(p, path, "pre_tokenizer");
+    if (type != "Metaspace")
+      throw FormatError(path + ": pre_tokenizer " + type +
+                        " is not supported with byte_fallback (SentencePiece-style BPE: "
+                        "none, or Metaspace)");
+    read_metaspace(p, path + ": pre_tokenizer");
+    sp.metaspace = true;
+    sp.scheme = metaspace_scheme(p, path + ": pre_tokenizer");
+    sp.split = flag(p, "split", true, path + ": pre_tokenizer Metaspace");
+  }
+  if (!sp.replace && !sp.metaspace)
+    throw FormatError(path +
+                      ": a BPE with byte_fallback whose spaces are not made U+2581 (by a "
+                      "Replace normalizer or a Metaspace pre-tokenizer) is not supported");
+  if (!j.contains("decoder") || j["decoder"].is_null())
+    throw FormatError(path +
+                      ": no decoder (SentencePiece-style BPE needs one undoing "
+                      "U+2581 and byte fallback)");
+  read_sentencepiece_decoder(j["decoder"], path, sp);
+}
+
+// Every id's text, the vocabulary's and the added tokens' (special): each id once, each text
+// once, no id without a text.
+struct HfVocabulary {
+  std::vector<std::string> tokens;
+  std::vector<bool> is_special;
+};
+
+HfVocabulary read_vocabulary(const Json& j, const std::string& path, bool sentencepiece) {
+  const auto& model = j["model"];
   // Ids: the vocabulary's and the added tokens'; every id below the largest must have a token,
   // so no id can exceed their count (checked before anything is sized by an id).
   if (!model.contains("vocab") || !model["vocab"].is_object())
@@ -311,16 +321,16 @@ BpeTokenizer BpeTokenizer::from_hf_json(const std::string& json_text, const std:
                          (j.contains("added_tokens") && j["added_tokens"].is_array()
                               ? static_cast<int64_t>(j["added_tokens"].size())
                               : 0);
-  BpeTokenizer t;
+  HfVocabulary t;
   auto place = [&](int64_t id, const std::string& text, const char* what) {
     if (id < 0 || id >= max_id)
       throw FormatError(path + ": " + what + " '" + text + "' has id " + std::to_string(id) +
                         ", outside [0, " + std::to_string(max_id) + ")");
-    if (static_cast<size_t>(id) >= t.tokens_.size()) {
-      t.tokens_.resize(static_cast<size_t>(id) + 1);
-      t.is_special_.resize(static_cast<size_t>(id) + 1, false);
+    if (static_cast<size_t>(id) >= t.tokens.size()) {
+      t.tokens.resize(static_cast<size_t>(id) + 1);
+      t.is_special.resize(static_cast<size_t>(id) + 1, false);
     }
-    auto& slot = t.tokens_[static_cast<size_t>(id)];
+    auto& slot = t.tokens[static_cast<size_t>(id)];
     return std::pair<std::string*, bool>(&slot, slot.empty());
   };
   for (const auto& [text, id] : model["vocab"].items()) {
@@ -359,27 +369,28 @@ BpeTokenizer BpeTokenizer::from_hf_json(const std::string& json_text, const std:
       if (!fresh && *slot != content)
         throw FormatError(path + ": added token '" + content + "' has the id of '" + *slot + "'");
       *slot = content;
-      t.is_special_[static_cast<size_t>(a["id"].get<int64_t>())] = true;
+      t.is_special[static_cast<size_t>(a["id"].get<int64_t>())] = true;
     }
   }
   std::unordered_map<std::string, size_t> seen;  // one id per text: the vocabulary maps text -> id
-  for (size_t id = 0; id < t.tokens_.size(); ++id) {
-    if (!t.tokens_[id].empty()) {
-      if (auto [it, fresh] = seen.emplace(t.tokens_[id], id); !fresh)
-        throw FormatError(path + ": token '" + t.tokens_[id] + "' has two ids, " +
+  for (size_t id = 0; id < t.tokens.size(); ++id) {
+    if (!t.tokens[id].empty()) {
+      if (auto [it, fresh] = seen.emplace(t.tokens[id], id); !fresh)
+        throw FormatError(path + ": token '" + t.tokens[id] + "' has two ids, " +
                           std::to_string(it->second) + " and " + std::to_string(id));
     }
-    if (t.tokens_[id].empty())
+    if (t.tokens[id].empty())
       throw FormatError(path + ": id " + std::to_string(id) + " has no token (ids must be 0.." +
-                        std::to_string(t.tokens_.size() - 1) + " without gaps)");
-    if (t.is_special_[id])
-      t.specials_.emplace_back(t.tokens_[id], static_cast<int64_t>(id));
-    else
-      t.ids_.emplace(t.tokens_[id], static_cast<int64_t>(id));
+                        std::to_string(t.tokens.size() - 1) + " without gaps)");
   }
-  std::stable_sort(t.specials_.begin(), t.specials_.end(),
-                   [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+  return t;
+}
 
+// The merges by rank ("left right" -> rank), each of two ordinary tokens (`ids`) making a third.
+std::unordered_map<std::string, int> read_merges(
+    const Json& model, const std::string& path,
+    const std::unordered_map<std::string, int64_t>& ids) {
+  std::unordered_map<std::string, int> ranks;
   if (!model.contains("merges") || !model["merges"].is_array())
     throw FormatError(path + ": model has no 'merges' list");
   const auto& merges = model["merges"];
@@ -406,16 +417,56 @@ BpeTokenizer BpeTokenizer::from_hf_json(const std::string& json_text, const std:
     // whole and never come out of BPE (plain text must not become a control token): a merge
     // using or making one is refused.
     if (left.empty() || right.empty() || left.find(' ') != std::string::npos ||
-        right.find(' ') != std::string::npos || !t.ids_.count(left) || !t.ids_.count(right) ||
-        !t.ids_.count(left + right))
+        right.find(' ') != std::string::npos || !ids.count(left) || !ids.count(right) ||
+        !ids.count(left + right))
       throw FormatError(path + ": merge " + std::to_string(r) + " ('" + left + "', '" + right +
                         "') is not of two ordinary vocabulary tokens making a third");
     // `tokenizers` keeps the last rank of a merge listed twice, a map would keep the first:
     // such a file is refused rather than read either way.
-    if (!t.merge_rank_.emplace(left + " " + right, static_cast<int>(r)).second)
+    if (!ranks.emplace(left + " " + right, static_cast<int>(r)).second)
       throw FormatError(path + ": merge " + std::to_string(r) + " ('" + left + "', '" + right +
                         "') is listed twice");
   }
+  return ranks;
+}
+
+}  // namespace
+
+BpeTokenizer BpeTokenizer::from_hf_json(const std::string& json_text, const std::string& path,
+                                        const std::string& bos, const std::string& eos) {
+  Json j;
+  try {
+    j = Json::parse(json_text);
+  } catch (const Json::exception& e) {
+    throw FormatError(path + ": not valid JSON (" + e.what() + ")");
+  }
+  if (!j.is_object() || !j.contains("model") || !j["model"].is_object())
+    throw FormatError(path + ": no 'model' object");
+  const auto& model = j["model"];
+  const bool sentencepiece = check_bpe_model(j, path);
+  std::vector<std::pair<std::string, bool>> splits;
+  SentencePieceText sp;
+  if (!sentencepiece)
+    read_byte_level_rules(j, path, splits);
+  else
+    read_sentencepiece_rules(j, path, sp);
+
+  BpeTokenizer t;
+  {
+    auto vocabulary = read_vocabulary(j, path, sentencepiece);
+    t.tokens_ = std::move(vocabulary.tokens);
+    t.is_special_ = std::move(vocabulary.is_special);
+  }
+  for (size_t id = 0; id < t.tokens_.size(); ++id) {
+    if (t.is_special_[id])
+      t.specials_.emplace_back(t.tokens_[id], static_cast<int64_t>(id));
+    else
+      t.ids_.emplace(t.tokens_[id], static_cast<int64_t>(id));
+  }
+  std::stable_sort(t.specials_.begin(), t.specials_.end(),
+                   [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+
+  t.merge_rank_ = read_merges(model, path, t.ids_);
   t.ignore_merges_ = flag(model, "ignore_merges", false, path + ": model");
   if (sentencepiece) {
     t.byte_level_ = false;
@@ -527,94 +578,89 @@ Json byte_level_pre_tokenizer(const std::vector<std::pair<std::string, bool>>& s
   return pre;
 }
 
+// The SentencePiece-style pipeline as read (Prepend / Replace normalizers or a Metaspace
+// pre-tokenizer; a decoder undoing them), in the layout transformers' Llama conversion writes:
+// the normalizer, the pre-tokenizer and the decoder.
+std::array<Json, 3> sentencepiece_pipeline(const SentencePieceText& sp) {
+  const Json prepend = {{"type", "Prepend"}, {"prepend", kMetaSpace}};
+  const Json replace = {
+      {"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", kMetaSpace}};
+  Json normalizer, pre;
+  if (sp.metaspace) {
+    if (sp.prepend)
+      normalizer = prepend;
+    pre = {{"type", "Metaspace"},
+           {"replacement", kMetaSpace},
+           {"prepend_scheme", sp.scheme},
+           {"split", sp.split}};
+  } else {
+    normalizer = sp.prepend
+                     ? Json{{"type", "Sequence"}, {"normalizers", Json::array({prepend, replace})}}
+                     : replace;
+  }
+  Json decoders = Json::array();
+  decoders.push_back(
+      {{"type", "Replace"}, {"pattern", {{"String", kMetaSpace}}}, {"content", " "}});
+  decoders.push_back({{"type", "ByteFallback"}});
+  decoders.push_back({{"type", "Fuse"}});
+  if (sp.strip_leading_space)
+    decoders.push_back({{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}});
+  else if (sp.strip_first_token)  // after Replace: strips nothing
+    decoders = Json::array({{{"type", "ByteFallback"}},
+                            {{"type", "Metaspace"},
+                             {"replacement", kMetaSpace},
+                             {"prepend_scheme", "always"},
+                             {"split", true}}});
+  return {normalizer, pre, Json{{"type", "Sequence"}, {"decoders", decoders}}};
+}
+
 }  // namespace
 
 std::string BpeTokenizer::to_hf_json() const {
   const auto [vocab, added] = vocab_json(tokens_, is_special_);
-  const Json merges = merges_json(merge_rank_);
-  if (!byte_level_) {
-    // The SentencePiece-style pipeline as read (Prepend / Replace normalizers or a Metaspace
-    // pre-tokenizer; a decoder undoing them), in the layout transformers' Llama conversion
-    // writes.
-    const Json prepend = {{"type", "Prepend"}, {"prepend", kMetaSpace}};
-    const Json replace = {
-        {"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", kMetaSpace}};
-    Json normalizer, pre;
-    if (metaspace_) {
-      if (space_prefix_ == SpacePrefix::kEverySegment)
-        normalizer = prepend;
-      const char* scheme = space_prefix_ == SpacePrefix::kUnlessSpace    ? "always"
-                           : space_prefix_ == SpacePrefix::kFirstSegment ? "first"
-                                                                         : "never";
-      pre = {{"type", "Metaspace"},
-             {"replacement", kMetaSpace},
-             {"prepend_scheme", scheme},
-             {"split", split_at_space_}};
-    } else {
-      normalizer =
-          space_prefix_ == SpacePrefix::kEverySegment
-              ? Json{{"type", "Sequence"}, {"normalizers", Json::array({prepend, replace})}}
-              : replace;
-    }
-    Json decoders = Json::array();
-    decoders.push_back(
-        {{"type", "Replace"}, {"pattern", {{"String", kMetaSpace}}}, {"content", " "}});
-    decoders.push_back({{"type", "ByteFallback"}});
-    decoders.push_back({{"type", "Fuse"}});
-    if (decode_prefix_ == DecodePrefix::kStripLeadingSpace)
-      decoders.push_back({{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}});
-    else if (decode_prefix_ == DecodePrefix::kStripFirstToken)  // after Replace: strips nothing
-      decoders = Json::array({{{"type", "ByteFallback"}},
-                              {{"type", "Metaspace"},
-                               {"replacement", kMetaSpace},
-                               {"prepend_scheme", "always"},
-                               {"split", true}}});
-    const Json out = {
-        {"version", "1.0"},
-        {"truncation", nullptr},
-        {"padding", nullptr},
-        {"added_tokens", added},
-        {"normalizer", normalizer},
-        {"pre_tokenizer", pre},
-        {"post_processor", nullptr},
-        {"decoder", {{"type", "Sequence"}, {"decoders", decoders}}},
-        {"model",
-         {{"type", "BPE"},
-          {"dropout", nullptr},
-          {"unk_token", unk_ >= 0 ? Json(tokens_[static_cast<size_t>(unk_)]) : Json()},
-          {"continuing_subword_prefix", nullptr},
-          {"end_of_word_suffix", nullptr},
-          {"fuse_unk", true},
-          {"byte_fallback", true},
-          {"ignore_merges", ignore_merges_},
-          {"vocab", vocab},
-          {"merges", merges}}}};
-    return dump_json(out);
+  Json normalizer, pre, decoder, unk;
+  if (byte_level_) {
+    pre = byte_level_pre_tokenizer(splits_);
+    decoder = {{"type", "ByteLevel"},
+               {"add_prefix_space", true},
+               {"trim_offsets", true},
+               {"use_regex", true}};
+  } else {
+    SentencePieceText sp;
+    sp.metaspace = metaspace_;
+    sp.prepend = space_prefix_ == SpacePrefix::kEverySegment;
+    sp.scheme = space_prefix_ == SpacePrefix::kUnlessSpace    ? "always"
+                : space_prefix_ == SpacePrefix::kFirstSegment ? "first"
+                                                              : "never";
+    sp.split = split_at_space_;
+    sp.strip_leading_space = decode_prefix_ == DecodePrefix::kStripLeadingSpace;
+    sp.strip_first_token = decode_prefix_ == DecodePrefix::kStripFirstToken;
+    auto pipeline = sentencepiece_pipeline(sp);
+    normalizer = std::move(pipeline[0]);
+    pre = std::move(pipeline[1]);
+    decoder = std::move(pipeline[2]);
+    if (unk_ >= 0)
+      unk = tokens_[static_cast<size_t>(unk_)];
   }
-  const Json pre = byte_level_pre_tokenizer(splits_);
   const Json out = {{"version", "1.0"},
                     {"truncation", nullptr},
                     {"padding", nullptr},
                     {"added_tokens", added},
-                    {"normalizer", nullptr},
+                    {"normalizer", normalizer},
                     {"pre_tokenizer", pre},
                     {"post_processor", nullptr},
-                    {"decoder",
-                     {{"type", "ByteLevel"},
-                      {"add_prefix_space", true},
-                      {"trim_offsets", true},
-                      {"use_regex", true}}},
+                    {"decoder", decoder},
                     {"model",
                      {{"type", "BPE"},
                       {"dropout", nullptr},
-                      {"unk_token", nullptr},
+                      {"unk_token", unk},
                       {"continuing_subword_prefix", nullptr},
                       {"end_of_word_suffix", nullptr},
-                      {"fuse_unk", false},
-                      {"byte_fallback", false},
+                      {"fuse_unk", !byte_level_},
+                      {"byte_fallback", !byte_level_},
                       {"ignore_merges", ignore_merges_},
                       {"vocab", vocab},
-                      {"merges", merges}}}};
+                      {"merges", merges_json(merge_rank_)}}}};
   return dump_json(out);
 }
 

@@ -141,25 +141,7 @@ std::vector<std::string> BpeTokenizer::sentencepiece_symbols(const std::string& 
   return out;
 }
 
-void BpeTokenizer::bpe(const std::string& piece, std::vector<int64_t>& out) const {
-  if (auto it = cache_.find(piece); it != cache_.end()) {
-    out.insert(out.end(), it->second.begin(), it->second.end());
-    return;
-  }
-  // Byte-level: the piece's bytes in GPT-2's alphabet; SentencePiece-style: its characters.
-  std::string mapped;
-  if (byte_level_) {
-    for (unsigned char c : piece)
-      mapped += byte_char_[c];
-  } else {
-    mapped = piece;
-  }
-  if (ignore_merges_) {  // a piece that is a word of the vocabulary is that word, unmerged
-    if (auto it = ids_.find(mapped); it != ids_.end()) {
-      out.push_back(it->second);
-      return;
-    }
-  }
+std::vector<std::string> BpeTokenizer::merge(std::vector<std::string> initial) const {
   // Merge the lowest-ranked adjacent pair, the leftmost first, until none is in the table.
   // The symbols form a linked list and the candidate pairs a heap, so a piece of n characters
   // costs O(n log n): rescanning the whole piece after each merge made one long word (a hostile
@@ -170,7 +152,7 @@ void BpeTokenizer::bpe(const std::string& piece, std::vector<int64_t>& out) cons
     int version = 0;  // bumped when the symbol changes or dies: stale heap entries are skipped
   };
   std::vector<Symbol> syms;
-  for (auto& ch : byte_level_ ? characters(mapped) : sentencepiece_symbols(mapped)) {
+  for (auto& ch : initial) {
     const int i = static_cast<int>(syms.size());
     syms.push_back({std::move(ch), i - 1, i + 1});
   }
@@ -216,7 +198,11 @@ void BpeTokenizer::bpe(const std::string& piece, std::vector<int64_t>& out) cons
   std::vector<std::string> symbols;
   for (int i = syms.empty() ? -1 : 0; i >= 0; i = syms[static_cast<size_t>(i)].next)
     symbols.push_back(std::move(syms[static_cast<size_t>(i)].text));
-  std::vector<int64_t> ids;
+  return symbols;
+}
+
+void BpeTokenizer::symbol_ids(const std::vector<std::string>& symbols,
+                              std::vector<int64_t>& ids) const {
   for (const auto& s : symbols) {
     auto it = ids_.find(s);
     if (it != ids_.end()) {
@@ -235,6 +221,29 @@ void BpeTokenizer::bpe(const std::string& piece, std::vector<int64_t>& out) cons
       }
     }
   }
+}
+
+void BpeTokenizer::bpe(const std::string& piece, std::vector<int64_t>& out) const {
+  if (auto it = cache_.find(piece); it != cache_.end()) {
+    out.insert(out.end(), it->second.begin(), it->second.end());
+    return;
+  }
+  // Byte-level: the piece's bytes in GPT-2's alphabet; SentencePiece-style: its characters.
+  std::string mapped;
+  if (byte_level_) {
+    for (unsigned char c : piece)
+      mapped += byte_char_[c];
+  } else {
+    mapped = piece;
+  }
+  if (ignore_merges_) {  // a piece that is a word of the vocabulary is that word, unmerged
+    if (auto it = ids_.find(mapped); it != ids_.end()) {
+      out.push_back(it->second);
+      return;
+    }
+  }
+  std::vector<int64_t> ids;
+  symbol_ids(merge(byte_level_ ? characters(mapped) : sentencepiece_symbols(mapped)), ids);
   // Words repeat, whole lines (SentencePiece-style pieces) rarely: only short pieces are kept.
   if (cache_.size() < 200000 && piece.size() <= 64)
     cache_.emplace(piece, ids);

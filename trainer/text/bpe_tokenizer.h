@@ -139,6 +139,12 @@ class BpeTokenizer {
   void set_splits(const std::vector<std::pair<std::string, bool>>& patterns,
                   const std::string& where, bool from_file);
   void bpe(const std::string& piece, std::vector<int64_t>& out) const;
+  /// BPE's merges of a piece's initial symbols (characters, or byte tokens' texts): the
+  /// lowest-ranked adjacent pair, the leftmost first, until none is in the table.
+  std::vector<std::string> merge(std::vector<std::string> initial) const;
+  /// The ids of merged symbols into `ids`; one the vocabulary lacks by its bytes (byte-level)
+  /// or UnencodableByte.
+  void symbol_ids(const std::vector<std::string>& symbols, std::vector<int64_t>& ids) const;
   void encode_text(std::string_view text, bool at_input_start, std::vector<int64_t>& out) const;
   void encode_sentencepiece(std::string_view text, bool at_input_start,
                             std::vector<int64_t>& out) const;

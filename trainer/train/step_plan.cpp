@@ -113,6 +113,23 @@ int64_t calibration_params_limit(torch::ScalarType dtype) {
                                                                    : int64_t{4} << 20;
 }
 
+// How much calibrate() narrows the one-block model `one` (0: not at all): by k, 2k and 4k, the
+// least k >= 2 (k = 1 would be the full width itself) that brings the widest copy within the
+// limit, as far as the widths allow.
+template <typename ModelConfig>
+int64_t narrowing_factor(const ModelConfig& one, torch::ScalarType dtype) {
+  const int64_t limit = calibration_params_limit(dtype), most = fsdp_models::max_narrowing(one);
+  if (one.num_params() <= limit || most < 8)
+    return 0;
+  auto params_at = [&](int64_t k) {
+    return fsdp_models::narrowed(one, k, one.vocab_size % (4 * k) == 0).num_params();
+  };
+  int64_t k = 2;
+  while (8 * k <= most && params_at(k) > limit)
+    k *= 2;
+  return k;
+}
+
 // `make` builds a one-block model of the run (real tensors) from the run's one-block config
 // `one`, narrowed or not (fsdp_models::narrowed); `out` gets the activations, and with
 // `time_compute` the pieces of `copies` full-width such models and their times (timed together).
@@ -144,19 +161,7 @@ void calibrate(const ModelConfig& one, const std::function<Model(const ModelConf
   const char* dtype_text = dtype == torch::kFloat      ? "fp32"
                            : dtype == torch::kBFloat16 ? "bf16"
                                                        : "fp16";
-  // Narrowed by k, 2k and 4k: the least k >= 2 (k = 1 would be the full width itself) that
-  // brings the widest copy within the limit, as far as the widths allow.
-  const int64_t limit = calibration_params_limit(dtype), most = fsdp_models::max_narrowing(one);
-  auto vocab_divides = [&](int64_t k) { return one.vocab_size % (4 * k) == 0; };
-  auto params_at = [&](int64_t k) {
-    return fsdp_models::narrowed(one, k, vocab_divides(k)).num_params();
-  };
-  int64_t k = 0;
-  if (one.num_params() > limit && most >= 8) {
-    k = 2;
-    while (8 * k <= most && params_at(k) > limit)
-      k *= 2;
-  }
+  const int64_t k = narrowing_factor(one, dtype);
   // At full width the calibrated pieces are also the first timed ones (below): built once.
   std::shared_ptr<const plan::CalibrationPieces> full_width;
   if (k == 0) {
@@ -169,7 +174,7 @@ void calibrate(const ModelConfig& one, const std::function<Model(const ModelConf
           "note: one block has {} parameters, calibrated narrowed; on this CPU oneDNN pads {} "
           "to its block sizes, so the activations' extrapolation is approximate",
           one.num_params(), dtype_text));
-    const bool vocab = vocab_divides(k);
+    const bool vocab = one.vocab_size % (4 * k) == 0;
     auto model_at = [&](int64_t by, int step) {
       const auto cfg = fsdp_models::narrowed(one, by, vocab);
       say(
@@ -210,21 +215,18 @@ bool is_llama_blocks(const std::string& name) {
 
 }  // namespace
 
-RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& model_path,
-                 int world_size, int local_world_size, const std::string& compute_dtype,
-                 int64_t other_bytes, bool time_compute, const std::function<void()>& before_timing,
-                 int timing_copies, const PlanProgress& progress) {
-  RunPlan out;
-  auto& o = out.options;
+namespace {
+
+// The planner's options for `config`: what the engine will be given (model_factory.h,
+// unit_options: the trainer shards with the same), read back into the planner's terms. The
+// sequence, the batch's bytes and activation checkpointing depend on the model: plan_run's.
+plan::StepOptions step_options(const Config& config, int world_size, int local_world_size,
+                               const std::string& compute_dtype) {
+  plan::StepOptions o;
   auto& s = o.states;
-  const auto& f = config.fsdp;
   const auto& prec = config.precision;
   const auto& t = config.training;
   const auto& opt = config.optimizer;
-  const auto dtype = dtype_named(compute_dtype);
-
-  // What the engine will be given (model_factory.h, unit_options: the trainer shards with the
-  // same), read back into the planner's terms.
   const UnitOptions units = unit_options(config, nullptr, compute_dtype, local_world_size);
   const auto& blocks = units.blocks;
   const auto& mp = blocks.mp_policy();
@@ -232,7 +234,7 @@ RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& mo
   s.strategy = blocks.strategy();
   if (s.strategy == fsdp::ShardingStrategy::kHybridShard)
     s.hybrid_shard_size = blocks.hybrid_shard_size();
-  s.param_dtype = dtype;
+  s.param_dtype = dtype_named(compute_dtype);
   s.reduce_dtype = dtype_named(prec.reduce_dtype);
   s.root_full_precision = prec.root_fp32;
   s.cpu_offload = blocks.offload_policy().has_value();
@@ -256,86 +258,124 @@ RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& mo
   o.int8_block_size = mp.int8_block_size();
   o.reduce_format = mp.reduce_format();
   o.error_feedback = mp.error_feedback();
-  o.optimizer_in_backward = f.optimizer_in_backward;
+  o.optimizer_in_backward = config.fsdp.optimizer_in_backward;
   o.all_gather_bucket_bytes = blocks.all_gather_bucket_bytes();
   o.gloo_staging = o.gloo_reduce_scatter = t.device == "cpu";
   o.micro_batches = static_cast<int>(t.micro_batches);
-  o.sync_every_micro_batch = f.sync_every_micro_batch;
+  o.sync_every_micro_batch = config.fsdp.sync_every_micro_batch;
   o.batch_rows = t.batch_size / t.micro_batches;
+  return o;
+}
 
+// fsdp.activation_checkpointing of each of `blocks` blocks (every fsdp.ac_every-th).
+std::vector<fsdp::CheckpointMode> checkpoint_modes(const FsdpConfig& f, int64_t blocks) {
   const auto ac = fsdp::from_string<fsdp::CheckpointMode>(f.activation_checkpointing);
-  auto checkpointing = [&](int64_t blocks) {
-    for (int64_t i = 0; i < blocks; ++i)
-      o.checkpoint.push_back(i % f.ac_every == 0 ? ac : fsdp::CheckpointMode::kNone);
+  std::vector<fsdp::CheckpointMode> modes;
+  for (int64_t i = 0; i < blocks; ++i)
+    modes.push_back(i % f.ac_every == 0 ? ac : fsdp::CheckpointMode::kNone);
+  return modes;
+}
+
+// What plan_run's models share: how to calibrate and time them.
+struct Calibration {
+  const Config& config;
+  torch::ScalarType dtype;
+  bool time_compute;
+  int timing_copies;
+  const std::function<void()>& before_timing;
+  const PlanProgress& progress;
+};
+
+// fsdp-train finetune's model (the pretrained file's Llama with its adapters or NF4 weights):
+// its units in `out`, calibrated; returns its blocks.
+int64_t plan_finetune(const Calibration& c, const std::string& model_path, int64_t other_bytes,
+                      RunPlan& out) {
+  const auto& ft = c.config.finetune;
+  const auto& t = c.config.training;
+  auto& o = out.options;
+  auto cfg = pretrained_config(model_path);
+  cfg.max_seq_len = ft.max_tokens;
+  o.seq_len = ft.max_tokens;
+  // The batch: (rows, max_tokens) token ids, labels and a float mask.
+  o.other_bytes = other_bytes + t.batch_size * ft.max_tokens * (8 + 8 + 4);
+  const bool adapters = ft.method != "full";
+  auto shape = [&](fsdp_models::Llama& model, const fsdp_models::ModelInit& init, bool real) {
+    if (ft.method == "qlora")
+      fsdp_models::use_nf4(*model, /*quantize=*/real);
+    if (adapters) {
+      fsdp_models::add_lora(*model, ft.targets,
+                            fsdp_models::LoraOptions()
+                                .rank(ft.lora_rank)
+                                .alpha(ft.lora_alpha)
+                                .dropout(ft.lora_dropout),
+                            init);
+    }
   };
-  const fsdp_models::ModelInit meta = fsdp_models::ModelInit().device(torch::kMeta);
-  if (config.finetuning) {
-    const auto& ft = config.finetune;
-    auto cfg = pretrained_config(model_path);
-    cfg.max_seq_len = ft.max_tokens;
-    o.seq_len = ft.max_tokens;
-    // The batch: (rows, max_tokens) token ids, labels and a float mask.
-    o.other_bytes = other_bytes + t.batch_size * ft.max_tokens * (8 + 8 + 4);
-    const bool adapters = ft.method != "full";
-    auto shape = [&](fsdp_models::Llama& model, const fsdp_models::ModelInit& init, bool real) {
-      if (ft.method == "qlora")
-        fsdp_models::use_nf4(*model, /*quantize=*/real);
-      if (adapters) {
-        fsdp_models::add_lora(*model, ft.targets,
-                              fsdp_models::LoraOptions()
-                                  .rank(ft.lora_rank)
-                                  .alpha(ft.lora_alpha)
-                                  .dropout(ft.lora_dropout),
-                              init);
-      }
-    };
-    {
-      fsdp_models::Llama model(cfg, meta);
-      shape(model, meta, false);
-      out.units = plan::describe_units(*model, fsdp_models::unit_paths(cfg));
-    }
-    auto one = cfg;
-    one.n_layers = 1;
-    const std::function<fsdp_models::Llama(const fsdp_models::LlamaConfig&)> make =
-        [&](const fsdp_models::LlamaConfig& c) {
-          fsdp_models::Llama model(c);
-          shape(model, fsdp_models::ModelInit(), true);
-          return model;
-        };
-    calibrate(one, make, config, dtype, o.seq_len, is_llama_blocks, time_compute, timing_copies,
-              before_timing, progress, out);
-    checkpointing(cfg.n_layers);
-  } else if (config.model.arch == "gpt") {
-    const auto cfg = gpt_config(config, vocab_size);
-    o.seq_len = t.seq_len;
-    o.other_bytes = other_bytes + t.batch_size * (t.seq_len + 1) * 8;  // the batch's token ids
-    {
-      fsdp_models::GPT model(cfg, meta);
-      out.units = plan::describe_units(*model, fsdp_models::unit_paths(cfg));
-    }
-    auto one = cfg;
-    one.n_layer = 1;
-    const std::function<fsdp_models::GPT(const fsdp_models::GPTConfig&)> make =
-        [](const fsdp_models::GPTConfig& c) { return fsdp_models::GPT(c); };
-    calibrate(one, make, config, dtype, o.seq_len, is_gpt_block, time_compute, timing_copies,
-              before_timing, progress, out);
-    checkpointing(cfg.n_layer);
-  } else {
-    const auto cfg = llama_config(config, vocab_size);
-    o.seq_len = t.seq_len;
-    o.other_bytes = other_bytes + t.batch_size * (t.seq_len + 1) * 8;
-    {
-      fsdp_models::Llama model(cfg, meta);
-      out.units = plan::describe_units(*model, fsdp_models::unit_paths(cfg));
-    }
-    auto one = cfg;
-    one.n_layers = 1;
-    const std::function<fsdp_models::Llama(const fsdp_models::LlamaConfig&)> make =
-        [](const fsdp_models::LlamaConfig& c) { return fsdp_models::Llama(c); };
-    calibrate(one, make, config, dtype, o.seq_len, is_llama_blocks, time_compute, timing_copies,
-              before_timing, progress, out);
-    checkpointing(cfg.n_layers);
+  {
+    const fsdp_models::ModelInit meta = fsdp_models::ModelInit().device(torch::kMeta);
+    fsdp_models::Llama model(cfg, meta);
+    shape(model, meta, false);
+    out.units = plan::describe_units(*model, fsdp_models::unit_paths(cfg));
   }
+  auto one = cfg;
+  one.n_layers = 1;
+  const std::function<fsdp_models::Llama(const fsdp_models::LlamaConfig&)> make =
+      [&](const fsdp_models::LlamaConfig& lc) {
+        fsdp_models::Llama model(lc);
+        shape(model, fsdp_models::ModelInit(), true);
+        return model;
+      };
+  calibrate(one, make, c.config, c.dtype, o.seq_len, is_llama_blocks, c.time_compute,
+            c.timing_copies, c.before_timing, c.progress, out);
+  return cfg.n_layers;
+}
+
+// A pretraining run's GPT or Llama (model.arch), as plan_finetune.
+template <typename Model, typename ModelConfig>
+int64_t plan_pretrain(const Calibration& c, const ModelConfig& cfg, int64_t ModelConfig::*layers,
+                      const std::function<bool(const std::string&)>& is_blocks, int64_t other_bytes,
+                      RunPlan& out) {
+  const auto& t = c.config.training;
+  auto& o = out.options;
+  o.seq_len = t.seq_len;
+  o.other_bytes = other_bytes + t.batch_size * (t.seq_len + 1) * 8;  // the batch's token ids
+  {
+    Model model(cfg, fsdp_models::ModelInit().device(torch::kMeta));
+    out.units = plan::describe_units(*model, fsdp_models::unit_paths(cfg));
+  }
+  auto one = cfg;
+  one.*layers = 1;
+  const std::function<Model(const ModelConfig&)> make = [](const ModelConfig& mc) {
+    return Model(mc);
+  };
+  calibrate(one, make, c.config, c.dtype, o.seq_len, is_blocks, c.time_compute, c.timing_copies,
+            c.before_timing, c.progress, out);
+  return cfg.*layers;
+}
+
+}  // namespace
+
+RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& model_path,
+                 int world_size, int local_world_size, const std::string& compute_dtype,
+                 int64_t other_bytes, bool time_compute, const std::function<void()>& before_timing,
+                 int timing_copies, const PlanProgress& progress) {
+  RunPlan out;
+  out.options = step_options(config, world_size, local_world_size, compute_dtype);
+  const Calibration c{
+      config, dtype_named(compute_dtype), time_compute, timing_copies, before_timing, progress};
+  int64_t blocks = 0;
+  if (config.finetuning) {
+    blocks = plan_finetune(c, model_path, other_bytes, out);
+  } else if (config.model.arch == "gpt") {
+    blocks = plan_pretrain<fsdp_models::GPT>(c, gpt_config(config, vocab_size),
+                                             &fsdp_models::GPTConfig::n_layer, is_gpt_block,
+                                             other_bytes, out);
+  } else {
+    blocks = plan_pretrain<fsdp_models::Llama>(c, llama_config(config, vocab_size),
+                                               &fsdp_models::LlamaConfig::n_layers, is_llama_blocks,
+                                               other_bytes, out);
+  }
+  out.options.checkpoint = checkpoint_modes(config.fsdp, blocks);
   return out;
 }
 

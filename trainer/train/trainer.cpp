@@ -72,7 +72,7 @@ void Trainer::start_flight_recorder(const fsdp::LaunchEnv& env) {
 }
 
 Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
-    : config_(std::move(config)), device_memory_(std::move(device_memory)), purpose_(purpose) {
+    : config_(std::move(config)), purpose_(purpose) {
   const auto& t = config_.training;
   torch::set_num_threads(static_cast<int>(t.threads));
   if (fsdp::memory::caching_installed()) {
@@ -84,10 +84,6 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
   const bool cuda = t.device == "cuda";
   if (cuda)
     device_ = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
-  if (!device_memory_.peak_bytes) {
-    device_memory_.reset_peak = [] { fsdp::memory::reset_peak(); };
-    device_memory_.peak_bytes = [] { return fsdp::memory::peak_bytes(); };
-  }
   start_flight_recorder(env);
   pg_ = fsdp::init_process_group(
       fsdp::ProcessGroupOptions()
@@ -98,21 +94,20 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
           .bench_local_collectives(config_.fsdp.bench_local_collectives));
   const int rank = pg_->rank(), world = pg_->size();
   {
-    // The trainer's own reductions (losses, memory figures, the dtype choice) get a group of
-    // their own: they go through the collectives layer like all traffic (counted, and checked
-    // under fsdp.check_collectives) without mixing into the counters of the model's groups,
-    // which the step breakdown compares with what the strategy should move.
+    // The trainer's own reductions (losses, memory figures, the dtype choice, the random
+    // states of checkpoints) get a group of their own (see MetricsProcessor).
     std::vector<int> everyone(static_cast<size_t>(world));
     std::iota(everyone.begin(), everyone.end(), 0);
     metrics_pg_ = pg_->new_group(everyone);
   }
+  metrics_ = std::make_unique<MetricsProcessor>(metrics_pg_, device_, std::move(device_memory));
   const int local_world = env.local_world_size;
   validate_world(config_, world, local_world);  // main() checked already; never hang on it
 
-  const std::string model_file = prepare_inputs(rank, world);
+  data_ = std::make_unique<TrainData>(config_, rank, world, device_, [this] { pg_->barrier(); });
+  const std::string& model_file = data_->model_file();
 
   compute_dtype_ = resolve_compute_dtype();
-  const auto& prec = config_.precision;
   const UnitOptions units = unit_options(config_, pg_, compute_dtype_.dtype, local_world);
   {
     // Building draws every weight on the host (counter-based draws: the values do not depend
@@ -122,28 +117,14 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
     const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
     const int share = std::max(1, cores / std::max(1, env.local_world_size));
     torch::set_num_threads(std::max(static_cast<int>(t.threads), share));
-    model_ = finetune_ ? build_finetune_model(config_, model_file, units, device_)
-                       : build_model(config_, data_.vocab_size, units, device_);
+    model_ = data_->finetune() ? build_finetune_model(config_, model_file, units, device_)
+                               : build_model(config_, data_->prepared().vocab_size, units, device_);
     torch::set_num_threads(static_cast<int>(t.threads));
   }
   units_ = units;
   profiler_ = std::make_unique<fsdp::StepProfiler>(model_.module);
 
-  // Weight decay on matrices only (as GPT-2/nanoGPT): not on norms and biases.
-  std::vector<torch::Tensor> decay, no_decay;
-  for (const auto& p : model_.module->parameters()) {
-    if (!p.requires_grad())
-      continue;
-    params_.push_back(p);
-    (p.dim() >= 2 ? decay : no_decay).push_back(p);
-  }
-  optimizer_ = make_optimizer(config_, decay, no_decay);
-  if (uses_loss_scaling(config_)) {
-    scaler_ =
-        std::make_unique<fsdp::ShardedGradScaler>(pg_, fsdp::GradScalerOptions()
-                                                           .init_scale(prec.init_scale)
-                                                           .growth_interval(prec.growth_interval));
-  }
+  optimizers_ = std::make_unique<Optimizers>(config_, *model_.module, pg_);
 
   if (purpose_ != Purpose::kTrain)
     return;
@@ -167,13 +148,15 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
 // MFU's two sides: the model's FLOPs per token, and the peak it is relative to.
 void Trainer::measure_mfu_peak() {
   const auto& t = config_.training;
-  if (finetune_) {
+  const bool finetune = data_->finetune() != nullptr;
+  double flops_per_token = 0;
+  if (finetune) {
     // Adapters leave out the weight gradients: forward 2N and input gradients 2N of 6N.
-    flops_per_token_ = gpt_flops_per_token(model_.num_params, model_.n_layer, model_.n_embd,
-                                           config_.finetune.max_tokens / 2) *
-                       (config_.finetune.method == "full" ? 1.0 : 2.0 / 3.0);
+    flops_per_token = gpt_flops_per_token(model_.num_params, model_.n_layer, model_.n_embd,
+                                          config_.finetune.max_tokens / 2) *
+                      (config_.finetune.method == "full" ? 1.0 : 2.0 / 3.0);
   } else {
-    flops_per_token_ =
+    flops_per_token =
         gpt_flops_per_token(model_.num_params, model_.n_layer, model_.n_embd, t.seq_len);
   }
   // MFU's peak: the model's own Linear shapes in the compute dtype (matmul_speed.h), with the
@@ -181,48 +164,13 @@ void Trainer::measure_mfu_peak() {
   // rank measures at once (after a barrier, so none is busy computing while another measures)
   // and all use the highest: one peak for the whole job.
   const int64_t rows = std::min<int64_t>(
-      512, finetune_ ? t.batch_size * config_.finetune.max_tokens : t.batch_size * t.seq_len);
+      512, finetune ? t.batch_size * config_.finetune.max_tokens : t.batch_size * t.seq_len);
   const std::vector<MatmulShape> shapes{{rows, model_.n_embd, model_.n_embd},
                                         {rows, model_.n_embd, model_.n_hidden}};
   pg_->barrier();
-  peak_flops_per_rank_ = static_cast<double>(max_over_ranks(
+  const auto peak = static_cast<double>(metrics_->max(
       std::llround(peak_matmul_flops(dtype_named(compute_dtype_.dtype), shapes, device_))));
-}
-
-// The run's inputs: the pretrained model and instruction data (finetune), or the corpus made
-// into a tokenizer and token files (once, by rank 0), with this rank's sampler and held-out
-// batches. Returns the pretrained model's file ("" when pretraining).
-std::string Trainer::prepare_inputs(int rank, int world) {
-  const auto& t = config_.training;
-  std::string model_file;
-  if (config_.finetuning) {
-    model_file = resolve_model_file(config_.finetune.model);
-    if (rank == 0)
-      std::printf("fsdp-train: fine-tuning %s ...\n", model_file.c_str());
-    std::fflush(stdout);
-    finetune_ = std::make_unique<FinetuneData>(config_, model_file, rank, world);
-  } else {
-    PrepareOptions prep;
-    prep.corpus = config_.data.corpus;
-    prep.out_dir = config_.data.dir;
-    prep.vocab_size = static_cast<int>(config_.data.vocab_size);
-    prep.held_out_fraction = config_.data.held_out_fraction;
-    prep.seed = static_cast<uint64_t>(t.seed);
-    if (rank == 0)
-      std::printf("fsdp-train: preparing data in %s ...\n", prep.out_dir.c_str());
-    std::fflush(stdout);
-    data_ = prepare_data(prep, rank, [this] { pg_->barrier(); });
-    tokenizer_.load(data_.tokenizer_path);
-    export_files_ = tokenizer_export_files(tokenizer_, t.seq_len);
-    train_file_ = std::make_unique<TokenFile>(data_.train_path);
-    val_file_ = std::make_unique<TokenFile>(data_.val_path);
-    sampler_ = std::make_unique<DistributedSampler>(*train_file_, t.batch_size, t.seq_len, rank,
-                                                    world, static_cast<uint64_t>(t.seed));
-    eval_set_ = eval_batches(*val_file_, t.batch_size, t.seq_len, rank, world, t.eval_batches);
-    for (auto& batch : eval_set_)
-      batch = batch.to(device_);
-  }
-  return model_file;
+  metrics_->set_mfu_basis(flops_per_token, peak);
 }
 
 // Rank 0: the run directory with the resolved config, metrics.jsonl (replaced by a fresh run,
@@ -231,27 +179,7 @@ void Trainer::open_run_directory() {
   std::filesystem::create_directories(config_.logging.run_dir);
   fsdp::write_file_atomic((std::filesystem::path(config_.logging.run_dir) / "config.toml").string(),
                           to_toml(config_));
-  // A fresh run replaces the metrics of an earlier one in the same directory; a resumed one
-  // keeps the lines before the step it resumes after.
-  const auto metrics_path = std::filesystem::path(config_.logging.run_dir) / "metrics.jsonl";
-  if (start_step_ == 0) {
-    std::filesystem::remove(metrics_path);
-    metrics_ = std::make_unique<MetricsWriter>(metrics_path.string());
-  } else {
-    metrics_ = std::make_unique<MetricsWriter>(metrics_path.string(), start_step_ + 1);
-  }
-  if (config_.logging.tensorboard) {
-    // The same policy as metrics.jsonl: a fresh run removes an earlier run's event files
-    // (TensorBoard would show both runs' steps as one run's); a resumed run adds a file,
-    // whose SessionLog START hides the earlier files' steps after the checkpoint.
-    const auto tb_dir = std::filesystem::path(config_.logging.run_dir) / "tensorboard";
-    if (start_step_ == 0 && std::filesystem::is_directory(tb_dir)) {
-      for (const auto& entry : std::filesystem::directory_iterator(tb_dir))
-        if (is_tensorboard_event_file(entry.path().filename().string()))
-          std::filesystem::remove(entry.path());
-    }
-    tensorboard_ = std::make_unique<TensorBoardWriter>(tb_dir.string(), start_step_ + 1);
-  }
+  metrics_->open_outputs(config_.logging, config_.training.steps, start_step_);
 }
 
 // Rank 0: the progress display and the lines that say what runs (data, sharding, precision,
@@ -260,24 +188,7 @@ void Trainer::describe_run(int world) {
   const auto& t = config_.training;
   const auto& f = config_.fsdp;
   const auto& prec = config_.precision;
-  progress_ =
-      std::make_unique<Progress>(config_.logging.progress, t.steps, config_.logging.log_every);
-  if (finetune_) {
-    progress_->message(fmt::format(
-        "fsdp-train finetune: {} on {} rank(s) | data: {} conversations ({}), {} held-out "
-        "| {} conversations per rank per step, loss on the answers only",
-        model_.description, world, finetune_->train_size(), config_.finetune.train_file,
-        finetune_->eval_examples().size(), t.batch_size));
-  } else {
-    progress_->message(fmt::format(
-        "fsdp-train: {} on {} rank(s) | data: {} document(s){}, {} train / {} held-out "
-        "tokens ({:.1f}%), vocab {} | {} x {} tokens per rank per step",
-        model_.description, world, data_.documents,
-        data_.files > 0 ? fmt::format(" in {} file(s)", data_.files) : std::string(),
-        data_.train_tokens, data_.val_tokens,
-        100.0 * data_.val_tokens / std::max<int64_t>(1, data_.train_tokens + data_.val_tokens),
-        data_.vocab_size, t.batch_size, t.seq_len));
-  }
+  metrics_->message(data_->describe(model_.description, world));
   std::string sharding = f.strategy;
   if (f.strategy == "hybrid_shard") {
     const int hybrid_size = units_->blocks.hybrid_shard_size();
@@ -291,13 +202,13 @@ void Trainer::describe_run(int world) {
     sharding +=
         fmt::format(", resharded over {} ranks after forward", f.reshard_after_forward_size);
   }
-  progress_->message(fmt::format(
+  metrics_->message(fmt::format(
       "fsdp: {} | prefetch: forward {}, backward {}, at most {} all-gathers in flight", sharding,
       f.forward_prefetch ? "on" : "off", f.backward_prefetch, f.max_inflight_all_gathers));
   std::string ac = f.activation_checkpointing;
   if (f.activation_checkpointing != "none" && f.ac_every > 1)
     ac += fmt::format(" (every {} blocks)", f.ac_every);
-  progress_->message(fmt::format(
+  metrics_->message(fmt::format(
       "precision: compute {}{}, gather {}, reduce {}{} | activation checkpointing: {}",
       compute_dtype_.dtype, prec.root_fp32 && compute_dtype_.dtype != "fp32" ? " (root fp32)" : "",
       prec.gather_format == "int8" ? fmt::format("int8 (blocks of {})", prec.int8_block)
@@ -305,23 +216,12 @@ void Trainer::describe_run(int world) {
       prec.reduce_format == "int8" ? fmt::format("int8 (blocks of {}{})", prec.int8_block,
                                                  prec.error_feedback ? ", error feedback" : "")
                                    : prec.reduce_dtype,
-      scaler_ ? ", dynamic loss scaling" : "", ac));
-  const auto& o = config_.optimizer;
-  std::string optimizer = o.name == "adamw" ? "torch::optim::AdamW" : o.name;
-  if (auto* fused = dynamic_cast<fsdp::FusedOptimizer*>(optimizer_.get())) {
-    optimizer +=
-        fmt::format(" ({} kernels, {} moments", fused->kernel_capability(), o.moments_dtype);
-    optimizer += fused->state_in_memory() ? ")" : ", state in " + fused->offload_info() + ")";
-  } else if (dynamic_cast<fsdp::TorchFusedAdamW*>(optimizer_.get())) {
-    optimizer += " (shards on the GPU: torch's fused CUDA AdamW, fsdp::TorchFusedAdamW)";
-  } else if (o.name == "sgd") {
-    optimizer += " (shards on the GPU: torch::optim::SGD)";
-  }
-  progress_->message("optimizer: " + optimizer);
-  progress_->message(fmt::format(
+      optimizers_->scaler() ? ", dynamic loss scaling" : "", ac));
+  metrics_->message("optimizer: " + optimizers_->describe());
+  metrics_->message(fmt::format(
       "MFU is relative to {:.1f} GFLOP/s per rank: the fastest {} matmul of the model's shapes, "
       "{} thread(s), measured on every rank at once (the highest)",
-      peak_flops_per_rank_ / 1e9, compute_dtype_.dtype, t.threads));
+      metrics_->peak_flops_per_rank() / 1e9, compute_dtype_.dtype, t.threads));
 }
 
 Trainer::~Trainer() = default;
@@ -343,15 +243,16 @@ fsdp::plan::TimePrediction Trainer::predict_time(const RunPlan& run) {
   // on copies of this rank's trainable shards with zero gradients, timed after the step that
   // creates the state. Above 16M elements, on one flat tensor of 16M, scaled linearly.
   int64_t elements = 0;
-  for (const auto& p : params_)
+  const auto& params = optimizers_->params();
+  for (const auto& p : params)
     elements += p.numel();
   constexpr int64_t kMostTimed = int64_t{1} << 24;
   std::vector<torch::Tensor> copies;
   if (elements <= kMostTimed) {
-    for (const auto& p : params_)
+    for (const auto& p : params)
       copies.push_back(torch::zeros_like(p).requires_grad_());
   } else {
-    copies.push_back(torch::zeros({kMostTimed}, params_.front().options()).requires_grad_());
+    copies.push_back(torch::zeros({kMostTimed}, params.front().options()).requires_grad_());
   }
   int64_t timed = 0;
   for (auto& c : copies) {
@@ -384,11 +285,11 @@ fsdp::plan::TimePrediction Trainer::predict_time(const RunPlan& run) {
         fsdp::plan::unit_traffic(run.units.front(), run.options, pg_->rank()), in.shard,
         c.forward + c.backward);
   }
-  if (pg_->rank() == 0 && progress_) {
+  if (pg_->rank() == 0) {
     auto link = [](const fsdp::plan::LinkCost& c) {
       return fmt::format("{:.0f} us + {:.2f} GB/s", c.latency_s * 1e6, c.bytes_per_s / 1e9);
     };
-    progress_->message(fmt::format(
+    metrics_->message(fmt::format(
         "planner's measurements: all-gather {}, reduce-scatter {}, all-reduce {} (shard group "
         "of {}); optimizer step {:.4f} s; a block's forward {:.4f} s, backward {:.4f} s; "
         "collectives under compute cost {:.2f}x their time alone",
@@ -416,11 +317,12 @@ void Trainer::plan_memory(const std::string& model_file) {
   }
   // Timing the pieces (--plan) happens on every rank at once, as the step will.
   const bool timed = config_.logging.plan;
-  auto run = plan_run(config_, finetune_ ? 0 : data_.vocab_size, model_file, pg_->size(),
+  const FinetuneData* finetune = data_->finetune();
+  auto run = plan_run(config_, finetune ? 0 : data_->prepared().vocab_size, model_file, pg_->size(),
                       fsdp::launch_env_from_environment().local_world_size, compute_dtype_.dtype,
                       /*other_bytes=*/0, timed, [this] { pg_->barrier(); });
-  if (finetune_)  // batches are padded to their longest conversation
-    run.options.seq_len = std::min(run.options.seq_len, finetune_->longest_train_input());
+  if (finetune)  // batches are padded to their longest conversation
+    run.options.seq_len = std::min(run.options.seq_len, finetune->longest_train_input());
   std::optional<fsdp::plan::TimePrediction> time_prediction;
   std::optional<MeasuredTime> step_time;
   if (timed) {
@@ -440,11 +342,11 @@ void Trainer::plan_memory(const std::string& model_file) {
                       kStepTimeMethod);
   const auto& predicted = plan_check_->prediction();
   if (config_.logging.plan && pg_->rank() == 0) {
-    progress_->message(describe_prediction(predicted));
+    metrics_->message(describe_prediction(predicted));
     if (plan_check_->step_time()) {
       const auto& p = *plan_check_->step_time();
       const auto& lib = *plan_check_->time_prediction();
-      progress_->message(fmt::format(
+      metrics_->message(fmt::format(
           "predicted step {:.4f} s (the job with 1 and 3 blocks): forward {:.4f}, backward "
           "{:.4f}, all-gather wait {:.4f}, reduce wait {:.4f}, optimizer {:.4f}; timed pieces and "
           "links say {:.4f} s; per step all-gather {}, reduce-scatter {}, all-reduce {}",
@@ -456,32 +358,16 @@ void Trainer::plan_memory(const std::string& model_file) {
   }
   if (!t.memory_budget.empty()) {
     const int64_t budget = parse_bytes(t.memory_budget, "training.memory_budget");
-    const int64_t highest = max_over_ranks(predicted.peak);
+    const int64_t highest = metrics_->max(predicted.peak);
     // Every rank takes part in the reduction; the rank with the highest peak explains it.
     const int64_t mine = highest == predicted.peak ? pg_->rank() : pg_->size();
-    const int64_t who = -max_over_ranks(-mine);
+    const int64_t who = -metrics_->max(-mine);
     if (highest > budget && pg_->rank() == who) {
       std::fprintf(stderr, "fsdp-train: warning: rank %d: %s\n", pg_->rank(),
                    budget_warning(run, predicted, budget, pg_->rank()).c_str());
       std::fflush(stderr);
     }
   }
-}
-
-double Trainer::learning_rate(int64_t step) const {
-  // Linear warm-up to lr, then cosine decay to min_lr at the last step.
-  const auto& t = config_.training;
-  if (step <= t.warmup_steps)
-    return t.lr * static_cast<double>(step) / std::max<int64_t>(1, t.warmup_steps);
-  const double progress =
-      static_cast<double>(step - t.warmup_steps) / std::max<int64_t>(1, t.steps - t.warmup_steps);
-  return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + std::cos(M_PI * std::min(1.0, progress)));
-}
-
-double Trainer::mean_over_ranks(double v) {
-  auto t = torch::tensor({v}, torch::TensorOptions(torch::kDouble).device(device_));
-  fsdp::all_reduce(*metrics_pg_, t, fsdp::ReduceOp::kSum, "mean of a metric")->wait();
-  return t.item<double>() / metrics_pg_->size();
 }
 
 ComputeDtype Trainer::resolve_compute_dtype() {
@@ -495,8 +381,8 @@ ComputeDtype Trainer::resolve_compute_dtype() {
     speeds.shape = fmt::format("{}x{}x{}", shape.m, shape.k, shape.n);
     pg_->barrier();
     speeds.fp32 = static_cast<double>(
-        max_over_ranks(std::llround(measure_matmul_speed(torch::kFloat, shape).step())));
-    speeds.low = static_cast<double>(max_over_ranks(
+        metrics_->max(std::llround(measure_matmul_speed(torch::kFloat, shape).step())));
+    speeds.low = static_cast<double>(metrics_->max(
         std::llround(measure_matmul_speed(dtype_named(candidate_dtype(requested)), shape).step())));
   }
   ComputeDtype choice = choose_compute_dtype(requested, cuda, speeds);
@@ -511,79 +397,13 @@ ComputeDtype Trainer::resolve_compute_dtype() {
   return choice;
 }
 
-int64_t Trainer::max_over_ranks(int64_t v) {
-  auto t = torch::tensor({v}, torch::TensorOptions(torch::kLong).device(device_));
-  fsdp::all_reduce(*metrics_pg_, t, fsdp::ReduceOp::kMax, "max of a metric")->wait();
-  return t.item<int64_t>();
-}
-
-void Trainer::reduce_step_metrics(StepMetrics& m, double loss_sum, double local_tokens) {
-  // One summing all-reduce of a (world, columns) table in which each rank fills only its own
-  // row: after it every rank holds every rank's figures and takes means and maxima locally.
-  // Four separate all-reduces cost ~5 ms per step between steps at batch 1 on 2 cores (each a
-  // round trip, and a point where the faster rank waits). Doubles hold byte counts exactly
-  // below 2^53.
-  enum Col { kLoss, kTokens, kRss, kPeakRss, kPeak, kGradsPeak, kPeakReserved, kCategories };
-  constexpr int kCols = kCategories + fsdp::memory::kNumCategories;
-  // The tracking allocator counts host tensors; on a GPU the peaks are the device's.
-  const bool tracked = device_.is_cpu() && fsdp::memory::tracking_installed();
-  std::vector<double> mine(kCols, 0.0);
-  mine[kLoss] = loss_sum;
-  mine[kTokens] = local_tokens;
-  mine[kRss] = static_cast<double>(fsdp::memory::resident_bytes());
-  mine[kPeakRss] = static_cast<double>(fsdp::memory::peak_resident_bytes());
-  if (tracked) {
-    mine[kPeak] = static_cast<double>(fsdp::memory::peak_bytes());
-    mine[kGradsPeak] =
-        static_cast<double>(fsdp::memory::peak_by_category()[fsdp::memory::Category::kGrads]);
-    const auto parts = fsdp::memory::at_peak_by_category();
-    for (int c = 0; c < fsdp::memory::kNumCategories; ++c)
-      mine[kCategories + c] = static_cast<double>(parts.bytes[c]);
-  } else {
-    mine[kPeak] = static_cast<double>(device_memory_.peak_bytes());
-  }
-  if (device_memory_.peak_reserved_bytes)
-    mine[kPeakReserved] = static_cast<double>(device_memory_.peak_reserved_bytes());
-  const int world = pg_->size();
-  auto table = torch::zeros({world, kCols}, torch::kDouble);
-  table[pg_->rank()].copy_(torch::tensor(mine, torch::kDouble));
-  // The collective runs where the backend needs its tensors (the GPU for NCCL).
-  auto on_device = table.to(device_);
-  fsdp::all_reduce(*metrics_pg_, on_device, fsdp::ReduceOp::kSum, "step metrics")->wait();
-  table = on_device.cpu();
-  const auto col = [&](int c) { return table.select(1, c); };
-  m.loss = col(kLoss).sum().item<double>() / world;
-  if (finetune_)
-    m.tokens = std::llround(col(kTokens).sum().item<double>());
-  m.rss_bytes = static_cast<int64_t>(col(kRss).max().item<double>());
-  m.peak_rss_bytes = static_cast<int64_t>(col(kPeakRss).max().item<double>());
-  // The breakdown of the rank with the highest peak (they sum to its peak).
-  const auto top = col(kPeak).argmax().item<int64_t>();
-  const auto row = table[top];
-  m.peak_bytes = static_cast<int64_t>(row[kPeak].item<double>());
-  if (device_memory_.peak_reserved_bytes)
-    m.peak_reserved_bytes = static_cast<int64_t>(col(kPeakReserved).max().item<double>());
-  if (!tracked)
-    return;
-  using fsdp::memory::Category;
-  auto part = [&](Category c) {
-    return static_cast<int64_t>(row[kCategories + static_cast<int>(c)].item<double>());
-  };
-  m.mem_params_bytes = part(Category::kParams);
-  m.mem_grads_bytes = part(Category::kGrads);
-  m.mem_optimizer_bytes = part(Category::kOptimizer);
-  m.mem_gathered_bytes = part(Category::kGathered);
-  m.mem_activations_bytes = part(Category::kActivations);
-  m.mem_other_bytes = part(Category::kOther);
-  m.grads_peak_bytes = static_cast<int64_t>(col(kGradsPeak).max().item<double>());
-}
-
 double Trainer::evaluate() {
   torch::NoGradGuard no_grad;
   const int64_t loss_chunk = config_.training.loss_chunk;
-  if (finetune_) {  // the mean over every held-out answer token of every rank
+  if (const auto* finetune = data_->finetune()) {
+    // The mean over every held-out answer token of every rank.
     double sum = 0, count = 0;
-    for (const auto& b : finetune_->eval_batches()) {
+    for (const auto& b : finetune->eval_batches()) {
       sum += model_
                  .loss(b.inputs.to(device_), b.labels.to(device_),
                        b.mask.to(device_, torch::kFloat), 1.0, loss_chunk)
@@ -591,17 +411,18 @@ double Trainer::evaluate() {
       count += static_cast<double>(b.targets);
     }
     const double world = pg_->size();
-    return mean_over_ranks(sum) * world / std::max(1.0, mean_over_ranks(count) * world);
+    return metrics_->mean(sum) * world / std::max(1.0, metrics_->mean(count) * world);
   }
   double total = 0;
-  for (const auto& batch : eval_set_) {
+  const auto& eval_set = data_->eval_set();
+  for (const auto& batch : eval_set) {
     const auto t = batch.size(1) - 1;
     total += model_
                  .loss(batch.narrow(1, 0, t), batch.narrow(1, 1, t), {},
                        static_cast<double>(batch.size(0) * t), loss_chunk)
                  .item<double>();
   }
-  return mean_over_ranks(total / static_cast<double>(eval_set_.size()));
+  return metrics_->mean(total / static_cast<double>(eval_set.size()));
 }
 
 namespace {
@@ -634,46 +455,43 @@ MeasuredTime Trainer::time_by_blocks(const std::string& model_file) {
   // the two sizes give (3 rather than 2: the noise of the difference is multiplied by the blocks
   // it is extrapolated to).
   const auto& t = config_.training;
+  const FinetuneData* finetune = data_->finetune();
   const std::array<int64_t, 2> sizes{1, std::min<int64_t>(3, std::max<int64_t>(2, model_.n_layer))};
   std::array<MeasuredTime, 2> at;
   for (size_t k = 0; k < sizes.size(); ++k) {
     Config small = config_;
     small.model.n_layer = sizes[k];
-    TrainModel model = finetune_
+    TrainModel model = finetune
                            ? build_finetune_model(config_, model_file, *units_, device_, sizes[k])
-                           : build_model(small, data_.vocab_size, *units_, device_);
-    std::vector<torch::Tensor> decay, no_decay, params;
-    for (const auto& p : model.module->parameters()) {
-      if (!p.requires_grad())
-        continue;
-      params.push_back(p);
-      (p.dim() >= 2 ? decay : no_decay).push_back(p);
-    }
-    auto optimizer = make_optimizer(small, decay, no_decay);
+                           : build_model(small, data_->prepared().vocab_size, *units_, device_);
+    // Steps without loss scaling, and from no previous norm.
+    Optimizers optimizers(small, *model.module, pg_);
     fsdp::StepProfiler profiler(model.module);
     constexpr int kWarmup = 2, kTimed = 4;
     std::vector<fsdp::StepBreakdown> runs;
     for (int step = 0; step < kWarmup + kTimed; ++step) {
       // Random tokens of the job's batch shape; for conversations, a typical padded length and
       // ids below 256 (byte tokens, in every vocabulary).
-      torch::Tensor batch;
-      InstructBatch conversations;
+      Batch batch;
       const auto ids = torch::TensorOptions().dtype(torch::kLong);
-      if (finetune_) {
-        const int64_t length = finetune_->typical_batch_input(t.batch_size);
-        conversations.inputs = torch::randint(256, {t.batch_size, length}, ids);
-        conversations.labels = torch::randint(256, {t.batch_size, length}, ids);
-        conversations.mask = torch::ones({t.batch_size, length});
-        conversations.targets = t.batch_size * length;
+      if (finetune) {
+        const int64_t length = finetune->typical_batch_input(t.batch_size);
+        auto& c = batch.conversations;
+        c.inputs = torch::randint(256, {t.batch_size, length}, ids);
+        c.labels = torch::randint(256, {t.batch_size, length}, ids);
+        c.mask = torch::ones({t.batch_size, length});
+        c.targets = t.batch_size * length;
       } else {
-        batch = torch::randint(data_.vocab_size, {t.batch_size, t.seq_len + 1}, ids).to(device_);
+        batch.tokens =
+            torch::randint(data_->prepared().vocab_size, {t.batch_size, t.seq_len + 1}, ids)
+                .to(device_);
       }
       StepMetrics unused;
-      double previous_norm = std::numeric_limits<double>::quiet_NaN();
       pg_->barrier();
       profiler.begin_step();
-      run_step(StepParts{model, *optimizer, params, profiler, nullptr, previous_norm}, batch,
-               conversations, unused);
+      run_step(StepParts{model, optimizers.optimizer(), optimizers.params(), profiler, nullptr,
+                         optimizers.previous_grad_norm()},
+               batch, unused);
       const auto b = profiler.end_step();
       if (step >= kWarmup)
         runs.push_back(b);
@@ -696,8 +514,67 @@ MeasuredTime Trainer::time_by_blocks(const std::string& model_file) {
   return out;
 }
 
-double Trainer::run_step(const StepParts& parts, const torch::Tensor& batch,
-                         const InstructBatch& conversations, StepMetrics& m) {
+torch::Tensor Trainer::micro_batch_loss(TrainModel& model, const Batch& batch, int64_t i) {
+  // Gradient accumulation: micro-batch losses are scaled so that their sum is the batch mean
+  // (for conversations: the mean over the batch's answer tokens).
+  const auto& t = config_.training;
+  const int64_t micro = t.micro_batches, rows = t.batch_size / micro;
+  if (data_->finetune()) {
+    const auto& conversations = batch.conversations;
+    auto inputs = conversations.inputs.narrow(0, i * rows, rows).to(device_);
+    auto labels = conversations.labels.narrow(0, i * rows, rows).to(device_);
+    auto mask = conversations.mask.narrow(0, i * rows, rows).to(device_);
+    const double answers = static_cast<double>(std::max<int64_t>(1, conversations.targets));
+    return model.loss(inputs, labels, mask.to(torch::kFloat), answers, t.loss_chunk);
+  }
+  // cross_entropy's mean over the micro-batch's positions, divided by the micro-batches.
+  auto mb = batch.tokens.narrow(0, i * rows, rows);
+  return model.loss(mb.narrow(1, 0, t.seq_len), mb.narrow(1, 1, t.seq_len), {},
+                    static_cast<double>(rows * t.seq_len * micro), t.loss_chunk);
+}
+
+void Trainer::optimizer_phase(const StepParts& parts, UpdateInBackward* in_backward,
+                              const PreviousNormClip& clip, StepMetrics& m) {
+  const auto& t = config_.training;
+  const bool previous_clip = clip.max_norm > 0;
+  auto scope = parts.profiler.optimizer();
+  fsdp::trace::Span span("optimizer_phase", "optimizer phase");
+  fsdp::memory::CategoryScope optimizer_state(fsdp::memory::Category::kOptimizer);
+  static const int optimizer_moment = fsdp::memory::moment_id("optimizer");
+  fsdp::memory::set_moment(optimizer_moment);
+  // With loss scaling the grads are unscaled before clipping, and a step whose grads
+  // overflowed on any rank is skipped on every rank.
+  if (in_backward) {
+    // The units have stepped; only the norm of the gradients they saw is left to reduce.
+    in_backward->arm(false);
+    if (previous_clip)
+      m.grad_norm = in_backward->norm();
+  } else {
+    if (parts.scaler)
+      parts.scaler->unscale_(parts.optimizer);
+    if (t.grad_clip > 0 && !previous_clip)
+      m.grad_norm = fsdp::clip_grad_norm_(parts.params, t.grad_clip, *pg_);
+    if (previous_clip) {
+      fsdp::GradNormSum norm(*pg_);
+      norm.add(parts.params);
+      m.grad_norm = norm.reduce();
+      if (clip.factor() != 1.0)
+        scale_grads(parts.params, clip.factor());
+    }
+    if (parts.scaler) {
+      m.loss_scale = parts.scaler->get_scale();  // the scale this step's loss was multiplied by
+      parts.scaler->step(parts.optimizer);
+      parts.scaler->update();
+      m.skipped_steps = parts.scaler->skipped_steps();
+    } else {
+      parts.optimizer.step();
+    }
+  }
+  if (previous_clip)
+    parts.previous_grad_norm = *m.grad_norm;
+}
+
+double Trainer::run_step(const StepParts& parts, const Batch& batch, StepMetrics& m) {
   const auto& t = config_.training;
   parts.optimizer.zero_grad();
   const bool previous_clip = t.grad_clip > 0 && t.grad_clip_mode == "previous_step";
@@ -709,9 +586,7 @@ double Trainer::run_step(const StepParts& parts, const torch::Tensor& batch,
     in_backward.emplace(*parts.model.module, dynamic_cast<fsdp::FusedOptimizer&>(parts.optimizer),
                         *pg_, clip.factor(), previous_clip);
   }
-  // Gradient accumulation: micro-batch losses are scaled so that their sum is the batch mean
-  // (for conversations: the mean over the batch's answer tokens).
-  const int64_t micro = t.micro_batches, rows = t.batch_size / micro;
+  const int64_t micro = t.micro_batches;
   double loss_sum = 0;
   for (int64_t i = 0; i < micro; ++i) {
     if (micro > 1 && !config_.fsdp.sync_every_micro_batch) {
@@ -724,18 +599,7 @@ double Trainer::run_step(const StepParts& parts, const torch::Tensor& batch,
     {
       auto scope = parts.profiler.forward();
       fsdp::trace::Span span("forward_pass", "forward pass");
-      if (finetune_) {
-        auto inputs = conversations.inputs.narrow(0, i * rows, rows).to(device_);
-        auto labels = conversations.labels.narrow(0, i * rows, rows).to(device_);
-        auto mask = conversations.mask.narrow(0, i * rows, rows).to(device_);
-        const double answers = static_cast<double>(std::max<int64_t>(1, conversations.targets));
-        loss = parts.model.loss(inputs, labels, mask.to(torch::kFloat), answers, t.loss_chunk);
-      } else {
-        // cross_entropy's mean over the micro-batch's positions, divided by the micro-batches.
-        auto mb = batch.narrow(0, i * rows, rows);
-        loss = parts.model.loss(mb.narrow(1, 0, t.seq_len), mb.narrow(1, 1, t.seq_len), {},
-                                static_cast<double>(rows * t.seq_len * micro), t.loss_chunk);
-      }
+      loss = micro_batch_loss(parts.model, batch, i);
     }
     {
       auto scope = parts.profiler.backward();
@@ -746,68 +610,26 @@ double Trainer::run_step(const StepParts& parts, const torch::Tensor& batch,
     }
     loss_sum += loss.item<double>();
   }
-  {
-    auto scope = parts.profiler.optimizer();
-    fsdp::trace::Span span("optimizer_phase", "optimizer phase");
-    fsdp::memory::CategoryScope optimizer_state(fsdp::memory::Category::kOptimizer);
-    static const int optimizer_moment = fsdp::memory::moment_id("optimizer");
-    fsdp::memory::set_moment(optimizer_moment);
-    // With loss scaling the grads are unscaled before clipping, and a step whose grads
-    // overflowed on any rank is skipped on every rank.
-    if (in_backward) {
-      // The units have stepped; only the norm of the gradients they saw is left to reduce.
-      in_backward->arm(false);
-      if (previous_clip)
-        m.grad_norm = in_backward->norm();
-    } else {
-      if (parts.scaler)
-        parts.scaler->unscale_(parts.optimizer);
-      if (t.grad_clip > 0 && !previous_clip)
-        m.grad_norm = fsdp::clip_grad_norm_(parts.params, t.grad_clip, *pg_);
-      if (previous_clip) {
-        fsdp::GradNormSum norm(*pg_);
-        norm.add(parts.params);
-        m.grad_norm = norm.reduce();
-        if (clip.factor() != 1.0)
-          scale_grads(parts.params, clip.factor());
-      }
-      if (parts.scaler) {
-        m.loss_scale = parts.scaler->get_scale();  // the scale this step's loss was multiplied by
-        parts.scaler->step(parts.optimizer);
-        parts.scaler->update();
-        m.skipped_steps = parts.scaler->skipped_steps();
-      } else {
-        parts.optimizer.step();
-      }
-    }
-    if (previous_clip)
-      parts.previous_grad_norm = *m.grad_norm;
-  }
+  optimizer_phase(parts, in_backward ? &*in_backward : nullptr, clip, m);
   return loss_sum;
 }
 
 StepMetrics Trainer::train_step(int64_t step) {
-  const auto& t = config_.training;
   StepMetrics m;
   m.step = step;
-  m.lr = learning_rate(step);
-  for (auto& group : optimizer_->param_groups())
-    group.options().set_lr(m.lr);
-  device_memory_.reset_peak();
+  m.lr = optimizers_->set_lr(step);
+  metrics_->reset_peak();
   profiler_->begin_step();
 
-  torch::Tensor batch;
-  InstructBatch conversations;
+  Batch batch;
   {
     fsdp::trace::Span span("data", "data");
-    if (finetune_)
-      conversations = finetune_->sampler().next();
-    else
-      batch = sampler_->next().to(device_);
+    batch = data_->next();
   }
+  auto& o = *optimizers_;
   const double loss_sum = run_step(
-      StepParts{model_, *optimizer_, params_, *profiler_, scaler_.get(), previous_grad_norm_},
-      batch, conversations, m);
+      StepParts{model_, o.optimizer(), o.params(), *profiler_, o.scaler(), o.previous_grad_norm()},
+      batch, m);
   // A step ends when the device is done with it: CUDA runs behind the host, and without this
   // the optimizer's kernels would finish inside the metrics' all-reduce, outside the step time.
   if (device_.is_cuda())
@@ -826,40 +648,22 @@ StepMetrics Trainer::train_step(int64_t step) {
   m.time_allgather_wait_forward_s = b.all_gather_wait_forward_s;
   m.time_reducescatter_wait_s = b.reduce_wait_s;
   m.time_optimizer_s = b.optimizer_s;
-  if (auto* fused = dynamic_cast<fsdp::FusedOptimizer*>(optimizer_.get());
-      fused && !fused->state_in_memory()) {
-    const auto& o = fused->last_step();
-    m.offload_read_bytes = o.bytes_read;
-    m.offload_written_bytes = o.bytes_written;
-    m.time_offload_wait_s = o.io_wait_seconds;
-  }
+  o.record_offload(m);
   m.allgather_bytes = b.comm.all_gather.bytes;
   m.reducescatter_bytes = b.comm.reduce_scatter.bytes;
   m.allreduce_bytes = b.comm.all_reduce.bytes;
   // This rank's own measurements, for the planner's comparison: steady steps only (the first
   // one creates the optimizer state, which the prediction already counts).
   if (plan_check_ && step > start_step_ + 1)
-    plan_check_->record_step(finetune_ ? conversations.inputs.size(1) : t.seq_len, b);
+    plan_check_->record_step(data_->length_of(batch), b);
   fsdp::trace::Span span("metrics", "metrics");
-  reduce_step_metrics(m, loss_sum,
-                      finetune_ ? static_cast<double>(conversations.inputs.numel()) : 0.0);
-  if (!finetune_)
-    m.tokens = t.batch_size * t.seq_len * pg_->size();
-  m.tokens_per_second = m.tokens / m.step_time_s;
-  m.mfu = model_flops_utilization(flops_per_token_, m.tokens_per_second,
-                                  peak_flops_per_rank_ * pg_->size());
-  return m;
-}
-
-SamplerState Trainer::sampler_state() const {
-  return finetune_ ? finetune_->sampler().state() : sampler_->state();
-}
-
-void Trainer::load_sampler_state(const SamplerState& state) {
-  if (finetune_)
-    finetune_->sampler().load_state(state);
+  std::optional<double> local_tokens;
+  if (data_->finetune())  // batches padded to their own longest conversation: counted
+    local_tokens = static_cast<double>(data_->tokens_in(batch));
   else
-    sampler_->load_state(state);
+    m.tokens = data_->tokens_in(batch) * pg_->size();
+  metrics_->reduce(m, loss_sum, local_tokens);
+  return m;
 }
 
 void Trainer::write_trace(std::pair<int64_t, int64_t> steps) {
@@ -875,21 +679,20 @@ void Trainer::write_trace(std::pair<int64_t, int64_t> steps) {
     std::fprintf(stderr, "fsdp-train: warning: no trace written: %s\n", e.what());
     return;
   }
-  if (progress_) {
-    progress_->message(fmt::format("trace of step{} {}: {}/rank*.json (ui.perfetto.dev)",
-                                   steps.first == steps.second ? "" : "s",
-                                   config_.logging.trace_steps, dir.string()));
-  }
+  metrics_->message(fmt::format("trace of step{} {}: {}/rank*.json (ui.perfetto.dev)",
+                                steps.first == steps.second ? "" : "s", config_.logging.trace_steps,
+                                dir.string()));
 }
 
 void Trainer::train() {
   const auto& t = config_.training;
   std::vector<std::string> answers_before;
-  if (finetune_)
+  if (data_->finetune())
     answers_before = answer_questions();
   const double initial_eval = evaluate();
-  if (progress_)
-    progress_->message(fmt::format("step {}: held-out loss {:.4f}", start_step_, initial_eval));
+  metrics_->message(fmt::format("step {}: held-out loss {:.4f}", start_step_, initial_eval));
+  int64_t steps_run = 0;
+  std::optional<double> last_eval_loss;
   const auto start = Clock::now();
   const int64_t every = config_.checkpoint.every;
   const auto traced = trace_step_range(config_);
@@ -910,23 +713,19 @@ void Trainer::train() {
       fsdp::trace::Span span("eval", "evaluation");
       m.eval_loss = evaluate();
     }
-    ++steps_run_;
+    ++steps_run;
     if (m.eval_loss)
-      last_eval_loss_ = m.eval_loss;
+      last_eval_loss = m.eval_loss;
     // The step is logged before the checkpoint that contains it: a job killed after the
     // checkpoint resumes after this step and must find its metrics line written.
     if (pg_->rank() == 0) {
       fsdp::trace::Span span("metrics", "metrics log");
-      metrics_->append(m);
-      if (tensorboard_)
-        tensorboard_->write_scalars(m.step, tensorboard_scalars(m));
       const double elapsed = seconds_since(start);
-      progress_->update({step, m.loss, m.tokens_per_second, m.mfu, m.peak_bytes,
-                         elapsed / static_cast<double>(step - start_step_) *
-                             static_cast<double>(t.steps - step)});
+      metrics_->log(m, elapsed / static_cast<double>(step - start_step_) *
+                           static_cast<double>(t.steps - step));
       if (eval_now) {
-        progress_->message(fmt::format("step {}: held-out loss {:.4f} (train {:.4f})", step,
-                                       *m.eval_loss, m.loss));
+        metrics_->message(fmt::format("step {}: held-out loss {:.4f} (train {:.4f})", step,
+                                      *m.eval_loss, m.loss));
       }
     }
     // Kineto's name for a step, which Holistic Trace Analysis looks for.
@@ -943,22 +742,22 @@ void Trainer::train() {
       plan_check_->measured().steps > 0) {
     std::string json;
     for (const auto& line : plan_check_->compare(&json))
-      progress_->message(line);
+      metrics_->message(line);
     fsdp::write_file_atomic((std::filesystem::path(config_.logging.run_dir) / "plan.json").string(),
                             json);
   }
   if (config_.checkpoint.export_hf)
     export_hf(export_dir(config_), /*replace=*/true);
-  if (finetune_)
+  if (data_->finetune())
     write_finetune_outputs(answers_before, answer_questions());
   if (pg_->rank() == 0) {
-    progress_->finish();
-    if (steps_run_ == 0) {
+    metrics_->finish();
+    if (steps_run == 0) {
       std::printf("nothing to train: the checkpoint is at step %lld of %lld\n",
                   static_cast<long long>(start_step_), static_cast<long long>(t.steps));
       return;
     }
-    std::printf("held-out loss: %.4f -> %.4f\n", initial_eval, *last_eval_loss_);
+    std::printf("held-out loss: %.4f -> %.4f\n", initial_eval, *last_eval_loss);
     write_outputs();
   }
 }
@@ -1045,28 +844,20 @@ void Trainer::save_checkpoint(int64_t step) {
   if (rank == 0)
     move_aside(dir);
   pg_->barrier();
-  const auto sampler = sampler_state();
+  const auto sampler = data_->state();
   std::map<std::string, std::string> meta = {{"step", std::to_string(step)},
                                              {"world_size", std::to_string(pg_->size())},
                                              {"sampler.epoch", std::to_string(sampler.epoch)},
                                              {"sampler.position", std::to_string(sampler.position)},
                                              {"sampler.seed", std::to_string(sampler.seed)},
                                              {"config", to_toml(config_)}};
-  if (scaler_) {
-    const auto st = scaler_->state();
-    meta["scaler.scale"] = fmt::format("{:.17g}", st.scale);
-    meta["scaler.growth_tracker"] = std::to_string(st.growth_tracker);
-    meta["scaler.skipped_steps"] = std::to_string(st.skipped_steps);
-  }
-  // training.grad_clip_mode = previous_step clips the next step by it.
-  if (std::isfinite(previous_grad_norm_))
-    meta["clip.previous_norm"] = fmt::format("{:.17g}", previous_grad_norm_);
+  optimizers_->save_meta(meta);
   if (rank == 0) {
     for (int r = 0; r < pg_->size(); ++r)
       meta["rng." + std::to_string(r)] = rngs[static_cast<size_t>(r)];
   }
   const auto save_start = Clock::now();
-  fsdp::save_sharded(dir.string(), *model_.module, optimizer_.get(), *pg_, meta);
+  fsdp::save_sharded(dir.string(), *model_.module, &optimizers_->optimizer(), *pg_, meta);
   const double save_seconds = seconds_since(save_start);
   if (rank != 0)
     return;
@@ -1081,8 +872,7 @@ void Trainer::save_checkpoint(int64_t step) {
   for (auto& p : complete_checkpoints(root)) {
     if (p.filename().string() > dir.filename().string()) {
       fs::remove_all(p);
-      if (progress_)
-        progress_->message("removed " + p.string() + ", a checkpoint of the run this one replaced");
+      metrics_->message("removed " + p.string() + ", a checkpoint of the run this one replaced");
     } else {
       done.push_back(std::move(p));
     }
@@ -1090,11 +880,9 @@ void Trainer::save_checkpoint(int64_t step) {
   const auto keep = static_cast<size_t>(config_.checkpoint.keep);
   for (size_t i = 0; i + keep < done.size(); ++i)
     fs::remove_all(done[i]);
-  if (progress_) {
-    progress_->message(fmt::format("step {}: checkpoint {} ({:.1f} MB in {:.2f} s, {:.0f} MB/s)",
-                                   step, dir.string(), bytes / 1e6, save_seconds,
-                                   bytes / 1e6 / std::max(save_seconds, 1e-9)));
-  }
+  metrics_->message(fmt::format("step {}: checkpoint {} ({:.1f} MB in {:.2f} s, {:.0f} MB/s)", step,
+                                dir.string(), bytes / 1e6, save_seconds,
+                                bytes / 1e6 / std::max(save_seconds, 1e-9)));
 }
 
 int64_t Trainer::resume_from_checkpoint() {
@@ -1109,25 +897,21 @@ int64_t Trainer::resume_from_checkpoint() {
                                checkpoint_dir(config_));
     dir = *latest;
   }
-  const CheckpointMeta meta(fsdp::load_sharded(dir.string(), *model_.module, optimizer_.get()),
-                            (dir / "index.json").string());
+  const CheckpointMeta meta(
+      fsdp::load_sharded(dir.string(), *model_.module, &optimizers_->optimizer()),
+      (dir / "index.json").string());
   const int64_t step = meta.count("step");
   const int64_t saved_world = meta.count("world_size");
   meta.check_random_states(saved_world);
   try {
-    load_sampler_state({meta.count("sampler.epoch"), meta.count("sampler.position"),
-                        static_cast<uint64_t>(meta.count("sampler.seed"))});
+    data_->load_state({meta.count("sampler.epoch"), meta.count("sampler.position"),
+                       static_cast<uint64_t>(meta.count("sampler.seed"))});
   } catch (const fsdp::safetensors::FormatError&) {
     throw;
   } catch (const std::exception& e) {
     throw meta.bad("sampler.*", std::string("does not fit this run: ") + e.what());
   }
-  if (scaler_ && meta.has("scaler.scale")) {
-    scaler_->load_state({*meta.positive("scaler.scale"), meta.count("scaler.growth_tracker"),
-                         meta.count("scaler.skipped_steps")});
-  }
-  if (const auto norm = meta.non_negative("clip.previous_norm"))
-    previous_grad_norm_ = *norm;
+  optimizers_->load_meta(meta);
   // Ranks that existed when it was saved get their random state back; others keep theirs.
   if (const auto rng = meta.rng_state(pg_->rank())) {
     const std::string key = "rng." + std::to_string(pg_->rank());
@@ -1177,7 +961,7 @@ void Trainer::export_hf(const std::string& dir, bool replace) {
   fsdp_models::ExportOptions options;
   options.dtype = dtype_named(config_.checkpoint.export_dtype);
   options.shard_bytes = std::llround(config_.checkpoint.export_shard_mb * (1 << 20));
-  options.files = export_files_;  // fine-tuning: none here, the model adds its own
+  options.files = data_->export_files();  // fine-tuning: none here, the model adds its own
   model_.save_hf(dir, *pg_, options);
   const double seconds = seconds_since(start);
   if (pg_->rank() != 0)
@@ -1189,8 +973,8 @@ void Trainer::export_hf(const std::string& dir, bool replace) {
       bytes += e.file_size();
   const auto text = fmt::format("Hugging Face directory {} ({:.1f} MB in {:.2f} s, {:.0f} MB/s)",
                                 dir, bytes / 1e6, seconds, bytes / 1e6 / std::max(seconds, 1e-9));
-  if (progress_)
-    progress_->message(text);
+  if (metrics_->has_outputs())
+    metrics_->message(text);
   else
     std::printf("%s\n", text.c_str());
 }
@@ -1198,7 +982,7 @@ void Trainer::export_hf(const std::string& dir, bool replace) {
 void Trainer::write_outputs() {
   const std::filesystem::path dir(config_.logging.run_dir);
   // This run's steps, as logged (a resumed run's file also holds the steps before it).
-  std::vector<StepMetrics> history = read_metrics(metrics_->path());
+  std::vector<StepMetrics> history = read_metrics(metrics_->metrics_path());
   std::erase_if(history, [&](const StepMetrics& s) { return s.step <= start_step_; });
   const std::string table = breakdown_table(history);
   std::printf("\n%s\n", table.c_str());
@@ -1208,11 +992,13 @@ void Trainer::write_outputs() {
                fmt::format("fsdp-train: {} on {} rank(s)", model_.description, pg_->size()));
   }
   std::printf("run directory: %s (metrics.jsonl, breakdown.txt%s%s, config.toml)\n", dir.c_str(),
-              config_.logging.plot ? ", plot.png" : "", tensorboard_ ? ", tensorboard/" : "");
+              config_.logging.plot ? ", plot.png" : "",
+              metrics_->writes_tensorboard() ? ", tensorboard/" : "");
 }
 
 std::vector<std::string> Trainer::answer_questions() {
-  const auto questions = finetune_->questions(config_.finetune.samples);
+  const auto& finetune = *data_->finetune();
+  const auto questions = finetune.questions(config_.finetune.samples);
   std::vector<std::string> answers;
   if (questions.empty())
     return answers;
@@ -1220,7 +1006,7 @@ std::vector<std::string> Trainer::answer_questions() {
   // Greedy, so every rank computes the same tokens and runs the same forwards; gathered once
   // for all of them (the model is small next to what training holds).
   fsdp::UnshardGuard gathered(*model_.module);
-  const auto& tok = finetune_->tokenizer();
+  const auto& tok = finetune.tokenizer();
   for (const auto& [prompt, reference] : questions) {
     std::vector<int64_t> ids = prompt, answer;
     for (int64_t i = 0; i < config_.finetune.answer_tokens; ++i) {
@@ -1228,7 +1014,7 @@ std::vector<std::string> Trainer::answer_questions() {
       auto input = torch::tensor(std::vector<int64_t>(ids.end() - n, ids.end())).unsqueeze(0);
       const int64_t next =
           model_.forward(input.to(device_)).select(1, n - 1).squeeze(0).argmax().item<int64_t>();
-      if (next == finetune_->end_of_turn_id() || next == tok.eos_id())
+      if (next == finetune.end_of_turn_id() || next == tok.eos_id())
         break;
       ids.push_back(next);
       answer.push_back(next);
@@ -1252,19 +1038,20 @@ void Trainer::write_finetune_outputs(const std::vector<std::string>& before,
     model_.save_adapter(adapter, *pg_);
     if (pg_->rank() == 0) {
       fs::remove_all(aside_path(adapter));
-      progress_->message("LoRA adapter in PEFT's layout: " + adapter);
+      metrics_->message("LoRA adapter in PEFT's layout: " + adapter);
     }
   }
   if (f.export_merged)
     export_hf((dir / "merged").string(), /*replace=*/true);
   if (pg_->rank() != 0 || before.empty())
     return;
-  const auto questions = finetune_->questions(f.samples);
+  const auto& finetune = *data_->finetune();
+  const auto questions = finetune.questions(f.samples);
   std::string text;
   for (size_t i = 0; i < questions.size() && i < before.size() && i < after.size(); ++i) {
     // The question is the prompt's last user turn.
-    const auto prompt = finetune_->tokenizer().decode(questions[i].first);
-    const auto question = finetune_->chat_template().last_user_message(prompt);
+    const auto prompt = finetune.tokenizer().decode(questions[i].first);
+    const auto question = finetune.chat_template().last_user_message(prompt);
     text += fmt::format("Q: {}\n   reference: {}\n   before:    {}\n   after:     {}\n\n", question,
                         questions[i].second, before[i], after[i]);
   }
@@ -1286,9 +1073,10 @@ std::string Trainer::generate() {
     gathered.emplace(*model_.module);
   auto gen =
       at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config_.training.seed) + 1);
-  std::vector<int> ids = tokenizer_.encode(g.prompt);
+  const Tokenizer& tokenizer = data_->tokenizer();
+  std::vector<int> ids = tokenizer.encode(g.prompt);
   if (ids.empty())
-    ids.push_back(tokenizer_.bos_id() >= 0 ? tokenizer_.bos_id() : 0);
+    ids.push_back(tokenizer.bos_id() >= 0 ? tokenizer.bos_id() : 0);
   const size_t prompt_len = ids.size();
   const int64_t ctx = config_.training.seq_len;
   for (int64_t i = 0; i < g.tokens; ++i) {
@@ -1305,7 +1093,7 @@ std::string Trainer::generate() {
     ids.push_back(static_cast<int>(probs.multinomial(1, false, gen).item<int64_t>()));
   }
   // Shown and written as transformers shows it (the sample may end inside a character).
-  const std::string text = tokenizer_.decode_for_display(std::vector<int>(ids.begin(), ids.end()));
+  const std::string text = tokenizer.decode_for_display(std::vector<int>(ids.begin(), ids.end()));
   if (pg_->rank() == 0) {
     if (purpose_ == Purpose::kTrain)
       fsdp::write_file_atomic(
