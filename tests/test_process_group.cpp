@@ -404,6 +404,7 @@ void expect_no_hang(const std::vector<int>& absent,
   opts.env = std::move(env);
   opts.env.emplace_back("FSDP_TEST_PG_TIMEOUT_MS", std::to_string(kTimeoutMs));
   opts.timeout = 60s;
+  opts.fork_ranks = false;  // 3 s timeouts (RunOptions::fork_ranks)
   auto result = fsdp::test::run_workers("pg_join", 3, opts);
   EXPECT_FALSE(result.timed_out) << result.describe();
   EXPECT_LT(result.seconds, 20.0) << result.describe();
@@ -493,6 +494,7 @@ FSDP_WORKER(pg_lost_peer) {
 TEST(ProcessGroup, DeadPeerMakesTheCollectiveFail) {
   fsdp::test::RunOptions opts;
   opts.env = {{"FSDP_TEST_PEER", "die"}, {"FSDP_TEST_PG_TIMEOUT_MS", "3000"}};
+  opts.fork_ranks = false;
   auto result = fsdp::test::run_workers("pg_lost_peer", 3, opts);
   EXPECT_FALSE(result.timed_out) << result.describe();
   EXPECT_EQ(result.exit_codes[0], 0) << result.describe();
@@ -506,6 +508,7 @@ TEST(ProcessGroup, DeadPeerMakesTheCollectiveFail) {
 TEST(ProcessGroup, PeerThatExitedMakesTheCollectiveFail) {
   fsdp::test::RunOptions opts;
   opts.env = {{"FSDP_TEST_PEER", "exit"}, {"FSDP_TEST_PG_TIMEOUT_MS", "3000"}};
+  opts.fork_ranks = false;
   auto result = fsdp::test::run_workers("pg_lost_peer", 3, opts);
   EXPECT_WORKERS_OK(result);
   EXPECT_LT(result.seconds, 20.0);
@@ -515,6 +518,7 @@ TEST(ProcessGroup, PeerThatExitedMakesTheCollectiveFail) {
 TEST(ProcessGroup, SilentPeerMakesTheCollectiveTimeOut) {
   fsdp::test::RunOptions opts;
   opts.env = {{"FSDP_TEST_PEER", "silent"}, {"FSDP_TEST_PG_TIMEOUT_MS", "2000"}};
+  opts.fork_ranks = false;
   auto result = fsdp::test::run_workers("pg_lost_peer", 3, opts);
   EXPECT_WORKERS_OK(result);
   EXPECT_LT(result.seconds, 20.0);
@@ -648,7 +652,8 @@ TEST(LocalLaunch, ForksTheRanksWhereSingleThreadedAndExecutesThemOtherwise) {
   other.join();
   ::unsetenv("FSDP_TEST_SET_BEFORE_LAUNCH");
   EXPECT_FALSE(executed.forked);
-  EXPECT_FALSE(fsdp::test::run_workers("harness_how_started", 2).forked);  // not asked to
+  EXPECT_FALSE(  // asked not to
+      fsdp::test::run_workers("harness_how_started", 2, fsdp::test::executed({})).forked);
   for (const auto* run : {&forked, &executed}) {
     const char* how = run == &forked ? "forked" : "executed";
     for (int r = 0; r < 2; ++r) {

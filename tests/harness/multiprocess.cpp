@@ -1,9 +1,9 @@
 // The launcher side (run_workers) and the worker side (worker_main) of the multi-process tests.
 //
 // The ranks are started, bounded and reaped by the library's local launcher
-// (fsdp/distributed/local_launch.h, as fsdp-train --nproc): /proc/self/exe posix_spawn()ed
-// (or, with RunOptions::fork_ranks, forks of the test binary running the worker where it has no
-// other thread), each in its own process group so that a kill reaches anything it started, each
+// (fsdp/distributed/local_launch.h, as fsdp-train --nproc): forks of the test binary running the
+// worker where it has no other thread (RunOptions::fork_ranks), else /proc/self/exe
+// posix_spawn()ed, each in its own process group so that a kill reaches anything it started, each
 // dying with the test binary (die_with_launcher), so that no rank outlives a crashed or killed test
 // binary.
 #include "harness/multiprocess.h"

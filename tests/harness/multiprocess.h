@@ -1,12 +1,13 @@
 // Multi-process tests: N ranks run as separate processes of the test binary itself.
 //
 // A test registers a worker with FSDP_WORKER(name) { ... } and runs it with run_workers(name,
-// N). The parent hosts the rendezvous store the way torchrun's agent does and re-executes
-// /proc/self/exe once per rank with torchrun's variables plus FSDP_TEST_WORKER=name;
-// harness/main.cpp sees that variable and runs the worker instead of GoogleTest. Separate
-// processes (not threads, not fork without exec) because LibTorch's thread pools do not survive
-// fork and because a real job's failure modes (a rank that dies, a rank that never starts) can
-// only be reproduced with real processes.
+// N). The parent hosts the rendezvous store the way torchrun's agent does and starts one process
+// per rank with torchrun's variables plus FSDP_TEST_WORKER=name: a fork of the test process
+// where it has no thread but its own (a fork of a process with threads could copy a lock one of
+// them holds, and LibTorch's thread pools do not survive it), else /proc/self/exe executed anew,
+// where harness/main.cpp sees that variable and runs the worker instead of GoogleTest. Separate
+// processes (not threads) because a real job's failure modes (a rank that dies, a rank that
+// never starts) can only be reproduced with real processes.
 //
 //   FSDP_WORKER(my_worker) {
 //     auto pg = fsdp::init_process_group();
@@ -55,12 +56,19 @@ struct RunOptions {
   /// Ranks not to launch (their exit code is kNotLaunched): the others see a missing rank.
   std::vector<int> absent_ranks;
   /// Fork the ranks from this process where it has no other thread, as fsdp-train --nproc does
-  /// (fsdp/distributed/local_launch.h), instead of executing the binary anew. Off by default:
-  /// with every test's ranks forked, a rank's second connection to the store (its progress
-  /// reporter's) now and then took longer than the 2.5-3 s timeouts of the tests of failures,
+  /// (fsdp/distributed/local_launch.h), instead of executing the binary anew (0.25 s of CPU per
+  /// rank saved: LibTorch is not loaded again). The tests of failures whose process groups time
+  /// out after 2-3 s execute their ranks instead (`executed()`): forked, a rank's second
+  /// connection to the store (its progress reporter's) now and then took longer than that
   /// under the full suite's load (2 of 8 runs of the suite; not reproduced alone).
-  bool fork_ranks = false;
+  bool fork_ranks = true;
 };
+
+/// `o` with its ranks executed anew rather than forked (RunOptions::fork_ranks).
+inline RunOptions executed(RunOptions o) {
+  o.fork_ranks = false;
+  return o;
+}
 
 /// RunOptions with these environment variables (and the default timeout).
 inline RunOptions with_env(std::vector<std::pair<std::string, std::string>> vars) {
