@@ -17,6 +17,7 @@
 #include <fsdp/checkpoint/safetensors.h>
 #include <fsdp/core/durable_file.h>
 #include <fsdp/core/file.h>
+#include <fsdp/core/json_depth.h>
 #include <fsdp/distributed/process_group.h>
 #include <fsdp/state_dict.h>
 
@@ -120,6 +121,8 @@ void require_architecture(const Json& j, const std::string& model_type, const ch
 }
 
 Json parse_config(const std::string& text, const std::string& where) {
+  if (const auto deep = fsdp::json_too_deep(text); !deep.empty())
+    throw FormatError(where + ": " + deep);
   try {
     auto j = Json::parse(text);
     if (!j.is_object())

@@ -11,6 +11,7 @@
 
 #include <fsdp/checkpoint/safetensors.h>
 #include <fsdp/core/file.h>
+#include <fsdp/core/json_depth.h>
 
 namespace fsdp::detail {
 namespace {
@@ -83,6 +84,8 @@ std::string index_checksum(std::string_view compact_json) {
 
 Index parse_index_text(std::string_view text, const std::string& name) {
   const std::string where = name + ": ";
+  if (const auto deep = json_too_deep(text); !deep.empty())
+    throw FormatError(where + deep);
   Json j;
   try {
     j = Json::parse(text);

@@ -6,6 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <fsdp/core/json_depth.h>
+
 #include <algorithm>
 #include <array>
 #include <cerrno>
@@ -114,6 +116,8 @@ Header parse_header(std::string_view text, uint64_t data_bytes) {
   // callback sees every key of the top-level object (depth 1) before it is stored.
   std::set<std::string> seen;
   std::string duplicate;
+  if (const auto deep = json_too_deep(text); !deep.empty())
+    fail("header is " + deep);
   Json root;
   try {
     root = Json::parse(

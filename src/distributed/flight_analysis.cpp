@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 
+#include <fsdp/core/json_depth.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -64,7 +65,10 @@ Dump load(const std::string& path) {
   Dump d;
   d.path = path;
   try {
-    const Json j = Json::parse(read_capped(path));
+    const std::string text = read_capped(path);
+    if (const auto deep = json_too_deep(text); !deep.empty())
+      throw std::runtime_error(deep);
+    const Json j = Json::parse(text);
     if (j.value("format", std::string()) != "fsdp-cpp flight recorder")
       throw std::runtime_error("not an fsdp-cpp flight-recorder dump");
     d.rank = j.at("rank").get<int>();

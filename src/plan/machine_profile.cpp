@@ -3,6 +3,7 @@
 
 #include <c10/util/Exception.h>
 #include <fcntl.h>
+#include <fsdp/core/json_depth.h>
 #include <sched.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -164,6 +165,8 @@ std::optional<MachineProfile> load_machine_profile(const std::string& path,
     return std::nullopt;
   std::stringstream text;
   text << in.rdbuf();
+  if (const auto deep = json_too_deep(text.str()); !deep.empty())
+    throw std::runtime_error(path + ": not a machine profile (" + deep + ")");
   const json j = json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object())
     throw std::runtime_error(path + ": not a machine profile (not a JSON object)");

@@ -534,3 +534,12 @@ TEST_F(InstructData, TemplatesOfOtherFamiliesNeedTheirTokensAndRoles) {
   EXPECT_EQ(tok_->decode(ex.ids), "<|im_start|>[INST] Q [/INST]A<|im_end|>");
   EXPECT_EQ(answers(ex), std::vector<std::string>{"A<|im_end|>"});
 }
+
+// A line nesting 100,000 arrays (200 KB, within the line bound) is refused by its depth, naming
+// the line, before the parser builds what would overflow the stack to print or copy.
+TEST_F(InstructData, ADeeplyNestedLineIsRefusedNamingIt) {
+  const auto path = write("deep.jsonl", std::string(100000, '[') + std::string(100000, ']') + "\n");
+  const auto error = fsdp::test::error_of([&] { load(path); });
+  EXPECT_NE(error.find(path + ":1:"), std::string::npos) << error;
+  EXPECT_NE(error.find("JSON nested deeper than 64 levels"), std::string::npos) << error;
+}

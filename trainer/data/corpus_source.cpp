@@ -10,6 +10,7 @@
 #include <glob.h>
 #include <unistd.h>
 
+#include <fsdp/core/json_depth.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -215,6 +216,8 @@ void CorpusSource::read(
       if (text.find_first_not_of(" \t\r\n") == std::string_view::npos)
         return;
       const std::string where = path + ":" + std::to_string(line);
+      if (const auto deep = fsdp::json_too_deep(text); !deep.empty())
+        fail(where + ": " + deep);
       nlohmann::json record;
       try {
         record = nlohmann::json::parse(text);

@@ -15,6 +15,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <fsdp/core/json_depth.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -163,6 +164,8 @@ json read_meta(const std::string& meta_path) {
          "a distributed job rank 0 does, did it fail?)");
   // A few hundred bytes when fsdp-train wrote it: anything of megabytes is not its meta.json.
   const std::string text = fsdp::read_small_file(meta_path, uint64_t{16} << 20);
+  if (const auto deep = fsdp::json_too_deep(text); !deep.empty())
+    fail(meta_path + ": " + deep + " (delete it to prepare again)");
   json meta = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (meta.is_discarded() || !meta.is_object())
     fail(meta_path + ": not valid JSON (delete it to prepare again)");

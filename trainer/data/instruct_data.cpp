@@ -1,5 +1,6 @@
 #include "instruct_data.h"
 
+#include <fsdp/core/json_depth.h>
 #include <nlohmann/json.hpp>
 
 #include <cerrno>
@@ -149,6 +150,8 @@ std::vector<ChatMessage> parse_line(std::string_view line, const std::string& wh
                     " (a binary file, or UTF-16 rather than UTF-8?)");
   if (auto bad = utf8_problem(line); !bad.empty())
     fail(where, bad);
+  if (const auto deep = fsdp::json_too_deep(line); !deep.empty())
+    fail(where, deep);
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(line.begin(), line.end());

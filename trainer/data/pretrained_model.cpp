@@ -5,6 +5,7 @@
 
 #include <fsdp/checkpoint/safetensors.h>
 #include <fsdp/core/file.h>
+#include <fsdp/core/json_depth.h>
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
@@ -71,8 +72,11 @@ Json tokenizer_config(const std::string& dir) {
   const auto p = fs::path(dir) / "tokenizer_config.json";
   if (!fs::exists(p))
     return Json::object();
+  const auto text = read_text(p, kMaxSmallJsonBytes);
+  if (const auto deep = fsdp::json_too_deep(text); !deep.empty())
+    throw model_error(p.string() + ": " + deep);
   try {
-    auto j = Json::parse(read_text(p, kMaxSmallJsonBytes));
+    auto j = Json::parse(text);
     if (!j.is_object())
       throw model_error(p.string() + ": not a JSON object");
     return j;

@@ -5,6 +5,7 @@
 // walk it, so a field cannot be added to one and forgotten in another.
 #include "metrics.h"
 
+#include <fsdp/core/json_depth.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -232,6 +233,8 @@ MetricsWriter::MetricsWriter(const std::string& path, std::optional<int64_t> fir
       const std::string line = old.substr(pos, nl - pos);
       pos = nl + 1;
       if (first_step.has_value() && !line.empty()) {
+        if (const auto deep = fsdp::json_too_deep(line); !deep.empty())
+          throw std::runtime_error(path_ + ":" + std::to_string(line_no) + ": " + deep);
         const Json j = Json::parse(line, nullptr, /*allow_exceptions=*/false);
         const auto it = j.is_object() ? j.find("step") : j.end();
         if (it == j.end() || !it->is_number_integer())
@@ -306,6 +309,8 @@ std::vector<StepMetrics> read_metrics(const std::string& path) {
     const std::string where = path + ":" + std::to_string(line_no) + ": ";
     const std::string hint =
         terminated ? "" : " (last line has no newline: the run was probably killed mid-write)";
+    if (const auto deep = fsdp::json_too_deep(line); !deep.empty())
+      throw std::runtime_error(where + deep);
     Json j;
     try {
       j = Json::parse(line);

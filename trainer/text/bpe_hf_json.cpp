@@ -5,6 +5,8 @@
 // as `tokenizers` does (tests/trainer/test_hf_model.cpp compares them on the shipped corpora).
 #include <nlohmann/json.hpp>
 
+#include <fsdp/core/json_depth.h>
+
 #include <algorithm>
 #include <array>
 #include <string>
@@ -434,6 +436,8 @@ std::unordered_map<std::string, int> read_merges(
 
 BpeTokenizer BpeTokenizer::from_hf_json(const std::string& json_text, const std::string& path,
                                         const std::string& bos, const std::string& eos) {
+  if (const auto deep = fsdp::json_too_deep(json_text); !deep.empty())
+    throw FormatError(path + ": " + deep);
   Json j;
   try {
     j = Json::parse(json_text);
