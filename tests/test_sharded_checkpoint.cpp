@@ -387,3 +387,93 @@ TEST(ShardedCheckpoint, RankKilledMidSaveLeavesThePreviousOne) {
 }
 
 }  // namespace
+
+namespace {
+
+// checkpoint.async's saver: the same save as save_sharded into SYNC, and asynchronously into
+// ASYNC, after which the parameters change at once (training going on): the snapshot is what
+// was there when start() returned.
+FSDP_WORKER(ckpt_async) {
+  auto pg = fsdp::init_process_group();
+  auto net = sharded_net(pg, "full_shard");
+  torch::optim::AdamW opt(net->parameters());
+  fill_with_patterns(net, opt);
+  fsdp::save_sharded(ctx.env("SYNC"), *net, &opt, *pg, {{"step", "7"}});
+  fsdp::AsyncCheckpointer saver(pg);
+  saver.start(ctx.env("ASYNC"), *net, &opt, {{"step", "7"}});
+  WORKER_CHECK(saver.in_flight());
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : net->parameters())
+      p.add_(1.0);
+  }
+  const auto done = saver.wait();
+  WORKER_CHECK(done.has_value() && done->dir == ctx.env("ASYNC"));
+  WORKER_CHECK(done->stall_seconds <= done->seconds) << done->stall_seconds << " " << done->seconds;
+  WORKER_CHECK(!saver.wait().has_value());  // nothing in flight any more
+  return 0;
+}
+
+TEST(ShardedCheckpoint, AsyncSaveWritesSaveShardedsFilesByteForByte) {
+  auto root = fsdp::test::fresh_dir("ckpt-async");
+  const auto sync = root / "sync", async = root / "async";
+  EXPECT_WORKERS_OK(fsdp::test::run_workers(
+      "ckpt_async", 3, fsdp::test::with_env({{"SYNC", sync.string()}, {"ASYNC", async.string()}})));
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(sync))
+    names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  ASSERT_GE(names.size(), 2u);  // index.json and the ranks' files
+  for (const auto& name : names) {
+    ASSERT_TRUE(fs::exists(async / name)) << name;
+    EXPECT_EQ(fsdp::test::file_bytes(async / name), fsdp::test::file_bytes(sync / name)) << name;
+  }
+  EXPECT_FALSE(fs::exists(async.string() + ".tmp"));
+  EXPECT_EQ(load_error(async), "");
+  fs::remove_all(root);
+}
+
+// Rank 1 is killed once its file is written in the background, before the commit: rank 0's
+// writer waits for it at most the group's timeout and does not commit; wait() says so.
+FSDP_WORKER(ckpt_async_killed) {
+  auto pg = fsdp::init_process_group(
+      fsdp::ProcessGroupOptions().timeout(std::chrono::milliseconds(3000)));
+  auto net = sharded_net(pg, "full_shard");
+  torch::optim::AdamW opt(net->parameters());
+  fill_with_patterns(net, opt);
+  fsdp::detail::save_sharded_hook = [](int rank, const std::string& stage) {
+    if (rank == 1 && stage == "files_written")
+      ::kill(::getpid(), SIGKILL);
+  };
+  fsdp::AsyncCheckpointer saver(pg);
+  saver.start(ctx.env("DIR"), *net, &opt);
+  try {
+    saver.wait();
+  } catch (const std::exception& e) {
+    std::printf("[rank %d] save failed as expected: %.200s\n", pg->rank(), e.what());
+    return 3;
+  }
+  return 0;
+}
+
+TEST(ShardedCheckpoint, AsyncSaveKilledMidWriteLeavesThePreviousOne) {
+  auto root = fsdp::test::fresh_dir("ckpt-async-killed");
+  const auto previous = root / "step-1", next = root / "step-2";
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("ckpt_damage", 3,
+                                            fsdp::test::with_env({{"DIR", previous.string()}})));
+  // Its group times out after 3 s: ranks executed anew (RunOptions::fork_ranks).
+  auto r = fsdp::test::run_workers(
+      "ckpt_async_killed", 3, fsdp::test::executed(fsdp::test::with_env({{"DIR", next.string()}})));
+  EXPECT_FALSE(r.timed_out) << r.describe();
+  EXPECT_EQ(r.exit_codes[1], 128 + SIGKILL) << r.describe();
+  EXPECT_EQ(r.exit_codes[0], 3) << r.describe();  // its commit waited for rank 1's file
+  EXPECT_NE(r.outputs[0].find("not every rank wrote its file"), std::string::npos) << r.describe();
+  EXPECT_EQ(r.exit_codes[2], 0) << r.describe();  // its own file was written
+  EXPECT_LT(r.seconds, 30.0);
+  EXPECT_FALSE(fs::exists(next));
+  EXPECT_TRUE(fs::exists(next.string() + ".tmp"));
+  EXPECT_EQ(load_error(previous), "");
+  fs::remove_all(root);
+}
+
+}  // namespace

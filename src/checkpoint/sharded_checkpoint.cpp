@@ -15,11 +15,14 @@
 #include <cstdio>
 #include <filesystem>
 #include <functional>
+#include <stdexcept>
+#include <thread>
 
 #include <fsdp/checkpoint/safetensors.h>
 #include <fsdp/core/durable_file.h>
 #include <fsdp/distributed/collectives.h>
 #include <fsdp/distributed/process_group.h>
+#include <fsdp/distributed/store_latch.h>
 #include <fsdp/optim/fused_optimizer.h>
 #include <fsdp/state_dict.h>
 
@@ -147,102 +150,239 @@ uint64_t checksum(const torch::Tensor& rows) {
 
 }  // namespace
 
-void save_sharded(const std::string& dir, torch::nn::Module& model,
-                  torch::optim::Optimizer* optimizer, ProcessGroup& group,
-                  const std::map<std::string, std::string>& metadata) {
-  torch::NoGradGuard no_grad;
-  const fs::path final_dir(dir);
-  const fs::path tmp = final_dir.string() + ".tmp";
-  // Every rank sees the same file system: all refuse together, before any collective.
-  TORCH_CHECK(!fs::exists(final_dir), "fsdp::save_sharded: ", dir,
+namespace {
+
+// A save's plan on this rank: where it goes, and the rows it writes (those it is the first holder
+// of) with the optimizer's kind and per-parameter step counts.
+struct SavePlan {
+  fs::path final_dir, tmp;
+  std::string file;  // rank-<r>.safetensors
+  std::string kind;
+  Json steps = Json::object();
+  std::vector<Entry> entries;
+};
+
+// Refuses an existing `dir` (every rank sees the same file system: all refuse together, before
+// any collective), makes <dir>.tmp afresh (rank 0; the others wait) and lists the entries.
+SavePlan plan_save(const std::string& dir, torch::nn::Module& model,
+                   torch::optim::Optimizer* optimizer, ProcessGroup& group) {
+  SavePlan plan;
+  plan.final_dir = dir;
+  plan.tmp = plan.final_dir.string() + ".tmp";
+  TORCH_CHECK(!fs::exists(plan.final_dir), "fsdp::save_sharded: ", dir,
               " exists (checkpoints are never overwritten)");
   const int rank = group.rank();
   if (rank == 0) {
-    fs::remove_all(tmp);  // a save that died half-way
-    fs::create_directories(tmp);
+    fs::remove_all(plan.tmp);  // a save that died half-way
+    fs::create_directories(plan.tmp);
   }
   group.barrier();
-
-  // What this rank writes: the rows it is the first holder of.
-  const std::string kind = optimizer_kind(optimizer);
+  plan.kind = optimizer_kind(optimizer);
   auto params = model.named_parameters(/*recurse=*/true);
-  std::vector<Entry> entries;
-  Json steps = Json::object();
   for (auto& l : param_shards(model)) {
     const auto& param = params[l.name];
     ParamOptState st;
     if (optimizer)
-      st = read_opt_state(*optimizer, kind, param, /*lazy=*/true);
+      st = read_opt_state(*optimizer, plan.kind, param, /*lazy=*/true);
     if (st.exists)
-      steps[l.name] = st.step;
+      plan.steps[l.name] = st.step;
     if (!l.writer || l.rows == 0)
       continue;
-    entries.push_back({"model/" + l.name, l, l.shard, {}, l.shard.scalar_type()});
+    plan.entries.push_back({"model/" + l.name, l, l.shard, {}, l.shard.scalar_type()});
     for (auto& [name, t] : st.tensors)
-      entries.push_back({"optim/" + l.name + "/" + name, l, t.defined() ? as_rows(t) : t,
-                         t.defined() ? std::function<torch::Tensor()>()
-                                     : [fused = dynamic_cast<FusedOptimizer*>(optimizer), param,
-                                        name] { return as_rows(fused->state_tensor(param, name)); },
-                         t.defined() ? t.scalar_type() : st.dtype});
+      plan.entries.push_back({"optim/" + l.name + "/" + name, l, t.defined() ? as_rows(t) : t,
+                              t.defined()
+                                  ? std::function<torch::Tensor()>()
+                                  : [fused = dynamic_cast<FusedOptimizer*>(optimizer), param,
+                                     name] { return as_rows(fused->state_tensor(param, name)); },
+                              t.defined() ? t.scalar_type() : st.dtype});
   }
   char file_buf[32];
   std::snprintf(file_buf, sizeof file_buf, "rank-%05d.safetensors", rank);
-  const std::string file = file_buf;
+  plan.file = file_buf;
+  return plan;
+}
+
+std::vector<safetensors::TensorSpec> specs_of(const std::vector<Entry>& entries) {
+  std::vector<safetensors::TensorSpec> specs;
+  for (const auto& e : entries)
+    specs.push_back({e.key, e.dtype, rows_shape(e.layout, e.layout.rows)});
+  return specs;
+}
+
+// The index's piece for `e` (its data at hand): its file, rows, and a checksum per block of rows
+// of about kBlockBytes.
+Json piece_of(const Entry& e, const std::string& file) {
+  uint64_t row_bytes = c10::elementSize(e.data.scalar_type());
+  for (size_t i = 1; i < e.layout.global_shape.size(); ++i)
+    row_bytes *= static_cast<uint64_t>(e.layout.global_shape[i]);
+  const int64_t block_rows =
+      std::max<int64_t>(1, static_cast<int64_t>(kBlockBytes / std::max<uint64_t>(1, row_bytes)));
+  Json sums = Json::array();
+  for (int64_t r = 0; r < e.layout.rows; r += block_rows)
+    sums.push_back(hex(checksum(e.data.narrow(0, r, std::min(block_rows, e.layout.rows - r)))));
+  return {{"file", file},
+          {"rows", {e.layout.row_begin, e.layout.row_begin + e.layout.rows}},
+          {"block_rows", block_rows},
+          {"xxh3", sums},
+          {"dtype", safetensors::dtype_name(e.data.scalar_type())},
+          {"shape", e.layout.global_shape}};
+}
+
+// Rank 0's index.json from every rank's pieces (an all-gather of each rank's JSON, collective),
+// or "" on the other ranks.
+std::string gather_index(ProcessGroup& group, const Json& pieces, const SavePlan& plan,
+                         const std::map<std::string, std::string>& metadata) {
+  const auto all_pieces = all_gather_bytes(group, pieces.dump(), "save_sharded index");
+  if (group.rank() != 0)
+    return "";
+  Json tensors = Json::object();
+  for (int r = 0; r < group.size(); ++r) {
+    auto theirs = Json::parse(all_pieces[static_cast<size_t>(r)]);
+    for (auto& [key, piece] : theirs.items()) {
+      auto& t = tensors[key];
+      if (t.is_null())
+        t = {{"dtype", piece["dtype"]}, {"shape", piece["shape"]}, {"pieces", Json::array()}};
+      piece.erase("dtype");
+      piece.erase("shape");
+      t["pieces"].push_back(piece);
+    }
+  }
+  Json index = {{"format", detail::kIndexFormat},
+                {"version", detail::kIndexVersion},
+                {"world_size", group.size()},
+                {"metadata", metadata},
+                {"optimizer", {{"kind", plan.kind}, {"steps", plan.steps}}},
+                {"tensors", tensors}};
+  index[detail::kIndexChecksumKey] = detail::index_checksum(index.dump());
+  return index.dump(1);
+}
+
+// Rank 0, once every rank's file is durable: the index last, then the directory renamed into
+// place, so that a crash before leaves only <dir>.tmp, which no reader takes for a checkpoint.
+void commit(const SavePlan& plan, const std::string& index) {
+  write_file_atomic((plan.tmp / "index.json").string(), index);
+  rename_durably(plan.tmp.string(), plan.final_dir.string());
+}
+
+}  // namespace
+
+void save_sharded(const std::string& dir, torch::nn::Module& model,
+                  torch::optim::Optimizer* optimizer, ProcessGroup& group,
+                  const std::map<std::string, std::string>& metadata) {
+  torch::NoGradGuard no_grad;
+  SavePlan plan = plan_save(dir, model, optimizer, group);
   Json pieces = Json::object();
-  if (!entries.empty()) {
-    std::vector<safetensors::TensorSpec> specs;
-    for (const auto& e : entries)
-      specs.push_back({e.key, e.dtype, rows_shape(e.layout, e.layout.rows)});
-    safetensors::Writer w((tmp / file).string(), specs);
-    for (auto& e : entries) {
+  if (!plan.entries.empty()) {
+    safetensors::Writer w((plan.tmp / plan.file).string(), specs_of(plan.entries));
+    for (auto& e : plan.entries) {
       if (!e.data.defined())
         e.data = e.fetch();
       w.write_rows(e.key, 0, e.data);
-      const uint64_t row_bytes = std::max<uint64_t>(1, w.header().find(e.key)->row_bytes());
-      const int64_t block_rows =
-          std::max<int64_t>(1, static_cast<int64_t>(kBlockBytes / row_bytes));
-      Json sums = Json::array();
-      for (int64_t r = 0; r < e.layout.rows; r += block_rows)
-        sums.push_back(hex(checksum(e.data.narrow(0, r, std::min(block_rows, e.layout.rows - r)))));
-      pieces[e.key] = {{"file", file},
-                       {"rows", {e.layout.row_begin, e.layout.row_begin + e.layout.rows}},
-                       {"block_rows", block_rows},
-                       {"xxh3", sums},
-                       {"dtype", safetensors::dtype_name(e.data.scalar_type())},
-                       {"shape", e.layout.global_shape}};
+      pieces[e.key] = piece_of(e, plan.file);
       if (e.fetch)
         e.data = torch::Tensor();  // the next one replaces it
     }
     w.finish();
   }
   if (detail::save_sharded_hook)
-    detail::save_sharded_hook(rank, "files_written");
-  // Rank 0 collects every rank's pieces (an all-gather of each rank's JSON).
-  const auto all_pieces = all_gather_bytes(group, pieces.dump(), "save_sharded index");
-  if (rank == 0) {
-    Json tensors = Json::object();
-    for (int r = 0; r < group.size(); ++r) {
-      auto theirs = Json::parse(all_pieces[static_cast<size_t>(r)]);
-      for (auto& [key, piece] : theirs.items()) {
-        auto& t = tensors[key];
-        if (t.is_null())
-          t = {{"dtype", piece["dtype"]}, {"shape", piece["shape"]}, {"pieces", Json::array()}};
-        piece.erase("dtype");
-        piece.erase("shape");
-        t["pieces"].push_back(piece);
-      }
-    }
-    Json index = {{"format", detail::kIndexFormat},
-                  {"version", detail::kIndexVersion},
-                  {"world_size", group.size()},
-                  {"metadata", metadata},
-                  {"optimizer", {{"kind", kind}, {"steps", steps}}},
-                  {"tensors", tensors}};
-    index[detail::kIndexChecksumKey] = detail::index_checksum(index.dump());
-    write_file_atomic((tmp / "index.json").string(), index.dump(1));
-    rename_durably(tmp.string(), final_dir.string());
-  }
+    detail::save_sharded_hook(group.rank(), "files_written");
+  const std::string index = gather_index(group, pieces, plan, metadata);
+  if (group.rank() == 0)
+    commit(plan, index);
   group.barrier();
+}
+
+struct AsyncCheckpointer::Save {
+  SavePlan plan;
+  std::string index;  // rank 0's
+  std::unique_ptr<StoreLatch> written;
+  std::chrono::milliseconds timeout{0};
+  int rank = 0;
+  int64_t bytes = 0;
+  std::thread writer;
+  std::exception_ptr error;
+  AsyncSaveResult result;
+};
+
+AsyncCheckpointer::AsyncCheckpointer(std::shared_ptr<ProcessGroup> group)
+    : group_(std::move(group)) {}
+
+AsyncCheckpointer::~AsyncCheckpointer() {
+  try {
+    wait();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fsdp::AsyncCheckpointer: the save in flight failed: %s\n", e.what());
+  }
+}
+
+void AsyncCheckpointer::start(const std::string& dir, torch::nn::Module& model,
+                              torch::optim::Optimizer* optimizer,
+                              const std::map<std::string, std::string>& metadata) {
+  wait();  // at most one save in flight
+  torch::NoGradGuard no_grad;
+  const auto begin = std::chrono::steady_clock::now();
+  auto save = std::make_unique<Save>();
+  save->plan = plan_save(dir, model, optimizer, *group_);
+  save->rank = group_->rank();
+  save->timeout = group_->timeout();
+  // The snapshot: a copy of every row this rank writes (on the host, where the file is written
+  // from), its checksums, and the index, all before training changes them.
+  Json pieces = Json::object();
+  for (auto& e : save->plan.entries) {
+    torch::Tensor rows = e.data.defined() ? e.data : e.fetch();
+    e.data = rows.to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
+    e.fetch = nullptr;
+    save->bytes += static_cast<int64_t>(e.data.nbytes());
+    pieces[e.key] = piece_of(e, save->plan.file);
+  }
+  save->index = gather_index(*group_, pieces, save->plan, metadata);
+  // Named by the save's number too: a directory saved again in the same job (after a failed
+  // attempt) must not find the earlier attempt's count.
+  save->written = std::make_unique<StoreLatch>(
+      *group_, "async-save/" + std::to_string(saves_started_++) + "/" + dir);
+  save->result.dir = dir;
+  save->result.bytes = save->bytes;
+  save->result.stall_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+  Save* s = save.get();
+  s->writer = std::thread([s, begin] {
+    try {
+      if (!s->plan.entries.empty()) {
+        safetensors::Writer w((s->plan.tmp / s->plan.file).string(), specs_of(s->plan.entries));
+        for (auto& e : s->plan.entries)
+          w.write_rows(e.key, 0, e.data);
+        w.finish();
+        s->plan.entries.clear();  // the snapshot goes as soon as it is on disk
+      }
+      if (detail::save_sharded_hook)
+        detail::save_sharded_hook(s->rank, "files_written");
+      s->written->arrive();
+      if (s->rank == 0) {
+        if (!s->written->wait(s->timeout))
+          throw std::runtime_error("fsdp::AsyncCheckpointer: " + s->plan.final_dir.string() +
+                                   ": not every rank wrote its file within the group's timeout; "
+                                   "the checkpoint was not committed (the previous one stays "
+                                   "the latest)");
+        commit(s->plan, s->index);
+      }
+    } catch (...) {
+      s->error = std::current_exception();
+    }
+    s->result.seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+  });
+  in_flight_ = std::move(save);
+}
+
+std::optional<AsyncSaveResult> AsyncCheckpointer::wait() {
+  if (!in_flight_)
+    return std::nullopt;
+  auto save = std::move(in_flight_);
+  save->writer.join();
+  if (save->error)
+    std::rethrow_exception(save->error);
+  return save->result;
 }
 
 namespace {

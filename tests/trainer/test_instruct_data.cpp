@@ -299,8 +299,9 @@ TEST_F(InstructData, HostileLinesAreRefused) {
       // ICU's regex gives up on a run of some 300k spaces: the loader says where.
       {"whitespace run", content(std::string(500000, ' ') + "x"),
        "the tokenizer failed on it: BpeTokenizer: ICU regex: U_REGEX_STACK_OVERFLOW"},
+      // Refused by its depth before it is parsed (fsdp/core/json_depth.h).
       {"deep nesting", std::string(300000, '[') + std::string(300000, ']'),
-       "the line is an array, not an object"},
+       "JSON nested deeper than 64 levels"},
   };
   const std::string prefix = line_of(kOneTurn) + "\n  \n";
   for (const auto& c : cases) {
@@ -533,13 +534,4 @@ TEST_F(InstructData, TemplatesOfOtherFamiliesNeedTheirTokensAndRoles) {
       fsdp_trainer::encode_conversation({{"user", "Q"}, {"assistant", "A"}}, *tok_, mistral);
   EXPECT_EQ(tok_->decode(ex.ids), "<|im_start|>[INST] Q [/INST]A<|im_end|>");
   EXPECT_EQ(answers(ex), std::vector<std::string>{"A<|im_end|>"});
-}
-
-// A line nesting 100,000 arrays (200 KB, within the line bound) is refused by its depth, naming
-// the line, before the parser builds what would overflow the stack to print or copy.
-TEST_F(InstructData, ADeeplyNestedLineIsRefusedNamingIt) {
-  const auto path = write("deep.jsonl", std::string(100000, '[') + std::string(100000, ']') + "\n");
-  const auto error = fsdp::test::error_of([&] { load(path); });
-  EXPECT_NE(error.find(path + ":1:"), std::string::npos) << error;
-  EXPECT_NE(error.find("JSON nested deeper than 64 levels"), std::string::npos) << error;
 }

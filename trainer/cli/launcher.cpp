@@ -21,6 +21,26 @@ std::string read_tail(const std::string& path, size_t max_bytes) {
   return s.size() > max_bytes ? "..." + s.substr(s.size() - max_bytes) : s;
 }
 
+// Prints a failed rank's output, each line prefixed with the rank; returns its non-empty lines.
+std::vector<std::string> print_rank_output(int rank, int code, const std::string& tail) {
+  std::fprintf(stderr, "[rank %d] exited with code %d%s\n", rank, code,
+               tail.empty() ? "" : ", its output:");
+  std::vector<std::string> lines;
+  size_t start = 0;
+  while (start < tail.size()) {
+    const size_t end = tail.find('\n', start);
+    const auto line =
+        tail.substr(start, end == std::string::npos ? std::string::npos : end - start);
+    std::fprintf(stderr, "[rank %d] %s\n", rank, line.c_str());
+    if (!line.empty())
+      lines.push_back(line);
+    if (end == std::string::npos)
+      break;
+    start = end + 1;
+  }
+  return lines;
+}
+
 }  // namespace
 
 int launch_local(int nproc, const std::vector<std::string>& args, int threads_per_rank,
@@ -42,25 +62,27 @@ int launch_local(int nproc, const std::vector<std::string>& args, int threads_pe
   // then stop them.
   o.grace_after_failure = std::chrono::seconds(5);
   const auto result = fsdp::launch_local_ranks(o);
-  const std::vector<int>& codes = result.exit_codes;
-  const int job_code =
-      result.first_failed < 0 ? 0 : codes[static_cast<size_t>(result.first_failed)];
-  for (int r = 1; r < nproc; ++r) {
-    if (codes[static_cast<size_t>(r)] == 0)
-      continue;
-    std::string tail = read_tail(o.log_path(r), 4000);
-    std::fprintf(stderr, "[rank %d] exited with code %d%s\n", r, codes[static_cast<size_t>(r)],
-                 tail.empty() ? "" : ", its output:");
-    size_t start = 0;
-    while (start < tail.size()) {
-      const size_t end = tail.find('\n', start);
-      std::fprintf(
-          stderr, "[rank %d] %s\n", r,
-          tail.substr(start, end == std::string::npos ? std::string::npos : end - start).c_str());
-      if (end == std::string::npos)
-        break;
-      start = end + 1;
-    }
+  const int first = result.first_failed;
+  const int job_code = first < 0 ? 0 : result.exit_codes[static_cast<size_t>(first)];
+  // The rank that failed first holds the cause (a file it could not read, a bad value); the
+  // others then fail in their next collective ("a peer may have died"), rank 0 on the terminal
+  // already. So its output comes first, and the job's last line names it and its last line.
+  std::vector<int> failed;
+  if (first > 0)
+    failed.push_back(first);
+  for (int r = 1; r < nproc; ++r)
+    if (r != first && result.exit_codes[static_cast<size_t>(r)] != 0)
+      failed.push_back(r);
+  std::string cause;
+  for (const int r : failed) {
+    const auto lines = print_rank_output(r, result.exit_codes[static_cast<size_t>(r)],
+                                         read_tail(o.log_path(r), 4000));
+    if (r == first && !lines.empty())
+      cause = lines.back();
+  }
+  if (first > 0) {  // rank 0's own failure is already the first thing on the terminal
+    std::fprintf(stderr, "fsdp-train: rank %d failed first (exit code %d)%s%s\n", first, job_code,
+                 cause.empty() ? "" : ": ", cause.c_str());
   }
   std::filesystem::remove_all(logs);
   return job_code;

@@ -2,8 +2,9 @@
 // agent is (fsdp::launch_local_ranks: it hosts the TCPStore and starts N copies of itself with
 // torchrun's environment, forked copies of the launcher where it can); it shows rank 0's output as
 // it comes, keeps the other ranks quiet unless they fail (then prints their output, prefixed with
-// the rank), and stops every rank soon after one fails. A rank calls fsdp::die_with_launcher()
-// first.
+// the rank, the rank that failed first first, and ends with a line naming that rank and its last
+// line when it is not rank 0), and stops every rank soon after one fails. A rank calls
+// fsdp::die_with_launcher() first.
 #pragma once
 
 #include <functional>

@@ -129,6 +129,7 @@ struct CheckpointConfig {
   int64_t every = 0;       // steps between sharded checkpoints (0: none)
   std::string dir;         // "" : <logging.run_dir>/checkpoints
   int64_t keep = 2;        // complete checkpoints kept (older ones removed after a new one)
+  bool async = false;      // write the files on a background thread while training goes on
   std::string resume;      // "", "latest", "auto" or a checkpoint directory
   bool export_hf = false;  // write a Hugging Face directory at the end
   std::string export_dir;  // "" : <logging.run_dir>/hf

@@ -125,6 +125,8 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
   profiler_ = std::make_unique<fsdp::StepProfiler>(model_.module);
 
   optimizers_ = std::make_unique<Optimizers>(config_, *model_.module, pg_);
+  if (config_.checkpoint.async)
+    async_saves_ = std::make_unique<fsdp::AsyncCheckpointer>(pg_);
 
   if (purpose_ != Purpose::kTrain)
     return;
@@ -738,6 +740,7 @@ void Trainer::train() {
     if (every > 0 && (step % every == 0 || step == t.steps))
       save_checkpoint(step);
   }
+  finish_async_save();
   if (plan_check_ && config_.logging.plan && pg_->rank() == 0 &&
       plan_check_->measured().steps > 0) {
     std::string json;
@@ -825,12 +828,20 @@ torch::Tensor from_hex(const std::string& text, const std::string& what) {
   return out;
 }
 
+// The bytes of the files in `dir`.
+uint64_t directory_bytes(const std::filesystem::path& dir) {
+  uint64_t bytes = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir))
+    bytes += e.is_regular_file() ? e.file_size() : 0;
+  return bytes;
+}
+
 }  // namespace
 
 void Trainer::save_checkpoint(int64_t step) {
   namespace fs = std::filesystem;
-  const fs::path root = checkpoint_dir(config_);
-  const fs::path dir = root / step_dir_name(step);
+  finish_async_save();  // at most one in flight
+  const fs::path dir = fs::path(checkpoint_dir(config_)) / step_dir_name(step);
   const int rank = pg_->rank();
   // Every rank's random state, gathered, so that rank 0 writes them all.
   torch::Tensor rng;
@@ -856,20 +867,45 @@ void Trainer::save_checkpoint(int64_t step) {
     for (int r = 0; r < pg_->size(); ++r)
       meta["rng." + std::to_string(r)] = rngs[static_cast<size_t>(r)];
   }
+  if (async_saves_) {  // checkpoint.async: finished by the next save or the end of training
+    async_saves_->start(dir.string(), *model_.module, &optimizers_->optimizer(), meta);
+    async_step_ = step;
+    return;
+  }
   const auto save_start = Clock::now();
   fsdp::save_sharded(dir.string(), *model_.module, &optimizers_->optimizer(), *pg_, meta);
   const double save_seconds = seconds_since(save_start);
-  if (rank != 0)
+  if (rank == 0) {
+    after_save(dir);
+    const uint64_t bytes = directory_bytes(dir);
+    metrics_->message(fmt::format("step {}: checkpoint {} ({:.1f} MB in {:.2f} s, {:.0f} MB/s)",
+                                  step, dir.string(), bytes / 1e6, save_seconds,
+                                  bytes / 1e6 / std::max(save_seconds, 1e-9)));
+  }
+}
+
+void Trainer::finish_async_save() {
+  if (!async_saves_)
     return;
+  const auto done = async_saves_->wait();
+  if (!done || pg_->rank() != 0)
+    return;
+  const std::filesystem::path dir = done->dir;
+  after_save(dir);
+  metrics_->message(fmt::format(
+      "step {}: checkpoint {} ({:.1f} MB, training stalled {:.2f} s; written and committed in "
+      "the background in {:.2f} s)",
+      async_step_, dir.string(), directory_bytes(dir) / 1e6, done->stall_seconds, done->seconds));
+}
+
+void Trainer::after_save(const std::filesystem::path& dir) {
+  namespace fs = std::filesystem;
   fs::remove_all(aside_path(dir));
-  uint64_t bytes = 0;
-  for (const auto& e : fs::directory_iterator(dir))
-    bytes += e.is_regular_file() ? e.file_size() : 0;
   // Checkpoints of later steps belong to a run this one replaced (a fresh start in the same
   // directory, or a resume from an earlier checkpoint): removed, so that "latest" is this run's
   // and checkpoint.keep counts this run's own (names sort by step).
   std::vector<fs::path> done;
-  for (auto& p : complete_checkpoints(root)) {
+  for (auto& p : complete_checkpoints(dir.parent_path())) {
     if (p.filename().string() > dir.filename().string()) {
       fs::remove_all(p);
       metrics_->message("removed " + p.string() + ", a checkpoint of the run this one replaced");
@@ -880,9 +916,6 @@ void Trainer::save_checkpoint(int64_t step) {
   const auto keep = static_cast<size_t>(config_.checkpoint.keep);
   for (size_t i = 0; i + keep < done.size(); ++i)
     fs::remove_all(done[i]);
-  metrics_->message(fmt::format("step {}: checkpoint {} ({:.1f} MB in {:.2f} s, {:.0f} MB/s)", step,
-                                dir.string(), bytes / 1e6, save_seconds,
-                                bytes / 1e6 / std::max(save_seconds, 1e-9)));
 }
 
 int64_t Trainer::resume_from_checkpoint() {

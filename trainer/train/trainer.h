@@ -8,6 +8,7 @@
 
 #include <torch/torch.h>
 
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <map>
@@ -16,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include <fsdp/checkpoint/sharded_checkpoint.h>
 #include <fsdp/distributed/process_group.h>
 #include <fsdp/grad_scaler.h>
 #include <fsdp/observe/step_profiler.h>
@@ -107,6 +109,13 @@ class Trainer {
   /// Saves a sharded checkpoint of the state after `step` (every rank calls it) and removes
   /// the oldest complete ones beyond checkpoint.keep.
   void save_checkpoint(int64_t step);
+  /// checkpoint.async: waits for the save in flight, if any (rank 0: until committed), and
+  /// tidies after it as after a synchronous save.
+  void finish_async_save();
+  /// Rank 0, once the checkpoint `dir` is complete: removes what it replaced (the same step's
+  /// from an abandoned run, later steps' of a replaced run) and the oldest beyond
+  /// checkpoint.keep.
+  void after_save(const std::filesystem::path& dir);
   /// Restores checkpoint.resume (model, AdamW, sampler, loss scale, random state); returns
   /// the step it was saved after.
   int64_t resume_from_checkpoint();
@@ -132,9 +141,11 @@ class Trainer {
   TrainModel model_;
   std::unique_ptr<fsdp::StepProfiler> profiler_;
   std::unique_ptr<Optimizers> optimizers_;
-  int64_t start_step_ = 0;               // the step a resumed run continues after
-  std::optional<PlanCheck> plan_check_;  // plan_memory(): predicted, then measured
-  std::optional<UnitOptions> units_;     // how the job's units are sharded
+  std::unique_ptr<fsdp::AsyncCheckpointer> async_saves_;  // checkpoint.async
+  int64_t async_step_ = 0;                                // the step of the save in flight
+  int64_t start_step_ = 0;                                // the step a resumed run continues after
+  std::optional<PlanCheck> plan_check_;                   // plan_memory(): predicted, then measured
+  std::optional<UnitOptions> units_;                      // how the job's units are sharded
 };
 
 }  // namespace fsdp_trainer

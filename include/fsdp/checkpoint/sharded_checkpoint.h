@@ -21,8 +21,10 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace fsdp {
@@ -36,6 +38,49 @@ class ProcessGroup;
 void save_sharded(const std::string& dir, torch::nn::Module& model,
                   torch::optim::Optimizer* optimizer, ProcessGroup& group,
                   const std::map<std::string, std::string>& metadata = {});
+
+/// What an asynchronous save did: its directory, this rank's bytes, how long start() held the
+/// caller (the snapshot, its checksums and the index's all-gather) and how long the whole save
+/// took until this rank's writer was done (rank 0: the commit included).
+struct AsyncSaveResult {
+  std::string dir;
+  int64_t bytes = 0;
+  double stall_seconds = 0;
+  double seconds = 0;
+};
+
+/// save_sharded that lets training go on while the files are written. start() does what needs
+/// the ranks together, on the calling thread: the refusal of an existing directory, a copy of
+/// every row this rank writes (host memory: the model's and the optimizer's shards once more),
+/// their checksums and the index (an all-gather). A thread of each rank then writes and fsyncs
+/// its file and says so in the group's store (fsdp::StoreLatch, no collective); rank 0's, once
+/// every rank's file is durable, writes the index last and renames <dir>.tmp into place, as
+/// save_sharded does. So the files are save_sharded's, byte for byte, and a crash before the
+/// commit leaves the previous checkpoint the latest complete one. At most one save is in flight:
+/// start() waits for the previous one first.
+class AsyncCheckpointer {
+ public:
+  explicit AsyncCheckpointer(std::shared_ptr<ProcessGroup> group);
+  /// Waits for the save in flight (an error is printed, not thrown).
+  ~AsyncCheckpointer();
+  AsyncCheckpointer(const AsyncCheckpointer&) = delete;
+  AsyncCheckpointer& operator=(const AsyncCheckpointer&) = delete;
+
+  /// Collective over the group, like save_sharded; returns once the snapshot is taken.
+  void start(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer* optimizer,
+             const std::map<std::string, std::string>& metadata = {});
+  /// Waits for the save in flight on this rank (rank 0: until it is committed) and returns what
+  /// it did, or nullopt if none was in flight. Throws what the writer threw (an I/O error, or on
+  /// rank 0 a rank that did not write its file within the group's timeout).
+  std::optional<AsyncSaveResult> wait();
+  bool in_flight() const { return in_flight_ != nullptr; }
+
+ private:
+  struct Save;
+  std::shared_ptr<ProcessGroup> group_;
+  std::unique_ptr<Save> in_flight_;
+  int64_t saves_started_ = 0;
+};
 
 /// Loads a checkpoint written by save_sharded on any number of ranks into `model` (sharded or
 /// not; the same parameter names and shapes) and, if given, `optimizer` (the same kind as was

@@ -1,0 +1,74 @@
+// fsdp-train --nproc's launcher (trainer/cli/launcher.h): how a failed job's output reaches the
+// user. The rank that failed first holds the cause; the others fail after it in a collective.
+#include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <thread>
+
+#include "cli/launcher.h"
+#include "harness/files.h"
+
+namespace {
+
+// What `fn` writes to this process's stderr (its ranks' included: they inherit it).
+template <typename Fn>
+std::string stderr_of(Fn&& fn, const std::string& file) {
+  std::fflush(stderr);
+  const int saved = ::dup(2);
+  const int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  ::dup2(fd, 2);
+  ::close(fd);
+  fn();
+  std::fflush(stderr);
+  ::dup2(saved, 2);
+  ::close(saved);
+  return fsdp::test::file_bytes(file);
+}
+
+TEST(Launcher, TheRankThatFailedFirstIsShownFirstAndNamedLast) {
+  fsdp::test::TempDir dir("launcher");
+  int code = -1;
+  const std::string out = stderr_of(
+      [&] {
+        code = fsdp_trainer::launch_local(3, {"--unused"}, 1, [] {
+          const int rank = std::atoi(std::getenv("RANK"));
+          if (rank == 2) {
+            std::fprintf(stderr, "config error: data/x.bin: cannot open\n");
+            return 2;
+          }
+          // The others fail afterwards, as a collective with a dead peer does.
+          std::this_thread::sleep_for(std::chrono::milliseconds(500));
+          std::fprintf(stderr, "rank %d: barrier failed, a peer may have died\n", rank);
+          return 1;
+        });
+      },
+      dir.path() + "/stderr");
+  EXPECT_EQ(code, 2) << out;  // the first failure's code
+  const auto cause = out.find("[rank 2] exited with code 2");
+  const auto consequence = out.find("[rank 1] exited with code 1");
+  ASSERT_NE(cause, std::string::npos) << out;
+  ASSERT_NE(consequence, std::string::npos) << out;
+  EXPECT_LT(cause, consequence) << out;
+  const std::string last =
+      "fsdp-train: rank 2 failed first (exit code 2): config error: data/x.bin: cannot open\n";
+  ASSERT_GE(out.size(), last.size()) << out;
+  EXPECT_EQ(out.substr(out.size() - last.size()), last) << out;
+}
+
+TEST(Launcher, ASucceedingJobSaysNothingOfItsRanks) {
+  fsdp::test::TempDir dir("launcher");
+  int code = -1;
+  const std::string out =
+      stderr_of([&] { code = fsdp_trainer::launch_local(2, {"--unused"}, 1, [] { return 0; }); },
+                dir.path() + "/stderr");
+  EXPECT_EQ(code, 0);
+  EXPECT_EQ(out, "");
+}
+
+}  // namespace
