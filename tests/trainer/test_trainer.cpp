@@ -1404,6 +1404,33 @@ TEST(TrainerRun, PreviousStepClippingResumesExactly) {
 // the step-6 checkpoint it replaces is moved aside and removed only once the new one is
 // complete). Then the step-3 checkpoint resumes on 3 ranks under shard_grad_op (resharding), and
 // checkpoint.keep removes the oldest.
+// checkpoint.async: the same checkpoints as synchronous saves, byte for byte, written while the
+// steps after them run; the run says how long the step that saved stalled.
+TEST(TrainerRun, AsyncCheckpointsEqualSynchronousOnes) {
+  const auto work = fs::path(FSDP_TEST_WORK_DIR);
+  const auto sync = work / "ckpt-sync", async = work / "ckpt-async";
+  for (const auto& d : {sync, async})
+    fs::remove_all(d);
+  const std::string args = "--training.steps=6 --checkpoint.every=3 --checkpoint.keep=2";
+  checkpoint_run("ckpt-sync", sync.string(), 2, args);
+  const auto r = checkpoint_run("ckpt-async", async.string(), 2, args + " --checkpoint.async=true");
+  EXPECT_NE(r.output.find("step 3: checkpoint"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("training stalled"), std::string::npos) << r.output;
+  const auto ms = fsdp_trainer::read_metrics((sync / "metrics.jsonl").string());
+  const auto ma = fsdp_trainer::read_metrics((async / "metrics.jsonl").string());
+  ASSERT_EQ(ma.size(), ms.size());
+  for (size_t i = 0; i < ms.size(); ++i)
+    EXPECT_EQ(ma[i].loss, ms[i].loss) << "step " << i + 1;
+  for (const char* step : {"step-00000003", "step-00000006"}) {
+    for (const char* f : {"rank-00000.safetensors", "rank-00001.safetensors"}) {
+      const auto x = file_bytes(sync / "checkpoints" / step / f);
+      EXPECT_FALSE(x.empty()) << step << "/" << f;
+      EXPECT_TRUE(x == file_bytes(async / "checkpoints" / step / f)) << step << "/" << f;
+    }
+    EXPECT_FALSE(fs::exists(async / "checkpoints" / (std::string(step) + ".tmp")));
+  }
+}
+
 TEST(TrainerRun, ResumeIsExactAndReshards) {
   const auto work = fs::path(FSDP_TEST_WORK_DIR);
   const auto a = work / "resume-a", b = work / "resume-b", c = work / "resume-c";
