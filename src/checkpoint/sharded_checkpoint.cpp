@@ -2,6 +2,7 @@
 #include <fsdp/checkpoint/sharded_checkpoint.h>
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <torch/optim/adam.h>
@@ -347,6 +348,9 @@ void AsyncCheckpointer::start(const std::string& dir, torch::nn::Module& model,
       std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
   Save* s = save.get();
   s->writer = std::thread([s, begin] {
+    // The writer yields to training (the lowest priority of the normal policy: on a machine whose
+    // cores all compute it still gets a little, so it finishes within the group's timeout).
+    setpriority(PRIO_PROCESS, static_cast<id_t>(gettid()), 19);
     try {
       if (!s->plan.entries.empty()) {
         safetensors::Writer w((s->plan.tmp / s->plan.file).string(), specs_of(s->plan.entries));
