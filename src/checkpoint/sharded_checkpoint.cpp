@@ -439,6 +439,10 @@ void read_rows_into(const fs::path& dir, const std::string& key, const detail::I
 
 }  // namespace
 
+std::map<std::string, std::string> read_checkpoint_metadata(const std::string& dir) {
+  return detail::parse_index((fs::path(dir) / "index.json").string()).metadata;
+}
+
 std::map<std::string, std::string> load_sharded(const std::string& dir, torch::nn::Module& model,
                                                 torch::optim::Optimizer* optimizer) {
   torch::NoGradGuard no_grad;

@@ -1404,6 +1404,30 @@ TEST(TrainerRun, PreviousStepClippingResumesExactly) {
 // the step-6 checkpoint it replaces is moved aside and removed only once the new one is
 // complete). Then the step-3 checkpoint resumes on 3 ranks under shard_grad_op (resharding), and
 // checkpoint.keep removes the oldest.
+// A checkpoint to resume from, or a model.init_from, that cannot be read is refused before the
+// job measures the machine and builds its model (precision.param_dtype = auto's measurement
+// line comes before the build, and must not appear).
+TEST(TrainerRun, ABadSavedInputIsRefusedBeforeTheModelIsBuilt) {
+  const auto work = fs::path(FSDP_TEST_WORK_DIR) / "bad-saved-input";
+  fs::remove_all(work);
+  fs::create_directories(work / "ckpt" / "step-00000001");
+  std::ofstream(work / "ckpt" / "step-00000001" / "index.json") << "{\"format\": \"nope\"}";
+  const auto config = write_config("bad-saved-input", tiny_config((work / "run").string()));
+  const std::string cmd = train_cmd() + " --nproc 2 " + config + " --precision.param_dtype=auto ";
+  auto r = run(cmd + "--checkpoint.resume=" + (work / "ckpt" / "step-00000001").string());
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find((work / "ckpt" / "step-00000001" / "index.json").string() +
+                          ": not an fsdp-cpp checkpoint index"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("compute dtype"), std::string::npos) << r.output;
+  fs::create_directories(work / "empty");  // a directory, but neither kind of saved model
+  r = run(cmd + "--model.init_from=" + (work / "empty").string());
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("is neither a sharded checkpoint"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("compute dtype"), std::string::npos) << r.output;
+}
+
 // checkpoint.async: the same checkpoints as synchronous saves, byte for byte, written while the
 // steps after them run; the run says how long the step that saved stalled.
 TEST(TrainerRun, AsyncCheckpointsEqualSynchronousOnes) {

@@ -104,6 +104,8 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
   const int local_world = env.local_world_size;
   validate_world(config_, world, local_world);  // main() checked already; never hang on it
 
+  if (purpose_ == Purpose::kTrain)
+    check_saved_inputs();
   data_ = std::make_unique<TrainData>(config_, rank, world, device_, [this] { pg_->barrier(); });
   const std::string& model_file = data_->model_file();
 
@@ -918,18 +920,45 @@ void Trainer::after_save(const std::filesystem::path& dir) {
     fs::remove_all(done[i]);
 }
 
-int64_t Trainer::resume_from_checkpoint() {
-  namespace fs = std::filesystem;
-  fs::path dir = config_.checkpoint.resume;
-  if (config_.checkpoint.resume == "latest" || config_.checkpoint.resume == "auto") {
-    const auto latest = latest_checkpoint(config_);
-    if (!latest && config_.checkpoint.resume == "auto")
-      return 0;  // the first start of a job its launcher may restart
-    if (!latest)
-      throw std::runtime_error("checkpoint.resume = latest: no complete checkpoint in " +
-                               checkpoint_dir(config_));
-    dir = *latest;
+std::optional<std::filesystem::path> Trainer::resume_dir() const {
+  const auto& resume = config_.checkpoint.resume;
+  if (resume.empty())
+    return std::nullopt;
+  if (resume != "latest" && resume != "auto")
+    return std::filesystem::path(resume);
+  const auto latest = latest_checkpoint(config_);
+  if (!latest && resume == "auto")
+    return std::nullopt;  // the first start of a job its launcher may restart
+  if (!latest)
+    throw std::runtime_error("checkpoint.resume = latest: no complete checkpoint in " +
+                             checkpoint_dir(config_));
+  return *latest;
+}
+
+void Trainer::check_saved_inputs() const {
+  // The checkpoint's index (and model.init_from's, when it is a checkpoint): a bad one is
+  // refused here in a fraction of a second, not after the model is built and measured (seconds
+  // for a pretrained one).
+  if (const auto dir = resume_dir()) {
+    fsdp::read_checkpoint_metadata(dir->string());
+    return;  // a resumed run does not read model.init_from
   }
+  const auto& from = config_.model.init_from;
+  if (from.empty() || from == "latest")
+    return;
+  if (std::filesystem::exists(std::filesystem::path(from) / "index.json"))
+    fsdp::read_checkpoint_metadata(from);
+  else if (!std::filesystem::exists(std::filesystem::path(from) / "config.json"))
+    throw ConfigError("model.init_from: '" + from +
+                      "' is neither a sharded checkpoint (index.json) nor a Hugging Face "
+                      "directory (config.json)");
+}
+
+int64_t Trainer::resume_from_checkpoint() {
+  const auto resumed = resume_dir();
+  if (!resumed)
+    return 0;
+  const std::filesystem::path dir = *resumed;
   const CheckpointMeta meta(
       fsdp::load_sharded(dir.string(), *model_.module, &optimizers_->optimizer()),
       (dir / "index.json").string());

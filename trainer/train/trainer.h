@@ -119,6 +119,11 @@ class Trainer {
   /// Restores checkpoint.resume (model, AdamW, sampler, loss scale, random state); returns
   /// the step it was saved after.
   int64_t resume_from_checkpoint();
+  /// The checkpoint checkpoint.resume names ("latest" and "auto" resolved), or nullopt for none
+  /// (also "auto" before the first checkpoint).
+  std::optional<std::filesystem::path> resume_dir() const;
+  /// Checks the checkpoint to resume from and model.init_from before anything is built.
+  void check_saved_inputs() const;
   /// --plan and training.memory_budget: predicts this rank's peak (fsdp::plan) before step 1,
   /// prints it (rank 0) and warns if any rank's exceeds the budget.
   void plan_memory(const std::string& model_file);

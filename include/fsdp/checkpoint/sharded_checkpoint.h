@@ -82,6 +82,11 @@ class AsyncCheckpointer {
   int64_t saves_started_ = 0;
 };
 
+/// Reads and checks a checkpoint's index.json as load_sharded does first (every field, the
+/// pieces' tiling, its checksum) without reading a tensor, and returns the saved metadata: a job
+/// can refuse a bad checkpoint before it builds its model. Throws safetensors::FormatError.
+std::map<std::string, std::string> read_checkpoint_metadata(const std::string& dir);
+
 /// Loads a checkpoint written by save_sharded on any number of ranks into `model` (sharded or
 /// not; the same parameter names and shapes) and, if given, `optimizer` (the same kind as was
 /// saved; its state is created or replaced). Every rank reads what it needs; no collective.
