@@ -38,8 +38,8 @@ TEST(Launcher, TheRankThatFailedFirstIsShownFirstAndNamedLast) {
       [&] {
         code = fsdp_trainer::launch_local(3, {"--unused"}, 1, [] {
           const int rank = std::atoi(std::getenv("RANK"));
-          if (rank == 2) {
-            std::fprintf(stderr, "config error: data/x.bin: cannot open\n");
+          if (rank == 2) {  // prefixed as fsdp-train's errors are: shown prefixed once
+            std::fprintf(stderr, "[rank 2] config error: data/x.bin: cannot open\n");
             return 2;
           }
           // The others fail afterwards, as a collective with a dead peer does.
@@ -55,6 +55,9 @@ TEST(Launcher, TheRankThatFailedFirstIsShownFirstAndNamedLast) {
   ASSERT_NE(cause, std::string::npos) << out;
   ASSERT_NE(consequence, std::string::npos) << out;
   EXPECT_LT(cause, consequence) << out;
+  EXPECT_NE(out.find("\n[rank 2] config error: data/x.bin: cannot open\n"), std::string::npos)
+      << out;
+  EXPECT_EQ(out.find("[rank 2] [rank 2]"), std::string::npos) << out;
   const std::string last =
       "fsdp-train: rank 2 failed first (exit code 2): config error: data/x.bin: cannot open\n";
   ASSERT_GE(out.size(), last.size()) << out;

@@ -29,9 +29,12 @@ std::vector<std::string> print_rank_output(int rank, int code, const std::string
   size_t start = 0;
   while (start < tail.size()) {
     const size_t end = tail.find('\n', start);
-    const auto line =
-        tail.substr(start, end == std::string::npos ? std::string::npos : end - start);
-    std::fprintf(stderr, "[rank %d] %s\n", rank, line.c_str());
+    auto line = tail.substr(start, end == std::string::npos ? std::string::npos : end - start);
+    // fsdp-train's own errors name their rank already (main.cpp's rank_prefix): once is enough.
+    const std::string prefix = "[rank " + std::to_string(rank) + "] ";
+    if (line.rfind(prefix, 0) == 0)
+      line.erase(0, prefix.size());
+    std::fprintf(stderr, "%s%s\n", prefix.c_str(), line.c_str());
     if (!line.empty())
       lines.push_back(line);
     if (end == std::string::npos)
