@@ -8,8 +8,6 @@
 #include <torch/nn/modules/linear.h>
 
 #include <cstdint>
-#include <filesystem>
-#include <fstream>
 #include <string>
 
 #include <fsdp/checkpoint/safetensors.h>
@@ -19,6 +17,7 @@
 #include <fsdp/distributed/process_group.h>
 #include <fsdp/plan/machine_profile.h>
 
+#include "harness/deep_json.h"
 #include "harness/errors.h"
 #include "harness/files.h"
 #include "harness/multiprocess.h"
@@ -48,22 +47,7 @@ TEST(JsonDepth, CountsArraysAndObjectsOutsideStrings) {
   EXPECT_NE(json_too_deep("[\"\\\\\", [[]]]", 2), "");  // the string ended at \\"
 }
 
-class JsonFiles : public ::testing::Test {
- protected:
-  std::string write(const std::string& name, const std::string& text) {
-    const auto path = dir_.path() + "/" + name;
-    std::filesystem::create_directories(std::filesystem::path(path).parent_path());
-    std::ofstream(path, std::ios::binary) << text;
-    return path;
-  }
-  static void expect_refused(const std::string& error, const std::string& file) {
-    EXPECT_NE(error.find(file), std::string::npos) << error;
-    EXPECT_NE(error.find("JSON nested deeper than 64 levels"), std::string::npos) << error;
-    EXPECT_EQ(error.find('\n'), std::string::npos) << "one line: " << error;
-  }
-  const std::string deep_ = nested(100000);
-  fsdp::test::TempDir dir_{"json-depth"};
-};
+class JsonFiles : public fsdp::test::DeepJsonFiles {};
 
 FSDP_WORKER(json_depth_save) {
   auto pg = fsdp::init_process_group();
@@ -82,32 +66,32 @@ TEST_F(JsonFiles, CheckpointIndex) {
   const auto path = dir + "/index.json";
   std::string index = fsdp::test::file_bytes(path);
   ASSERT_EQ(index.front(), '{');
-  write("ckpt/index.json", "{\"junk\": " + deep_ + ", " + index.substr(1));
+  write("ckpt/index.json", "{\"junk\": " + deep_json() + ", " + index.substr(1));
   torch::nn::Linear model(2, 2);
   expect_refused(error_of([&] { fsdp::load_sharded(dir, *model); }), path);
 }
 
 TEST_F(JsonFiles, SafetensorsHeader) {
-  const uint64_t length = deep_.size();
+  const uint64_t length = deep_json().size();
   std::string file(reinterpret_cast<const char*>(&length), 8);  // little-endian, as the format
-  const auto path = write("deep.safetensors", file + deep_);
+  const auto path = write("deep.safetensors", file + deep_json());
   expect_refused(error_of([&] { fsdp::safetensors::Reader reader(path); }), path);
 }
 
 TEST_F(JsonFiles, HuggingFaceConfigAndShardIndex) {
-  const auto config = write("model/config.json", deep_);
+  const auto config = write("model/config.json", deep_json());
   expect_refused(error_of([&] { fsdp_models::read_llama_config(dir_.path() + "/model"); }), config);
-  const auto index = write("sharded/model.safetensors.index.json", deep_);
+  const auto index = write("sharded/model.safetensors.index.json", deep_json());
   expect_refused(error_of([&] { fsdp_models::hf_weight_files(dir_.path() + "/sharded"); }), index);
 }
 
 TEST_F(JsonFiles, MachineProfile) {
-  const auto path = write("profile.json", deep_);
+  const auto path = write("profile.json", deep_json());
   expect_refused(error_of([&] { fsdp::plan::load_machine_profile(path, "key"); }), path);
 }
 
 TEST_F(JsonFiles, FlightRecorderDump) {
-  const auto path = write("flight/rank0.json", deep_);
+  const auto path = write("flight/rank0.json", deep_json());
   expect_refused(error_of([&] { fsdp::analyze_flight_dumps(dir_.path() + "/flight"); }), path);
 }
 

@@ -340,8 +340,10 @@ TEST(ShardedCheckpoint, DamageIsRefusedWithFileAndTensor) {
   fs::remove_all(root);
 }
 
-// Rank 1 is killed (SIGKILL) once its file is written, before the index exists; the other
-// ranks' save fails at the next barrier within the group's timeout instead of hanging.
+// Rank 1 is killed (SIGKILL) once its file is written, before the index exists. Saved by
+// save_sharded, the other ranks' save fails at the next barrier within the group's timeout
+// instead of hanging; with ASYNC=1 (AsyncCheckpointer), rank 1 dies in its writer thread, and
+// rank 0's writer waits for its file at most the group's timeout and does not commit.
 FSDP_WORKER(ckpt_killed) {
   auto pg = fsdp::init_process_group(
       fsdp::ProcessGroupOptions().timeout(std::chrono::milliseconds(3000)));
@@ -353,31 +355,45 @@ FSDP_WORKER(ckpt_killed) {
       ::kill(::getpid(), SIGKILL);
   };
   try {
-    fsdp::save_sharded(ctx.env("DIR"), *net, &opt, *pg);
+    if (ctx.env_int("ASYNC", 0) != 0) {
+      fsdp::AsyncCheckpointer saver(pg);
+      saver.start(ctx.env("DIR"), *net, &opt);
+      saver.wait();
+    } else {
+      fsdp::save_sharded(ctx.env("DIR"), *net, &opt, *pg);
+    }
   } catch (const std::exception& e) {
-    std::printf("[rank %d] save failed as expected: %.120s\n", pg->rank(), e.what());
+    std::printf("[rank %d] save failed as expected: %.200s\n", pg->rank(), e.what());
     return 3;
   }
   return 0;
 }
 
-TEST(ShardedCheckpoint, RankKilledMidSaveLeavesThePreviousOne) {
-  auto root = fsdp::test::fresh_dir("ckpt-killed");
-  const auto previous = root / "step-1", next = root / "step-2";
+// A checkpoint saved on 3 ranks, then one whose save loses rank 1 after it wrote its file
+// (ckpt_killed; `async`: through AsyncCheckpointer): the killed save never became a checkpoint,
+// the previous one loads.
+fsdp::test::RunResult killed_mid_save(const fs::path& previous, const fs::path& next, bool async) {
   EXPECT_WORKERS_OK(fsdp::test::run_workers("ckpt_damage", 3,
                                             fsdp::test::with_env({{"DIR", previous.string()}})));
   // Its group times out after 3 s: ranks executed anew (RunOptions::fork_ranks).
-  auto r = fsdp::test::run_workers(
-      "ckpt_killed", 3, fsdp::test::executed(fsdp::test::with_env({{"DIR", next.string()}})));
+  auto r = fsdp::test::run_workers("ckpt_killed", 3,
+                                   fsdp::test::executed(fsdp::test::with_env(
+                                       {{"DIR", next.string()}, {"ASYNC", async ? "1" : "0"}})));
   EXPECT_FALSE(r.timed_out) << r.describe();
   EXPECT_EQ(r.exit_codes[1], 128 + SIGKILL) << r.describe();
-  EXPECT_EQ(r.exit_codes[0], 3) << r.describe();
-  EXPECT_EQ(r.exit_codes[2], 3) << r.describe();
   EXPECT_LT(r.seconds, 30.0);
-  // The half-written checkpoint never became one; the previous one loads.
   EXPECT_FALSE(fs::exists(next));
   EXPECT_TRUE(fs::exists(next.string() + ".tmp"));
   EXPECT_EQ(load_error(previous), "");
+  return r;
+}
+
+TEST(ShardedCheckpoint, RankKilledMidSaveLeavesThePreviousOne) {
+  auto root = fsdp::test::fresh_dir("ckpt-killed");
+  const auto previous = root / "step-1", next = root / "step-2";
+  const auto r = killed_mid_save(previous, next, /*async=*/false);
+  EXPECT_EQ(r.exit_codes[0], 3) << r.describe();
+  EXPECT_EQ(r.exit_codes[2], 3) << r.describe();
   EXPECT_NE(load_error(next).find("cannot open"), std::string::npos);
   // The next attempt clears the debris and succeeds.
   EXPECT_WORKERS_OK(
@@ -433,46 +449,12 @@ TEST(ShardedCheckpoint, AsyncSaveWritesSaveShardedsFilesByteForByte) {
   fs::remove_all(root);
 }
 
-// Rank 1 is killed once its file is written in the background, before the commit: rank 0's
-// writer waits for it at most the group's timeout and does not commit; wait() says so.
-FSDP_WORKER(ckpt_async_killed) {
-  auto pg = fsdp::init_process_group(
-      fsdp::ProcessGroupOptions().timeout(std::chrono::milliseconds(3000)));
-  auto net = sharded_net(pg, "full_shard");
-  torch::optim::AdamW opt(net->parameters());
-  fill_with_patterns(net, opt);
-  fsdp::detail::save_sharded_hook = [](int rank, const std::string& stage) {
-    if (rank == 1 && stage == "files_written")
-      ::kill(::getpid(), SIGKILL);
-  };
-  fsdp::AsyncCheckpointer saver(pg);
-  saver.start(ctx.env("DIR"), *net, &opt);
-  try {
-    saver.wait();
-  } catch (const std::exception& e) {
-    std::printf("[rank %d] save failed as expected: %.200s\n", pg->rank(), e.what());
-    return 3;
-  }
-  return 0;
-}
-
 TEST(ShardedCheckpoint, AsyncSaveKilledMidWriteLeavesThePreviousOne) {
   auto root = fsdp::test::fresh_dir("ckpt-async-killed");
-  const auto previous = root / "step-1", next = root / "step-2";
-  EXPECT_WORKERS_OK(fsdp::test::run_workers("ckpt_damage", 3,
-                                            fsdp::test::with_env({{"DIR", previous.string()}})));
-  // Its group times out after 3 s: ranks executed anew (RunOptions::fork_ranks).
-  auto r = fsdp::test::run_workers(
-      "ckpt_async_killed", 3, fsdp::test::executed(fsdp::test::with_env({{"DIR", next.string()}})));
-  EXPECT_FALSE(r.timed_out) << r.describe();
-  EXPECT_EQ(r.exit_codes[1], 128 + SIGKILL) << r.describe();
+  const auto r = killed_mid_save(root / "step-1", root / "step-2", /*async=*/true);
   EXPECT_EQ(r.exit_codes[0], 3) << r.describe();  // its commit waited for rank 1's file
   EXPECT_NE(r.outputs[0].find("not every rank wrote its file"), std::string::npos) << r.describe();
   EXPECT_EQ(r.exit_codes[2], 0) << r.describe();  // its own file was written
-  EXPECT_LT(r.seconds, 30.0);
-  EXPECT_FALSE(fs::exists(next));
-  EXPECT_TRUE(fs::exists(next.string() + ".tmp"));
-  EXPECT_EQ(load_error(previous), "");
   fs::remove_all(root);
 }
 

@@ -300,7 +300,6 @@ struct AsyncCheckpointer::Save {
   std::unique_ptr<StoreLatch> written;
   std::chrono::milliseconds timeout{0};
   int rank = 0;
-  int64_t bytes = 0;
   std::thread writer;
   std::exception_ptr error;
   AsyncSaveResult result;
@@ -334,7 +333,7 @@ void AsyncCheckpointer::start(const std::string& dir, torch::nn::Module& model,
     torch::Tensor rows = e.data.defined() ? e.data : e.fetch();
     e.data = rows.to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
     e.fetch = nullptr;
-    save->bytes += static_cast<int64_t>(e.data.nbytes());
+    save->result.bytes += static_cast<int64_t>(e.data.nbytes());
     pieces[e.key] = piece_of(e, save->plan.file);
   }
   save->index = gather_index(*group_, pieces, save->plan, metadata);
@@ -343,7 +342,6 @@ void AsyncCheckpointer::start(const std::string& dir, torch::nn::Module& model,
   save->written = std::make_unique<StoreLatch>(
       *group_, "async-save/" + std::to_string(saves_started_++) + "/" + dir);
   save->result.dir = dir;
-  save->result.bytes = save->bytes;
   save->result.stall_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
   Save* s = save.get();

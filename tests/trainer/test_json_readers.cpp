@@ -4,13 +4,12 @@
 // builds what would overflow the stack to print, copy or compare (fsdp/core/json_depth.h).
 #include <gtest/gtest.h>
 
-#include <filesystem>
-#include <fstream>
 #include <string>
 
 #include "data/corpus_source.h"
 #include "data/data.h"
 #include "data/pretrained_model.h"
+#include "harness/deep_json.h"
 #include "harness/errors.h"
 #include "harness/files.h"
 #include "observe/metrics.h"
@@ -20,27 +19,7 @@ namespace {
 
 using fsdp::test::error_of;
 
-const std::string& deep_json() {
-  static const std::string text = std::string(100000, '[') + std::string(100000, ']');
-  return text;
-}
-
-class JsonReaders : public ::testing::Test {
- protected:
-  std::string write(const std::string& name, const std::string& text) {
-    const auto path = dir_.path() + "/" + name;
-    std::filesystem::create_directories(std::filesystem::path(path).parent_path());
-    std::ofstream(path, std::ios::binary) << text;
-    return path;
-  }
-  // The message names `file` and says why.
-  static void expect_refused(const std::string& error, const std::string& file) {
-    EXPECT_NE(error.find(file), std::string::npos) << error;
-    EXPECT_NE(error.find("JSON nested deeper than 64 levels"), std::string::npos) << error;
-    EXPECT_EQ(error.find('\n'), std::string::npos) << "one line: " << error;
-  }
-  fsdp::test::TempDir dir_{"json-readers"};
-};
+class JsonReaders : public fsdp::test::DeepJsonFiles {};
 
 TEST_F(JsonReaders, TokenizerJson) {
   const auto path = dir_.path() + "/tokenizer.json";

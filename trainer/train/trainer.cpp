@@ -830,6 +830,21 @@ torch::Tensor from_hex(const std::string& text, const std::string& what) {
   return out;
 }
 
+// What a directory of saved weights holds (model.init_from, `fsdp-train export/generate
+// --checkpoint`): a sharded checkpoint (index.json) or a Hugging Face directory (config.json);
+// a ConfigError, after `what`, for neither.
+enum class SavedModel { kShardedCheckpoint, kHuggingFace };
+
+SavedModel saved_model_in(const std::filesystem::path& dir, const std::string& what = "") {
+  if (std::filesystem::exists(dir / "index.json"))
+    return SavedModel::kShardedCheckpoint;
+  if (std::filesystem::exists(dir / "config.json"))
+    return SavedModel::kHuggingFace;
+  throw ConfigError(what + "'" + dir.string() +
+                    "' is neither a sharded checkpoint (index.json) nor a Hugging Face "
+                    "directory (config.json)");
+}
+
 // The bytes of the files in `dir`.
 uint64_t directory_bytes(const std::filesystem::path& dir) {
   uint64_t bytes = 0;
@@ -946,12 +961,8 @@ void Trainer::check_saved_inputs() const {
   const auto& from = config_.model.init_from;
   if (from.empty() || from == "latest")
     return;
-  if (std::filesystem::exists(std::filesystem::path(from) / "index.json"))
+  if (saved_model_in(from, "model.init_from: ") == SavedModel::kShardedCheckpoint)
     fsdp::read_checkpoint_metadata(from);
-  else if (!std::filesystem::exists(std::filesystem::path(from) / "config.json"))
-    throw ConfigError("model.init_from: '" + from +
-                      "' is neither a sharded checkpoint (index.json) nor a Hugging Face "
-                      "directory (config.json)");
 }
 
 int64_t Trainer::resume_from_checkpoint() {
@@ -1002,15 +1013,10 @@ std::string Trainer::load_weights(const std::string& path) {
       throw std::runtime_error("no complete checkpoint in " + checkpoint_dir(config_));
     dir = *latest;
   }
-  if (fs::exists(dir / "index.json")) {
+  if (saved_model_in(dir) == SavedModel::kShardedCheckpoint)
     fsdp::load_sharded(dir.string(), *model_.module);
-  } else if (fs::exists(dir / "config.json")) {
+  else
     model_.load_hf(dir.string());
-  } else {
-    throw ConfigError("'" + dir.string() +
-                      "' is neither a sharded checkpoint (index.json) nor a Hugging Face "
-                      "directory (config.json)");
-  }
   return dir.string();
 }
 
