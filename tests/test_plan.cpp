@@ -392,6 +392,9 @@ TEST(PlanModelStates, PredictedBytesEqualMeasuredPerRank) {
 TEST(PlanStepMemory, PeakWithinFivePercentOfMeasured) {
   const std::vector<Variant> variants{
       {2, {{"FSDP_LABEL", "gpt full_shard fp32"}}},
+      // One sequence of 8 tokens: the peak is in backward, where the reduction's buffers live
+      // as fsdp/detail/buffer_lifetimes.h says (the engine frees by it, the replay follows it).
+      {3, {{"FSDP_LABEL", "gpt full_shard fp32 1 x 8 tokens"}, {"FSDP_B", "1"}, {"FSDP_T", "8"}}},
       {3,
        {{"FSDP_LABEL", "gpt shard_grad_op ac full"},
         {"FSDP_STRATEGY", "shard_grad_op"},

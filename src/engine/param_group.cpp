@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include <fsdp/core/memory.h>
+#include <fsdp/detail/buffer_lifetimes.h>
 #include <fsdp/detail/param_layout.h>
 
 #include "prefetch.h"
@@ -163,14 +164,36 @@ void ParamGroup::wait_unshard() {
     // reset() before the wait can throw would destroy an unwaited work; keep it until waited.
     gather_->wait();
     gather_.reset();
-    gather_inputs_.clear();
     for (auto& p : params_)
-      p.finish_gather();  // decodes what arrived in a gather format (nothing otherwise)
+      p.decode_gather();  // what arrived in a gather format (nothing otherwise)
   }
-  drop_block_shards();
+  free_at(UnitEvent::kGatherDone);
   for (auto& p : params_)
     p.to_unsharded();
   unit_state_.gather_done();
+}
+
+void ParamGroup::free_at(UnitEvent event) {
+  for (const auto& l : gather_lifetimes()) {
+    if (l.freed != event)
+      continue;
+    switch (l.buffer) {
+      case UnitBuffer::kUnsharded:
+        for (auto& p : params_)
+          p.free_unsharded();
+        break;
+      case UnitBuffer::kGatherInFlight:
+        gather_inputs_.clear();
+        for (auto& p : params_)
+          p.free_gather_output();
+        break;
+      case UnitBuffer::kBlockShards:
+        drop_block_shards();
+        break;
+      default:
+        TORCH_INTERNAL_ASSERT(false, "fsdp: a reduction's buffer in the gather's lifetimes");
+    }
+  }
 }
 
 void ParamGroup::drop_block_shards() {
@@ -194,10 +217,9 @@ void ParamGroup::reshard() {
     gather_.reset();
     gather_inputs_.clear();
   }
-  for (auto& p : params_) {
+  for (auto& p : params_)
     p.to_sharded();
-    p.free_unsharded();
-  }
+  free_at(UnitEvent::kResharded);
   if (unit_state_.resharded())
     state_->prefetcher().release_slot();
   if (failed)
@@ -462,7 +484,9 @@ void ParamGroup::reduce_gradients() {
     const int64_t s = layout.row;
     auto opts =
         torch::TensorOptions().dtype(layout.dtype).device(trainable.front()->compute_device());
-    PendingReduce pending;
+    PendingReduce pending(int8    ? ReduceKind::kInt8
+                          : n > 1 ? ReduceKind::kScatter
+                                  : ReduceKind::kLocal);
     pending.params = trainable;
     pending.flags_offset = flags_at;
     {
@@ -492,7 +516,9 @@ void ParamGroup::reduce_gradients() {
       if (int8) {
         pending.output = torch::empty({s}, opts);
         pending.wire = int8_reduce_->encode(rows, chunks);
-        pending.input = torch::Tensor();  // encoded: the wire is what the exchange reads
+        // The issue starts with the encoding: the wire is what the exchange reads, and the
+        // rows may go before its receive buffer is allocated.
+        pending.free_at(UnitEvent::kReduceIssued);
         pending.received = torch::empty_like(pending.wire);
         pending.reduce_scatter =
             reduce_scatter_exchange(*groups_.shard, pending.wire, pending.received, context());
@@ -502,9 +528,11 @@ void ParamGroup::reduce_gradients() {
         pending.reduce_scatter = reduce_scatter(*groups_.shard, pending.input, pending.output,
                                                 ReduceOp::kAvg, context());
         pending.advance(ReduceStage::kScattering, name_);
+        pending.free_at(UnitEvent::kReduceIssued);
       } else {
         pending.output = std::move(pending.input);  // nothing to scatter: the grads are ours
         pending.advance(ReduceStage::kScattered, name_);
+        pending.free_at(UnitEvent::kReduceIssued);
       }
     }
     reduces_.push_back(std::move(pending));
@@ -555,12 +583,9 @@ void ParamGroup::finish_reduce_scatter() {
     if (r.stage() == ReduceStage::kScattering) {
       r.reduce_scatter->wait();
       r.reduce_scatter.reset();
-      r.input = torch::Tensor();
-      if (r.received.defined()) {
+      if (r.kind == ReduceKind::kInt8)
         int8_reduce_->decode_mean(r.received, r.output);
-        r.wire = torch::Tensor();
-        r.received = torch::Tensor();
-      }
+      r.free_at(UnitEvent::kScattered);
       r.advance(ReduceStage::kScattered, name_);
     }
   }
@@ -606,6 +631,12 @@ void ParamGroup::install_grads() {
   }
 }
 
+void ParamGroup::drop_installed_reduces() {
+  for (auto& r : reduces_)
+    r.free_at(UnitEvent::kInstalled);
+  reduces_.clear();  // every lifetime ends by kInstalled (lifetimes::valid)
+}
+
 bool ParamGroup::run_post_reduce_hook(bool end_of_pass, uint64_t round) {
   if (!post_reduce_hook_ || pass_reduction_.get() != PassReduction::kReduced)
     return false;
@@ -634,7 +665,7 @@ bool ParamGroup::run_post_reduce_hook(bool end_of_pass, uint64_t round) {
     }
   }
   // The reduced buffers now back the grads (or were copied into them): the hook may free them.
-  reduces_.clear();
+  drop_installed_reduces();
   pass_reduction_.hook_ran(name_);
   post_reduce_hook_(params);
   return true;
@@ -649,7 +680,7 @@ void ParamGroup::end_backward_pass(uint64_t pass) {
       p.restore_stash();
     p.commit_pass(/*drop_kept=*/kept_consumed);
   }
-  reduces_.clear();
+  drop_installed_reduces();
   pass_reduction_.pass_closed();
   backward_span_ = {};  // a unit whose backward never reduced (nothing reached it)
   unit_state_.pass_closed();

@@ -48,6 +48,7 @@
 #include <fsdp/fully_shard.h>
 
 #include <fsdp/core/trace.h>
+#include <fsdp/detail/buffer_lifetimes.h>
 #include <fsdp/detail/group_layout.h>
 #include <fsdp/distributed/collectives.h>
 #include "autograd_node.h"
@@ -216,6 +217,10 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   void reduce_gradients();
   void issue_all_reduce();
   void drop_block_shards();
+  /// Frees the gather cycle's buffers whose lifetime ends at `event` (buffer_lifetimes.h).
+  void free_at(UnitEvent event);
+  /// The reductions' grads are installed (kInstalled): their records and buffers go.
+  void drop_installed_reduces();
   [[noreturn]] void fail(const std::string& msg) const;
   std::string context() const;
   // fsdp::memory moments ("forward h3", "backward (root)", "recompute h3"), registered on first

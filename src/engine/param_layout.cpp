@@ -87,6 +87,18 @@ int64_t ParamLayout::unsharded_bytes() const {
   return owns_unsharded ? padded_numel() * element_size(unsharded_dtype) : 0;
 }
 
+int64_t ParamLayout::block_shard_bytes(int blocks) const {
+  return block_rows(blocks) * row_numel * element_size(unsharded_dtype);
+}
+
+int64_t ParamLayout::grad_shard_bytes() const {
+  return local_numel() * element_size(dtype);
+}
+
+int64_t ParamLayout::kept_grad_bytes() const {
+  return numel() * element_size(dtype);
+}
+
 int64_t ParamLayout::gather_input_bytes() const {
   if (wire)
     return wire->bytes(chunk_rows);

@@ -42,6 +42,31 @@ void PendingReduce::advance(ReduceStage to, const std::string& unit) {
   started_ = true;
 }
 
+void PendingReduce::free_at(UnitEvent event) {
+  for (const auto& l : reduce_lifetimes(kind)) {
+    if (l.freed != event)
+      continue;
+    switch (l.buffer) {
+      case UnitBuffer::kReduceRows:
+        input = torch::Tensor();
+        if (kind == ReduceKind::kLocal)
+          output = torch::Tensor();  // one shard: the rows are the output
+        break;
+      case UnitBuffer::kReduceWire:
+        wire = torch::Tensor();
+        break;
+      case UnitBuffer::kReduceReceived:
+        received = torch::Tensor();
+        break;
+      case UnitBuffer::kReduceOutput:
+        output = torch::Tensor();
+        break;
+      default:
+        TORCH_INTERNAL_ASSERT(false, "fsdp: a gather's buffer in a reduction's lifetimes");
+    }
+  }
+}
+
 void PassReductionState::reduced(const std::string& unit) {
   TORCH_INTERNAL_ASSERT(state_ != PassReduction::kHookRan, "fsdp: unit '", unit,
                         "' reduced again after its post-reduce hook ran in the same pass");

@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include <fsdp/detail/buffer_lifetimes.h>
 #include <fsdp/distributed/collectives.h>
 
 namespace fsdp::detail {
@@ -42,9 +43,13 @@ const char* to_string(PassReduction s);
 // rank's block of the reduce-scatter input is [param 0 chunk | ... | param P-1 chunk | P flags]:
 // flag i is 1 where this rank produced a gradient for param i, so after the (averaging)
 // reduction a param gets a grad exactly when some rank produced one, as in one process.
+// Its buffers live as fsdp/detail/buffer_lifetimes.h says for its kind: free_at() drops them.
 struct PendingReduce {
+  explicit PendingReduce(ReduceKind kind) : kind(kind) {}
+
+  ReduceKind kind;
   std::vector<ShardedParam*> params;
-  torch::Tensor input;       // reduce-scatter input (released when the reduce-scatter is done)
+  torch::Tensor input;       // the rows (UnitBuffer::kReduceRows); kLocal: the output itself
   torch::Tensor output;      // this rank's reduced shards, then the P flags
   int64_t flags_offset = 0;  // where the flags start in output
   // ReduceFormat::kInt8: the exchange's buffers ([N x piece] bytes); decoded into output when
@@ -58,6 +63,8 @@ struct PendingReduce {
   /// The one transition: to the next stage, in ReduceStage's order; kScattered first for a
   /// reduction without a reduce-scatter. `unit` names the unit in the assertion's message.
   void advance(ReduceStage to, const std::string& unit);
+  /// Frees the buffers whose lifetime ends at `event` (reduce_lifetimes(kind)).
+  void free_at(UnitEvent event);
 
  private:
   ReduceStage stage_ = ReduceStage::kScattering;

@@ -135,11 +135,9 @@ torch::Tensor ShardedParam::gather_output() {
   return wire_output_;
 }
 
-void ShardedParam::finish_gather() {
-  if (!wire_output_.defined())
-    return;
-  codec_->decode(wire_output_, padded_unsharded_, world_size_);
-  wire_output_ = torch::Tensor();
+void ShardedParam::decode_gather() {
+  if (wire_output_.defined())
+    codec_->decode(wire_output_, padded_unsharded_, world_size_);
 }
 
 void ShardedParam::fill_unsharded_locally() {
@@ -286,7 +284,7 @@ void ShardedParam::restore_stash() {
 void ShardedParam::keep_block_shard(int blocks, int index) {
   TORCH_INTERNAL_ASSERT(world_size_ % blocks == 0);
   torch::NoGradGuard no_grad;
-  const int64_t block_rows = layout_.chunk_rows * world_size_ / blocks;
+  const int64_t block_rows = layout_.block_rows(blocks);
   block_shard_ = padded_unsharded_.narrow(0, index * block_rows, block_rows).clone();
 }
 

@@ -78,10 +78,12 @@ class ShardedParam {
   /// new tensor, which the caller keeps alive until the gather completes.
   torch::Tensor gather_input() const;
   /// All-gather output: with a gather format, a wire buffer of N encoded pieces (allocated
-  /// here, freed by finish_gather() or free_unsharded()); else padded_unsharded().
+  /// here, freed by free_gather_output() or free_unsharded()); else padded_unsharded().
   torch::Tensor gather_output();
-  /// The gather landed: decodes the wire buffer (if any) into padded_unsharded() and frees it.
-  void finish_gather();
+  /// The gather landed: decodes the wire buffer (if any) into padded_unsharded().
+  void decode_gather();
+  /// Frees the wire buffer (UnitBuffer::kGatherInFlight, fsdp/detail/buffer_lifetimes.h).
+  void free_gather_output() { wire_output_ = torch::Tensor(); }
   /// The padded unsharded buffer, N * padded_shard_numel elements in the compute dtype. Only
   /// valid between alloc_unsharded() and free_unsharded(). With a world of one rank and
   /// neither cast nor gather format it IS the padded shard (nothing to gather, nothing to

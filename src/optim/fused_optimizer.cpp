@@ -1,6 +1,7 @@
 // The step driver of the fused optimizers: which parameters step, the state layout, and the
 // pieces the kernels run on (see include/fsdp/optim/fused_optimizer.h).
 #include <fsdp/optim/fused_optimizer.h>
+#include <fsdp/optim/state_layout.h>
 
 #include <fsdp/core/trace.h>
 
@@ -18,10 +19,9 @@
 namespace fsdp {
 namespace {
 
-// Every parameter's state starts on a 64-element boundary (a cache line of fp32, and a whole
-// number of vectors at any width), so no two parameters share a line and threads never write
-// the same line.
-constexpr int64_t kSlotAlign = 64;
+// Every parameter's state starts on a 64-element boundary (slot_elements, state_layout.h: a cache
+// line of fp32, and a whole number of vectors at any width), so no two parameters share a line
+// and threads never write the same line.
 // Elements per piece of work: small enough for every thread to get several, large enough that
 // the per-piece overhead (a virtual call, a few pointer sums) is noise.
 constexpr int64_t kPieceElements = 1 << 15;
@@ -85,7 +85,7 @@ void FusedOptimizer::build_layout() {
       s.numel = p.numel();
       s.offset = offset;
       s.id = static_cast<uint32_t>(slots.size());
-      offset += (s.numel + kSlotAlign - 1) / kSlotAlign * kSlotAlign;
+      offset += detail::slot_elements(s.numel);
       slots.push_back(std::move(s));
     }
   }

@@ -21,13 +21,14 @@
 
 #include <fsdp/core/file.h>
 #include <fsdp/core/memory.h>
+#include <fsdp/optim/state_layout.h>
 
 namespace fsdp::detail {
 namespace {
 
 namespace fs = std::filesystem;
 
-constexpr int64_t kAlign = 4096;  // O_DIRECT: offsets, sizes and addresses
+constexpr int64_t kAlign = kStateFileAlign;  // O_DIRECT: offsets, sizes and addresses
 
 // A buffer aligned for O_DIRECT, allocated as a tensor so the memory accounting counts it
 // (under kOptimizer).
@@ -71,7 +72,7 @@ class MemoryStore final : public StateStore {
       memory::CategoryScope scope(memory::Category::kOptimizer);
       for (int s = 0; s < streams_; ++s)
         buffers_.push_back(
-            torch::zeros({std::max<int64_t>(elements_ * element_size_, 1)}, torch::kUInt8));
+            torch::zeros({state_stream_bytes(elements_, element_size_)}, torch::kUInt8));
     }
     return buffers_[stream];
   }
@@ -132,11 +133,8 @@ class FileStore final : public StateStore {
   FileStore(int streams, int64_t elements, int64_t element_size,
             const OptimizerStateOptions& options)
       : StateStore(streams, elements, element_size) {
-    // Chunk: a whole number of 4096-element blocks (every stream's part then starts aligned).
     const int64_t per_element = streams * element_size;
-    chunk_elems_ = std::max<int64_t>(1, options.chunk_bytes() / per_element / kAlign) * kAlign;
-    chunk_elems_ = std::min(chunk_elems_, (elements + kAlign - 1) / kAlign * kAlign);
-    chunk_elems_ = std::max<int64_t>(chunk_elems_, kAlign);
+    chunk_elems_ = state_chunk_elements(streams, elements, element_size, options.chunk_bytes());
     num_chunks_ = (elements + chunk_elems_ - 1) / chunk_elems_;
     stride_ = chunk_elems_ * per_element;
     // The buffers first: if they cannot be allocated, no file has been reserved yet.

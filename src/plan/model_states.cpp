@@ -1,12 +1,15 @@
-// See include/fsdp/plan/model_states.h. A parameter's shard is the engine's own layout
-// (fsdp/detail/param_layout.h); each other rule below restates where the engine allocates (the
-// file and function named): a change there must change this, and PlanModelStates.* in
-// tests/test_plan.cpp compares the two byte for byte.
+// See include/fsdp/plan/model_states.h. Every size here is the library's own description: a
+// parameter's shard, its gradient and a unit's reduction (fsdp/detail/param_layout.h), the fused
+// optimizers' slots and state stores (fsdp/optim/state_layout.h). What is restated is which of
+// them a rank holds between steps; PlanModelStates.* in tests/test_plan.cpp compares the total
+// with a measured step byte for byte.
 #include <fsdp/plan/model_states.h>
 
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+
+#include <fsdp/optim/state_layout.h>
 
 #include "unit_bytes.h"
 
@@ -34,10 +37,9 @@ RankStates model_states(const std::vector<UnitInfo>& units, const StateOptions& 
       master = p.dtype;
       ++trainable;
       reduce_elements += s.shard_numel();
-      const int64_t local = s.local_numel();
-      local_grad_bytes += local * detail::esize(p.dtype);
-      slot_elements += (local + 63) / 64 * 64;  // src/optim/fused_optimizer.cpp, kSlotAlign
-      torch_state_bytes += local * detail::esize(p.dtype);
+      local_grad_bytes += s.grad_shard_bytes();
+      slot_elements += fsdp::detail::slot_elements(s.local_numel());
+      torch_state_bytes += s.grad_shard_bytes();  // zeros_like(param) per moment
     }
     if (trainable == 0)
       continue;
@@ -50,28 +52,20 @@ RankStates model_states(const std::vector<UnitInfo>& units, const StateOptions& 
         mixed ? MixedPrecisionPolicy().param_dtype(o.param_dtype).reduce_dtype(o.reduce_dtype)
               : MixedPrecisionPolicy(),
         master);
-    out.grads += o.cpu_offload || reduce != master
-                     ? local_grad_bytes
-                     : (reduce_elements + trainable) * detail::esize(reduce);
+    const auto layout =
+        fsdp::detail::reduce_layout(reduce_elements, trainable, n, reduce, MixedPrecisionPolicy());
+    const int64_t output = n > 1 ? layout.output_bytes() : layout.input_bytes();
+    out.grads += o.cpu_offload || reduce != master ? local_grad_bytes : output;
   }
   const int moments = o.optimizer == Optimizer::kAdamW         ? 2
                       : o.optimizer == Optimizer::kSgdMomentum ? 1
                                                                : 0;
   if (o.fused) {
-    const int64_t esize = detail::esize(o.moments_dtype);
-    if (moments > 0 && o.optimizer_in_file) {
-      // src/optim/optimizer_state_store.cpp, FileStore: two chunk buffers (every moment's part
-      // of a chunk), chunks of whole 4096-element blocks, each buffer 4096 bytes over for
-      // O_DIRECT alignment. The file itself is not memory.
-      constexpr int64_t kAlign = 4096;
-      const int64_t per_element = moments * esize;
-      int64_t chunk = std::max<int64_t>(1, o.chunk_bytes / per_element / kAlign) * kAlign;
-      chunk = std::min(chunk, detail::ceil_div(slot_elements, kAlign) * kAlign);
-      chunk = std::max(chunk, kAlign);
-      out.optimizer = 2 * (chunk * per_element + kAlign);
-    } else if (moments > 0) {
-      // MemoryStore: one buffer per moment, at least a byte.
-      out.optimizer = moments * std::max<int64_t>(slot_elements * esize, 1);
+    // One stream per moment, in memory or in a file (whose chunk buffers are the memory).
+    if (moments > 0) {
+      out.optimizer =
+          fsdp::detail::state_resident_bytes(o.optimizer_in_file, moments, slot_elements,
+                                             detail::esize(o.moments_dtype), o.chunk_bytes);
     }
   } else {
     out.optimizer = moments * torch_state_bytes;  // zeros_like(param) per moment

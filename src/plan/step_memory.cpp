@@ -1,6 +1,8 @@
-// See include/fsdp/plan/step_memory.h. Each event below names the engine function that makes the
-// allocation it counts (src/engine/param_group.cpp, sharded_param.cpp, prefetch.cpp): a change
-// there must change this, and tests/test_plan.cpp compares the two.
+// See include/fsdp/plan/step_memory.h. The engine's own step buffers come and go at the events of
+// fsdp/detail/buffer_lifetimes.h, the table the engine frees them by: this file says when each
+// event happens (the schedule: prefetch.cpp's rate limiter, the order of forward and backward),
+// and adds what is not the engine's (autograd's gradients and activations, Gloo's staging).
+// tests/test_plan.cpp compares the prediction with a measured step.
 #include <fsdp/plan/step_memory.h>
 
 #include <c10/util/Exception.h>
@@ -9,6 +11,9 @@
 #include <deque>
 #include <functional>
 #include <set>
+#include <span>
+
+#include <fsdp/detail/buffer_lifetimes.h>
 
 #include "unit_bytes.h"
 
@@ -16,6 +21,8 @@ namespace fsdp::plan {
 namespace {
 
 namespace mem = fsdp::memory;
+using fsdp::detail::Lifetime;
+using fsdp::detail::UnitEvent;
 using mem::Category;
 
 using detail::Geometry;
@@ -37,8 +44,25 @@ class Ledger {
     cur_.bytes[static_cast<int>(c)] -= bytes;
   }
   int64_t current(Category c) const { return cur_[c]; }
+  // The engine at `event` (fsdp/detail/buffer_lifetimes.h): the buffers of `table` freed there
+  // go, then those allocated there come.
+  void apply(std::span<const Lifetime> table, UnitEvent event, const UnitBytes& unit,
+             bool holds_block, const Moment& at) {
+    for (const auto& l : table) {
+      if (l.freed == event)
+        add_nonzero(l.category, -detail::buffer_bytes(unit, l.buffer, holds_block), at);
+    }
+    for (const auto& l : table) {
+      if (l.allocated == event)
+        add_nonzero(l.category, detail::buffer_bytes(unit, l.buffer, holds_block), at);
+    }
+  }
 
  private:
+  void add_nonzero(Category c, int64_t bytes, const Moment& at) {
+    if (bytes != 0)
+      add(c, bytes, at);
+  }
   void observe(const Moment& at) {
     out_.timeline.emplace_back(at, cur_);
     for (int c = 0; c < mem::kNumCategories; ++c)
@@ -70,31 +94,25 @@ class Schedule {
 
   bool sharded(size_t u) const { return state_[u] == Gather::kSharded; }
 
-  // issue_unshard: the unsharded buffers and the copies in flight.
+  // issue_unshard: the unsharded buffers and the copies in flight; Gloo's staging.
   void issue(size_t u, bool counted, const Moment& at) {
     if (state_[u] != Gather::kSharded)
       return;
     state_[u] = Gather::kGathering;
-    ledger_.add(Category::kGathered, bytes_[u].gathered, at);
-    if (!block_[u])  // from a kept block: the block itself is sent
-      ledger_.add(Category::kGathered, bytes_[u].gather_inputs, at);
-    ledger_.add(Category::kOther, block_[u] ? bytes_[u].block_staging : bytes_[u].staging, at);
+    apply(u, UnitEvent::kGatherIssued, at);
+    ledger_.add(Category::kOther, staging(u), at);
     if (counted) {
       ++in_use_;
       counted_[u] = true;
     }
   }
-  // wait_unshard: the copies in flight are gone; a kept block is dropped.
+  // wait_unshard: Gloo's staging goes, then what the engine frees once the gather landed.
   void wait(size_t u, const Moment& at) {
     if (state_[u] != Gather::kGathering)
       return;
-    ledger_.add(Category::kOther, -(block_[u] ? bytes_[u].block_staging : bytes_[u].staging), at);
-    if (block_[u]) {
-      ledger_.add(Category::kGathered, -bytes_[u].block_shard, at);
-      block_[u] = false;
-    } else {
-      ledger_.add(Category::kGathered, -bytes_[u].gather_inputs, at);
-    }
+    ledger_.add(Category::kOther, -staging(u), at);
+    apply(u, UnitEvent::kGatherDone, at);
+    block_[u] = false;
     state_[u] = Gather::kGathered;
   }
   void unshard(size_t u, bool counted, const Moment& at) {
@@ -116,10 +134,10 @@ class Schedule {
       return;
     wait(u, at);
     if (keep_block) {
-      ledger_.add(Category::kGathered, bytes_[u].block_shard, at);
       block_[u] = true;
+      apply(u, UnitEvent::kBlockKept, at);
     }
-    ledger_.add(Category::kGathered, -bytes_[u].gathered, at);
+    apply(u, UnitEvent::kResharded, at);
     state_[u] = Gather::kSharded;
     release(u, at);
   }
@@ -138,6 +156,14 @@ class Schedule {
   void drop_queue() { queue_.clear(); }
 
  private:
+  void apply(size_t u, UnitEvent event, const Moment& at) {
+    ledger_.apply(fsdp::detail::gather_lifetimes(), event, bytes_[u], block_[u], at);
+  }
+  // Gloo's flat buffers for one call of the gather (from the kept block: of the block's).
+  int64_t staging(size_t u) const {
+    return block_[u] ? bytes_[u].block_staging : bytes_[u].staging;
+  }
+
   const std::vector<UnitBytes>& bytes_;
   std::vector<Gather> state_;
   std::vector<bool> block_;
@@ -307,10 +333,15 @@ MemoryPrediction predict_step_memory(const std::vector<UnitInfo>& units, const S
     std::vector<bool> hooked(units.size(), false);
     // A hook: install_grads (the reduced output becomes the grads, or is added into the stash),
     // then the step, then the grads are dropped.
+    // The engine at a reduction's event (fsdp/detail/buffer_lifetimes.h).
+    auto reduce_event = [&](size_t u, UnitEvent event, const Moment& m) {
+      ledger.apply(fsdp::detail::reduce_lifetimes(bytes[u].reduce_kind), event, bytes[u], false, m);
+    };
     auto run_hook = [&](size_t u, const Moment& m) {
       const auto& b = bytes[u];
-      const int64_t output = b.reduce_output > 0 ? b.reduce_output : b.reduce_input;
-      ledger.add(G, stash[u] ? -output : b.final_grads - output, m);
+      reduce_event(u, UnitEvent::kInstalled, m);
+      if (!stash[u])
+        ledger.add(G, b.final_grads, m);
       ledger.add(G, -b.final_grads, m);
       stash[u] = false;
       hooked[u] = true;
@@ -318,9 +349,11 @@ MemoryPrediction predict_step_memory(const std::vector<UnitInfo>& units, const S
     auto finish_pending = [&](const Moment& m) {
       if (pending_reduce >= units.size())
         return;
+      // finish_reduce_scatter: int8 sums the N decoded pieces, then the buffers go (and Gloo's).
       const auto& pb = bytes[pending_reduce];
       ledger.spike(G, pb.decode_scratch, m);
-      ledger.add(G, -pb.reduce_input - pb.reduce_received, m);
+      reduce_event(pending_reduce, UnitEvent::kScattered, m);
+      ledger.add(G, -detail::backend_received_bytes(pb), m);
       pending_reduce = units.size();
     };
     auto reduce = [&](size_t u, const Moment& m) {
@@ -336,21 +369,20 @@ MemoryPrediction predict_step_memory(const std::vector<UnitInfo>& units, const S
         sched.reshard(u, false, m);
         return;
       }
-      // finish_reduce_scatters: the previous unit's input goes when its collective is done.
+      // finish_reduce_scatters: the previous unit's collective is done.
       finish_pending(m);
-      // Copied into, grad by grad, then the grads go (int8: the reduce-dtype input, encoded
-      // into the wire once the parameters are resharded, then freed).
-      ledger.add(G, b.reduce_staging > 0 ? b.reduce_staging : b.reduce_input, m);
+      // The rows, copied into grad by grad, then the grads go (int8: the rows are encoded into
+      // the wire once the parameters are resharded).
+      reduce_event(u, UnitEvent::kReduceFilled, m);
       ledger.add(G, -b.unsharded_grads, m);
       if (kept[u]) {
         ledger.add(G, -b.kept_grads, m);  // commit_pass drops them at the end of the pass
         kept[u] = false;
       }
       sched.reshard(u, false, m);
-      if (b.reduce_staging > 0)
-        ledger.add(G, b.reduce_input - b.reduce_staging, m);
-      ledger.add(G, b.reduce_output + b.reduce_received, m);
-      if (b.reduce_output > 0)  // with N == 1 the input is the output, kept to the end
+      reduce_event(u, UnitEvent::kReduceIssued, m);
+      ledger.add(G, detail::backend_received_bytes(b), m);
+      if (b.reduce_kind != fsdp::detail::ReduceKind::kLocal)  // else nothing is in flight
         pending_reduce = u;
       if (hooks) {
         // run_post_reduce_hooks: the units whose reductions are complete by now.
@@ -438,14 +470,11 @@ MemoryPrediction predict_step_memory(const std::vector<UnitInfo>& units, const S
           run_hook(u, e);
           continue;
         }
-        const int64_t output = b.reduce_output > 0 ? b.reduce_output : b.reduce_input;
-        if (stash[u]) {
-          ledger.add(G, -output, e);  // added into the stash, then freed
-        } else {
+        // install_grads: added into the stash (or becoming it), then the reduction goes.
+        if (!stash[u])
           ledger.add(G, b.final_grads, e);
-          ledger.add(G, -output, e);
-          stash[u] = true;
-        }
+        reduce_event(u, UnitEvent::kInstalled, e);
+        stash[u] = true;
       }
     }
     // Whatever the activations model leaves (rounding) is not carried into the next micro-batch.

@@ -13,6 +13,7 @@
 #include <set>
 #include <string>
 
+#include <fsdp/detail/buffer_lifetimes.h>
 #include <fsdp/detail/group_layout.h>
 #include <fsdp/detail/param_layout.h>
 #include <fsdp/mixed_precision.h>
@@ -48,7 +49,39 @@ struct UnitBytes {
   int64_t final_grads = 0;           // what the stash holds after install_grads
   int64_t kept_grads = 0;            // no-sync micro-batches: unsharded grads in the master dtype
   bool trainable = false;
+  fsdp::detail::ReduceKind reduce_kind = fsdp::detail::ReduceKind::kLocal;
 };
+
+/// The bytes of one of the engine's step buffers (fsdp/detail/buffer_lifetimes.h) in a unit.
+/// `holds_block`: the unit keeps a block of its parameters (reshard_after_forward_size), and its
+/// next gather sends that block itself.
+inline int64_t buffer_bytes(const UnitBytes& u, fsdp::detail::UnitBuffer buffer, bool holds_block) {
+  using fsdp::detail::UnitBuffer;
+  const bool int8 = u.reduce_kind == fsdp::detail::ReduceKind::kInt8;
+  switch (buffer) {
+    case UnitBuffer::kUnsharded:
+      return u.gathered;
+    case UnitBuffer::kGatherInFlight:
+      return holds_block ? 0 : u.gather_inputs;
+    case UnitBuffer::kBlockShards:
+      return holds_block ? u.block_shard : 0;
+    case UnitBuffer::kReduceRows:
+      return int8 ? u.reduce_staging : u.reduce_input;
+    case UnitBuffer::kReduceWire:
+      return int8 ? u.reduce_input : 0;
+    case UnitBuffer::kReduceReceived:
+      return int8 ? u.reduce_received : 0;
+    case UnitBuffer::kReduceOutput:
+      return u.reduce_output;
+  }
+  return 0;
+}
+
+/// The backend's receive buffer of a reduce-scatter over Gloo (not the engine's: Gloo allocates
+/// it from the issue until the collective completes).
+inline int64_t backend_received_bytes(const UnitBytes& u) {
+  return u.reduce_kind == fsdp::detail::ReduceKind::kInt8 ? 0 : u.reduce_received;
+}
 
 struct Geometry {
   int n = 1;  // shard group size
@@ -89,7 +122,7 @@ inline UnitBytes unit_bytes(const UnitInfo& unit, const StepOptions& o, const Ge
       u.gather_inputs += l.gather_input_bytes() + l.gather_output_bytes();
       u.gather_wire += l.gather_wire_bytes();
       if (block_k)
-        u.block_shard += l.padded_numel() / *block_k * unsharded_size;
+        u.block_shard += l.block_shard_bytes(*block_k);
     }
     if (!p.trainable)
       continue;
@@ -102,8 +135,8 @@ inline UnitBytes unit_bytes(const UnitInfo& unit, const StepOptions& o, const Ge
       u.unsharded_grads_post += l.numel() * unsharded_size;
     if (post.count(p.name) && pre.count(p.name))
       u.unsharded_grads_tied += l.numel() * unsharded_size;
-    u.kept_grads += l.numel() * esize(p.dtype);
-    local_grad_bytes += l.local_numel() * esize(p.dtype);
+    u.kept_grads += l.kept_grad_bytes();
+    local_grad_bytes += l.grad_shard_bytes();
   }
   if (o.gloo_staging && n > 1) {
     auto staged = [&](int64_t wire, int group) {
@@ -122,6 +155,9 @@ inline UnitBytes unit_bytes(const UnitInfo& unit, const StepOptions& o, const Ge
   const torch::ScalarType reduce = fsdp::detail::reduce_dtype_of(mp, master);
   // The unit's reduction as the engine lays it out (ParamGroup::reduce_gradients).
   const auto r = fsdp::detail::reduce_layout(chunk_elems, flags, n, reduce, mp);
+  u.reduce_kind = r.int8  ? fsdp::detail::ReduceKind::kInt8
+                  : n > 1 ? fsdp::detail::ReduceKind::kScatter
+                          : fsdp::detail::ReduceKind::kLocal;
   if (r.int8) {
     // int8_reduce.cpp: the reduce-dtype input until it is encoded, the wire and the
     // all-to-all's receive buffer (as large) until the next reduction waits, the N decoded

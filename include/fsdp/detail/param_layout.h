@@ -75,6 +75,15 @@ struct ParamLayout {
   int64_t gather_output_bytes() const;
   /// What the backend sees arrive: the wire buffer, or the gathered parameter itself.
   int64_t gather_wire_bytes() const;
+  /// reshard_after_forward_size: one of `blocks` equal row blocks of the gathered parameter,
+  /// kept from forward to backward (keep_block_shard); `blocks` divides world_size.
+  int64_t block_rows(int blocks) const { return chunk_rows * world_size / blocks; }
+  int64_t block_shard_bytes(int blocks) const;
+  /// The sharded grad (this rank's real rows, in the parameter's dtype): what add_to_stash makes
+  /// when the reduced output cannot back it (another dtype, or offloaded to the host).
+  int64_t grad_shard_bytes() const;
+  /// The unsharded grad that no-sync passes accumulate locally, in the parameter's dtype.
+  int64_t kept_grad_bytes() const;
 };
 
 /// A unit's gradient reduction on one rank (ParamGroup::reduce_gradients): the trainable
