@@ -222,6 +222,13 @@ void release_dead_models();
 /// shards' grads accumulate: less memory, more traffic. Both give the gradient of the sum.
 void set_requires_gradient_sync(torch::nn::Module& module, bool sync);
 
+/// Fault tolerance (fsdp/distributed/replica_quorum.h): the group over which every unit under
+/// `module` averages its gradients across replicas (hybrid_shard, no_shard) becomes `group`, the
+/// ranks at this rank's shard position in the replicas still training. The units' shard groups
+/// stay. Between steps only: refused while a unit is gathered or in a backward pass. A unit
+/// without replicas (full_shard, shard_grad_op) accepts only a group of one rank.
+void set_replicate_group(torch::nn::Module& module, std::shared_ptr<ProcessGroup> group);
+
 /// Called with a unit's trainable parameters once their .grad holds the backward pass's
 /// reduced gradient (this rank's shard, added to what the grads held before the pass).
 using PostReduceHook = std::function<void(const std::vector<torch::Tensor>& params)>;

@@ -588,34 +588,57 @@ c10::DeviceType ProcessGroup::device_type() const {
   return options_.backend() == "nccl" ? c10::kCUDA : options_.gloo_device();
 }
 
+namespace {
+// Ascending group ranks in [0, size), at least one.
+void check_ranks(const std::vector<int>& ranks, int size, int me, const char* what) {
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (ranks[i] < 0 || ranks[i] >= size || (i > 0 && ranks[i] <= ranks[i - 1])) {
+      throw std::invalid_argument("[rank " + std::to_string(me) + "] " + what +
+                                  ": ranks must be ascending group ranks in [0, " +
+                                  std::to_string(size) + "), got " + rank_list(ranks));
+    }
+  }
+  if (ranks.empty())
+    throw std::invalid_argument("[rank " + std::to_string(me) + "] " + what + ": no ranks");
+}
+}  // namespace
+
 std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ranks) {
   // Counted before any check, so that every member numbers its groups the same way even when
   // it is not in this one.
   const int k = subgroups_created_++;
-  const int me = global_ranks_[static_cast<size_t>(rank_)];
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    if (ranks[i] < 0 || ranks[i] >= size_ || (i > 0 && ranks[i] <= ranks[i - 1])) {
-      throw std::invalid_argument("[rank " + std::to_string(me) + "] new_group: ranks must be " +
-                                  "ascending group ranks in [0, " + std::to_string(size_) +
-                                  "), got " + rank_list(ranks));
-    }
-  }
-  if (ranks.empty()) {
-    throw std::invalid_argument("[rank " + std::to_string(me) + "] new_group: no ranks");
-  }
-  auto pos = std::find(ranks.begin(), ranks.end(), rank_);
-  if (pos == ranks.end())
+  check_ranks(ranks, size_, global_ranks_[static_cast<size_t>(rank_)], "new_group");
+  if (std::find(ranks.begin(), ranks.end(), rank_) == ranks.end())
     return nullptr;
+  return subgroup(ranks, "fsdp/group" + std::to_string(k), "new_group #" + std::to_string(k),
+                  name_ + "/" + std::to_string(k));
+}
 
-  const int sub_rank = static_cast<int>(pos - ranks.begin());
+std::shared_ptr<ProcessGroup> ProcessGroup::members_group(const std::vector<int>& ranks,
+                                                          const std::string& tag) {
+  const int me = global_ranks_[static_cast<size_t>(rank_)];
+  check_ranks(ranks, size_, me, "members_group");
+  if (std::find(ranks.begin(), ranks.end(), rank_) == ranks.end()) {
+    throw std::invalid_argument("[rank " + std::to_string(me) + "] members_group '" + tag +
+                                "': this rank is not among " + rank_list(ranks));
+  }
+  return subgroup(ranks, "fsdp/members/" + tag, "members_group '" + tag + "'", name_ + "/" + tag);
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::subgroup(const std::vector<int>& ranks,
+                                                     const std::string& prefix,
+                                                     const std::string& what,
+                                                     const std::string& name) {
+  const int me = global_ranks_[static_cast<size_t>(rank_)];
+  const int sub_rank =
+      static_cast<int>(std::find(ranks.begin(), ranks.end(), rank_) - ranks.begin());
   const int sub_size = static_cast<int>(ranks.size());
   std::vector<int> members;
   for (int r : ranks)
     members.push_back(global_ranks_[static_cast<size_t>(r)]);
-  c10::intrusive_ptr<c10d::Store> store =
-      c10::make_intrusive<c10d::PrefixStore>("fsdp/group" + std::to_string(k), store_);
+  c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::PrefixStore>(prefix, store_);
   join_check(*store, sub_rank, members, options_.timeout(),
-             "new_group #" + std::to_string(k) + " over global ranks " + rank_list(members),
+             what + " over global ranks " + rank_list(members),
              /*hosts_store=*/false);
   auto backend_store = c10::make_intrusive<c10d::PrefixStore>("backend", store);
   std::vector<c10::intrusive_ptr<c10d::Backend>> lanes;
@@ -624,12 +647,11 @@ std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ra
         make_lanes(find_backend(options_.backend()), backend_store, sub_rank, sub_size, options_);
   } catch (const std::exception& e) {
     throw std::runtime_error("[rank " + std::to_string(me) + "] creating the " +
-                             options_.backend() + " backend of new_group #" + std::to_string(k) +
+                             options_.backend() + " backend of " + what +
                              " failed: " + first_line(e));
   }
   return std::make_shared<ProcessGroup>(store, std::move(lanes), sub_rank, sub_size,
-                                        std::move(members), options_,
-                                        name_ + "/" + std::to_string(k));
+                                        std::move(members), options_, name);
 }
 
 namespace {

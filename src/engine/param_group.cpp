@@ -232,6 +232,17 @@ void ParamGroup::release() {
   reshard();
 }
 
+void ParamGroup::set_replicate_group(std::shared_ptr<ProcessGroup> group) {
+  if (unit_state_.gathered() || unit_state_.training() != TrainingState::kIdle || !reduces_.empty())
+    fail("set_replicate_group between steps only (the unit is " + unit_state_.describe() + ")");
+  if (!groups_.replicate && group->size() > 1)
+    fail("set_replicate_group: a unit without replicas (" +
+         std::string(to_string(options_.strategy())) + ") takes no group of " +
+         std::to_string(group->size()) + " ranks");
+  if (groups_.replicate || group->size() > 1)
+    groups_.replicate = std::move(group);
+}
+
 void ParamGroup::set_user_held(bool held) {
   unit_state_.set_user_held(held);
 }

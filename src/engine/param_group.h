@@ -168,6 +168,9 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   /// all-reduce that follows it. Bounds the reduce-scatter buffers alive at once.
   void finish_reduce_scatter();
 
+  /// fsdp::set_replicate_group.
+  void set_replicate_group(std::shared_ptr<ProcessGroup> group);
+
   /// fsdp::set_post_reduce_hook.
   void set_post_reduce_hook(PostReduceHook hook) { post_reduce_hook_ = std::move(hook); }
   /// Runs the post-reduce hook on this pass's reduced grads, if there is a hook, the unit

@@ -14,6 +14,7 @@
 
 #include <fsdp/activation_checkpoint.h>
 #include <fsdp/fully_shard.h>
+#include <fsdp/quant/nf4.h>
 
 #include "compute_dtype.h"
 #include "data/pretrained_model.h"
@@ -113,11 +114,20 @@ int64_t calibration_params_limit(torch::ScalarType dtype) {
                                                                    : int64_t{4} << 20;
 }
 
+// Whether the Linear widths of `c` are multiples of `m` (NF4 packs its rows in blocks of 64).
+bool widths_multiple_of(const fsdp_models::LlamaConfig& c, int64_t m) {
+  return c.dim % m == 0 && c.ffn_hidden_dim % m == 0;
+}
+bool widths_multiple_of(const fsdp_models::GPTConfig& c, int64_t m) {
+  return c.n_embd % m == 0;
+}
+
 // How much calibrate() narrows the one-block model `one` (0: not at all): by k, 2k and 4k, the
 // least k >= 2 (k = 1 would be the full width itself) that brings the widest copy within the
-// limit, as far as the widths allow.
+// limit, as far as the widths allow: each narrowed copy keeps its widths multiples of
+// `width_multiple` (QLoRA's NF4 block), else the model is calibrated at full width.
 template <typename ModelConfig>
-int64_t narrowing_factor(const ModelConfig& one, torch::ScalarType dtype) {
+int64_t narrowing_factor(const ModelConfig& one, torch::ScalarType dtype, int64_t width_multiple) {
   const int64_t limit = calibration_params_limit(dtype), most = fsdp_models::max_narrowing(one);
   if (one.num_params() <= limit || most < 8)
     return 0;
@@ -127,6 +137,9 @@ int64_t narrowing_factor(const ModelConfig& one, torch::ScalarType dtype) {
   int64_t k = 2;
   while (8 * k <= most && params_at(k) > limit)
     k *= 2;
+  // The narrowest copy's widths divide the others' (by 2 and 4).
+  if (!widths_multiple_of(fsdp_models::narrowed(one, 4 * k, false), width_multiple))
+    return 0;
   return k;
 }
 
@@ -138,7 +151,7 @@ void calibrate(const ModelConfig& one, const std::function<Model(const ModelConf
                const Config& config, torch::ScalarType dtype, int64_t seq_len,
                const std::function<bool(const std::string&)>& is_blocks, bool time_compute,
                int copies, const std::function<void()>& before_timing, const PlanProgress& progress,
-               RunPlan& out) {
+               int64_t width_multiple, RunPlan& out) {
   // With root_fp32 the blocks hand fp32 to each other and to the root (output_dtype, as
   // trainer.cpp sets it).
   const auto output = config.precision.root_fp32 && dtype != torch::kFloat
@@ -161,7 +174,7 @@ void calibrate(const ModelConfig& one, const std::function<Model(const ModelConf
   const char* dtype_text = dtype == torch::kFloat      ? "fp32"
                            : dtype == torch::kBFloat16 ? "bf16"
                                                        : "fp16";
-  const int64_t k = narrowing_factor(one, dtype);
+  const int64_t k = narrowing_factor(one, dtype, width_multiple);
   // At full width the calibrated pieces are also the first timed ones (below): built once.
   std::shared_ptr<const plan::CalibrationPieces> full_width;
   if (k == 0) {
@@ -326,7 +339,8 @@ int64_t plan_finetune(const Calibration& c, const std::string& model_path, int64
         return model;
       };
   calibrate(one, make, c.config, c.dtype, o.seq_len, is_llama_blocks, c.time_compute,
-            c.timing_copies, c.before_timing, c.progress, out);
+            c.timing_copies, c.before_timing, c.progress,
+            ft.method == "qlora" ? fsdp::nf4::kBlock : int64_t{1}, out);
   return cfg.n_layers;
 }
 
@@ -349,7 +363,7 @@ int64_t plan_pretrain(const Calibration& c, const ModelConfig& cfg, int64_t Mode
     return Model(mc);
   };
   calibrate(one, make, c.config, c.dtype, o.seq_len, is_blocks, c.time_compute, c.timing_copies,
-            c.before_timing, c.progress, out);
+            c.before_timing, c.progress, /*width_multiple=*/1, out);
   return cfg.*layers;
 }
 

@@ -137,6 +137,12 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   /// A group over `ranks` (group ranks of this group, ascending). Every member of this group
   /// must call it with the same arguments, in the same order; non-members get nullptr.
   std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks);
+  /// A group over `ranks` (group ranks of this group, ascending, this rank among them) that only
+  /// its members create: the others need not call it, and may be dead (fault tolerance rebuilds
+  /// the groups of the replicas still alive). Every member gives the same `tag`, used once in
+  /// the job's store (an epoch, a step); the group is named "<this group>/<tag>".
+  std::shared_ptr<ProcessGroup> members_group(const std::vector<int>& ranks,
+                                              const std::string& tag);
 
   /// The subgroup of `block_size` consecutive ranks that holds this rank: ranks
   /// [r / block_size * block_size, ... + block_size). With ranks placed node by node, one
@@ -153,6 +159,8 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   void barrier();
 
  private:
+  std::shared_ptr<ProcessGroup> subgroup(const std::vector<int>& ranks, const std::string& prefix,
+                                         const std::string& what, const std::string& name);
   // The backend, the lanes, the store and the check are for src/distributed alone
   // (src/distributed/group_access.h).
   friend struct detail::GroupAccess;

@@ -1,0 +1,123 @@
+// Fault tolerance without restarts: the data-parallel replica is the unit of failure. A job of R
+// replicas of k ranks each (global ranks r*k .. r*k+k-1 form replica r; hybrid_shard with
+// hybrid_shard_size k shards inside a replica and averages across replicas) keeps training when a
+// replica loses a rank: the other replicas drop it and go on among themselves, as torchft's
+// Manager does with its Lighthouse, here with the job's rendezvous store as the arbiter (it lives
+// in the launcher or torchrun's agent, not in a rank, so it outlives any rank).
+//
+// Per step, the protocol is
+//   1. the step's forward and backward on the current groups; a collective that fails (a peer
+//      died, or stalled past the timeout) throws, and the engine rolls the pass back;
+//   2. commit(step, ok): every rank of the live replicas votes through the store; the step is
+//      committed (the optimizer may step) only when all of them voted ok. One "not ok" vote, or a
+//      missing one after the timeout, fails it for everyone: the store decides, so no two
+//      survivors disagree on whether a step happened, wherever the fault struck;
+//   3. after a failed commit, reform(step): the survivors register, wait up to the join window
+//      for each other, and the first to write a decision (compare-and-set) fixes the new
+//      membership for all: the replicas every rank of which registered. The groups over the
+//      live replicas are rebuilt under a new tag (ProcessGroup::members_group; c10d backends, no
+//      transport of our own), the step is run again by them: its gradient is the mean over the
+//      live replicas' samples. A rank whose replica is not in the decision leaves.
+// set_membership() makes the same change without a fault, so that a run given the membership
+// schedule of a faulty run (which steps, which replicas) is its fault-free reference.
+#pragma once
+
+#include <torch/arg.h>
+
+#include <c10/util/intrusive_ptr.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace c10d {
+class Store;
+}
+
+namespace fsdp {
+
+class ProcessGroup;
+
+struct ReplicaQuorumOptions {
+  /// Ranks per replica (k): divides the world size.
+  TORCH_ARG(int, ranks_per_replica) = 1;
+  /// How long commit() waits for a vote that does not come (a rank stopped, or its collective
+  /// still waiting on a dead peer): longer than the process group's collective timeout, so
+  /// that the ranks stuck in a collective vote "not ok" before the others give up on them.
+  TORCH_ARG(std::chrono::milliseconds, vote_timeout) = std::chrono::seconds(60);
+  /// How long survivors wait for each other to register after a failed step before deciding.
+  /// A survivor later than that is left out (and leaves).
+  TORCH_ARG(std::chrono::milliseconds, join_window) = std::chrono::seconds(3);
+};
+
+/// One membership change: from `step` on, the replicas `live` train (ascending).
+struct MembershipChange {
+  int64_t step = 0;
+  std::vector<int> live;
+};
+
+class ReplicaQuorum {
+ public:
+  /// Collective over `world` (all ranks alive): builds each replica's group and the
+  /// cross-replica groups (world->block_group(k), world->strided_group(k)), the ones
+  /// fully_shard builds for hybrid_shard_size k.
+  ReplicaQuorum(std::shared_ptr<ProcessGroup> world, ReplicaQuorumOptions options);
+  ~ReplicaQuorum();
+  ReplicaQuorum(const ReplicaQuorum&) = delete;
+  ReplicaQuorum& operator=(const ReplicaQuorum&) = delete;
+
+  int replica() const { return replica_; }
+  int num_replicas() const { return num_replicas_; }
+  /// This rank's place in its replica (its shard of every parameter).
+  int index() const { return index_; }
+  /// How many times the membership changed.
+  uint64_t epoch() const { return epoch_; }
+  /// The replicas training now, ascending.
+  const std::vector<int>& live() const { return live_; }
+  /// Every change so far (the membership schedule), the first being the initial one at step 0.
+  const std::vector<MembershipChange>& schedule() const { return schedule_; }
+
+  /// This replica's ranks (the shard group; it never changes).
+  const std::shared_ptr<ProcessGroup>& replica_group() const { return replica_group_; }
+  /// The ranks at this rank's index in every live replica: the cross-replica all-reduce's group
+  /// (give it to fsdp::set_replicate_group after each change).
+  const std::shared_ptr<ProcessGroup>& replicate_group() const { return replicate_group_; }
+  /// Every rank of the live replicas (for what the job reduces over all of them: a loss).
+  const std::shared_ptr<ProcessGroup>& live_group() const { return live_group_; }
+
+  /// Whether step `step` is committed: this rank's part succeeded (`ok`), and so did every
+  /// other live rank's. False as soon as one votes not ok, or when a vote is missing after
+  /// vote_timeout. Every live rank calls it once per attempt at a step.
+  bool commit(int64_t step, bool ok);
+  /// After a failed commit: agrees with the other survivors on the replicas still complete and
+  /// rebuilds the groups over them. Returns false when this rank's replica is not among them:
+  /// it must leave (its groups are dropped). Throws when a rank dies while the groups are made:
+  /// the caller then votes the step failed (commit) and reforms again.
+  bool reform(int64_t step);
+  /// A change without a fault (a schedule): every live rank calls it at the same step with the
+  /// same `live` (ascending, a subset of the live replicas). Returns whether this rank's replica
+  /// stays.
+  bool set_membership(const std::vector<int>& live, int64_t step);
+
+ private:
+  // The groups over `live` under `tag`; false (groups dropped) when this replica is not in it.
+  bool rebuild(std::vector<int> live, int64_t step, const std::string& tag);
+  std::vector<int> ranks_of(const std::vector<int>& replicas) const;
+
+  std::shared_ptr<ProcessGroup> world_;
+  ReplicaQuorumOptions options_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  int k_;
+  int num_replicas_;
+  int replica_;
+  int index_;
+  uint64_t epoch_ = 0;
+  std::vector<int> live_;
+  std::vector<MembershipChange> schedule_;
+  std::shared_ptr<ProcessGroup> replica_group_, replicate_group_, live_group_;
+  bool left_ = false;
+};
+
+}  // namespace fsdp

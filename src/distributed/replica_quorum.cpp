@@ -1,0 +1,223 @@
+// See include/fsdp/distributed/replica_quorum.h.
+#include <fsdp/distributed/replica_quorum.h>
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <thread>
+
+#include <fsdp/distributed/process_group.h>
+
+#include "group_access.h"
+#include "peer_progress.h"
+
+namespace fsdp {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::vector<uint8_t> bytes_of(const std::string& s) {
+  return {s.begin(), s.end()};
+}
+
+// Built by appending: GCC 12 warns (falsely, -Wstringop-overflow) on `"literal" + std::string`.
+std::string encode(const std::vector<int>& replicas) {
+  std::string out = "[";
+  for (size_t i = 0; i < replicas.size(); ++i) {
+    if (i > 0)
+      out += ',';
+    out += std::to_string(replicas[i]);
+  }
+  out += ']';
+  return out;
+}
+
+// "e3": an epoch's tag and the prefix of its keys.
+std::string epoch_tag(uint64_t epoch) {
+  std::string out = "e";
+  out += std::to_string(epoch);
+  return out;
+}
+
+// The decision's replicas, as encode() wrote them (the store holds only what ranks wrote).
+std::vector<int> decode(const std::vector<uint8_t>& raw) {
+  const std::string s(raw.begin(), raw.end());
+  TORCH_CHECK(s.size() >= 2 && s.front() == '[' && s.back() == ']',
+              "fsdp::ReplicaQuorum: a malformed membership decision in the store: '", s, "'");
+  std::vector<int> out;
+  size_t at = 1;
+  while (at < s.size() - 1) {
+    const size_t end = std::min(s.find(',', at), s.size() - 1);
+    out.push_back(std::stoi(s.substr(at, end - at)));
+    at = end + 1;
+  }
+  return out;
+}
+
+// Short sleeps first (a vote usually completes within a millisecond of the last rank's), then
+// longer ones, so that a wait of seconds costs the store a few hundred requests, not millions.
+class Backoff {
+ public:
+  void wait() {
+    std::this_thread::sleep_for(delay_);
+    delay_ = std::min(delay_ * 2, std::chrono::microseconds(20000));
+  }
+
+ private:
+  std::chrono::microseconds delay_{50};
+};
+
+}  // namespace
+
+ReplicaQuorum::ReplicaQuorum(std::shared_ptr<ProcessGroup> world, ReplicaQuorumOptions options)
+    : world_(std::move(world)), options_(options), k_(options.ranks_per_replica()) {
+  TORCH_CHECK(world_, "fsdp::ReplicaQuorum: no process group");
+  const int n = world_->size();
+  TORCH_CHECK(k_ >= 1 && n % k_ == 0, "fsdp::ReplicaQuorum: ", k_,
+              " ranks per replica do not divide the job's ", n, " ranks");
+  num_replicas_ = n / k_;
+  replica_ = world_->rank() / k_;
+  index_ = world_->rank() % k_;
+  store_ = c10::make_intrusive<c10d::PrefixStore>("fsdp/ft", detail::GroupAccess::store(*world_));
+  replica_group_ = world_->block_group(k_);
+  replicate_group_ = world_->strided_group(k_);
+  live_group_ = world_;
+  for (int r = 0; r < num_replicas_; ++r)
+    live_.push_back(r);
+  schedule_.push_back({0, live_});
+}
+
+ReplicaQuorum::~ReplicaQuorum() = default;
+
+std::vector<int> ReplicaQuorum::ranks_of(const std::vector<int>& replicas) const {
+  std::vector<int> ranks;
+  for (int r : replicas) {
+    for (int i = 0; i < k_; ++i)
+      ranks.push_back(r * k_ + i);
+  }
+  return ranks;
+}
+
+bool ReplicaQuorum::commit(int64_t step, bool ok) {
+  TORCH_CHECK(!left_, "fsdp::ReplicaQuorum: this rank left the job");
+  std::string base = epoch_tag(epoch_);
+  base += "/s";
+  base += std::to_string(step);
+  base += '/';
+  const auto voters = ranks_of(live_);
+  store_->add(base + (ok ? "ok" : "fail"), 1);
+  // The outcome is the first one written: a rank that saw every vote writes "commit", one that
+  // saw a failed vote, a silent voter or the deadline writes "fail". A rank stopped past the
+  // deadline that comes back and votes ok reads "fail", so no two ranks disagree.
+  const auto decide = [&](const char* outcome) {
+    const auto v = store_->compareSet(base + "outcome", {}, bytes_of(outcome));
+    return std::string(v.begin(), v.end()) == "commit";
+  };
+  const auto progress = detail::current_peer_progress();
+  const auto start = Clock::now();
+  auto next_look = start + std::chrono::milliseconds(250);
+  Backoff backoff;
+  while (true) {
+    if (store_->add(base + "ok", 0) >= static_cast<int64_t>(voters.size()))
+      return decide("commit");  // each rank votes once: all of them said ok
+    if (store_->add(base + "fail", 0) > 0 || store_->check({base + "outcome"}))
+      return decide("fail");
+    const auto now = Clock::now();
+    if (now - start > options_.vote_timeout())
+      return decide("fail");
+    if (progress && now >= next_look) {
+      // A voter that stopped reporting (dead, stopped, cut off) will not vote.
+      next_look = now + std::chrono::milliseconds(250);
+      const auto reports = progress->read(voters, "", 0, "", std::chrono::milliseconds(1000));
+      if (reports && std::any_of(reports->begin(), reports->end(),
+                                 [](const PeerReport& p) { return p.verdict == "silent"; }))
+        return decide("fail");
+    }
+    backoff.wait();
+  }
+}
+
+bool ReplicaQuorum::reform(int64_t step) {
+  TORCH_CHECK(!left_, "fsdp::ReplicaQuorum: this rank left the job");
+  const std::string base = epoch_tag(epoch_) + "/reform/";
+  const auto key = [&](int rank) { return base + "r" + std::to_string(rank); };
+  store_->set(key(world_->rank()), bytes_of("1"));
+  // Wait for every rank of the live replicas to register, or to be known dead: its progress
+  // reports stopped (peer_progress.h: a stopped, dead or cut-off process stops reporting; one
+  // that is computing or stuck in a collective goes on, and registers once that fails).
+  // Without reports, the join window bounds the wait instead.
+  const auto expected = ranks_of(live_);
+  const auto progress = detail::current_peer_progress();
+  const auto start = Clock::now();
+  auto next_look = start;
+  std::vector<int> present;
+  while (true) {
+    present.clear();
+    std::vector<int> missing;
+    for (int r : expected)
+      (store_->check({key(r)}) ? present : missing).push_back(r);
+    if (missing.empty())
+      break;
+    const auto now = Clock::now();
+    if (now - start > options_.vote_timeout() ||
+        (!progress && now - start > options_.join_window()))
+      break;
+    if (progress && now >= next_look) {  // a look at the reports costs a thread: 4 a second
+      next_look = now + std::chrono::milliseconds(250);
+      const auto reports = progress->read(missing, "", 0, "", std::chrono::milliseconds(1000));
+      if (reports && std::all_of(reports->begin(), reports->end(),
+                                 [](const PeerReport& p) { return p.verdict == "silent"; }))
+        break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  // The replicas every rank of which registered; the first decision written is everyone's.
+  std::vector<int> view;
+  for (int r : live_) {
+    bool complete = true;
+    for (int i = 0; i < k_; ++i)
+      complete = complete && std::count(present.begin(), present.end(), r * k_ + i) > 0;
+    if (complete)
+      view.push_back(r);
+  }
+  const auto decided = decode(store_->compareSet(base + "decision", {}, bytes_of(encode(view))));
+  ++epoch_;
+  return rebuild(decided, step, epoch_tag(epoch_));
+}
+
+bool ReplicaQuorum::set_membership(const std::vector<int>& live, int64_t step) {
+  TORCH_CHECK(!left_, "fsdp::ReplicaQuorum: this rank left the job");
+  for (size_t i = 0; i < live.size(); ++i) {
+    TORCH_CHECK(
+        std::count(live_.begin(), live_.end(), live[i]) > 0 && (i == 0 || live[i] > live[i - 1]),
+        "fsdp::ReplicaQuorum: the membership ", encode(live),
+        " is not an ascending subset of the live replicas ", encode(live_));
+  }
+  ++epoch_;
+  return rebuild(live, step, epoch_tag(epoch_));
+}
+
+bool ReplicaQuorum::rebuild(std::vector<int> live, int64_t step, const std::string& tag) {
+  live_ = std::move(live);
+  schedule_.push_back({step, live_});
+  replicate_group_.reset();
+  live_group_.reset();
+  if (std::find(live_.begin(), live_.end(), replica_) == live_.end()) {
+    left_ = true;
+    return false;
+  }
+  // May throw (a rank died while the groups were made): the caller votes the step failed and
+  // reforms again; live_ already names the replicas whose votes count.
+  live_group_ = world_->members_group(ranks_of(live_), tag + "/live");
+  std::vector<int> same_index;
+  for (int r : live_)
+    same_index.push_back(r * k_ + index_);
+  replicate_group_ = world_->members_group(same_index, tag + "/index" + std::to_string(index_));
+  return true;
+}
+
+}  // namespace fsdp

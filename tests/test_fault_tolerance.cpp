@@ -1,0 +1,248 @@
+// Fault tolerance without restarts (issue 45, fsdp/distributed/replica_quorum.h): a replica that
+// loses a rank drops out and the other replicas finish the step among themselves and go on; no
+// surviving process restarts and no checkpoint is read. The defined semantics: the survivors'
+// parameters after the run equal, bit for bit, those of a run without faults given the same
+// membership schedule (which replicas train from which step).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <map>
+#include <sstream>
+
+#include <fsdp/distributed/replica_quorum.h>
+#include <fsdp/fsdp.h>
+
+#include "gpt.h"
+#include "harness/multiprocess.h"
+
+namespace {
+
+using fsdp_models::GPT;
+using fsdp_models::GPTConfig;
+
+// "2:0,2;4:0" -> {2: {0, 2}, 4: {0}}.
+std::map<int64_t, std::vector<int>> parse_schedule(const std::string& text) {
+  std::map<int64_t, std::vector<int>> out;
+  std::stringstream entries(text);
+  std::string entry;
+  while (std::getline(entries, entry, ';')) {
+    const auto colon = entry.find(':');
+    std::vector<int> live;
+    std::stringstream replicas(entry.substr(colon + 1));
+    std::string r;
+    while (std::getline(replicas, r, ','))
+      live.push_back(std::stoi(r));
+    out[std::stoll(entry.substr(0, colon))] = live;
+  }
+  return out;
+}
+
+// Trains a small GPT for FSDP_STEPS steps on FSDP_K ranks per replica (hybrid_shard), each
+// replica on batches of its own, through ReplicaQuorum's protocol; FSDP_KILL_RANK dies
+// (SIGKILL) at FSDP_KILL_STEP, FSDP_KILL_WHERE = forward | backward | commit; FSDP_SCHEDULE
+// changes the membership without a fault. Writes each rank's shards to FSDP_OUT/rank<r>.pt and
+// the schedule it went through.
+FSDP_WORKER(ft_replicas) {
+  auto pg = fsdp::init_process_group(
+      fsdp::ProcessGroupOptions().timeout(std::chrono::seconds(ctx.env_int("FSDP_TIMEOUT_S", 5))));
+  const int rank = pg->rank();
+  const int k = static_cast<int>(ctx.env_int("FSDP_K", 1));
+  const int64_t steps = ctx.env_int("FSDP_STEPS", 5);
+  const int kill_rank = static_cast<int>(ctx.env_int("FSDP_KILL_RANK", -1));
+  const int64_t kill_step = ctx.env_int("FSDP_KILL_STEP", -1);
+  const std::string kill_where = ctx.env("FSDP_KILL_WHERE", "backward");
+  const auto schedule = parse_schedule(ctx.env("FSDP_SCHEDULE", ""));
+  const std::string out = ctx.env("FSDP_OUT");
+  fsdp::ReplicaQuorum quorum(pg, fsdp::ReplicaQuorumOptions()
+                                     .ranks_per_replica(k)
+                                     .vote_timeout(std::chrono::seconds(30))
+                                     .join_window(std::chrono::seconds(3)));
+
+  torch::manual_seed(5);
+  auto cfg = GPTConfig::preset("gpt2-test");  // sizes 2 and 3 ranks do not divide
+  GPT model(cfg);
+  fsdp_models::parallelize_gpt(model, fsdp::FullyShardOptions(pg)
+                                          .strategy(fsdp::ShardingStrategy::kHybridShard)
+                                          .hybrid_shard_size(k));
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+
+  const bool victim = rank == kill_rank;
+  // The victim writes when it dies (wall clock, one machine), the survivors when their next
+  // step completes: the test reports the difference.
+  const auto now_s = [] {
+    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+        .count();
+  };
+  const auto die = [&] {
+    std::ofstream(out + "/killed_at") << std::setprecision(17) << now_s();
+    std::raise(SIGKILL);
+  };
+  for (int64_t step = 0; step < steps; ++step) {
+    if (auto it = schedule.find(step); it != schedule.end()) {
+      if (!quorum.set_membership(it->second, step)) {
+        std::printf("[rank %d] LEFT at step %lld (schedule)\n", rank, (long long)step);
+        return 0;
+      }
+      fsdp::set_replicate_group(*model, quorum.replicate_group());
+    }
+    // Replica r's batch of step s, whoever else trains.
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 * step + quorum.replica());
+    auto tokens = torch::randint(cfg.vocab_size, {2, cfg.block_size + 1}, gen, torch::kLong);
+    auto x = tokens.narrow(1, 0, cfg.block_size), y = tokens.narrow(1, 1, cfg.block_size);
+    double loss_value = 0;
+    auto attempt = [&] {
+      opt.zero_grad();
+      try {
+        auto logits = fsdp::forward(model, x);
+        if (victim && step == kill_step && kill_where == "forward")
+          die();
+        if (victim && step == kill_step && kill_where == "backward") {
+          logits.register_hook([&](const torch::Tensor& g) {
+            die();
+            return g;
+          });
+        }
+        auto loss = fsdp_models::lm_loss(logits, y);
+        loss.backward();
+        loss_value = loss.item<double>();
+        if (victim && step == kill_step && kill_where == "commit")
+          die();
+        return true;
+      } catch (const std::exception& e) {
+        std::string what = e.what();
+        std::printf("[rank %d] step %lld failed: %s\n", rank, (long long)step,
+                    what.substr(0, what.find('\n')).c_str());
+        return false;
+      }
+    };
+    bool ok = attempt();
+    while (!quorum.commit(step, ok)) {
+      ok = false;
+      try {
+        if (!quorum.reform(step)) {
+          std::printf("[rank %d] LEFT at step %lld\n", rank, (long long)step);
+          return 0;
+        }
+        fsdp::set_replicate_group(*model, quorum.replicate_group());
+        ok = attempt();
+      } catch (const std::exception& e) {
+        std::printf("[rank %d] reform at step %lld failed: %s\n", rank, (long long)step, e.what());
+      }
+    }
+    opt.step();
+    std::printf("[rank %d] step %lld loss %.9f live %zu at %.6f\n", rank, (long long)step,
+                loss_value, quorum.live().size(), now_s());
+  }
+  std::vector<torch::Tensor> shards;
+  for (const auto& p : model->parameters())
+    shards.push_back(p.detach().clone());
+  torch::save(shards, out + "/rank" + std::to_string(rank) + ".pt");
+  std::string changes;
+  for (const auto& c : quorum.schedule()) {
+    changes += ' ';
+    changes += std::to_string(c.step);
+    changes += ':';
+    for (int r : c.live)
+      changes += std::to_string(r);
+  }
+  std::printf("[rank %d] FT OK schedule%s\n", rank, changes.c_str());
+  return 0;
+}
+
+struct Run {
+  fsdp::test::RunResult result;
+  std::string dir;
+};
+
+Run run_ft(int world, const std::vector<std::pair<std::string, std::string>>& env,
+           const std::string& tag) {
+  Run r;
+  r.dir = (std::filesystem::temp_directory_path() /
+           ("fsdp-ft-" + tag + "-" + std::to_string(::getpid())))
+              .string();
+  std::filesystem::remove_all(r.dir);
+  std::filesystem::create_directories(r.dir);
+  auto opts = fsdp::test::with_env(env);
+  opts.env.emplace_back("FSDP_OUT", r.dir);
+  opts.timeout = std::chrono::seconds(90);
+  r.result = fsdp::test::run_workers("ft_replicas", world, opts);
+  return r;
+}
+
+std::vector<torch::Tensor> shards_of(const Run& run, int rank) {
+  std::vector<torch::Tensor> t;
+  torch::load(t, run.dir + "/rank" + std::to_string(rank) + ".pt");
+  return t;
+}
+
+// Kills `victim` at `where` of step 2 in a job of 3 replicas of `k` ranks; the replicas left
+// must end where a run told to drop that replica at step 2 ends, bit for bit.
+void kill_and_compare(int k, int victim, const std::string& where) {
+  const int world = 3 * k;
+  const int dead_replica = victim / k;
+  const std::string kk = std::to_string(k);
+  auto fault = run_ft(world,
+                      {{"FSDP_K", kk},
+                       {"FSDP_KILL_RANK", std::to_string(victim)},
+                       {"FSDP_KILL_STEP", "2"},
+                       {"FSDP_KILL_WHERE", where}},
+                      "fault");
+  std::string live, live_digits;  // "0,2" and "02"
+  for (int r = 0; r < 3; ++r) {
+    if (r != dead_replica) {
+      if (!live.empty())
+        live += ',';
+      live += std::to_string(r);
+      live_digits += std::to_string(r);
+    }
+  }
+  auto reference = run_ft(world, {{"FSDP_K", kk}, {"FSDP_SCHEDULE", "2:" + live}}, "reference");
+  for (int r = 0; r < world; ++r) {
+    const auto& out = fault.result.outputs[static_cast<size_t>(r)];
+    if (r == victim) {
+      EXPECT_EQ(fault.result.exit_codes[static_cast<size_t>(r)], 128 + SIGKILL) << out;
+      continue;
+    }
+    EXPECT_EQ(fault.result.exit_codes[static_cast<size_t>(r)], 0) << fault.result.describe();
+    if (r / k == dead_replica) {  // its replica lost a rank: it leaves
+      EXPECT_NE(out.find("LEFT at step 2"), std::string::npos) << out;
+      continue;
+    }
+    EXPECT_NE(out.find("FT OK schedule 0:012 2:" + live_digits), std::string::npos) << out;
+    // From the kill to this survivor's completed step 2 (wall clock, one machine).
+    const auto at = out.find("step 2 loss ");
+    ASSERT_NE(at, std::string::npos) << out;
+    const double done = std::stod(out.substr(out.find(" at ", at) + 4));
+    double killed = 0;
+    std::ifstream(fault.dir + "/killed_at") >> killed;
+    ASSERT_GT(killed, 0);
+    std::printf("rank %d: step 2 completed %.2f s after rank %d was killed in %s\n", r,
+                done - killed, victim, where.c_str());
+    const auto a = shards_of(fault, r), b = shards_of(reference, r);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i)
+      EXPECT_TRUE(torch::equal(a[i], b[i])) << "rank " << r << ", parameter " << i;
+  }
+  EXPECT_TRUE(reference.result.ok()) << reference.result.describe();
+  std::filesystem::remove_all(fault.dir);
+  std::filesystem::remove_all(reference.dir);
+}
+
+TEST(FaultTolerance, AReplicaKilledInBackwardDropsOutAndTheRestEqualTheScheduleRun) {
+  kill_and_compare(/*k=*/1, /*victim=*/1, "backward");
+}
+
+TEST(FaultTolerance, AReplicaOfTwoRanksLosingOneInForwardDropsOutWhole) {
+  kill_and_compare(/*k=*/2, /*victim=*/2, "forward");
+}
+
+TEST(FaultTolerance, ARankKilledBeforeItsVoteFailsTheStepForAll) {
+  kill_and_compare(/*k=*/1, /*victim=*/2, "commit");
+}
+
+}  // namespace
