@@ -7,12 +7,16 @@
 #include <torch/torch.h>
 
 #include <csignal>
+
+#include <sys/types.h>
+#include <unistd.h>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <map>
 #include <sstream>
+#include <thread>
 
 #include <fsdp/distributed/replica_quorum.h>
 #include <fsdp/fsdp.h>
@@ -80,15 +84,72 @@ FSDP_WORKER(ft_replicas) {
   };
   const auto die = [&] {
     std::ofstream(out + "/killed_at") << std::setprecision(17) << now_s();
+    if (kill_where == "stall") {
+      // Stopped, not killed: a child wakes it FSDP_STALL_S later (only async-signal-safe calls
+      // after fork in a process with threads).
+      const unsigned stall = static_cast<unsigned>(ctx.env_int("FSDP_STALL_S", 5));
+      const pid_t parent = ::getpid();
+      if (::fork() == 0) {
+        ::sleep(stall);
+        ::kill(parent, SIGCONT);
+        ::_exit(0);
+      }
+      std::raise(SIGSTOP);
+      return;
+    }
     std::raise(SIGKILL);
   };
-  for (int64_t step = 0; step < steps; ++step) {
-    if (auto it = schedule.find(step); it != schedule.end()) {
+  const bool heal = ctx.env("FSDP_HEAL", "0") == "1";
+  const auto pause = std::chrono::milliseconds(ctx.env_int("FSDP_STEP_SLEEP_MS", 0));
+  // After a change that admitted replicas: this index's shards and optimizer state, from a
+  // replica that stayed.
+  auto sync = [&] {
+    std::vector<torch::Tensor> shards;
+    for (const auto& p : model->parameters())
+      shards.push_back(p.detach());
+    std::ostringstream os;
+    torch::serialize::OutputArchive saved;
+    opt.save(saved);
+    saved.save_to(os);
+    std::string blob = os.str();
+    quorum.sync_state(shards, &blob);
+    std::istringstream is(blob);
+    torch::serialize::InputArchive loaded;
+    loaded.load_from(is);
+    opt.load(loaded);
+  };
+  // This rank's replica left at `step`: the step it trains from again, or -1 (it ends).
+  int64_t rejoined_at = -1;
+  auto leave = [&](int64_t step, const char* why) -> int64_t {
+    std::printf("[rank %d] LEFT at step %lld%s\n", rank, (long long)step, why);
+    if (!heal)
+      return -1;
+    // Asked when a fault made it leave; told by the schedule in the reference run.
+    const double asked = now_s();
+    rejoined_at = quorum.rejoin(std::chrono::seconds(60), /*ask=*/schedule.empty());
+    if (rejoined_at < 0) {
+      std::printf("[rank %d] not admitted again\n", rank);
+      return -1;
+    }
+    const double admitted = now_s();
+    fsdp::set_replicate_group(*model, quorum.replicate_group());
+    sync();
+    std::printf("[rank %d] REJOINED at step %lld, %.2f s after asking (state copied in %.3f s)\n",
+                rank, (long long)rejoined_at, now_s() - asked, now_s() - admitted);
+    return rejoined_at;
+  };
+  int64_t step = 0;
+  while (step < steps) {
+    if (auto it = schedule.find(step); it != schedule.end() && step != rejoined_at) {
+      const auto before = quorum.live();
       if (!quorum.set_membership(it->second, step)) {
-        std::printf("[rank %d] LEFT at step %lld (schedule)\n", rank, (long long)step);
-        return 0;
+        if ((step = leave(step, " (schedule)")) < 0)
+          return 0;
+        continue;
       }
       fsdp::set_replicate_group(*model, quorum.replicate_group());
+      if (quorum.live().size() > before.size())
+        sync();
     }
     // Replica r's batch of step s, whoever else trains.
     auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 * step + quorum.replica());
@@ -101,7 +162,7 @@ FSDP_WORKER(ft_replicas) {
         auto logits = fsdp::forward(model, x);
         if (victim && step == kill_step && kill_where == "forward")
           die();
-        if (victim && step == kill_step && kill_where == "backward") {
+        if (victim && step == kill_step && (kill_where == "backward" || kill_where == "stall")) {
           logits.register_hook([&](const torch::Tensor& g) {
             die();
             return g;
@@ -120,13 +181,13 @@ FSDP_WORKER(ft_replicas) {
         return false;
       }
     };
-    bool ok = attempt();
-    while (!quorum.commit(step, ok)) {
+    bool ok = attempt(), left = false;
+    while (!left && !quorum.commit(step, ok)) {
       ok = false;
       try {
         if (!quorum.reform(step)) {
-          std::printf("[rank %d] LEFT at step %lld\n", rank, (long long)step);
-          return 0;
+          left = true;
+          break;
         }
         fsdp::set_replicate_group(*model, quorum.replicate_group());
         ok = attempt();
@@ -134,9 +195,21 @@ FSDP_WORKER(ft_replicas) {
         std::printf("[rank %d] reform at step %lld failed: %s\n", rank, (long long)step, e.what());
       }
     }
+    if (left) {
+      if ((step = leave(step, "")) < 0)
+        return 0;
+      continue;
+    }
     opt.step();
     std::printf("[rank %d] step %lld loss %.9f live %zu at %.6f\n", rank, (long long)step,
                 loss_value, quorum.live().size(), now_s());
+    if (!quorum.admitted().empty()) {  // replicas asked to come back: they train from step + 1
+      quorum.admit(step + 1);
+      fsdp::set_replicate_group(*model, quorum.replicate_group());
+      sync();
+    }
+    std::this_thread::sleep_for(pause);
+    ++step;
   }
   std::vector<torch::Tensor> shards;
   for (const auto& p : model->parameters())
@@ -190,7 +263,8 @@ void kill_and_compare(int k, int victim, const std::string& where) {
                       {{"FSDP_K", kk},
                        {"FSDP_KILL_RANK", std::to_string(victim)},
                        {"FSDP_KILL_STEP", "2"},
-                       {"FSDP_KILL_WHERE", where}},
+                       {"FSDP_KILL_WHERE", where},
+                       {"FSDP_TIMEOUT_S", where == "stall" ? "3" : "5"}},
                       "fault");
   std::string live, live_digits;  // "0,2" and "02"
   for (int r = 0; r < 3; ++r) {
@@ -204,7 +278,7 @@ void kill_and_compare(int k, int victim, const std::string& where) {
   auto reference = run_ft(world, {{"FSDP_K", kk}, {"FSDP_SCHEDULE", "2:" + live}}, "reference");
   for (int r = 0; r < world; ++r) {
     const auto& out = fault.result.outputs[static_cast<size_t>(r)];
-    if (r == victim) {
+    if (r == victim && where != "stall") {
       EXPECT_EQ(fault.result.exit_codes[static_cast<size_t>(r)], 128 + SIGKILL) << out;
       continue;
     }
@@ -221,14 +295,63 @@ void kill_and_compare(int k, int victim, const std::string& where) {
     double killed = 0;
     std::ifstream(fault.dir + "/killed_at") >> killed;
     ASSERT_GT(killed, 0);
-    std::printf("rank %d: step 2 completed %.2f s after rank %d was killed in %s\n", r,
-                done - killed, victim, where.c_str());
+    std::printf("rank %d: step 2 completed %.2f s after rank %d was %s in %s\n", r, done - killed,
+                victim, where == "stall" ? "stopped" : "killed",
+                where == "stall" ? "backward" : where.c_str());
     const auto a = shards_of(fault, r), b = shards_of(reference, r);
     ASSERT_EQ(a.size(), b.size());
     for (size_t i = 0; i < a.size(); ++i)
       EXPECT_TRUE(torch::equal(a[i], b[i])) << "rank " << r << ", parameter " << i;
   }
   EXPECT_TRUE(reference.result.ok()) << reference.result.describe();
+  std::filesystem::remove_all(fault.dir);
+  std::filesystem::remove_all(reference.dir);
+}
+
+// Stopped for 3 s at step 2, woken, it asks to rejoin and is admitted at the next step boundary,
+// copying its shards and optimizer state from a replica that stayed; all three replicas then
+// end equal, bit for bit, to a run given the same schedule (drop at 2, back at the step the
+// fault run admitted it).
+TEST(FaultTolerance, AStalledReplicaRejoinsFromAPeerAndEqualsTheScheduleRun) {
+  auto fault = run_ft(3,
+                      {{"FSDP_KILL_RANK", "1"},
+                       {"FSDP_KILL_STEP", "2"},
+                       {"FSDP_KILL_WHERE", "stall"},
+                       {"FSDP_STALL_S", "3"},
+                       {"FSDP_TIMEOUT_S", "2"},
+                       {"FSDP_HEAL", "1"},
+                       {"FSDP_STEPS", "40"},
+                       {"FSDP_STEP_SLEEP_MS", "150"}},
+                      "heal");
+  ASSERT_TRUE(fault.result.ok()) << fault.result.describe();
+  // The schedule the run went through: " 0:012 2:02 <J>:012".
+  const auto& out0 = fault.result.outputs[0];
+  const auto at = out0.find("FT OK schedule 0:012 2:02 ");
+  ASSERT_NE(at, std::string::npos) << out0;
+  const std::string back = out0.substr(at + 26, out0.find(':', at + 26) - at - 26);
+  ASSERT_EQ(out0.substr(at + 26 + back.size(), 4), ":012") << out0;
+  const auto& victim = fault.result.outputs[1];
+  EXPECT_NE(victim.find("LEFT at step 2"), std::string::npos) << victim;
+  const auto rejoined = victim.find("REJOINED at step " + back + ",");
+  ASSERT_NE(rejoined, std::string::npos) << victim;
+  std::printf("%s\n", victim.substr(rejoined, victim.find('\n', rejoined) - rejoined).c_str());
+  auto reference = run_ft(
+      3, {{"FSDP_SCHEDULE", "2:0,2;" + back + ":0,1,2"}, {"FSDP_HEAL", "1"}, {"FSDP_STEPS", "40"}},
+      "heal-reference");
+  ASSERT_TRUE(reference.result.ok()) << reference.result.describe();
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_NE(fault.result.outputs[static_cast<size_t>(r)].find("FT OK schedule 0:012 2:02 " +
+                                                                back + ":012"),
+              std::string::npos)
+        << fault.result.outputs[static_cast<size_t>(r)];
+    const auto a = shards_of(fault, r), b = shards_of(reference, r), first = shards_of(fault, 0);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_TRUE(torch::equal(a[i], b[i])) << "rank " << r << ", parameter " << i;
+      // One rank per replica: each holds whole parameters, the same in every replica.
+      EXPECT_TRUE(torch::equal(a[i], first[i])) << "rank " << r << ", parameter " << i;
+    }
+  }
   std::filesystem::remove_all(fault.dir);
   std::filesystem::remove_all(reference.dir);
 }
@@ -243,6 +366,12 @@ TEST(FaultTolerance, AReplicaOfTwoRanksLosingOneInForwardDropsOutWhole) {
 
 TEST(FaultTolerance, ARankKilledBeforeItsVoteFailsTheStepForAll) {
   kill_and_compare(/*k=*/1, /*victim=*/2, "commit");
+}
+
+// Stopped (SIGSTOP) for 5 s in backward: the others drop its replica once their collective with
+// it times out (3 s); woken, it finds the step decided without it and leaves.
+TEST(FaultTolerance, AStalledRankIsDroppedAndLeavesWhenItWakes) {
+  kill_and_compare(/*k=*/1, /*victim=*/0, "stall");
 }
 
 }  // namespace

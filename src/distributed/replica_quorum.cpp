@@ -7,9 +7,11 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstring>
 #include <stdexcept>
 #include <thread>
 
+#include <fsdp/distributed/collectives.h>
 #include <fsdp/distributed/process_group.h>
 
 #include "group_access.h"
@@ -58,6 +60,20 @@ std::vector<int> decode(const std::vector<uint8_t>& raw) {
   return out;
 }
 
+// FNV-1a over a tensor's bytes, as an int64 (compared, never interpreted).
+int64_t fnv1a(const torch::Tensor& t) {
+  const auto bytes = as_bytes(t.contiguous().cpu());
+  const auto* p = bytes.data_ptr<uint8_t>();
+  uint64_t h = 1469598103934665603ull;
+  for (int64_t i = 0; i < bytes.numel(); ++i) {
+    h ^= p[i];
+    h *= 1099511628211ull;
+  }
+  int64_t out;
+  std::memcpy(&out, &h, sizeof out);
+  return out;
+}
+
 // Short sleeps first (a vote usually completes within a millisecond of the last rank's), then
 // longer ones, so that a wait of seconds costs the store a few hundred requests, not millions.
 class Backoff {
@@ -102,6 +118,22 @@ std::vector<int> ReplicaQuorum::ranks_of(const std::vector<int>& replicas) const
   return ranks;
 }
 
+std::vector<int> ReplicaQuorum::join_requests() const {
+  std::vector<int> out;
+  if (static_cast<int>(live_.size()) == num_replicas_)
+    return out;
+  for (int r = 0; r < num_replicas_; ++r) {
+    if (std::find(live_.begin(), live_.end(), r) != live_.end())
+      continue;
+    std::vector<std::string> keys;
+    for (int rank : ranks_of({r}))
+      keys.push_back("join/" + std::to_string(rank));
+    if (store_->check(keys))
+      out.push_back(r);
+  }
+  return out;
+}
+
 bool ReplicaQuorum::commit(int64_t step, bool ok) {
   TORCH_CHECK(!left_, "fsdp::ReplicaQuorum: this rank left the job");
   std::string base = epoch_tag(epoch_);
@@ -113,17 +145,25 @@ bool ReplicaQuorum::commit(int64_t step, bool ok) {
   // The outcome is the first one written: a rank that saw every vote writes "commit", one that
   // saw a failed vote, a silent voter or the deadline writes "fail". A rank stopped past the
   // deadline that comes back and votes ok reads "fail", so no two ranks disagree.
-  const auto decide = [&](const char* outcome) {
+  const auto decide = [&](const std::string& outcome) {
     const auto v = store_->compareSet(base + "outcome", {}, bytes_of(outcome));
-    return std::string(v.begin(), v.end()) == "commit";
+    const std::string decided(v.begin(), v.end());
+    if (decided.rfind("commit", 0) != 0)
+      return false;
+    admitted_ = decided.size() > 6 ? decode(bytes_of(decided.substr(6))) : std::vector<int>{};
+    return true;
   };
   const auto progress = detail::current_peer_progress();
   const auto start = Clock::now();
   auto next_look = start + std::chrono::milliseconds(250);
   Backoff backoff;
   while (true) {
-    if (store_->add(base + "ok", 0) >= static_cast<int64_t>(voters.size()))
-      return decide("commit");  // each rank votes once: all of them said ok
+    if (store_->add(base + "ok", 0) >= static_cast<int64_t>(voters.size())) {
+      // Each rank votes once: all of them said ok. The replicas asking to rejoin come in with
+      // the next step.
+      const auto joining = join_requests();
+      return decide(joining.empty() ? std::string("commit") : "commit" + encode(joining));
+    }
     if (store_->add(base + "fail", 0) > 0 || store_->check({base + "outcome"}))
       return decide("fail");
     const auto now = Clock::now();
@@ -192,13 +232,117 @@ bool ReplicaQuorum::reform(int64_t step) {
 bool ReplicaQuorum::set_membership(const std::vector<int>& live, int64_t step) {
   TORCH_CHECK(!left_, "fsdp::ReplicaQuorum: this rank left the job");
   for (size_t i = 0; i < live.size(); ++i) {
-    TORCH_CHECK(
-        std::count(live_.begin(), live_.end(), live[i]) > 0 && (i == 0 || live[i] > live[i - 1]),
-        "fsdp::ReplicaQuorum: the membership ", encode(live),
-        " is not an ascending subset of the live replicas ", encode(live_));
+    TORCH_CHECK(live[i] >= 0 && live[i] < num_replicas_ && (i == 0 || live[i] > live[i - 1]),
+                "fsdp::ReplicaQuorum: the membership ", encode(live),
+                " is not ascending replicas of ", num_replicas_);
   }
+  return change(live, step);
+}
+
+void ReplicaQuorum::admit(int64_t next_step) {
+  TORCH_CHECK(!left_ && !admitted_.empty(), "fsdp::ReplicaQuorum::admit: nothing was admitted");
+  std::vector<int> live = live_;
+  live.insert(live.end(), admitted_.begin(), admitted_.end());
+  std::sort(live.begin(), live.end());
+  live.erase(std::unique(live.begin(), live.end()), live.end());
+  admitted_.clear();
+  change(live, next_step);
+}
+
+bool ReplicaQuorum::change(const std::vector<int>& live, int64_t step) {
+  // Who stays is who has the state; the joining ranks learn the change from their keys.
+  stayed_.clear();
+  std::vector<int> joining;
+  for (int r : live)
+    (std::count(live_.begin(), live_.end(), r) ? stayed_ : joining).push_back(r);
+  TORCH_CHECK(!stayed_.empty(), "fsdp::ReplicaQuorum: the membership ", encode(live),
+              " keeps none of the live replicas ", encode(live_));
   ++epoch_;
+  if (!joining.empty()) {
+    std::string value = std::to_string(epoch_);
+    value += ':';
+    value += std::to_string(step);
+    value += ':';
+    value += encode(live);
+    value += ':';
+    value += encode(stayed_);
+    for (int rank : ranks_of(joining))
+      store_->set("admitted/" + std::to_string(rank), bytes_of(value));
+  }
   return rebuild(live, step, epoch_tag(epoch_));
+}
+
+int64_t ReplicaQuorum::rejoin(std::chrono::milliseconds timeout, bool ask) {
+  TORCH_CHECK(left_, "fsdp::ReplicaQuorum::rejoin: this rank's replica is live");
+  const std::string me = std::to_string(world_->rank());
+  if (ask)
+    store_->set("join/" + me, bytes_of("1"));
+  const auto deadline = Clock::now() + timeout;
+  Backoff backoff;
+  while (!store_->check({"admitted/" + me})) {
+    if (Clock::now() > deadline) {
+      if (ask)
+        store_->deleteKey("join/" + me);
+      return -1;
+    }
+    backoff.wait();
+  }
+  const auto raw = store_->get("admitted/" + me);
+  store_->deleteKey("admitted/" + me);
+  if (ask)
+    store_->deleteKey("join/" + me);
+  // "<epoch>:<step>:[live]:[stayed]", as change() wrote it.
+  const std::string value(raw.begin(), raw.end());
+  const auto c1 = value.find(':'), c2 = value.find(':', c1 + 1), c3 = value.find(':', c2 + 1);
+  TORCH_CHECK(c1 != std::string::npos && c2 != std::string::npos && c3 != std::string::npos,
+              "fsdp::ReplicaQuorum: a malformed admission in the store: '", value, "'");
+  epoch_ = std::stoull(value.substr(0, c1));
+  const int64_t step = std::stoll(value.substr(c1 + 1, c2 - c1 - 1));
+  stayed_ = decode(bytes_of(value.substr(c3 + 1)));
+  left_ = false;
+  rebuild(decode(bytes_of(value.substr(c2 + 1, c3 - c2 - 1))), step, epoch_tag(epoch_));
+  return step;
+}
+
+void ReplicaQuorum::sync_state(const std::vector<torch::Tensor>& tensors, std::string* blob) {
+  TORCH_CHECK(!left_ && replicate_group_ && !stayed_.empty(),
+              "fsdp::ReplicaQuorum::sync_state: no change admitted replicas");
+  torch::NoGradGuard no_grad;
+  auto& group = *replicate_group_;
+  // The group is the live replicas in ascending order, at this index: the first that stayed.
+  const int root =
+      static_cast<int>(std::find(live_.begin(), live_.end(), stayed_.front()) - live_.begin());
+  std::vector<torch::Tensor> all = tensors;
+  if (blob) {
+    auto size = torch::tensor({static_cast<int64_t>(blob->size())}, torch::kLong);
+    broadcast(group, size, root, "sync_state: size")->wait();
+    blob->resize(static_cast<size_t>(size.item<int64_t>()));
+    auto bytes = torch::empty({static_cast<int64_t>(blob->size())}, torch::kUInt8);
+    std::memcpy(bytes.data_ptr(), blob->data(), blob->size());
+    broadcast(group, bytes, root, "sync_state: blob")->wait();
+    std::memcpy(blob->data(), bytes.data_ptr(), blob->size());
+    all.push_back(bytes);
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TORCH_CHECK(tensors[i].is_contiguous(), "fsdp::ReplicaQuorum::sync_state: tensor ", i,
+                " is not contiguous");
+    broadcast(group, tensors[i], root, "sync_state")->wait();
+  }
+  // Every member's checksum of every tensor, compared through their max and min.
+  auto sums = torch::empty({static_cast<int64_t>(all.size())}, torch::kLong);
+  auto* sum = sums.data_ptr<int64_t>();
+  for (size_t i = 0; i < all.size(); ++i)
+    sum[i] = fnv1a(all[i]);
+  auto high = sums.clone(), low = sums.clone();
+  all_reduce(group, high, ReduceOp::kMax, "sync_state: checksums")->wait();
+  all_reduce(group, low, ReduceOp::kMin, "sync_state: checksums")->wait();
+  for (size_t i = 0; i < all.size(); ++i) {
+    TORCH_CHECK(
+        high.data_ptr<int64_t>()[i] == low.data_ptr<int64_t>()[i],
+        "fsdp::ReplicaQuorum::sync_state: ",
+        blob && i + 1 == all.size() ? std::string("the blob") : "tensor " + std::to_string(i),
+        " differs between the replicas after the copy (checksums differ)");
+  }
 }
 
 bool ReplicaQuorum::rebuild(std::vector<int> live, int64_t step, const std::string& tag) {

@@ -18,11 +18,19 @@
 //      live replicas are rebuilt under a new tag (ProcessGroup::members_group; c10d backends, no
 //      transport of our own), the step is run again by them: its gradient is the mean over the
 //      live replicas' samples. A rank whose replica is not in the decision leaves.
-// set_membership() makes the same change without a fault, so that a run given the membership
-// schedule of a faulty run (which steps, which replicas) is its fault-free reference.
+// A replica that left comes back (healing from a peer, not from disk): its ranks ask to rejoin
+// (rejoin), the next committed step's outcome admits every replica all of whose ranks asked, the
+// live ranks call admit() before their next step, and everyone calls sync_state(): the joining
+// ranks receive this index's shards and optimizer state from the rank at the same index of a
+// replica that stayed (a broadcast over the cross-replica group) and every member checks a
+// checksum of them against the others'.
+// set_membership() makes the same changes without a fault (dropping or adding replicas), so that
+// a run given the membership schedule of a faulty run (which steps, which replicas) is its
+// fault-free reference.
 #pragma once
 
 #include <torch/arg.h>
+#include <torch/types.h>
 
 #include <c10/util/intrusive_ptr.h>
 
@@ -97,11 +105,36 @@ class ReplicaQuorum {
   /// the caller then votes the step failed (commit) and reforms again.
   bool reform(int64_t step);
   /// A change without a fault (a schedule): every live rank calls it at the same step with the
-  /// same `live` (ascending, a subset of the live replicas). Returns whether this rank's replica
-  /// stays.
+  /// same `live` (ascending). Replicas not in it leave (false for their ranks); replicas in it
+  /// that are not live are admitted: their ranks wait in rejoin(ask = false), and everyone calls
+  /// sync_state() next.
   bool set_membership(const std::vector<int>& live, int64_t step);
 
+  // ---- Healing ----
+  /// The replicas the last committed step admitted (all of whose ranks asked to rejoin): the
+  /// live ranks call admit() before their next step.
+  const std::vector<int>& admitted() const { return admitted_; }
+  /// Live ranks, after a commit that admitted replicas: the groups include them from
+  /// `next_step` on. Then sync_state().
+  void admit(int64_t next_step);
+  /// A rank whose replica left comes back: with `ask`, it asks to be admitted (rejoin requests
+  /// are taken by the next committed step); without, it waits for a set_membership() that
+  /// adds its replica. Returns the step it trains from next, or -1 if not admitted within
+  /// `timeout`. Then sync_state().
+  int64_t rejoin(std::chrono::milliseconds timeout, bool ask = true);
+  /// After a change that admitted replicas (admit, rejoin, set_membership): `tensors` (this
+  /// rank's shards and whatever else a replica holds the same, optimizer state included) and
+  /// `blob` (may be null) of the rank at this index in the first replica that stayed go to every
+  /// member of replicate_group() (a broadcast, in place; the admitted ranks' are overwritten);
+  /// then each member's checksum of them is compared over the group, and a difference throws
+  /// naming the tensor. Members pass tensors of the same shapes in the same order.
+  void sync_state(const std::vector<torch::Tensor>& tensors, std::string* blob);
+
  private:
+  // To membership `live` from `step` on (a new epoch); admits the replicas not live yet.
+  bool change(const std::vector<int>& live, int64_t step);
+  // The replicas not live all of whose ranks asked to rejoin.
+  std::vector<int> join_requests() const;
   // The groups over `live` under `tag`; false (groups dropped) when this replica is not in it.
   bool rebuild(std::vector<int> live, int64_t step, const std::string& tag);
   std::vector<int> ranks_of(const std::vector<int>& replicas) const;
@@ -118,6 +151,9 @@ class ReplicaQuorum {
   std::vector<MembershipChange> schedule_;
   std::shared_ptr<ProcessGroup> replica_group_, replicate_group_, live_group_;
   bool left_ = false;
+  std::vector<int> admitted_;
+  // The replicas of the last change that stayed (the sources of sync_state).
+  std::vector<int> stayed_;
 };
 
 }  // namespace fsdp
