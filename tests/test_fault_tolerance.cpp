@@ -308,7 +308,7 @@ void kill_and_compare(int k, int victim, const std::string& where) {
   std::filesystem::remove_all(reference.dir);
 }
 
-// Stopped for 3 s at step 2, woken, it asks to rejoin and is admitted at the next step boundary,
+// Stopped for 4 s at step 2, woken, it asks to rejoin and is admitted at the next step boundary,
 // copying its shards and optimizer state from a replica that stayed; all three replicas then
 // end equal, bit for bit, to a run given the same schedule (drop at 2, back at the step the
 // fault run admitted it).
@@ -317,8 +317,8 @@ TEST(FaultTolerance, AStalledReplicaRejoinsFromAPeerAndEqualsTheScheduleRun) {
                       {{"FSDP_KILL_RANK", "1"},
                        {"FSDP_KILL_STEP", "2"},
                        {"FSDP_KILL_WHERE", "stall"},
-                       {"FSDP_STALL_S", "3"},
-                       {"FSDP_TIMEOUT_S", "2"},
+                       {"FSDP_STALL_S", "4"},
+                       {"FSDP_TIMEOUT_S", "3"},
                        {"FSDP_HEAL", "1"},
                        {"FSDP_STEPS", "40"},
                        {"FSDP_STEP_SLEEP_MS", "150"}},
