@@ -139,6 +139,7 @@ FSDP_WORKER(ft_replicas) {
     return rejoined_at;
   };
   int64_t step = 0;
+  bool broken = false;  // an admission failed: the groups are not usable until a reform
   while (step < steps) {
     if (auto it = schedule.find(step); it != schedule.end() && step != rejoined_at) {
       const auto before = quorum.live();
@@ -181,7 +182,8 @@ FSDP_WORKER(ft_replicas) {
         return false;
       }
     };
-    bool ok = attempt(), left = false;
+    bool ok = !broken && attempt(), left = false;
+    broken = false;
     while (!left && !quorum.commit(step, ok)) {
       ok = false;
       try {
@@ -204,9 +206,17 @@ FSDP_WORKER(ft_replicas) {
     std::printf("[rank %d] step %lld loss %.9f live %zu at %.6f\n", rank, (long long)step,
                 loss_value, quorum.live().size(), now_s());
     if (!quorum.admitted().empty()) {  // replicas asked to come back: they train from step + 1
-      quorum.admit(step + 1);
-      fsdp::set_replicate_group(*model, quorum.replicate_group());
-      sync();
+      try {
+        quorum.admit(step + 1);
+        fsdp::set_replicate_group(*model, quorum.replicate_group());
+        sync();
+      } catch (const std::exception& e) {
+        // A joining rank did not come (it died, or withdrew): the next step fails and the
+        // survivors reform without it.
+        std::printf("[rank %d] admission after step %lld failed: %s\n", rank, (long long)step,
+                    e.what());
+        broken = true;
+      }
     }
     std::this_thread::sleep_for(pause);
     ++step;
@@ -225,6 +235,36 @@ FSDP_WORKER(ft_replicas) {
   }
   std::printf("[rank %d] FT OK schedule%s\n", rank, changes.c_str());
   return 0;
+}
+
+// Options that cannot work are refused when the quorum is made, naming the problem.
+FSDP_WORKER(ft_bad_options) {
+  auto pg = fsdp::init_process_group(fsdp::ProcessGroupOptions().timeout(std::chrono::seconds(5)));
+  auto refused = [](const std::shared_ptr<fsdp::ProcessGroup>& group,
+                    const fsdp::ReplicaQuorumOptions& o, const std::string& expected) {
+    try {
+      fsdp::ReplicaQuorum quorum(group, o);
+    } catch (const c10::Error& e) {
+      WORKER_CHECK(std::string(e.what()).find(expected) != std::string::npos) << e.what();
+      return;
+    }
+    WORKER_CHECK(false) << "accepted, expected: " << expected;
+  };
+  refused(pg, fsdp::ReplicaQuorumOptions().vote_timeout(std::chrono::seconds(5)),
+          "must exceed the group's collective timeout");
+  refused(pg, fsdp::ReplicaQuorumOptions().ranks_per_replica(2),
+          "2 ranks per replica do not divide");
+  auto sub = pg->new_group({1, 2});
+  if (sub)
+    refused(sub, fsdp::ReplicaQuorumOptions(), "give it the world group");
+  // The default vote timeout is the collective timeout plus 30 s.
+  fsdp::ReplicaQuorum quorum(pg, fsdp::ReplicaQuorumOptions());
+  WORKER_CHECK(quorum.num_replicas() == 3 && quorum.live().size() == 3);
+  return 0;
+}
+
+TEST(FaultTolerance, OptionsThatCannotWorkAreRefused) {
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("ft_bad_options", 3));
 }
 
 struct Run {

@@ -95,6 +95,22 @@ ReplicaQuorum::ReplicaQuorum(std::shared_ptr<ProcessGroup> world, ReplicaQuorumO
   const int n = world_->size();
   TORCH_CHECK(k_ >= 1 && n % k_ == 0, "fsdp::ReplicaQuorum: ", k_,
               " ranks per replica do not divide the job's ", n, " ranks");
+  // The progress reports and the store's keys speak of global ranks.
+  for (int r = 0; r < n; ++r) {
+    TORCH_CHECK(world_->global_ranks()[static_cast<size_t>(r)] == r,
+                "fsdp::ReplicaQuorum: give it the world group (init_process_group's)");
+  }
+  // NCCL's watchdog ends the process on a failed collective, and an NCCL communicator with a
+  // dead peer may not shut down: survivors would not survive.
+  TORCH_CHECK(world_->backend_name() == "gloo", "fsdp::ReplicaQuorum: Gloo only so far, not ",
+              world_->backend_name());
+  // Ranks stuck in a collective with a dead peer vote when it times out: the others must wait
+  // longer than that for their votes.
+  if (options_.vote_timeout().count() == 0)
+    options_.vote_timeout(world_->timeout() + std::chrono::seconds(30));
+  TORCH_CHECK(options_.vote_timeout() > world_->timeout(), "fsdp::ReplicaQuorum: vote_timeout (",
+              options_.vote_timeout().count(), " ms) must exceed the group's collective timeout (",
+              world_->timeout().count(), " ms)");
   num_replicas_ = n / k_;
   replica_ = world_->rank() / k_;
   index_ = world_->rank() % k_;
@@ -258,7 +274,9 @@ bool ReplicaQuorum::change(const std::vector<int>& live, int64_t step) {
   TORCH_CHECK(!stayed_.empty(), "fsdp::ReplicaQuorum: the membership ", encode(live),
               " keeps none of the live replicas ", encode(live_));
   ++epoch_;
-  if (!joining.empty()) {
+  // One writer (the first rank of the first replica that stays), so that a joining rank that
+  // read and deleted its key never sees it written again.
+  if (!joining.empty() && world_->rank() == stayed_.front() * k_) {
     std::string value = std::to_string(epoch_);
     value += ':';
     value += std::to_string(step);
@@ -279,27 +297,35 @@ int64_t ReplicaQuorum::rejoin(std::chrono::milliseconds timeout, bool ask) {
     store_->set("join/" + me, bytes_of("1"));
   const auto deadline = Clock::now() + timeout;
   Backoff backoff;
-  while (!store_->check({"admitted/" + me})) {
-    if (Clock::now() > deadline) {
-      if (ask)
-        store_->deleteKey("join/" + me);
-      return -1;
+  std::string value;
+  while (value.empty()) {
+    if (!store_->check({"admitted/" + me})) {
+      if (Clock::now() > deadline) {
+        // The request is withdrawn; an admission that raced it makes the live ranks' next
+        // groups fail to form (this rank never joins them), which they handle as a fault.
+        if (ask)
+          store_->deleteKey("join/" + me);
+        return -1;
+      }
+      backoff.wait();
+      continue;
     }
-    backoff.wait();
+    const auto raw = store_->get("admitted/" + me);
+    store_->deleteKey("admitted/" + me);
+    value.assign(raw.begin(), raw.end());
+    // "<epoch>:<step>:[live]:[stayed]", as change() wrote it; one of an epoch before this rank
+    // left is stale.
+    if (std::stoull(value.substr(0, value.find(':'))) <= left_at_epoch_)
+      value.clear();
   }
-  const auto raw = store_->get("admitted/" + me);
-  store_->deleteKey("admitted/" + me);
   if (ask)
     store_->deleteKey("join/" + me);
-  // "<epoch>:<step>:[live]:[stayed]", as change() wrote it.
-  const std::string value(raw.begin(), raw.end());
   const auto c1 = value.find(':'), c2 = value.find(':', c1 + 1), c3 = value.find(':', c2 + 1);
   TORCH_CHECK(c1 != std::string::npos && c2 != std::string::npos && c3 != std::string::npos,
               "fsdp::ReplicaQuorum: a malformed admission in the store: '", value, "'");
   epoch_ = std::stoull(value.substr(0, c1));
   const int64_t step = std::stoll(value.substr(c1 + 1, c2 - c1 - 1));
   stayed_ = decode(bytes_of(value.substr(c3 + 1)));
-  left_ = false;
   rebuild(decode(bytes_of(value.substr(c2 + 1, c3 - c2 - 1))), step, epoch_tag(epoch_));
   return step;
 }
@@ -312,6 +338,12 @@ void ReplicaQuorum::sync_state(const std::vector<torch::Tensor>& tensors, std::s
   // The group is the live replicas in ascending order, at this index: the first that stayed.
   const int root =
       static_cast<int>(std::find(live_.begin(), live_.end(), stayed_.front()) - live_.begin());
+  // Checked before the first collective: a rank that threw midway would leave the others
+  // waiting in a broadcast until the timeout.
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TORCH_CHECK(tensors[i].is_contiguous() && tensors[i].device().is_cpu(),
+                "fsdp::ReplicaQuorum::sync_state: tensor ", i, " is not a contiguous CPU tensor");
+  }
   std::vector<torch::Tensor> all = tensors;
   if (blob) {
     auto size = torch::tensor({static_cast<int64_t>(blob->size())}, torch::kLong);
@@ -323,11 +355,8 @@ void ReplicaQuorum::sync_state(const std::vector<torch::Tensor>& tensors, std::s
     std::memcpy(blob->data(), bytes.data_ptr(), blob->size());
     all.push_back(bytes);
   }
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    TORCH_CHECK(tensors[i].is_contiguous(), "fsdp::ReplicaQuorum::sync_state: tensor ", i,
-                " is not contiguous");
-    broadcast(group, tensors[i], root, "sync_state")->wait();
-  }
+  for (const auto& t : tensors)
+    broadcast(group, t, root, "sync_state")->wait();
   // Every member's checksum of every tensor, compared through their max and min.
   auto sums = torch::empty({static_cast<int64_t>(all.size())}, torch::kLong);
   auto* sum = sums.data_ptr<int64_t>();
@@ -346,21 +375,27 @@ void ReplicaQuorum::sync_state(const std::vector<torch::Tensor>& tensors, std::s
 }
 
 bool ReplicaQuorum::rebuild(std::vector<int> live, int64_t step, const std::string& tag) {
-  live_ = std::move(live);
-  schedule_.push_back({step, live_});
-  replicate_group_.reset();
-  live_group_.reset();
-  if (std::find(live_.begin(), live_.end(), replica_) == live_.end()) {
+  if (std::find(live.begin(), live.end(), replica_) == live.end()) {
+    live_ = std::move(live);
+    schedule_.push_back({step, live_});
+    replicate_group_.reset();
+    live_group_.reset();
     left_ = true;
+    left_at_epoch_ = epoch_;
     return false;
   }
-  // May throw (a rank died while the groups were made): the caller votes the step failed and
-  // reforms again; live_ already names the replicas whose votes count.
-  live_group_ = world_->members_group(ranks_of(live_), tag + "/live");
+  // May throw (a rank died while the groups were made, and every member's join then times
+  // out): nothing changes but the epoch, and the caller votes the step failed and reforms.
+  auto live_group = world_->members_group(ranks_of(live), tag + "/live");
   std::vector<int> same_index;
-  for (int r : live_)
+  for (int r : live)
     same_index.push_back(r * k_ + index_);
-  replicate_group_ = world_->members_group(same_index, tag + "/index" + std::to_string(index_));
+  auto replicate_group = world_->members_group(same_index, tag + "/index" + std::to_string(index_));
+  live_ = std::move(live);
+  schedule_.push_back({step, live_});
+  live_group_ = std::move(live_group);
+  replicate_group_ = std::move(replicate_group);
+  left_ = false;
   return true;
 }
 

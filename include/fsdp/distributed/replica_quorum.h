@@ -51,12 +51,14 @@ class ProcessGroup;
 struct ReplicaQuorumOptions {
   /// Ranks per replica (k): divides the world size.
   TORCH_ARG(int, ranks_per_replica) = 1;
-  /// How long commit() waits for a vote that does not come (a rank stopped, or its collective
-  /// still waiting on a dead peer): longer than the process group's collective timeout, so
-  /// that the ranks stuck in a collective vote "not ok" before the others give up on them.
-  TORCH_ARG(std::chrono::milliseconds, vote_timeout) = std::chrono::seconds(60);
-  /// How long survivors wait for each other to register after a failed step before deciding.
-  /// A survivor later than that is left out (and leaves).
+  /// How long commit() waits for a vote that does not come, and reform() for a survivor to
+  /// register (a rank stopped, or its collective still waiting on a dead peer): longer than the
+  /// process group's collective timeout, so that the ranks stuck in a collective vote "not ok"
+  /// before the others give up on them (checked). 0: that timeout plus 30 s.
+  TORCH_ARG(std::chrono::milliseconds, vote_timeout) = std::chrono::milliseconds(0);
+  /// Without progress reports (FSDP_PEER_PROGRESS=0), how long reform() waits for the
+  /// survivors to register before deciding; a survivor later than that is left out (and
+  /// leaves). With them (the default) a missing rank is waited for until its reports stop.
   TORCH_ARG(std::chrono::milliseconds, join_window) = std::chrono::seconds(3);
 };
 
@@ -66,10 +68,13 @@ struct MembershipChange {
   std::vector<int> live;
 };
 
+/// Needs a store that no rank serves (fsdp-train --nproc's launcher, torchrun's agent store, the
+/// tests' harness: LaunchEnv::agent_store), or the loss of the rank serving it ends the job;
+/// and Gloo (CPU tensors).
 class ReplicaQuorum {
  public:
-  /// Collective over `world` (all ranks alive): builds each replica's group and the
-  /// cross-replica groups (world->block_group(k), world->strided_group(k)), the ones
+  /// Collective over `world`, the world group, all ranks alive: builds each replica's group and
+  /// the cross-replica groups (world->block_group(k), world->strided_group(k)), the ones
   /// fully_shard builds for hybrid_shard_size k.
   ReplicaQuorum(std::shared_ptr<ProcessGroup> world, ReplicaQuorumOptions options);
   ~ReplicaQuorum();
@@ -151,6 +156,7 @@ class ReplicaQuorum {
   std::vector<MembershipChange> schedule_;
   std::shared_ptr<ProcessGroup> replica_group_, replicate_group_, live_group_;
   bool left_ = false;
+  uint64_t left_at_epoch_ = 0;  // admissions of this epoch or before are stale
   std::vector<int> admitted_;
   // The replicas of the last change that stayed (the sources of sync_state).
   std::vector<int> stayed_;
