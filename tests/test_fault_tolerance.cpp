@@ -82,7 +82,11 @@ FSDP_WORKER(ft_replicas) {
     return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
         .count();
   };
+  bool died = false;  // a stopped victim that comes back in time retries the step: once only
   const auto die = [&] {
+    if (died)
+      return;
+    died = true;
     std::ofstream(out + "/killed_at") << std::setprecision(17) << now_s();
     if (kill_where == "stall") {
       // Stopped, not killed: a child wakes it FSDP_STALL_S later (only async-signal-safe calls
@@ -304,7 +308,8 @@ void kill_and_compare(int k, int victim, const std::string& where) {
                        {"FSDP_KILL_RANK", std::to_string(victim)},
                        {"FSDP_KILL_STEP", "2"},
                        {"FSDP_KILL_WHERE", where},
-                       {"FSDP_TIMEOUT_S", where == "stall" ? "3" : "5"}},
+                       {"FSDP_TIMEOUT_S", where == "stall" ? "3" : "5"},
+                       {"FSDP_STALL_S", "7"}},
                       "fault");
   std::string live, live_digits;  // "0,2" and "02"
   for (int r = 0; r < 3; ++r) {
@@ -348,16 +353,16 @@ void kill_and_compare(int k, int victim, const std::string& where) {
   std::filesystem::remove_all(reference.dir);
 }
 
-// Stopped for 4 s at step 2, woken, it asks to rejoin and is admitted at the next step boundary,
-// copying its shards and optimizer state from a replica that stayed; all three replicas then
-// end equal, bit for bit, to a run given the same schedule (drop at 2, back at the step the
-// fault run admitted it).
+// Stopped for 7 s at step 2 (dropped after about 4 s), woken, it asks to rejoin and is admitted at
+// the next step boundary, copying its shards and optimizer state from a replica that stayed; all
+// three replicas then end equal, bit for bit, to a run given the same schedule (drop at 2, back at
+// the step the fault run admitted it).
 TEST(FaultTolerance, AStalledReplicaRejoinsFromAPeerAndEqualsTheScheduleRun) {
   auto fault = run_ft(3,
                       {{"FSDP_KILL_RANK", "1"},
                        {"FSDP_KILL_STEP", "2"},
                        {"FSDP_KILL_WHERE", "stall"},
-                       {"FSDP_STALL_S", "4"},
+                       {"FSDP_STALL_S", "7"},
                        {"FSDP_TIMEOUT_S", "3"},
                        {"FSDP_HEAL", "1"},
                        {"FSDP_STEPS", "40"},
@@ -408,8 +413,9 @@ TEST(FaultTolerance, ARankKilledBeforeItsVoteFailsTheStepForAll) {
   kill_and_compare(/*k=*/1, /*victim=*/2, "commit");
 }
 
-// Stopped (SIGSTOP) for 5 s in backward: the others drop its replica once their collective with
-// it times out (3 s); woken, it finds the step decided without it and leaves.
+// Stopped (SIGSTOP) for 7 s in backward: the others drop its replica once their collective with
+// it has timed out (3 s) and its progress reports have stayed unchanged for 0.9 s more; woken, it
+// finds the step decided without it and leaves.
 TEST(FaultTolerance, AStalledRankIsDroppedAndLeavesWhenItWakes) {
   kill_and_compare(/*k=*/1, /*victim=*/0, "stall");
 }

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <future>
@@ -61,7 +62,8 @@ PeerReport judge(int rank, const std::string* raw, double now, const std::string
     r.heard = true;
     r.host = j.at("host").get<std::string>();
     r.pid = j.at("pid").get<int>();
-    r.age_s = std::max(0.0, now - j.at("t").get<double>());
+    r.reported_at = j.at("t").get<double>();
+    r.age_s = std::max(0.0, now - r.reported_at);
     if (j.at("groups").contains(group)) {
       const auto& g = j.at("groups").at(group);
       r.issued = g.at(0).get<uint64_t>();
@@ -166,6 +168,11 @@ PeerProgress::PeerProgress(c10::intrusive_ptr<c10d::Store> store, int rank, int 
   state_->world_size = world_size;
   state_->interval = interval;
   std::thread(report_loop, state_).detach();
+}
+
+std::chrono::milliseconds PeerProgress::silent_after() const {
+  return std::chrono::milliseconds(
+      static_cast<int64_t>(std::ceil(1000.0 * silent_after_s(state_->interval))));
 }
 
 PeerProgress::~PeerProgress() {

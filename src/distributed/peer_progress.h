@@ -35,6 +35,9 @@ class PeerProgress {
                std::chrono::milliseconds interval);
   /// Stops the reporter without waiting for it (it may be stuck on a dead link).
   ~PeerProgress();
+  /// How long a rank's report may stay unchanged before it counts as stopped (several
+  /// intervals: a busy rank's reporter may be late).
+  std::chrono::milliseconds silent_after() const;
   PeerProgress(const PeerProgress&) = delete;
   PeerProgress& operator=(const PeerProgress&) = delete;
 

@@ -169,7 +169,6 @@ bool ReplicaQuorum::commit(int64_t step, bool ok) {
     admitted_ = decided.size() > 6 ? decode(bytes_of(decided.substr(6))) : std::vector<int>{};
     return true;
   };
-  const auto progress = detail::current_peer_progress();
   const auto start = Clock::now();
   auto next_look = start + std::chrono::milliseconds(250);
   Backoff backoff;
@@ -185,16 +184,36 @@ bool ReplicaQuorum::commit(int64_t step, bool ok) {
     const auto now = Clock::now();
     if (now - start > options_.vote_timeout())
       return decide("fail");
-    if (progress && now >= next_look) {
-      // A voter that stopped reporting (dead, stopped, cut off) will not vote.
+    if (now >= next_look) {  // a look at the reports costs a thread: 4 a second
       next_look = now + std::chrono::milliseconds(250);
-      const auto reports = progress->read(voters, "", 0, "", std::chrono::milliseconds(1000));
-      if (reports && std::any_of(reports->begin(), reports->end(),
-                                 [](const PeerReport& p) { return p.verdict == "silent"; }))
+      if (stopped(voters, /*all=*/false))  // a voter that stopped reporting will not vote
         return decide("fail");
     }
     backoff.wait();
   }
+}
+
+bool ReplicaQuorum::stopped(const std::vector<int>& ranks, bool all) {
+  const auto progress = detail::current_peer_progress();
+  if (!progress)
+    return false;
+  const auto reports = progress->read(ranks, "", 0, "", std::chrono::milliseconds(1000));
+  if (!reports)
+    return false;  // the store did not answer in time: nothing learnt
+  const auto now = Clock::now();
+  size_t stopped = 0;
+  for (const auto& p : *reports) {
+    if (!p.heard)
+      continue;  // never reported: unknown, not stopped
+    auto it = last_report_.find(p.rank);
+    if (it == last_report_.end() || it->second.first != p.reported_at) {
+      last_report_[p.rank] = {p.reported_at, now};
+      continue;
+    }
+    if (now - it->second.second > progress->silent_after())
+      ++stopped;
+  }
+  return all ? stopped == ranks.size() : stopped > 0;
 }
 
 bool ReplicaQuorum::reform(int64_t step) {
@@ -207,7 +226,7 @@ bool ReplicaQuorum::reform(int64_t step) {
   // that is computing or stuck in a collective goes on, and registers once that fails).
   // Without reports, the join window bounds the wait instead.
   const auto expected = ranks_of(live_);
-  const auto progress = detail::current_peer_progress();
+  const bool reports = detail::current_peer_progress() != nullptr;
   const auto start = Clock::now();
   auto next_look = start;
   std::vector<int> present;
@@ -219,14 +238,11 @@ bool ReplicaQuorum::reform(int64_t step) {
     if (missing.empty())
       break;
     const auto now = Clock::now();
-    if (now - start > options_.vote_timeout() ||
-        (!progress && now - start > options_.join_window()))
+    if (now - start > options_.vote_timeout() || (!reports && now - start > options_.join_window()))
       break;
-    if (progress && now >= next_look) {  // a look at the reports costs a thread: 4 a second
+    if (now >= next_look) {
       next_look = now + std::chrono::milliseconds(250);
-      const auto reports = progress->read(missing, "", 0, "", std::chrono::milliseconds(1000));
-      if (reports && std::all_of(reports->begin(), reports->end(),
-                                 [](const PeerReport& p) { return p.verdict == "silent"; }))
+      if (stopped(missing, /*all=*/true))
         break;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));

@@ -73,6 +73,10 @@ struct PeerReport {
   bool heard = false;
   /// Seconds between its last report and the moment it was read.
   double age_s = 0;
+  /// When it wrote its last report, by its own clock: compared only with its earlier reports
+  /// (a reader that sees it unchanged for long enough on its own clock knows the peer stopped,
+  /// whatever the two hosts' clocks say).
+  double reported_at = 0;
   /// Its progress on the group of the failed collective: the last collective number it issued
   /// and the last it completed, and the description of the last issued.
   uint64_t issued = 0, completed = 0;

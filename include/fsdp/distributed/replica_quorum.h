@@ -36,6 +36,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -136,6 +137,10 @@ class ReplicaQuorum {
   void sync_state(const std::vector<torch::Tensor>& tensors, std::string* blob);
 
  private:
+  // Whether `ranks` (all of them, or any) stopped reporting their progress: a report unchanged
+  // for PeerProgress::silent_after() on this rank's own clock since it was first seen (never
+  // comparing two hosts' clocks). False without reports.
+  bool stopped(const std::vector<int>& ranks, bool all);
   // To membership `live` from `step` on (a new epoch); admits the replicas not live yet.
   bool change(const std::vector<int>& live, int64_t step);
   // The replicas not live all of whose ranks asked to rejoin.
@@ -157,6 +162,8 @@ class ReplicaQuorum {
   std::shared_ptr<ProcessGroup> replica_group_, replicate_group_, live_group_;
   bool left_ = false;
   uint64_t left_at_epoch_ = 0;  // admissions of this epoch or before are stale
+  // Per rank: its last report's own timestamp, and when this rank saw it change.
+  std::map<int, std::pair<double, std::chrono::steady_clock::time_point>> last_report_;
   std::vector<int> admitted_;
   // The replicas of the last change that stayed (the sources of sync_state).
   std::vector<int> stayed_;
