@@ -157,6 +157,22 @@ bool ReplicaQuorum::commit(int64_t step, bool ok) {
   base += std::to_string(step);
   base += '/';
   const auto voters = ranks_of(live_);
+  const bool committed = vote(base, voters, ok);
+  // The keys of the vote two votes back: every live rank has finished that one (it voted in the
+  // last). One rank deletes them, so the store does not grow with the steps; a rank stopped
+  // since then that comes back finds no outcome and fails its vote at the timeout.
+  if (world_->rank() == voters.front()) {
+    old_votes_.push_back(base);
+    if (old_votes_.size() > 2) {
+      for (const char* key : {"ok", "fail", "outcome"})
+        store_->deleteKey(old_votes_.front() + key);
+      old_votes_.pop_front();
+    }
+  }
+  return committed;
+}
+
+bool ReplicaQuorum::vote(const std::string& base, const std::vector<int>& voters, bool ok) {
   store_->add(base + (ok ? "ok" : "fail"), 1);
   // The outcome is the first one written: a rank that saw every vote writes "commit", one that
   // saw a failed vote, a silent voter or the deadline writes "fail". A rank stopped past the

@@ -36,6 +36,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -137,6 +138,8 @@ class ReplicaQuorum {
   void sync_state(const std::vector<torch::Tensor>& tensors, std::string* blob);
 
  private:
+  // commit()'s vote under the keys `base`.
+  bool vote(const std::string& base, const std::vector<int>& voters, bool ok);
   // Whether `ranks` (all of them, or any) stopped reporting their progress: a report unchanged
   // for PeerProgress::silent_after() on this rank's own clock since it was first seen (never
   // comparing two hosts' clocks). False without reports.
@@ -161,7 +164,8 @@ class ReplicaQuorum {
   std::vector<MembershipChange> schedule_;
   std::shared_ptr<ProcessGroup> replica_group_, replicate_group_, live_group_;
   bool left_ = false;
-  uint64_t left_at_epoch_ = 0;  // admissions of this epoch or before are stale
+  uint64_t left_at_epoch_ = 0;         // admissions of this epoch or before are stale
+  std::deque<std::string> old_votes_;  // the lowest live rank's last votes' keys, to delete
   // Per rank: its last report's own timestamp, and when this rank saw it change.
   std::map<int, std::pair<double, std::chrono::steady_clock::time_point>> last_report_;
   std::vector<int> admitted_;
