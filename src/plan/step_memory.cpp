@@ -331,12 +331,12 @@ MemoryPrediction predict_step_memory(const std::vector<UnitInfo>& units, const S
         s.strategy == ShardingStrategy::kHybridShard && g.n > 1 && g.n < s.world_size ? 2 : 1;
     std::vector<size_t> reduced;
     std::vector<bool> hooked(units.size(), false);
-    // A hook: install_grads (the reduced output becomes the grads, or is added into the stash),
-    // then the step, then the grads are dropped.
     // The engine at a reduction's event (fsdp/detail/buffer_lifetimes.h).
     auto reduce_event = [&](size_t u, UnitEvent event, const Moment& m) {
       ledger.apply(fsdp::detail::reduce_lifetimes(bytes[u].reduce_kind), event, bytes[u], false, m);
     };
+    // A hook: install_grads (the reduced output becomes the grads, or is added into the stash),
+    // then the step, then the grads are dropped.
     auto run_hook = [&](size_t u, const Moment& m) {
       const auto& b = bytes[u];
       reduce_event(u, UnitEvent::kInstalled, m);
