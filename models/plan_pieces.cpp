@@ -25,11 +25,12 @@ fsdp::plan::CalibrationPieces pieces(Model& model, torch::ScalarType block_dtype
   if (fused) {
     const int64_t run_chunk =
         std::min(fused->chunk > 0 ? fused->chunk : auto_loss_chunk(vocab), fused->positions);
+    // The run's chunk as it is: what one chunk holds does not grow with the positions, so
+    // the fit sees it as a constant, right at any length the run's batches have (fine-tuning
+    // pads each batch to its own longest conversation, below the planned length).
     p.head = [model, fused, run_chunk](const torch::Tensor& x, int64_t t) mutable {
       auto spec = fused->spec(x.size(0), t);
-      spec.chunk = std::max<int64_t>(
-          1, std::llround(static_cast<double>(run_chunk) * static_cast<double>(x.size(0) * t) /
-                          static_cast<double>(fused->positions)));
+      spec.chunk = run_chunk;
       return model->loss(x, spec);
     };
     p.loss = [](const torch::Tensor& loss, int64_t) { return loss; };
