@@ -19,10 +19,13 @@ namespace fsdp_models {
 using PlanLoss = std::function<torch::Tensor(const torch::Tensor& logits, int64_t b, int64_t t)>;
 
 /// The trainer's loss computed by the model's fused head (loss(), chunked_loss.h), for runs
-/// with training.loss_chunk >= 0. Calibration runs at a few hundred positions, the run at
-/// `positions` per micro-batch: so that what a chunk holds scales with the positions as the
-/// fit assumes, the calibration chunk is the run's chunk scaled by the calibration's positions
-/// over the run's (the run's chunk, capped at its positions, covers the same share of them).
+/// with training.loss_chunk >= 0. The calibration uses the run's chunk (capped at the run's
+/// `positions` per micro-batch) as it is: what one chunk holds does not grow with the
+/// positions, and the fit takes it as a constant, right at every length the run's batches
+/// have. (Scaling the chunk with the calibration's positions, as before, was right at the
+/// planned length only: fine-tuning's batches, padded to their own longest conversation, came
+/// out 19-24 MB low on SmolLM2.) Where the calibration has fewer positions than the chunk, the
+/// chunk is all of them, and the fit is approximate.
 struct PlanFusedLoss {
   /// The loss of a micro-batch of b rows of t tokens (random targets of the vocabulary).
   std::function<LossSpec(int64_t b, int64_t t)> spec;
