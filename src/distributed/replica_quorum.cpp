@@ -6,6 +6,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <xxhash.h>
+
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
@@ -60,15 +62,11 @@ std::vector<int> decode(const std::vector<uint8_t>& raw) {
   return out;
 }
 
-// FNV-1a over a tensor's bytes, as an int64 (compared, never interpreted).
-int64_t fnv1a(const torch::Tensor& t) {
-  const auto bytes = as_bytes(t.contiguous().cpu());
-  const auto* p = bytes.data_ptr<uint8_t>();
-  uint64_t h = 1469598103934665603ull;
-  for (int64_t i = 0; i < bytes.numel(); ++i) {
-    h ^= p[i];
-    h *= 1099511628211ull;
-  }
+// A tensor's bytes hashed with XXH3 (as checkpoints are), as an int64: compared, never
+// interpreted.
+int64_t checksum(const torch::Tensor& t) {
+  const auto c = t.contiguous().cpu();
+  const uint64_t h = XXH3_64bits(c.data_ptr(), c.numel() * c.element_size());
   int64_t out;
   std::memcpy(&out, &h, sizeof out);
   return out;
@@ -381,10 +379,9 @@ void ReplicaQuorum::sync_state(const std::vector<torch::Tensor>& tensors, std::s
     auto size = torch::tensor({static_cast<int64_t>(blob->size())}, torch::kLong);
     broadcast(group, size, root, "sync_state: size")->wait();
     blob->resize(static_cast<size_t>(size.item<int64_t>()));
-    auto bytes = torch::empty({static_cast<int64_t>(blob->size())}, torch::kUInt8);
-    std::memcpy(bytes.data_ptr(), blob->data(), blob->size());
+    // In place, in the string's own buffer.
+    auto bytes = torch::from_blob(blob->data(), {size.item<int64_t>()}, torch::kUInt8);
     broadcast(group, bytes, root, "sync_state: blob")->wait();
-    std::memcpy(blob->data(), bytes.data_ptr(), blob->size());
     all.push_back(bytes);
   }
   for (const auto& t : tensors)
@@ -393,7 +390,7 @@ void ReplicaQuorum::sync_state(const std::vector<torch::Tensor>& tensors, std::s
   auto sums = torch::empty({static_cast<int64_t>(all.size())}, torch::kLong);
   auto* sum = sums.data_ptr<int64_t>();
   for (size_t i = 0; i < all.size(); ++i)
-    sum[i] = fnv1a(all[i]);
+    sum[i] = checksum(all[i]);
   auto high = sums.clone(), low = sums.clone();
   all_reduce(group, high, ReduceOp::kMax, "sync_state: checksums")->wait();
   all_reduce(group, low, ReduceOp::kMin, "sync_state: checksums")->wait();
