@@ -239,7 +239,7 @@ void ParamGroup::set_replicate_group(std::shared_ptr<ProcessGroup> group) {
     fail("set_replicate_group: a unit without replicas (" +
          std::string(to_string(options_.strategy())) + ") takes no group of " +
          std::to_string(group->size()) + " ranks");
-  if (groups_.replicate || group->size() > 1)
+  if (groups_.replicate || group->size() > 1)  // a unit without replicas stays without
     groups_.replicate = std::move(group);
 }
 
@@ -643,9 +643,9 @@ void ParamGroup::install_grads() {
 }
 
 void ParamGroup::drop_installed_reduces() {
-  for (auto& r : reduces_)
-    r.free_at(UnitEvent::kInstalled);
-  reduces_.clear();  // every lifetime ends by kInstalled (lifetimes::valid)
+  // kInstalled ends every reduction's lifetime (lifetimes::valid): the records go, and with them
+  // whatever buffers the earlier events left.
+  reduces_.clear();
 }
 
 bool ParamGroup::run_post_reduce_hook(bool end_of_pass, uint64_t round) {

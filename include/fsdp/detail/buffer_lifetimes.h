@@ -1,5 +1,6 @@
 // When one unit's step buffers live: the engine frees each buffer at the transition this table
-// names (ParamGroup::free_at, PendingReduce::free_at) and the planner replays the same table at
+// names (ParamGroup::free_at, PendingReduce::free_at; at kInstalled, the last event of every
+// reduction, by dropping the reduction's record) and the planner replays the same table at
 // the same transitions (fsdp::plan's step memory). Their sizes come from param_layout.h, so both
 // what the engine allocates and for how long are described once: moving a buffer's `freed` to a
 // later event makes the engine keep it longer and the planner's prediction follow, with no edit
