@@ -15,6 +15,7 @@
 #include <fstream>
 #include <iomanip>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -49,10 +50,14 @@ std::map<int64_t, std::vector<int>> parse_schedule(const std::string& text) {
 // Trains a small GPT for FSDP_STEPS steps on FSDP_K ranks per replica (hybrid_shard), each
 // replica on batches of its own, through ReplicaQuorum's protocol; FSDP_KILL_RANK dies
 // (SIGKILL) at FSDP_KILL_STEP, FSDP_KILL_WHERE = forward | backward | commit; FSDP_SCHEDULE
-// changes the membership without a fault. Writes each rank's shards to FSDP_OUT/rank<r>.pt and
-// the schedule it went through.
+// changes the membership without a fault. With FSDP_HEAL=1 a rank whose replica left asks to
+// rejoin; with FSDP_RESTART=1 it exits (3) instead, and the launcher starts its replica again
+// (FSDP_REPLICA_INCARNATION), which joins the running job. Writes each rank's shards to
+// FSDP_OUT/rank<r>.pt and the schedule it went through.
 FSDP_WORKER(ft_replicas) {
+  const auto env = fsdp::launch_env_from_environment();
   auto pg = fsdp::init_process_group(
+      env,
       fsdp::ProcessGroupOptions().timeout(std::chrono::seconds(ctx.env_int("FSDP_TIMEOUT_S", 5))));
   const int rank = pg->rank();
   const int k = static_cast<int>(ctx.env_int("FSDP_K", 1));
@@ -65,17 +70,19 @@ FSDP_WORKER(ft_replicas) {
   fsdp::ReplicaQuorum quorum(pg, fsdp::ReplicaQuorumOptions()
                                      .ranks_per_replica(k)
                                      .vote_timeout(std::chrono::seconds(30))
-                                     .join_window(std::chrono::seconds(3)));
+                                     .join_window(std::chrono::seconds(3))
+                                     .incarnation(env.incarnation));
 
   torch::manual_seed(5);
   auto cfg = GPTConfig::preset("gpt2-test");  // sizes 2 and 3 ranks do not divide
   GPT model(cfg);
-  fsdp_models::parallelize_gpt(model, fsdp::FullyShardOptions(pg)
+  // The quorum's groups, given (a restarted replica cannot derive them from its world group).
+  fsdp_models::parallelize_gpt(model, fsdp::FullyShardOptions(quorum.replica_group())
                                           .strategy(fsdp::ShardingStrategy::kHybridShard)
-                                          .hybrid_shard_size(k));
+                                          .replicate_group(quorum.replicate_group()));
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
 
-  const bool victim = rank == kill_rank;
+  const bool victim = rank == kill_rank && env.incarnation == 0;
   // The victim writes when it dies (wall clock, one machine), the survivors when their next
   // step completes: the test reports the difference.
   const auto now_s = [] {
@@ -104,6 +111,7 @@ FSDP_WORKER(ft_replicas) {
     std::raise(SIGKILL);
   };
   const bool heal = ctx.env("FSDP_HEAL", "0") == "1";
+  const bool restart = ctx.env("FSDP_RESTART", "0") == "1";
   const auto pause = std::chrono::milliseconds(ctx.env_int("FSDP_STEP_SLEEP_MS", 0));
   // After a change that admitted replicas: this index's shards and optimizer state, from a
   // replica that stayed.
@@ -125,8 +133,10 @@ FSDP_WORKER(ft_replicas) {
   // This rank's replica left at `step`: the step it trains from again, or -1 (it ends).
   int64_t rejoined_at = -1;
   auto leave = [&](int64_t step, const char* why) -> int64_t {
-    std::printf("[rank %d] LEFT at step %lld%s\n", rank, (long long)step, why);
-    if (!heal)
+    // A restarted rank (step -1) always asks; a rank that left only with FSDP_HEAL.
+    if (step >= 0)
+      std::printf("[rank %d] LEFT at step %lld%s\n", rank, (long long)step, why);
+    if (step >= 0 && !heal)
       return -1;
     // Asked when a fault made it leave; told by the schedule in the reference run.
     const double asked = now_s();
@@ -142,14 +152,21 @@ FSDP_WORKER(ft_replicas) {
                 rank, (long long)rejoined_at, now_s() - asked, now_s() - admitted);
     return rejoined_at;
   };
+  // A left rank's exit: 3 when the launcher is to start its replica again.
+  const int left_code = restart ? 3 : 0;
   int64_t step = 0;
+  if (env.incarnation > 0) {  // a restarted replica: in through the same door as a healed one
+    std::printf("[rank %d] RESTARTED (incarnation %d)\n", rank, env.incarnation);
+    if ((step = leave(-1, "")) < 0)
+      return left_code;
+  }
   bool broken = false;  // an admission failed: the groups are not usable until a reform
   while (step < steps) {
     if (auto it = schedule.find(step); it != schedule.end() && step != rejoined_at) {
       const auto before = quorum.live();
       if (!quorum.set_membership(it->second, step)) {
         if ((step = leave(step, " (schedule)")) < 0)
-          return 0;
+          return left_code;
         continue;
       }
       fsdp::set_replicate_group(*model, quorum.replicate_group());
@@ -203,7 +220,7 @@ FSDP_WORKER(ft_replicas) {
     }
     if (left) {
       if ((step = leave(step, "")) < 0)
-        return 0;
+        return left_code;
       continue;
     }
     opt.step();
@@ -277,7 +294,8 @@ struct Run {
 };
 
 Run run_ft(int world, const std::vector<std::pair<std::string, std::string>>& env,
-           const std::string& tag) {
+           const std::string& tag,
+           std::optional<fsdp::LocalLaunchOptions::ReplicaRestarts> restarts = std::nullopt) {
   Run r;
   r.dir = (std::filesystem::temp_directory_path() /
            ("fsdp-ft-" + tag + "-" + std::to_string(::getpid())))
@@ -287,6 +305,10 @@ Run run_ft(int world, const std::vector<std::pair<std::string, std::string>>& en
   auto opts = fsdp::test::with_env(env);
   opts.env.emplace_back("FSDP_OUT", r.dir);
   opts.timeout = std::chrono::seconds(90);
+  if (restarts) {
+    opts.replica_restarts = restarts;
+    opts.fork_ranks = false;  // all ranks alike: restarted ones are always executed anew
+  }
   r.result = fsdp::test::run_workers("ft_replicas", world, opts);
   return r;
 }
@@ -411,6 +433,78 @@ void stall_and_heal(int k, int victim) {
   }
   std::filesystem::remove_all(fault.dir);
   std::filesystem::remove_all(reference.dir);
+}
+
+// Replica 1 of 3 replicas of `k` ranks loses rank `victim`, killed in backward at step 2: its
+// other ranks leave (exit 3), the launcher starts the replica's ranks again (incarnation 1), and
+// they join the running job: their own shard group made anew, the model built, admitted at a
+// step boundary, shards and optimizer state copied from the same index of a replica that stayed.
+// Every rank then ends equal, bit for bit, to a run given the same schedule without a fault.
+void kill_restart_and_heal(int k, int victim) {
+  const int world = 3 * k;
+  const std::string kk = std::to_string(k);
+  fsdp::LocalLaunchOptions::ReplicaRestarts restarts;
+  restarts.ranks_per_replica = k;
+  restarts.max_restarts = 1;
+  restarts.grace = std::chrono::seconds(20);
+  auto fault = run_ft(world,
+                      {{"FSDP_K", kk},
+                       {"FSDP_KILL_RANK", std::to_string(victim)},
+                       {"FSDP_KILL_STEP", "2"},
+                       {"FSDP_KILL_WHERE", "backward"},
+                       {"FSDP_TIMEOUT_S", "3"},
+                       {"FSDP_RESTART", "1"},
+                       {"FSDP_STEPS", "60"},
+                       {"FSDP_STEP_SLEEP_MS", "150"}},
+                      "restart", restarts);
+  ASSERT_FALSE(fault.result.timed_out) << fault.result.describe();
+  ASSERT_EQ(fault.result.restarts, (std::vector<int>{0, 1, 0})) << fault.result.describe();
+  for (int r = 0; r < world; ++r) {  // the restarted ranks' last exit included
+    EXPECT_EQ(fault.result.exit_codes[static_cast<size_t>(r)], 0) << fault.result.describe();
+  }
+  const auto& out0 = fault.result.outputs[0];
+  const auto at = out0.find("FT OK schedule 0:012 2:02 ");
+  ASSERT_NE(at, std::string::npos) << out0;
+  const std::string back = out0.substr(at + 26, out0.find(':', at + 26) - at - 26);
+  for (int r = k; r < 2 * k; ++r) {  // replica 1's ranks: left, restarted, rejoined
+    const auto& out = fault.result.outputs[static_cast<size_t>(r)];
+    if (r != victim) {
+      EXPECT_NE(out.find("LEFT at step 2"), std::string::npos) << out;
+    }
+    EXPECT_NE(out.find("RESTARTED (incarnation 1)"), std::string::npos) << out;
+    const auto rejoined = out.find("REJOINED at step " + back + ",");
+    ASSERT_NE(rejoined, std::string::npos) << out;
+    EXPECT_NE(out.find("FT OK schedule " + back + ":012"), std::string::npos) << out;
+    std::printf("rank %d: %s\n", r,
+                out.substr(rejoined, out.find('\n', rejoined) - rejoined).c_str());
+  }
+  auto reference = run_ft(world,
+                          {{"FSDP_K", kk},
+                           {"FSDP_SCHEDULE", "2:0,2;" + back + ":0,1,2"},
+                           {"FSDP_HEAL", "1"},
+                           {"FSDP_STEPS", "60"}},
+                          "restart-reference");
+  ASSERT_TRUE(reference.result.ok()) << reference.result.describe();
+  for (int r = 0; r < world; ++r) {
+    if (r < k || r >= 2 * k) {
+      EXPECT_NE(fault.result.outputs[static_cast<size_t>(r)].find("FT OK schedule 0:012 2:02 " +
+                                                                  back + ":012"),
+                std::string::npos)
+          << fault.result.outputs[static_cast<size_t>(r)];
+    }
+    const auto a = shards_of(fault, r), b = shards_of(reference, r), same = shards_of(fault, r % k);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_TRUE(torch::equal(a[i], b[i])) << "rank " << r << ", parameter " << i;
+      EXPECT_TRUE(torch::equal(a[i], same[i])) << "rank " << r << ", parameter " << i;
+    }
+  }
+  std::filesystem::remove_all(fault.dir);
+  std::filesystem::remove_all(reference.dir);
+}
+
+TEST(FaultTolerance, AReplicaOfTwoRanksRestartedAfterAKillRejoinsAndEqualsTheScheduleRun) {
+  kill_restart_and_heal(/*k=*/2, /*victim=*/2);
 }
 
 TEST(FaultTolerance, AStalledReplicaRejoinsFromAPeerAndEqualsTheScheduleRun) {

@@ -112,6 +112,12 @@ struct FullyShardOptions {
   /// are consecutive ranks, so with torchrun's rank order a block of LOCAL_WORLD_SIZE ranks is
   /// one node.
   TORCH_ARG(int, hybrid_shard_size) = 0;
+  /// kHybridShard (and only it): the cross-replica group, given instead of derived from `group`.
+  /// `group` is then the shard group (one replica's ranks) and this one the ranks at this rank's
+  /// place in every replica: fsdp::ReplicaQuorum's replica_group() and replicate_group(), which
+  /// a process that joined a running job cannot derive (its world group has no backend).
+  /// hybrid_shard_size is then 0 or the size of `group`.
+  TORCH_ARG(std::shared_ptr<ProcessGroup>, replicate_group);
   /// kFullShard and kHybridShard: free the unsharded parameters after forward and gather them
   /// again for backward (unset: true, the memory-saving default, ZeRO-3); false keeps them
   /// from forward to backward. The outermost unit of a forward (the root) never reshards

@@ -60,7 +60,7 @@ std::vector<std::string> rank_environment(const std::map<std::string, std::strin
 }
 
 pid_t spawn(const std::string& exe, const std::vector<std::string>& args,
-            const std::vector<std::string>& env, const std::string& log_path) {
+            const std::vector<std::string>& env, const std::string& log_path, bool append) {
   posix_spawn_file_actions_t actions;
   posix_spawnattr_t attr;
   posix_spawn_file_actions_init(&actions);
@@ -68,7 +68,7 @@ pid_t spawn(const std::string& exe, const std::vector<std::string>& args,
   posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
   if (!log_path.empty()) {
     posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log_path.c_str(),
-                                     O_WRONLY | O_CREAT | O_TRUNC, 0644);
+                                     O_WRONLY | O_CREAT | (append ? O_APPEND : O_TRUNC), 0644);
     posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
   }
   sigset_t none, all;
@@ -159,7 +159,7 @@ pid_t spawn(const std::string& exe, const std::vector<std::string>& args,
 pid_t start_rank(const LocalLaunchOptions& o, bool fork_rank, const std::vector<std::string>& env,
                  const std::string& log_path, int listen_fd, const int gate[2]) {
   if (!fork_rank)
-    return spawn(o.executable, o.argv, env, log_path);
+    return spawn(o.executable, o.argv, env, log_path, /*append=*/false);
   const pid_t launcher = ::getpid();
   std::fflush(nullptr);  // or the copy would print what the launcher buffered
   const pid_t pid = ::fork();
@@ -221,6 +221,96 @@ class StoreGate {
   int fds_[2] = {-1, -1};
 };
 
+// LocalLaunchOptions::replica_restarts: each replica's course from a failed rank to its restart.
+class ReplicaRestarter {
+ public:
+  ReplicaRestarter(const LocalLaunchOptions& o, int k, LocalLaunchResult& result)
+      : o_(o), k_(k), result_(result), replicas_(static_cast<size_t>(o.nproc / k)) {
+    result_.restarts.assign(replicas_.size(), 0);
+  }
+
+  // Whether a replica waits to be restarted (the job is not over while one does).
+  bool pending() const {
+    return std::any_of(replicas_.begin(), replicas_.end(),
+                       [](const Replica& q) { return q.state == State::kRestartAt; });
+  }
+
+  // Rank `r` ended with `code`.
+  void ended(int r, int code) {
+    if (code == 0) {  // the job is ending: a replica that fails now is not started again
+      finished_ = true;
+      return;
+    }
+    auto& q = replicas_[static_cast<size_t>(r / k_)];
+    if (q.state != State::kRunning)
+      return;
+    q.state = State::kEnding;
+    q.kill_at = Clock::now() + o_.replica_restarts->grace;
+    std::fprintf(stderr, "fsdp launch: rank %d ended (%s %d): replica %d (ranks %d-%d) leaves\n", r,
+                 code > 128 ? "signal" : "exit", code > 128 ? code - 128 : code, r / k_,
+                 r / k_ * k_, r / k_ * k_ + k_ - 1);
+  }
+
+  // Kills what outstayed its grace and starts what is due, through start(rank, incarnation).
+  template <typename Start>
+  void poll(Children& children, Start&& start) {
+    const auto now = Clock::now();
+    for (size_t i = 0; i < replicas_.size(); ++i) {
+      auto& q = replicas_[i];
+      const int first = static_cast<int>(i) * k_;
+      if (q.state == State::kEnding) {
+        bool running = false;
+        for (int r = first; r < first + k_; ++r) {
+          const pid_t pid = result_.pids[static_cast<size_t>(r)];
+          if (std::count(children.running().begin(), children.running().end(), pid) == 0)
+            continue;
+          running = true;
+          if (now >= q.kill_at) {
+            ::kill(-pid, SIGKILL);
+            ::kill(pid, SIGKILL);
+          }
+        }
+        if (running)
+          continue;
+        const int used = result_.restarts[i];
+        if (finished_ || used >= o_.replica_restarts->max_restarts) {
+          q.state = State::kGone;
+          std::fprintf(stderr, "fsdp launch: replica %zu not restarted (%s)\n", i,
+                       finished_ ? "the job is ending" : "no restarts left");
+          continue;
+        }
+        q.state = State::kRestartAt;
+        q.restart_at = now + o_.replica_restarts->delay;
+      }
+      if (q.state == State::kRestartAt && now >= q.restart_at) {
+        if (finished_) {
+          q.state = State::kGone;
+          continue;
+        }
+        const int incarnation = ++result_.restarts[i];
+        std::fprintf(stderr, "fsdp launch: replica %zu restarted (incarnation %d)\n", i,
+                     incarnation);
+        for (int r = first; r < first + k_; ++r)
+          start(r, incarnation);
+        q.state = State::kRunning;
+      }
+    }
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  enum class State { kRunning, kEnding, kRestartAt, kGone };
+  struct Replica {
+    State state = State::kRunning;
+    Clock::time_point kill_at, restart_at;
+  };
+  const LocalLaunchOptions& o_;
+  int k_;
+  LocalLaunchResult& result_;
+  std::vector<Replica> replicas_;
+  bool finished_ = false;
+};
+
 }  // namespace
 
 LocalLaunchResult launch_local_ranks(const LocalLaunchOptions& o) {
@@ -269,12 +359,16 @@ LocalLaunchResult launch_local_ranks(const LocalLaunchOptions& o) {
   if (!result.forked)
     store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", store_opts);
 
+  const auto& restarting = o.replica_restarts;
+  const int k = restarting ? restarting->ranks_per_replica : 1;
+  if (restarting && (k < 1 || o.nproc % k != 0)) {
+    throw std::invalid_argument("launch_local_ranks: " + std::to_string(k) +
+                                " ranks per replica do not divide " + std::to_string(o.nproc));
+  }
   const auto start = std::chrono::steady_clock::now();
   Children children;
   StoreGate gate;
-  for (int r = 0; r < o.nproc; ++r) {
-    if (std::find(o.absent_ranks.begin(), o.absent_ranks.end(), r) != o.absent_ranks.end())
-      continue;
+  auto rank_vars = [&](int r) {
     std::map<std::string, std::string> vars{
         {"RANK", std::to_string(r)},
         {"WORLD_SIZE", std::to_string(o.nproc)},
@@ -287,10 +381,15 @@ LocalLaunchResult launch_local_ranks(const LocalLaunchOptions& o) {
         {"OMP_NUM_THREADS", std::to_string(o.threads_per_rank)},
         {kLauncherVar, std::to_string(::getpid())},
     };
-    for (const auto& [k, v] : o.env)
-      vars[k] = v;
+    for (const auto& [key, value] : o.env)
+      vars[key] = value;
+    return vars;
+  };
+  for (int r = 0; r < o.nproc; ++r) {
+    if (std::find(o.absent_ranks.begin(), o.absent_ranks.end(), r) != o.absent_ranks.end())
+      continue;
     const std::string log = o.log_path ? o.log_path(r) : std::string();
-    const pid_t pid = start_rank(o, result.forked, rank_environment(vars), log,
+    const pid_t pid = start_rank(o, result.forked, rank_environment(rank_vars(r)), log,
                                  *store_opts.masterListenFd, gate.fds());
     children.add(pid);
     result.pids[static_cast<size_t>(r)] = pid;
@@ -314,18 +413,33 @@ LocalLaunchResult launch_local_ranks(const LocalLaunchOptions& o) {
   const auto no_deadline = std::chrono::steady_clock::time_point::max();
   const auto job_deadline = o.timeout.count() > 0 ? start + o.timeout : no_deadline;
   auto kill_deadline = no_deadline;  // set when a rank fails and a grace period applies
-  while (!children.running().empty()) {
+  ReplicaRestarter restarter(o, k, result);
+  while (!children.running().empty() || restarter.pending()) {
     bool reaped_any = false;
     for (pid_t pid : std::vector<pid_t>(children.running())) {
       int status = 0;
       if (::waitpid(pid, &status, WNOHANG) == pid) {
+        const size_t r = rank_of(pid);
         record(pid, status);
+        if (restarting)
+          restarter.ended(static_cast<int>(r), result.exit_codes[r]);
         reaped_any = true;
       }
     }
-    if (children.running().empty())
+    if (restarting) {
+      restarter.poll(children, [&](int r, int incarnation) {
+        auto vars = rank_vars(r);
+        vars["FSDP_REPLICA_INCARNATION"] = std::to_string(incarnation);
+        const std::string log = o.log_path ? o.log_path(r) : std::string();
+        const pid_t pid = spawn(o.executable, o.argv, rank_environment(vars), log, /*append=*/true);
+        children.add(pid);
+        result.pids[static_cast<size_t>(r)] = pid;
+        result.exit_codes[static_cast<size_t>(r)] = LocalLaunchResult::kNotLaunched;
+      });
+    }
+    if (children.running().empty() && !restarter.pending())
       break;
-    if (result.first_failed >= 0 && kill_deadline == no_deadline &&
+    if (!restarting && result.first_failed >= 0 && kill_deadline == no_deadline &&
         o.grace_after_failure.count() >= 0)
       kill_deadline = std::chrono::steady_clock::now() + o.grace_after_failure;
     const auto now = std::chrono::steady_clock::now();

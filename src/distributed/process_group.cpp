@@ -437,6 +437,7 @@ LaunchEnv launch_env_from_environment() {
     check_ranks(env, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
                 per_node_var ? per_node_var : "SLURM_NTASKS_PER_NODE");
   }
+  env.incarnation = env_int("FSDP_REPLICA_INCARNATION", 0, 1 << 30, 0);
   return env;
 }
 
@@ -487,6 +488,15 @@ std::shared_ptr<ProcessGroup> init_process_group(const LaunchEnv& env,
   for (int r = 0; r < env.world_size; ++r)
     world[static_cast<size_t>(r)] = r;
 
+  // A restarted process of a fault-tolerant job joins it running: the others made the world's
+  // backend (and passed its rendezvous) long ago, so this one makes neither.
+  const bool joining = env.incarnation > 0;
+  if (joining && (env.world_size == 1 || !env.agent_store)) {
+    throw std::invalid_argument(
+        "[rank " + std::to_string(env.rank) +
+        "] FSDP_REPLICA_INCARNATION is set: a process restarted into a running job needs the "
+        "job's store served by its launcher (TORCHELASTIC_USE_AGENT_STORE=True), not by a rank");
+  }
   c10::intrusive_ptr<c10d::Store> store;
   if (env.world_size == 1) {
     store = c10::make_intrusive<c10d::HashStore>();
@@ -500,13 +510,17 @@ std::shared_ptr<ProcessGroup> init_process_group(const LaunchEnv& env,
     // first one's keys: they would pass its join check and hand Gloo stale addresses.
     static std::atomic<int> joins{0};
     store = c10::make_intrusive<c10d::PrefixStore>("fsdp/init" + std::to_string(joins++), store);
-    join_check(*store, env.rank, world, opts.timeout(),
-               "rendezvous at " + env.master_addr + ":" + std::to_string(env.master_port), server);
+    if (!joining) {
+      join_check(*store, env.rank, world, opts.timeout(),
+                 "rendezvous at " + env.master_addr + ":" + std::to_string(env.master_port),
+                 server);
+    }
   }
   auto backend_store = c10::make_intrusive<c10d::PrefixStore>("fsdp/world", store);
   std::vector<c10::intrusive_ptr<c10d::Backend>> lanes;
   try {
-    lanes = make_lanes(factory, backend_store, env.rank, env.world_size, opts);
+    if (!joining)
+      lanes = make_lanes(factory, backend_store, env.rank, env.world_size, opts);
   } catch (const std::exception& e) {
     throw std::runtime_error("[rank " + std::to_string(env.rank) + "] creating the " +
                              opts.backend() + " backend over " + std::to_string(env.world_size) +
@@ -546,9 +560,8 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store,
       size_(size),
       global_ranks_(std::move(global_ranks)),
       options_(std::move(options)) {
-  TORCH_CHECK(!lanes_.empty() &&
-                  std::all_of(lanes_.begin(), lanes_.end(), [](const auto& b) { return bool(b); }),
-              "ProcessGroup needs a backend");
+  TORCH_CHECK(std::all_of(lanes_.begin(), lanes_.end(), [](const auto& b) { return bool(b); }),
+              "ProcessGroup: a null backend");
   TORCH_CHECK(size_ >= 1 && rank_ >= 0 && rank_ < size_, "ProcessGroup: rank ", rank_, " of size ",
               size_);
   TORCH_CHECK(static_cast<int>(global_ranks_.size()) == size_, "ProcessGroup: global_ranks has ",
@@ -603,7 +616,27 @@ void check_ranks(const std::vector<int>& ranks, int size, int me, const char* wh
 }
 }  // namespace
 
+void ProcessGroup::require_backend(const char* what) const {
+  if (!lanes_.empty())
+    return;
+  throw std::logic_error("[rank " + std::to_string(global_ranks_[static_cast<size_t>(rank_)]) +
+                         "] " + what + " on group '" + name_ +
+                         "', which has no backend: this process joined a running job "
+                         "(FSDP_REPLICA_INCARNATION), whose groups come from members_group()");
+}
+
+c10d::Backend& ProcessGroup::first_lane() const {
+  require_backend("a collective");
+  return *lanes_.front();
+}
+
+c10d::Backend& ProcessGroup::next_lane() {
+  require_backend("a collective");
+  return *lanes_[next_lane_++ % lanes_.size()];
+}
+
 std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ranks) {
+  require_backend("new_group");
   // Counted before any check, so that every member numbers its groups the same way even when
   // it is not in this one.
   const int k = subgroups_created_++;

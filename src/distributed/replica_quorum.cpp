@@ -98,6 +98,12 @@ ReplicaQuorum::ReplicaQuorum(std::shared_ptr<ProcessGroup> world, ReplicaQuorumO
     TORCH_CHECK(world_->global_ranks()[static_cast<size_t>(r)] == r,
                 "fsdp::ReplicaQuorum: give it the world group (init_process_group's)");
   }
+  const bool restarted = options_.incarnation() > 0;
+  TORCH_CHECK(options_.incarnation() >= 0 && restarted == !world_->has_backend(),
+              "fsdp::ReplicaQuorum: incarnation ", options_.incarnation(),
+              restarted ? " (a restarted replica) needs the world group of a process that joins a "
+                          "running job (FSDP_REPLICA_INCARNATION set)"
+                        : " (the job's start) needs a world group with a backend");
   // NCCL's watchdog ends the process on a failed collective, and an NCCL communicator with a
   // dead peer may not shut down: survivors would not survive.
   TORCH_CHECK(world_->backend_name() == "gloo", "fsdp::ReplicaQuorum: Gloo only so far, not ",
@@ -113,6 +119,20 @@ ReplicaQuorum::ReplicaQuorum(std::shared_ptr<ProcessGroup> world, ReplicaQuorumO
   replica_ = world_->rank() / k_;
   index_ = world_->rank() % k_;
   store_ = c10::make_intrusive<c10d::PrefixStore>("fsdp/ft", detail::GroupAccess::store(*world_));
+  if (restarted) {
+    // An admission left for this rank's previous process (it asked, then died) is not this
+    // one's: this one asks anew in rejoin().
+    const std::string me = std::to_string(world_->rank());
+    store_->deleteKey("admitted/" + me);
+    std::string tag = "replica";  // appended: GCC 12 warns falsely on "literal" + string
+    tag += std::to_string(replica_);
+    tag += "/incarnation";
+    tag += std::to_string(options_.incarnation());
+    replica_group_ = world_->members_group(ranks_of({replica_}), tag);
+    replicate_group_ = world_->members_group({world_->rank()}, tag + "/alone" + me);
+    left_ = true;
+    return;
+  }
   replica_group_ = world_->block_group(k_);
   replicate_group_ = world_->strided_group(k_);
   live_group_ = world_;
@@ -249,7 +269,9 @@ bool ReplicaQuorum::reform(int64_t step) {
     std::vector<int> missing;
     for (int r : expected)
       (store_->check({key(r)}) ? present : missing).push_back(r);
-    if (missing.empty())
+    // Once a survivor has decided, the others follow at once: the groups of the decision are
+    // being made, and their makers wait only a collective timeout for every member.
+    if (missing.empty() || store_->check({base + "decision"}))
       break;
     const auto now = Clock::now();
     if (now - start > options_.vote_timeout() || (!reports && now - start > options_.join_window()))

@@ -201,6 +201,15 @@ void check_option_conflicts(const FullyShardOptions& o, int me) {
   TORCH_CHECK(!(strategy == ShardingStrategy::kNoShard && o.reshard_after_forward()), where,
               "the no_shard strategy never gathers parameters, so reshard_after_forward(",
               *o.reshard_after_forward() ? "true" : "false", ") means nothing with it");
+  if (o.replicate_group()) {
+    TORCH_CHECK(strategy == ShardingStrategy::kHybridShard, where,
+                "a replicate_group applies to the hybrid_shard strategy only, and the strategy is ",
+                to_string(strategy));
+    TORCH_CHECK(o.hybrid_shard_size() == 0 || o.hybrid_shard_size() == o.group()->size(), where,
+                "with a replicate_group, the group is one replica's ranks (the shard group), so "
+                "hybrid_shard_size(",
+                o.hybrid_shard_size(), ") must be 0 or its ", o.group()->size(), " ranks");
+  }
   if (o.reshard_after_forward_size() != 0) {
     TORCH_CHECK(o.reshard_after_forward_size() > 0, where, "reshard_after_forward_size ",
                 o.reshard_after_forward_size(), " must be positive (0: off)");
@@ -221,9 +230,11 @@ UnitGroups resolve_groups(const FullyShardOptions& options) {
   const int n = group->size();
   const int me = group->global_ranks().at(group->rank());
   // The sizes (and their checks) are the layout's, which the planner predicts from.
+  // A replicate group given: `group` is one replica, a hybrid block of n ranks of n.
+  const bool given = options.replicate_group() != nullptr;
   GroupLayout layout;
   try {
-    layout = group_layout(options.strategy(), options.hybrid_shard_size(),
+    layout = group_layout(options.strategy(), given ? n : options.hybrid_shard_size(),
                           options.reshard_after_forward(), options.reshard_after_forward_size(), n,
                           group->rank());
   } catch (const c10::Error& e) {
@@ -240,7 +251,11 @@ UnitGroups resolve_groups(const FullyShardOptions& options) {
       break;
     case ShardingStrategy::kHybridShard: {
       const int s = layout.shard_size;
-      if (s == n) {
+      if (given) {
+        if (s > 1)
+          g.shard = group;
+        g.replicate = options.replicate_group();
+      } else if (s == n) {
         g.shard = group;  // one block: plain full sharding
       } else if (s == 1) {
         g.replicate = group;  // blocks of one: plain replication

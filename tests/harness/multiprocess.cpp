@@ -227,6 +227,7 @@ RunResult run_workers(const std::string& name, int world_size, RunOptions opts) 
   launch.nproc = world_size;
   launch.threads_per_rank = 1;
   launch.absent_ranks = opts.absent_ranks;
+  launch.replica_restarts = opts.replica_restarts;
   launch.timeout = opts.timeout;
   launch.env = {{kWorkerVar, name}, {kTmpDirVar, tmp_dir}};
   for (const auto& [k, v] : opts.env)
@@ -246,6 +247,7 @@ RunResult run_workers(const std::string& name, int world_size, RunOptions opts) 
   result.pids = launched.pids;
   result.timed_out = launched.timed_out;
   result.forked = launched.forked;
+  result.restarts = launched.restarts;
   result.seconds = since(start);
 
   for (int r = 0; r < world_size; ++r) {

@@ -20,8 +20,11 @@
 #include <gtest/gtest.h>
 #include <torch/types.h>
 
+#include <fsdp/distributed/local_launch.h>
+
 #include <chrono>
 #include <exception>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -62,6 +65,10 @@ struct RunOptions {
   /// connection to the store (its progress reporter's) now and then took longer than that
   /// under the full suite's load (2 of 8 runs of the suite; not reproduced alone).
   bool fork_ranks = true;
+  /// A fault-tolerant job's launching: a failed rank ends only its replica, which is started
+  /// again (LocalLaunchOptions::replica_restarts; restarted ranks are always executed anew, and
+  /// their output is appended to the rank's).
+  std::optional<fsdp::LocalLaunchOptions::ReplicaRestarts> replica_restarts;
 };
 
 /// `o` with its ranks executed anew rather than forked (RunOptions::fork_ranks).
@@ -94,6 +101,8 @@ struct RunResult {
   bool timed_out = false;
   /// The ranks were forks of the test binary (else: the binary executed anew).
   bool forked = false;
+  /// With replica restarts: how many times each replica was restarted.
+  std::vector<int> restarts;
   /// Wall time of the whole run.
   double seconds = 0;
 

@@ -19,6 +19,7 @@
 #include <chrono>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -49,7 +50,24 @@ struct LocalLaunchOptions {
   std::chrono::milliseconds timeout{0};
   /// After the first rank fails, the others have this long to notice a dead peer and exit on
   /// their own before they are killed (negative: they are waited for, up to `timeout`).
+  /// Not with replica restarts, where a failure ends only its replica.
   std::chrono::milliseconds grace_after_failure{-1};
+
+  /// A fault-tolerant job's launching (fsdp/distributed/replica_quorum.h): a rank that ends with
+  /// anything but 0 ends only its replica (its `ranks_per_replica` consecutive ranks), whose
+  /// other ranks get `grace` to leave on their own (a replica that lost a rank leaves the job)
+  /// before they are killed; `delay` after the last of them ended, the replica's ranks start
+  /// again, spawned (never forked: the store's threads run by then), with
+  /// FSDP_REPLICA_INCARNATION=n for its n-th restart, and join the running job. At most
+  /// `max_restarts` per replica; the other replicas run on throughout, and the job ends when
+  /// every rank has ended.
+  struct ReplicaRestarts {
+    int ranks_per_replica = 1;
+    int max_restarts = 3;
+    std::chrono::milliseconds grace{std::chrono::seconds(30)};
+    std::chrono::milliseconds delay{0};
+  };
+  std::optional<ReplicaRestarts> replica_restarts;
 };
 
 struct LocalLaunchResult {
@@ -64,6 +82,8 @@ struct LocalLaunchResult {
   bool forked = false;
   /// The first rank (in the order they exited) that failed, or -1.
   int first_failed = -1;
+  /// With replica restarts: how many times each replica was restarted.
+  std::vector<int> restarts;
   /// `timeout` was reached and the remaining ranks were killed.
   bool timed_out = false;
   double seconds = 0;

@@ -48,6 +48,11 @@ struct LaunchEnv {
   std::string store_prefix;
   /// "torchrun", "slurm" or "single": which variables were used.
   std::string source = "single";
+  /// FSDP_REPLICA_INCARNATION: 0 at the job's start; n > 0 in a process that a fault-tolerant
+  /// job's launcher restarted (the n-th time for its replica, fsdp/distributed/replica_quorum.h):
+  /// it joins the running job instead of its start, and init_process_group() gives it a world
+  /// group without a backend (see ProcessGroup::has_backend).
+  int incarnation = 0;
 };
 
 /// Reads RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun), or
@@ -104,7 +109,8 @@ struct ProcessGroupOptions {
 /// collective-sequence check sees every collective.
 class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
  public:
-  /// `lanes`: one or more backends over the same ranks (see ProcessGroupOptions::gloo_lanes).
+  /// `lanes`: one or more backends over the same ranks (see ProcessGroupOptions::gloo_lanes);
+  /// none for the world group of a process that joins a running job (LaunchEnv::incarnation).
   /// `name`: how the flight recorder names the group (every member must give the same one);
   /// subgroups are named "<parent>/<k>" for the parent's k-th new_group().
   ProcessGroup(c10::intrusive_ptr<c10d::Store> store,
@@ -123,6 +129,11 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   c10::DeviceType device_type() const;
   std::chrono::milliseconds timeout() const { return options_.timeout(); }
   int num_lanes() const { return static_cast<int>(lanes_.size()); }
+  /// False for the world group of a process that joined a running job (LaunchEnv::incarnation):
+  /// the other ranks made their backend long ago, and some may be dead. Such a group only makes
+  /// members_group()s (as ReplicaQuorum does); a collective, a barrier or a collective subgroup
+  /// on it is refused.
+  bool has_backend() const { return !lanes_.empty(); }
   /// "world", or "<parent>/<k>" (see the constructor): the name in flight-recorder dumps.
   const std::string& name() const { return name_; }
   /// Whether the collective-sequence check (ProcessGroupOptions::check_collectives) is on.
@@ -164,10 +175,12 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   // The backend, the lanes, the store and the check are for src/distributed alone
   // (src/distributed/group_access.h).
   friend struct detail::GroupAccess;
-  c10d::Backend& first_lane() const { return *lanes_.front(); }
+  c10d::Backend& first_lane() const;
   /// The lane for the next collective, in turn. Every rank issues the same collectives on a
   /// group in the same order, so every rank picks the same lane for each of them.
-  c10d::Backend& next_lane() { return *lanes_[next_lane_++ % lanes_.size()]; }
+  c10d::Backend& next_lane();
+  // Throws, naming `what`, on a group without a backend.
+  void require_backend(const char* what) const;
 
   c10::intrusive_ptr<c10d::Store> store_;
   std::vector<c10::intrusive_ptr<c10d::Backend>> lanes_;

@@ -62,6 +62,11 @@ struct ReplicaQuorumOptions {
   /// survivors to register before deciding; a survivor later than that is left out (and
   /// leaves). With them (the default) a missing rank is waited for until its reports stop.
   TORCH_ARG(std::chrono::milliseconds, join_window) = std::chrono::seconds(3);
+  /// 0 at the job's start. n > 0: this replica's processes were restarted (the n-th time; every
+  /// rank of the replica gives the same n, LaunchEnv::incarnation) and join the running job:
+  /// the world group is then one without a backend (init_process_group's for such a process),
+  /// the quorum starts as a replica that left, and rejoin() asks to come in.
+  TORCH_ARG(int, incarnation) = 0;
 };
 
 /// One membership change: from `step` on, the replicas `live` train (ascending).
@@ -77,7 +82,10 @@ class ReplicaQuorum {
  public:
   /// Collective over `world`, the world group, all ranks alive: builds each replica's group and
   /// the cross-replica groups (world->block_group(k), world->strided_group(k)), the ones
-  /// fully_shard builds for hybrid_shard_size k.
+  /// fully_shard builds for hybrid_shard_size k. With options.incarnation() > 0 (a restarted
+  /// replica), collective over this replica's ranks only: builds their replica group and, until
+  /// rejoin() admits them, a replicate group of this rank alone (for fully_shard's
+  /// replicate_group option; the model is built before rejoin, so the live ranks do not wait).
   ReplicaQuorum(std::shared_ptr<ProcessGroup> world, ReplicaQuorumOptions options);
   ~ReplicaQuorum();
   ReplicaQuorum(const ReplicaQuorum&) = delete;
@@ -97,7 +105,8 @@ class ReplicaQuorum {
   /// This replica's ranks (the shard group; it never changes).
   const std::shared_ptr<ProcessGroup>& replica_group() const { return replica_group_; }
   /// The ranks at this rank's index in every live replica: the cross-replica all-reduce's group
-  /// (give it to fsdp::set_replicate_group after each change).
+  /// (give it to fsdp::set_replicate_group after each change). In a restarted replica not yet
+  /// admitted: this rank alone.
   const std::shared_ptr<ProcessGroup>& replicate_group() const { return replicate_group_; }
   /// Every rank of the live replicas (for what the job reduces over all of them: a loss).
   const std::shared_ptr<ProcessGroup>& live_group() const { return live_group_; }
