@@ -124,6 +124,9 @@ ReplicaQuorum::ReplicaQuorum(std::shared_ptr<ProcessGroup> world, ReplicaQuorumO
     // one's: this one asks anew in rejoin().
     const std::string me = std::to_string(world_->rank());
     store_->deleteKey("admitted/" + me);
+    // Until admitted: the process this one replaces is gone, whatever its rank's progress
+    // reports (this one's now) say; reform() need not wait for it.
+    store_->set("restarted/" + me, bytes_of(std::to_string(options_.incarnation())));
     std::string tag = "replica";  // appended: GCC 12 warns falsely on "literal" + string
     tag += std::to_string(replica_);
     tag += "/incarnation";
@@ -278,7 +281,14 @@ bool ReplicaQuorum::reform(int64_t step) {
       break;
     if (now >= next_look) {
       next_look = now + std::chrono::milliseconds(250);
-      if (stopped(missing, /*all=*/true))
+      // A rank whose process was restarted will not register; the others are waited for
+      // until their reports stop.
+      std::vector<int> silent;
+      for (int r : missing) {
+        if (!store_->check({"restarted/" + std::to_string(r)}))
+          silent.push_back(r);
+      }
+      if (silent.empty() || stopped(silent, /*all=*/true))
         break;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -372,6 +382,7 @@ int64_t ReplicaQuorum::rejoin(std::chrono::milliseconds timeout, bool ask) {
   }
   if (ask)
     store_->deleteKey("join/" + me);
+  store_->deleteKey("restarted/" + me);
   const auto c1 = value.find(':'), c2 = value.find(':', c1 + 1), c3 = value.find(':', c2 + 1);
   TORCH_CHECK(c1 != std::string::npos && c2 != std::string::npos && c3 != std::string::npos,
               "fsdp::ReplicaQuorum: a malformed admission in the store: '", value, "'");

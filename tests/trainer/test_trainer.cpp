@@ -194,6 +194,30 @@ TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
       {"", "--training.seq_len=1099511627776", "one micro-batch's logits"},
       {"", "--nproc 2 --model.n_layer=16777216", "for the 2 rank(s) on this host, more than its",
        kCli},
+      // Fault tolerance: what it needs, what it cannot go with yet, a schedule that is wrong.
+      {"", "--fsdp.fault_tolerant=true",
+       "'fsdp.fault_tolerant' needs fsdp.strategy = \"hybrid_shard\" with fsdp.hybrid_shard_size "
+       "set"},
+      {"",
+       "--fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=1 --fsdp.fault_tolerant=true "
+       "--checkpoint.every=5",
+       "'fsdp.fault_tolerant' writes and reads no checkpoints"},
+      {"",
+       "--fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=1 --fsdp.fault_tolerant=true "
+       "--fsdp.membership_schedule=5:0,2;3:0",
+       "'fsdp.membership_schedule' step 3 is not >= 1 and after the previous entry's"},
+      {"", "--fsdp.membership_schedule=5:0",
+       "'fsdp.membership_schedule' applies to "
+       "fsdp.fault_tolerant = true only"},
+      {"",
+       "--nproc 2 --fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=2 "
+       "--fsdp.fault_tolerant=true",
+       "'fsdp.fault_tolerant' needs at least 2 replicas: 2 ranks in blocks of "
+       "fsdp.hybrid_shard_size = 2 make 1"},
+      {"",
+       "--nproc 2 --fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=1 "
+       "--fsdp.fault_tolerant=true --fsdp.membership_schedule=4:0,2",
+       "'fsdp.membership_schedule' names replica 2 at step 4, and the job has 2"},
       // A huge value is quoted cut short (the test checks the one line; the length below).
       {"", "--training.steps=" + std::string(100000, '7'), "(100000 bytes)", kCli},
   };
@@ -2209,4 +2233,86 @@ TEST(TrainerRun, AJobKilledOnFourRanksResumesOnThree) {
   EXPECT_EQ(m.back().step, kRestartSteps);
   EXPECT_TRUE(std::isfinite(m.back().loss));
   EXPECT_TRUE(fs::exists(dir / "checkpoints" / "step-00000040" / "index.json"));
+}
+
+// fsdp.fault_tolerant (docs/multi-node.md): 3 replicas of 1 rank under fsdp-train --nproc 3.
+// Rank 1 is SIGKILLed mid-run; the other two finish the step it was in among themselves and
+// train on, the launcher starts rank 1 again, and it joins at a step boundary with the state of
+// a replica that stayed; nothing restarts but rank 1, and no checkpoint exists. The run's
+// membership.jsonl gives the schedule; a run told that schedule, without a fault, logs the same
+// loss at every step and the same held-out losses, bit for bit.
+TEST(FaultTolerantTraining, AKilledReplicaRejoinsAndTheLossesEqualTheScheduleRun) {
+  const std::string name = "ft-kill";
+  const auto run_dir = fs::path(FSDP_TEST_WORK_DIR) / name;
+  fs::remove_all(run_dir);
+  const std::string tag = "FSDP_TEST_TAG=" + name + "-" + std::to_string(::getpid());
+  const auto config =
+      write_config(name, tiny_config(run_dir.string()) +
+                             "[fsdp]\nstrategy = \"hybrid_shard\"\nhybrid_shard_size = 1\n"
+                             "fault_tolerant = true\ntimeout_s = 3\n");
+  const std::string args =
+      " --training.steps=300 --training.seq_len=64 --training.eval_every=100 "
+      "--generate.tokens=0 --logging.plot=false";
+  BackgroundJob job(tag + " " + train_cmd() + " " + config + " --nproc 3" + args,
+                    (fs::path(FSDP_TEST_WORK_DIR) / (name + ".log")).string());
+  // Step 30 logged: rank 1 dies within a step or two of it, far from the end.
+  const auto metrics_path = run_dir / "metrics.jsonl";
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (line_count(file_bytes(metrics_path)) < 30 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  const pid_t victim = find_process_with_env({tag, "RANK=1"});
+  ASSERT_GT(victim, 0) << job.output();
+  ::kill(victim, SIGKILL);
+  ASSERT_EQ(job.wait(180), 0) << job.output();
+  const std::string output = job.output();
+  EXPECT_NE(output.find("restarts of replicas 0..2: 0, 1, 0"), std::string::npos) << output;
+
+  // start, the fault, the admission: "S:0,2;J:0,1,2".
+  std::vector<nlohmann::json> changes;
+  std::istringstream lines(file_bytes(run_dir / "membership.jsonl"));
+  for (std::string line; std::getline(lines, line);)
+    changes.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(changes.size(), 3u) << file_bytes(run_dir / "membership.jsonl");
+  EXPECT_EQ(changes[0]["cause"], "start");
+  EXPECT_EQ(changes[1]["cause"], "fault");
+  EXPECT_EQ(changes[1]["live"], nlohmann::json::array({0, 2}));
+  EXPECT_EQ(changes[2]["cause"], "admitted");
+  EXPECT_EQ(changes[2]["live"], nlohmann::json::array({0, 1, 2}));
+  const int64_t dropped = changes[1]["step"], back = changes[2]["step"];
+  EXPECT_GT(dropped, 30);
+  EXPECT_GT(back, dropped);
+  EXPECT_LT(back, 300);
+  std::printf("replica 1 dropped at step %lld, back at step %lld\n",
+              static_cast<long long>(dropped), static_cast<long long>(back));
+
+  const auto reference_dir = fs::path(FSDP_TEST_WORK_DIR) / (name + "-reference");
+  fs::remove_all(reference_dir);
+  const auto reference = run(train_cmd() + " " + config + " --nproc 3" + args +
+                             " --logging.run_dir=" + reference_dir.string() +
+                             " --fsdp.membership_schedule=" + std::to_string(dropped) + ":0,2\\;" +
+                             std::to_string(back) + ":0,1,2");
+  ASSERT_EQ(reference.code, 0) << reference.output;
+  const auto a = fsdp_trainer::read_metrics(metrics_path.string());
+  const auto b = fsdp_trainer::read_metrics((reference_dir / "metrics.jsonl").string());
+  ASSERT_EQ(a.size(), 300u);
+  ASSERT_EQ(b.size(), 300u);
+  int evals = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(a[i].step, b[i].step);
+    EXPECT_EQ(a[i].loss, b[i].loss) << "step " << a[i].step;
+    EXPECT_EQ(a[i].eval_loss, b[i].eval_loss) << "step " << a[i].step;
+    evals += a[i].eval_loss.has_value();
+  }
+  EXPECT_EQ(evals, 3);
+  // The reference went through the same changes, told by the schedule.
+  std::istringstream reference_lines(file_bytes(reference_dir / "membership.jsonl"));
+  size_t n = 0;
+  for (std::string line; std::getline(reference_lines, line); ++n) {
+    const auto j = nlohmann::json::parse(line);
+    ASSERT_LT(n, changes.size()) << line;
+    EXPECT_EQ(j["step"], changes[n]["step"]) << line;
+    EXPECT_EQ(j["live"], changes[n]["live"]) << line;
+    EXPECT_EQ(j["cause"], n == 0 ? "start" : "schedule") << line;
+  }
+  EXPECT_EQ(n, changes.size());
 }

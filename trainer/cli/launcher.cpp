@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -47,7 +48,8 @@ std::vector<std::string> print_rank_output(int rank, int code, const std::string
 }  // namespace
 
 int launch_local(int nproc, const std::vector<std::string>& args, int threads_per_rank,
-                 std::function<int()> rank_main) {
+                 std::function<int()> rank_main,
+                 std::optional<fsdp::LocalLaunchOptions::ReplicaRestarts> restarts) {
   const auto logs =
       std::filesystem::temp_directory_path() / ("fsdp-train-" + std::to_string(::getpid()));
   std::filesystem::create_directories(logs);
@@ -64,9 +66,23 @@ int launch_local(int nproc, const std::vector<std::string>& args, int threads_pe
   // The others notice a dead peer on their next collective; give them a moment to say so,
   // then stop them.
   o.grace_after_failure = std::chrono::seconds(5);
+  o.replica_restarts = restarts;
   const auto result = fsdp::launch_local_ranks(o);
-  const int first = result.first_failed;
-  const int job_code = first < 0 ? 0 : result.exit_codes[static_cast<size_t>(first)];
+  int first = result.first_failed;
+  int job_code = first < 0 ? 0 : result.exit_codes[static_cast<size_t>(first)];
+  if (restarts) {
+    std::string counts;
+    for (size_t i = 0; i < result.restarts.size(); ++i)
+      counts.append(i ? ", " : "").append(std::to_string(result.restarts[i]));
+    std::fprintf(stderr, "fsdp-train: restarts of replicas 0..%zu: %s\n",
+                 result.restarts.size() - 1, counts.c_str());
+    // Fault tolerance: the job trained if a rank finished; the faults are its business. The
+    // ranks whose last run failed are shown below.
+    if (std::count(result.exit_codes.begin(), result.exit_codes.end(), 0) > 0) {
+      job_code = 0;
+      first = -1;
+    }
+  }
   // The rank that failed first holds the cause (a file it could not read, a bad value); the
   // others then fail in their next collective ("a peer may have died"), rank 0 on the terminal
   // already. So its output comes first, and the job's last line names it and its last line.
@@ -75,7 +91,7 @@ int launch_local(int nproc, const std::vector<std::string>& args, int threads_pe
     failed.push_back(first);
   for (int r = 1; r < nproc; ++r)
     if (r != first && result.exit_codes[static_cast<size_t>(r)] != 0)
-      failed.push_back(r);
+      failed.push_back(r);  // with restarts: the last run of the rank failed
   std::string cause;
   for (const int r : failed) {
     const auto lines = print_rank_output(r, result.exit_codes[static_cast<size_t>(r)],

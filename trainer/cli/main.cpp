@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -280,6 +281,11 @@ int report_failures(const std::function<int()>& work) {
   } catch (const fsdp_trainer::ConfigError& e) {
     std::fprintf(stderr, "%sfsdp-train: config error: %s\n", rank_prefix().c_str(), e.what());
     return 2;
+  } catch (const fsdp_trainer::LeftTheJob& e) {
+    // fsdp.fault_tolerant: the others train on; a launcher with restarts starts it again.
+    std::fprintf(stderr, "%sfsdp-train: %s; this rank leaves the job\n", rank_prefix().c_str(),
+                 e.what());
+    return fsdp_trainer::LeftTheJob::kExitCode;
   } catch (const std::bad_alloc&) {
     // What the size check before building (check_model_fits) could not foresee.
     std::fprintf(stderr,
@@ -329,13 +335,30 @@ int launch_ranks(const fsdp_trainer::Config& config, const CommandLine& cl, int 
 #ifndef FSDP_TRAIN_CUDA
   // A rank forked from this launcher (fsdp/distributed/local_launch.h) trains the config parsed
   // here, and ends as main() does. The CUDA trainer's ranks are always new processes (CUDA
-  // does not survive a fork).
-  rank_main = [&config, &cl]() -> int {
-    end_process(report_failures([&] { return run_rank(config, cl); }));
-  };
+  // does not survive a fork), and so are a fault-tolerant job's: its restarted ranks are, and
+  // the first ones alike carry their RANK in their environment (ps, /proc).
+  if (!config.fsdp.fault_tolerant) {
+    rank_main = [&config, &cl]() -> int {
+      end_process(report_failures([&] { return run_rank(config, cl); }));
+    };
+  }
 #endif
+  // fsdp.fault_tolerant: a failed rank ends only its replica, which starts again (not in a
+  // schedule's reference run, whose membership is the schedule's alone).
+  std::optional<fsdp::LocalLaunchOptions::ReplicaRestarts> restarts;
+  const auto& f = config.fsdp;
+  if (f.fault_tolerant) {
+    restarts.emplace();
+    restarts->ranks_per_replica = static_cast<int>(f.hybrid_shard_size);
+    restarts->max_restarts = f.membership_schedule.empty() ? static_cast<int>(f.max_restarts) : 0;
+    restarts->delay = std::chrono::milliseconds(std::llround(f.restart_delay_s * 1000));
+    // A rank of a replica that lost one leaves once its collective fails and the others have
+    // decided: within the timeout and the vote's.
+    restarts->grace =
+        std::chrono::milliseconds(std::llround(f.timeout_s * 1000)) + std::chrono::seconds(60);
+  }
   return fsdp_trainer::launch_local(cl.nproc, args, static_cast<int>(config.training.threads),
-                                    rank_main);
+                                    rank_main, restarts);
 }
 
 // One rank of the job (started by a launcher, or alone): checks the job's shape before joining

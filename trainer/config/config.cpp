@@ -402,6 +402,25 @@ const std::vector<Option>& options() {
           "instead of the whole shard's. The parameters are bitwise the usual step's without "
           "clipping; needs a fused optimizer (adamw_fused or sgd), no loss scaling, and "
           "training.grad_clip_mode = previous_step when clipping."),
+      opt("fsdp.fault_tolerant", FIELD(fsdp.fault_tolerant),
+          "Fault tolerance without restarts: each hybrid_shard block (fsdp.hybrid_shard_size "
+          "ranks) is a replica; when one of its ranks dies, stalls past fsdp.timeout_s or is cut "
+          "off, the other replicas agree on who is left (a vote through the job's store each "
+          "step), finish the step among themselves and train on, and the replica's ranks exit. "
+          "Restarted (--nproc restarts them), they join at a step boundary with the state of a "
+          "replica that stayed. membership.jsonl in the run directory lists every change. Gloo "
+          "(CPU) pretraining; no checkpoints, exports, TensorBoard or memory plan."),
+      opt("fsdp.membership_schedule", FIELD(fsdp.membership_schedule),
+          "With fsdp.fault_tolerant, without faults: the replicas that train from a step on, "
+          "as \"step:r,r,...;step:...\" (e.g. \"5:0,2;12:0,1,2\": replica 1 out from step 5, "
+          "back at 12), so that a run with a faulty run's membership.jsonl schedule is its "
+          "reference."),
+      opt("fsdp.max_restarts", FIELD(fsdp.max_restarts),
+          "With fsdp.fault_tolerant and --nproc: how many times each replica is started again "
+          "after it left."),
+      opt("fsdp.restart_delay_s", FIELD(fsdp.restart_delay_s),
+          "With fsdp.fault_tolerant and --nproc: seconds between a replica's last rank ending "
+          "and its restart."),
       opt("fsdp.timeout_s", FIELD(fsdp.timeout_s),
           "Seconds before a missing or dead rank fails the others (rendezvous and collectives)."),
       opt("fsdp.check_collectives", FIELD(fsdp.check_collectives),
@@ -831,6 +850,46 @@ void validate_training(const Config& c) {
 }
 
 // [fsdp] and [checkpoint]'s export size.
+// fsdp.fault_tolerant and what it cannot go with yet: what reads or writes through the world
+// group (checkpoints, exports, the memory plan, fine-tuning's outputs) fails once a rank is gone,
+// and what a restarted replica cannot agree on with the others (a compute dtype measured on all
+// ranks, a loss scale) is refused.
+void validate_fault_tolerance(const Config& c) {
+  const auto& f = c.fsdp;
+  require(f.max_restarts >= 0 && f.max_restarts <= 1000000, "fsdp.max_restarts",
+          "must be between 0 and 1000000");
+  require(f.restart_delay_s >= 0 && f.restart_delay_s <= 24 * 3600, "fsdp.restart_delay_s",
+          "must be between 0 and a day (86400)");
+  if (!f.fault_tolerant) {
+    require(f.membership_schedule.empty(), "fsdp.membership_schedule",
+            "applies to fsdp.fault_tolerant = true only");
+    return;
+  }
+  const char* key = "fsdp.fault_tolerant";
+  require(f.strategy == "hybrid_shard" && f.hybrid_shard_size >= 1, key,
+          "needs fsdp.strategy = \"hybrid_shard\" with fsdp.hybrid_shard_size set: its blocks "
+          "are the replicas that fail and come back");
+  require(c.training.device == "cpu", key, "runs on Gloo (training.device = \"cpu\") so far");
+  require(c.precision.param_dtype != "auto", key,
+          "needs precision.param_dtype set (\"auto\" is measured on every rank at the start, "
+          "which a restarted replica cannot repeat)");
+  require(!uses_loss_scaling(c), key, "cannot go with loss scaling (fp16) yet");
+  require(!c.finetuning, key, "applies to pretraining only so far");
+  require(c.checkpoint.every == 0 && c.checkpoint.resume.empty() && !c.checkpoint.export_hf, key,
+          "writes and reads no checkpoints or exports yet (checkpoint.every, resume, export_hf)");
+  require(c.model.init_from.empty(), key, "cannot start from model.init_from yet");
+  require(!c.logging.tensorboard && !c.logging.plan && c.training.memory_budget.empty(), key,
+          "cannot go with logging.tensorboard, --plan or training.memory_budget yet");
+  require(!f.optimizer_in_backward, key, "cannot go with fsdp.optimizer_in_backward yet");
+  if (!f.membership_schedule.empty()) {
+    try {
+      parse_membership_schedule(f.membership_schedule);
+    } catch (const std::invalid_argument& e) {
+      require(false, "fsdp.membership_schedule", e.what());
+    }
+  }
+}
+
 void validate_fsdp(const Config& c) {
   require(c.fsdp.hybrid_shard_size >= 0, "fsdp.hybrid_shard_size",
           "must be >= 0 (0: the ranks per node), got " + std::to_string(c.fsdp.hybrid_shard_size));
@@ -866,6 +925,7 @@ void validate_fsdp(const Config& c) {
   require(c.fsdp.check_collectives >= 0, "fsdp.check_collectives", "must be >= 0");
   require(c.fsdp.ac_every >= 1, "fsdp.ac_every",
           "must be >= 1, got " + std::to_string(c.fsdp.ac_every));
+  validate_fault_tolerance(c);
 }
 
 // [precision] and [logging].
@@ -1031,6 +1091,64 @@ std::string checkpoint_dir(const Config& c) {
   return (std::filesystem::path(c.logging.run_dir) / "checkpoints").string();
 }
 
+std::map<int64_t, std::vector<int>> parse_membership_schedule(const std::string& text) {
+  std::map<int64_t, std::vector<int>> out;
+  const auto bad = [&](const std::string& what) {
+    throw std::invalid_argument(what +
+                                " (expected \"step:r,r,...;step:...\", e.g. \"5:0,2;12:0,1,2\")");
+  };
+  // A number of at most 9 digits: no overflow, and a clear error instead of stoll's.
+  const auto number = [&](const std::string& s, const char* what) {
+    if (s.empty() || s.size() > 9 || s.find_first_not_of("0123456789") != std::string::npos)
+      bad(std::string("'") + s + "' is not a " + what);
+    return std::stoll(s);
+  };
+  size_t at = 0;
+  while (at < text.size()) {
+    const size_t end = std::min(text.find(';', at), text.size());
+    const std::string entry = text.substr(at, end - at);
+    at = end + 1;
+    const size_t colon = entry.find(':');
+    if (colon == std::string::npos)
+      bad("entry '" + entry + "' has no ':'");
+    const int64_t step = number(entry.substr(0, colon), "step");
+    if (step < 1 || (!out.empty() && step <= out.rbegin()->first))
+      bad("step " + std::to_string(step) + " is not >= 1 and after the previous entry's");
+    std::vector<int> live;
+    size_t r = colon + 1;
+    while (r <= entry.size()) {
+      const size_t comma = std::min(entry.find(',', r), entry.size());
+      const int64_t replica = number(entry.substr(r, comma - r), "replica");
+      if (!live.empty() && replica <= live.back())
+        bad("the replicas of step " + std::to_string(step) + " are not ascending");
+      live.push_back(static_cast<int>(replica));
+      r = comma + 1;
+    }
+    out[step] = std::move(live);
+    if (out.size() > 100000)
+      bad("more than 100000 entries");
+  }
+  if (out.empty())
+    bad("no entry");
+  return out;
+}
+
+std::string format_membership_schedule(const std::map<int64_t, std::vector<int>>& schedule) {
+  std::string out;
+  for (const auto& [step, live] : schedule) {
+    if (!out.empty())
+      out += ';';
+    out += std::to_string(step);
+    out += ':';
+    for (size_t i = 0; i < live.size(); ++i) {
+      if (i > 0)
+        out += ',';
+      out += std::to_string(live[i]);
+    }
+  }
+  return out;
+}
+
 bool uses_loss_scaling(const Config& c) {
   return c.precision.loss_scaling == "dynamic" ||
          (c.precision.loss_scaling == "auto" && c.precision.param_dtype == "fp16");
@@ -1058,6 +1176,22 @@ void validate_world(const Config& c, int world_size, int local_world_size) {
           "); set it explicitly");
     }
     shard_ranks = h;
+  }
+  if (c.fsdp.fault_tolerant) {
+    if (world_size / shard_ranks < 2) {
+      throw ConfigError("'fsdp.fault_tolerant' needs at least 2 replicas: " + world +
+                        " in blocks of fsdp.hybrid_shard_size = " + std::to_string(h) + " make " +
+                        std::to_string(world_size / shard_ranks));
+    }
+    if (!c.fsdp.membership_schedule.empty()) {
+      for (const auto& [step, live] : parse_membership_schedule(c.fsdp.membership_schedule)) {
+        if (live.back() >= world_size / shard_ranks) {
+          throw ConfigError("'fsdp.membership_schedule' names replica " +
+                            std::to_string(live.back()) + " at step " + std::to_string(step) +
+                            ", and the job has " + std::to_string(world_size / shard_ranks));
+        }
+      }
+    }
   }
   const int64_t k = c.fsdp.reshard_after_forward_size;
   const bool reshards = c.fsdp.reshard_after_forward &&

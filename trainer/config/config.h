@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -80,6 +81,12 @@ struct FsdpConfig {
   bool bench_local_collectives = false;           // benchmark mode: collectives as local copies
   std::string activation_checkpointing = "none";  // none, full, selective
   int64_t ac_every = 1;
+  // Fault tolerance without restarts (fsdp/distributed/replica_quorum.h): each hybrid_shard
+  // block is a replica that drops out on a fault and comes back while the others train on.
+  bool fault_tolerant = false;
+  std::string membership_schedule;  // "step:r,r;step:r,..." (the replicas training from a step)
+  int64_t max_restarts = 3;         // --nproc: restarts of each replica
+  double restart_delay_s = 0;       // --nproc: seconds before a replica's ranks start again
 };
 
 struct PrecisionConfig {
@@ -211,6 +218,13 @@ void validate(const Config& config);
 /// fsdp.hybrid_shard_size with 0 resolved to `local_world_size` (the ranks per node).
 /// Whether the run scales its loss (precision.loss_scaling, "auto" resolved).
 bool uses_loss_scaling(const Config& config);
+
+/// fsdp.membership_schedule's text ("5:0,2;12:0,1,2") as step -> the replicas training from it
+/// (ascending). Throws std::invalid_argument naming what is wrong: steps must be >= 1 and
+/// increasing, replicas ascending, none empty; at most 100000 entries.
+std::map<int64_t, std::vector<int>> parse_membership_schedule(const std::string& text);
+/// The same schedule written back as parse_membership_schedule reads it.
+std::string format_membership_schedule(const std::map<int64_t, std::vector<int>>& schedule);
 
 int64_t resolved_hybrid_shard_size(const Config& config, int local_world_size);
 

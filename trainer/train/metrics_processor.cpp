@@ -141,6 +141,12 @@ void MetricsProcessor::log(const StepMetrics& m, double eta_s) {
   progress_->update({m.step, m.loss, m.tokens_per_second, m.mfu, m.peak_bytes, eta_s});
 }
 
+void MetricsProcessor::close_outputs() {
+  writer_.reset();
+  tensorboard_.reset();
+  progress_.reset();
+}
+
 void MetricsProcessor::finish() {
   if (progress_)
     progress_->finish();

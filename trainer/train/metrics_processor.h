@@ -65,6 +65,11 @@ class MetricsProcessor {
   void open_outputs(const LoggingConfig& logging, int64_t steps, int64_t start_step);
   /// Whether this rank shows and writes (rank 0 after open_outputs).
   bool has_outputs() const { return progress_ != nullptr; }
+  /// fsdp.fault_tolerant: the figures' group becomes the ranks training now, and the rank that
+  /// writes may change (the lowest live one): the old writer closes its outputs, the new one
+  /// opens them as a resumed run does.
+  void set_group(std::shared_ptr<fsdp::ProcessGroup> group) { group_ = std::move(group); }
+  void close_outputs();
   /// A line above the progress display (rank 0 with outputs; elsewhere nothing).
   void message(const std::string& text);
   /// Rank 0: the step's line of metrics.jsonl and TensorBoard, and the progress line with

@@ -93,7 +93,17 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
           .check_collectives(static_cast<int>(config_.fsdp.check_collectives))
           .bench_local_collectives(config_.fsdp.bench_local_collectives));
   const int rank = pg_->rank(), world = pg_->size();
-  {
+  const int local_world = env.local_world_size;
+  validate_world(config_, world, local_world);  // main() checked already; never hang on it
+  if (config_.fsdp.fault_tolerant && purpose_ == Purpose::kTrain) {
+    // The replicas' groups come from the quorum; the trainer's reductions go over the ranks
+    // training now (none yet in a restarted replica, until it is admitted).
+    membership_ = std::make_unique<ReplicaMembership>(
+        config_, pg_, env.incarnation,
+        ReplicaMembership::Hooks{[this](int64_t step) { on_membership_change(step); },
+                                 [this](bool joining) { sync_replica_state(joining); }});
+    metrics_pg_ = membership_->quorum().live_group();
+  } else {
     // The trainer's own reductions (losses, memory figures, the dtype choice, the random
     // states of checkpoints) get a group of their own (see MetricsProcessor).
     std::vector<int> everyone(static_cast<size_t>(world));
@@ -101,16 +111,25 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
     metrics_pg_ = pg_->new_group(everyone);
   }
   metrics_ = std::make_unique<MetricsProcessor>(metrics_pg_, device_, std::move(device_memory));
-  const int local_world = env.local_world_size;
-  validate_world(config_, world, local_world);  // main() checked already; never hang on it
+  const bool restarted = membership_ && membership_->restarted();
 
   if (purpose_ == Purpose::kTrain)
     check_saved_inputs();
-  data_ = std::make_unique<TrainData>(config_, rank, world, device_, [this] { pg_->barrier(); });
+  // A restarted replica finds the data prepared, and no one to wait for.
+  data_ = std::make_unique<TrainData>(config_, rank, world, device_, [this, restarted] {
+    if (!restarted)
+      pg_->barrier();
+  });
   const std::string& model_file = data_->model_file();
 
   compute_dtype_ = resolve_compute_dtype();
-  const UnitOptions units = unit_options(config_, pg_, compute_dtype_.dtype, local_world);
+  UnitOptions units =
+      unit_options(config_, membership_ ? membership_->quorum().replica_group() : pg_,
+                   compute_dtype_.dtype, local_world);
+  if (membership_) {
+    for (auto* o : {&units.blocks, &units.root})
+      o->replicate_group(membership_->quorum().replicate_group());
+  }
   {
     // Building draws every weight on the host (counter-based draws: the values do not depend
     // on the thread count), and with training.threads = 1 a 1.5B-parameter model took about a
@@ -126,7 +145,9 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
   units_ = units;
   profiler_ = std::make_unique<fsdp::StepProfiler>(model_.module);
 
-  optimizers_ = std::make_unique<Optimizers>(config_, *model_.module, pg_);
+  // Its group is the loss scaler's, which fault tolerance does not take.
+  optimizers_ = std::make_unique<Optimizers>(
+      config_, *model_.module, membership_ ? membership_->quorum().replica_group() : pg_);
   if (config_.checkpoint.async)
     async_saves_ = std::make_unique<fsdp::AsyncCheckpointer>(pg_);
 
@@ -142,7 +163,7 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
 
   measure_mfu_peak();
 
-  if (rank == 0) {
+  if (rank == 0 && !restarted) {
     open_run_directory();
     describe_run(world);
   }
@@ -171,10 +192,14 @@ void Trainer::measure_mfu_peak() {
       512, finetune ? t.batch_size * config_.finetune.max_tokens : t.batch_size * t.seq_len);
   const std::vector<MatmulShape> shapes{{rows, model_.n_embd, model_.n_embd},
                                         {rows, model_.n_embd, model_.n_hidden}};
-  pg_->barrier();
-  const auto peak = static_cast<double>(metrics_->max(
-      std::llround(peak_matmul_flops(dtype_named(compute_dtype_.dtype), shapes, device_))));
-  metrics_->set_mfu_basis(flops_per_token, peak);
+  // Fault tolerance: over the replica (a restarted one cannot measure with the others).
+  auto& group = membership_ ? *membership_->quorum().replica_group() : *pg_;
+  group.barrier();
+  const int64_t mine =
+      std::llround(peak_matmul_flops(dtype_named(compute_dtype_.dtype), shapes, device_));
+  auto peak = torch::tensor({mine}, torch::TensorOptions(torch::kLong).device(device_));
+  fsdp::all_reduce(group, peak, fsdp::ReduceOp::kMax, "max of a metric")->wait();
+  metrics_->set_mfu_basis(flops_per_token, static_cast<double>(peak.item<int64_t>()));
 }
 
 // Rank 0: the run directory with the resolved config, metrics.jsonl (replaced by a fresh run,
@@ -378,7 +403,9 @@ ComputeDtype Trainer::resolve_compute_dtype() {
   const auto& requested = config_.precision.param_dtype;
   const bool cuda = device_.is_cuda();
   DtypeSpeeds speeds;
-  if (needs_dtype_speeds(requested, cuda)) {
+  // Fault tolerance: the dtype is given (config.cpp), and the warning's measurement on every
+  // rank is left out (a restarted replica could not take part).
+  if (!membership_ && needs_dtype_speeds(requested, cuda)) {
     // A transformer layer's size, whatever the model: the ratio between the dtypes is what
     // decides, and this shape costs ~1 s where bf16 crawls and milliseconds elsewhere.
     const MatmulShape shape{256, 512, 1024};
@@ -557,9 +584,9 @@ void Trainer::optimizer_phase(const StepParts& parts, UpdateInBackward* in_backw
     if (parts.scaler)
       parts.scaler->unscale_(parts.optimizer);
     if (t.grad_clip > 0 && !previous_clip)
-      m.grad_norm = fsdp::clip_grad_norm_(parts.params, t.grad_clip, *pg_);
+      m.grad_norm = fsdp::clip_grad_norm_(parts.params, t.grad_clip, norm_group());
     if (previous_clip) {
-      fsdp::GradNormSum norm(*pg_);
+      fsdp::GradNormSum norm(norm_group());
       norm.add(parts.params);
       m.grad_norm = norm.reduce();
       if (clip.factor() != 1.0)
@@ -590,6 +617,14 @@ double Trainer::run_step(const StepParts& parts, const Batch& batch, StepMetrics
     in_backward.emplace(*parts.model.module, dynamic_cast<fsdp::FusedOptimizer&>(parts.optimizer),
                         *pg_, clip.factor(), previous_clip);
   }
+  const double loss_sum = backward_passes(parts, batch, in_backward ? &*in_backward : nullptr);
+  optimizer_phase(parts, in_backward ? &*in_backward : nullptr, clip, m);
+  return loss_sum;
+}
+
+double Trainer::backward_passes(const StepParts& parts, const Batch& batch,
+                                UpdateInBackward* in_backward) {
+  const auto& t = config_.training;
   const int64_t micro = t.micro_batches;
   double loss_sum = 0;
   for (int64_t i = 0; i < micro; ++i) {
@@ -614,7 +649,6 @@ double Trainer::run_step(const StepParts& parts, const Batch& batch, StepMetrics
     }
     loss_sum += loss.item<double>();
   }
-  optimizer_phase(parts, in_backward ? &*in_backward : nullptr, clip, m);
   return loss_sum;
 }
 
@@ -634,6 +668,19 @@ StepMetrics Trainer::train_step(int64_t step) {
   const double loss_sum = run_step(
       StepParts{model_, o.optimizer(), o.params(), *profiler_, o.scaler(), o.previous_grad_norm()},
       batch, m);
+  end_step(step, batch, m);
+  fsdp::trace::Span span("metrics", "metrics");
+  std::optional<double> local_tokens;
+  if (data_->finetune())  // batches padded to their own longest conversation: counted
+    local_tokens = static_cast<double>(data_->tokens_in(batch));
+  else
+    m.tokens = data_->tokens_in(batch) * pg_->size();
+  metrics_->reduce(m, loss_sum, local_tokens);
+  return m;
+}
+
+void Trainer::end_step(int64_t step, const Batch& batch, StepMetrics& m) {
+  auto& o = *optimizers_;
   // A step ends when the device is done with it: CUDA runs behind the host, and without this
   // the optimizer's kernels would finish inside the metrics' all-reduce, outside the step time.
   if (device_.is_cuda())
@@ -660,14 +707,6 @@ StepMetrics Trainer::train_step(int64_t step) {
   // one creates the optimizer state, which the prediction already counts).
   if (plan_check_ && step > start_step_ + 1)
     plan_check_->record_step(data_->length_of(batch), b);
-  fsdp::trace::Span span("metrics", "metrics");
-  std::optional<double> local_tokens;
-  if (data_->finetune())  // batches padded to their own longest conversation: counted
-    local_tokens = static_cast<double>(data_->tokens_in(batch));
-  else
-    m.tokens = data_->tokens_in(batch) * pg_->size();
-  metrics_->reduce(m, loss_sum, local_tokens);
-  return m;
 }
 
 void Trainer::write_trace(std::pair<int64_t, int64_t> steps) {
@@ -689,6 +728,8 @@ void Trainer::write_trace(std::pair<int64_t, int64_t> steps) {
 }
 
 void Trainer::train() {
+  if (membership_)
+    return train_fault_tolerant();
   const auto& t = config_.training;
   std::vector<std::string> answers_before;
   if (data_->finetune())
@@ -1162,7 +1203,7 @@ std::string Trainer::generate() {
   }
   // Shown and written as transformers shows it (the sample may end inside a character).
   const std::string text = tokenizer.decode_for_display(std::vector<int>(ids.begin(), ids.end()));
-  if (pg_->rank() == 0) {
+  if (speaks()) {
     if (purpose_ == Purpose::kTrain)
       fsdp::write_file_atomic(
           (std::filesystem::path(config_.logging.run_dir) / "sample.txt").string(), text + "\n");

@@ -29,6 +29,7 @@
 #include "model_factory.h"
 #include "optimizers.h"
 #include "plan_check.h"
+#include "replica_membership.h"
 #include "step_plan.h"
 #include "train_data.h"
 
@@ -84,6 +85,11 @@ class Trainer {
   /// The micro-batches' forward and backward and the optimizer phase of one step (between the
   /// profiler's begin_step and end_step); returns the sum of the micro-batch losses.
   double run_step(const StepParts& parts, const Batch& batch, StepMetrics& m);
+  /// The micro-batches' forward and backward passes (the gradients zeroed before by the
+  /// caller); returns the sum of their losses.
+  double backward_passes(const StepParts& parts, const Batch& batch, UpdateInBackward* in_backward);
+  /// After the update: the profiler's step and its figures into `m` (not yet reduced).
+  void end_step(int64_t step, const Batch& batch, StepMetrics& m);
   /// Micro-batch `i`'s loss of `batch` (forward), scaled so that the micro-batches' losses sum
   /// to the batch's mean.
   torch::Tensor micro_batch_loss(TrainModel& model, const Batch& batch, int64_t i);
@@ -93,6 +99,24 @@ class Trainer {
   void optimizer_phase(const StepParts& parts, UpdateInBackward* in_backward,
                        const PreviousNormClip& clip, StepMetrics& m);
   double evaluate();
+
+  // ---- fsdp.fault_tolerant (trainer_ft.cpp) ----
+  /// train() with replicas that drop out and come back (ReplicaMembership).
+  void train_fault_tolerant();
+  /// One step through the quorum's vote; throws LeftTheJob when this rank's replica leaves.
+  StepMetrics fault_tolerant_step(int64_t step);
+  /// ReplicaMembership's hooks: the units' cross-replica group and the figures' group follow
+  /// the live replicas, and the rank that writes the outputs with them; a joining replica's
+  /// state (shards, optimizer, data position) comes from one that stayed.
+  void on_membership_change(int64_t step);
+  void sync_replica_state(bool joining);
+  /// Whether this rank prints and writes the run's outputs: rank 0, or with fault tolerance the
+  /// lowest rank training now.
+  bool speaks() const;
+  /// The group the gradient norm is summed over: the world, or with fault tolerance this
+  /// replica's ranks (its gradients are the average over the live replicas already, and the
+  /// norm then needs no rank of another replica).
+  fsdp::ProcessGroup& norm_group();
   /// logging.trace_steps: stops recording and writes this rank's trace of `steps`.
   void write_trace(std::pair<int64_t, int64_t> steps);
   /// Resolves precision.param_dtype ("auto", or a warning for a slow explicit one) from
@@ -146,6 +170,7 @@ class Trainer {
   TrainModel model_;
   std::unique_ptr<fsdp::StepProfiler> profiler_;
   std::unique_ptr<Optimizers> optimizers_;
+  std::unique_ptr<ReplicaMembership> membership_;         // fsdp.fault_tolerant
   std::unique_ptr<fsdp::AsyncCheckpointer> async_saves_;  // checkpoint.async
   int64_t async_step_ = 0;                                // the step of the save in flight
   int64_t start_step_ = 0;                                // the step a resumed run continues after
