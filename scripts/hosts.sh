@@ -26,6 +26,12 @@
 #                        last_call_timeout; 30)
 #   --logs DIR           where host<h>.log goes (a new directory under /tmp)
 #   --python P           the Python whose torchrun to use (the pinned torch's venv)
+#   --launcher L         torchrun (the default), or fsdp-train: each host runs the command's own
+#                        launcher instead (fsdp-train --nproc N --nnodes H --node-rank h
+#                        --master-addr 10.79.0.1 --master-port 29400; host 0's serves the store),
+#                        which a fault-tolerant job (fsdp.fault_tolerant) needs: it restarts a
+#                        failed replica alone, and host<h>.sh brings a lost host back into the
+#                        running job
 #
 # Host h is 10.79.0.(h+1) on its eth0 in namespace fsdp<pid>-h<h>, host name host<h>; the
 # rendezvous endpoint is host 0's address, port 29400. While it runs, the names of the
@@ -44,6 +50,7 @@ LOSS=0
 DELAY=
 NNODES=
 MAX_RESTARTS=0
+LAUNCHER=torchrun
 STORE_TIMEOUT=30
 LAST_CALL=30
 LOGS=
@@ -62,6 +69,7 @@ while (($#)); do
     --last-call) LAST_CALL="$2"; shift 2 ;;
     --logs) LOGS="$2"; shift 2 ;;
     --python) PY="$2"; shift 2 ;;
+    --launcher) LAUNCHER="$2"; shift 2 ;;
     --) shift; break ;;
     *) die "unknown option $1 (usage: see the header of $0)" ;;
   esac
@@ -76,6 +84,8 @@ done
 ((EUID == 0)) || die "needs root (network namespaces)"
 command -v ip >/dev/null && command -v tc >/dev/null || die "needs ip and tc (Debian: iproute2)"
 [[ -x "$PY" ]] || die "no Python at $PY (run scripts/setup.sh, or pass --python)"
+[[ "$LAUNCHER" == torchrun || "$LAUNCHER" == fsdp-train ]] ||
+  die "--launcher must be torchrun or fsdp-train, got '$LAUNCHER'"
 TORCHRUN="$(dirname "$PY")/torchrun"
 [[ -x "$TORCHRUN" ]] || die "no torchrun next to $PY"
 if [[ "$LOSS" != 0 ]]; then command -v nft >/dev/null || die "--loss needs nft (Debian: nftables)"; fi
@@ -230,11 +240,16 @@ for ((h = 0; h < HOSTS; ++h)); do
     echo "#!/bin/sh"
     echo "# Starts host$h's torchrun agent (made by scripts/hosts.sh, pid $ID); appends to host$h.log."
     printf 'exec ip netns exec %q unshare --uts -- sh -c %q %q' "$(ns "$h")" 'hostname "$0"; exec "$@"' "host$h"
-    printf ' %q' env OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=eth0 "${SHARE_STORE[@]}" \
-      "$TORCHRUN" --nnodes="$NNODES" --nproc-per-node="$NPROC" --rdzv-backend=c10d \
-      --rdzv-endpoint=10.79.0.1:29400 --rdzv-id="fsdp$ID" --max-restarts="$MAX_RESTARTS" \
-      --rdzv-conf="read_timeout=$STORE_TIMEOUT,last_call_timeout=$LAST_CALL" \
-      --local-addr="10.79.0.$((h + 1))" --no-python -- "${CMD[@]}"
+    if [[ "$LAUNCHER" == fsdp-train ]]; then
+      printf ' %q' env OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=eth0 "${CMD[@]}" --nproc "$NPROC" \
+        --nnodes "$HOSTS" --node-rank "$h" --master-addr 10.79.0.1 --master-port 29400
+    else
+      printf ' %q' env OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=eth0 "${SHARE_STORE[@]}" \
+        "$TORCHRUN" --nnodes="$NNODES" --nproc-per-node="$NPROC" --rdzv-backend=c10d \
+        --rdzv-endpoint=10.79.0.1:29400 --rdzv-id="fsdp$ID" --max-restarts="$MAX_RESTARTS" \
+        --rdzv-conf="read_timeout=$STORE_TIMEOUT,last_call_timeout=$LAST_CALL" \
+        --local-addr="10.79.0.$((h + 1))" --no-python -- "${CMD[@]}"
+    fi
     printf ' >> %q 2>&1\n' "$LOGS/host$h.log"
   } > "$LOGS/host$h.sh"
   chmod +x "$LOGS/host$h.sh"

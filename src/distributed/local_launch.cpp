@@ -224,8 +224,13 @@ class StoreGate {
 // LocalLaunchOptions::replica_restarts: each replica's course from a failed rank to its restart.
 class ReplicaRestarter {
  public:
-  ReplicaRestarter(const LocalLaunchOptions& o, int k, LocalLaunchResult& result)
-      : o_(o), k_(k), result_(result), replicas_(static_cast<size_t>(o.nproc / k)) {
+  // `first_rank`: this node's first global rank.
+  ReplicaRestarter(const LocalLaunchOptions& o, int k, int first_rank, LocalLaunchResult& result)
+      : o_(o),
+        k_(k),
+        first_rank_(first_rank),
+        result_(result),
+        replicas_(static_cast<size_t>(o.nproc / k)) {
     result_.restarts.assign(replicas_.size(), 0);
   }
 
@@ -246,14 +251,16 @@ class ReplicaRestarter {
       return;
     q.state = State::kEnding;
     q.kill_at = Clock::now() + o_.replica_restarts->grace;
-    std::fprintf(stderr, "fsdp launch: rank %d ended (%s %d): replica %d (ranks %d-%d) leaves\n", r,
-                 code > 128 ? "signal" : "exit", code > 128 ? code - 128 : code, r / k_,
-                 r / k_ * k_, r / k_ * k_ + k_ - 1);
+    const int g = first_rank_ + r / k_ * k_;  // the replica's first global rank
+    std::fprintf(stderr, "fsdp launch: rank %d ended (%s %d): replica %d (ranks %d-%d) leaves\n",
+                 first_rank_ + r, code > 128 ? "signal" : "exit", code > 128 ? code - 128 : code,
+                 g / k_, g, g + k_ - 1);
   }
 
-  // Kills what outstayed its grace and starts what is due, through start(rank, incarnation).
-  template <typename Start>
-  void poll(Children& children, Start&& start) {
+  // Kills what outstayed its grace and starts what is due: incarnation(replica) numbers the
+  // start (-1: not now, the store is out of reach), start(local rank, incarnation) starts a rank.
+  template <typename Incarnation, typename Start>
+  void poll(Children& children, Incarnation&& incarnation_of, Start&& start) {
     const auto now = Clock::now();
     for (size_t i = 0; i < replicas_.size(); ++i) {
       auto& q = replicas_[i];
@@ -275,7 +282,8 @@ class ReplicaRestarter {
         const int used = result_.restarts[i];
         if (finished_ || used >= o_.replica_restarts->max_restarts) {
           q.state = State::kGone;
-          std::fprintf(stderr, "fsdp launch: replica %zu not restarted (%s)\n", i,
+          std::fprintf(stderr, "fsdp launch: replica %d not restarted (%s)\n",
+                       (first_rank_ + first) / k_,
                        finished_ ? "the job is ending" : "no restarts left");
           continue;
         }
@@ -287,8 +295,14 @@ class ReplicaRestarter {
           q.state = State::kGone;
           continue;
         }
-        const int incarnation = ++result_.restarts[i];
-        std::fprintf(stderr, "fsdp launch: replica %zu restarted (incarnation %d)\n", i,
+        const int global = (first_rank_ + first) / k_;
+        const int incarnation = incarnation_of(global);
+        if (incarnation < 0) {  // tried again in a second
+          q.restart_at = now + std::chrono::seconds(1);
+          continue;
+        }
+        ++result_.restarts[i];
+        std::fprintf(stderr, "fsdp launch: replica %d restarted (incarnation %d)\n", global,
                      incarnation);
         for (int r = first; r < first + k_; ++r)
           start(r, incarnation);
@@ -306,6 +320,7 @@ class ReplicaRestarter {
   };
   const LocalLaunchOptions& o_;
   int k_;
+  int first_rank_;
   LocalLaunchResult& result_;
   std::vector<Replica> replicas_;
   bool finished_ = false;
@@ -322,59 +337,100 @@ LocalLaunchResult launch_local_ranks(const LocalLaunchOptions& o) {
   result.exit_seconds.assign(n, 0.0);
   result.pids.assign(n, 0);
 
-  // The store lives here, as in torchrun's agent. Every rank is on this machine, so it
-  // listens on loopback only: c10d's TCPStore binds every interface, so it gets a socket
-  // bound here instead (masterListenFd). Port 0 picks a free port without a race.
-  c10d::TCPStoreOptions store_opts;
-  store_opts.port = static_cast<uint16_t>(0);
-  {
-    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0)
-      throw std::runtime_error(std::string("launch_local_ranks: socket: ") + std::strerror(errno));
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    addr.sin_port = 0;
-    socklen_t len = sizeof(addr);
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-        ::listen(fd, 1024) != 0 ||
-        ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-      const int err = errno;
-      ::close(fd);
-      throw std::runtime_error(std::string("launch_local_ranks: cannot listen on 127.0.0.1: ") +
-                               std::strerror(err));
-    }
-    store_opts.port = ntohs(addr.sin_port);
-    store_opts.masterListenFd = fd;  // the store owns it from here
-  }
-  store_opts.isServer = true;
-  store_opts.waitWorkers = false;
-  if (o.timeout.count() > 0)
-    store_opts.timeout = o.timeout;
-  // Decided before the store starts its threads. Spawned ranks find the store up; forked ones
-  // are started before it (its threads would make the fork unsafe) and wait at the gate until
-  // it is.
-  result.forked = o.rank_main && single_threaded();
-  c10::intrusive_ptr<c10d::TCPStore> store;
-  if (!result.forked)
-    store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", store_opts);
-
   const auto& restarting = o.replica_restarts;
   const int k = restarting ? restarting->ranks_per_replica : 1;
   if (restarting && (k < 1 || o.nproc % k != 0)) {
     throw std::invalid_argument("launch_local_ranks: " + std::to_string(k) +
                                 " ranks per replica do not divide " + std::to_string(o.nproc));
   }
+  const bool multi_node = o.nnodes > 1;
+  if (o.nnodes < 1 || o.node_rank < 0 || o.node_rank >= o.nnodes ||
+      (multi_node && (o.master_port < 1 || o.master_port > 65535))) {
+    throw std::invalid_argument("launch_local_ranks: node " + std::to_string(o.node_rank) + " of " +
+                                std::to_string(o.nnodes) + " nodes" +
+                                (multi_node ? " needs a master_port" : ""));
+  }
+  const int first_rank = o.node_rank * o.nproc;
+  const int world = o.nnodes * o.nproc;
+  const bool serves = o.node_rank == 0;
+  // The store lives in node 0's launcher, as in torchrun's agent. One node's ranks are all on
+  // this machine, so it listens on loopback only: c10d's TCPStore binds every interface, so it
+  // gets a socket bound here instead (masterListenFd); port 0 picks a free port without a race.
+  // Several nodes: on master_addr:master_port, where the other nodes reach it.
+  c10d::TCPStoreOptions store_opts;
+  store_opts.port = static_cast<uint16_t>(o.master_port);
+  if (serves) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+      throw std::runtime_error(std::string("launch_local_ranks: socket: ") + std::strerror(errno));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(o.master_port));
+    if (multi_node && ::inet_pton(AF_INET, o.master_addr.c_str(), &addr.sin_addr) != 1) {
+      ::close(fd);
+      throw std::invalid_argument("launch_local_ranks: master_addr '" + o.master_addr +
+                                  "' is not an IPv4 address");
+    }
+    const int one = 1;  // a port a previous job's store left in TIME_WAIT is taken again
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    socklen_t len = sizeof(addr);
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+        ::listen(fd, 1024) != 0 ||
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      const int err = errno;
+      ::close(fd);
+      throw std::runtime_error("launch_local_ranks: cannot listen on " +
+                               (multi_node ? o.master_addr : std::string("127.0.0.1")) + ":" +
+                               std::to_string(o.master_port) + ": " + std::strerror(err));
+    }
+    store_opts.port = ntohs(addr.sin_port);
+    store_opts.masterListenFd = fd;  // the store owns it from here
+  }
+  store_opts.isServer = serves;
+  store_opts.waitWorkers = false;
+  if (o.timeout.count() > 0)
+    store_opts.timeout = o.timeout;
+  const std::string store_addr = multi_node ? o.master_addr : std::string("127.0.0.1");
+  // Decided before the store starts its threads. Spawned ranks find the store up; forked ones
+  // are started before it (its threads would make the fork unsafe) and wait at the gate until
+  // it is. The other nodes' launchers connect to it (for replica restarts' numbering).
+  result.forked = o.rank_main && single_threaded() && !multi_node;
+  c10::intrusive_ptr<c10d::TCPStore> store;
+  if (!result.forked)
+    store = c10::make_intrusive<c10d::TCPStore>(store_addr, store_opts);
+  // Replica restarts: each start of a replica is numbered in the store (its incarnation), so
+  // that a node whose launcher itself was started again (a lost host back) starts its ranks
+  // as joining a running job, and no two starts of a replica share a number.
+  auto incarnation_of = [&](int replica) -> int {
+    try {
+      return static_cast<int>(store->add("fsdp/launch/replica" + std::to_string(replica), 1) - 1);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "fsdp launch: the store at %s:%d is out of reach (%s); trying again\n",
+                   store_addr.c_str(), static_cast<int>(store_opts.port), e.what());
+      return -1;
+    }
+  };
+  std::vector<int> first_incarnation(static_cast<size_t>(o.nproc / k), 0);
+  if (restarting && store) {
+    for (size_t q = 0; q < first_incarnation.size(); ++q) {
+      const int n = incarnation_of((first_rank + static_cast<int>(q) * k) / k);
+      if (n < 0)
+        throw std::runtime_error("launch_local_ranks: the store cannot be reached");
+      first_incarnation[q] = n;
+    }
+  }
+
   const auto start = std::chrono::steady_clock::now();
   Children children;
   StoreGate gate;
   auto rank_vars = [&](int r) {
     std::map<std::string, std::string> vars{
-        {"RANK", std::to_string(r)},
-        {"WORLD_SIZE", std::to_string(o.nproc)},
+        {"RANK", std::to_string(first_rank + r)},
+        {"WORLD_SIZE", std::to_string(world)},
         {"LOCAL_RANK", std::to_string(r)},
         {"LOCAL_WORLD_SIZE", std::to_string(o.nproc)},
-        {"MASTER_ADDR", "127.0.0.1"},
+        {"MASTER_ADDR", store_addr},
         {"MASTER_PORT", std::to_string(store_opts.port)},
         {"TORCHELASTIC_USE_AGENT_STORE", "True"},
         {"TORCHELASTIC_RESTART_COUNT", "0"},
@@ -389,13 +445,19 @@ LocalLaunchResult launch_local_ranks(const LocalLaunchOptions& o) {
     if (std::find(o.absent_ranks.begin(), o.absent_ranks.end(), r) != o.absent_ranks.end())
       continue;
     const std::string log = o.log_path ? o.log_path(r) : std::string();
-    const pid_t pid = start_rank(o, result.forked, rank_environment(rank_vars(r)), log,
-                                 *store_opts.masterListenFd, gate.fds());
+    auto vars = rank_vars(r);
+    if (const int n = first_incarnation[static_cast<size_t>(r / k)]; n > 0)
+      vars["FSDP_REPLICA_INCARNATION"] = std::to_string(n);  // a node back in a running job
+    const pid_t pid = start_rank(o, result.forked, rank_environment(vars), log,
+                                 store_opts.masterListenFd.value_or(-1), gate.fds());
     children.add(pid);
     result.pids[static_cast<size_t>(r)] = pid;
   }
-  if (!store)
-    store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", store_opts);
+  if (!store) {
+    store = c10::make_intrusive<c10d::TCPStore>(store_addr, store_opts);
+    for (size_t q = 0; restarting && q < first_incarnation.size(); ++q)
+      incarnation_of((first_rank + static_cast<int>(q) * k) / k);  // first starts: all 0
+  }
   gate.open();
 
   auto rank_of = [&](pid_t pid) {
@@ -413,7 +475,7 @@ LocalLaunchResult launch_local_ranks(const LocalLaunchOptions& o) {
   const auto no_deadline = std::chrono::steady_clock::time_point::max();
   const auto job_deadline = o.timeout.count() > 0 ? start + o.timeout : no_deadline;
   auto kill_deadline = no_deadline;  // set when a rank fails and a grace period applies
-  ReplicaRestarter restarter(o, k, result);
+  ReplicaRestarter restarter(o, k, first_rank, result);
   while (!children.running().empty() || restarter.pending()) {
     bool reaped_any = false;
     for (pid_t pid : std::vector<pid_t>(children.running())) {
@@ -427,7 +489,7 @@ LocalLaunchResult launch_local_ranks(const LocalLaunchOptions& o) {
       }
     }
     if (restarting) {
-      restarter.poll(children, [&](int r, int incarnation) {
+      restarter.poll(children, incarnation_of, [&](int r, int incarnation) {
         auto vars = rank_vars(r);
         vars["FSDP_REPLICA_INCARNATION"] = std::to_string(incarnation);
         const std::string log = o.log_path ? o.log_path(r) : std::string();
@@ -456,6 +518,19 @@ LocalLaunchResult launch_local_ranks(const LocalLaunchOptions& o) {
     }
     if (!reaped_any)
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  // Several nodes: node 0's store serves the others' ranks until they are done too (each
+  // launcher counts itself out), or for `linger` at most (a node that never comes back).
+  if (multi_node) {
+    try {
+      store->add("fsdp/launch/done", 1);
+      const auto until = std::chrono::steady_clock::now() + o.linger;
+      while (serves && store->add("fsdp/launch/done", 0) < o.nnodes &&
+             std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    } catch (const std::exception&) {
+      // node 0 gone: nothing to wait for
+    }
   }
   result.seconds = since(start);
   return result;

@@ -257,7 +257,54 @@ bool ReplicaQuorum::reform(int64_t step) {
   TORCH_CHECK(!left_, "fsdp::ReplicaQuorum: this rank left the job");
   const std::string base = epoch_tag(epoch_) + "/reform/";
   const auto key = [&](int rank) { return base + "r" + std::to_string(rank); };
-  store_->set(key(world_->rank()), bytes_of("1"));
+  // Whether this replica can go on: its own group's connections may have broken with the
+  // fault (a peer stopped past the collective timeout closes its pairs for good, even if it
+  // comes back in time to register), and then every attempt would fail. So once every rank of
+  // the replica has arrived here (each out of its failed collective: one waiting on a dead
+  // rank of another replica arrives a collective timeout later), a barrier over the replica
+  // tells: at once when it is whole, a failure when not. A rank of a replica that is not whole
+  // (a peer broken, silent, restarted, or not arrived within the vote timeout) registers "0":
+  // its replica is left out, and the others need not wait for it.
+  bool whole = true;
+  if (k_ > 1) {
+    const auto arrived = [&](int rank) { return base + "a" + std::to_string(rank); };
+    store_->set(arrived(world_->rank()), bytes_of("1"));
+    std::vector<int> peers;
+    for (int r : ranks_of({replica_}))
+      if (r != world_->rank())
+        peers.push_back(r);
+    const auto start = Clock::now();
+    auto next_look = start;
+    while (true) {
+      std::vector<int> missing;
+      for (int r : peers)
+        if (!store_->check({arrived(r)}))
+          missing.push_back(r);
+      if (missing.empty())
+        break;
+      const auto now = Clock::now();
+      bool gone = store_->check({base + "decision"}) || now - start > options_.vote_timeout();
+      for (int r : missing)
+        gone = gone || store_->check({"restarted/" + std::to_string(r)});
+      if (!gone && now >= next_look) {
+        next_look = now + std::chrono::milliseconds(250);
+        gone = stopped(missing, /*all=*/false);
+      }
+      if (gone) {
+        whole = false;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (whole) {
+      try {
+        replica_group_->barrier();
+      } catch (const std::exception&) {
+        whole = false;
+      }
+    }
+  }
+  store_->set(key(world_->rank()), bytes_of(whole ? "1" : "0"));
   // Wait for every rank of the live replicas to register, or to be known dead: its progress
   // reports stopped (peer_progress.h: a stopped, dead or cut-off process stops reporting; one
   // that is computing or stuck in a collective goes on, and registers once that fails).
@@ -297,8 +344,11 @@ bool ReplicaQuorum::reform(int64_t step) {
   std::vector<int> view;
   for (int r : live_) {
     bool complete = true;
-    for (int i = 0; i < k_; ++i)
-      complete = complete && std::count(present.begin(), present.end(), r * k_ + i) > 0;
+    for (int i = 0; i < k_ && complete; ++i) {
+      const int rank = r * k_ + i;
+      complete = std::count(present.begin(), present.end(), rank) > 0 &&
+                 store_->get(key(rank)) == bytes_of("1");
+    }
     if (complete)
       view.push_back(r);
   }

@@ -49,7 +49,8 @@ std::vector<std::string> print_rank_output(int rank, int code, const std::string
 
 int launch_local(int nproc, const std::vector<std::string>& args, int threads_per_rank,
                  std::function<int()> rank_main,
-                 std::optional<fsdp::LocalLaunchOptions::ReplicaRestarts> restarts) {
+                 std::optional<fsdp::LocalLaunchOptions::ReplicaRestarts> restarts,
+                 const Nodes& nodes) {
   const auto logs =
       std::filesystem::temp_directory_path() / ("fsdp-train-" + std::to_string(::getpid()));
   std::filesystem::create_directories(logs);
@@ -67,6 +68,12 @@ int launch_local(int nproc, const std::vector<std::string>& args, int threads_pe
   // then stop them.
   o.grace_after_failure = std::chrono::seconds(5);
   o.replica_restarts = restarts;
+  o.nnodes = nodes.nnodes;
+  o.node_rank = nodes.node_rank;
+  if (nodes.nnodes > 1) {
+    o.master_addr = nodes.master_addr;
+    o.master_port = nodes.master_port;
+  }
   const auto result = fsdp::launch_local_ranks(o);
   int first = result.first_failed;
   int job_code = first < 0 ? 0 : result.exit_codes[static_cast<size_t>(first)];

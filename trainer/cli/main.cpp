@@ -179,6 +179,9 @@ struct CommandLine {
   std::string command = "train";  // train, finetune, export, generate
   std::string config_path, checkpoint, out_dir;
   int nproc = 0;
+  // Several nodes, one launcher each (--nproc per node): node 0's serves the store.
+  int nnodes = 1, node_rank = 0, master_port = 0;
+  std::string master_addr;
   bool print_config = false;
   std::vector<std::string> overrides;  // section.key=value
 };
@@ -220,6 +223,16 @@ std::optional<int> parse_command_line(int argc, char** argv, CommandLine& cl) {
   app.add_option("--nproc", cl.nproc,
                  "Start this many local ranks (like torchrun --nproc-per-node)")
       ->check(CLI::Range(1, 1024));
+  app.add_option("--nnodes", cl.nnodes,
+                 "With --nproc: nodes of the job, each with a launcher of its own (fault "
+                 "tolerance across hosts; torchrun otherwise)")
+      ->check(CLI::Range(1, 4096));
+  app.add_option("--node-rank", cl.node_rank, "With --nnodes: this node's place (0: the store's)")
+      ->check(CLI::Range(0, 4095));
+  app.add_option("--master-addr", cl.master_addr,
+                 "With --nnodes: node 0's address, where its launcher serves the store");
+  app.add_option("--master-port", cl.master_port, "With --nnodes: the store's port")
+      ->check(CLI::Range(1, 65535));
   app.add_flag("--print-config", cl.print_config, "Print the resolved configuration and exit");
   app.add_flag("--plan", plan,
                "Print the predicted per-rank peak memory before step 1 and predicted vs "
@@ -317,7 +330,11 @@ int run_rank(const fsdp_trainer::Config& config, const CommandLine& cl);
 // --nproc N without a launcher around: checks the job, then starts N ranks of this program with
 // the same arguments less --nproc.
 int launch_ranks(const fsdp_trainer::Config& config, const CommandLine& cl, int argc, char** argv) {
-  fsdp_trainer::preflight(config, cl.command, cl.nproc, cl.nproc);
+  if (cl.nnodes > 1 && (cl.master_addr.empty() || cl.master_port == 0 || cl.node_rank >= cl.nnodes))
+    throw fsdp_trainer::ConfigError(
+        "--nnodes " + std::to_string(cl.nnodes) +
+        " needs --master-addr and --master-port (node 0's store) and a --node-rank below it");
+  fsdp_trainer::preflight(config, cl.command, cl.nproc * cl.nnodes, cl.nproc);
 #ifdef FSDP_TRAIN_CUDA
   if (config.training.device == "cuda")
     require_gpus(cl.nproc);
@@ -325,11 +342,14 @@ int launch_ranks(const fsdp_trainer::Config& config, const CommandLine& cl, int 
   std::vector<std::string> args;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--nproc") {
-      ++i;
-    } else if (a.rfind("--nproc=", 0) != 0) {
-      args.push_back(a);
+    bool launcher_option = false;
+    for (const char* o : {"--nproc", "--nnodes", "--node-rank", "--master-addr", "--master-port"}) {
+      if (a == o)
+        ++i;  // its value too
+      launcher_option = launcher_option || a == o || a.rfind(std::string(o) + "=", 0) == 0;
     }
+    if (!launcher_option)
+      args.push_back(a);
   }
   std::function<int()> rank_main;
 #ifndef FSDP_TRAIN_CUDA
@@ -357,8 +377,9 @@ int launch_ranks(const fsdp_trainer::Config& config, const CommandLine& cl, int 
     restarts->grace =
         std::chrono::milliseconds(std::llround(f.timeout_s * 1000)) + std::chrono::seconds(60);
   }
+  fsdp_trainer::Nodes nodes{cl.nnodes, cl.node_rank, cl.master_addr, cl.master_port};
   return fsdp_trainer::launch_local(cl.nproc, args, static_cast<int>(config.training.threads),
-                                    rank_main, restarts);
+                                    rank_main, restarts, nodes);
 }
 
 // One rank of the job (started by a launcher, or alone): checks the job's shape before joining

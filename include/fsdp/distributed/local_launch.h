@@ -46,6 +46,17 @@ struct LocalLaunchOptions {
   /// destructor); a rank_main that wants them ends the process itself with std::exit, as a
   /// main() returning would. Empty, or with other threads alive, the rank runs `executable`.
   std::function<int()> rank_main;
+  /// Several nodes, one launcher each (as torchrun's agents with --nnodes): node `node_rank` of
+  /// `nnodes` starts global ranks node_rank * nproc ... + nproc - 1 (WORLD_SIZE nnodes * nproc);
+  /// node 0's launcher serves the store on master_addr:master_port (an address of its own on
+  /// the nodes' network), and the other nodes' ranks and launchers connect to it. After its own
+  /// ranks ended, node 0's launcher keeps serving until every node's launcher is done, for
+  /// `linger` at most. One node: loopback and a free port.
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;
+  std::chrono::milliseconds linger{std::chrono::seconds(60)};
   /// Bounds the whole job: then every rank still running is killed (zero: no bound).
   std::chrono::milliseconds timeout{0};
   /// After the first rank fails, the others have this long to notice a dead peer and exit on
@@ -58,9 +69,10 @@ struct LocalLaunchOptions {
   /// other ranks get `grace` to leave on their own (a replica that lost a rank leaves the job)
   /// before they are killed; `delay` after the last of them ended, the replica's ranks start
   /// again, spawned (never forked: the store's threads run by then), with
-  /// FSDP_REPLICA_INCARNATION=n for its n-th restart, and join the running job. At most
-  /// `max_restarts` per replica; the other replicas run on throughout, and the job ends when
-  /// every rank has ended.
+  /// FSDP_REPLICA_INCARNATION=n for its n-th start (counted in the store, so that a node's
+  /// launcher started again, a lost host back, starts its ranks as joining too), and join the
+  /// running job. At most `max_restarts` per replica by this launcher; the other replicas run on
+  /// throughout, and the job ends when every rank has ended. Replicas lie within a node.
   struct ReplicaRestarts {
     int ranks_per_replica = 1;
     int max_restarts = 3;
