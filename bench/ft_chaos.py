@@ -169,13 +169,22 @@ def main():
          *job_args(run_dir, a.steps, a.timeout_s)],
         stdout=open(os.path.join(a.work, "hosts.log"), "w"), stderr=subprocess.STDOUT,
         start_new_session=True)
+    try:
+        return run(a, rng, job, run_dir, logs)
+    finally:
+        if job.poll() is None:  # this script stopped early: hosts.sh's cleanup ends the job
+            job.terminate()
+            job.wait()
+
+
+def run(a, rng, job, run_dir, logs):
     metrics = os.path.join(run_dir, "metrics.jsonl")
     t0 = time.time()
     samples = []  # (seconds, steps logged)
     first_seen = {}  # step -> seconds when its line was first seen
     faults = []
-    pending = None  # the fault being resolved
-    calm_until = t0 + 8
+    active = []  # faults not yet resolved
+    next_at = 8.0
     violations = []
     while job.poll() is None:
         now = time.time() - t0
@@ -185,46 +194,57 @@ def main():
         last = ms[-1]["step"] if ms else 0
         samples.append((now, last))
         live = live_replicas(run_dir)
-        if pending:
-            f = pending
+        pids = rank_pids()
+        for f in list(active):
             if f["restore"] and now >= f["t"] + f["delay"]:
                 f["restore"]()
                 f["restore"] = None
                 f["restored_t"] = now
-            dropped = len(live) < HOSTS
-            f["dropped"] = f["dropped"] or dropped
-            if f["restore"] is None and not dropped and (f["dropped"] or now > f["t"] + 30):
-                # Back to 3 replicas (or never dropped): the others' processes must be the same.
-                after = rank_pids()
+            f["dropped"] = f["dropped"] or f["replica"] not in live
+            back = f["replica"] in live and all(
+                r in pids for r in range(f["replica"] * NPROC, (f["replica"] + 1) * NPROC))
+            stepped = any(t > f.get("restored_t", 1e9) + 1 for t in first_seen.values())
+            if f["restore"] is None and back and (f["dropped"] or stepped):
+                # The replicas no fault touched meanwhile kept their processes.
                 for r, pid in f["others"].items():
-                    if after.get(r) != pid:
-                        violations.append(f"fault {len(faults)}: rank {r} of another replica "
-                                          f"changed process ({pid} -> {after.get(r)})")
+                    if r // NPROC not in f["touched"] and pids.get(r) != pid:
+                        violations.append(f"fault {faults.index(f) + 1}: rank {r} of an untouched "
+                                          f"replica changed process ({pid} -> {pids.get(r)})")
                 f["resolved_t"] = now
-                pending = None
-                calm_until = time.time() + rng.uniform(1, 4)
-        elif (len(faults) < a.faults and len(live) == HOSTS and time.time() >= calm_until
-              and 10 < last < a.steps - 40 and len(rank_pids()) == HOSTS * NPROC):
-            kind = rng.choice(["kill", "stop", "cut", "host"])
-            target = rng.randrange(HOSTS * NPROC) if kind in ("kill", "stop") else \
-                rng.randrange(1, HOSTS)
-            replica = target // NPROC if kind in ("kill", "stop") else target
-            delay = rng.uniform(1, 6)
+                active.remove(f)
+        # The next fault: into a replica that is training with all its ranks, keeping at least
+        # one other replica untouched; host 0 (the store's) is never cut off or lost.
+        busy = {f["replica"] for f in active}
+        candidates = [q for q in live if q not in busy and
+                      all(r in pids for r in range(q * NPROC, (q + 1) * NPROC))]
+        if (len(faults) < a.faults and now >= next_at and 10 < last < a.steps - 30
+                and len(candidates) >= 2 and len(live) - len(busy) >= 2):
+            replica = rng.choice(candidates)
+            kinds = ["kill", "stop"] + (["cut", "host"] if replica != 0 else [])
+            kind = rng.choice(kinds)
+            target = replica * NPROC + rng.randrange(NPROC) if kind in ("kill", "stop") else replica
+            delay = rng.uniform(2, 12)
             hosts_env = dict(kv.split("=", 1) for kv in
                              open(os.path.join(logs, "hosts.env")).read().split())
-            pids = rank_pids()
-            others = {r: p for r, p in pids.items() if r // NPROC != replica}
             f = {"kind": kind, "target": target, "replica": replica, "step": last, "t": now,
-                 "delay": delay, "others": others, "dropped": False}
+                 "delay": delay, "dropped": False, "touched": {replica},
+                 "others": {r: p for r, p in pids.items() if r // NPROC != replica}}
+            for g in active:  # overlapping faults: each one's window covers the other's replica
+                g["touched"].add(replica)
+                f["touched"].add(g["replica"])
             f["restore"] = inject(kind, target, delay, hosts_env, logs)
             print(f"[{now:6.1f} s] fault {len(faults) + 1}: {kind} "
                   f"{'rank' if kind in ('kill', 'stop') else 'host'} {target} at step {last} "
-                  f"(restored after {delay:.1f} s)", flush=True)
+                  f"(restored after {delay:.1f} s; {len(active)} other fault(s) unresolved)",
+                  flush=True)
             faults.append(f)
-            pending = f
+            active.append(f)
+            next_at = now + rng.uniform(3, 9)
         time.sleep(0.05)
-    if pending and pending["restore"]:
-        pending["restore"]()
+    for f in active:
+        if f["restore"]:
+            f["restore"]()
+            f["restore"] = None
     code = job.returncode
     total = time.time() - t0
     print(f"chaos run: exit {code} after {total:.0f} s", flush=True)
@@ -233,18 +253,19 @@ def main():
     schedule = {}
     for c in changes[1:]:
         schedule[c["step"]] = c["live"]
-    # Per fault: the survivors' next completed step, and the step the replica came back at.
-    for i, f in enumerate(faults):
-        nxt = [s for s, t in first_seen.items() if t > f["t"]]
-        f["next_step_s"] = min(first_seen[s] for s in nxt) - f["t"] if nxt else None
-        later = [c for c in changes if c["step"] > f["step"] and
-                 (i + 1 == len(faults) or c["step"] <= faults[i + 1]["step"] + 1)]
-        drop = next((c for c in later if f["replica"] not in c["live"]), None)
-        back = next((c for c in later if drop and c["step"] > drop["step"] - 1 and
-                     f["replica"] in c["live"] and c is not drop), None)
+    # Per fault: the survivors' next completed step after it; the first change after it that
+    # drops its replica, and the first after that which has it back.
+    for f in faults:
+        nxt = [t for t in first_seen.values() if t > f["t"]]
+        f["next_step_s"] = min(nxt) - f["t"] if nxt else None
+        drop = next((c for c in changes[1:] if c["step"] >= f["step"] and
+                     f["replica"] not in c["live"]), None) if f["dropped"] else None
+        back = next((c for c in changes[1:] if drop and changes.index(c) > changes.index(drop)
+                     and f["replica"] in c["live"]), None)
         f["dropped_at"] = drop["step"] if drop else None
         f["back_at"] = back["step"] if back else None
         f["back_s"] = (first_seen.get(back["step"], total) - f["t"]) if back else None
+        f.pop("touched", None)
     ok = True
     if code != 0:
         ok = False
@@ -303,7 +324,8 @@ def main():
     with open(os.path.join(a.out, "ft_chaos.json"), "w") as out:
         json.dump({"machine": cpu_description(), "seconds": total, "exit": code,
                    "schedule": text, "same_losses": same,
-                   "faults": [{k: v for k, v in f.items() if k not in ("restore", "others")}
+                   "faults": [{k: v for k, v in f.items() if k not in ("restore", "others",
+                                                                       "touched")}
                               for f in faults],
                    "samples": samples[::10], "chaos_losses": [m["loss"] for m in ma],
                    "plain_losses": [m["loss"] for m in mp]}, out, indent=1)

@@ -113,6 +113,11 @@ FSDP_WORKER(ft_replicas) {
   const bool heal = ctx.env("FSDP_HEAL", "0") == "1";
   const bool restart = ctx.env("FSDP_RESTART", "0") == "1";
   const auto pause = std::chrono::milliseconds(ctx.env_int("FSDP_STEP_SLEEP_MS", 0));
+  // After each change: the units take the quorum's new groups.
+  auto regroup = [&] {
+    fsdp::set_replicate_group(*model, quorum.replicate_group());
+    fsdp::set_shard_group(*model, quorum.replica_group());
+  };
   // After a change that admitted replicas: this index's shards and optimizer state, from a
   // replica that stayed.
   auto sync = [&] {
@@ -146,7 +151,7 @@ FSDP_WORKER(ft_replicas) {
       return -1;
     }
     const double admitted = now_s();
-    fsdp::set_replicate_group(*model, quorum.replicate_group());
+    regroup();
     sync();
     std::printf("[rank %d] REJOINED at step %lld, %.2f s after asking (state copied in %.3f s)\n",
                 rank, (long long)rejoined_at, now_s() - asked, now_s() - admitted);
@@ -169,7 +174,7 @@ FSDP_WORKER(ft_replicas) {
           return left_code;
         continue;
       }
-      fsdp::set_replicate_group(*model, quorum.replicate_group());
+      regroup();
       if (quorum.live().size() > before.size())
         sync();
     }
@@ -212,7 +217,7 @@ FSDP_WORKER(ft_replicas) {
           left = true;
           break;
         }
-        fsdp::set_replicate_group(*model, quorum.replicate_group());
+        regroup();
         ok = attempt();
       } catch (const std::exception& e) {
         std::printf("[rank %d] reform at step %lld failed: %s\n", rank, (long long)step, e.what());
@@ -229,7 +234,7 @@ FSDP_WORKER(ft_replicas) {
     if (!quorum.admitted().empty()) {  // replicas asked to come back: they train from step + 1
       try {
         quorum.admit(step + 1);
-        fsdp::set_replicate_group(*model, quorum.replicate_group());
+        regroup();
         sync();
       } catch (const std::exception& e) {
         // A joining rank did not come (it died, or withdrew): the next step fails and the
@@ -375,8 +380,6 @@ void kill_and_compare(int k, int victim, const std::string& where) {
   std::filesystem::remove_all(reference.dir);
 }
 
-// (Replicas of one rank only: a replica of two cannot heal yet. Its own shard group's connections
-// broke with the fault, and the units' shard groups cannot be replaced; docs/multi-node.md.)
 // Replica 1's rank `victim` (of `k` per replica) stops for 7 s at step 2 (its replica is dropped
 // after about 4 s); woken, its ranks ask to rejoin and are admitted at the next step boundary,
 // copying their shards and optimizer state from the same index of a replica that stayed. Every
@@ -509,6 +512,13 @@ TEST(FaultTolerance, AReplicaOfTwoRanksRestartedAfterAKillRejoinsAndEqualsTheSch
 
 TEST(FaultTolerance, AStalledReplicaRejoinsFromAPeerAndEqualsTheScheduleRun) {
   stall_and_heal(/*k=*/1, /*victim=*/1);
+}
+
+// Two ranks: its partner's collective with the stopped rank timed out, which closed their
+// group's connections for good; the replica heals on the group every change makes anew
+// (fsdp::set_shard_group).
+TEST(FaultTolerance, AStalledReplicaOfTwoRanksRejoinsOnNewGroups) {
+  stall_and_heal(/*k=*/2, /*victim=*/3);
 }
 
 TEST(FaultTolerance, AReplicaKilledInBackwardDropsOutAndTheRestEqualTheScheduleRun) {

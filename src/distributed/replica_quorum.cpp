@@ -257,14 +257,12 @@ bool ReplicaQuorum::reform(int64_t step) {
   TORCH_CHECK(!left_, "fsdp::ReplicaQuorum: this rank left the job");
   const std::string base = epoch_tag(epoch_) + "/reform/";
   const auto key = [&](int rank) { return base + "r" + std::to_string(rank); };
-  // Whether this replica can go on: its own group's connections may have broken with the
-  // fault (a peer stopped past the collective timeout closes its pairs for good, even if it
-  // comes back in time to register), and then every attempt would fail. So once every rank of
-  // the replica has arrived here (each out of its failed collective: one waiting on a dead
-  // rank of another replica arrives a collective timeout later), a barrier over the replica
-  // tells: at once when it is whole, a failure when not. A rank of a replica that is not whole
-  // (a peer broken, silent, restarted, or not arrived within the vote timeout) registers "0":
-  // its replica is left out, and the others need not wait for it.
+  // Whether this replica can go on: every rank of it has arrived here (each out of its failed
+  // collective: one waiting on a dead rank of another replica arrives a collective timeout
+  // later). Its group's connections may have broken with the fault (a Gloo collective that
+  // timed out closes them for good), but rebuild() makes the replica a new group. A rank of a
+  // replica that is not whole (a peer silent, restarted, or not arrived within the vote
+  // timeout) registers "0": its replica is left out, and the others need not wait for it.
   bool whole = true;
   if (k_ > 1) {
     const auto arrived = [&](int rank) { return base + "a" + std::to_string(rank); };
@@ -295,13 +293,6 @@ bool ReplicaQuorum::reform(int64_t step) {
         break;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    if (whole) {
-      try {
-        replica_group_->barrier();
-      } catch (const std::exception&) {
-        whole = false;
-      }
     }
   }
   store_->set(key(world_->rank()), bytes_of(whole ? "1" : "0"));
@@ -503,6 +494,12 @@ bool ReplicaQuorum::rebuild(std::vector<int> live, int64_t step, const std::stri
   for (int r : live)
     same_index.push_back(r * k_ + index_);
   auto replicate_group = world_->members_group(same_index, tag + "/index" + std::to_string(index_));
+  // The replica's own group anew too: one of its collectives may have timed out in the fault
+  // (the others waiting on a rank stuck with a dead peer elsewhere), which closed its
+  // connections for good.
+  if (k_ > 1)
+    replica_group_ =
+        world_->members_group(ranks_of({replica_}), tag + "/replica" + std::to_string(replica_));
   live_ = std::move(live);
   schedule_.push_back({step, live_});
   live_group_ = std::move(live_group);

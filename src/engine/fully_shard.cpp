@@ -416,6 +416,12 @@ void set_replicate_group(torch::nn::Module& module, std::shared_ptr<ProcessGroup
     unit->set_replicate_group(group);
 }
 
+void set_shard_group(torch::nn::Module& module, std::shared_ptr<ProcessGroup> group) {
+  TORCH_CHECK(group, "fsdp::set_shard_group: no group");
+  for (auto& unit : detail::units_under(module))
+    unit->set_shard_group(group);
+}
+
 void set_post_reduce_hook(torch::nn::Module& module, PostReduceHook hook) {
   for (auto& unit : detail::units_under(module))
     unit->set_post_reduce_hook(hook);

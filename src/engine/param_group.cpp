@@ -243,6 +243,27 @@ void ParamGroup::set_replicate_group(std::shared_ptr<ProcessGroup> group) {
     groups_.replicate = std::move(group);
 }
 
+void ParamGroup::set_shard_group(std::shared_ptr<ProcessGroup> group) {
+  if (unit_state_.gathered() || unit_state_.training() != TrainingState::kIdle || !reduces_.empty())
+    fail("set_shard_group between steps only (the unit is " + unit_state_.describe() + ")");
+  if (!groups_.shard) {
+    if (group->size() > 1)
+      fail("set_shard_group: a unit sharded over one rank takes no group of " +
+           std::to_string(group->size()) + " ranks");
+    return;
+  }
+  if (groups_.post_forward)
+    fail(
+        "set_shard_group: a unit resharded over blocks after forward (reshard_after_forward_size) "
+        "keeps its groups");
+  if (group->global_ranks() != groups_.shard->global_ranks())
+    fail("set_shard_group: the new group must hold the same ranks in the same order (" +
+         std::to_string(groups_.shard->size()) + " ranks from global rank " +
+         std::to_string(groups_.shard->global_ranks().front()) + "), got " +
+         std::to_string(group->size()) + " from " + std::to_string(group->global_ranks().front()));
+  groups_.shard = std::move(group);
+}
+
 void ParamGroup::set_user_held(bool held) {
   unit_state_.set_user_held(held);
 }

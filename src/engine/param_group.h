@@ -170,6 +170,8 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
 
   /// fsdp::set_replicate_group.
   void set_replicate_group(std::shared_ptr<ProcessGroup> group);
+  /// fsdp::set_shard_group.
+  void set_shard_group(std::shared_ptr<ProcessGroup> group);
 
   /// fsdp::set_post_reduce_hook.
   void set_post_reduce_hook(PostReduceHook hook) { post_reduce_hook_ = std::move(hook); }

@@ -881,6 +881,9 @@ void validate_fault_tolerance(const Config& c) {
   require(!c.logging.tensorboard && !c.logging.plan && c.training.memory_budget.empty(), key,
           "cannot go with logging.tensorboard, --plan or training.memory_budget yet");
   require(!f.optimizer_in_backward, key, "cannot go with fsdp.optimizer_in_backward yet");
+  require(f.reshard_after_forward_size == 0, key,
+          "cannot go with fsdp.reshard_after_forward_size yet (its block groups are not made "
+          "anew after a fault)");
   if (!f.membership_schedule.empty()) {
     try {
       parse_membership_schedule(f.membership_schedule);

@@ -42,6 +42,7 @@ fsdp::ProcessGroup& Trainer::norm_group() {
 void Trainer::on_membership_change(int64_t step) {
   auto& quorum = membership_->quorum();
   fsdp::set_replicate_group(*model_.module, quorum.replicate_group());
+  fsdp::set_shard_group(*model_.module, quorum.replica_group());
   metrics_pg_ = quorum.live_group();
   metrics_->set_group(metrics_pg_);
   // The lowest live rank writes: a new writer continues metrics.jsonl after the last step

@@ -102,7 +102,9 @@ class ReplicaQuorum {
   /// Every change so far (the membership schedule), the first being the initial one at step 0.
   const std::vector<MembershipChange>& schedule() const { return schedule_; }
 
-  /// This replica's ranks (the shard group; it never changes).
+  /// This replica's ranks (the shard group), made anew at every change of the membership:
+  /// give it to fsdp::set_shard_group then (a Gloo collective that timed out in the fault has
+  /// closed the old group's connections for good).
   const std::shared_ptr<ProcessGroup>& replica_group() const { return replica_group_; }
   /// The ranks at this rank's index in every live replica: the cross-replica all-reduce's group
   /// (give it to fsdp::set_replicate_group after each change). In a restarted replica not yet
