@@ -158,6 +158,8 @@ def main():
     a = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("ft_chaos.py: needs root (scripts/hosts.sh)")
+    # SIGTERM (timeout, kill) ends this script through its finally: the job goes with it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rng = random.Random(a.seed)
     print("machine:", cpu_description(), flush=True)
     shutil.rmtree(a.work, ignore_errors=True)
@@ -226,9 +228,15 @@ def run(a, rng, job, run_dir, logs):
             delay = rng.uniform(2, 12)
             hosts_env = dict(kv.split("=", 1) for kv in
                              open(os.path.join(logs, "hosts.env")).read().split())
+            # The others whose processes must stay: the replicas training for 5 steps or more
+            # (one being admitted meanwhile fails with the fault's collectives, and restarts).
+            changes = lines(os.path.join(run_dir, "membership.jsonl"))
+            settled = {q for q in range(HOSTS) if all(
+                q in c["live"] for c in changes if c["step"] > last - 5)}
             f = {"kind": kind, "target": target, "replica": replica, "step": last, "t": now,
                  "delay": delay, "dropped": False, "touched": {replica},
-                 "others": {r: p for r, p in pids.items() if r // NPROC != replica}}
+                 "others": {r: p for r, p in pids.items()
+                            if r // NPROC != replica and r // NPROC in settled}}
             for g in active:  # overlapping faults: each one's window covers the other's replica
                 g["touched"].add(replica)
                 f["touched"].add(g["replica"])
@@ -267,9 +275,13 @@ def run(a, rng, job, run_dir, logs):
         f["back_s"] = (first_seen.get(back["step"], total) - f["t"]) if back else None
         f.pop("touched", None)
     ok = True
-    if code != 0:
+    # hosts.sh's code is its first agents': a lost host's was SIGKILLed. The job succeeded when
+    # host 0's launcher (the store's) ended with 0 and every step was logged.
+    agents = dict(kv.split("=") for kv in open(os.path.join(logs, "agents.exit")).read().split())
+    print("first launchers' exit codes:", agents, "| hosts.sh:", code)
+    if agents.get("host0") != "0" or len(lines(metrics)) != a.steps:
         ok = False
-        print("BOUND: the job did not end with exit 0")
+        print("BOUND: the job did not end with exit 0 and every step logged")
     if len(faults) < a.faults:
         ok = False
         print(f"BOUND: only {len(faults)} faults were injected")
