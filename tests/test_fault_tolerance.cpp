@@ -175,8 +175,10 @@ FSDP_WORKER(ft_replicas) {
         continue;
       }
       regroup();
-      if (quorum.live().size() > before.size())
-        sync();
+      if (std::any_of(quorum.live().begin(), quorum.live().end(), [&](int r) {
+            return std::find(before.begin(), before.end(), r) == before.end();
+          }))
+        sync();  // a replica joins (the same change may drop another)
     }
     // Replica r's batch of step s, whoever else trains.
     auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 * step + quorum.replica());

@@ -106,10 +106,14 @@ void ReplicaMembership::before_step(int64_t step) {
   const auto it = schedule_.find(step);
   if (it == schedule_.end())
     return;
-  const auto before = quorum_->live().size();
+  const auto before = quorum_->live();
   if (quorum_->set_membership(it->second, step)) {
     changed(step, "schedule");
-    if (quorum_->live().size() > before)
+    // A replica joins (the same change may drop another): the state goes to it.
+    const auto& live = quorum_->live();
+    if (std::any_of(live.begin(), live.end(), [&](int r) {
+          return std::find(before.begin(), before.end(), r) == before.end();
+        }))
       hooks_.sync_state(/*joining=*/false);
     return;
   }
