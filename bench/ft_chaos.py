@@ -215,12 +215,20 @@ def run(a, rng, job, run_dir, logs):
                 f["resolved_t"] = now
                 active.remove(f)
         # The next fault: into a replica that is training with all its ranks, keeping at least
-        # one other replica untouched; host 0 (the store's) is never cut off or lost.
+        # one other replica untouched and settled (training for the last 5 steps: one being
+        # admitted fails with a fault's collectives, and if every replica is faulted or joining
+        # at once, no copy of the state is left); host 0 (the store's) is never cut off or lost.
         busy = {f["replica"] for f in active}
+        changes = lines(os.path.join(run_dir, "membership.jsonl"))
+
+        def live_at(step):
+            return next((c["live"] for c in reversed(changes) if c["step"] <= step), [])
+        settled = {q for q in live if q in live_at(last - 5) and all(
+            q in c["live"] for c in changes if c["step"] > last - 5)}
         candidates = [q for q in live if q not in busy and
                       all(r in pids for r in range(q * NPROC, (q + 1) * NPROC))]
         if (len(faults) < a.faults and now >= next_at and 10 < last < a.steps - 30
-                and len(candidates) >= 2 and len(live) - len(busy) >= 2):
+                and len(candidates) >= 2 and len(settled - busy) >= 2):
             replica = rng.choice(candidates)
             kinds = ["kill", "stop"] + (["cut", "host"] if replica != 0 else [])
             kind = rng.choice(kinds)
@@ -228,11 +236,7 @@ def run(a, rng, job, run_dir, logs):
             delay = rng.uniform(2, 12)
             hosts_env = dict(kv.split("=", 1) for kv in
                              open(os.path.join(logs, "hosts.env")).read().split())
-            # The others whose processes must stay: the replicas training for 5 steps or more
-            # (one being admitted meanwhile fails with the fault's collectives, and restarts).
-            changes = lines(os.path.join(run_dir, "membership.jsonl"))
-            settled = {q for q in range(HOSTS) if all(
-                q in c["live"] for c in changes if c["step"] > last - 5)}
+            # The others whose processes must stay: the settled replicas.
             f = {"kind": kind, "target": target, "replica": replica, "step": last, "t": now,
                  "delay": delay, "dropped": False, "touched": {replica},
                  "others": {r: p for r, p in pids.items()
@@ -247,7 +251,7 @@ def run(a, rng, job, run_dir, logs):
                   flush=True)
             faults.append(f)
             active.append(f)
-            next_at = now + rng.uniform(3, 9)
+            next_at = now + rng.uniform(2, 7)
         time.sleep(0.05)
     for f in active:
         if f["restore"]:
