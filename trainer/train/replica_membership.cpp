@@ -16,13 +16,12 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// The first line of an error: collectives' errors run to several.
+}  // namespace
+
 std::string first_line(const std::exception& e) {
   std::string what = e.what();
   return what.substr(0, what.find('\n'));
 }
-
-}  // namespace
 
 ReplicaMembership::ReplicaMembership(const Config& config,
                                      std::shared_ptr<fsdp::ProcessGroup> world, int incarnation,

@@ -30,6 +30,9 @@ class LeftTheJob : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// The first line of an error: collectives' errors run to several.
+std::string first_line(const std::exception& e);
+
 class ReplicaMembership {
  public:
   struct Hooks {

@@ -652,18 +652,18 @@ double Trainer::backward_passes(const StepParts& parts, const Batch& batch,
   return loss_sum;
 }
 
-StepMetrics Trainer::train_step(int64_t step) {
-  StepMetrics m;
+Batch Trainer::begin_step(int64_t step, StepMetrics& m) {
   m.step = step;
   m.lr = optimizers_->set_lr(step);
   metrics_->reset_peak();
   profiler_->begin_step();
+  fsdp::trace::Span span("data", "data");
+  return data_->next();
+}
 
-  Batch batch;
-  {
-    fsdp::trace::Span span("data", "data");
-    batch = data_->next();
-  }
+StepMetrics Trainer::train_step(int64_t step) {
+  StepMetrics m;
+  const Batch batch = begin_step(step, m);
   auto& o = *optimizers_;
   const double loss_sum = run_step(
       StepParts{model_, o.optimizer(), o.params(), *profiler_, o.scaler(), o.previous_grad_norm()},

@@ -88,6 +88,9 @@ class Trainer {
   /// The micro-batches' forward and backward passes (the gradients zeroed before by the
   /// caller); returns the sum of their losses.
   double backward_passes(const StepParts& parts, const Batch& batch, UpdateInBackward* in_backward);
+  /// A step's start: its learning rate, the peak and the profiler's step begun; returns its
+  /// batch.
+  Batch begin_step(int64_t step, StepMetrics& m);
   /// After the update: the profiler's step and its figures into `m` (not yet reduced).
   void end_step(int64_t step, const Batch& batch, StepMetrics& m);
   /// Micro-batch `i`'s loss of `batch` (forward), scaled so that the micro-batches' losses sum

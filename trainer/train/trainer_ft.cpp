@@ -24,11 +24,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string first_line(const std::exception& e) {
-  std::string what = e.what();
-  return what.substr(0, what.find('\n'));
-}
-
 }  // namespace
 
 bool Trainer::speaks() const {
@@ -129,15 +124,7 @@ void Trainer::sync_replica_state(bool joining) {
 StepMetrics Trainer::fault_tolerant_step(int64_t step) {
   const auto& t = config_.training;
   StepMetrics m;
-  m.step = step;
-  m.lr = optimizers_->set_lr(step);
-  metrics_->reset_peak();
-  profiler_->begin_step();
-  Batch batch;
-  {
-    fsdp::trace::Span span("data", "data");
-    batch = data_->next();  // once: a failed attempt runs the same batch again
-  }
+  const Batch batch = begin_step(step, m);  // once: a failed attempt runs the same batch again
   auto& o = *optimizers_;
   const StepParts parts{model_,     o.optimizer(), o.params(),
                         *profiler_, o.scaler(),    o.previous_grad_norm()};
