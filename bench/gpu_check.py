@@ -300,11 +300,14 @@ def speed_models(c, memory_gib):
         return [("gpt2-tiny", "gpt", dict(n_layer=4, n_head=4, n_embd=128), 4, 64),
                 ("llama-tiny", "llama", dict(n_layer=6, n_head=6, n_kv_head=2, n_embd=192,
                                              ffn=512), 2, 64)]
+    # Batches that fill most of the card (measured on an H200 at 12 x 1024 and 8 x 2048: 45 and
+    # 31 GiB allocated for fsdp-cpp, 46 and 38 GiB for FSDP2, about half of it activations):
+    # on a 141 GB card about 80 GiB each; on an 80 GB one about 45.
     big = memory_gib >= 120
-    return [("gpt2-1.5b", "gpt", dict(n_layer=48, n_head=25, n_embd=1600), 12 if big else 6,
+    return [("gpt2-1.5b", "gpt", dict(n_layer=48, n_head=25, n_embd=1600), 32 if big else 12,
              1024),
             ("llama-1b", "llama", dict(n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, ffn=8192,
-                                       rope_theta=500000.0), 8 if big else 4, 2048)]
+                                       rope_theta=500000.0), 24 if big else 8, 2048)]
 
 
 def section_speed(c):
@@ -312,8 +315,11 @@ def section_speed(c):
     memory_gib = env.get("gpu_memory_bytes", 0) / 2 ** 30
     peak_measured = env.get("matmul_bf16_8192_tflops")
     peak_sheet = env.get("datasheet_bf16_tflops")
-    steps, warmup = (6, 2) if c.cpu else (8, 3)
-    r = {"steps": steps, "warmup_steps_excluded": warmup, "dtype": "bf16", "models": {}}
+    # Steps warmup+1 .. timed are timed; step `profiled` (after them, not the last: the last
+    # one evaluates) records the device's kernels on both sides (kernel_summary).
+    steps, warmup, timed, profiled = (6, 2, 5, 0) if c.cpu else (10, 3, 8, 9)
+    r = {"steps": steps, "warmup_steps_excluded": warmup, "timed_steps": timed - warmup,
+         "kernel_profile_step": profiled, "dtype": "bf16", "models": {}}
     for preset, arch, dims, batch, seq in speed_models(c, memory_gib):
         kv = dims.get("n_kv_head", dims["n_head"]) * dims["n_embd"] // dims["n_head"]
         fpt, params = model_flops_per_token(arch, dims["n_layer"], dims["n_embd"], seq, VOCAB,
@@ -327,14 +333,38 @@ def section_speed(c):
                         "--lr", "1e-4", "--min-lr", "1e-5", "--vocab", str(VOCAB)]
         for k, v in dims.items():
             theirs_extra += [f"--{k.replace('_', '-')}", str(v)]
+        kernels = {"fsdp-cpp": os.path.join(c.work, f"speed-fsdp-cpp-{preset}", "trace",
+                                            "rank0.kernels.json"),
+                   "fsdp2": os.path.join(c.work, f"kernels-fsdp2-{preset}.json")}
+        if profiled:
+            ours_extra = ours_extra + [f"--logging.trace_steps={profiled}"]
+            theirs_extra = theirs_extra + ["--kernel-profile-step", str(profiled),
+                                           "--kernel-profile-out", kernels["fsdp2"]]
         for side, runner, extra in (("fsdp-cpp", run_ours, ours_extra),
                                     ("fsdp2", run_theirs, theirs_extra)):
             try:
-                rows, _ = runner(c, f"speed-{side}-{preset}", steps, batch, seq, extra, 240)
-                times = [row["step_time_s"] for row in rows[warmup:]]
+                t0 = time.monotonic()
+                profile_error = None
+                try:
+                    rows, _ = runner(c, f"speed-{side}-{preset}", steps, batch, seq, extra, 240)
+                except RuntimeError as e:
+                    if not profiled:
+                        raise
+                    # The kernel profile must not cost the speed figure: once more without it.
+                    profile_error = str(e)[-2000:]
+                    plain = [x for x in extra if not x.startswith("--logging.trace_steps")]
+                    if "--kernel-profile-step" in plain:
+                        plain = plain[:plain.index("--kernel-profile-step")]
+                    t0 = time.monotonic()
+                    rows, _ = runner(c, f"speed-{side}-{preset}", steps, batch, seq, plain, 240)
+                wall = time.monotonic() - t0
+                times = [row["step_time_s"] for row in rows[warmup:timed]]
                 step_s = statistics.median(times)
                 tps = batch * seq / step_s
-                s = {"step_time_s": step_s, "tokens_per_s": tps,
+                # The process's whole run against its steps: what start-up (building and
+                # initialising the model, CUDA's and NCCL's set-up) and the exit cost.
+                s = {"step_time_s": step_s, "tokens_per_s": tps, "run_wall_s": wall,
+                     "outside_steps_s": wall - sum(row["step_time_s"] for row in rows),
                      "peak_allocated_bytes": max(row.get("peak_bytes", 0) for row in rows),
                      "peak_reserved_bytes": max(row.get("peak_reserved_bytes", 0) or 0
                                                 for row in rows),
@@ -343,6 +373,10 @@ def section_speed(c):
                     s["mfu_datasheet"] = tps * fpt / (peak_sheet * 1e12)
                 if peak_measured:
                     s["mfu_measured_matmul"] = tps * fpt / (peak_measured * 1e12)
+                if profile_error:
+                    s["kernel_profile_error"] = profile_error
+                elif os.path.exists(kernels[side]):
+                    s["kernels"] = kernel_summary(kernels[side])
             except Exception as e:  # noqa: BLE001
                 s = {"error": str(e)}
             m[side] = s
@@ -353,6 +387,43 @@ def section_speed(c):
         c.report["sections"]["speed"] = {"result": r, "partial": True}
         c.save()
     return r
+
+
+# Kernel names by what they do (cuBLAS's and CUTLASS's matmuls, the attention kernels, ...),
+# first match wins; the rest is element-wise work (casts, norms, activations, residual adds).
+KERNEL_KINDS = [("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "splitKreduce")),
+                ("attention", ("flash", "fmha", "attention", "sdpa", "pytorch_flash")),
+                ("optimizer", ("adam", "multi_tensor_apply", "multi_tensor")),
+                ("communication", ("nccl",)),
+                ("copies", ("memcpy", "memset")),
+                ("reductions", ("reduce_kernel", "norm")),
+                ("loss", ("softmax", "nll", "cross_entropy", "log_softmax"))]
+
+
+def kernel_kind(name):
+    low = name.lower()
+    for kind, keys in KERNEL_KINDS:
+        if any(k.lower() in low for k in keys):
+            return kind
+    return "element-wise and other"
+
+
+def kernel_summary(path):
+    """One profiled step's device time by kind, and the 12 largest kernels (ms a step)."""
+    with open(path) as f:
+        k = json.load(f)
+    steps = max(1, k.get("steps", 1))
+    kinds = {}
+    for row in k["kernels"]:
+        kind = kernel_kind(row["name"])
+        kinds[kind] = kinds.get(kind, 0) + row["ns"] / 1e6 / steps
+    return {"device_ms_per_step": k["device_ns"] / 1e6 / steps,
+            "by_kind_ms": {kk: round(v, 2) for kk, v in sorted(kinds.items(),
+                                                               key=lambda kv: -kv[1])},
+            "kinds_of_kernels": len(k["kernels"]),
+            "largest": [{"name": row["name"][:120], "count": row["count"] // steps,
+                         "ms": round(row["ns"] / 1e6 / steps, 3)}
+                        for row in k["kernels"][:12]]}
 
 
 def parse_plan_peak(output):
@@ -552,21 +623,31 @@ def markdown(rep):
                                  f"{v['ours'][-1]:.6f} | {v['fsdp2'][-1]:.6f} |")
         elif name == "speed":
             lines += ["| model | side | batch x seq | tokens/s | MFU (sheet) | MFU (matmul) | "
-                      "peak alloc | peak reserved |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                      "peak alloc | peak reserved | run / outside steps |",
+                      "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
             for p, m in res.get("models", {}).items():
                 for side in ("fsdp-cpp", "fsdp2"):
                     v = m.get(side, {})
                     if "error" in v:
-                        lines.append(f"| {p} | {side} | | error: {v['error'][:200]!r} | | | | |")
+                        lines.append(f"| {p} | {side} | | error: {v['error'][:200]!r} | | | | | |")
                         continue
                     lines.append(
                         f"| {p} | {side} | {m['batch']} x {m['seq_len']} | "
                         f"{v.get('tokens_per_s', 0):,.0f} | {v.get('mfu_datasheet', 0):.3f} | "
                         f"{v.get('mfu_measured_matmul', 0):.3f} | "
                         f"{fmt_bytes(v.get('peak_allocated_bytes'))} | "
-                        f"{fmt_bytes(v.get('peak_reserved_bytes'))} |")
+                        f"{fmt_bytes(v.get('peak_reserved_bytes'))} | "
+                        f"{v.get('run_wall_s', 0):.1f} / {v.get('outside_steps_s', 0):.1f} s |")
                 if "ratio_fsdp_cpp_over_fsdp2" in m:
-                    lines.append(f"| {p} | ratio | | {m['ratio_fsdp_cpp_over_fsdp2']:.3f}x | | | | |")
+                    lines.append(f"| {p} | ratio | | {m['ratio_fsdp_cpp_over_fsdp2']:.3f}x | | | | | |")
+            for p, m in res.get("models", {}).items():
+                for side in ("fsdp-cpp", "fsdp2"):
+                    k = m.get(side, {}).get("kernels")
+                    if k:
+                        lines.append(f"\n{p}, {side}: device time of step "
+                                     f"{res.get('kernel_profile_step')} "
+                                     f"{k['device_ms_per_step']:.1f} ms: " +
+                                     ", ".join(f"{kk} {v:.1f}" for kk, v in k["by_kind_ms"].items()))
         else:
             lines += ["```json", json.dumps(res, indent=1)[:6000], "```"]
         lines.append("")

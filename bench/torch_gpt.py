@@ -347,6 +347,22 @@ def proc_status_bytes(field):
     return 0
 
 
+def write_kernel_summary(profiler, path):
+    """The device's kernels and copies of one profiled step, added up by name, as
+    trainer/observe/kernel_profile.cpp writes fsdp-train's."""
+    by_name = {}
+    for e in profiler.profiler.kineto_results.events():
+        if e.device_type() != torch.autograd.DeviceType.CUDA:
+            continue
+        count, ns = by_name.get(e.name(), (0, 0))
+        by_name[e.name()] = (count + 1, ns + e.duration_ns())
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    with open(path, "w") as f:
+        json.dump({"steps": 1, "device_ns": sum(v[1] for _, v in rows),
+                   "kernels": [{"name": k, "count": v[0], "ns": v[1]} for k, v in rows]}, f,
+                  indent=1)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=("fsdp2", "ddp", "single"), required=True)
@@ -376,6 +392,11 @@ def main():
     p.add_argument("--beta1", type=float, default=0.9)
     p.add_argument("--beta2", type=float, default=0.95)
     p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--kernel-profile-step", type=int, default=0,
+                   help="record this step's device kernels with torch.profiler")
+    p.add_argument("--kernel-profile-out", default="",
+                   help="where that step's kernel summary goes (fsdp-train's rank0.kernels.json "
+                        "layout: steps, device_ns, kernels [{name, count, ns}])")
     a = p.parse_args()
 
     torch.set_num_threads(1)
@@ -443,6 +464,11 @@ def main():
             g["lr"] = lr
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
+        profiling = step == a.kernel_profile_step and cuda
+        if profiling:
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                          torch.profiler.ProfilerActivity.CUDA])
+            profiler.__enter__()
         start = time.perf_counter()
         xy = sampler.next().to(device)
         optimizer.zero_grad(set_to_none=True)
@@ -456,6 +482,9 @@ def main():
         optimizer.step()
         local_loss = loss.item()
         step_s = time.perf_counter() - start
+        if profiling:
+            profiler.__exit__(None, None, None)
+            write_kernel_summary(profiler, a.kernel_profile_out)
         mean = torch.tensor([local_loss], dtype=torch.float64, device=device)
         if a.mode != "single":
             dist.all_reduce(mean)

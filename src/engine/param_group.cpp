@@ -595,8 +595,10 @@ void ParamGroup::issue_all_reduce() {
       continue;
     r.advance(ReduceStage::kReplicating, name_);
     r.all_reduce_round = state_->reduce_round();
-    if (!groups_.replicate || groups_.replicate->size() == 1)
+    if (!groups_.replicate || groups_.replicate->size() == 1) {
+      start_host_copy(r);  // final already: nothing to all-reduce
       continue;
+    }
     // Buckets bound the size of one collective (and of the backend's staging buffers).
     const auto& out = r.output;
     const int64_t per_bucket = std::max<int64_t>(
@@ -635,11 +637,21 @@ void ParamGroup::wait_reduces() {
   for (auto& r : reduces_) {
     if (r.stage() != ReduceStage::kReplicating)
       continue;
+    const bool replicated = !r.all_reduces.empty();
     for (auto& w : r.all_reduces)
       w->wait();
     r.all_reduces.clear();
     r.advance(ReduceStage::kReduced, name_);
+    if (replicated)
+      start_host_copy(r);  // final only now (without an all-reduce it started at issue)
   }
+}
+
+void ParamGroup::start_host_copy(PendingReduce& r) const {
+  const auto& offload = options_.offload_policy();
+  if (!offload || r.params.empty() || !r.params.front()->offloaded() || !r.output.defined())
+    return;
+  r.start_host_copy(offload->pin_memory());
 }
 
 void ParamGroup::install_grads() {
@@ -648,8 +660,11 @@ void ParamGroup::install_grads() {
   for (auto& r : reduces_) {
     TORCH_INTERNAL_ASSERT(r.stage() == ReduceStage::kReduced, "fsdp: unit '", name_,
                           "': grads installed from a reduction still ", to_string(r.stage()));
-    // One host copy of the flags per unit (a device sync on CUDA, at the end of backward only).
-    auto flags = r.output.narrow(0, r.flags_offset, static_cast<int64_t>(r.params.size()))
+    // Offloaded on an accelerator: the whole output is already on its way to the host
+    // (start_host_copy); else one host copy of the flags per unit (a device sync on CUDA, at
+    // the end of backward only).
+    const torch::Tensor& out = r.wait_host_copy() ? r.host_output : r.output;
+    auto flags = out.narrow(0, r.flags_offset, static_cast<int64_t>(r.params.size()))
                      .to(torch::kCPU, torch::kFloat);
     const float* flag = flags.data_ptr<float>();
     int64_t offset = 0;
@@ -657,7 +672,7 @@ void ParamGroup::install_grads() {
       auto* p = r.params[i];
       const int64_t len = p->padded_shard_numel();
       if (flag[i] > 0)
-        p->add_to_stash(r.output.narrow(0, offset, len));
+        p->add_to_stash(out.narrow(0, offset, len));
       offset += len;
     }
   }

@@ -221,6 +221,9 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   void begin_backward();
   void reduce_gradients();
   void issue_all_reduce();
+  // CPU offload: starts r's device-to-host copy (PendingReduce::start_host_copy) once its
+  // output is final.
+  void start_host_copy(PendingReduce& r) const;
   void drop_block_shards();
   /// Frees the gather cycle's buffers whose lifetime ends at `event` (buffer_lifetimes.h).
   void free_at(UnitEvent event);

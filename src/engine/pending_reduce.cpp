@@ -1,6 +1,8 @@
 // See pending_reduce.h.
 #include "pending_reduce.h"
 
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 namespace fsdp::detail {
@@ -65,6 +67,41 @@ void PendingReduce::free_at(UnitEvent event) {
         TORCH_INTERNAL_ASSERT(false, "fsdp: a gather's buffer in a reduction's lifetimes");
     }
   }
+}
+
+void PendingReduce::start_host_copy(bool pin) {
+  TORCH_INTERNAL_ASSERT(output.defined() && !host_output.defined() && !host_copied_,
+                        "fsdp: a reduction's host copy started twice or without an output");
+  const auto device = output.device();
+  if (device.is_cpu())
+    return;
+  // Device-generic (c10's guard interface): the engine links no CUDA library; the backend of
+  // the tensor's device provides the streams and events.
+  const c10::impl::VirtualGuardImpl impl(device.type());
+  const c10::Stream compute = impl.getStream(device);
+  const c10::Stream side = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false);
+  c10::Event ready(device.type());
+  ready.record(compute);  // output is complete once the compute stream reaches this point
+  ready.block(side);
+  host_output =
+      torch::empty(output.sizes(), output.options().device(torch::kCPU).pinned_memory(pin));
+  {
+    const c10::StreamGuard on_side(side);
+    host_output.copy_(output, /*non_blocking=*/pin);
+  }
+  // The caching allocator hands output's block to the compute stream again only once the
+  // copy's stream is past this point, even if the reduction is dropped before the wait.
+  output.record_stream(side);
+  host_copied_.emplace(device.type());
+  host_copied_->record(side);
+}
+
+bool PendingReduce::wait_host_copy() {
+  if (!host_copied_)
+    return false;
+  host_copied_->synchronize();
+  host_copied_.reset();
+  return true;
 }
 
 void PassReductionState::reduced(const std::string& unit) {

@@ -19,10 +19,12 @@
 // Both kReduced and kHookRan return to kNone when the pass ends or fails.
 #pragma once
 
+#include <c10/core/Event.h>
 #include <torch/types.h>
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -66,9 +68,23 @@ struct PendingReduce {
   /// Frees the buffers whose lifetime ends at `event` (reduce_lifetimes(kind)).
   void free_at(UnitEvent event);
 
+  // CPU offload with the compute on an accelerator: once `output` is final (kReplicating with
+  // nothing in flight, or kReduced), it is copied to host memory on a stream of its own, so
+  // the device-to-host copy overlaps the rest of backward instead of stalling its end; the
+  // grads are then installed from `host_output` (flags included: no device sync to read them).
+  // `output` itself lives as long as before (buffer_lifetimes.h), so device memory and the
+  // planner's model are unchanged.
+  torch::Tensor host_output;
+  /// Starts the copy of `output` into `host_output` (pinned when `pin`, which makes it
+  /// asynchronous) on a pool stream that first waits for the current one. No-op on the CPU.
+  void start_host_copy(bool pin);
+  /// Blocks the host until that copy is done; false when none was started.
+  bool wait_host_copy();
+
  private:
   ReduceStage stage_ = ReduceStage::kScattering;
   bool started_ = false;
+  std::optional<c10::Event> host_copied_;
 };
 
 // What one unit's backward pass has done with its gradients (see above).

@@ -256,10 +256,13 @@ bool ShardedParam::copy_grad_into(const torch::Tensor& g, const torch::Tensor& d
 
 void ShardedParam::add_to_stash(const torch::Tensor& shard) {
   auto g = shard.view(padded_shard_.sizes()).narrow(0, 0, layout_.local_rows);
-  if (offload_) {
-    // Device to host: the gradient joins its shard where the optimizer steps. Synchronous, so
-    // the optimizer may read it as soon as backward returns (FSDP2 overlaps this copy and
-    // waits on an event at the end of backward: not done, it could not be measured here).
+  if (offload_ && g.is_cpu() && !compute_device().is_cpu()) {
+    // The reduction's output was copied to the host on a stream of its own while backward
+    // went on (PendingReduce::start_host_copy), and the caller waited for that copy: the grad
+    // is a view of that copy.
+    g = g.scalar_type() == dtype() ? alias_as_base(g) : g.to(dtype());
+  } else if (offload_) {
+    // Device to host, synchronously: the gradient joins its shard where the optimizer steps.
     memory::CategoryScope grads(memory::Category::kGrads);
     auto host = torch::empty(g.sizes(), padded_shard_.options().pinned_memory(pin_memory_));
     host.copy_(g);

@@ -538,7 +538,8 @@ const std::vector<Option>& options() {
       opt("logging.trace_steps", FIELD(logging.trace_steps),
           "Optimizer steps to trace, \"A-B\" or \"A\" (empty: none): each rank writes a Chrome "
           "trace of them to <logging.run_dir>/trace/rank<R>.json (Perfetto, chrome://tracing; "
-          "docs/trainer.md, \"Traces\")."),
+          "docs/trainer.md, \"Traces\"); on CUDA also rank<R>.kernels.json, the device's "
+          "kernels in those steps by name."),
       opt("checkpoint.every", FIELD(checkpoint.every),
           "Save a sharded checkpoint every this many steps, and after the last (0: never). Each "
           "rank writes its own rows; any number of ranks can resume from it."),

@@ -716,6 +716,12 @@ void Trainer::write_trace(std::pair<int64_t, int64_t> steps) {
   const auto path = dir / fmt::format("rank{}.json", pg_->rank());
   try {
     fsdp::write_chrome_trace(path.string(), fsdp::trace::collect(), pg_->rank(), pg_->size());
+    if (kernel_profile_) {
+      const auto kernels = dir / fmt::format("rank{}.kernels.json", pg_->rank());
+      metrics_->message(kernel_profile_->stop_and_write(
+          kernels.string(), static_cast<int>(steps.second - steps.first + 1)));
+      kernel_profile_.reset();
+    }
   } catch (const std::exception& e) {
     // A diagnostics file that cannot be written (a full disk) must not end the run: the other
     // ranks would wait for this one in their next collective.
@@ -749,6 +755,8 @@ void Trainer::train() {
     if (tracing && !fsdp::trace::enabled()) {
       fsdp::trace::set_thread_name("main");
       fsdp::trace::start();
+      if (device_.is_cuda())
+        kernel_profile_ = KernelProfile::start();
     }
     fsdp::trace::set_step(tracing ? step : -1);
     auto step_span = fsdp::trace::begin();

@@ -27,6 +27,7 @@
 #include "gradient_update.h"
 #include "metrics_processor.h"
 #include "model_factory.h"
+#include "observe/kernel_profile.h"
 #include "optimizers.h"
 #include "plan_check.h"
 #include "replica_membership.h"
@@ -175,6 +176,7 @@ class Trainer {
   std::unique_ptr<Optimizers> optimizers_;
   std::unique_ptr<ReplicaMembership> membership_;         // fsdp.fault_tolerant
   std::unique_ptr<fsdp::AsyncCheckpointer> async_saves_;  // checkpoint.async
+  std::unique_ptr<KernelProfile> kernel_profile_;         // logging.trace_steps on CUDA
   int64_t async_step_ = 0;                                // the step of the save in flight
   int64_t start_step_ = 0;                                // the step a resumed run continues after
   std::optional<PlanCheck> plan_check_;                   // plan_memory(): predicted, then measured
