@@ -47,6 +47,8 @@ std::map<int64_t, std::vector<int>> parse_schedule(const std::string& text) {
   return out;
 }
 
+constexpr int kStateLost = 69;  // the worker's exit when rejoin throws ReplicaStateLost
+
 // Trains a small GPT for FSDP_STEPS steps on FSDP_K ranks per replica (hybrid_shard), each
 // replica on batches of its own, through ReplicaQuorum's protocol; FSDP_KILL_RANK dies
 // (SIGKILL) at FSDP_KILL_STEP, FSDP_KILL_WHERE = forward | backward | commit; FSDP_SCHEDULE
@@ -82,7 +84,8 @@ FSDP_WORKER(ft_replicas) {
                                           .replicate_group(quorum.replicate_group()));
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
 
-  const bool victim = rank == kill_rank && env.incarnation == 0;
+  // FSDP_KILL_RANK=-2: every rank is a victim (no replica keeps the state).
+  const bool victim = (rank == kill_rank || kill_rank == -2) && env.incarnation == 0;
   // The victim writes when it dies (wall clock, one machine), the survivors when their next
   // step completes: the test reports the difference.
   const auto now_s = [] {
@@ -137,6 +140,7 @@ FSDP_WORKER(ft_replicas) {
   };
   // This rank's replica left at `step`: the step it trains from again, or -1 (it ends).
   int64_t rejoined_at = -1;
+  bool state_lost = false;  // rejoin found no live replica left to admit it
   auto leave = [&](int64_t step, const char* why) -> int64_t {
     // A restarted rank (step -1) always asks; a rank that left only with FSDP_HEAL.
     if (step >= 0)
@@ -145,7 +149,14 @@ FSDP_WORKER(ft_replicas) {
       return -1;
     // Asked when a fault made it leave; told by the schedule in the reference run.
     const double asked = now_s();
-    rejoined_at = quorum.rejoin(std::chrono::seconds(60), /*ask=*/schedule.empty());
+    try {
+      rejoined_at = quorum.rejoin(std::chrono::seconds(60), /*ask=*/schedule.empty());
+    } catch (const fsdp::ReplicaStateLost& e) {
+      std::printf("[rank %d] STATE LOST %.2f s after asking: %s\n", rank, now_s() - asked,
+                  e.what());
+      state_lost = true;
+      return -1;
+    }
     if (rejoined_at < 0) {
       std::printf("[rank %d] not admitted again\n", rank);
       return -1;
@@ -157,13 +168,14 @@ FSDP_WORKER(ft_replicas) {
                 rank, (long long)rejoined_at, now_s() - asked, now_s() - admitted);
     return rejoined_at;
   };
-  // A left rank's exit: 3 when the launcher is to start its replica again.
-  const int left_code = restart ? 3 : 0;
+  // A left rank's exit: 3 when the launcher is to start its replica again; kStateLost when no
+  // replica holds the state (the launcher starts nothing again).
+  const auto left_code = [&] { return state_lost ? kStateLost : restart ? 3 : 0; };
   int64_t step = 0;
   if (env.incarnation > 0) {  // a restarted replica: in through the same door as a healed one
     std::printf("[rank %d] RESTARTED (incarnation %d)\n", rank, env.incarnation);
     if ((step = leave(-1, "")) < 0)
-      return left_code;
+      return left_code();
   }
   bool broken = false;  // an admission failed: the groups are not usable until a reform
   while (step < steps) {
@@ -171,7 +183,7 @@ FSDP_WORKER(ft_replicas) {
       const auto before = quorum.live();
       if (!quorum.set_membership(it->second, step)) {
         if ((step = leave(step, " (schedule)")) < 0)
-          return left_code;
+          return left_code();
         continue;
       }
       regroup();
@@ -227,7 +239,7 @@ FSDP_WORKER(ft_replicas) {
     }
     if (left) {
       if ((step = leave(step, "")) < 0)
-        return left_code;
+        return left_code();
       continue;
     }
     opt.step();
@@ -506,6 +518,44 @@ void kill_restart_and_heal(int k, int victim) {
   }
   std::filesystem::remove_all(fault.dir);
   std::filesystem::remove_all(reference.dir);
+}
+
+// Both replicas of 1 rank are killed in backward at step 2 and restarted: no process holds the
+// state any more, so the restarted ranks must not wait for an admission nobody can give (60 s
+// here; in the chaos run that found it, replicas were restarted over and over, 95 s each). They
+// learn it from the store at once and exit kStateLost, and the launcher starts nothing again
+// although it could restart each replica twice more.
+TEST(FaultTolerance, EveryReplicaLostEndsTheJobAtOnceInsteadOfWaiting) {
+  fsdp::LocalLaunchOptions::ReplicaRestarts restarts;
+  restarts.max_restarts = 3;
+  restarts.grace = std::chrono::seconds(20);
+  restarts.job_over_exit_code = kStateLost;
+  const auto start = std::chrono::steady_clock::now();
+  auto run = run_ft(2,
+                    {{"FSDP_KILL_RANK", "-2"},
+                     {"FSDP_KILL_STEP", "2"},
+                     {"FSDP_KILL_WHERE", "backward"},
+                     {"FSDP_TIMEOUT_S", "3"},
+                     {"FSDP_RESTART", "1"},
+                     {"FSDP_STEPS", "6"}},
+                    "lost", restarts);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_FALSE(run.result.timed_out) << run.result.describe();
+  EXPECT_EQ(run.result.restarts, (std::vector<int>{1, 1})) << run.result.describe();
+  for (int r = 0; r < 2; ++r) {
+    const auto& out = run.result.outputs[static_cast<size_t>(r)];
+    EXPECT_EQ(run.result.exit_codes[static_cast<size_t>(r)], kStateLost) << out;
+    EXPECT_NE(out.find("RESTARTED (incarnation 1)"), std::string::npos) << out;
+    EXPECT_NE(out.find("STATE LOST"), std::string::npos) << out;
+    EXPECT_NE(out.find("no live replica holds the training state (every replica of the "
+                       "membership from step 0 [0,1] has lost a process since)"),
+              std::string::npos)
+        << out;
+  }
+  std::printf("job ended %.1f s after its start\n", seconds);
+  EXPECT_LT(seconds, 30.0) << "the restarted ranks waited for an admission";
+  std::filesystem::remove_all(run.dir);
 }
 
 TEST(FaultTolerance, AReplicaOfTwoRanksRestartedAfterAKillRejoinsAndEqualsTheScheduleRun) {

@@ -246,6 +246,13 @@ class ReplicaRestarter {
       finished_ = true;
       return;
     }
+    if (code == o_.replica_restarts->job_over_exit_code && !finished_) {
+      finished_ = true;  // the job cannot go on: nothing is started again
+      std::fprintf(stderr,
+                   "fsdp launch: rank %d ended (exit %d): the job cannot go on, no replica "
+                   "is started again\n",
+                   first_rank_ + r, code);
+    }
     auto& q = replicas_[static_cast<size_t>(r / k_)];
     if (q.state != State::kRunning)
       return;

@@ -401,8 +401,19 @@ int64_t ReplicaQuorum::rejoin(std::chrono::milliseconds timeout, bool ask) {
   const auto deadline = Clock::now() + timeout;
   Backoff backoff;
   std::string value;
+  auto next_look = Clock::now();
   while (value.empty()) {
     if (!store_->check({"admitted/" + me})) {
+      if (Clock::now() >= next_look) {  // twice a second: nobody may be left to admit it
+        next_look = Clock::now() + std::chrono::milliseconds(500);
+        std::string why;
+        if (state_lost(&why)) {
+          if (ask)
+            store_->deleteKey("join/" + me);
+          throw ReplicaStateLost("fsdp::ReplicaQuorum: no live replica holds the training state (" +
+                                 why + "): without a checkpoint the job cannot go on");
+        }
+      }
       if (Clock::now() > deadline) {
         // The request is withdrawn; an admission that raced it makes the live ranks' next
         // groups fail to form (this rank never joins them), which they handle as a fault.
@@ -477,7 +488,64 @@ void ReplicaQuorum::sync_state(const std::vector<torch::Tensor>& tensors, std::s
   }
 }
 
+void ReplicaQuorum::record_membership(const std::vector<int>& live, int64_t step) {
+  // One writer per change, the first rank of the first live replica; any rank when none is
+  // left. "<epoch>:<step>:[live]"; a writer slower than the next change's keeps the later one.
+  if (!live.empty() && world_->rank() != live.front() * k_)
+    return;
+  std::string value = std::to_string(epoch_);
+  value += ':';
+  value += std::to_string(step);
+  value += ':';
+  value += encode(live);
+  std::vector<uint8_t> current;
+  if (store_->check({"membership"}))
+    current = store_->get("membership");
+  while (true) {
+    const std::string cur(current.begin(), current.end());
+    if (!cur.empty() && std::stoull(cur.substr(0, cur.find(':'))) >= epoch_)
+      return;
+    const auto now = store_->compareSet("membership", current, bytes_of(value));
+    if (now == bytes_of(value))
+      return;
+    current = now;
+  }
+}
+
+bool ReplicaQuorum::state_lost(std::string* why) const {
+  // Until the first change: the job's start, every replica live.
+  std::string value = "0:0:" + encode([&] {
+                        std::vector<int> all;
+                        for (int r = 0; r < num_replicas_; ++r)
+                          all.push_back(r);
+                        return all;
+                      }());
+  if (store_->check({"membership"})) {
+    const auto raw = store_->get("membership");
+    value.assign(raw.begin(), raw.end());
+  }
+  const auto c1 = value.find(':'), c2 = value.find(':', c1 + 1);
+  TORCH_CHECK(c1 != std::string::npos && c2 != std::string::npos,
+              "fsdp::ReplicaQuorum: a malformed membership in the store: '", value, "'");
+  const std::string step = value.substr(c1 + 1, c2 - c1 - 1);
+  const auto live = decode(bytes_of(value.substr(c2 + 1)));
+  for (int r : live) {
+    bool whole = true;  // no rank of it restarted since: its processes hold the state
+    for (int rank : ranks_of({r}))
+      whole = whole && !store_->check({"restarted/" + std::to_string(rank)});
+    if (whole)
+      return false;
+  }
+  if (why) {
+    *why = live.empty() ? "the membership decided at step " + step + " kept no replica"
+                        : "every replica of the membership from step " + step + " " + encode(live) +
+                              " has lost a process since";
+  }
+  return true;
+}
+
 bool ReplicaQuorum::rebuild(std::vector<int> live, int64_t step, const std::string& tag) {
+  record_membership(live, step);
   if (std::find(live.begin(), live.end(), replica_) == live.end()) {
     live_ = std::move(live);
     schedule_.push_back({step, live_});

@@ -2235,6 +2235,45 @@ TEST(TrainerRun, AJobKilledOnFourRanksResumesOnThree) {
   EXPECT_TRUE(fs::exists(dir / "checkpoints" / "step-00000040" / "index.json"));
 }
 
+// fsdp.fault_tolerant with every replica killed at once (2 replicas of 1 rank): no process holds
+// the training state, so the restarted ranks end the job at once with the reason (exit 69)
+// instead of each waiting a vote timeout and a minute for an admission, over and over.
+TEST(FaultTolerantTraining, EveryReplicaKilledEndsTheJobAtOnceWithTheReason) {
+  const std::string name = "ft-lost";
+  const auto run_dir = fs::path(FSDP_TEST_WORK_DIR) / name;
+  fs::remove_all(run_dir);
+  const std::string tag = "FSDP_TEST_TAG=" + name + "-" + std::to_string(::getpid());
+  const auto config =
+      write_config(name, tiny_config(run_dir.string()) +
+                             "[fsdp]\nstrategy = \"hybrid_shard\"\nhybrid_shard_size = 1\n"
+                             "fault_tolerant = true\ntimeout_s = 3\n");
+  BackgroundJob job(tag + " " + train_cmd() + " " + config +
+                        " --nproc 2 --training.steps=300 --training.seq_len=64 "
+                        "--training.eval_every=0 --generate.tokens=0 --logging.plot=false",
+                    (fs::path(FSDP_TEST_WORK_DIR) / (name + ".log")).string());
+  const auto metrics_path = run_dir / "metrics.jsonl";
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (line_count(file_bytes(metrics_path)) < 10 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  const pid_t rank0 = find_process_with_env({tag, "RANK=0"});
+  const pid_t rank1 = find_process_with_env({tag, "RANK=1"});
+  ASSERT_GT(rank0, 0) << job.output();
+  ASSERT_GT(rank1, 0) << job.output();
+  const auto killed = std::chrono::steady_clock::now();
+  ::kill(rank0, SIGKILL);
+  ::kill(rank1, SIGKILL);
+  const int code = job.wait(120);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - killed).count();
+  const std::string output = job.output();
+  EXPECT_EQ(code, 69) << output;
+  EXPECT_NE(output.find("restarts of replicas 0..1: 1, 1"), std::string::npos) << output;
+  EXPECT_NE(output.find("no live replica holds the training state"), std::string::npos) << output;
+  EXPECT_NE(output.find("without a checkpoint the job cannot go on"), std::string::npos) << output;
+  std::printf("the job ended %.1f s after both replicas were killed\n", seconds);
+  EXPECT_LT(seconds, 60.0) << output;
+}
+
 // fsdp.fault_tolerant (docs/multi-node.md): 3 replicas of 1 rank under fsdp-train --nproc 3.
 // Rank 1 is SIGKILLed mid-run; the other two finish the step it was in among themselves and
 // train on, the launcher starts rank 1 again, and it joins at a step boundary with the state of

@@ -89,6 +89,14 @@ int launch_local(int nproc, const std::vector<std::string>& args, int threads_pe
       job_code = 0;
       first = -1;
     }
+    // No live replica held the state any more (fsdp::ReplicaStateLost): that is the job's end
+    // and its cause, not the fault before it.
+    const auto lost =
+        std::find(result.exit_codes.begin(), result.exit_codes.end(), restarts->job_over_exit_code);
+    if (job_code != 0 && restarts->job_over_exit_code >= 0 && lost != result.exit_codes.end()) {
+      job_code = restarts->job_over_exit_code;
+      first = static_cast<int>(lost - result.exit_codes.begin());
+    }
   }
   // The rank that failed first holds the cause (a file it could not read, a bad value); the
   // others then fail in their next collective ("a peer may have died"), rank 0 on the terminal

@@ -53,6 +53,7 @@
 #include <fsdp/distributed/flight_recorder.h>
 #include <fsdp/distributed/local_launch.h>
 #include <fsdp/distributed/process_group.h>
+#include <fsdp/distributed/replica_quorum.h>
 #include <fsdp/fully_shard.h>
 
 #include "config/config.h"
@@ -60,6 +61,7 @@
 #include "launcher.h"
 #include "preflight.h"
 #include "train/model_factory.h"
+#include "train/replica_membership.h"
 #include "train/trainer.h"
 
 namespace {
@@ -299,6 +301,11 @@ int report_failures(const std::function<int()>& work) {
     std::fprintf(stderr, "%sfsdp-train: %s; this rank leaves the job\n", rank_prefix().c_str(),
                  e.what());
     return fsdp_trainer::LeftTheJob::kExitCode;
+  } catch (const fsdp::ReplicaStateLost& e) {
+    // fsdp.fault_tolerant: every replica lost a process; restarting one cannot bring the state
+    // back, so the launcher ends the job (a checkpoint is what is left).
+    std::fprintf(stderr, "%sfsdp-train: %s\n", rank_prefix().c_str(), e.what());
+    return fsdp_trainer::kStateLostExitCode;
   } catch (const std::bad_alloc&) {
     // What the size check before building (check_model_fits) could not foresee.
     std::fprintf(stderr,
@@ -372,6 +379,7 @@ int launch_ranks(const fsdp_trainer::Config& config, const CommandLine& cl, int 
     restarts->ranks_per_replica = static_cast<int>(f.hybrid_shard_size);
     restarts->max_restarts = f.membership_schedule.empty() ? static_cast<int>(f.max_restarts) : 0;
     restarts->delay = std::chrono::milliseconds(std::llround(f.restart_delay_s * 1000));
+    restarts->job_over_exit_code = fsdp_trainer::kStateLostExitCode;
     // A rank of a replica that lost one leaves once its collective fails and the others have
     // decided: within the timeout and the vote's.
     restarts->grace =

@@ -30,6 +30,10 @@ class LeftTheJob : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// fsdp-train's exit code when no live replica holds the state (fsdp::ReplicaStateLost): the
+/// launcher then starts no replica again.
+inline constexpr int kStateLostExitCode = 69;  // EX_UNAVAILABLE
+
 /// The first line of an error: collectives' errors run to several.
 std::string first_line(const std::exception& e);
 

@@ -78,6 +78,10 @@ struct LocalLaunchOptions {
     int max_restarts = 3;
     std::chrono::milliseconds grace{std::chrono::seconds(30)};
     std::chrono::milliseconds delay{0};
+    /// A rank that exits with this code says the job cannot go on (no live replica holds the
+    /// state, ReplicaStateLost): no replica is started again, and the job ends as its ranks do.
+    /// -1: none.
+    int job_over_exit_code = -1;
   };
   std::optional<ReplicaRestarts> replica_restarts;
 };

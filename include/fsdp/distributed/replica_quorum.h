@@ -27,6 +27,10 @@
 // set_membership() makes the same changes without a fault (dropping or adding replicas), so that
 // a run given the membership schedule of a faulty run (which steps, which replicas) is its
 // fault-free reference.
+// The state lives only in the live replicas. Every change records the membership in the store;
+// once every replica of the last one has lost a process (each has a rank whose process was
+// restarted, or the decision kept none), no copy of the state is left, and rejoin() throws
+// ReplicaStateLost at once instead of waiting for an admission nobody can give.
 #pragma once
 
 #include <torch/arg.h>
@@ -39,6 +43,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -67,6 +72,13 @@ struct ReplicaQuorumOptions {
   /// the world group is then one without a backend (init_process_group's for such a process),
   /// the quorum starts as a replica that left, and rejoin() asks to come in.
   TORCH_ARG(int, incarnation) = 0;
+};
+
+/// What rejoin() throws when no live replica holds the state any more: the job cannot go on
+/// without a checkpoint (a launcher must not start replicas again for it).
+class ReplicaStateLost : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
 };
 
 /// One membership change: from `step` on, the replicas `live` train (ascending).
@@ -138,8 +150,11 @@ class ReplicaQuorum {
   /// A rank whose replica left comes back: with `ask`, it asks to be admitted (rejoin requests
   /// are taken by the next committed step); without, it waits for a set_membership() that
   /// adds its replica. Returns the step it trains from next, or -1 if not admitted within
-  /// `timeout`. Then sync_state().
+  /// `timeout`. Then sync_state(). Throws ReplicaStateLost as soon as state_lost() says so.
   int64_t rejoin(std::chrono::milliseconds timeout, bool ask = true);
+  /// Whether no live replica holds the state: the last recorded membership kept none, or every
+  /// replica in it has a rank whose process was restarted and not admitted since. Fills `why`.
+  bool state_lost(std::string* why = nullptr) const;
   /// After a change that admitted replicas (admit, rejoin, set_membership): `tensors` (this
   /// rank's shards and whatever else a replica holds the same, optimizer state included) and
   /// `blob` (may be null) of the rank at this index in the first replica that stayed go to every
@@ -161,6 +176,9 @@ class ReplicaQuorum {
   std::vector<int> join_requests() const;
   // The groups over `live` under `tag`; false (groups dropped) when this replica is not in it.
   bool rebuild(std::vector<int> live, int64_t step, const std::string& tag);
+  // Records `live` as the membership of epoch_ in the store (kept when a later epoch's is
+  // there already): what state_lost() reads.
+  void record_membership(const std::vector<int>& live, int64_t step);
   std::vector<int> ranks_of(const std::vector<int>& replicas) const;
 
   std::shared_ptr<ProcessGroup> world_;
