@@ -50,7 +50,8 @@ std::map<int64_t, std::vector<int>> parse_schedule(const std::string& text) {
 constexpr int kStateLost = 69;  // the worker's exit when rejoin throws ReplicaStateLost
 
 // Trains a small GPT for FSDP_STEPS steps on FSDP_K ranks per replica (hybrid_shard), each
-// replica on batches of its own, through ReplicaQuorum's protocol; FSDP_KILL_RANK dies
+// replica on batches of its own, through ReplicaQuorum's protocol (at most FSDP_MAX_LIVE
+// replicas at once, the others spares); FSDP_KILL_RANK dies
 // (SIGKILL) at FSDP_KILL_STEP, FSDP_KILL_WHERE = forward | backward | commit; FSDP_SCHEDULE
 // changes the membership without a fault. With FSDP_HEAL=1 a rank whose replica left asks to
 // rejoin; with FSDP_RESTART=1 it exits (3) instead, and the launcher starts its replica again
@@ -73,7 +74,8 @@ FSDP_WORKER(ft_replicas) {
                                      .ranks_per_replica(k)
                                      .vote_timeout(std::chrono::seconds(30))
                                      .join_window(std::chrono::seconds(3))
-                                     .incarnation(env.incarnation));
+                                     .incarnation(env.incarnation)
+                                     .max_live(static_cast<int>(ctx.env_int("FSDP_MAX_LIVE", 0))));
 
   torch::manual_seed(5);
   auto cfg = GPTConfig::preset("gpt2-test");  // sizes 2 and 3 ranks do not divide
@@ -176,6 +178,10 @@ FSDP_WORKER(ft_replicas) {
     std::printf("[rank %d] RESTARTED (incarnation %d)\n", rank, env.incarnation);
     if ((step = leave(-1, "")) < 0)
       return left_code();
+  } else if (quorum.left()) {  // a spare (FSDP_MAX_LIVE): waits for room
+    std::printf("[rank %d] SPARE\n", rank);
+    if ((step = leave(-1, "")) < 0)
+      return left_code();
   }
   bool broken = false;  // an admission failed: the groups are not usable until a reform
   while (step < steps) {
@@ -261,6 +267,7 @@ FSDP_WORKER(ft_replicas) {
     std::this_thread::sleep_for(pause);
     ++step;
   }
+  quorum.finish();  // a spare never needed stops waiting
   std::vector<torch::Tensor> shards;
   for (const auto& p : model->parameters())
     shards.push_back(p.detach().clone());
@@ -555,6 +562,72 @@ TEST(FaultTolerance, EveryReplicaLostEndsTheJobAtOnceInsteadOfWaiting) {
   }
   std::printf("job ended %.1f s after its start\n", seconds);
   EXPECT_LT(seconds, 30.0) << "the restarted ranks waited for an admission";
+  std::filesystem::remove_all(run.dir);
+}
+
+// 3 replicas of 1 rank of which at most 2 train: replica 2 is a spare, waiting from the start.
+// Rank 1 is killed in backward at step 2; the survivor redoes the step alone and the next
+// committed step admits the spare, which receives replica 0's state and trains on in replica
+// 1's place. Ranks 0 and 2 end equal, bit for bit, to a run given the same schedule (the spare
+// added by set_membership), and to each other. A spare never needed stops waiting when the
+// job ends (finish()): the reference run's spare waits for its schedule's step, the other
+// tests' quorums have none.
+TEST(FaultTolerance, ASpareTakesTheDeadReplicasPlaceAndEqualsTheScheduleRun) {
+  auto fault = run_ft(3,
+                      {{"FSDP_MAX_LIVE", "2"},
+                       {"FSDP_KILL_RANK", "1"},
+                       {"FSDP_KILL_STEP", "2"},
+                       {"FSDP_KILL_WHERE", "backward"},
+                       {"FSDP_TIMEOUT_S", "3"},
+                       {"FSDP_STEPS", "8"}},
+                      "spare");
+  ASSERT_FALSE(fault.result.timed_out) << fault.result.describe();
+  EXPECT_EQ(fault.result.exit_codes[1], 128 + SIGKILL) << fault.result.describe();
+  EXPECT_EQ(fault.result.exit_codes[0], 0) << fault.result.describe();
+  EXPECT_EQ(fault.result.exit_codes[2], 0) << fault.result.describe();
+  const auto& out0 = fault.result.outputs[0];
+  const auto at = out0.find("FT OK schedule 0:01 2:0 ");
+  ASSERT_NE(at, std::string::npos) << out0;
+  const std::string back = out0.substr(at + 24, out0.find(':', at + 24) - at - 24);
+  EXPECT_EQ(out0.substr(at + 24 + back.size(), 3), ":02") << out0;
+  const auto& out2 = fault.result.outputs[2];
+  EXPECT_NE(out2.find("SPARE"), std::string::npos) << out2;
+  const auto rejoined = out2.find("REJOINED at step " + back + ",");
+  ASSERT_NE(rejoined, std::string::npos) << out2;
+  std::printf("rank 2 (the spare): %s\n",
+              out2.substr(rejoined, out2.find('\n', rejoined) - rejoined).c_str());
+  EXPECT_NE(out2.find("FT OK schedule 0:01 " + back + ":02"), std::string::npos) << out2;
+  auto reference = run_ft(
+      3, {{"FSDP_MAX_LIVE", "2"}, {"FSDP_SCHEDULE", "2:0;" + back + ":0,2"}, {"FSDP_STEPS", "8"}},
+      "spare-reference");
+  ASSERT_TRUE(reference.result.ok()) << reference.result.describe();
+  for (int r : {0, 2}) {
+    const auto a = shards_of(fault, r), b = shards_of(reference, r), same = shards_of(fault, 0);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_TRUE(torch::equal(a[i], b[i])) << "rank " << r << ", parameter " << i;
+      EXPECT_TRUE(torch::equal(a[i], same[i])) << "rank " << r << ", parameter " << i;
+    }
+  }
+  std::filesystem::remove_all(fault.dir);
+  std::filesystem::remove_all(reference.dir);
+}
+
+// A spare that is never needed: the job of 2 live replicas ends, and the spare's wait ends with
+// it (finish()), long before its 60 s rejoin timeout.
+TEST(FaultTolerance, ASpareNeverNeededEndsWithTheJob) {
+  const auto start = std::chrono::steady_clock::now();
+  auto run =
+      run_ft(3, {{"FSDP_MAX_LIVE", "2"}, {"FSDP_STEPS", "4"}, {"FSDP_HEAL", "1"}}, "idle-spare");
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_TRUE(run.result.ok()) << run.result.describe();
+  EXPECT_NE(run.result.outputs[0].find("FT OK schedule 0:01\n"), std::string::npos)
+      << run.result.outputs[0];
+  EXPECT_NE(run.result.outputs[2].find("SPARE"), std::string::npos) << run.result.outputs[2];
+  EXPECT_NE(run.result.outputs[2].find("not admitted again"), std::string::npos)
+      << run.result.outputs[2];
+  EXPECT_LT(seconds, 30.0) << run.result.describe();
   std::filesystem::remove_all(run.dir);
 }
 

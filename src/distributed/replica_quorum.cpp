@@ -136,12 +136,28 @@ ReplicaQuorum::ReplicaQuorum(std::shared_ptr<ProcessGroup> world, ReplicaQuorumO
     left_ = true;
     return;
   }
+  TORCH_CHECK(options_.max_live() >= 0, "fsdp::ReplicaQuorum: max_live ", options_.max_live(),
+              " is negative");
   replica_group_ = world_->block_group(k_);
   replicate_group_ = world_->strided_group(k_);
-  live_group_ = world_;
-  for (int r = 0; r < num_replicas_; ++r)
-    live_.push_back(r);
-  schedule_.push_back({0, live_});
+  const int n_live =
+      options_.max_live() > 0 ? std::min(options_.max_live(), num_replicas_) : num_replicas_;
+  std::vector<int> live;
+  for (int r = 0; r < n_live; ++r)
+    live.push_back(r);
+  if (n_live == num_replicas_) {
+    live_group_ = world_;
+    live_ = std::move(live);
+    schedule_.push_back({0, live_});
+    return;
+  }
+  // Spares: the live replicas' groups among themselves (members_group: only members take
+  // part); a spare waits in rejoin() with a replicate group of its rank alone.
+  if (!rebuild(live, 0, "spares")) {
+    std::string tag = "spare";  // appended: GCC 12 warns falsely on "literal" + string
+    tag += std::to_string(world_->rank());
+    replicate_group_ = world_->members_group({world_->rank()}, tag);
+  }
 }
 
 ReplicaQuorum::~ReplicaQuorum() = default;
@@ -157,9 +173,10 @@ std::vector<int> ReplicaQuorum::ranks_of(const std::vector<int>& replicas) const
 
 std::vector<int> ReplicaQuorum::join_requests() const {
   std::vector<int> out;
-  if (static_cast<int>(live_.size()) == num_replicas_)
-    return out;
-  for (int r = 0; r < num_replicas_; ++r) {
+  // Room in the membership: every replica, or max_live of them.
+  const int most =
+      options_.max_live() > 0 ? std::min(options_.max_live(), num_replicas_) : num_replicas_;
+  for (int r = 0; r < num_replicas_ && static_cast<int>(live_.size() + out.size()) < most; ++r) {
     if (std::find(live_.begin(), live_.end(), r) != live_.end())
       continue;
     std::vector<std::string> keys;
@@ -406,6 +423,11 @@ int64_t ReplicaQuorum::rejoin(std::chrono::milliseconds timeout, bool ask) {
     if (!store_->check({"admitted/" + me})) {
       if (Clock::now() >= next_look) {  // twice a second: nobody may be left to admit it
         next_look = Clock::now() + std::chrono::milliseconds(500);
+        if (store_->check({"finished"})) {  // training is over: nothing to join
+          if (ask)
+            store_->deleteKey("join/" + me);
+          return kFinished;
+        }
         std::string why;
         if (state_lost(&why)) {
           if (ask)
@@ -510,6 +532,11 @@ void ReplicaQuorum::record_membership(const std::vector<int>& live, int64_t step
       return;
     current = now;
   }
+}
+
+void ReplicaQuorum::finish() {
+  TORCH_CHECK(!left_, "fsdp::ReplicaQuorum::finish: this rank's replica is not live");
+  store_->set("finished", bytes_of("1"));
 }
 
 bool ReplicaQuorum::state_lost(std::string* why) const {

@@ -218,6 +218,12 @@ TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
        "--nproc 2 --fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=1 "
        "--fsdp.fault_tolerant=true --fsdp.membership_schedule=4:0,2",
        "'fsdp.membership_schedule' names replica 2 at step 4, and the job has 2"},
+      {"", "--fsdp.spare_replicas=1",
+       "'fsdp.spare_replicas' applies to fsdp.fault_tolerant = true only"},
+      {"",
+       "--nproc 2 --fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=1 "
+       "--fsdp.fault_tolerant=true --fsdp.spare_replicas=2",
+       "'fsdp.spare_replicas' = 2 leaves no replica to train: the job has 2"},
       // A huge value is quoted cut short (the test checks the one line; the length below).
       {"", "--training.steps=" + std::string(100000, '7'), "(100000 bytes)", kCli},
   };
@@ -2272,6 +2278,68 @@ TEST(FaultTolerantTraining, EveryReplicaKilledEndsTheJobAtOnceWithTheReason) {
   EXPECT_NE(output.find("without a checkpoint the job cannot go on"), std::string::npos) << output;
   std::printf("the job ended %.1f s after both replicas were killed\n", seconds);
   EXPECT_LT(seconds, 60.0) << output;
+}
+
+// fsdp.spare_replicas: 3 replicas of 1 rank, replica 2 a spare. Rank 1 is SIGKILLed mid-run
+// (no restarts): replica 0 finishes the step alone, the next step admits the spare with replica
+// 0's state, and the job trains on with 2 replicas, as many as before. A run told the same
+// schedule (the spare added by it) logs the same loss at every step and the same held-out
+// losses, bit for bit.
+TEST(FaultTolerantTraining, ASpareTakesAKilledReplicasPlaceAndTheLossesEqualTheScheduleRun) {
+  const std::string name = "ft-spare";
+  const auto run_dir = fs::path(FSDP_TEST_WORK_DIR) / name;
+  fs::remove_all(run_dir);
+  const std::string tag = "FSDP_TEST_TAG=" + name + "-" + std::to_string(::getpid());
+  const auto config = write_config(
+      name, tiny_config(run_dir.string()) +
+                "[fsdp]\nstrategy = \"hybrid_shard\"\nhybrid_shard_size = 1\n"
+                "fault_tolerant = true\ntimeout_s = 3\nspare_replicas = 1\nmax_restarts = 0\n");
+  const std::string args =
+      " --training.steps=120 --training.seq_len=64 --training.eval_every=60 "
+      "--generate.tokens=0 --logging.plot=false";
+  BackgroundJob job(tag + " " + train_cmd() + " " + config + " --nproc 3" + args,
+                    (fs::path(FSDP_TEST_WORK_DIR) / (name + ".log")).string());
+  const auto metrics_path = run_dir / "metrics.jsonl";
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (line_count(file_bytes(metrics_path)) < 20 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  const pid_t victim = find_process_with_env({tag, "RANK=1"});
+  ASSERT_GT(victim, 0) << job.output();
+  ::kill(victim, SIGKILL);
+  ASSERT_EQ(job.wait(180), 0) << job.output();
+  std::vector<nlohmann::json> changes;
+  std::istringstream lines(file_bytes(run_dir / "membership.jsonl"));
+  for (std::string line; std::getline(lines, line);)
+    changes.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(changes.size(), 3u) << file_bytes(run_dir / "membership.jsonl") << job.output();
+  EXPECT_EQ(changes[0]["live"], nlohmann::json::array({0, 1}));
+  EXPECT_EQ(changes[1]["cause"], "fault");
+  EXPECT_EQ(changes[1]["live"], nlohmann::json::array({0}));
+  EXPECT_EQ(changes[2]["cause"], "admitted");
+  EXPECT_EQ(changes[2]["live"], nlohmann::json::array({0, 2}));
+  const int64_t dropped = changes[1]["step"], back = changes[2]["step"];
+  EXPECT_GT(dropped, 20);
+  EXPECT_EQ(back, dropped + 1);  // the spare was waiting: the next step admits it
+  const auto reference_dir = fs::path(FSDP_TEST_WORK_DIR) / (name + "-reference");
+  fs::remove_all(reference_dir);
+  const auto reference = run(train_cmd() + " " + config + " --nproc 3" + args +
+                             " --logging.run_dir=" + reference_dir.string() +
+                             " --fsdp.membership_schedule=" + std::to_string(dropped) + ":0\\;" +
+                             std::to_string(back) + ":0,2");
+  ASSERT_EQ(reference.code, 0) << reference.output;
+  const auto a = fsdp_trainer::read_metrics(metrics_path.string());
+  const auto b = fsdp_trainer::read_metrics((reference_dir / "metrics.jsonl").string());
+  ASSERT_EQ(a.size(), 120u);
+  ASSERT_EQ(b.size(), 120u);
+  int evals = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].loss, b[i].loss) << "step " << a[i].step;
+    EXPECT_EQ(a[i].eval_loss, b[i].eval_loss) << "step " << a[i].step;
+    evals += a[i].eval_loss.has_value();
+  }
+  EXPECT_EQ(evals, 2);
+  std::printf("replica 1 dropped at step %lld, the spare (replica 2) in from step %lld\n",
+              static_cast<long long>(dropped), static_cast<long long>(back));
 }
 
 // fsdp.fault_tolerant (docs/multi-node.md): 3 replicas of 1 rank under fsdp-train --nproc 3.

@@ -415,6 +415,11 @@ const std::vector<Option>& options() {
           "as \"step:r,r,...;step:...\" (e.g. \"5:0,2;12:0,1,2\": replica 1 out from step 5, "
           "back at 12), so that a run with a faulty run's membership.jsonl schedule is its "
           "reference."),
+      opt("fsdp.spare_replicas", FIELD(fsdp.spare_replicas),
+          "With fsdp.fault_tolerant: the last this many replicas start as spares; they wait, "
+          "and the step after a training replica has gone admits one in its place (with the "
+          "state of a replica that stayed), so the job keeps its number of replicas and its "
+          "global batch. A spare never needed ends with the job."),
       opt("fsdp.max_restarts", FIELD(fsdp.max_restarts),
           "With fsdp.fault_tolerant and --nproc: how many times each replica is started again "
           "after it left."),
@@ -861,8 +866,11 @@ void validate_fault_tolerance(const Config& c) {
           "must be between 0 and 1000000");
   require(f.restart_delay_s >= 0 && f.restart_delay_s <= 24 * 3600, "fsdp.restart_delay_s",
           "must be between 0 and a day (86400)");
+  require(f.spare_replicas >= 0, "fsdp.spare_replicas", "must be >= 0");
   if (!f.fault_tolerant) {
     require(f.membership_schedule.empty(), "fsdp.membership_schedule",
+            "applies to fsdp.fault_tolerant = true only");
+    require(f.spare_replicas == 0, "fsdp.spare_replicas",
             "applies to fsdp.fault_tolerant = true only");
     return;
   }
@@ -1185,6 +1193,11 @@ void validate_world(const Config& c, int world_size, int local_world_size) {
     if (world_size / shard_ranks < 2) {
       throw ConfigError("'fsdp.fault_tolerant' needs at least 2 replicas: " + world +
                         " in blocks of fsdp.hybrid_shard_size = " + std::to_string(h) + " make " +
+                        std::to_string(world_size / shard_ranks));
+    }
+    if (c.fsdp.spare_replicas >= world_size / shard_ranks) {
+      throw ConfigError("'fsdp.spare_replicas' = " + std::to_string(c.fsdp.spare_replicas) +
+                        " leaves no replica to train: the job has " +
                         std::to_string(world_size / shard_ranks));
     }
     if (!c.fsdp.membership_schedule.empty()) {

@@ -87,6 +87,7 @@ struct FsdpConfig {
   std::string membership_schedule;  // "step:r,r;step:r,..." (the replicas training from a step)
   int64_t max_restarts = 3;         // --nproc: restarts of each replica
   double restart_delay_s = 0;       // --nproc: seconds before a replica's ranks start again
+  int64_t spare_replicas = 0;       // the last this many replicas wait as spares
 };
 
 struct PrecisionConfig {

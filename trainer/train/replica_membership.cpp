@@ -28,11 +28,16 @@ ReplicaMembership::ReplicaMembership(const Config& config,
                                      Hooks hooks)
     : config_(config), incarnation_(incarnation), hooks_(std::move(hooks)) {
   const int k = static_cast<int>(config_.fsdp.hybrid_shard_size);
+  const int replicas = world->size() / k;
   quorum_ = std::make_unique<fsdp::ReplicaQuorum>(
-      std::move(world), fsdp::ReplicaQuorumOptions().ranks_per_replica(k).incarnation(incarnation));
+      std::move(world), fsdp::ReplicaQuorumOptions()
+                            .ranks_per_replica(k)
+                            .incarnation(incarnation)
+                            .max_live(replicas - static_cast<int>(config_.fsdp.spare_replicas)));
+  joining_ = quorum_->left();  // restarted, or a spare
   if (!config_.fsdp.membership_schedule.empty())
     schedule_ = parse_membership_schedule(config_.fsdp.membership_schedule);
-  if (!restarted())
+  if (!joining_)
     record(1, "start");
 }
 
@@ -76,6 +81,8 @@ void ReplicaMembership::record(int64_t step, const char* cause) {
 
 int64_t ReplicaMembership::rejoin(bool ask, std::chrono::milliseconds timeout) {
   const int64_t step = quorum_->rejoin(timeout, ask);
+  if (step == fsdp::ReplicaQuorum::kFinished)
+    return step;
   if (step < 0) {
     throw LeftTheJob(fmt::format("replica {} was not admitted back within {} s", quorum_->replica(),
                                  timeout.count() / 1000));
@@ -93,11 +100,21 @@ int64_t ReplicaMembership::rejoin(bool ask, std::chrono::milliseconds timeout) {
 }
 
 int64_t ReplicaMembership::join() {
-  // The live replicas admit it at their next step boundary: within a step and a vote.
+  // The live replicas admit a restarted replica at their next step boundary: within a step and
+  // a vote. A spare waits for room as long as the job runs.
   const auto timeout =
-      std::chrono::milliseconds(static_cast<int64_t>(config_.fsdp.timeout_s * 1000)) +
-      std::chrono::seconds(90);
-  return rejoin(/*ask=*/true, timeout);
+      restarted() ? std::chrono::milliseconds(static_cast<int64_t>(config_.fsdp.timeout_s * 1000)) +
+                        std::chrono::seconds(90)
+                  : std::chrono::milliseconds(std::chrono::hours(24 * 365));
+  // In a schedule's run it asks nothing: the schedule admits it (set_membership).
+  const int64_t step = rejoin(/*ask=*/schedule_.empty(), timeout);
+  joining_ = false;
+  return step;
+}
+
+void ReplicaMembership::finish() {
+  if (!quorum_->left())
+    quorum_->finish();
 }
 
 void ReplicaMembership::before_step(int64_t step) {

@@ -54,13 +54,20 @@ class ReplicaMembership {
 
   fsdp::ReplicaQuorum& quorum() { return *quorum_; }
   bool restarted() const { return incarnation_ > 0; }
+  /// Outside the membership at the start, to come in through join(): a restarted replica, or
+  /// a spare (fsdp.spare_replicas).
+  bool joining() const { return joining_; }
   /// Whether this rank writes the run's outputs: the lowest rank training now.
   bool writer() const;
 
-  /// A restarted replica: asks to come in and waits for the step boundary that admits it
-  /// (its state copied from a replica that stayed); returns the step it trains next. Throws
-  /// LeftTheJob if not admitted within the vote timeout and a minute.
+  /// A restarted replica or a spare: asks to come in and waits for the step boundary that
+  /// admits it (its state copied from a replica that stayed); returns the step it trains next,
+  /// or fsdp::ReplicaQuorum::kFinished when training ended first (a spare never needed).
+  /// Throws LeftTheJob if a restarted replica is not admitted within the vote timeout and a
+  /// minute.
   int64_t join();
+  /// Training is over (a live rank): ranks still waiting in join() stop waiting.
+  void finish();
   /// Before step `step`: fsdp.membership_schedule's change at it, if any. Throws LeftTheJob
   /// when the schedule drops this rank's replica (after it waited to be added back, when the
   /// schedule says so, it returns normally from the step it was added at: see resume_step()).
@@ -88,6 +95,7 @@ class ReplicaMembership {
 
   Config config_;
   int incarnation_;
+  bool joining_ = false;  // see joining()
   Hooks hooks_;
   std::unique_ptr<fsdp::ReplicaQuorum> quorum_;
   std::map<int64_t, std::vector<int>> schedule_;

@@ -174,8 +174,14 @@ void Trainer::train_fault_tolerant() {
   const auto& t = config_.training;
   int64_t first = start_step_ + 1;
   std::optional<double> initial_eval;
-  if (membership_->restarted()) {
+  const bool joined = membership_->joining();  // restarted, or a spare
+  if (joined) {
     first = membership_->join();
+    if (first == fsdp::ReplicaQuorum::kFinished) {
+      std::printf("fsdp-train: [rank %d] training ended without needing spare replica %d\n",
+                  pg_->rank(), membership_->quorum().replica());
+      return;
+    }
   } else {
     initial_eval = evaluate();
     metrics_->message(fmt::format("step {}: held-out loss {:.4f}", start_step_, *initial_eval));
@@ -184,7 +190,7 @@ void Trainer::train_fault_tolerant() {
   const auto start = Clock::now();
   int64_t steps_run = 0;
   // The step this replica was admitted at: the change there is made already.
-  int64_t joined_at = membership_->restarted() ? first : -1;
+  int64_t joined_at = joined ? first : -1;
   for (int64_t step = first; step <= t.steps; ++step) {
     if (step != joined_at) {
       membership_->before_step(step);
@@ -220,6 +226,7 @@ void Trainer::train_fault_tolerant() {
       throw std::runtime_error(fmt::format("loss is {} at step {}", m.loss, step));
     membership_->after_step(step);
   }
+  membership_->finish();  // spares never needed stop waiting
   if (!speaks())
     return;
   metrics_->finish();

@@ -72,6 +72,11 @@ struct ReplicaQuorumOptions {
   /// the world group is then one without a backend (init_process_group's for such a process),
   /// the quorum starts as a replica that left, and rejoin() asks to come in.
   TORCH_ARG(int, incarnation) = 0;
+  /// The most replicas that train at once (0: all of them). Replicas max_live .. R-1 are
+  /// spares: they start as replicas that left, wait in rejoin(), and the next committed step
+  /// after a live replica has gone admits as many as the membership has room for (lowest
+  /// first); a replica that joins a full job waits likewise.
+  TORCH_ARG(int, max_live) = 0;
 };
 
 /// What rejoin() throws when no live replica holds the state any more: the job cannot go on
@@ -111,6 +116,9 @@ class ReplicaQuorum {
   uint64_t epoch() const { return epoch_; }
   /// The replicas training now, ascending.
   const std::vector<int>& live() const { return live_; }
+  /// Whether this rank's replica is out of the membership (it left, or it is a spare or a
+  /// restarted replica not admitted yet): rejoin() is its way in.
+  bool left() const { return left_; }
   /// Every change so far (the membership schedule), the first being the initial one at step 0.
   const std::vector<MembershipChange>& schedule() const { return schedule_; }
 
@@ -149,9 +157,15 @@ class ReplicaQuorum {
   void admit(int64_t next_step);
   /// A rank whose replica left comes back: with `ask`, it asks to be admitted (rejoin requests
   /// are taken by the next committed step); without, it waits for a set_membership() that
-  /// adds its replica. Returns the step it trains from next, or -1 if not admitted within
-  /// `timeout`. Then sync_state(). Throws ReplicaStateLost as soon as state_lost() says so.
+  /// adds its replica. Returns the step it trains from next, -1 if not admitted within
+  /// `timeout`, or kFinished once the live ranks called finish(). Then sync_state(). Throws
+  /// ReplicaStateLost as soon as state_lost() says so.
   int64_t rejoin(std::chrono::milliseconds timeout, bool ask = true);
+  static constexpr int64_t kFinished = -2;
+  /// Live ranks, once training is over: ranks still waiting in rejoin() (spares never needed,
+  /// restarted replicas not admitted yet) return kFinished at once instead of -1 at their
+  /// timeout.
+  void finish();
   /// Whether no live replica holds the state: the last recorded membership kept none, or every
   /// replica in it has a rank whose process was restarted and not admitted since. Fills `why`.
   bool state_lost(std::string* why = nullptr) const;
