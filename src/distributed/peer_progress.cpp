@@ -91,7 +91,8 @@ std::weak_ptr<PeerProgress> current;  // the world group owns it
 }  // namespace
 
 struct PeerProgress::State {
-  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::Store> base;   // the group's store, as given
+  c10::intrusive_ptr<c10d::Store> store;  // the reporter's own connection, once made (mutex)
   int rank = 0;
   int world_size = 1;
   std::chrono::milliseconds interval{1000};
@@ -126,10 +127,24 @@ void report_loop(std::shared_ptr<PeerProgress::State> s) {
   std::vector<int> everyone(static_cast<size_t>(s->world_size));
   for (int r = 0; r < s->world_size; ++r)
     everyone[static_cast<size_t>(r)] = r;
+  // A connection of its own: the reporter's calls then never wait behind the main thread's
+  // (the store serialises calls on one connection), nor it behind them. Made here, not by the
+  // constructor: under load a connection took the whole 3 s store timeout once, and the rank's
+  // first collective, waiting behind it on the main thread, timed out at its peers.
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = s->base->clone();
+  } catch (const std::exception&) {
+    store = s->base;
+  }
+  {
+    std::lock_guard<std::mutex> lock(s->mutex);
+    s->store = store;
+  }
   for (;;) {
     try {
       const std::string report = my_report();
-      s->store->set(report_key(s->rank), std::vector<uint8_t>(report.begin(), report.end()));
+      store->set(report_key(s->rank), std::vector<uint8_t>(report.begin(), report.end()));
       // Until every peer has been seen once: afterwards the snapshot is kept as it is, so the
       // store serves O(N) reads per rank over a job, not O(N) every few seconds.
       bool complete = false;
@@ -138,7 +153,7 @@ void report_loop(std::shared_ptr<PeerProgress::State> s) {
         complete = s->snapshot.size() == everyone.size();
       }
       if (!complete) {
-        auto reports = read_reports(*s->store, everyone);
+        auto reports = read_reports(*store, everyone);
         std::lock_guard<std::mutex> lock(s->mutex);
         s->snapshot = std::move(reports);
       }
@@ -157,13 +172,7 @@ void report_loop(std::shared_ptr<PeerProgress::State> s) {
 PeerProgress::PeerProgress(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
                            std::chrono::milliseconds interval)
     : state_(std::make_shared<State>()) {
-  // A connection of its own: the reporter's calls then never wait behind the main thread's
-  // (the store serialises calls on one connection), nor it behind them.
-  try {
-    state_->store = store->clone();
-  } catch (const std::exception&) {
-    state_->store = std::move(store);
-  }
+  state_->base = std::move(store);
   state_->rank = rank;
   state_->world_size = world_size;
   state_->interval = interval;
@@ -188,7 +197,12 @@ std::optional<std::vector<PeerReport>> PeerProgress::read(
   // what it needs alive.
   auto result = std::make_shared<std::promise<std::map<int, std::string>>>();
   auto future = result->get_future();
-  std::thread([store = state_->store, ranks, result] {
+  c10::intrusive_ptr<c10d::Store> store;
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    store = state_->store ? state_->store : state_->base;  // before the reporter's connection
+  }
+  std::thread([store = std::move(store), ranks, result] {
     try {
       result->set_value(read_reports(*store, ranks));
     } catch (...) {
