@@ -2241,37 +2241,101 @@ TEST(TrainerRun, AJobKilledOnFourRanksResumesOnThree) {
   EXPECT_TRUE(fs::exists(dir / "checkpoints" / "step-00000040" / "index.json"));
 }
 
+namespace {
+
+// A fault-tolerant fsdp-train job of 1-rank replicas (hybrid_shard, timeout_s = 3, and
+// `fsdp_extra` in [fsdp]) running in the background, its processes tagged so that a test can
+// find and kill a rank.
+struct FtJob {
+  std::string name, tag, config, args;
+  int nproc = 0;
+  fs::path run_dir;
+  std::unique_ptr<BackgroundJob> job;
+
+  FtJob(std::string job_name, const std::string& fsdp_extra, int ranks, std::string train_args)
+      : name(std::move(job_name)), args(std::move(train_args)), nproc(ranks) {
+    run_dir = fs::path(FSDP_TEST_WORK_DIR) / name;
+    fs::remove_all(run_dir);
+    tag = "FSDP_TEST_TAG=" + name + "-" + std::to_string(::getpid());
+    config = write_config(name, tiny_config(run_dir.string()) +
+                                    "[fsdp]\nstrategy = \"hybrid_shard\"\nhybrid_shard_size = 1\n"
+                                    "fault_tolerant = true\ntimeout_s = 3\n" +
+                                    fsdp_extra);
+    job = std::make_unique<BackgroundJob>(
+        tag + " " + train_cmd() + " " + config + " --nproc " + std::to_string(nproc) + args,
+        (fs::path(FSDP_TEST_WORK_DIR) / (name + ".log")).string());
+  }
+  fs::path metrics() const { return run_dir / "metrics.jsonl"; }
+  // Until `steps` steps are logged (at most 120 s): a fault then falls mid-run.
+  void wait_for_steps(int steps) const {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    while (line_count(file_bytes(metrics())) < steps && std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  pid_t rank_pid(int rank) const {
+    return find_process_with_env({tag, "RANK=" + std::to_string(rank)});
+  }
+  // membership.jsonl: one object per change.
+  std::vector<nlohmann::json> membership() const { return read_membership(run_dir); }
+  static std::vector<nlohmann::json> read_membership(const fs::path& dir) {
+    std::vector<nlohmann::json> changes;
+    std::istringstream lines(file_bytes(dir / "membership.jsonl"));
+    for (std::string line; std::getline(lines, line);)
+      changes.push_back(nlohmann::json::parse(line));
+    return changes;
+  }
+  // The same job without a fault, told `schedule` ("step:r,...;step:..."): every one of its
+  // `steps` losses and held-out losses equals this run's, bit for bit; returns the held-out
+  // losses' count and the reference's run directory.
+  std::pair<int, fs::path> expect_schedule_run_equal(const std::string& schedule,
+                                                     size_t steps) const {
+    const auto reference_dir = fs::path(FSDP_TEST_WORK_DIR) / (name + "-reference");
+    fs::remove_all(reference_dir);
+    std::string escaped;  // ';' reaches fsdp-train through the shell
+    for (const char c : schedule) {
+      if (c == ';')
+        escaped.push_back('\\');
+      escaped.push_back(c);
+    }
+    const auto reference = run(train_cmd() + " " + config + " --nproc " + std::to_string(nproc) +
+                               args + " --logging.run_dir=" + reference_dir.string() +
+                               " --fsdp.membership_schedule=" + escaped);
+    EXPECT_EQ(reference.code, 0) << reference.output;
+    const auto a = fsdp_trainer::read_metrics(metrics().string());
+    const auto b = fsdp_trainer::read_metrics((reference_dir / "metrics.jsonl").string());
+    EXPECT_EQ(a.size(), steps);
+    EXPECT_EQ(b.size(), steps);
+    int evals = 0;
+    for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+      EXPECT_EQ(a[i].step, b[i].step);
+      EXPECT_EQ(a[i].loss, b[i].loss) << "step " << a[i].step;
+      EXPECT_EQ(a[i].eval_loss, b[i].eval_loss) << "step " << a[i].step;
+      evals += a[i].eval_loss.has_value();
+    }
+    return {evals, reference_dir};
+  }
+};
+
+}  // namespace
+
 // fsdp.fault_tolerant with every replica killed at once (2 replicas of 1 rank): no process holds
 // the training state, so the restarted ranks end the job at once with the reason (exit 69)
 // instead of each waiting a vote timeout and a minute for an admission, over and over.
 TEST(FaultTolerantTraining, EveryReplicaKilledEndsTheJobAtOnceWithTheReason) {
-  const std::string name = "ft-lost";
-  const auto run_dir = fs::path(FSDP_TEST_WORK_DIR) / name;
-  fs::remove_all(run_dir);
-  const std::string tag = "FSDP_TEST_TAG=" + name + "-" + std::to_string(::getpid());
-  const auto config =
-      write_config(name, tiny_config(run_dir.string()) +
-                             "[fsdp]\nstrategy = \"hybrid_shard\"\nhybrid_shard_size = 1\n"
-                             "fault_tolerant = true\ntimeout_s = 3\n");
-  BackgroundJob job(tag + " " + train_cmd() + " " + config +
-                        " --nproc 2 --training.steps=300 --training.seq_len=64 "
-                        "--training.eval_every=0 --generate.tokens=0 --logging.plot=false",
-                    (fs::path(FSDP_TEST_WORK_DIR) / (name + ".log")).string());
-  const auto metrics_path = run_dir / "metrics.jsonl";
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (line_count(file_bytes(metrics_path)) < 10 && std::chrono::steady_clock::now() < until)
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  const pid_t rank0 = find_process_with_env({tag, "RANK=0"});
-  const pid_t rank1 = find_process_with_env({tag, "RANK=1"});
-  ASSERT_GT(rank0, 0) << job.output();
-  ASSERT_GT(rank1, 0) << job.output();
+  FtJob ft("ft-lost", "", 2,
+           " --training.steps=300 --training.seq_len=64 --training.eval_every=0 "
+           "--generate.tokens=0 --logging.plot=false");
+  ft.wait_for_steps(10);
+  const pid_t rank0 = ft.rank_pid(0), rank1 = ft.rank_pid(1);
+  ASSERT_GT(rank0, 0) << ft.job->output();
+  ASSERT_GT(rank1, 0) << ft.job->output();
   const auto killed = std::chrono::steady_clock::now();
   ::kill(rank0, SIGKILL);
   ::kill(rank1, SIGKILL);
-  const int code = job.wait(120);
+  const int code = ft.job->wait(120);
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - killed).count();
-  const std::string output = job.output();
+  const std::string output = ft.job->output();
   EXPECT_EQ(code, 69) << output;
   EXPECT_NE(output.find("restarts of replicas 0..1: 1, 1"), std::string::npos) << output;
   EXPECT_NE(output.find("no live replica holds the training state"), std::string::npos) << output;
@@ -2286,32 +2350,16 @@ TEST(FaultTolerantTraining, EveryReplicaKilledEndsTheJobAtOnceWithTheReason) {
 // schedule (the spare added by it) logs the same loss at every step and the same held-out
 // losses, bit for bit.
 TEST(FaultTolerantTraining, ASpareTakesAKilledReplicasPlaceAndTheLossesEqualTheScheduleRun) {
-  const std::string name = "ft-spare";
-  const auto run_dir = fs::path(FSDP_TEST_WORK_DIR) / name;
-  fs::remove_all(run_dir);
-  const std::string tag = "FSDP_TEST_TAG=" + name + "-" + std::to_string(::getpid());
-  const auto config = write_config(
-      name, tiny_config(run_dir.string()) +
-                "[fsdp]\nstrategy = \"hybrid_shard\"\nhybrid_shard_size = 1\n"
-                "fault_tolerant = true\ntimeout_s = 3\nspare_replicas = 1\nmax_restarts = 0\n");
-  const std::string args =
-      " --training.steps=120 --training.seq_len=64 --training.eval_every=60 "
-      "--generate.tokens=0 --logging.plot=false";
-  BackgroundJob job(tag + " " + train_cmd() + " " + config + " --nproc 3" + args,
-                    (fs::path(FSDP_TEST_WORK_DIR) / (name + ".log")).string());
-  const auto metrics_path = run_dir / "metrics.jsonl";
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (line_count(file_bytes(metrics_path)) < 20 && std::chrono::steady_clock::now() < until)
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  const pid_t victim = find_process_with_env({tag, "RANK=1"});
-  ASSERT_GT(victim, 0) << job.output();
+  FtJob ft("ft-spare", "spare_replicas = 1\nmax_restarts = 0\n", 3,
+           " --training.steps=120 --training.seq_len=64 --training.eval_every=60 "
+           "--generate.tokens=0 --logging.plot=false");
+  ft.wait_for_steps(20);
+  const pid_t victim = ft.rank_pid(1);
+  ASSERT_GT(victim, 0) << ft.job->output();
   ::kill(victim, SIGKILL);
-  ASSERT_EQ(job.wait(180), 0) << job.output();
-  std::vector<nlohmann::json> changes;
-  std::istringstream lines(file_bytes(run_dir / "membership.jsonl"));
-  for (std::string line; std::getline(lines, line);)
-    changes.push_back(nlohmann::json::parse(line));
-  ASSERT_EQ(changes.size(), 3u) << file_bytes(run_dir / "membership.jsonl") << job.output();
+  ASSERT_EQ(ft.job->wait(180), 0) << ft.job->output();
+  const auto changes = ft.membership();
+  ASSERT_EQ(changes.size(), 3u) << file_bytes(ft.run_dir / "membership.jsonl");
   EXPECT_EQ(changes[0]["live"], nlohmann::json::array({0, 1}));
   EXPECT_EQ(changes[1]["cause"], "fault");
   EXPECT_EQ(changes[1]["live"], nlohmann::json::array({0}));
@@ -2320,23 +2368,8 @@ TEST(FaultTolerantTraining, ASpareTakesAKilledReplicasPlaceAndTheLossesEqualTheS
   const int64_t dropped = changes[1]["step"], back = changes[2]["step"];
   EXPECT_GT(dropped, 20);
   EXPECT_EQ(back, dropped + 1);  // the spare was waiting: the next step admits it
-  const auto reference_dir = fs::path(FSDP_TEST_WORK_DIR) / (name + "-reference");
-  fs::remove_all(reference_dir);
-  const auto reference = run(train_cmd() + " " + config + " --nproc 3" + args +
-                             " --logging.run_dir=" + reference_dir.string() +
-                             " --fsdp.membership_schedule=" + std::to_string(dropped) + ":0\\;" +
-                             std::to_string(back) + ":0,2");
-  ASSERT_EQ(reference.code, 0) << reference.output;
-  const auto a = fsdp_trainer::read_metrics(metrics_path.string());
-  const auto b = fsdp_trainer::read_metrics((reference_dir / "metrics.jsonl").string());
-  ASSERT_EQ(a.size(), 120u);
-  ASSERT_EQ(b.size(), 120u);
-  int evals = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_EQ(a[i].loss, b[i].loss) << "step " << a[i].step;
-    EXPECT_EQ(a[i].eval_loss, b[i].eval_loss) << "step " << a[i].step;
-    evals += a[i].eval_loss.has_value();
-  }
+  const auto [evals, reference_dir] = ft.expect_schedule_run_equal(
+      std::to_string(dropped) + ":0;" + std::to_string(back) + ":0,2", 120);
   EXPECT_EQ(evals, 2);
   std::printf("replica 1 dropped at step %lld, the spare (replica 2) in from step %lld\n",
               static_cast<long long>(dropped), static_cast<long long>(back));
@@ -2349,37 +2382,20 @@ TEST(FaultTolerantTraining, ASpareTakesAKilledReplicasPlaceAndTheLossesEqualTheS
 // membership.jsonl gives the schedule; a run told that schedule, without a fault, logs the same
 // loss at every step and the same held-out losses, bit for bit.
 TEST(FaultTolerantTraining, AKilledReplicaRejoinsAndTheLossesEqualTheScheduleRun) {
-  const std::string name = "ft-kill";
-  const auto run_dir = fs::path(FSDP_TEST_WORK_DIR) / name;
-  fs::remove_all(run_dir);
-  const std::string tag = "FSDP_TEST_TAG=" + name + "-" + std::to_string(::getpid());
-  const auto config =
-      write_config(name, tiny_config(run_dir.string()) +
-                             "[fsdp]\nstrategy = \"hybrid_shard\"\nhybrid_shard_size = 1\n"
-                             "fault_tolerant = true\ntimeout_s = 3\n");
-  const std::string args =
-      " --training.steps=150 --training.seq_len=64 --training.eval_every=50 "
-      "--generate.tokens=0 --logging.plot=false";
-  BackgroundJob job(tag + " " + train_cmd() + " " + config + " --nproc 3" + args,
-                    (fs::path(FSDP_TEST_WORK_DIR) / (name + ".log")).string());
-  // Step 30 logged: rank 1 dies within a step or two of it, far from the end.
-  const auto metrics_path = run_dir / "metrics.jsonl";
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (line_count(file_bytes(metrics_path)) < 30 && std::chrono::steady_clock::now() < until)
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  const pid_t victim = find_process_with_env({tag, "RANK=1"});
-  ASSERT_GT(victim, 0) << job.output();
+  FtJob ft("ft-kill", "", 3,
+           " --training.steps=150 --training.seq_len=64 --training.eval_every=50 "
+           "--generate.tokens=0 --logging.plot=false");
+  ft.wait_for_steps(30);  // rank 1 dies within a step or two of step 30, far from the end
+  const pid_t victim = ft.rank_pid(1);
+  ASSERT_GT(victim, 0) << ft.job->output();
   ::kill(victim, SIGKILL);
-  ASSERT_EQ(job.wait(180), 0) << job.output();
-  const std::string output = job.output();
+  ASSERT_EQ(ft.job->wait(180), 0) << ft.job->output();
+  const std::string output = ft.job->output();
   EXPECT_NE(output.find("restarts of replicas 0..2: 0, 1, 0"), std::string::npos) << output;
 
   // start, the fault, the admission: "S:0,2;J:0,1,2".
-  std::vector<nlohmann::json> changes;
-  std::istringstream lines(file_bytes(run_dir / "membership.jsonl"));
-  for (std::string line; std::getline(lines, line);)
-    changes.push_back(nlohmann::json::parse(line));
-  ASSERT_EQ(changes.size(), 3u) << file_bytes(run_dir / "membership.jsonl");
+  const auto changes = ft.membership();
+  ASSERT_EQ(changes.size(), 3u) << file_bytes(ft.run_dir / "membership.jsonl");
   EXPECT_EQ(changes[0]["cause"], "start");
   EXPECT_EQ(changes[1]["cause"], "fault");
   EXPECT_EQ(changes[1]["live"], nlohmann::json::array({0, 2}));
@@ -2392,34 +2408,15 @@ TEST(FaultTolerantTraining, AKilledReplicaRejoinsAndTheLossesEqualTheScheduleRun
   std::printf("replica 1 dropped at step %lld, back at step %lld\n",
               static_cast<long long>(dropped), static_cast<long long>(back));
 
-  const auto reference_dir = fs::path(FSDP_TEST_WORK_DIR) / (name + "-reference");
-  fs::remove_all(reference_dir);
-  const auto reference = run(train_cmd() + " " + config + " --nproc 3" + args +
-                             " --logging.run_dir=" + reference_dir.string() +
-                             " --fsdp.membership_schedule=" + std::to_string(dropped) + ":0,2\\;" +
-                             std::to_string(back) + ":0,1,2");
-  ASSERT_EQ(reference.code, 0) << reference.output;
-  const auto a = fsdp_trainer::read_metrics(metrics_path.string());
-  const auto b = fsdp_trainer::read_metrics((reference_dir / "metrics.jsonl").string());
-  ASSERT_EQ(a.size(), 150u);
-  ASSERT_EQ(b.size(), 150u);
-  int evals = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    ASSERT_EQ(a[i].step, b[i].step);
-    EXPECT_EQ(a[i].loss, b[i].loss) << "step " << a[i].step;
-    EXPECT_EQ(a[i].eval_loss, b[i].eval_loss) << "step " << a[i].step;
-    evals += a[i].eval_loss.has_value();
-  }
+  const auto [evals, reference_dir] = ft.expect_schedule_run_equal(
+      std::to_string(dropped) + ":0,2;" + std::to_string(back) + ":0,1,2", 150);
   EXPECT_EQ(evals, 3);
   // The reference went through the same changes, told by the schedule.
-  std::istringstream reference_lines(file_bytes(reference_dir / "membership.jsonl"));
-  size_t n = 0;
-  for (std::string line; std::getline(reference_lines, line); ++n) {
-    const auto j = nlohmann::json::parse(line);
-    ASSERT_LT(n, changes.size()) << line;
-    EXPECT_EQ(j["step"], changes[n]["step"]) << line;
-    EXPECT_EQ(j["live"], changes[n]["live"]) << line;
-    EXPECT_EQ(j["cause"], n == 0 ? "start" : "schedule") << line;
+  const auto reference_changes = FtJob::read_membership(reference_dir);
+  ASSERT_EQ(reference_changes.size(), changes.size());
+  for (size_t n = 0; n < changes.size(); ++n) {
+    EXPECT_EQ(reference_changes[n]["step"], changes[n]["step"]) << n;
+    EXPECT_EQ(reference_changes[n]["live"], changes[n]["live"]) << n;
+    EXPECT_EQ(reference_changes[n]["cause"], n == 0 ? "start" : "schedule") << n;
   }
-  EXPECT_EQ(n, changes.size());
 }
