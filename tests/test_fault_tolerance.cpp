@@ -345,6 +345,18 @@ std::vector<torch::Tensor> shards_of(const Run& run, int rank) {
   return t;
 }
 
+// Rank `r`'s shards after a healed run equal the schedule run's, and those of rank `same` (the
+// same index in a replica that stayed), bit for bit.
+void expect_healed_shards(const Run& fault, const Run& reference, int r, int same) {
+  const auto a = shards_of(fault, r), b = shards_of(reference, r), c = shards_of(fault, same);
+  ASSERT_EQ(a.size(), b.size());
+  ASSERT_EQ(a.size(), c.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(torch::equal(a[i], b[i])) << "rank " << r << ", parameter " << i;
+    EXPECT_TRUE(torch::equal(a[i], c[i])) << "rank " << r << ", parameter " << i;
+  }
+}
+
 // Kills `victim` at `where` of step 2 in a job of 3 replicas of `k` ranks; the replicas left
 // must end where a run told to drop that replica at step 2 ends, bit for bit.
 void kill_and_compare(int k, int victim, const std::string& where) {
@@ -448,12 +460,7 @@ void stall_and_heal(int k, int victim) {
               std::string::npos)
         << fault.result.outputs[static_cast<size_t>(r)];
     // The rank at the same index of replica 0 holds the same shards.
-    const auto a = shards_of(fault, r), b = shards_of(reference, r), same = shards_of(fault, r % k);
-    ASSERT_EQ(a.size(), b.size());
-    for (size_t i = 0; i < a.size(); ++i) {
-      EXPECT_TRUE(torch::equal(a[i], b[i])) << "rank " << r << ", parameter " << i;
-      EXPECT_TRUE(torch::equal(a[i], same[i])) << "rank " << r << ", parameter " << i;
-    }
+    expect_healed_shards(fault, reference, r, r % k);
   }
   std::filesystem::remove_all(fault.dir);
   std::filesystem::remove_all(reference.dir);
@@ -516,12 +523,7 @@ void kill_restart_and_heal(int k, int victim) {
                 std::string::npos)
           << fault.result.outputs[static_cast<size_t>(r)];
     }
-    const auto a = shards_of(fault, r), b = shards_of(reference, r), same = shards_of(fault, r % k);
-    ASSERT_EQ(a.size(), b.size());
-    for (size_t i = 0; i < a.size(); ++i) {
-      EXPECT_TRUE(torch::equal(a[i], b[i])) << "rank " << r << ", parameter " << i;
-      EXPECT_TRUE(torch::equal(a[i], same[i])) << "rank " << r << ", parameter " << i;
-    }
+    expect_healed_shards(fault, reference, r, r % k);
   }
   std::filesystem::remove_all(fault.dir);
   std::filesystem::remove_all(reference.dir);
@@ -602,12 +604,7 @@ TEST(FaultTolerance, ASpareTakesTheDeadReplicasPlaceAndEqualsTheScheduleRun) {
       "spare-reference");
   ASSERT_TRUE(reference.result.ok()) << reference.result.describe();
   for (int r : {0, 2}) {
-    const auto a = shards_of(fault, r), b = shards_of(reference, r), same = shards_of(fault, 0);
-    ASSERT_EQ(a.size(), b.size());
-    for (size_t i = 0; i < a.size(); ++i) {
-      EXPECT_TRUE(torch::equal(a[i], b[i])) << "rank " << r << ", parameter " << i;
-      EXPECT_TRUE(torch::equal(a[i], same[i])) << "rank " << r << ", parameter " << i;
-    }
+    expect_healed_shards(fault, reference, r, 0);
   }
   std::filesystem::remove_all(fault.dir);
   std::filesystem::remove_all(reference.dir);
