@@ -140,12 +140,8 @@ ReplicaQuorum::ReplicaQuorum(std::shared_ptr<ProcessGroup> world, ReplicaQuorumO
               " is negative");
   replica_group_ = world_->block_group(k_);
   replicate_group_ = world_->strided_group(k_);
-  const int n_live =
-      options_.max_live() > 0 ? std::min(options_.max_live(), num_replicas_) : num_replicas_;
-  std::vector<int> live;
-  for (int r = 0; r < n_live; ++r)
-    live.push_back(r);
-  if (n_live == num_replicas_) {
+  std::vector<int> live = first_live();
+  if (static_cast<int>(live.size()) == num_replicas_) {
     live_group_ = world_;
     live_ = std::move(live);
     schedule_.push_back({0, live_});
@@ -162,6 +158,17 @@ ReplicaQuorum::ReplicaQuorum(std::shared_ptr<ProcessGroup> world, ReplicaQuorumO
 
 ReplicaQuorum::~ReplicaQuorum() = default;
 
+int ReplicaQuorum::most_live() const {
+  return options_.max_live() > 0 ? std::min(options_.max_live(), num_replicas_) : num_replicas_;
+}
+
+std::vector<int> ReplicaQuorum::first_live() const {
+  std::vector<int> live;
+  for (int r = 0; r < most_live(); ++r)
+    live.push_back(r);
+  return live;
+}
+
 std::vector<int> ReplicaQuorum::ranks_of(const std::vector<int>& replicas) const {
   std::vector<int> ranks;
   for (int r : replicas) {
@@ -173,9 +180,7 @@ std::vector<int> ReplicaQuorum::ranks_of(const std::vector<int>& replicas) const
 
 std::vector<int> ReplicaQuorum::join_requests() const {
   std::vector<int> out;
-  // Room in the membership: every replica, or max_live of them.
-  const int most =
-      options_.max_live() > 0 ? std::min(options_.max_live(), num_replicas_) : num_replicas_;
+  const int most = most_live();
   for (int r = 0; r < num_replicas_ && static_cast<int>(live_.size() + out.size()) < most; ++r) {
     if (std::find(live_.begin(), live_.end(), r) != live_.end())
       continue;
@@ -540,22 +545,18 @@ void ReplicaQuorum::finish() {
 }
 
 bool ReplicaQuorum::state_lost(std::string* why) const {
-  // Until the first change: the job's start, every replica live.
-  std::string value = "0:0:" + encode([&] {
-                        std::vector<int> all;
-                        for (int r = 0; r < num_replicas_; ++r)
-                          all.push_back(r);
-                        return all;
-                      }());
+  // Until the first change is recorded: the job's start.
+  std::string step = "0";
+  std::vector<int> live = first_live();
   if (store_->check({"membership"})) {
     const auto raw = store_->get("membership");
-    value.assign(raw.begin(), raw.end());
+    const std::string value(raw.begin(), raw.end());
+    const auto c1 = value.find(':'), c2 = value.find(':', c1 + 1);
+    TORCH_CHECK(c1 != std::string::npos && c2 != std::string::npos,
+                "fsdp::ReplicaQuorum: a malformed membership in the store: '", value, "'");
+    step = value.substr(c1 + 1, c2 - c1 - 1);
+    live = decode(bytes_of(value.substr(c2 + 1)));
   }
-  const auto c1 = value.find(':'), c2 = value.find(':', c1 + 1);
-  TORCH_CHECK(c1 != std::string::npos && c2 != std::string::npos,
-              "fsdp::ReplicaQuorum: a malformed membership in the store: '", value, "'");
-  const std::string step = value.substr(c1 + 1, c2 - c1 - 1);
-  const auto live = decode(bytes_of(value.substr(c2 + 1)));
   for (int r : live) {
     bool whole = true;  // no rank of it restarted since: its processes hold the state
     for (int rank : ranks_of({r}))

@@ -194,6 +194,10 @@ class ReplicaQuorum {
   // there already): what state_lost() reads.
   void record_membership(const std::vector<int>& live, int64_t step);
   std::vector<int> ranks_of(const std::vector<int>& replicas) const;
+  // How many replicas may train at once (ReplicaQuorumOptions::max_live), and the ones that
+  // do at the job's start: 0 .. most_live() - 1.
+  int most_live() const;
+  std::vector<int> first_live() const;
 
   std::shared_ptr<ProcessGroup> world_;
   ReplicaQuorumOptions options_;
