@@ -103,6 +103,8 @@ class ReplicaQuorum {
   /// replica), collective over this replica's ranks only: builds their replica group and, until
   /// rejoin() admits them, a replicate group of this rank alone (for fully_shard's
   /// replicate_group option; the model is built before rejoin, so the live ranks do not wait).
+  /// With spares (options.max_live()), the live replicas' cross-replica groups are made among
+  /// themselves, and a spare gets a replicate group of its rank alone, as a restarted one.
   ReplicaQuorum(std::shared_ptr<ProcessGroup> world, ReplicaQuorumOptions options);
   ~ReplicaQuorum();
   ReplicaQuorum(const ReplicaQuorum&) = delete;
