@@ -907,7 +907,8 @@ TEST(FsdpPlan, AutoMeasuresTheMachineOnceAndReusesIt) {
   const auto config = write_config("fsdp-plan-auto", tiny_config(run_dir, "gpt", "gpt2-tiny"));
   const auto cache = plan_cache();
   fs::remove_all(cache);
-  const std::string search = "FSDP_CACHE_DIR=" + cache + " " + FSDP_PLAN_PATH + " " + config +
+  const std::string search = "FSDP_PLAN_CALIBRATION_STEPS=3 FSDP_CACHE_DIR=" + cache + " " +
+                             FSDP_PLAN_PATH + " " + config +
                              " --training.seq_len=64 --training.eval_batches=1 --world 2 --auto "
                              "--budget 1GiB --global-batch 8 --space ac=none --space dtype=fp32 "
                              "--top 1";
@@ -1768,10 +1769,11 @@ bool wait_for(const fs::path& path, double seconds) {
   return true;
 }
 
-// The restart tests' job: 40 steps (about 5 s of steps on two cores), a checkpoint every 5.
+// The restart tests' job: 40 steps of 2 x 32 tokens (about 1.5 s of steps on two cores), a
+// checkpoint every 5.
 constexpr int kRestartSteps = 40;
 const std::string kRestartArgs =
-    " --training.steps=40 --training.seq_len=64 --training.batch_size=4 "
+    " --training.steps=40 --training.seq_len=32 --training.batch_size=2 "
     "--training.eval_every=0 --generate.tokens=0 --logging.plot=false";
 
 // That job under torchrun; once its step-5 checkpoint is complete, rank `victim` of the first

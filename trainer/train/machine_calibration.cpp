@@ -56,21 +56,39 @@ const std::vector<std::string>& overhead_kinds() {
   return kinds;
 }
 
+// FSDP_PLAN_CALIBRATION_STEPS: the timed steps of each unit-overhead measurement (21 unless
+// set, 3..21) and the repeats of each link timing (7, at most the steps): fewer make a quicker,
+// noisier profile. The tests that exercise the calibration use 3 (it is most of their time).
+namespace {
+int calibration_steps() {
+  const char* v = std::getenv("FSDP_PLAN_CALIBRATION_STEPS");
+  if (!v || !*v)
+    return 21;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  if (*end != '\0' || n < 3 || n > 21)
+    throw std::runtime_error(
+        fmt::format("FSDP_PLAN_CALIBRATION_STEPS = '{}' must be a whole number from 3 to 21", v));
+  return static_cast<int>(n);
+}
+}  // namespace
+
 int run_calibration_rank(const std::string& file) {
   fsdp::die_with_launcher();
   try {
+    const int steps = calibration_steps();
     auto pg = fsdp::init_process_group();
     // The group's figures, in the profile's own file format: the launcher merges them.
     plan::MachineProfile part;
     part.key = plan::machine_key();
     const int ranks = pg->size();
     if (ranks > 1)
-      part.gloo[ranks] = plan::measure_link(*pg);
+      part.gloo[ranks] = plan::measure_link(*pg, int64_t{4} << 20, std::min(7, steps));
     for (const auto& kind : overhead_kinds()) {
       const auto slash = kind.find('/');
       part.unit_overhead[ranks][kind] = plan::measure_unit_overhead(
           pg, fsdp::from_string<fsdp::ShardingStrategy>(kind.substr(0, slash)),
-          kind.substr(slash + 1) == "fp32" ? torch::kFloat : torch::kBFloat16);
+          kind.substr(slash + 1) == "fp32" ? torch::kFloat : torch::kBFloat16, steps);
     }
     if (pg->rank() == 0)
       plan::save_machine_profile(part, file);
@@ -90,6 +108,7 @@ plan::MachineProfile calibrate_machine(int max_ranks, const std::string& executa
   plan::MachineProfile p;
   p.key = plan::machine_key();
   p.measured_at = utc_now();
+  calibration_steps();  // a bad value refused before any rank starts
   log("calibrating " + p.key);
   // Matmul rates in the forms a training step runs them (matmul_speed.h), per thread count.
   const int threads_before = at::get_num_threads();
