@@ -3,7 +3,10 @@
 #include <torch/autograd.h>
 #include <torch/torch.h>
 
+#include <fsdp/tensor_parallel/tp_ops.h>
+
 #include <algorithm>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -30,9 +33,12 @@ class ChunkedLinearCrossEntropy : public torch::autograd::Function<ChunkedLinear
  public:
   // `w` is the per-position weight already divided by the denominator, zero where ignored, and
   // `y` the targets with ignored ones replaced by 0 (any valid row: their weight is 0).
+  // `split`: the vocabulary split over a tensor-parallel group (`weight` holds this rank's
+  // words), or none.
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden,
                                const torch::Tensor& weight, const torch::Tensor& y,
-                               const torch::Tensor& w, int64_t chunk, bool want_h, bool want_w) {
+                               const torch::Tensor& w, int64_t chunk, bool want_h, bool want_w,
+                               std::optional<fsdp::tp::VocabSplit> split) {
     const int64_t n = hidden.size(0);
     auto total = torch::zeros({}, hidden.options().dtype(torch::kFloat));
     torch::Tensor grad_h, grad_w;
@@ -46,14 +52,26 @@ class ChunkedLinearCrossEntropy : public torch::autograd::Function<ChunkedLinear
       const auto yc = y.narrow(0, s, len).unsqueeze(1);
       const auto wc = w.narrow(0, s, len);
       auto logits = chunk_logits(h, weight);
-      const auto lse = at::logsumexp(logits, 1);
-      const auto picked = logits.gather(1, yc).squeeze(1);
+      torch::Tensor lse, picked, column = yc, one = torch::full({len, 1}, -1.0, logits.options());
+      if (split) {  // the logsumexp and the target's logit over every rank's words
+        auto r = fsdp::tp::vocab_parallel_lse(logits, yc.squeeze(1), split->shard, split->group);
+        lse = r.lse, picked = r.target;
+        const auto here =
+            yc.ge(split->shard.first).logical_and(yc.lt(split->shard.first + split->shard.size));
+        column = (yc - split->shard.first).masked_fill(here.logical_not(), 0);
+        one = one.masked_fill(here.logical_not(), 0.0);
+      } else {
+        lse = at::logsumexp(logits, 1);
+        picked = logits.gather(1, yc).squeeze(1);
+      }
       total += ((lse - picked) * wc).sum();
       if (!want_h && !want_w)
         continue;
-      // d loss / d logits = (softmax - one_hot(y)) * w, in place of this chunk's logits.
+      // d loss / d logits = (softmax - one_hot(y)) * w, in place of this chunk's logits (this
+      // rank's words of them when split: its hidden's gradient is a part that
+      // tp::copy_to_group sums in backward).
       auto& d = logits.sub_(lse.unsqueeze(1)).exp_();
-      d.scatter_add_(1, yc, torch::full({len, 1}, -1.0, d.options()));
+      d.scatter_add_(1, column, one);
       d.mul_(wc.unsqueeze(1));
       if (want_h)
         grad_h.narrow(0, s, len).copy_(at::matmul(d.to(hidden.scalar_type()), weight));
@@ -80,6 +98,7 @@ class ChunkedLinearCrossEntropy : public torch::autograd::Function<ChunkedLinear
             torch::Tensor(),
             torch::Tensor(),
             torch::Tensor(),
+            torch::Tensor(),
             torch::Tensor()};
   }
 };
@@ -89,7 +108,8 @@ class ChunkedLinearCrossEntropy : public torch::autograd::Function<ChunkedLinear
 torch::Tensor chunked_linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
                                            const torch::Tensor& targets,
                                            const torch::Tensor& weights, double denominator,
-                                           int64_t chunk, int64_t ignore_index) {
+                                           int64_t chunk, int64_t ignore_index,
+                                           const fsdp::tp::VocabSplit* split) {
   if (hidden.dim() != 2 || weight.dim() != 2 || hidden.size(1) != weight.size(1))
     throw std::invalid_argument(
         "chunked_linear_cross_entropy: hidden (N, C) and weight (V, C) "
@@ -104,18 +124,24 @@ torch::Tensor chunked_linear_cross_entropy(const torch::Tensor& hidden, const to
     throw std::invalid_argument(
         "chunked_linear_cross_entropy: chunk >= 1 and a positive "
         "denominator expected");
+  if (split && split->shard.size != weight.size(0))
+    throw std::invalid_argument("chunked_linear_cross_entropy: a split of " +
+                                std::to_string(split->shard.size) + " words for a weight of " +
+                                std::to_string(weight.size(0)));
+  const int64_t vocab = split ? split->shard.total : weight.size(0);
   const auto ignored = targets.eq(ignore_index);
-  const auto valid = targets.ge(0).logical_and(targets.lt(weight.size(0)));
+  const auto valid = targets.ge(0).logical_and(targets.lt(vocab));
   if (!valid.logical_or(ignored).all().item<bool>())
     throw std::invalid_argument("chunked_linear_cross_entropy: a target is outside [0, " +
-                                std::to_string(weight.size(0)) + ")");
+                                std::to_string(vocab) + ")");
   auto w = weights.defined() ? weights.to(torch::kFloat)
                              : torch::ones({hidden.size(0)}, hidden.options().dtype(torch::kFloat));
   w = w.masked_fill(ignored, 0.0) / denominator;
   const auto y = targets.masked_fill(ignored, 0);
   const bool grad = torch::GradMode::is_enabled();
   return ChunkedLinearCrossEntropy::apply(
-      hidden, weight, y, w, chunk, grad && hidden.requires_grad(), grad && weight.requires_grad());
+      hidden, weight, y, w, chunk, grad && hidden.requires_grad(), grad && weight.requires_grad(),
+      split ? std::optional<fsdp::tp::VocabSplit>(*split) : std::nullopt);
 }
 
 int64_t auto_loss_chunk(int64_t vocab) {
@@ -124,17 +150,20 @@ int64_t auto_loss_chunk(int64_t vocab) {
 }
 
 torch::Tensor head_loss(const torch::Tensor& normed, const torch::Tensor& tied, Linear& head,
-                        const LossSpec& spec) {
-  const auto h = normed.reshape({-1, normed.size(-1)});
+                        const LossSpec& spec, const fsdp::tp::VocabSplit* split) {
+  auto h = normed.reshape({-1, normed.size(-1)});
   const auto targets = spec.targets.reshape({-1});
   const auto weights = spec.weights.defined() ? spec.weights.reshape({-1}) : torch::Tensor();
   const bool plain =
       tied.defined() || (!head->has_lora() && !head->bias.defined() && !head->is_nf4());
   if (plain) {
     const auto& matrix = tied.defined() ? tied : head->weight;
+    if (split)  // every rank's hidden states are whole: their gradients' parts add up
+      h = fsdp::tp::copy_to_group(h, split->group);
     return chunked_linear_cross_entropy(
         h, matrix, targets, weights, spec.denominator,
-        spec.chunk > 0 ? spec.chunk : auto_loss_chunk(matrix.size(0)));
+        spec.chunk > 0 ? spec.chunk : auto_loss_chunk(matrix.size(0)), /*ignore_index=*/-100,
+        split);
   }
   const auto all = head(normed);
   auto ce = torch::nn::functional::cross_entropy(

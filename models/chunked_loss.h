@@ -22,11 +22,16 @@ namespace fsdp_models {
 /// tokens it is the fine-tuning loss. The logits are computed in hidden's dtype (as the head's
 /// Linear would) and taken to float32 for the softmax; gradients flow to hidden and weight
 /// (whichever requires them), the weight's accumulated over the chunks in float32. `chunk`
-/// positions at a time (>= 1).
+/// positions at a time (>= 1). With `split` (tensor parallelism), weight holds this rank's words
+/// of a vocabulary of split->shard.total, targets are in [0, total), and each chunk's softmax
+/// is taken over every rank's logits through two all-reduces of its positions
+/// (fsdp::tp::vocab_parallel_lse), never gathering them; hidden's gradient is then this rank's
+/// part (pass tp::copy_to_group(hidden), whose backward sums the parts).
 torch::Tensor chunked_linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
                                            const torch::Tensor& targets,
                                            const torch::Tensor& weights, double denominator,
-                                           int64_t chunk, int64_t ignore_index = -100);
+                                           int64_t chunk, int64_t ignore_index = -100,
+                                           const fsdp::tp::VocabSplit* split = nullptr);
 
 /// The default chunk for a vocabulary of `vocab` words: the positions whose float32 logits take
 /// 16 MiB, but at least 64 (SmolLM2: 85 positions, 16 MiB). Measured on the 49,152-word head
@@ -54,8 +59,9 @@ struct LossSpec {
 /// The loss of LossSpec from the normalised hidden states (B, T, C) and the model's head: the
 /// tied matrix `tied` (V, C) when defined, else `head`. Chunked when the head is a plain matrix;
 /// a head with LoRA adapters, NF4 storage or a bias gives its whole logits, then the loss (the
-/// same value).
+/// same value). `split`: the vocabulary's split over a tensor-parallel group (the tied table's
+/// or the head's vocab_split()), or nullptr.
 torch::Tensor head_loss(const torch::Tensor& normed, const torch::Tensor& tied, Linear& head,
-                        const LossSpec& spec);
+                        const LossSpec& spec, const fsdp::tp::VocabSplit* split = nullptr);
 
 }  // namespace fsdp_models

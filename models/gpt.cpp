@@ -65,7 +65,7 @@ InitScheme gpt_init_scheme(const GPTConfig& cfg) {
 }
 
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& cfg, const ModelInit& init)
-    : n_head_(cfg.n_head) {
+    : head_dim_(cfg.n_embd / cfg.n_head) {
   TORCH_CHECK(cfg.n_embd % cfg.n_head == 0, "n_embd (", cfg.n_embd,
               ") must be a multiple of n_head (", cfg.n_head, ")");
   c_attn_ = register_module("c_attn", Linear(cfg.n_embd, 3 * cfg.n_embd, cfg.attn_bias, init));
@@ -73,10 +73,14 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& cfg, const Mod
 }
 
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
-  const auto b = x.size(0), t = x.size(1), c = x.size(2);
-  auto qkv = c_attn_(x).split(c, /*dim=*/2);  // 3 x (B, T, C)
+  const auto b = x.size(0), t = x.size(1);
+  auto fused = c_attn_(x);
+  // This rank's heads' width: all of C, or C / tp when c_attn keeps only its heads of q, k, v
+  // (tensor parallelism; c_proj then sums the heads' parts over the group).
+  const auto c = fused.size(2) / 3;
+  auto qkv = fused.split(c, /*dim=*/2);  // 3 x (B, T, c)
   auto heads = [&](const torch::Tensor& y) {
-    return y.view({b, t, n_head_, c / n_head_}).transpose(1, 2);  // (B, H, T, D)
+    return y.view({b, t, c / head_dim_, head_dim_}).transpose(1, 2);  // (B, H, T, D)
   };
   auto y = at::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]),
                                             /*attn_mask=*/{}, /*dropout_p=*/0.0,
@@ -137,7 +141,7 @@ torch::Tensor GPTImpl::embed(const torch::Tensor& idx) {
 torch::Tensor GPTImpl::head(const torch::Tensor& x) {
   auto h = ln_f(x);
   // Tied head: the embedding matrix, used inside the same (root) unit as the embedding.
-  return cfg_.tie_embeddings ? torch::nn::functional::linear(h, wte->weight) : lm_head(h);
+  return cfg_.tie_embeddings ? wte->attend(h) : lm_head(h);
 }
 
 torch::Tensor GPTImpl::trunk(const torch::Tensor& idx) {
@@ -152,7 +156,8 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
 }
 
 torch::Tensor GPTImpl::loss(const torch::Tensor& x, const LossSpec& spec) {
-  return head_loss(ln_f(x), cfg_.tie_embeddings ? wte->weight : torch::Tensor(), lm_head, spec);
+  return head_loss(ln_f(x), cfg_.tie_embeddings ? wte->weight : torch::Tensor(), lm_head, spec,
+                   cfg_.tie_embeddings ? wte->vocab_split() : lm_head->vocab_split());
 }
 
 torch::Tensor GPTImpl::forward(const torch::Tensor& idx, const LossSpec& spec) {

@@ -46,7 +46,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x);  // (B, T, C) -> (B, T, C)
 
  private:
-  int64_t n_head_;
+  int64_t head_dim_;
   Linear c_attn_{nullptr}, c_proj_{nullptr};
 };
 TORCH_MODULE(CausalSelfAttention);

@@ -4,6 +4,7 @@
 #include "lean_ops.h"
 
 #include <fsdp/quant/nf4.h>
+#include <fsdp/tensor_parallel/tp_ops.h>
 
 #include <unordered_map>
 
@@ -142,6 +143,19 @@ void DeferredModule::remove_parameter(const std::string& name) {
   }
 }
 
+void DeferredModule::replace_parameter(const std::string& name, const torch::Tensor& value) {
+  for (auto& slot : slots_) {
+    if (slot.name == name) {
+      auto fresh = value.detach().clone();
+      fresh.set_requires_grad(slot.tensor->requires_grad());
+      parameters_[name] = fresh;
+      *slot.tensor = fresh;
+      return;
+    }
+  }
+  TORCH_CHECK(false, "replace_parameter: no parameter '", name, "'");
+}
+
 void DeferredModule::reset_to_empty(const torch::TensorOptions& options, bool hollow) {
   // set_data() cannot move a parameter off the meta device (incompatible tensor types), so the
   // parameter objects are replaced, here and in the module's registry.
@@ -209,6 +223,14 @@ LinearImpl::LinearImpl(int64_t in_features, int64_t out_features, bool with_bias
 }
 
 torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
+  if (tp_ == TpSplit::kColumn) {
+    auto y = torch::nn::functional::linear(fsdp::tp::copy_to_group(x, tp_group_), weight, bias);
+    return vocab_ ? fsdp::tp::gather_last_dim(y, vocab_->shard.sizes, tp_group_) : y;
+  }
+  if (tp_ == TpSplit::kRow) {
+    auto y = fsdp::tp::reduce_from_group(torch::nn::functional::linear(x, weight), tp_group_);
+    return bias.defined() ? y + bias : y;
+  }
   torch::Tensor y;
   if (is_nf4()) {
     y = fsdp::nf4::linear(x, weight_nf4, weight_absmax, weight_absmax_scale.view(torch::kFloat32),
@@ -229,8 +251,70 @@ torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
   return y;
 }
 
+void LinearImpl::require_plain(const char* what) const {
+  TORCH_CHECK(tp_ == TpSplit::kNone, what, ": this Linear is already split for tensor parallelism");
+  TORCH_CHECK(!lora_A && !is_nf4(), what,
+              ": tensor parallelism does not take a Linear with LoRA adapters or in NF4 yet");
+  TORCH_CHECK(weight.device() != torch::kMeta, what, ": the weight has no values to split");
+}
+
+void LinearImpl::split_output_features(const std::vector<std::pair<int64_t, int64_t>>& rows,
+                                       std::shared_ptr<fsdp::ProcessGroup> group) {
+  require_plain("split_output_features");
+  TORCH_CHECK(group, "split_output_features: no group");
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> w, b;
+  int64_t kept = 0;
+  for (const auto& [first, size] : rows) {
+    TORCH_CHECK(first >= 0 && size >= 0 && first + size <= out_features_,
+                "split_output_features: rows [", first, ", ", first + size, ") outside the ",
+                out_features_, " output features");
+    w.push_back(weight.narrow(0, first, size));
+    if (bias.defined())
+      b.push_back(bias.narrow(0, first, size));
+    kept += size;
+  }
+  replace_parameter("weight", torch::cat(w));
+  if (bias.defined())
+    replace_parameter("bias", torch::cat(b));
+  out_features_ = kept;
+  tp_ = TpSplit::kColumn;
+  tp_group_ = std::move(group);
+}
+
+std::vector<torch::Tensor> LinearImpl::split_parameters() const {
+  if (tp_ == TpSplit::kNone)
+    return {};
+  if (tp_ == TpSplit::kColumn && bias.defined())
+    return {weight, bias};
+  return {weight};
+}
+
+void LinearImpl::split_vocabulary(fsdp::tp::VocabSplit split) {
+  TORCH_CHECK(split.shard.total == out_features_, "split_vocabulary: a split of ",
+              split.shard.total, " words for a head of ", out_features_);
+  split_output_features({{split.shard.first, split.shard.size}}, split.group);
+  vocab_ = std::move(split);
+}
+
+void LinearImpl::split_input_features(int64_t first, int64_t size,
+                                      std::shared_ptr<fsdp::ProcessGroup> group) {
+  require_plain("split_input_features");
+  TORCH_CHECK(group, "split_input_features: no group");
+  TORCH_CHECK(first >= 0 && size > 0 && first + size <= in_features_,
+              "split_input_features: features [", first, ", ", first + size, ") outside the ",
+              in_features_, " input features");
+  torch::NoGradGuard no_grad;
+  replace_parameter("weight", weight.narrow(1, first, size));
+  in_features_ = size;
+  tp_ = TpSplit::kRow;
+  tp_group_ = std::move(group);
+}
+
 void LinearImpl::add_lora(const LoraOptions& options, const ModelInit& init) {
   TORCH_CHECK(!lora_A, "add_lora: this Linear already has adapters");
+  TORCH_CHECK(tp_ == TpSplit::kNone,
+              "add_lora: LoRA on a tensor-parallel Linear is not supported yet");
   TORCH_CHECK(options.rank() >= 1, "LoRA rank must be at least 1, got ", options.rank());
   TORCH_CHECK(options.dropout() >= 0 && options.dropout() < 1,
               "LoRA dropout must be in [0, 1), got ", options.dropout());
@@ -289,7 +373,28 @@ EmbeddingImpl::EmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim, cons
 }
 
 torch::Tensor EmbeddingImpl::forward(const torch::Tensor& idx) {
+  if (vocab_)
+    return fsdp::tp::vocab_parallel_embedding(weight, idx, vocab_->shard, vocab_->group);
   return torch::embedding(weight, idx);
+}
+
+torch::Tensor EmbeddingImpl::attend(const torch::Tensor& h) {
+  if (!vocab_)
+    return torch::nn::functional::linear(h, weight);
+  auto mine = torch::nn::functional::linear(fsdp::tp::copy_to_group(h, vocab_->group), weight);
+  return fsdp::tp::gather_last_dim(mine, vocab_->shard.sizes, vocab_->group);
+}
+
+void EmbeddingImpl::split_vocabulary(std::shared_ptr<fsdp::ProcessGroup> group) {
+  TORCH_CHECK(group, "split_vocabulary: no group");
+  TORCH_CHECK(!vocab_, "split_vocabulary: the table is already split");
+  TORCH_CHECK(weight.device() != torch::kMeta, "split_vocabulary: the table has no values");
+  auto split = fsdp::tp::VocabSplit::over(weight.size(0), std::move(group));
+  TORCH_CHECK(split.shard.size > 0, "split_vocabulary: ", weight.size(0), " words for ",
+              split.group->size(), " ranks leave rank ", split.group->rank(), " none");
+  torch::NoGradGuard no_grad;
+  replace_parameter("weight", weight.narrow(0, split.shard.first, split.shard.size));
+  vocab_ = std::move(split);
 }
 
 LayerNormImpl::LayerNormImpl(int64_t dim, const ModelInit& init, double eps)

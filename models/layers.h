@@ -25,6 +25,8 @@
 #include <utility>
 #include <vector>
 
+#include <fsdp/tensor_parallel/vocab_parallel.h>
+
 namespace fsdp_models {
 
 // ---- Construction options -----------------------------------------------------------------
@@ -123,6 +125,9 @@ class DeferredModule : public torch::nn::Module {
   void add_fixed_parameter(const std::string& name, torch::Tensor value, torch::Tensor& slot);
   /// Unregisters parameter `name` and resets its slot.
   void remove_parameter(const std::string& name);
+  /// Parameter `name` becomes `value` (a new tensor object, keeping requires_grad), in the
+  /// registry and its slot: how tensor parallelism keeps a rank's part of a layer.
+  void replace_parameter(const std::string& name, const torch::Tensor& value);
 
  private:
   // The member that mirrors each registered parameter, to re-point after reset_to_empty().
@@ -176,6 +181,29 @@ class LinearImpl : public DeferredModule {
   /// The weight as the forward uses it: dequantized if in NF4.
   torch::Tensor dense_weight(torch::ScalarType dtype) const;
 
+  /// Tensor parallelism (Megatron's layout; models/tensor_parallel.h applies it to whole
+  /// models). Column-parallel: keeps the output features `rows` (ranges of the whole layer's,
+  /// concatenated in order: a fused q/k/v projection keeps its heads of each of the three) of
+  /// weight and bias; forward takes tp::copy_to_group(x) and returns this rank's features.
+  /// Row-parallel: keeps input features [first, first + size); forward takes x holding only
+  /// those features (a column-parallel layer's output), sums the ranks' partial products
+  /// (tp::reduce_from_group), then adds the bias, which every rank keeps whole. The layer's values
+  /// must be those of the whole layer (call before fully_shard and before building an optimizer);
+  /// not with LoRA or NF4.
+  void split_output_features(const std::vector<std::pair<int64_t, int64_t>>& rows,
+                             std::shared_ptr<fsdp::ProcessGroup> group);
+  /// Column-parallel over the words of `split` (a language-model head): forward gathers the
+  /// whole logits; a fused loss reads vocab_split() and computes on this rank's words alone.
+  void split_vocabulary(fsdp::tp::VocabSplit split);
+  /// The head's split, or nullptr.
+  const fsdp::tp::VocabSplit* vocab_split() const { return vocab_ ? &*vocab_ : nullptr; }
+  void split_input_features(int64_t first, int64_t size, std::shared_ptr<fsdp::ProcessGroup> group);
+  bool is_tensor_parallel() const { return tp_ != TpSplit::kNone; }
+  /// The parameters that hold a different part on each rank of the group: the weight, and the
+  /// bias of a column-parallel layer (a row-parallel one keeps it whole). Empty when not split.
+  std::vector<torch::Tensor> split_parameters() const;
+
+  /// This rank's features (the whole layer's when not tensor-parallel).
   int64_t in_features() const { return in_features_; }
   int64_t out_features() const { return out_features_; }
 
@@ -185,7 +213,13 @@ class LinearImpl : public DeferredModule {
   std::shared_ptr<LinearImpl> lora_A, lora_B;
 
  private:
+  enum class TpSplit { kNone, kColumn, kRow };
+  void require_plain(const char* what) const;
+
   int64_t in_features_, out_features_;
+  TpSplit tp_ = TpSplit::kNone;
+  std::shared_ptr<fsdp::ProcessGroup> tp_group_;
+  std::optional<fsdp::tp::VocabSplit> vocab_;  // a vocabulary-parallel head: gathers its output
   int64_t lora_rank_ = 0;
   double lora_alpha_ = 0, lora_dropout_ = 0;
 };
@@ -196,8 +230,21 @@ class EmbeddingImpl : public DeferredModule {
  public:
   EmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim, const ModelInit& init);
   torch::Tensor forward(const torch::Tensor& idx);  // (...) int64 -> (..., dim)
+  /// h (..., dim) times the table's transpose: the logits (..., num) of a head tied to it.
+  torch::Tensor attend(const torch::Tensor& h);
 
-  torch::Tensor weight;  // (num, dim)
+  /// Vocabulary parallelism: keeps this rank's rows (fsdp::tp::VocabShard::of); forward looks
+  /// up with tp::vocab_parallel_embedding, and attend() computes this rank's logits of
+  /// tp::copy_to_group(h) and gathers the whole. The values must be the whole table's (call
+  /// before fully_shard and before building an optimizer).
+  void split_vocabulary(std::shared_ptr<fsdp::ProcessGroup> group);
+  /// The split, or nullptr when the table is whole.
+  const fsdp::tp::VocabSplit* vocab_split() const { return vocab_ ? &*vocab_ : nullptr; }
+
+  torch::Tensor weight;  // (num, dim): this rank's rows when split
+
+ private:
+  std::optional<fsdp::tp::VocabSplit> vocab_;
 };
 TORCH_MODULE(Embedding);
 

@@ -2,6 +2,7 @@
 #include "llama.h"
 
 #include <fsdp/fully_shard.h>
+#include <fsdp/tensor_parallel/tp_ops.h>
 
 #include "lean_ops.h"
 #include "parallelize.h"
@@ -132,7 +133,7 @@ torch::Tensor apply_rotary_emb(const torch::Tensor& x, const RopeTables& rope) {
 // ---- Model --------------------------------------------------------------------------------
 
 LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& cfg, const ModelInit& init)
-    : n_heads_(cfg.n_heads), n_kv_heads_(cfg.n_kv_heads), head_dim_(cfg.head_dim()) {
+    : head_dim_(cfg.head_dim()) {
   const int64_t kv_dim = cfg.n_kv_heads * head_dim_;
   wq = register_module("wq", Linear(cfg.dim, cfg.dim, /*bias=*/false, init));
   wk = register_module("wk", Linear(cfg.dim, kv_dim, /*bias=*/false, init));
@@ -142,17 +143,38 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& cfg, const ModelInit& 
 
 torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const RopeTables& rope) {
   const int64_t b = x.size(0), t = x.size(1);
-  auto q = apply_rotary_emb(wq(x).view({b, t, n_heads_, head_dim_}), rope);     // (B, T, H, D)
-  auto k = apply_rotary_emb(wk(x).view({b, t, n_kv_heads_, head_dim_}), rope);  // (B, T, KV, D)
-  auto v = wv(x).view({b, t, n_kv_heads_, head_dim_});                          // (B, T, KV, D)
+  // The heads this rank computes: all of them, or its part under tensor parallelism (the
+  // projections then keep only those heads' rows; wo sums the heads' parts over the group).
+  // With kv heads kept whole (tensor parallelism with fewer kv heads than ranks): the kv_count_
+  // that this rank's query heads read. (Each projection right before its use, as without
+  // tensor parallelism: the order of the buffers is what the planner's calibration measured.)
+  auto kv_heads = [&](torch::Tensor y) {
+    if (!kv_group_)
+      return y;
+    return fsdp::tp::copy_to_group(y, kv_group_)
+        .narrow(-1, kv_first_ * head_dim_, kv_count_ * head_dim_);
+  };
+  auto q = apply_rotary_emb(wq(x).view({b, t, -1, head_dim_}), rope);            // (B, T, H, D)
+  auto k = apply_rotary_emb(kv_heads(wk(x)).view({b, t, -1, head_dim_}), rope);  // (B, T, KV, D)
+  auto v = kv_heads(wv(x)).view({b, t, -1, head_dim_});                          // (B, T, KV, D)
+  const int64_t n_heads = q.size(2), n_kv_heads = k.size(2);
   // enable_gqa: query head h reads k/v head h / (H / KV), as Meta's repeat_kv, without
   // materialising the repeated keys and values.
-  auto y = at::scaled_dot_product_attention(
-      q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), /*attn_mask=*/{},
-      /*dropout_p=*/0.0, /*is_causal=*/true,
-      /*scale=*/std::nullopt,
-      /*enable_gqa=*/n_kv_heads_ != n_heads_);  // (B, H, T, D)
-  return wo(y.transpose(1, 2).reshape({b, t, n_heads_ * head_dim_}));
+  auto y = at::scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                            /*attn_mask=*/{},
+                                            /*dropout_p=*/0.0, /*is_causal=*/true,
+                                            /*scale=*/std::nullopt,
+                                            /*enable_gqa=*/n_kv_heads != n_heads);  // (B, H, T, D)
+  return wo(y.transpose(1, 2).reshape({b, t, n_heads * head_dim_}));
+}
+
+void LlamaAttentionImpl::read_kv_heads(int64_t first, int64_t count,
+                                       std::shared_ptr<fsdp::ProcessGroup> group) {
+  TORCH_CHECK(
+      group && count >= 1 && first >= 0 && (first + count) * head_dim_ <= wk->out_features(),
+      "read_kv_heads: kv heads [", first, ", ", first + count, ") of ",
+      wk->out_features() / head_dim_);
+  kv_first_ = first, kv_count_ = count, kv_group_ = std::move(group);
 }
 
 LlamaFeedForwardImpl::LlamaFeedForwardImpl(const LlamaConfig& cfg, const ModelInit& init) {
@@ -212,8 +234,7 @@ torch::Tensor LlamaImpl::embed(const torch::Tensor& tokens) {
 torch::Tensor LlamaImpl::head(const torch::Tensor& h) {
   auto x = norm(h);
   // Tied head: the embedding matrix, inside the same (root) unit as the embedding.
-  return cfg_.tie_embeddings ? torch::nn::functional::linear(x, tok_embeddings->weight)
-                             : output(x);  // (B, T, V)
+  return cfg_.tie_embeddings ? tok_embeddings->attend(x) : output(x);  // (B, T, V)
 }
 
 torch::Tensor LlamaImpl::trunk(const torch::Tensor& tokens) {
@@ -230,7 +251,8 @@ torch::Tensor LlamaImpl::forward(const torch::Tensor& tokens) {
 
 torch::Tensor LlamaImpl::loss(const torch::Tensor& h, const LossSpec& spec) {
   return head_loss(norm(h), cfg_.tie_embeddings ? tok_embeddings->weight : torch::Tensor(), output,
-                   spec);
+                   spec,
+                   cfg_.tie_embeddings ? tok_embeddings->vocab_split() : output->vocab_split());
 }
 
 torch::Tensor LlamaImpl::forward(const torch::Tensor& tokens, const LossSpec& spec) {

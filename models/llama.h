@@ -88,10 +88,17 @@ class LlamaAttentionImpl : public torch::nn::Module {
   /// x (B, T, dim), rope for T positions -> (B, T, dim), causal.
   torch::Tensor forward(const torch::Tensor& x, const RopeTables& rope);
 
+  /// Tensor parallelism with fewer key/value heads than ranks (models/tensor_parallel.h): wk
+  /// and wv stay whole, their outputs' gradients are summed over `group`, and this rank's
+  /// query heads read kv heads [first, first + count).
+  void read_kv_heads(int64_t first, int64_t count, std::shared_ptr<fsdp::ProcessGroup> group);
+
   Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
 
  private:
-  int64_t n_heads_, n_kv_heads_, head_dim_;
+  int64_t head_dim_;
+  int64_t kv_first_ = 0, kv_count_ = 0;  // read_kv_heads (count 0: every kv head computed)
+  std::shared_ptr<fsdp::ProcessGroup> kv_group_;
 };
 TORCH_MODULE(LlamaAttention);
 

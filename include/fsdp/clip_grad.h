@@ -9,11 +9,20 @@
 
 #include <torch/types.h>
 
+#include <utility>
 #include <vector>
 
 #include <fsdp/distributed/process_group.h>
 
 namespace fsdp {
+
+/// Tensor parallelism's parameters for the norm: those split over a tensor-parallel group of
+/// `ways` ranks hold a different part on each of them (the others, norms and biases kept whole,
+/// the same values on all of them), so their elements have `ways` times fewer holders.
+struct TensorParallelParams {
+  std::vector<torch::Tensor> split;  // the parameter objects (before or after fully_shard)
+  int ways = 1;
+};
 
 /// Scales the grads of `params` (this rank's shards, e.g. model->parameters()) so the global
 /// L2 norm is at most `max_norm`, and returns the global norm before clipping. Every rank of
@@ -23,8 +32,10 @@ namespace fsdp {
 /// is in a unit sharded over one rank (kNoShard), whose reduced grads are the same on every
 /// rank, the norm is computed locally and no collective is issued: call it after a synced
 /// backward (not after a no_sync pass, whose grads differ between ranks).
+/// With tensor parallelism, `group` spans both axes of the mesh (the world) and `tp` names the
+/// split parameters.
 double clip_grad_norm_(const std::vector<torch::Tensor>& params, double max_norm,
-                       ProcessGroup& group);
+                       ProcessGroup& group, const TensorParallelParams& tp = {});
 
 /// The global L2 norm of gradients added a few parameters at a time: add() takes this rank's
 /// local squared norms of their grads (no collective), reduce() sums the pieces across the
@@ -35,7 +46,8 @@ double clip_grad_norm_(const std::vector<torch::Tensor>& params, double max_norm
 /// over one rank, so every rank must add() parameters of the same units.
 class GradNormSum {
  public:
-  explicit GradNormSum(ProcessGroup& group) : group_(&group) {}
+  explicit GradNormSum(ProcessGroup& group, TensorParallelParams tp = {})
+      : group_(&group), tp_(std::move(tp)) {}
   /// Adds the squared norms of the grads of `params` (parameters without a grad count zero).
   void add(const std::vector<torch::Tensor>& params);
   /// The global norm of everything added since the last reduce(), which starts a new sum.
@@ -44,6 +56,7 @@ class GradNormSum {
 
  private:
   ProcessGroup* group_;
+  TensorParallelParams tp_;
   torch::Tensor weighted_;  // squares, an element held by R ranks weighed 1/R (double, [1])
   torch::Tensor whole_;     // the same unweighed: the norm when every grad is replicated
   bool replicated_everywhere_ = true;

@@ -22,6 +22,7 @@
 #include <fsdp/core/trace.h>
 #include <fsdp/distributed/collectives.h>
 #include <fsdp/distributed/comm_stats.h>
+#include <fsdp/distributed/device_mesh.h>
 #include <fsdp/distributed/flight_recorder.h>
 #include <fsdp/distributed/process_group.h>
 #include <fsdp/observe/chrome_trace.h>
@@ -37,3 +38,5 @@
 #include <fsdp/plan/unit_overhead.h>
 #include <fsdp/plan/units.h>
 #include <fsdp/quant/nf4.h>
+#include <fsdp/tensor_parallel/tp_ops.h>
+#include <fsdp/tensor_parallel/vocab_parallel.h>

@@ -35,16 +35,26 @@ struct Grouped {
   bool replicated_everywhere = true;
 };
 
-Grouped group_grads(const std::vector<torch::Tensor>& params, int group_size) {
+Grouped group_grads(const std::vector<torch::Tensor>& params, int group_size,
+                    const TensorParallelParams& tp) {
   Grouped out;
+  const auto split = [&](const torch::Tensor& p) {
+    return std::any_of(tp.split.begin(), tp.split.end(), [&](const torch::Tensor& s) {
+      return s.unsafeGetTensorImpl() == p.unsafeGetTensorImpl();
+    });
+  };
+  TORCH_CHECK(tp.ways >= 1 && group_size % tp.ways == 0, "clip_grad_norm_: tensor parallelism of ",
+              tp.ways, " ways in a group of ", group_size);
   for (const auto& p : params) {
     // Decided from every parameter, grad or not, so that every rank decides alike.
     auto unit = detail::unit_of_param(p.unsafeGetTensorImpl());
-    out.replicated_everywhere = out.replicated_everywhere && unit && unit->shard_size() == 1;
+    const int ways = tp.ways > 1 && split(p) ? tp.ways : 1;
+    out.replicated_everywhere =
+        out.replicated_everywhere && unit && unit->shard_size() == 1 && ways == 1;
     const auto& g = p.grad();
     if (!g.defined() || g.numel() == 0)
       continue;
-    const int holders = group_size / (unit ? unit->shard_size() : 1);
+    const int holders = group_size / (unit ? unit->shard_size() : 1) / ways;
     auto& groups = out.groups;
     auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& x) {
       return x.holders == holders && x.dtype == g.scalar_type() && x.device == g.device();
@@ -94,9 +104,9 @@ double reduce_squares(torch::Tensor weighted, const torch::Tensor& whole, bool r
 }  // namespace
 
 double clip_grad_norm_(const std::vector<torch::Tensor>& params, double max_norm,
-                       ProcessGroup& group) {
+                       ProcessGroup& group, const TensorParallelParams& tp) {
   torch::NoGradGuard no_grad;
-  const Grouped grouped = group_grads(params, group.size());
+  const Grouped grouped = group_grads(params, group.size(), tp);
   torch::Tensor weighted, whole;
   add_squares(grouped.groups, weighted, whole);
   const double norm = reduce_squares(weighted, whole, grouped.replicated_everywhere, group);
@@ -112,7 +122,7 @@ double clip_grad_norm_(const std::vector<torch::Tensor>& params, double max_norm
 
 void GradNormSum::add(const std::vector<torch::Tensor>& params) {
   torch::NoGradGuard no_grad;
-  const Grouped grouped = group_grads(params, group_->size());
+  const Grouped grouped = group_grads(params, group_->size(), tp_);
   replicated_everywhere_ = replicated_everywhere_ && grouped.replicated_everywhere;
   add_squares(grouped.groups, weighted_, whole_);
 }

@@ -1,0 +1,44 @@
+// Tensor parallelism for the model zoo (Megatron-LM's layout), applied from outside as
+// parallelize_gpt applies FSDP: each function splits an already initialised model's layers
+// over a tensor-parallel group, keeping this rank's part of each, and the layers' forwards add
+// the communication (fsdp/tensor_parallel/tp_ops.h).
+//
+// Per block: attention split by heads (q, k and v column-parallel, keeping this rank's heads;
+// the output projection row-parallel), the MLP split on its hidden dimension (its first
+// Linear(s) column-parallel, the last row-parallel): one all-reduce in forward and one in
+// backward for each of the two. The token embedding and the head are split by words
+// (fsdp/tensor_parallel/vocab_parallel.h): forward(tokens) gathers the whole logits, and the
+// loss forward (forward(tokens, LossSpec)) computes the cross-entropy from this rank's words
+// without gathering them. Norms, GPT's position embedding and the row-parallel Linears' biases
+// are kept whole on every rank: they see the same inputs and get the same gradients on every
+// rank, so they stay equal without communication.
+//
+// Then fully_shard each block over the data-parallel group (fsdp::DeviceMesh2D::dp): FSDP
+// shards each rank's parts as it shards any parameter.
+//
+// Requirements, checked: the heads divide by the group's size (GPT n_head, Llama n_heads);
+// Llama's key/value heads are split when n_kv_heads divides by it, and otherwise kept whole on
+// every rank (each rank computing all of them and using those its query heads read, their
+// gradient summed over the group), which needs tp divisible by n_kv_heads; Llama's
+// ffn_hidden_dim divides by it. Not yet: LoRA adapters or NF4 storage on split layers,
+// sequence parallelism, a model built on the meta device.
+#pragma once
+
+#include <memory>
+
+#include <fsdp/clip_grad.h>
+#include <fsdp/distributed/process_group.h>
+
+#include "gpt.h"
+#include "llama.h"
+
+namespace fsdp_models {
+
+void tensor_parallelize_gpt(GPT& model, const std::shared_ptr<fsdp::ProcessGroup>& tp);
+void tensor_parallelize_llama(Llama& model, const std::shared_ptr<fsdp::ProcessGroup>& tp);
+
+/// What fsdp::clip_grad_norm_ needs to count the norm over both axes: the parameters these
+/// functions split (a different part on each rank), and the group's size.
+fsdp::TensorParallelParams tensor_parallel_params(torch::nn::Module& model, int ways);
+
+}  // namespace fsdp_models

@@ -1,0 +1,350 @@
+// Tensor parallelism (models/tensor_parallel.h, fsdp/tensor_parallel/): each layer split over a
+// tensor-parallel group, alone and with FSDP over the data-parallel axis of a 2-D mesh, must
+// train like one process: the same losses (fp32, within 1e-5 per step) and the same parameters
+// (within 1e-4 after 20 AdamW steps, the gradients clipped by their norm over both axes of the
+// mesh, equal to one process's within 1e-5), on vocabularies, widths and head counts the group's
+// size does not all divide. The reference is trained in each rank's own process on the whole batch;
+// at the end it is split the same way, so each rank compares its parts with the reference's.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <fsdp/fsdp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <fsdp/checkpoint/safetensors.h>
+
+#include "gpt.h"
+#include "harness/command.h"
+#include "harness/multiprocess.h"
+#include "harness/sharding.h"
+#include "llama.h"
+#include "tensor_parallel.h"
+
+namespace {
+
+using fsdp_models::GPT;
+using fsdp_models::GPTConfig;
+using fsdp_models::Llama;
+using fsdp_models::LlamaConfig;
+
+constexpr int kSteps = 20;
+constexpr double kMaxNorm = 0.5;  // below most steps' norms: the clipping scales them
+
+double value(const torch::Tensor& t) {
+  return t.item<double>();
+}
+
+// Step `step`'s sequences of seq + 1 tokens: the same on every rank.
+torch::Tensor batch_tokens(int step, int64_t vocab, int64_t batch, int64_t seq) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(500 + step);
+  return torch::randint(vocab, {batch, seq + 1}, gen, torch::TensorOptions().dtype(torch::kLong));
+}
+constexpr int64_t kPerRank = 2;  // sequences per data-parallel rank
+
+GPTConfig gpt_config(int tp) {
+  auto cfg = GPTConfig::preset("gpt2-test");  // vocab 67, width 22: 2, 3 and 4 do not divide
+  cfg.attn_bias = true;
+  if (tp == 4)
+    cfg.n_head = 4, cfg.n_embd = 24;  // the heads must divide; 67 words still do not
+  return cfg;
+}
+
+LlamaConfig llama_config() {
+  auto cfg = LlamaConfig::preset("llama-test");
+  // Four query heads and two kv heads: split over 2 ranks, kept whole over 4.
+  cfg.dim = 48, cfg.n_heads = 4, cfg.n_kv_heads = 2, cfg.ffn_hidden_dim = 120;
+  cfg.validate();
+  return cfg;
+}
+
+// The initial weights under the model's own names (init.safetensors) and every step's batch
+// (tokens.bin, int64 [steps, batch, seq + 1], described by tokens.json), as train_and_compare
+// draws them.
+void export_start(const std::string& dir, torch::nn::Module& model, int64_t vocab, int64_t batch,
+                  int64_t seq) {
+  std::vector<fsdp::safetensors::TensorSpec> specs;
+  const auto params = model.named_parameters();
+  for (const auto& p : params)
+    specs.push_back({p.key(), p.value().scalar_type(), p.value().sizes().vec()});
+  fsdp::safetensors::Writer w(dir + "/init.safetensors", specs);
+  for (const auto& p : params)
+    w.write(p.key(), p.value().detach());
+  w.finish();
+  std::ofstream bin(dir + "/tokens.bin", std::ios::binary);
+  for (int step = 0; step < kSteps; ++step) {
+    const auto t = batch_tokens(step, vocab, batch, seq);
+    bin.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
+  }
+  std::ofstream(dir + "/tokens.json")
+      << "{\"steps\": " << kSteps << ", \"batch\": " << batch << ", \"seq\": " << seq << "}\n";
+}
+
+// The worker: FSDP_MODEL (gpt | llama) split over FSDP_TP ranks, FSDP over the world / FSDP_TP
+// data-parallel ranks (none when 1). Even steps take the fused loss (vocabulary-parallel
+// cross-entropy), odd steps the gathered logits and lm_loss.
+template <typename Model, typename Config>
+int train_and_compare(const fsdp::test::WorkerContext& ctx, const Config& cfg, int64_t seq,
+                      void (*split)(Model&, const std::shared_ptr<fsdp::ProcessGroup>&),
+                      void (*shard)(Model&, const fsdp::FullyShardOptions&)) {
+  auto pg = fsdp::init_process_group();
+  const int tp = static_cast<int>(ctx.env_int("FSDP_TP", pg->size()));
+  const auto mesh = fsdp::make_device_mesh(*pg, tp);
+  const int dp = mesh.dp->size();
+  torch::manual_seed(11);
+  Model model(cfg);
+  torch::manual_seed(11);
+  Model reference(cfg);
+  // FSDP_EXPORT_DIR: rank 0 writes the initial weights, the batches and the losses there, for
+  // PyTorch's run of the same (tests/python/check_tp.py).
+  const std::string exported = ctx.env("FSDP_EXPORT_DIR", "");
+  if (!exported.empty() && ctx.rank == 0)
+    export_start(exported, *model, cfg.vocab_size, dp * kPerRank, seq);
+  std::ostringstream losses;
+  split(model, mesh.tp);
+  if (dp > 1)
+    shard(model, fsdp::FullyShardOptions(mesh.dp));
+  auto adamw = [](std::vector<torch::Tensor> p) {
+    return torch::optim::AdamW(std::move(p),
+                               torch::optim::AdamWOptions(1e-3).weight_decay(0.1).eps(1e-6));
+  };
+  auto opt = adamw(model->parameters());
+  auto opt_ref = adamw(reference->parameters());
+  const auto split_params = fsdp_models::tensor_parallel_params(*model, tp);
+  double worst_loss = 0;
+  int clipped = 0;
+  for (int step = 0; step < kSteps; ++step) {
+    const auto tokens = batch_tokens(step, cfg.vocab_size, dp * kPerRank, seq);
+    const auto x = tokens.narrow(1, 0, seq), y = tokens.narrow(1, 1, seq);
+    const bool fused = step % 2 == 0;
+    auto loss_of = [&](Model& m, const torch::Tensor& xs, const torch::Tensor& ys) {
+      if (fused) {
+        fsdp_models::LossSpec spec;
+        spec.targets = ys;
+        spec.denominator = static_cast<double>(ys.numel());
+        spec.chunk = 7;  // several chunks, the last one short
+        return fsdp::forward(m, xs, spec);
+      }
+      return fsdp_models::lm_loss(fsdp::forward(m, xs), ys);
+    };
+    opt.zero_grad();
+    const int64_t first = mesh.dp_rank() * kPerRank;
+    auto loss = loss_of(model, x.narrow(0, first, kPerRank), y.narrow(0, first, kPerRank));
+    loss.backward();
+    // Clipped by the norm over both axes: split parts counted once each, whole ones once.
+    const double norm = fsdp::clip_grad_norm_(model->parameters(), kMaxNorm, *pg, split_params);
+    opt.step();
+    opt_ref.zero_grad();
+    auto loss_ref = loss_of(reference, x, y);
+    loss_ref.backward();
+    const double norm_ref = torch::nn::utils::clip_grad_norm_(reference->parameters(), kMaxNorm);
+    clipped += norm_ref > kMaxNorm;
+    opt_ref.step();
+    WORKER_CHECK(std::abs(norm - norm_ref) <= 1e-5 * norm_ref)
+        << "step " << step << ": gradient norm " << norm << " against one process's " << norm_ref;
+    auto mean = loss.detach().reshape({1}).clone();
+    fsdp::all_reduce(*mesh.dp, mean, fsdp::ReduceOp::kAvg)->wait();
+    const double diff = std::abs(value(mean) - value(loss_ref));
+    worst_loss = std::max(worst_loss, diff);
+    losses << std::setprecision(9) << value(mean) << "\n";
+    WORKER_CHECK(diff <= 1e-5) << "step " << step << (fused ? " (fused)" : " (logits)") << ": loss "
+                               << value(mean) << " against one process's " << value(loss_ref);
+  }
+  // The reference split as the model was: each rank's parts, then its FSDP rows of them.
+  split(reference, mesh.tp);
+  const auto expected = reference->named_parameters();
+  double worst_param = 0;
+  for (const auto& s : fsdp::param_shards(*model)) {
+    const auto want = fsdp::test::rows_held(expected[s.name], s);
+    WORKER_CHECK(want.sizes() == s.shard.sizes())
+        << s.name << ": " << s.shard.sizes() << " held, " << want.sizes() << " expected";
+    const double d = value((s.shard - want).abs().max());
+    worst_param = std::max(worst_param, d);
+    WORKER_CHECK(torch::allclose(s.shard, want, /*rtol=*/1e-4, /*atol=*/1e-6))
+        << s.name << ": differs from one process's by " << d;
+  }
+  WORKER_CHECK(clipped >= kSteps / 2) << "only " << clipped << " steps clipped: a test of nothing";
+  if (!exported.empty() && ctx.rank == 0)
+    std::ofstream(exported + "/losses.txt") << losses.str();
+  std::printf(
+      "rank %d (dp %d, tp %d): TP OK, largest loss difference %.3g, parameter %.3g, %d of %d "
+      "steps clipped\n",
+      ctx.rank, mesh.dp_rank(), mesh.tp_rank(), worst_loss, worst_param, clipped, kSteps);
+  return 0;
+}
+
+void shard_gpt(GPT& m, const fsdp::FullyShardOptions& o) {
+  fsdp_models::parallelize_gpt(m, o);
+}
+void shard_llama(Llama& m, const fsdp::FullyShardOptions& o) {
+  fsdp_models::parallelize_llama(m, o);
+}
+
+FSDP_WORKER(tp_gpt) {
+  const int tp = static_cast<int>(ctx.env_int("FSDP_TP", ctx.world_size));
+  return train_and_compare<GPT>(ctx, gpt_config(tp), 16, &fsdp_models::tensor_parallelize_gpt,
+                                &shard_gpt);
+}
+
+FSDP_WORKER(tp_llama) {
+  return train_and_compare<Llama>(ctx, llama_config(), 16, &fsdp_models::tensor_parallelize_llama,
+                                  &shard_llama);
+}
+
+// The operations alone on 3 ranks (67 words: 23, 23 and 21 each), against the same computation
+// in one process: values and gradients.
+FSDP_WORKER(tp_ops) {
+  auto pg = fsdp::init_process_group();
+  const int r = pg->rank(), n = pg->size();
+  auto g = std::shared_ptr<fsdp::ProcessGroup>(pg);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
+  const auto f64 = torch::TensorOptions().dtype(torch::kFloat);
+  auto close = [](const torch::Tensor& a, const torch::Tensor& b) {
+    return torch::allclose(a, b, 1e-5, 1e-6);
+  };
+  // Cross-entropy over a split vocabulary, two targets ignored.
+  const auto shard = fsdp::tp::VocabShard::of(67, r, n);
+  WORKER_CHECK(shard.sizes == (std::vector<int64_t>{23, 23, 21})) << shard.size;
+  auto logits = torch::randn({10, 67}, gen, f64) * 3;
+  auto targets = torch::randint(67, {10}, gen, torch::TensorOptions().dtype(torch::kLong));
+  targets[3] = -100, targets[8] = -100;
+  auto whole = logits.clone().requires_grad_(true);
+  auto want = torch::nn::functional::cross_entropy(
+      whole, targets, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+  want.backward();
+  auto mine = logits.narrow(1, shard.first, shard.size).clone().requires_grad_(true);
+  auto got = fsdp::tp::vocab_parallel_cross_entropy(mine, targets, shard, g).sum();
+  got.backward();
+  WORKER_CHECK(close(got, want)) << got.item<double>() << " against " << want.item<double>();
+  WORKER_CHECK(close(mine.grad(), whole.grad().narrow(1, shard.first, shard.size)))
+      << "the logits' gradient";
+  // The embedding looked up from a split table.
+  auto table = torch::randn({67, 5}, gen, f64);
+  auto ids = torch::randint(67, {4, 6}, gen, torch::TensorOptions().dtype(torch::kLong));
+  auto rows = table.narrow(0, shard.first, shard.size).clone().requires_grad_(true);
+  auto looked = fsdp::tp::vocab_parallel_embedding(rows, ids, shard, g);
+  WORKER_CHECK(close(looked, torch::embedding(table, ids))) << "embedding";
+  (looked * looked).sum().backward();
+  auto full_table = table.clone().requires_grad_(true);
+  auto e = torch::embedding(full_table, ids);
+  (e * e).sum().backward();
+  WORKER_CHECK(close(rows.grad(), full_table.grad().narrow(0, shard.first, shard.size)))
+      << "the table's gradient";
+  // Sequence parallelism's pair, and the split: rank r's input is whole * (r + 1), its
+  // upstream gradient up * (r + 1).
+  auto base = torch::randn({2, 6, 4}, gen, f64), up = torch::randn({2, 6, 4}, gen, f64);
+  const double k = r + 1, sum_k = n * (n + 1) / 2.0;
+  auto piece = [&](const torch::Tensor& t) { return t.chunk(n, 1)[static_cast<size_t>(r)]; };
+  auto x = (base * k).requires_grad_(true);
+  auto scattered = fsdp::tp::reduce_scatter_to_group(x, 1, g);
+  WORKER_CHECK(close(scattered, piece(base) * sum_k)) << "reduce_scatter_to_group";
+  scattered.backward(piece(up) * k);
+  // d x: every rank's piece of the upstream gradient, gathered: piece j came from rank j.
+  std::vector<torch::Tensor> pieces;
+  for (int j = 0; j < n; ++j)
+    pieces.push_back(up.chunk(n, 1)[static_cast<size_t>(j)] * (j + 1));
+  WORKER_CHECK(close(x.grad(), torch::cat(pieces, 1))) << "reduce_scatter_to_group backward";
+  auto p = (piece(base) * 1.0).requires_grad_(true);
+  auto gathered = fsdp::tp::gather_from_group(p, 1, g);
+  WORKER_CHECK(close(gathered, base)) << "gather_from_group";
+  gathered.backward(up * k);
+  WORKER_CHECK(close(p.grad(), piece(up) * sum_k)) << "gather_from_group backward";
+  auto w = base.clone().requires_grad_(true);
+  auto split = fsdp::tp::split_to_group(w, 1, g);
+  WORKER_CHECK(close(split, piece(base))) << "split_to_group";
+  split.backward(piece(up) * k);
+  WORKER_CHECK(close(w.grad(), torch::cat(pieces, 1))) << "split_to_group backward";
+  // The uneven gather of a split head's logits, and its gradient: this rank's columns.
+  auto cols = logits.narrow(1, shard.first, shard.size).clone().requires_grad_(true);
+  auto all = fsdp::tp::gather_last_dim(cols, shard.sizes, g);
+  WORKER_CHECK(torch::equal(all, logits)) << "gather_last_dim";
+  all.backward(logits * 2);
+  WORKER_CHECK(torch::equal(cols.grad(), logits.narrow(1, shard.first, shard.size) * 2))
+      << "gather_last_dim backward";
+  std::printf("rank %d: TP OPS OK\n", r);
+  return 0;
+}
+
+TEST(TensorParallel, OperationsEqualOneProcessOnThreeRanks) {
+  auto r = fsdp::test::run_workers("tp_ops", 3);
+  ASSERT_TRUE(r.ok()) << r.describe();
+}
+
+void run(const char* worker, int world, int tp) {
+  auto r = fsdp::test::run_workers(worker, world,
+                                   fsdp::test::with_env({{"FSDP_TP", std::to_string(tp)}}));
+  ASSERT_TRUE(r.ok()) << r.describe();
+  std::printf("%s", r.evidence().c_str());
+}
+
+TEST(TensorParallel, GptOnTwoRanksTrainsLikeOneProcess) {
+  run("tp_gpt", 2, 2);
+}
+TEST(TensorParallel, GptOnFourRanksTrainsLikeOneProcess) {
+  run("tp_gpt", 4, 4);
+}
+TEST(TensorParallel, GptOnATwoByTwoMeshWithFsdpTrainsLikeOneProcess) {
+  run("tp_gpt", 4, 2);
+}
+TEST(TensorParallel, LlamaWithKvHeadsSplitTrainsLikeOneProcess) {
+  run("tp_llama", 2, 2);
+}
+// Two kv heads on four ranks: kept whole, each rank reading the one its query head uses.
+TEST(TensorParallel, LlamaWithKvHeadsKeptWholeTrainsLikeOneProcess) {
+  run("tp_llama", 4, 4);
+}
+TEST(TensorParallel, LlamaOnATwoByTwoMeshWithFsdpTrainsLikeOneProcess) {
+  run("tp_llama", 4, 2);
+}
+
+// Against PyTorch's own composition (tests/python/check_tp.py: init_device_mesh, parallelize_module
+// with ColwiseParallel / RowwiseParallel, loss_parallel, fully_shard on dp), on CPU and Gloo,
+// (dp, tp) = (2, 2): the same initial weights and batches, the same AdamW and clipping; every
+// step's loss within 1e-5 of PyTorch's.
+TEST(TensorParallel, LlamaOnATwoByTwoMeshEqualsPyTorchsTensorParallelWithFsdp2) {
+  const std::string torchrun = FSDP_TORCHRUN_PATH;
+  ASSERT_TRUE(std::filesystem::exists(torchrun)) << "torchrun not found at " << torchrun;
+  const auto dir = std::filesystem::path(FSDP_TEST_WORK_DIR) / "tp-vs-pytorch";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  auto ours = fsdp::test::run_workers(
+      "tp_llama", 4, fsdp::test::with_env({{"FSDP_TP", "2"}, {"FSDP_EXPORT_DIR", dir.string()}}));
+  ASSERT_TRUE(ours.ok()) << ours.describe();
+  const auto cfg = llama_config();
+  const std::string cmd =
+      "OMP_NUM_THREADS=1 TMPDIR=" + dir.string() + " " + torchrun +
+      " --standalone --nproc-per-node 4 " + FSDP_SOURCE_DIR + "/tests/python/check_tp.py " +
+      dir.string() + " --tp 2 --vocab " + std::to_string(cfg.vocab_size) + " --dim " +
+      std::to_string(cfg.dim) + " --layers " + std::to_string(cfg.n_layers) + " --heads " +
+      std::to_string(cfg.n_heads) + " --kv-heads " + std::to_string(cfg.n_kv_heads) + " --ffn " +
+      std::to_string(cfg.ffn_hidden_dim) + " --max-norm " + std::to_string(kMaxNorm) + " 2>&1";
+  const auto r = fsdp::test::run_command(cmd);
+  ASSERT_EQ(r.code, 0) << cmd << "\n" << r.output;
+  auto read = [](const std::filesystem::path& path) {
+    std::vector<double> v;
+    std::ifstream in(path);
+    for (double x; in >> x;)
+      v.push_back(x);
+    return v;
+  };
+  const auto mine = read(dir / "losses.txt"), theirs = read(dir / "torch_losses.txt");
+  ASSERT_EQ(mine.size(), static_cast<size_t>(kSteps));
+  ASSERT_EQ(theirs.size(), mine.size());
+  double worst = 0;
+  for (size_t i = 0; i < mine.size(); ++i) {
+    EXPECT_NEAR(mine[i], theirs[i], 1e-5) << "step " << i;
+    worst = std::max(worst, std::abs(mine[i] - theirs[i]));
+  }
+  std::printf("TP VS PYTORCH OK: (dp, tp) = (2, 2), %d steps, largest loss difference %.3g\n",
+              kSteps, worst);
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
