@@ -223,14 +223,8 @@ LinearImpl::LinearImpl(int64_t in_features, int64_t out_features, bool with_bias
 }
 
 torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
-  if (tp_ == TpSplit::kColumn) {
-    auto y = torch::nn::functional::linear(fsdp::tp::copy_to_group(x, tp_group_), weight, bias);
-    return vocab_ ? fsdp::tp::gather_last_dim(y, vocab_->shard.sizes, tp_group_) : y;
-  }
-  if (tp_ == TpSplit::kRow) {
-    auto y = fsdp::tp::reduce_from_group(torch::nn::functional::linear(x, weight), tp_group_);
-    return bias.defined() ? y + bias : y;
-  }
+  if (tp_ != TpSplit::kNone)
+    return split_forward(x);
   torch::Tensor y;
   if (is_nf4()) {
     y = fsdp::nf4::linear(x, weight_nf4, weight_absmax, weight_absmax_scale.view(torch::kFloat32),
@@ -251,10 +245,39 @@ torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
   return y;
 }
 
+// The adapters follow the weight, as PEFT's LoRA on Megatron's parallel layers: on a
+// column-parallel layer lora_A is whole and lora_B keeps the layer's output rows; on a
+// row-parallel one lora_A keeps its input columns and lora_B is whole. Each path's split
+// product is made whole as the weight's is, so the whole adapters get the whole gradient.
+torch::Tensor LinearImpl::split_forward(const torch::Tensor& x) {
+  // A frozen base kept in another dtype than the computation (bf16 under fp32 adapters).
+  const auto w = weight.scalar_type() != x.scalar_type() && !weight.requires_grad()
+                     ? weight.to(x.scalar_type())
+                     : weight;
+  const auto b = bias.defined() && bias.scalar_type() != x.scalar_type() && !bias.requires_grad()
+                     ? bias.to(x.scalar_type())
+                     : bias;
+  const auto lora_in = [&] {
+    return lora_dropout_ > 0 ? torch::dropout(x, lora_dropout_, is_training()) : x;
+  };
+  if (tp_ == TpSplit::kColumn) {
+    auto y = torch::nn::functional::linear(fsdp::tp::copy_to_group(x, tp_group_), w, b);
+    if (lora_A) {
+      auto h = fsdp::tp::copy_to_group(lora_A->forward(lora_in()), tp_group_);
+      y = y + lora_B->forward(h) * lora_scaling();
+    }
+    return vocab_ ? fsdp::tp::gather_last_dim(y, vocab_->shard.sizes, tp_group_) : y;
+  }
+  auto y = fsdp::tp::reduce_from_group(torch::nn::functional::linear(x, w), tp_group_);
+  if (lora_A)
+    y = y + lora_B->forward(fsdp::tp::reduce_from_group(lora_A->forward(lora_in()), tp_group_)) *
+                lora_scaling();
+  return b.defined() ? y + b : y;
+}
+
 void LinearImpl::require_plain(const char* what) const {
   TORCH_CHECK(tp_ == TpSplit::kNone, what, ": this Linear is already split for tensor parallelism");
-  TORCH_CHECK(!lora_A && !is_nf4(), what,
-              ": tensor parallelism does not take a Linear with LoRA adapters or in NF4 yet");
+  TORCH_CHECK(!is_nf4(), what, ": tensor parallelism does not take a Linear in NF4 yet");
   TORCH_CHECK(weight.device() != torch::kMeta, what, ": the weight has no values to split");
 }
 
@@ -277,6 +300,13 @@ void LinearImpl::split_output_features(const std::vector<std::pair<int64_t, int6
   replace_parameter("weight", torch::cat(w));
   if (bias.defined())
     replace_parameter("bias", torch::cat(b));
+  if (lora_B) {
+    std::vector<torch::Tensor> lb;
+    for (const auto& [first, size] : rows)
+      lb.push_back(lora_B->weight.narrow(0, first, size));
+    lora_B->replace_parameter("weight", torch::cat(lb));
+    lora_B->out_features_ = kept;
+  }
   out_features_ = kept;
   tp_ = TpSplit::kColumn;
   tp_group_ = std::move(group);
@@ -285,9 +315,12 @@ void LinearImpl::split_output_features(const std::vector<std::pair<int64_t, int6
 std::vector<torch::Tensor> LinearImpl::split_parameters() const {
   if (tp_ == TpSplit::kNone)
     return {};
+  std::vector<torch::Tensor> split{weight};
   if (tp_ == TpSplit::kColumn && bias.defined())
-    return {weight, bias};
-  return {weight};
+    split.push_back(bias);
+  if (lora_A)  // the adapter that follows the weight's split (see split_forward)
+    split.push_back(tp_ == TpSplit::kColumn ? lora_B->weight : lora_A->weight);
+  return split;
 }
 
 void LinearImpl::split_vocabulary(fsdp::tp::VocabSplit split) {
@@ -306,6 +339,10 @@ void LinearImpl::split_input_features(int64_t first, int64_t size,
               in_features_, " input features");
   torch::NoGradGuard no_grad;
   replace_parameter("weight", weight.narrow(1, first, size));
+  if (lora_A) {
+    lora_A->replace_parameter("weight", lora_A->weight.narrow(1, first, size));
+    lora_A->in_features_ = size;
+  }
   in_features_ = size;
   tp_ = TpSplit::kRow;
   tp_group_ = std::move(group);
@@ -314,7 +351,8 @@ void LinearImpl::split_input_features(int64_t first, int64_t size,
 void LinearImpl::add_lora(const LoraOptions& options, const ModelInit& init) {
   TORCH_CHECK(!lora_A, "add_lora: this Linear already has adapters");
   TORCH_CHECK(tp_ == TpSplit::kNone,
-              "add_lora: LoRA on a tensor-parallel Linear is not supported yet");
+              "add_lora: this Linear is already split for tensor parallelism: add the adapters "
+              "first (tensor_parallelize_* splits them with the weight)");
   TORCH_CHECK(options.rank() >= 1, "LoRA rank must be at least 1, got ", options.rank());
   TORCH_CHECK(options.dropout() >= 0 && options.dropout() < 1,
               "LoRA dropout must be in [0, 1), got ", options.dropout());

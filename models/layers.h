@@ -189,7 +189,9 @@ class LinearImpl : public DeferredModule {
   /// those features (a column-parallel layer's output), sums the ranks' partial products
   /// (tp::reduce_from_group), then adds the bias, which every rank keeps whole. The layer's values
   /// must be those of the whole layer (call before fully_shard and before building an optimizer);
-  /// not with LoRA or NF4.
+  /// not in NF4. LoRA adapters (added before) are split with the weight, as PEFT's LoRA on
+  /// Megatron's layers: lora_B keeps the output rows of a column-parallel layer and lora_A is
+  /// whole; lora_A keeps the input columns of a row-parallel one and lora_B is whole.
   void split_output_features(const std::vector<std::pair<int64_t, int64_t>>& rows,
                              std::shared_ptr<fsdp::ProcessGroup> group);
   /// Column-parallel over the words of `split` (a language-model head): forward gathers the
@@ -199,8 +201,10 @@ class LinearImpl : public DeferredModule {
   const fsdp::tp::VocabSplit* vocab_split() const { return vocab_ ? &*vocab_ : nullptr; }
   void split_input_features(int64_t first, int64_t size, std::shared_ptr<fsdp::ProcessGroup> group);
   bool is_tensor_parallel() const { return tp_ != TpSplit::kNone; }
-  /// The parameters that hold a different part on each rank of the group: the weight, and the
-  /// bias of a column-parallel layer (a row-parallel one keeps it whole). Empty when not split.
+  /// The parameters that hold a different part on each rank of the group: the weight, the
+  /// bias of a column-parallel layer (a row-parallel one keeps it whole), and the adapter split
+  /// with the weight (lora_B on a column-parallel layer, lora_A on a row-parallel one). Empty
+  /// when not split.
   std::vector<torch::Tensor> split_parameters() const;
 
   /// This rank's features (the whole layer's when not tensor-parallel).
@@ -215,6 +219,7 @@ class LinearImpl : public DeferredModule {
  private:
   enum class TpSplit { kNone, kColumn, kRow };
   void require_plain(const char* what) const;
+  torch::Tensor split_forward(const torch::Tensor& x);
 
   int64_t in_features_, out_features_;
   TpSplit tp_ = TpSplit::kNone;

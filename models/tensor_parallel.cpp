@@ -46,7 +46,7 @@ void tensor_parallelize_gpt(GPT& model, const std::shared_ptr<fsdp::ProcessGroup
   for (auto& block : model->blocks) {
     for (const auto& item : block->named_modules()) {
       auto impl = std::dynamic_pointer_cast<LinearImpl>(item.value());
-      if (!impl)
+      if (!impl || is_lora_adapter(item.key()))  // adapters are split with their layer
         continue;
       const std::string& name = item.key();
       Linear layer(impl);

@@ -20,8 +20,9 @@
 // Llama's key/value heads are split when n_kv_heads divides by it, and otherwise kept whole on
 // every rank (each rank computing all of them and using those its query heads read, their
 // gradient summed over the group), which needs tp divisible by n_kv_heads; Llama's
-// ffn_hidden_dim divides by it. Not yet: LoRA adapters or NF4 storage on split layers,
-// sequence parallelism, a model built on the meta device.
+// ffn_hidden_dim divides by it. LoRA adapters added before are split with their weights
+// (LinearImpl::split_output_features). Not yet: NF4 storage on split layers, sequence
+// parallelism, a model built on the meta device.
 #pragma once
 
 #include <memory>

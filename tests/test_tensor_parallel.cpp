@@ -26,6 +26,7 @@
 #include "harness/multiprocess.h"
 #include "harness/sharding.h"
 #include "llama.h"
+#include "lora.h"
 #include "tensor_parallel.h"
 
 namespace {
@@ -93,7 +94,8 @@ void export_start(const std::string& dir, torch::nn::Module& model, int64_t voca
 template <typename Model, typename Config>
 int train_and_compare(const fsdp::test::WorkerContext& ctx, const Config& cfg, int64_t seq,
                       void (*split)(Model&, const std::shared_ptr<fsdp::ProcessGroup>&),
-                      void (*shard)(Model&, const fsdp::FullyShardOptions&)) {
+                      void (*shard)(Model&, const fsdp::FullyShardOptions&),
+                      void (*prepare)(Model&) = nullptr, double max_norm = kMaxNorm) {
   auto pg = fsdp::init_process_group();
   const int tp = static_cast<int>(ctx.env_int("FSDP_TP", pg->size()));
   const auto mesh = fsdp::make_device_mesh(*pg, tp);
@@ -102,6 +104,8 @@ int train_and_compare(const fsdp::test::WorkerContext& ctx, const Config& cfg, i
   Model model(cfg);
   torch::manual_seed(11);
   Model reference(cfg);
+  if (prepare)
+    prepare(model), prepare(reference);
   // FSDP_EXPORT_DIR: rank 0 writes the initial weights, the batches and the losses there, for
   // PyTorch's run of the same (tests/python/check_tp.py).
   const std::string exported = ctx.env("FSDP_EXPORT_DIR", "");
@@ -139,13 +143,13 @@ int train_and_compare(const fsdp::test::WorkerContext& ctx, const Config& cfg, i
     auto loss = loss_of(model, x.narrow(0, first, kPerRank), y.narrow(0, first, kPerRank));
     loss.backward();
     // Clipped by the norm over both axes: split parts counted once each, whole ones once.
-    const double norm = fsdp::clip_grad_norm_(model->parameters(), kMaxNorm, *pg, split_params);
+    const double norm = fsdp::clip_grad_norm_(model->parameters(), max_norm, *pg, split_params);
     opt.step();
     opt_ref.zero_grad();
     auto loss_ref = loss_of(reference, x, y);
     loss_ref.backward();
-    const double norm_ref = torch::nn::utils::clip_grad_norm_(reference->parameters(), kMaxNorm);
-    clipped += norm_ref > kMaxNorm;
+    const double norm_ref = torch::nn::utils::clip_grad_norm_(reference->parameters(), max_norm);
+    clipped += norm_ref > max_norm;
     opt_ref.step();
     WORKER_CHECK(std::abs(norm - norm_ref) <= 1e-5 * norm_ref)
         << "step " << step << ": gradient norm " << norm << " against one process's " << norm_ref;
@@ -185,6 +189,29 @@ void shard_gpt(GPT& m, const fsdp::FullyShardOptions& o) {
 }
 void shard_llama(Llama& m, const fsdp::FullyShardOptions& o) {
   fsdp_models::parallelize_llama(m, o);
+}
+
+// LoRA (rank 4, alpha 8) on every Linear of the blocks, the rest frozen: the adapters are split
+// with the weights (lora_B on column-parallel layers, lora_A on row-parallel ones) and train as
+// in one process (clipped to 0.01: the adapters' gradients are small). PEFT's initialisation,
+// except lora_B drawn like lora_A instead of zero, so that every adapter's gradient is non-zero
+// from the first step.
+void add_adapters(GPT& m) {
+  fsdp_models::add_lora(*m, "c_attn|c_proj|c_fc", fsdp_models::LoraOptions().rank(4).alpha(8));
+  auto peft = fsdp_models::lora_init_scheme(fsdp_models::gpt_init_scheme(m->config()), *m);
+  fsdp_models::init_weights(
+      *m,
+      [peft](const std::string& fqn) {
+        return fqn.find("lora_B") != std::string::npos ? fsdp_models::InitRule::uniform(0.2)
+                                                       : peft(fqn);
+      },
+      3);
+}
+
+FSDP_WORKER(tp_gpt_lora) {
+  const int tp = static_cast<int>(ctx.env_int("FSDP_TP", ctx.world_size));
+  return train_and_compare<GPT>(ctx, gpt_config(tp), 16, &fsdp_models::tensor_parallelize_gpt,
+                                &shard_gpt, &add_adapters, /*max_norm=*/0.01);
 }
 
 FSDP_WORKER(tp_gpt) {
@@ -292,6 +319,9 @@ TEST(TensorParallel, GptOnFourRanksTrainsLikeOneProcess) {
 }
 TEST(TensorParallel, GptOnATwoByTwoMeshWithFsdpTrainsLikeOneProcess) {
   run("tp_gpt", 4, 2);
+}
+TEST(TensorParallel, GptWithLoraOnATwoByTwoMeshTrainsLikeOneProcess) {
+  run("tp_gpt_lora", 4, 2);
 }
 TEST(TensorParallel, LlamaWithKvHeadsSplitTrainsLikeOneProcess) {
   run("tp_llama", 2, 2);
