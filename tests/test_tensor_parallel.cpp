@@ -299,6 +299,50 @@ FSDP_WORKER(tp_ops) {
   return 0;
 }
 
+// One step's tensor-parallel traffic, by the mesh's axes, against what the layout implies: on
+// the tp group, forward all-reduces the embedding's rows and each block's two row-parallel
+// outputs (B x T x C each), the fused loss two per chunk (the largest logits, then the sums and
+// the target logits: 3 values per position); backward all-reduces the input gradients of each
+// block's two column-parallel layers and of the head (B x T x C each). Nothing else, and
+// nothing on the dp group (of one rank here).
+FSDP_WORKER(tp_traffic) {
+  auto pg = fsdp::init_process_group();
+  const auto mesh = fsdp::make_device_mesh(*pg, pg->size());
+  const auto cfg = gpt_config(pg->size());
+  torch::manual_seed(11);
+  GPT model(cfg);
+  fsdp_models::tensor_parallelize_gpt(model, mesh.tp);
+  const int64_t b = 2, t = cfg.block_size, c = cfg.n_embd, chunk = 7;
+  const auto tokens = batch_tokens(0, cfg.vocab_size, b, t);
+  fsdp_models::LossSpec spec;
+  spec.targets = tokens.narrow(1, 1, t);
+  spec.denominator = static_cast<double>(b * t);
+  spec.chunk = chunk;
+  const auto before = mesh.tp->comm_stats();
+  fsdp::forward(model, tokens.narrow(1, 0, t), spec).backward();
+  const auto used = mesh.tp->comm_stats() - before;
+  const int64_t positions = b * t, chunks = (positions + chunk - 1) / chunk;
+  const int64_t stream = positions * c * 4;  // one (B, T, C) float32 tensor
+  const int64_t calls = 1 + 2 * cfg.n_layer + 2 * chunks + 2 * cfg.n_layer + 1;
+  const int64_t bytes = (2 + 4 * cfg.n_layer) * stream + 3 * positions * 4;
+  WORKER_CHECK(used.all_reduce.calls == calls && used.all_reduce.bytes == bytes)
+      << "tp all-reduces: " << used.all_reduce.calls << " of " << used.all_reduce.bytes
+      << " B, expected " << calls << " of " << bytes << " B";
+  WORKER_CHECK(used.all_gather.calls == 0 && used.reduce_scatter.calls == 0 &&
+               used.broadcast.calls == 0)
+      << used.to_string();
+  WORKER_CHECK(mesh.dp->comm_stats().all_reduce.calls == 0) << mesh.dp->comm_stats().to_string();
+  std::printf("rank %d: TP TRAFFIC OK: %lld all-reduces, %lld B per step on tp\n", ctx.rank,
+              static_cast<long long>(calls), static_cast<long long>(bytes));
+  return 0;
+}
+
+TEST(TensorParallel, OneStepsTrafficIsWhatTheLayoutImplies) {
+  auto r = fsdp::test::run_workers("tp_traffic", 2);
+  ASSERT_TRUE(r.ok()) << r.describe();
+  std::printf("%s", r.evidence().c_str());
+}
+
 TEST(TensorParallel, OperationsEqualOneProcessOnThreeRanks) {
   auto r = fsdp::test::run_workers("tp_ops", 3);
   ASSERT_TRUE(r.ok()) << r.describe();
