@@ -12,7 +12,7 @@
 // bytes as one all-reduce, and the norms compute on 1/tp of the positions).
 //
 // Every rank of the group calls each operation in the same order, forward and backward, as for
-// any collective. The group must outlive the autograd graph that holds the operation.
+// any collective. The graph keeps the group alive until its backward has run.
 #pragma once
 
 #include <torch/types.h>
