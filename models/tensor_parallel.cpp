@@ -31,18 +31,14 @@ void row(Linear& layer, const std::shared_ptr<fsdp::ProcessGroup>& tp) {
   layer->split_input_features(tp->rank() * each, each, tp);
 }
 
-void require(bool ok, const std::string& what) {
-  TORCH_CHECK(ok, what);
-}
-
 }  // namespace
 
 void tensor_parallelize_gpt(GPT& model, const std::shared_ptr<fsdp::ProcessGroup>& tp) {
   TORCH_CHECK(tp, "tensor_parallelize_gpt: no group");
   const auto& cfg = model->config();
   const int n = tp->size();
-  require(cfg.n_head % n == 0, "tensor_parallelize_gpt: n_head " + std::to_string(cfg.n_head) +
-                                   " does not divide over " + std::to_string(n) + " ranks");
+  TORCH_CHECK(cfg.n_head % n == 0, "tensor_parallelize_gpt: n_head " + std::to_string(cfg.n_head) +
+                                       " does not divide over " + std::to_string(n) + " ranks");
   for (auto& block : model->blocks) {
     for (const auto& item : block->named_modules()) {
       auto impl = std::dynamic_pointer_cast<LinearImpl>(item.value());
@@ -70,14 +66,14 @@ void tensor_parallelize_llama(Llama& model, const std::shared_ptr<fsdp::ProcessG
   const auto& cfg = model->config();
   const int n = tp->size();
   const std::string over = " does not divide over " + std::to_string(n) + " ranks";
-  require(cfg.n_heads % n == 0,
-          "tensor_parallelize_llama: n_heads " + std::to_string(cfg.n_heads) + over);
-  require(cfg.ffn_hidden_dim % n == 0,
-          "tensor_parallelize_llama: ffn_hidden_dim " + std::to_string(cfg.ffn_hidden_dim) + over);
+  TORCH_CHECK(cfg.n_heads % n == 0,
+              "tensor_parallelize_llama: n_heads " + std::to_string(cfg.n_heads) + over);
+  TORCH_CHECK(cfg.ffn_hidden_dim % n == 0, "tensor_parallelize_llama: ffn_hidden_dim " +
+                                               std::to_string(cfg.ffn_hidden_dim) + over);
   const bool split_kv = cfg.n_kv_heads % n == 0;
-  require(split_kv || n % cfg.n_kv_heads == 0,
-          "tensor_parallelize_llama: " + std::to_string(cfg.n_kv_heads) + " kv heads on " +
-              std::to_string(n) + " ranks: either must divide the other");
+  TORCH_CHECK(split_kv || n % cfg.n_kv_heads == 0,
+              "tensor_parallelize_llama: " + std::to_string(cfg.n_kv_heads) + " kv heads on " +
+                  std::to_string(n) + " ranks: either must divide the other");
   for (auto& block : model->blocks) {
     auto& attention = block->attention;
     column(attention->wq, 1, tp);

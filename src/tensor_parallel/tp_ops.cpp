@@ -41,21 +41,36 @@ torch::Tensor gathered(const torch::Tensor& x, int64_t dim, ProcessGroup& group,
   return out.movedim(0, dim).reshape(merged);
 }
 
-// x summed over the group, this rank's piece along `dim`: the pieces stacked rank-major.
-torch::Tensor reduce_scattered(const torch::Tensor& x, int64_t dim, ProcessGroup& group,
-                               const char* what) {
+// x.size(dim) / the group's size: each rank's piece along `dim`.
+int64_t piece_size(const torch::Tensor& x, int64_t dim, const ProcessGroup& group,
+                   const char* what) {
   const int n = group.size();
   if (x.size(dim) % n != 0)
     throw std::invalid_argument(std::string(what) + ": dimension " + std::to_string(dim) +
                                 " of size " + std::to_string(x.size(dim)) +
                                 " is not a multiple of the group's " + std::to_string(n) +
                                 " ranks");
+  return x.size(dim) / n;
+}
+
+// x summed over the group, this rank's piece along `dim`: the pieces stacked rank-major.
+torch::Tensor reduce_scattered(const torch::Tensor& x, int64_t dim, ProcessGroup& group,
+                               const char* what) {
+  const int n = group.size();
+  piece_size(x, dim, group, what);
   const auto input = at::stack(x.chunk(n, dim), 0).contiguous();
   auto sizes = x.sizes().vec();
   sizes[static_cast<size_t>(dim)] /= n;
   auto out = at::empty(sizes, x.options());
   reduce_scatter(group, input.view(-1), out.view(-1), ReduceOp::kSum, what)->wait();
   return out;
+}
+
+// This rank's piece of x along `dim` (no communication).
+torch::Tensor split_piece(const torch::Tensor& x, int64_t dim, ProcessGroup& group,
+                          const char* what) {
+  const int64_t each = piece_size(x, dim, group, what);
+  return x.narrow(dim, group.rank() * each, each).contiguous();
 }
 
 int64_t checked_dim(const torch::Tensor& x, int64_t dim, const char* what) {
@@ -88,58 +103,29 @@ struct ReduceFromGroup : torch::autograd::Function<ReduceFromGroup> {
   }
 };
 
-struct GatherFromGroup : torch::autograd::Function<GatherFromGroup> {
+// An operation along a dimension and its adjoint in backward: the all-gather and the
+// reduce-scatter of sequence parallelism, and the split whose adjoint is the all-gather.
+using DimOp = torch::Tensor (*)(const torch::Tensor&, int64_t, ProcessGroup&, const char*);
+template <DimOp Forward, DimOp Backward>
+struct AlongDim : torch::autograd::Function<AlongDim<Forward, Backward>> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t dim,
-                               std::shared_ptr<ProcessGroup> group) {
-    auto y = gathered(x, dim, *group, "tp gather_from_group");
+                               std::shared_ptr<ProcessGroup> group, const char* what) {
+    auto y = Forward(x, dim, *group, what);
     ctx->saved_data["dim"] = dim;
     ctx->saved_data["group"] = detail::capsule(std::move(group));
+    ctx->saved_data["what"] = std::string(what) + " backward";
     return y;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto& group = detail::group_of(ctx->saved_data["group"]);
-    return {reduce_scattered(grads[0], ctx->saved_data["dim"].toInt(), group,
-                             "tp gather_from_group backward"),
-            torch::Tensor(), torch::Tensor()};
+    return {Backward(grads[0], ctx->saved_data["dim"].toInt(), group,
+                     ctx->saved_data["what"].toStringRef().c_str()),
+            torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
-
-struct ReduceScatterToGroup : torch::autograd::Function<ReduceScatterToGroup> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t dim,
-                               std::shared_ptr<ProcessGroup> group) {
-    auto y = reduce_scattered(x, dim, *group, "tp reduce_scatter_to_group");
-    ctx->saved_data["dim"] = dim;
-    ctx->saved_data["group"] = detail::capsule(std::move(group));
-    return y;
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto& group = detail::group_of(ctx->saved_data["group"]);
-    return {gathered(grads[0], ctx->saved_data["dim"].toInt(), group,
-                     "tp reduce_scatter_to_group backward"),
-            torch::Tensor(), torch::Tensor()};
-  }
-};
-
-struct SplitToGroup : torch::autograd::Function<SplitToGroup> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t dim,
-                               std::shared_ptr<ProcessGroup> group) {
-    const int n = group->size();
-    if (x.size(dim) % n != 0)
-      throw std::invalid_argument("tp split_to_group: dimension " + std::to_string(dim) +
-                                  " of size " + std::to_string(x.size(dim)) +
-                                  " is not a multiple of the group's " + std::to_string(n) +
-                                  " ranks");
-    auto y = x.chunk(n, dim)[static_cast<size_t>(group->rank())].contiguous();
-    ctx->saved_data["dim"] = dim;
-    ctx->saved_data["group"] = detail::capsule(std::move(group));
-    return y;
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto& group = detail::group_of(ctx->saved_data["group"]);
-    return {gathered(grads[0], ctx->saved_data["dim"].toInt(), group, "tp split_to_group backward"),
-            torch::Tensor(), torch::Tensor()};
-  }
-};
+using GatherFromGroup = AlongDim<gathered, reduce_scattered>;
+using ReduceScatterToGroup = AlongDim<reduce_scattered, gathered>;
+using SplitToGroup = AlongDim<split_piece, gathered>;
 
 struct GatherLastDim : torch::autograd::Function<GatherLastDim> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
@@ -202,7 +188,7 @@ torch::Tensor gather_from_group(const torch::Tensor& x, int64_t dim,
   const auto d = checked_dim(x, dim, "tp::gather_from_group");
   if (group->size() == 1)
     return x;
-  return GatherFromGroup::apply(x, d, group);
+  return GatherFromGroup::apply(x, d, group, "tp gather_from_group");
 }
 
 torch::Tensor reduce_scatter_to_group(const torch::Tensor& x, int64_t dim,
@@ -211,7 +197,7 @@ torch::Tensor reduce_scatter_to_group(const torch::Tensor& x, int64_t dim,
   const auto d = checked_dim(x, dim, "tp::reduce_scatter_to_group");
   if (group->size() == 1)
     return x;
-  return ReduceScatterToGroup::apply(x, d, group);
+  return ReduceScatterToGroup::apply(x, d, group, "tp reduce_scatter_to_group");
 }
 
 torch::Tensor split_to_group(const torch::Tensor& x, int64_t dim,
@@ -220,7 +206,7 @@ torch::Tensor split_to_group(const torch::Tensor& x, int64_t dim,
   const auto d = checked_dim(x, dim, "tp::split_to_group");
   if (group->size() == 1)
     return x;
-  return SplitToGroup::apply(x, d, group);
+  return SplitToGroup::apply(x, d, group, "tp split_to_group");
 }
 
 torch::Tensor gather_last_dim(const torch::Tensor& x, const std::vector<int64_t>& sizes,

@@ -13,6 +13,7 @@ and clipping, and writes each step's loss, the mean over the data-parallel ranks
 import argparse
 import json
 import os
+import sys
 
 import numpy as np
 import torch
@@ -26,27 +27,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
                                                parallelize_module)
 
-
-class RMSNorm(nn.Module):
-    """models/lean_ops.cpp's rms_norm: normalised in fp32, scaled in the input's dtype."""
-
-    def __init__(self, dim, eps):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
-
-
-def rotary(x, cos, sin):
-    """(B, T, H, D), adjacent pairs rotated in fp32 (models/llama.cpp's apply_rotary_emb)."""
-    b, t, h, d = x.shape
-    pairs = x.float().unflatten(-1, (d // 2, 2))
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    cos, sin = cos.view(1, t, 1, d // 2), sin.view(1, t, 1, d // 2)
-    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1).flatten(-2).to(x.dtype)
+# The benchmark's PyTorch mirror of fsdp-cpp's norm and rotary embedding (bench/torch_gpt.py).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+from torch_gpt import RMSNorm, apply_rotary, rope_tables  # noqa: E402
 
 
 class Attention(nn.Module):
@@ -61,8 +44,8 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin):
         b, t, _ = x.shape
         # -1: the heads this rank holds once the projections are split (as torchtitan's).
-        q = rotary(self.wq(x).view(b, t, -1, self.hd), cos, sin)
-        k = rotary(self.wk(x).view(b, t, -1, self.hd), cos, sin)
+        q = apply_rotary(self.wq(x).view(b, t, -1, self.hd), cos, sin)
+        k = apply_rotary(self.wk(x).view(b, t, -1, self.hd), cos, sin)
         v = self.wv(x).view(b, t, -1, self.hd)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            is_causal=True, enable_gqa=q.size(2) != k.size(2))
@@ -105,10 +88,7 @@ class Llama(nn.Module):
         self.output = nn.Linear(a.dim, a.vocab, bias=False)
 
     def forward(self, idx):
-        hd, t = self.a.dim // self.a.heads, idx.size(1)
-        freqs = torch.pow(self.a.theta, -torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-        angles = torch.outer(torch.arange(t, dtype=torch.float64), freqs)
-        cos, sin = angles.cos().float(), angles.sin().float()
+        cos, sin = rope_tables(idx.size(1), self.a.dim // self.a.heads, self.a.theta, idx.device)
         x = self.tok_embeddings(idx)
         for block in self.layers:
             x = block(x, cos, sin)
