@@ -27,6 +27,11 @@ namespace fsdp_models {
 
 namespace {
 
+// A placeholder of to_hollow(): one element behind a shape of many (all strides 0).
+bool is_hollow(const torch::Tensor& t) {
+  return t.dim() > 0 && t.numel() > 1 && t.stride(0) == 0;
+}
+
 // FNV-1a: a fixed, platform-independent hash (std::hash<std::string> is neither).
 uint64_t fnv1a(const std::string& s) {
   uint64_t h = 0xcbf29ce484222325ULL;
@@ -278,7 +283,12 @@ torch::Tensor LinearImpl::split_forward(const torch::Tensor& x) {
 void LinearImpl::require_plain(const char* what) const {
   TORCH_CHECK(tp_ == TpSplit::kNone, what, ": this Linear is already split for tensor parallelism");
   TORCH_CHECK(!is_nf4(), what, ": tensor parallelism does not take a Linear in NF4 yet");
-  TORCH_CHECK(weight.device() != torch::kMeta, what, ": the weight has no values to split");
+  // On the meta device the split is shapes only (a deferred build, filled after by
+  // tensor_parallel_initializer); a hollow placeholder (to_hollow) would become a dense garbage
+  // tensor of the split size instead.
+  TORCH_CHECK(!is_hollow(weight), what,
+              ": the weight is a hollow placeholder (split before to_hollow, on the meta "
+              "device or with values)");
 }
 
 void LinearImpl::split_output_features(const std::vector<std::pair<int64_t, int64_t>>& rows,
@@ -426,7 +436,8 @@ torch::Tensor EmbeddingImpl::attend(const torch::Tensor& h) {
 void EmbeddingImpl::split_vocabulary(std::shared_ptr<fsdp::ProcessGroup> group) {
   TORCH_CHECK(group, "split_vocabulary: no group");
   TORCH_CHECK(!vocab_, "split_vocabulary: the table is already split");
-  TORCH_CHECK(weight.device() != torch::kMeta, "split_vocabulary: the table has no values");
+  TORCH_CHECK(!is_hollow(weight),
+              "split_vocabulary: the table is a hollow placeholder (split before to_hollow)");
   auto split = fsdp::tp::VocabSplit::over(weight.size(0), std::move(group));
   TORCH_CHECK(split.shard.size > 0, "split_vocabulary: ", weight.size(0), " words for ",
               split.group->size(), " ranks leave rank ", split.group->rank(), " none");

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -22,46 +23,104 @@ Rows rows_of(int64_t total, int64_t parts, int rank, int n) {
   return rows;
 }
 
-void column(Linear& layer, int64_t parts, const std::shared_ptr<fsdp::ProcessGroup>& tp) {
-  layer->split_output_features(rows_of(layer->out_features(), parts, tp->rank(), tp->size()), tp);
+// The split of a model being parallelized, recorded as each layer is split: where this rank's
+// part of every split parameter sits in the whole (names relative to the model).
+class Splitter {
+ public:
+  explicit Splitter(const std::shared_ptr<fsdp::ProcessGroup>& tp) : tp_(tp) {
+    layout_.writes_whole = tp->rank() == 0;
+  }
+
+  // Column-parallel: this rank's part of each of `parts` equal blocks of the output features.
+  void column(Linear& layer, const std::string& name, int64_t parts) {
+    const int64_t whole = layer->out_features();
+    const Rows rows = rows_of(whole, parts, tp_->rank(), tp_->size());
+    layer->split_output_features(rows, tp_);
+    record_column(layer, name, whole, rows);
+  }
+  // Row-parallel: this rank's even share of the input features.
+  void row(Linear& layer, const std::string& name) {
+    const int64_t whole = layer->in_features(), each = whole / tp_->size();
+    layer->split_input_features(tp_->rank() * each, each, tp_);
+    record(name + ".weight", 1, whole, {{tp_->rank() * each, each}});
+    if (layer->has_lora())
+      record(name + ".lora_A.weight", 1, whole, {{tp_->rank() * each, each}});
+  }
+  // A head split by words.
+  void vocabulary(Linear& layer, const std::string& name, int64_t words) {
+    const auto split = fsdp::tp::VocabSplit::over(words, tp_);
+    const Rows rows{{split.shard.first, split.shard.size}};
+    layer->split_vocabulary(split);
+    record_column(layer, name, words, rows);
+  }
+  void vocabulary(Embedding& table, const std::string& name) {
+    const int64_t words = table->weight.size(0);
+    table->split_vocabulary(tp_);
+    const auto& shard = table->vocab_split()->shard;
+    record(name + ".weight", 0, words, {{shard.first, shard.size}});
+  }
+  fsdp::TensorParallelLayout take() { return std::move(layout_); }
+
+ private:
+  void record(const std::string& param, int64_t dim, int64_t whole, Rows ranges) {
+    layout_.parts[param] = fsdp::TensorPart{dim, whole, std::move(ranges)};
+  }
+  void record_column(Linear& layer, const std::string& name, int64_t whole, const Rows& rows) {
+    record(name + ".weight", 0, whole, rows);
+    if (layer->bias.defined())
+      record(name + ".bias", 0, whole, rows);
+    if (layer->has_lora())
+      record(name + ".lora_B.weight", 0, whole, rows);
+  }
+
+  std::shared_ptr<fsdp::ProcessGroup> tp_;
+  fsdp::TensorParallelLayout layout_;
+};
+
+// The Linears of `model` that are not LoRA adapters, by name.
+std::vector<std::pair<std::string, Linear>> linears(torch::nn::Module& model) {
+  std::vector<std::pair<std::string, Linear>> out;
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    auto impl = std::dynamic_pointer_cast<LinearImpl>(item.value());
+    if (impl && !is_lora_adapter(item.key()))  // adapters are split with their layer
+      out.emplace_back(item.key(), Linear(impl));
+  }
+  return out;
 }
 
-void row(Linear& layer, const std::shared_ptr<fsdp::ProcessGroup>& tp) {
-  const int64_t each = layer->in_features() / tp->size();
-  layer->split_input_features(tp->rank() * each, each, tp);
+bool ends_with(const std::string& name, const std::string& suffix) {
+  return name.size() >= suffix.size() &&
+         name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 }  // namespace
 
-void tensor_parallelize_gpt(GPT& model, const std::shared_ptr<fsdp::ProcessGroup>& tp) {
+fsdp::TensorParallelLayout tensor_parallelize_gpt(GPT& model,
+                                                  const std::shared_ptr<fsdp::ProcessGroup>& tp) {
   TORCH_CHECK(tp, "tensor_parallelize_gpt: no group");
   const auto& cfg = model->config();
   const int n = tp->size();
   TORCH_CHECK(cfg.n_head % n == 0, "tensor_parallelize_gpt: n_head " + std::to_string(cfg.n_head) +
                                        " does not divide over " + std::to_string(n) + " ranks");
-  for (auto& block : model->blocks) {
-    for (const auto& item : block->named_modules()) {
-      auto impl = std::dynamic_pointer_cast<LinearImpl>(item.value());
-      if (!impl || is_lora_adapter(item.key()))  // adapters are split with their layer
-        continue;
-      const std::string& name = item.key();
-      Linear layer(impl);
-      if (name == "attn.c_attn")
-        column(layer, /*parts=*/3, tp);  // this rank's heads of q, k and v
-      else if (name == "mlp.c_fc")
-        column(layer, 1, tp);
-      else if (name == "attn.c_proj" || name == "mlp.c_proj")
-        row(layer, tp);
-      else
-        TORCH_CHECK(false, "tensor_parallelize_gpt: no rule for Linear '", name, "'");
-    }
+  Splitter split(tp);
+  for (auto& [name, layer] : linears(*model)) {
+    if (name == "lm_head")
+      split.vocabulary(layer, name, cfg.vocab_size);
+    else if (ends_with(name, ".attn.c_attn"))
+      split.column(layer, name, /*parts=*/3);  // this rank's heads of q, k and v
+    else if (ends_with(name, ".mlp.c_fc"))
+      split.column(layer, name, 1);
+    else if (ends_with(name, ".attn.c_proj") || ends_with(name, ".mlp.c_proj"))
+      split.row(layer, name);
+    else
+      TORCH_CHECK(false, "tensor_parallelize_gpt: no rule for Linear '", name, "'");
   }
-  model->wte->split_vocabulary(tp);
-  if (!cfg.tie_embeddings)
-    model->lm_head->split_vocabulary(fsdp::tp::VocabSplit::over(cfg.vocab_size, tp));
+  split.vocabulary(model->wte, "wte");
+  return split.take();
 }
 
-void tensor_parallelize_llama(Llama& model, const std::shared_ptr<fsdp::ProcessGroup>& tp) {
+fsdp::TensorParallelLayout tensor_parallelize_llama(Llama& model,
+                                                    const std::shared_ptr<fsdp::ProcessGroup>& tp) {
   TORCH_CHECK(tp, "tensor_parallelize_llama: no group");
   const auto& cfg = model->config();
   const int n = tp->size();
@@ -74,23 +133,59 @@ void tensor_parallelize_llama(Llama& model, const std::shared_ptr<fsdp::ProcessG
   TORCH_CHECK(split_kv || n % cfg.n_kv_heads == 0,
               "tensor_parallelize_llama: " + std::to_string(cfg.n_kv_heads) + " kv heads on " +
                   std::to_string(n) + " ranks: either must divide the other");
-  for (auto& block : model->blocks) {
-    auto& attention = block->attention;
-    column(attention->wq, 1, tp);
+  Splitter split(tp);
+  for (size_t i = 0; i < model->blocks.size(); ++i) {
+    auto& attention = model->blocks[i]->attention;
+    auto& ffn = model->blocks[i]->feed_forward;
+    const std::string at = "layers." + std::to_string(i) + ".attention.";
+    const std::string ff = "layers." + std::to_string(i) + ".feed_forward.";
+    split.column(attention->wq, at + "wq", 1);
     if (split_kv) {
-      column(attention->wk, 1, tp);
-      column(attention->wv, 1, tp);
+      split.column(attention->wk, at + "wk", 1);
+      split.column(attention->wv, at + "wv", 1);
     } else {  // each rank's query heads read one kv head, which the ranks n / kv share
       attention->read_kv_heads(tp->rank() * cfg.n_kv_heads / n, 1, tp);
     }
-    row(attention->wo, tp);
-    column(block->feed_forward->w1, 1, tp);
-    column(block->feed_forward->w3, 1, tp);
-    row(block->feed_forward->w2, tp);
+    split.row(attention->wo, at + "wo");
+    split.column(ffn->w1, ff + "w1", 1);
+    split.column(ffn->w3, ff + "w3", 1);
+    split.row(ffn->w2, ff + "w2");
   }
-  model->tok_embeddings->split_vocabulary(tp);
+  split.vocabulary(model->tok_embeddings, "tok_embeddings");
   if (!cfg.tie_embeddings)
-    model->output->split_vocabulary(fsdp::tp::VocabSplit::over(cfg.vocab_size, tp));
+    split.vocabulary(model->output, "output", cfg.vocab_size);
+  return split.take();
+}
+
+std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)>
+tensor_parallel_initializer(torch::nn::Module& model, InitScheme scheme, uint64_t seed,
+                            fsdp::TensorParallelLayout layout) {
+  auto names = std::make_shared<std::unordered_map<const c10::TensorImpl*, std::string>>();
+  for (const auto& item : model.named_parameters())
+    names->emplace(item.value().unsafeGetTensorImpl(), item.key());
+  return [names, scheme = std::move(scheme), seed, layout = std::move(layout)](
+             const torch::Tensor& param, const torch::Tensor& shard, int64_t first_row) {
+    const auto it = names->find(param.unsafeGetTensorImpl());
+    TORCH_CHECK(it != names->end(), "tensor_parallel_initializer: a parameter of shape ",
+                param.sizes(), " is not one of the model's (build it after to_hollow())");
+    const std::string& name = it->second;
+    const auto part = layout.parts.find(name);
+    if (part == layout.parts.end()) {  // whole on every rank: its rows as in a whole model
+      init_parameter(name, shard, scheme, seed, first_row);
+      return;
+    }
+    // Each block of the whole tensor this shard holds, drawn as whole rows, then its columns.
+    torch::NoGradGuard no_grad;
+    const auto shape = param.sizes().vec();
+    auto rows = fsdp::whole_shape(&part->second, shape, name);
+    for (const auto& b : fsdp::whole_blocks(&part->second, shape, first_row, shard.size(0), name)) {
+      rows[0] = b.rows;
+      auto whole_rows = torch::empty(rows, torch::kFloat);
+      init_parameter(name, whole_rows, scheme, seed, b.row);
+      shard.narrow(0, b.at, b.rows)
+          .copy_(rows.size() >= 2 ? whole_rows.narrow(1, b.col, b.cols) : whole_rows);
+    }
+  };
 }
 
 fsdp::TensorParallelParams tensor_parallel_params(torch::nn::Module& model, int ways) {

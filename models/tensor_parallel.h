@@ -14,19 +14,26 @@
 // rank, so they stay equal without communication.
 //
 // Then fully_shard each block over the data-parallel group (fsdp::DeviceMesh2D::dp): FSDP
-// shards each rank's parts as it shards any parameter.
+// shards each rank's parts as it shards any parameter. Each function returns where this rank's
+// part of every split parameter sits in the whole model (fsdp::TensorParallelLayout, names as
+// the model's named_parameters()): fsdp::save_sharded stores whole tensors with it, and
+// fsdp::load_sharded reads a checkpoint of any (dp, tp) mesh into this one.
 //
 // Requirements, checked: the heads divide by the group's size (GPT n_head, Llama n_heads);
 // Llama's key/value heads are split when n_kv_heads divides by it, and otherwise kept whole on
 // every rank (each rank computing all of them and using those its query heads read, their
 // gradient summed over the group), which needs tp divisible by n_kv_heads; Llama's
 // ffn_hidden_dim divides by it. LoRA adapters added before are split with their weights
-// (LinearImpl::split_output_features). Not yet: NF4 storage on split layers, sequence
-// parallelism, a model built on the meta device.
+// (LinearImpl::split_output_features). A model built on the meta device splits too, and then
+// fills its shards with tensor_parallel_initializer(). Not yet: NF4 storage on split layers,
+// sequence parallelism.
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <memory>
 
+#include <fsdp/checkpoint/tensor_parallel_layout.h>
 #include <fsdp/clip_grad.h>
 #include <fsdp/distributed/process_group.h>
 
@@ -35,8 +42,19 @@
 
 namespace fsdp_models {
 
-void tensor_parallelize_gpt(GPT& model, const std::shared_ptr<fsdp::ProcessGroup>& tp);
-void tensor_parallelize_llama(Llama& model, const std::shared_ptr<fsdp::ProcessGroup>& tp);
+fsdp::TensorParallelLayout tensor_parallelize_gpt(GPT& model,
+                                                  const std::shared_ptr<fsdp::ProcessGroup>& tp);
+fsdp::TensorParallelLayout tensor_parallelize_llama(Llama& model,
+                                                    const std::shared_ptr<fsdp::ProcessGroup>& tp);
+
+/// A FullyShardOptions::param_init for a model split on the meta device (tensor_parallelize_*
+/// on a model built with ModelInit().device(torch::kMeta), then to_hollow()): each rank fills
+/// its FSDP rows of its part of each parameter with the values init_parameter() gives the whole
+/// tensor there (under `scheme` and `seed`), so a model split over any (dp, tp) starts as the same
+/// model built whole. Build it after to_hollow() and before fully_shard().
+std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)>
+tensor_parallel_initializer(torch::nn::Module& model, InitScheme scheme, uint64_t seed,
+                            fsdp::TensorParallelLayout layout);
 
 /// What fsdp::clip_grad_norm_ needs to count the norm over both axes: the parameters these
 /// functions split (a different part on each rank), and the group's size.

@@ -92,10 +92,11 @@ void export_start(const std::string& dir, torch::nn::Module& model, int64_t voca
 // data-parallel ranks (none when 1). Even steps take the fused loss (vocabulary-parallel
 // cross-entropy), odd steps the gathered logits and lm_loss.
 template <typename Model, typename Config>
-int train_and_compare(const fsdp::test::WorkerContext& ctx, const Config& cfg, int64_t seq,
-                      void (*split)(Model&, const std::shared_ptr<fsdp::ProcessGroup>&),
-                      void (*shard)(Model&, const fsdp::FullyShardOptions&),
-                      void (*prepare)(Model&) = nullptr, double max_norm = kMaxNorm) {
+int train_and_compare(
+    const fsdp::test::WorkerContext& ctx, const Config& cfg, int64_t seq,
+    fsdp::TensorParallelLayout (*split)(Model&, const std::shared_ptr<fsdp::ProcessGroup>&),
+    void (*shard)(Model&, const fsdp::FullyShardOptions&), void (*prepare)(Model&) = nullptr,
+    double max_norm = kMaxNorm) {
   auto pg = fsdp::init_process_group();
   const int tp = static_cast<int>(ctx.env_int("FSDP_TP", pg->size()));
   const auto mesh = fsdp::make_device_mesh(*pg, tp);
@@ -335,6 +336,52 @@ FSDP_WORKER(tp_traffic) {
   std::printf("rank %d: TP TRAFFIC OK: %lld all-reduces, %lld B per step on tp\n", ctx.rank,
               static_cast<long long>(calls), static_cast<long long>(bytes));
   return 0;
+}
+
+// A model split on the meta device and filled shard by shard (tensor_parallel_initializer) is
+// the model built whole and then split: every shard bitwise equal, GPT and Llama, at (2, 2).
+template <typename Model, typename Config, typename Split, typename Scheme, typename Shard>
+int meta_init_equals_eager(const fsdp::test::WorkerContext& ctx, const Config& cfg, Split split,
+                           Scheme scheme_of, Shard shard) {
+  auto pg = fsdp::init_process_group();
+  const auto mesh = fsdp::make_device_mesh(*pg, 2);
+  constexpr uint64_t kSeed = 5;
+  Model eager(cfg, fsdp_models::ModelInit());
+  fsdp_models::init_weights(*eager, scheme_of(cfg), kSeed);
+  split(eager, mesh.tp);
+  Model meta(cfg, fsdp_models::ModelInit().device(torch::kMeta));
+  const auto layout = split(meta, mesh.tp);
+  fsdp_models::to_hollow(*meta, torch::TensorOptions().dtype(torch::kFloat32));
+  shard(meta, fsdp::FullyShardOptions(mesh.dp).param_init(
+                  fsdp_models::tensor_parallel_initializer(*meta, scheme_of(cfg), kSeed, layout)));
+  const auto want = eager->named_parameters();
+  int compared = 0;
+  for (const auto& s : fsdp::param_shards(*meta)) {
+    const auto expected = fsdp::test::rows_held(want[s.name], s);
+    WORKER_CHECK(expected.sizes() == s.shard.sizes() && torch::equal(expected, s.shard))
+        << s.name << ": the shard differs from the eager model's rows";
+    ++compared;
+  }
+  std::printf("rank %d: TP META INIT OK: %d shards bitwise equal\n", ctx.rank, compared);
+  return 0;
+}
+
+FSDP_WORKER(tp_meta_init) {
+  if (ctx.env("FSDP_MODEL") == "llama")
+    return meta_init_equals_eager<Llama>(ctx, llama_config(),
+                                         &fsdp_models::tensor_parallelize_llama,
+                                         &fsdp_models::llama_init_scheme, &shard_llama);
+  return meta_init_equals_eager<GPT>(ctx, gpt_config(2), &fsdp_models::tensor_parallelize_gpt,
+                                     &fsdp_models::gpt_init_scheme, &shard_gpt);
+}
+
+TEST(TensorParallel, AModelSplitOnTheMetaDeviceStartsAsTheWholeModelSplit) {
+  for (const char* model : {"gpt", "llama"}) {
+    auto r =
+        fsdp::test::run_workers("tp_meta_init", 4, fsdp::test::with_env({{"FSDP_MODEL", model}}));
+    ASSERT_TRUE(r.ok()) << model << ": " << r.describe();
+    std::printf("%s: %s", model, r.evidence().c_str());
+  }
 }
 
 TEST(TensorParallel, OneStepsTrafficIsWhatTheLayoutImplies) {

@@ -44,11 +44,29 @@ using safetensors::FormatError;
 // verifies little more than those.
 constexpr uint64_t kBlockBytes = 4ull << 20;
 
+using Box = WholeBlock;
+
+// Where a rank's shard of a parameter lies in the whole tensor: its boxes, the whole shape, and
+// whether it is split over the tp group (a different part on each rank).
+struct Placement {
+  std::vector<int64_t> whole_shape;
+  std::vector<Box> boxes;
+  bool split = false;
+};
+
+Placement place(const ParamShard& l, const TensorParallelLayout& tp) {
+  const auto it = tp.parts.find(l.name);
+  const TensorPart* part = it == tp.parts.end() ? nullptr : &it->second;
+  return {whole_shape(part, l.global_shape, l.name),
+          whole_blocks(part, l.global_shape, l.row_begin, l.rows, l.name), part != nullptr};
+}
+
 // One tensor of the checkpoint as this rank holds it: the rows of a parameter or of one of its
 // optimizer state tensors (same layout as the parameter).
 struct Entry {
   std::string key;  // "model/<name>" or "optim/<name>/<state>"
   ParamShard layout;
+  Placement place;
   torch::Tensor data;  // this rank's rows, [rows, ...]
   // State kept in a file (a fused optimizer's offload) is read only when its turn comes, so
   // saving holds one tensor of it at a time; `data` is undefined until then.
@@ -166,7 +184,8 @@ struct SavePlan {
 // Refuses an existing `dir` (every rank sees the same file system: all refuse together, before
 // any collective), makes <dir>.tmp afresh (rank 0; the others wait) and lists the entries.
 SavePlan plan_save(const std::string& dir, torch::nn::Module& model,
-                   torch::optim::Optimizer* optimizer, ProcessGroup& group) {
+                   torch::optim::Optimizer* optimizer, ProcessGroup& group,
+                   const TensorParallelLayout& tp) {
   SavePlan plan;
   plan.final_dir = dir;
   plan.tmp = plan.final_dir.string() + ".tmp";
@@ -187,16 +206,18 @@ SavePlan plan_save(const std::string& dir, torch::nn::Module& model,
       st = read_opt_state(*optimizer, plan.kind, param, /*lazy=*/true);
     if (st.exists)
       plan.steps[l.name] = st.step;
-    if (!l.writer || l.rows == 0)
+    Placement where = place(l, tp);
+    // Whole tensors of a tp group are written by its first rank; a split one by every rank.
+    if (!l.writer || where.boxes.empty() || !(where.split || tp.writes_whole))
       continue;
-    plan.entries.push_back({"model/" + l.name, l, l.shard, {}, l.shard.scalar_type()});
+    plan.entries.push_back({"model/" + l.name, l, where, l.shard, {}, l.shard.scalar_type()});
     for (auto& [name, t] : st.tensors)
-      plan.entries.push_back({"optim/" + l.name + "/" + name, l, t.defined() ? as_rows(t) : t,
-                              t.defined()
-                                  ? std::function<torch::Tensor()>()
-                                  : [fused = dynamic_cast<FusedOptimizer*>(optimizer), param,
-                                     name] { return as_rows(fused->state_tensor(param, name)); },
-                              t.defined() ? t.scalar_type() : st.dtype});
+      plan.entries.push_back(
+          {"optim/" + l.name + "/" + name, l, where, t.defined() ? as_rows(t) : t,
+           t.defined() ? std::function<torch::Tensor()>()
+                       : [fused = dynamic_cast<FusedOptimizer*>(optimizer), param,
+                          name] { return as_rows(fused->state_tensor(param, name)); },
+           t.defined() ? t.scalar_type() : st.dtype});
   }
   char file_buf[32];
   std::snprintf(file_buf, sizeof file_buf, "rank-%05d.safetensors", rank);
@@ -211,23 +232,35 @@ std::vector<safetensors::TensorSpec> specs_of(const std::vector<Entry>& entries)
   return specs;
 }
 
-// The index's piece for `e` (its data at hand): its file, rows, and a checksum per block of rows
-// of about kBlockBytes.
-Json piece_of(const Entry& e, const std::string& file) {
+// The index's entry for `e` (its data at hand): the whole tensor's dtype and shape, and a piece
+// per box: its file, rows (and columns, and first row in the file, where not the defaults), and
+// a checksum per block of rows of about kBlockBytes.
+Json pieces_of(const Entry& e, const std::string& file) {
   uint64_t row_bytes = c10::elementSize(e.data.scalar_type());
   for (size_t i = 1; i < e.layout.global_shape.size(); ++i)
     row_bytes *= static_cast<uint64_t>(e.layout.global_shape[i]);
   const int64_t block_rows =
       std::max<int64_t>(1, static_cast<int64_t>(kBlockBytes / std::max<uint64_t>(1, row_bytes)));
-  Json sums = Json::array();
-  for (int64_t r = 0; r < e.layout.rows; r += block_rows)
-    sums.push_back(hex(checksum(e.data.narrow(0, r, std::min(block_rows, e.layout.rows - r)))));
-  return {{"file", file},
-          {"rows", {e.layout.row_begin, e.layout.row_begin + e.layout.rows}},
-          {"block_rows", block_rows},
-          {"xxh3", sums},
-          {"dtype", safetensors::dtype_name(e.data.scalar_type())},
-          {"shape", e.layout.global_shape}};
+  const auto& whole = e.place.whole_shape;
+  Json pieces = Json::array();
+  for (const Box& box : e.place.boxes) {
+    Json sums = Json::array();
+    for (int64_t r = 0; r < box.rows; r += block_rows)
+      sums.push_back(
+          hex(checksum(e.data.narrow(0, box.at + r, std::min(block_rows, box.rows - r)))));
+    Json piece = {{"file", file},
+                  {"rows", {box.row, box.row + box.rows}},
+                  {"block_rows", block_rows},
+                  {"xxh3", sums}};
+    if (box.at != 0)
+      piece["at"] = box.at;
+    if (whole.size() >= 2 && (box.col != 0 || box.cols != whole[1]))
+      piece["cols"] = {box.col, box.col + box.cols};
+    pieces.push_back(std::move(piece));
+  }
+  return {{"dtype", safetensors::dtype_name(e.data.scalar_type())},
+          {"shape", whole},
+          {"pieces", pieces}};
 }
 
 // Rank 0's index.json from every rank's pieces (an all-gather of each rank's JSON, collective),
@@ -240,13 +273,16 @@ std::string gather_index(ProcessGroup& group, const Json& pieces, const SavePlan
   Json tensors = Json::object();
   for (int r = 0; r < group.size(); ++r) {
     auto theirs = Json::parse(all_pieces[static_cast<size_t>(r)]);
-    for (auto& [key, piece] : theirs.items()) {
+    for (auto& [key, entry] : theirs.items()) {
       auto& t = tensors[key];
       if (t.is_null())
-        t = {{"dtype", piece["dtype"]}, {"shape", piece["shape"]}, {"pieces", Json::array()}};
-      piece.erase("dtype");
-      piece.erase("shape");
-      t["pieces"].push_back(piece);
+        t = {{"dtype", entry["dtype"]}, {"shape", entry["shape"]}, {"pieces", Json::array()}};
+      TORCH_CHECK(t["dtype"] == entry["dtype"] && t["shape"] == entry["shape"],
+                  "fsdp::save_sharded: ranks disagree on the whole dtype or shape of '", key, "' (",
+                  t["shape"].dump(), " and ", entry["shape"].dump(), " from rank ", r,
+                  "): their tensor-parallel layouts do not fit together");
+      for (auto& piece : entry["pieces"])
+        t["pieces"].push_back(piece);
     }
   }
   Json index = {{"format", detail::kIndexFormat},
@@ -270,9 +306,10 @@ void commit(const SavePlan& plan, const std::string& index) {
 
 void save_sharded(const std::string& dir, torch::nn::Module& model,
                   torch::optim::Optimizer* optimizer, ProcessGroup& group,
-                  const std::map<std::string, std::string>& metadata) {
+                  const std::map<std::string, std::string>& metadata,
+                  const TensorParallelLayout& tp) {
   torch::NoGradGuard no_grad;
-  SavePlan plan = plan_save(dir, model, optimizer, group);
+  SavePlan plan = plan_save(dir, model, optimizer, group, tp);
   Json pieces = Json::object();
   if (!plan.entries.empty()) {
     safetensors::Writer w((plan.tmp / plan.file).string(), specs_of(plan.entries));
@@ -280,7 +317,7 @@ void save_sharded(const std::string& dir, torch::nn::Module& model,
       if (!e.data.defined())
         e.data = e.fetch();
       w.write_rows(e.key, 0, e.data);
-      pieces[e.key] = piece_of(e, plan.file);
+      pieces[e.key] = pieces_of(e, plan.file);
       if (e.fetch)
         e.data = torch::Tensor();  // the next one replaces it
     }
@@ -318,12 +355,13 @@ AsyncCheckpointer::~AsyncCheckpointer() {
 
 void AsyncCheckpointer::start(const std::string& dir, torch::nn::Module& model,
                               torch::optim::Optimizer* optimizer,
-                              const std::map<std::string, std::string>& metadata) {
+                              const std::map<std::string, std::string>& metadata,
+                              const TensorParallelLayout& tp) {
   wait();  // at most one save in flight
   torch::NoGradGuard no_grad;
   const auto begin = std::chrono::steady_clock::now();
   auto save = std::make_unique<Save>();
-  save->plan = plan_save(dir, model, optimizer, *group_);
+  save->plan = plan_save(dir, model, optimizer, *group_, tp);
   save->rank = group_->rank();
   save->timeout = group_->timeout();
   // The snapshot: a copy of every row this rank writes (on the host, where the file is written
@@ -334,7 +372,7 @@ void AsyncCheckpointer::start(const std::string& dir, torch::nn::Module& model,
     e.data = rows.to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
     e.fetch = nullptr;
     save->result.bytes += static_cast<int64_t>(e.data.nbytes());
-    pieces[e.key] = piece_of(e, save->plan.file);
+    pieces[e.key] = pieces_of(e, save->plan.file);
   }
   save->index = gather_index(*group_, pieces, save->plan, metadata);
   // Named by the save's number too: a directory saved again in the same job (after a failed
@@ -389,48 +427,79 @@ std::optional<AsyncSaveResult> AsyncCheckpointer::wait() {
 
 namespace {
 
-// Reads global rows [begin, begin + dst.size(0)) of `key` into dst, block by verified block.
-void read_rows_into(const fs::path& dir, const std::string& key, const detail::IndexTensor& t,
-                    int64_t begin, const torch::Tensor& dst,
-                    std::map<std::string, std::unique_ptr<safetensors::Reader>>& readers) {
-  const int64_t end = begin + dst.size(0);
+// The reader of `file` of the checkpoint in `dir`, opened on first use.
+safetensors::Reader& reader_of(
+    const fs::path& dir, const std::string& file,
+    std::map<std::string, std::unique_ptr<safetensors::Reader>>& readers) {
+  auto& reader = readers[file];
+  if (!reader) {
+    // The index names plain files of this directory (checkpoint_index.cpp refuses '/' and
+    // '..'); a link could still lead elsewhere, and a device or FIFO could block or never
+    // end: only regular files are read.
+    const fs::path path = dir / file;
+    std::error_code ec;
+    const auto status = fs::symlink_status(path, ec);
+    if (!ec && status.type() != fs::file_type::regular)
+      throw FormatError(path.string() +
+                        ": not a regular file (the checkpoint index may only "
+                        "name files of its own directory; links and devices are refused)");
+    reader = std::make_unique<safetensors::Reader>(path.string());
+  }
+  return *reader;
+}
+
+// Checks that the file's tensor `key` can hold piece `p` of `t`: the dtype, at least the rows
+// from p.at, and the piece's columns.
+void check_file_tensor(const safetensors::Reader& reader, const std::string& key,
+                       const detail::IndexTensor& t, const detail::Piece& p) {
+  const auto& entry = reader.entry(key);
+  std::vector<int64_t> tail;
+  if (t.shape.size() >= 2) {
+    tail.assign(t.shape.begin() + 1, t.shape.end());
+    tail[0] = p.col_end - p.col_begin;
+  }
+  const bool fits =
+      entry.dtype == t.dtype && !entry.shape.empty() &&
+      entry.shape[0] >= p.at + (p.end - p.begin) &&
+      std::equal(entry.shape.begin() + 1, entry.shape.end(), tail.begin(), tail.end());
+  if (!fits)
+    throw FormatError(reader.path() + ": tensor '" + key +
+                      "' has another dtype or shape than the index says");
+}
+
+// Reads box `box` of the whole tensor `key` into dst (box.rows rows of the box's columns), block
+// by verified block, from every piece it meets.
+void read_box_into(const fs::path& dir, const std::string& key, const detail::IndexTensor& t,
+                   const Box& box, const torch::Tensor& dst,
+                   std::map<std::string, std::unique_ptr<safetensors::Reader>>& readers) {
+  const bool by_cols = t.shape.size() >= 2;
+  const int64_t end = box.row + box.rows;
   for (const auto& p : t.pieces) {
-    const int64_t lo = std::max(begin, p.begin), hi = std::min(end, p.end);
-    if (lo >= hi)
+    const int64_t lo = std::max(box.row, p.begin), hi = std::min(end, p.end);
+    const int64_t clo = std::max(box.col, p.col_begin);
+    const int64_t chi = std::min(box.col + box.cols, p.col_end);
+    if (lo >= hi || (by_cols && clo >= chi))
       continue;
-    auto& reader = readers[p.file];
-    if (!reader) {
-      // The index names plain files of this directory (checkpoint_index.cpp refuses '/' and
-      // '..'); a link could still lead elsewhere, and a device or FIFO could block or never
-      // end: only regular files are read.
-      const fs::path file = dir / p.file;
-      std::error_code ec;
-      const auto status = fs::symlink_status(file, ec);
-      if (!ec && status.type() != fs::file_type::regular)
-        throw FormatError(file.string() +
-                          ": not a regular file (the checkpoint index may only "
-                          "name files of its own directory; links and devices are refused)");
-      reader = std::make_unique<safetensors::Reader>(file.string());
-    }
-    const auto& entry = reader->entry(key);
-    auto want_shape = t.shape;
-    if (want_shape.empty())
-      want_shape = {1};
-    want_shape[0] = p.end - p.begin;
-    if (entry.dtype != t.dtype || entry.shape != want_shape)
-      throw FormatError(reader->path() + ": tensor '" + key +
-                        "' has another dtype or shape than the index says");
+    auto& reader = reader_of(dir, p.file, readers);
+    check_file_tensor(reader, key, t, p);
     for (int64_t b = (lo - p.begin) / p.block_rows; b * p.block_rows + p.begin < hi; ++b) {
       const int64_t bb = p.begin + b * p.block_rows;
       const int64_t bl = std::min(p.block_rows, p.end - bb);
-      auto block = reader->read_rows(key, bb - p.begin, bl);
+      auto block = reader.read_rows(key, p.at + bb - p.begin, bl);
       if (checksum(block) != p.sums[static_cast<size_t>(b)])
-        throw FormatError(reader->path() + ": tensor '" + key + "' rows [" + std::to_string(bb) +
+        throw FormatError(reader.path() + ": tensor '" + key + "' rows [" + std::to_string(bb) +
                           ", " + std::to_string(bb + bl) +
                           "): checksum mismatch (the file is corrupted)");
       const int64_t ol = std::max(lo, bb), oh = std::min(hi, bb + bl);
-      if (ol < oh)
-        dst.narrow(0, ol - begin, oh - ol).copy_(block.narrow(0, ol - bb, oh - ol));
+      if (ol >= oh)
+        continue;
+      auto from = block.narrow(0, ol - bb, oh - ol);
+      auto to = dst.narrow(0, ol - box.row, oh - ol);
+      if (by_cols) {
+        from = from.narrow(1, clo - p.col_begin, chi - clo);
+        to = to.narrow(1, clo - box.col, chi - clo);
+      }
+      to.copy_(from);
     }
   }
 }
@@ -442,7 +511,8 @@ std::map<std::string, std::string> read_checkpoint_metadata(const std::string& d
 }
 
 std::map<std::string, std::string> load_sharded(const std::string& dir, torch::nn::Module& model,
-                                                torch::optim::Optimizer* optimizer) {
+                                                torch::optim::Optimizer* optimizer,
+                                                const TensorParallelLayout& tp) {
   torch::NoGradGuard no_grad;
   const fs::path root(dir);
   const auto index = detail::parse_index((root / "index.json").string());
@@ -452,22 +522,26 @@ std::map<std::string, std::string> load_sharded(const std::string& dir, torch::n
   if (optimizer && index.optimizer_kind != kind)
     throw FormatError((root / "index.json").string() + ": optimizer state is '" +
                       index.optimizer_kind + "', the optimizer given is '" + kind + "'");
-  auto load = [&](const std::string& key, const ParamShard& l, const torch::Tensor& dst) {
+  auto load = [&](const std::string& key, const Placement& where, const torch::Tensor& dst) {
     auto it = index.tensors.find(key);
     if (it == index.tensors.end())
       throw FormatError(dir + ": the checkpoint has no tensor '" + key + "'");
-    if (it->second.shape != l.global_shape)
-      throw FormatError(dir + ": tensor '" + key + "' was saved with another shape");
+    if (it->second.shape != where.whole_shape)
+      throw FormatError(dir + ": tensor '" + key + "' was saved with another shape (" +
+                        c10::str(c10::IntArrayRef(it->second.shape)) + ", the model's is " +
+                        c10::str(c10::IntArrayRef(where.whole_shape)) + ")");
     auto staging =
         it->second.dtype == dst.scalar_type() && dst.is_contiguous() && dst.is_cpu()
             ? dst
             : torch::empty(dst.sizes(), dst.options().dtype(it->second.dtype).device(torch::kCPU));
-    read_rows_into(root, key, it->second, l.row_begin, staging, readers);
+    for (const Box& box : where.boxes)
+      read_box_into(root, key, it->second, box, staging.narrow(0, box.at, box.rows), readers);
     if (!staging.is_same(dst))
       dst.copy_(staging);
   };
   for (const auto& l : param_shards(model)) {
-    load("model/" + l.name, l, l.shard);
+    const Placement where = place(l, tp);
+    load("model/" + l.name, where, l.shard);
     if (!optimizer)
       continue;
     const auto& param = params[l.name];
@@ -500,7 +574,7 @@ std::map<std::string, std::string> load_sharded(const std::string& dir, torch::n
                        it->second.scalar_type() == param.scalar_type()
                    ? it->second
                    : torch::zeros_like(param);
-      load("optim/" + l.name + "/" + name, l, as_rows(t));
+      load("optim/" + l.name + "/" + name, where, as_rows(t));
       return t;
     };
     auto has = [&](const std::string& name) {

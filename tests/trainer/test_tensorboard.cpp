@@ -128,6 +128,7 @@ StepMetrics synthetic(int64_t step) {
     m.mem_gathered_bytes = 4, m.mem_activations_bytes = 5, m.mem_other_bytes = 6;
     m.grads_peak_bytes = 7, m.rss_bytes = 8, m.peak_rss_bytes = 9;
     m.peak_reserved_bytes = 12;
+    m.tp_bytes = 13;
     m.offload_read_bytes = 10, m.offload_written_bytes = 11, m.time_offload_wait_s = 0.5;
   }
   return m;
@@ -151,9 +152,9 @@ TEST(TensorBoardScalars, EveryJsonFieldButTheStepHasOneTagInAGroup) {
     EXPECT_EQ(tags.contains("eval/loss"), m.eval_loss.has_value());
     EXPECT_EQ(tags.contains("memory/rss_bytes"), m.rss_bytes.has_value());
   }
-  // Step 3 sets every optional field but eval_loss: 32 values (34 fields less the step and
+  // Step 3 sets every optional field but eval_loss: 33 values (35 fields less the step and
   // eval_loss).
-  EXPECT_EQ(fsdp_trainer::tensorboard_scalars(synthetic(3)).size(), 32u);
+  EXPECT_EQ(fsdp_trainer::tensorboard_scalars(synthetic(3)).size(), 33u);
 }
 
 TEST(TensorBoardWriter, TensorBoardReadsEveryScalarAsWritten) {

@@ -445,6 +445,14 @@ const std::vector<Option>& options() {
           fsdp::enum_names<fsdp::CheckpointMode>()),
       opt("fsdp.ac_every", FIELD(fsdp.ac_every),
           "Checkpoint every k-th block only (blocks 0, k, 2k...): 1 checkpoints all of them."),
+      opt("parallel.tp", FIELD(parallel.tp),
+          "Tensor parallelism (Megatron's layout, docs/tensor_parallel.md): each group of this "
+          "many consecutive ranks (inside a host) splits every block, attention by heads and the "
+          "MLP by its hidden width, and the embedding and head by words; FSDP shards over the "
+          "other axis (world / tp ranks, which also split the batch). 1: none. Pretraining of "
+          "gpt and llama; the heads (and llama's ffn width) must divide by it. Checkpoints store "
+          "whole tensors: one saved at any tp resumes at any other. Not yet with hybrid_shard, "
+          "fault tolerance, fine-tuning, --plan or training.memory_budget."),
       opt("precision.param_dtype", FIELD(precision.param_dtype),
           "Dtype of the all-gathers and of compute; the sharded parameters and the optimizer "
           "stay fp32. bf16 halves what moves and what gathered parameters occupy; on CPUs "
@@ -902,6 +910,23 @@ void validate_fault_tolerance(const Config& c) {
   }
 }
 
+void validate_parallel(const Config& c) {
+  const char* key = "parallel.tp";
+  require(c.parallel.tp >= 1 && c.parallel.tp <= 64, key,
+          "must be in [1, 64], got " + std::to_string(c.parallel.tp));
+  if (c.parallel.tp == 1)
+    return;
+  require(!c.finetuning, key,
+          "applies to pretraining only so far (fsdp-train finetune loads pretrained files into "
+          "whole layers)");
+  require(c.fsdp.strategy != "hybrid_shard", key,
+          "cannot go with fsdp.strategy = \"hybrid_shard\" yet");
+  require(!c.fsdp.fault_tolerant, key, "cannot go with fsdp.fault_tolerant yet");
+  require(!c.logging.plan && c.training.memory_budget.empty(), key,
+          "cannot go with --plan or training.memory_budget yet (the planner does not model "
+          "tensor parallelism)");
+}
+
 void validate_fsdp(const Config& c) {
   require(c.fsdp.hybrid_shard_size >= 0, "fsdp.hybrid_shard_size",
           "must be >= 0 (0: the ranks per node), got " + std::to_string(c.fsdp.hybrid_shard_size));
@@ -1028,6 +1053,7 @@ void validate(const Config& c) {
   validate_model_and_data(c);
   validate_training(c);
   validate_fsdp(c);
+  validate_parallel(c);
   validate_precision_and_logging(c);
   validate_generate_and_optimizer(c);
   validate_finetune(c);
@@ -1172,8 +1198,17 @@ int64_t resolved_hybrid_shard_size(const Config& c, int local_world_size) {
 
 void validate_world(const Config& c, int world_size, int local_world_size) {
   const std::string world = std::to_string(world_size) + " rank" + (world_size == 1 ? "" : "s");
-  // The ranks a unit shards over: the world, or one group of hybrid_shard.
-  int64_t shard_ranks = world_size;
+  const int64_t tp = c.parallel.tp;
+  if (world_size % tp != 0)
+    throw ConfigError("'parallel.tp' = " + std::to_string(tp) + " must divide the world size (" +
+                      world + ")");
+  if (tp > 1 && local_world_size % tp != 0)
+    throw ConfigError("'parallel.tp' = " + std::to_string(tp) +
+                      " must divide the ranks per host (" + std::to_string(local_world_size) +
+                      "): a tensor-parallel group stays inside a host");
+  // The ranks a unit shards over: the data-parallel axis (the world without tensor
+  // parallelism), or one group of hybrid_shard.
+  int64_t shard_ranks = world_size / tp;
   const int64_t h = resolved_hybrid_shard_size(c, local_world_size);
   if (c.fsdp.hybrid_shard_size > 0 && world_size % h != 0) {
     throw ConfigError("'fsdp.hybrid_shard_size' = " + std::to_string(h) +
@@ -1214,12 +1249,13 @@ void validate_world(const Config& c, int world_size, int local_world_size) {
   const bool reshards = c.fsdp.reshard_after_forward &&
                         (c.fsdp.strategy == "full_shard" || c.fsdp.strategy == "hybrid_shard");
   if (k > 1 && reshards && shard_ranks % k != 0) {
-    throw ConfigError(
-        "'fsdp.reshard_after_forward_size' = " + std::to_string(k) + " must divide the " +
-        std::to_string(shard_ranks) +
-        " ranks a block is "
-        "sharded over" +
-        (c.fsdp.strategy == "hybrid_shard" ? " (fsdp.hybrid_shard_size)" : " (the world size)"));
+    throw ConfigError("'fsdp.reshard_after_forward_size' = " + std::to_string(k) +
+                      " must divide the " + std::to_string(shard_ranks) +
+                      " ranks a block is "
+                      "sharded over" +
+                      (c.fsdp.strategy == "hybrid_shard" ? " (fsdp.hybrid_shard_size)"
+                       : tp > 1                          ? " (the world size / parallel.tp)"
+                                                         : " (the world size)"));
   }
 }
 

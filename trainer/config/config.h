@@ -163,11 +163,17 @@ struct FinetuneConfig {
   bool export_merged = false;
 };
 
+/// How the model is split besides FSDP's sharding: tensor parallelism (docs/tensor_parallel.md).
+struct ParallelConfig {
+  int64_t tp = 1;  // ranks per tensor-parallel group (consecutive ranks); FSDP shards over the rest
+};
+
 struct Config {
   ModelConfig model;
   DataConfig data;
   TrainingConfig training;
   FsdpConfig fsdp;
+  ParallelConfig parallel;
   PrecisionConfig precision;
   OptimizerConfig optimizer;
   LoggingConfig logging;

@@ -43,7 +43,7 @@ struct Field {
 };
 
 // Order = order in each JSON line: what a human reading the log wants first.
-const std::array<Field, 34> kFields = {{
+const std::array<Field, 35> kFields = {{
     {"step", nullptr, &StepMetrics::step},
     {"loss", "train/loss", &StepMetrics::loss},
     {"eval_loss", "eval/loss", &StepMetrics::eval_loss},
@@ -65,6 +65,7 @@ const std::array<Field, 34> kFields = {{
     {"allgather_bytes", "comm/allgather_bytes", &StepMetrics::allgather_bytes},
     {"reducescatter_bytes", "comm/reducescatter_bytes", &StepMetrics::reducescatter_bytes},
     {"allreduce_bytes", "comm/allreduce_bytes", &StepMetrics::allreduce_bytes},
+    {"tp_bytes", "comm/tp_bytes", &StepMetrics::tp_bytes},
     {"loss_scale", "train/loss_scale", &StepMetrics::loss_scale},
     {"skipped_steps", "train/skipped_steps", &StepMetrics::skipped_steps},
     {"mem_params_bytes", "memory/params_bytes", &StepMetrics::mem_params_bytes},
@@ -360,7 +361,11 @@ Breakdown compute_breakdown(const std::vector<StepMetrics>& steps, int64_t skip_
     b.allgather_bytes += static_cast<double>(s.allgather_bytes);
     b.reducescatter_bytes += static_cast<double>(s.reducescatter_bytes);
     b.allreduce_bytes += static_cast<double>(s.allreduce_bytes);
+    if (s.tp_bytes)
+      b.tp_bytes = b.tp_bytes.value_or(0) + static_cast<double>(*s.tp_bytes);
   }
+  if (b.tp_bytes)
+    *b.tp_bytes /= static_cast<double>(b.num_steps);
   const double n = static_cast<double>(b.num_steps);
   for (double* v : {&fwd, &bwd, &ag, &ag_fwd, &rs, &opt, &total, &b.tokens_per_second, &b.mfu,
                     &b.allgather_bytes, &b.reducescatter_bytes, &b.allreduce_bytes})
@@ -433,10 +438,13 @@ std::string breakdown_table(const std::vector<StepMetrics>& steps, int64_t skip_
   const auto bytes = [](double v) { return fsdp::memory::format_bytes(std::llround(v)); };
   line(
       "tokens/s %.1f | MFU %.2f%% | peak memory %s | per step: all-gather %s, reduce-scatter "
-      "%s, all-reduce %s\n",
+      "%s, all-reduce %s%s\n",
       b.tokens_per_second, 100.0 * b.mfu, fsdp::memory::format_bytes(b.peak_bytes).c_str(),
       bytes(b.allgather_bytes).c_str(), bytes(b.reducescatter_bytes).c_str(),
-      bytes(b.allreduce_bytes).c_str());
+      bytes(b.allreduce_bytes).c_str(),
+      b.tp_bytes
+          ? (", tensor parallel " + bytes(*b.tp_bytes) + " (inside forward and backward)").c_str()
+          : "");
   return out;
 }
 

@@ -65,6 +65,11 @@ struct StepMetrics {
   int64_t allgather_bytes = 0;
   int64_t reducescatter_bytes = 0;
   int64_t allreduce_bytes = 0;
+  /// parallel.tp > 1: the bytes of tensor parallelism's collectives this step on rank 0's tp
+  /// group (the all-reduces of each block's activations in forward and of their gradients in
+  /// backward, and the loss's over the split vocabulary). They run inside the forward and
+  /// backward computations, whose times include them.
+  std::optional<int64_t> tp_bytes;
   /// Held-out loss; present only on steps where evaluation ran.
   std::optional<double> eval_loss;
   /// Total gradient norm before clipping, when the trainer computes it.
@@ -157,6 +162,7 @@ struct Breakdown {
   double mfu = 0;                         // mean over the averaged steps
   int64_t peak_bytes = 0;                 // max over ALL steps: warm-up allocations count
   double allgather_bytes = 0, reducescatter_bytes = 0, allreduce_bytes = 0;  // mean per step
+  std::optional<double> tp_bytes;  // mean per step, with tensor parallelism
   /// Set when a phase was shorter than the waits attributed to it (its row was clamped at 0),
   /// which means the timings are inconsistent.
   std::string warning;

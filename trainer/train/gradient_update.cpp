@@ -15,10 +15,11 @@ void scale_grads(const std::vector<torch::Tensor>& params, double factor) {
 }
 
 UpdateInBackward::UpdateInBackward(torch::nn::Module& root, fsdp::FusedOptimizer& optimizer,
-                                   fsdp::ProcessGroup& group, double clip_factor, bool measure_norm)
+                                   fsdp::ProcessGroup& group, double clip_factor, bool measure_norm,
+                                   fsdp::TensorParallelParams tp)
     : root_(root),
       optimizer_(optimizer),
-      norm_(group),
+      norm_(group, std::move(tp)),
       clip_factor_(clip_factor),
       measure_norm_(measure_norm) {}
 

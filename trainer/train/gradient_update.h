@@ -41,8 +41,10 @@ void scale_grads(const std::vector<torch::Tensor>& params, double factor);
 /// step throws.
 class UpdateInBackward {
  public:
+  /// `tp`: the parameters split over tensor-parallel groups, for the norm over both axes.
   UpdateInBackward(torch::nn::Module& root, fsdp::FusedOptimizer& optimizer,
-                   fsdp::ProcessGroup& group, double clip_factor, bool measure_norm);
+                   fsdp::ProcessGroup& group, double clip_factor, bool measure_norm,
+                   fsdp::TensorParallelParams tp = {});
   ~UpdateInBackward();
   UpdateInBackward(const UpdateInBackward&) = delete;
   UpdateInBackward& operator=(const UpdateInBackward&) = delete;

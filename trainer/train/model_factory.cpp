@@ -18,6 +18,7 @@
 #include "llama.h"
 #include "lora.h"
 #include "peft.h"
+#include "tensor_parallel.h"
 
 namespace fsdp_trainer {
 
@@ -59,18 +60,34 @@ C preset_or_config_error(const std::string& arch, const std::string& name) {
 // parameters become one-element placeholders, and each rank fills only its own shard (by
 // parameter name, so the values are those of an eager build on any number of ranks). A preset
 // far larger than one process's memory can therefore be sharded as long as its shards fit. The
-// placeholders are on `device`, so the shards are created there and never cross the bus.
-template <typename Model, typename Cfg, typename Parallelize>
+// placeholders are on `device`, so the shards are created there and never cross the bus. With
+// a tensor-parallel group the meta model is split first (`split`), and each rank fills its
+// shards of its parts with the whole tensors' values there.
+template <typename Model, typename Cfg, typename Split, typename Parallelize>
 void build_sharded(TrainModel& out, const Cfg& cfg, fsdp_models::InitScheme scheme, uint64_t seed,
                    const UnitOptions& options, int64_t checkpoint_every, torch::Device device,
+                   const std::shared_ptr<fsdp::ProcessGroup>& tp, Split split,
                    Parallelize parallelize) {
   Model model(cfg, fsdp_models::ModelInit().device(torch::kMeta).seed(seed));
+  if (tp) {
+    try {
+      out.tp_layout = split(model, tp);
+    } catch (const c10::Error& e) {
+      throw ConfigError("'parallel.tp' = " + std::to_string(tp->size()) + ": " +
+                        first_line(e.msg()));
+    }
+    out.tp = tp;
+  }
   fsdp_models::to_hollow(*model, torch::TensorOptions().dtype(torch::kFloat32).device(device));
-  auto init = fsdp_models::shard_initializer(*model, std::move(scheme), seed);
+  auto init =
+      tp ? fsdp_models::tensor_parallel_initializer(*model, std::move(scheme), seed, out.tp_layout)
+         : fsdp_models::shard_initializer(*model, std::move(scheme), seed);
   auto blocks = options.blocks, root = options.root;
   blocks.param_init(init);
   root.param_init(init);
   parallelize(model, blocks, root, checkpoint_every);
+  if (tp)
+    out.tp_params = fsdp_models::tensor_parallel_params(*model, tp->size());
   out.module = model.ptr();
   out.forward = [model](const torch::Tensor& idx) mutable { return fsdp::forward(model, idx); };
   out.forward_loss = [model](const torch::Tensor& idx, const fsdp_models::LossSpec& spec) mutable {
@@ -224,7 +241,7 @@ fsdp_models::LlamaConfig llama_config(const Config& config, int64_t vocab_size) 
 }
 
 TrainModel build_model(const Config& config, int64_t vocab_size, const UnitOptions& options,
-                       torch::Device device) {
+                       torch::Device device, std::shared_ptr<fsdp::ProcessGroup> tp) {
   const auto& m = config.model;
   TrainModel out;
   const auto seed = static_cast<uint64_t>(config.training.seed);
@@ -232,6 +249,7 @@ TrainModel build_model(const Config& config, int64_t vocab_size, const UnitOptio
     const auto cfg = gpt_config(config, vocab_size);
     build_sharded<fsdp_models::GPT>(
         out, cfg, fsdp_models::gpt_init_scheme(cfg), seed, options, config.fsdp.ac_every, device,
+        tp, &fsdp_models::tensor_parallelize_gpt,
         [](auto& model, const auto& blocks, const auto& root, int64_t every) {
           fsdp_models::parallelize_gpt(model, blocks, root, every);
         });
@@ -242,6 +260,7 @@ TrainModel build_model(const Config& config, int64_t vocab_size, const UnitOptio
     const auto cfg = llama_config(config, vocab_size);
     build_sharded<fsdp_models::Llama>(
         out, cfg, fsdp_models::llama_init_scheme(cfg), seed, options, config.fsdp.ac_every, device,
+        tp, &fsdp_models::tensor_parallelize_llama,
         [](auto& model, const auto& blocks, const auto& root, int64_t every) {
           fsdp_models::parallelize_llama(model, blocks, root, every);
         });
@@ -251,6 +270,8 @@ TrainModel build_model(const Config& config, int64_t vocab_size, const UnitOptio
   }
   out.description = fmt::format("{} {}: {} layers, width {}, {:.2f}M parameters", m.arch, m.preset,
                                 out.n_layer, out.n_embd, out.num_params / 1e6);
+  if (tp)
+    out.description += fmt::format(", split over {} tensor-parallel ranks", tp->size());
   return out;
 }
 

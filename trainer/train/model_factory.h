@@ -7,6 +7,8 @@
 #include <memory>
 #include <string>
 
+#include <fsdp/checkpoint/tensor_parallel_layout.h>
+#include <fsdp/clip_grad.h>
 #include <fsdp/fully_shard.h>
 
 #include "config/config.h"
@@ -35,6 +37,13 @@ struct TrainModel {
   /// training.loss_chunk; 0 picks the chunk); < 0: forward, the whole logits, cross_entropy.
   torch::Tensor loss(const torch::Tensor& inputs, const torch::Tensor& targets,
                      const torch::Tensor& weights, double denominator, int64_t loss_chunk) const;
+
+  /// parallel.tp > 1: the tensor-parallel group, where this rank's part of each split
+  /// parameter sits in the whole model (for checkpoints), and the split parameters (for the
+  /// gradient norm over both axes). Without it: null and empty.
+  std::shared_ptr<fsdp::ProcessGroup> tp;
+  fsdp::TensorParallelLayout tp_layout;
+  fsdp::TensorParallelParams tp_params;
 
   int64_t num_params = 0;
   int64_t n_layer = 0;
@@ -83,9 +92,11 @@ void check_model_fits(const Config& config, int world_size, int local_world_size
 
 /// The model of config.model with `vocab_size` tokens and config.training.seq_len context,
 /// initialised from config.training.seed (the same values on any number of ranks), sharded with
-/// `options`, its shards on `device`. Throws ConfigError for an unknown preset or shapes that do
-/// not fit.
+/// `options`, its shards on `device`. With `tp` (parallel.tp > 1), first split over that group
+/// (models/tensor_parallel.h; options' group is then the mesh's dp axis); the values are those of
+/// the same model built whole. Throws ConfigError for an unknown preset or shapes that do not fit
+/// (or do not divide over the tp group).
 TrainModel build_model(const Config& config, int64_t vocab_size, const UnitOptions& options,
-                       torch::Device device);
+                       torch::Device device, std::shared_ptr<fsdp::ProcessGroup> tp = nullptr);
 
 }  // namespace fsdp_trainer

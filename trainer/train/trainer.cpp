@@ -95,6 +95,8 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
   const int rank = pg_->rank(), world = pg_->size();
   const int local_world = env.local_world_size;
   validate_world(config_, world, local_world);  // main() checked already; never hang on it
+  if (config_.parallel.tp > 1)
+    mesh_ = fsdp::make_device_mesh(*pg_, static_cast<int>(config_.parallel.tp));
   if (config_.fsdp.fault_tolerant && purpose_ == Purpose::kTrain) {
     // The replicas' groups come from the quorum; the trainer's reductions go over the ranks
     // training now (none yet in a restarted replica, until it is admitted).
@@ -116,7 +118,8 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
   if (purpose_ == Purpose::kTrain)
     check_saved_inputs();
   // A restarted replica finds the data prepared, and no one to wait for.
-  data_ = std::make_unique<TrainData>(config_, rank, world, device_, [this, restarted] {
+  // Each data-parallel rank reads its part of the batch; a tensor-parallel group reads one.
+  data_ = std::make_unique<TrainData>(config_, dp_rank(), dp_size(), device_, [this, restarted] {
     if (!restarted)
       pg_->barrier();
   });
@@ -124,7 +127,7 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
 
   compute_dtype_ = resolve_compute_dtype();
   UnitOptions units =
-      unit_options(config_, membership_ ? membership_->quorum().replica_group() : pg_,
+      unit_options(config_, membership_ ? membership_->quorum().replica_group() : dp_group(),
                    compute_dtype_.dtype, local_world);
   if (membership_) {
     for (auto* o : {&units.blocks, &units.root})
@@ -139,7 +142,8 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
     const int share = std::max(1, cores / std::max(1, env.local_world_size));
     torch::set_num_threads(std::max(static_cast<int>(t.threads), share));
     model_ = data_->finetune() ? build_finetune_model(config_, model_file, units, device_)
-                               : build_model(config_, data_->prepared().vocab_size, units, device_);
+                               : build_model(config_, data_->prepared().vocab_size, units, device_,
+                                             mesh_ ? mesh_->tp : nullptr);
     torch::set_num_threads(static_cast<int>(t.threads));
   }
   units_ = units;
@@ -218,6 +222,12 @@ void Trainer::describe_run(int world) {
   const auto& f = config_.fsdp;
   const auto& prec = config_.precision;
   metrics_->message(data_->describe(model_.description, world));
+  if (mesh_) {
+    metrics_->message(fmt::format(
+        "mesh: dp {} x tp {} (tensor parallelism inside each group of {} consecutive ranks, which "
+        "read one part of the batch: \"per rank\" above is per tp group; FSDP over the dp axis)",
+        mesh_->dp->size(), mesh_->tp->size(), mesh_->tp->size()));
+  }
   std::string sharding = f.strategy;
   if (f.strategy == "hybrid_shard") {
     const int hybrid_size = units_->blocks.hybrid_shard_size();
@@ -584,9 +594,10 @@ void Trainer::optimizer_phase(const StepParts& parts, UpdateInBackward* in_backw
     if (parts.scaler)
       parts.scaler->unscale_(parts.optimizer);
     if (t.grad_clip > 0 && !previous_clip)
-      m.grad_norm = fsdp::clip_grad_norm_(parts.params, t.grad_clip, norm_group());
+      m.grad_norm =
+          fsdp::clip_grad_norm_(parts.params, t.grad_clip, norm_group(), parts.model.tp_params);
     if (previous_clip) {
-      fsdp::GradNormSum norm(norm_group());
+      fsdp::GradNormSum norm(norm_group(), parts.model.tp_params);
       norm.add(parts.params);
       m.grad_norm = norm.reduce();
       if (clip.factor() != 1.0)
@@ -615,7 +626,7 @@ double Trainer::run_step(const StepParts& parts, const Batch& batch, StepMetrics
   std::optional<UpdateInBackward> in_backward;
   if (config_.fsdp.optimizer_in_backward) {
     in_backward.emplace(*parts.model.module, dynamic_cast<fsdp::FusedOptimizer&>(parts.optimizer),
-                        *pg_, clip.factor(), previous_clip);
+                        *pg_, clip.factor(), previous_clip, parts.model.tp_params);
   }
   const double loss_sum = backward_passes(parts, batch, in_backward ? &*in_backward : nullptr);
   optimizer_phase(parts, in_backward ? &*in_backward : nullptr, clip, m);
@@ -656,6 +667,8 @@ Batch Trainer::begin_step(int64_t step, StepMetrics& m) {
   m.step = step;
   m.lr = optimizers_->set_lr(step);
   metrics_->reset_peak();
+  if (mesh_)
+    tp_at_step_start_ = mesh_->tp->comm_stats();
   profiler_->begin_step();
   fsdp::trace::Span span("data", "data");
   return data_->next();
@@ -674,7 +687,7 @@ StepMetrics Trainer::train_step(int64_t step) {
   if (data_->finetune())  // batches padded to their own longest conversation: counted
     local_tokens = static_cast<double>(data_->tokens_in(batch));
   else
-    m.tokens = data_->tokens_in(batch) * pg_->size();
+    m.tokens = data_->tokens_in(batch) * dp_size();
   metrics_->reduce(m, loss_sum, local_tokens);
   return m;
 }
@@ -703,6 +716,10 @@ void Trainer::end_step(int64_t step, const Batch& batch, StepMetrics& m) {
   m.allgather_bytes = b.comm.all_gather.bytes;
   m.reducescatter_bytes = b.comm.reduce_scatter.bytes;
   m.allreduce_bytes = b.comm.all_reduce.bytes;
+  if (mesh_) {  // the units' groups are the dp axis: the tp group's traffic is counted apart
+    const auto tp = mesh_->tp->comm_stats() - tp_at_step_start_;
+    m.tp_bytes = tp.all_reduce.bytes + tp.all_gather.bytes + tp.reduce_scatter.bytes;
+  }
   // This rank's own measurements, for the planner's comparison: steady steps only (the first
   // one creates the optimizer state, which the prediction already counts).
   if (plan_check_ && step > start_step_ + 1)
@@ -934,12 +951,14 @@ void Trainer::save_checkpoint(int64_t step) {
       meta["rng." + std::to_string(r)] = rngs[static_cast<size_t>(r)];
   }
   if (async_saves_) {  // checkpoint.async: finished by the next save or the end of training
-    async_saves_->start(dir.string(), *model_.module, &optimizers_->optimizer(), meta);
+    async_saves_->start(dir.string(), *model_.module, &optimizers_->optimizer(), meta,
+                        model_.tp_layout);
     async_step_ = step;
     return;
   }
   const auto save_start = Clock::now();
-  fsdp::save_sharded(dir.string(), *model_.module, &optimizers_->optimizer(), *pg_, meta);
+  fsdp::save_sharded(dir.string(), *model_.module, &optimizers_->optimizer(), *pg_, meta,
+                     model_.tp_layout);
   const double save_seconds = seconds_since(save_start);
   if (rank == 0) {
     after_save(dir);
@@ -1020,7 +1039,7 @@ int64_t Trainer::resume_from_checkpoint() {
     return 0;
   const std::filesystem::path dir = *resumed;
   const CheckpointMeta meta(
-      fsdp::load_sharded(dir.string(), *model_.module, &optimizers_->optimizer()),
+      fsdp::load_sharded(dir.string(), *model_.module, &optimizers_->optimizer(), model_.tp_layout),
       (dir / "index.json").string());
   const int64_t step = meta.count("step");
   const int64_t saved_world = meta.count("world_size");
@@ -1062,10 +1081,15 @@ std::string Trainer::load_weights(const std::string& path) {
       throw std::runtime_error("no complete checkpoint in " + checkpoint_dir(config_));
     dir = *latest;
   }
-  if (saved_model_in(dir) == SavedModel::kShardedCheckpoint)
-    fsdp::load_sharded(dir.string(), *model_.module);
-  else
+  if (saved_model_in(dir) == SavedModel::kShardedCheckpoint) {
+    fsdp::load_sharded(dir.string(), *model_.module, nullptr, model_.tp_layout);
+  } else {
+    if (model_.tp)
+      throw ConfigError(dir.string() +
+                        ": a Hugging Face directory does not load into a model split with "
+                        "parallel.tp > 1 yet; start from a sharded checkpoint");
     model_.load_hf(dir.string());
+  }
   return dir.string();
 }
 
@@ -1079,7 +1103,10 @@ void Trainer::export_hf(const std::string& dir, bool replace) {
   options.dtype = dtype_named(config_.checkpoint.export_dtype);
   options.shard_bytes = std::llround(config_.checkpoint.export_shard_mb * (1 << 20));
   options.files = data_->export_files();  // fine-tuning: none here, the model adds its own
-  model_.save_hf(dir, *pg_, options);
+  if (model_.tp)
+    whole_model(dir + ".tp-staging").save_hf(dir, *pg_, options);
+  else
+    model_.save_hf(dir, *pg_, options);
   const double seconds = seconds_since(start);
   if (pg_->rank() != 0)
     return;
@@ -1094,6 +1121,25 @@ void Trainer::export_hf(const std::string& dir, bool replace) {
     metrics_->message(text);
   else
     std::printf("%s\n", text.c_str());
+}
+
+TrainModel Trainer::whole_model(const std::string& staging) {
+  namespace fs = std::filesystem;
+  if (pg_->rank() == 0)
+    fs::remove_all(staging);  // left by an export that died
+  pg_->barrier();
+  fsdp::save_sharded(staging, *model_.module, nullptr, *pg_, {}, model_.tp_layout);
+  Config whole = config_;
+  whole.parallel.tp = 1;
+  const int local_world = fsdp::launch_env_from_environment().local_world_size;
+  TrainModel out =
+      build_model(whole, data_->prepared().vocab_size,
+                  unit_options(whole, pg_, compute_dtype_.dtype, local_world), device_);
+  fsdp::load_sharded(staging, *out.module);
+  pg_->barrier();  // every rank has read it
+  if (pg_->rank() == 0)
+    fs::remove_all(staging);
+  return out;
 }
 
 void Trainer::write_outputs() {

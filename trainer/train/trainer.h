@@ -18,6 +18,7 @@
 #include <vector>
 
 #include <fsdp/checkpoint/sharded_checkpoint.h>
+#include <fsdp/distributed/device_mesh.h>
 #include <fsdp/distributed/process_group.h>
 #include <fsdp/grad_scaler.h>
 #include <fsdp/observe/step_profiler.h>
@@ -121,6 +122,15 @@ class Trainer {
   /// replica's ranks (its gradients are the average over the live replicas already, and the
   /// norm then needs no rank of another replica).
   fsdp::ProcessGroup& norm_group();
+  /// The data-parallel axis: the units' group and the ranks that split the batch (the world,
+  /// or with parallel.tp > 1 the mesh's dp group; its ranks' tp groups read the same data).
+  std::shared_ptr<fsdp::ProcessGroup> dp_group() const { return mesh_ ? mesh_->dp : pg_; }
+  int dp_rank() const { return dp_group()->rank(); }
+  int dp_size() const { return dp_group()->size(); }
+  /// parallel.tp > 1: the model built whole (no tensor parallelism) over the world, holding
+  /// this job's values, which it gets through a sharded checkpoint in `staging` (whole tensors
+  /// by design; removed after). What a Hugging Face export of a split model writes from.
+  TrainModel whole_model(const std::string& staging);
   /// logging.trace_steps: stops recording and writes this rank's trace of `steps`.
   void write_trace(std::pair<int64_t, int64_t> steps);
   /// Resolves precision.param_dtype ("auto", or a warning for a slow explicit one) from
@@ -169,6 +179,8 @@ class Trainer {
   ComputeDtype compute_dtype_;  // precision.param_dtype resolved for this machine ("auto")
   std::shared_ptr<fsdp::ProcessGroup> pg_;
   std::shared_ptr<fsdp::ProcessGroup> metrics_pg_;  // every rank, for the trainer's reductions
+  std::optional<fsdp::DeviceMesh2D> mesh_;          // parallel.tp > 1: dp x tp
+  fsdp::CommStats tp_at_step_start_;                // the tp group's counters when a step began
   std::unique_ptr<MetricsProcessor> metrics_;
   std::unique_ptr<TrainData> data_;
   TrainModel model_;

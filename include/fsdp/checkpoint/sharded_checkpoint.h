@@ -15,6 +15,10 @@
 // before anything is trusted (safetensors headers, the index's every field); a corrupted or
 // truncated file is refused with an error naming the file and the tensor.
 //
+// With tensor parallelism (a TensorParallelLayout given), every tensor is still stored whole: a
+// piece is then a block of rows and, for a parameter split by columns, of columns, and a
+// checkpoint saved on a (dp, tp) mesh loads on any other, or on one process.
+//
 // The directory must be on a file system every rank sees (one node, or a shared one).
 #pragma once
 
@@ -27,6 +31,8 @@
 #include <optional>
 #include <string>
 
+#include <fsdp/checkpoint/tensor_parallel_layout.h>
+
 namespace fsdp {
 
 class ProcessGroup;
@@ -34,10 +40,12 @@ class ProcessGroup;
 /// Saves `model`'s parameters and, if given, `optimizer`'s state (torch::optim::AdamW, Adam or
 /// SGD) as this rank holds them. Collective over `group` (every rank calls it with the same
 /// dir). `metadata` (e.g. the training step) is stored in the index; load_sharded returns it.
-/// Throws if `dir` exists (checkpoints are never overwritten in place).
+/// Throws if `dir` exists (checkpoints are never overwritten in place). With tensor
+/// parallelism, `group` spans both axes (the world) and `tp` is this rank's layout.
 void save_sharded(const std::string& dir, torch::nn::Module& model,
                   torch::optim::Optimizer* optimizer, ProcessGroup& group,
-                  const std::map<std::string, std::string>& metadata = {});
+                  const std::map<std::string, std::string>& metadata = {},
+                  const TensorParallelLayout& tp = {});
 
 /// What an asynchronous save did: its directory, this rank's bytes, how long start() held the
 /// caller (the snapshot, its checksums and the index's all-gather) and how long the whole save
@@ -68,7 +76,8 @@ class AsyncCheckpointer {
 
   /// Collective over the group, like save_sharded; returns once the snapshot is taken.
   void start(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer* optimizer,
-             const std::map<std::string, std::string>& metadata = {});
+             const std::map<std::string, std::string>& metadata = {},
+             const TensorParallelLayout& tp = {});
   /// Waits for the save in flight on this rank (rank 0: until it is committed) and returns what
   /// it did, or nullopt if none was in flight. Throws what the writer threw (an I/O error, or on
   /// rank 0 a rank that did not write its file within the group's timeout).
@@ -90,8 +99,11 @@ std::map<std::string, std::string> read_checkpoint_metadata(const std::string& d
 /// Loads a checkpoint written by save_sharded on any number of ranks into `model` (sharded or
 /// not; the same parameter names and shapes) and, if given, `optimizer` (the same kind as was
 /// saved; its state is created or replaced). Every rank reads what it needs; no collective.
-/// Returns the saved metadata. Throws safetensors::FormatError for a damaged checkpoint.
+/// Returns the saved metadata. Throws safetensors::FormatError for a damaged checkpoint. `tp`:
+/// this rank's tensor-parallel layout (default: every parameter whole), whatever the saving
+/// job's was.
 std::map<std::string, std::string> load_sharded(const std::string& dir, torch::nn::Module& model,
-                                                torch::optim::Optimizer* optimizer = nullptr);
+                                                torch::optim::Optimizer* optimizer = nullptr,
+                                                const TensorParallelLayout& tp = {});
 
 }  // namespace fsdp

@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""Per-rank memory of tensor parallelism against FSDP alone on the same ranks, measured.
+
+One command (from the repository root, after the build):
+
+    ~/.cache/fsdp-cpp/torch-$(cat .torch-version)/bin/python bench/tensor_parallel_memory.py
+
+runs fsdp-train on 4 ranks at (dp, tp) = (4, 1), (2, 2) and (1, 4) on gpt2-medium's block
+shape (gpt2-350m: width 1024, 16 heads; fewer blocks, --layers, so that it runs on two cores)
+at a long sequence, one sequence per tp group, fp32, and prints what each rank's peak is made of
+(fsdp::memory categories of the rank with the highest peak, at that peak), each against (4, 1),
+with the tensor-parallel traffic per step and the step time. The CPU model and flags come first.
+
+What to expect, per block and token (see analytic()): without sequence parallelism (not in the
+models yet) a GPT block keeps 16 values of width C for backward, of which 12 are split by tp (q,
+k, v, attention's output, the MLP's two hidden tensors of 4C) and 4 stay whole (the block's
+input, the two norms' outputs, the residual after attention), plus fp32 norm statistics; the
+fused loss keeps a chunk of this rank's words only. So activations per rank fall by
+16 / (12 / tp + 4): 1.6x at tp 2, 2.3x at tp 4, not tp x, until the residual stream is split too.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from machine import cpu_description
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "build", "trainer", "fsdp-train")
+RANKS = 4
+CATEGORIES = ["params", "grads", "optimizer", "gathered", "activations", "other"]
+
+
+def run(tp, args, workdir):
+    run_dir = os.path.join(workdir, f"tp{tp}")
+    cmd = [TRAIN, "--nproc", str(RANKS), os.path.join(ROOT, "configs", "demo.toml"),
+           "--model.preset=gpt2-350m", f"--model.n_layer={args.layers}",
+           f"--training.seq_len={args.seq}", "--training.batch_size=1",
+           f"--training.steps={args.steps}", "--training.warmup_steps=1",
+           "--training.eval_every=0", "--training.eval_batches=1", "--generate.tokens=0",
+           "--precision.param_dtype=fp32", "--logging.plot=false", "--logging.progress=none",
+           f"--parallel.tp={tp}", f"--logging.run_dir={run_dir}"]
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def analytic_ratio(tp):
+    """Activations per rank at tp against tp = 1, per block (the blocks dominate)."""
+    return 16 / (12 / tp + 4)
+
+
+def mib(b):
+    return f"{b / 2**20:.1f}"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=2)
+    args = p.parse_args()
+    print(f"CPU: {cpu_description()}")
+    print(f"Model: gpt2-350m's blocks (width 1024, 16 heads), {args.layers} of them, the demo's "
+          f"vocabulary; {RANKS} ranks, one sequence of {args.seq} tokens per tp group, fp32, "
+          f"step {args.steps} (AdamW state exists).\n")
+    rows = []
+    with tempfile.TemporaryDirectory() as workdir:
+        for tp in (1, 2, 4):
+            last = run(tp, args, workdir)[-1]
+            rows.append((tp, last))
+    base = rows[0][1]
+    print("| (dp, tp) | peak MiB | vs (4, 1) | " + " | ".join(CATEGORIES) +
+          " | activations vs (4, 1) (expected) | tp traffic per step | step s |")
+    print("|" + " --- |" * (len(CATEGORIES) + 6))
+    for tp, m in rows:
+        cells = " | ".join(mib(m[f"mem_{c}_bytes"]) for c in CATEGORIES)
+        act = base["mem_activations_bytes"] / max(1, m["mem_activations_bytes"])
+        traffic = mib(m.get("tp_bytes", 0)) + " MiB" if tp > 1 else "-"
+        print(f"| ({RANKS // tp}, {tp}) | {mib(m['peak_bytes'])} | "
+              f"{m['peak_bytes'] / base['peak_bytes']:.0%} | {cells} | "
+              f"{act:.2f}x less ({analytic_ratio(tp):.2f}x) | {traffic} | "
+              f"{m['step_time_s']:.2f} |")
+    print("\nMiB at the peak of the rank with the highest one (its categories sum to it). "
+          "Expected activation ratio: 16 / (12 / tp + 4) per block (the module docstring).")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
