@@ -5,7 +5,8 @@ One command (from the repository root, after the build):
 
     ~/.cache/fsdp-cpp/torch-$(cat .torch-version)/bin/python bench/tensor_parallel_memory.py
 
-runs fsdp-train on 4 ranks at (dp, tp) = (4, 1), (2, 2) and (1, 4) on gpt2-medium's block
+runs fsdp-train on 4 ranks at (dp, tp) = (4, 1), (2, 2) and (1, 4), the last two also with
+sequence parallelism, on gpt2-medium's block
 shape (gpt2-350m: width 1024, 16 heads; fewer blocks, --layers, so that it runs on two cores)
 at a long sequence, one sequence per tp group, fp32, and prints what each rank's peak is made of
 (fsdp::memory categories of the rank with the highest peak, at that peak), each against (4, 1),
@@ -15,8 +16,14 @@ What to expect, per block and token (see analytic()): without sequence paralleli
 models yet) a GPT block keeps 16 values of width C for backward, of which 12 are split by tp (q,
 k, v, attention's output, the MLP's two hidden tensors of 4C) and 4 stay whole (the block's
 input, the two norms' outputs, the residual after attention), plus fp32 norm statistics; the
-fused loss keeps a chunk of this rank's words only. So activations per rank fall by
-16 / (12 / tp + 4): 1.6x at tp 2, 2.3x at tp 4, not tp x, until the residual stream is split too.
+fused loss keeps a chunk of this rank's words only. So a block's activations per rank fall by
+16 / (12 / tp + 4): 1.6x at tp 2, 2.3x at tp 4, not tp x, until the residual stream is split too;
+the root's (the embedding's output, whole on every rank) fall by less, so the whole by less still.
+With parallel.sequence_parallel the block's 16 values are all split (its input, the norms' outputs
+and the residual hold 1/tp of the positions), but the two gathered norm outputs (whole sequence,
+C each) are kept by the column-parallel layers that read them, for their weight gradients
+(Megatron gathers them again in backward instead; not done here yet): 16 / (16 / tp + 2), the
+same as without at tp 2 (1.6x) and 2.7x at tp 4.
 """
 import argparse
 import json
@@ -33,8 +40,8 @@ RANKS = 4
 CATEGORIES = ["params", "grads", "optimizer", "gathered", "activations", "other"]
 
 
-def run(tp, args, workdir):
-    run_dir = os.path.join(workdir, f"tp{tp}")
+def run(tp, sequence_parallel, args, workdir):
+    run_dir = os.path.join(workdir, f"tp{tp}{'-sp' if sequence_parallel else ''}")
     cmd = [TRAIN, "--nproc", str(RANKS), os.path.join(ROOT, "configs", "demo.toml"),
            "--model.preset=gpt2-350m", f"--model.n_layer={args.layers}",
            f"--training.seq_len={args.seq}", "--training.batch_size=1",
@@ -42,14 +49,17 @@ def run(tp, args, workdir):
            "--training.eval_every=0", "--training.eval_batches=1", "--generate.tokens=0",
            "--precision.param_dtype=fp32", "--logging.plot=false", "--logging.progress=none",
            f"--parallel.tp={tp}", f"--logging.run_dir={run_dir}"]
+    if sequence_parallel:
+        cmd.append("--parallel.sequence_parallel=true")
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
 
-def analytic_ratio(tp):
-    """Activations per rank at tp against tp = 1, per block (the blocks dominate)."""
-    return 16 / (12 / tp + 4)
+def analytic_ratio(tp, sequence_parallel):
+    """Activations per rank at tp against tp = 1, per block (the blocks dominate); see the
+    module docstring."""
+    return 16 / (12 / tp + 4) if not sequence_parallel else 16 / (16 / tp + 2)
 
 
 def mib(b):
@@ -68,23 +78,24 @@ def main():
           f"step {args.steps} (AdamW state exists).\n")
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
-        for tp in (1, 2, 4):
-            last = run(tp, args, workdir)[-1]
-            rows.append((tp, last))
-    base = rows[0][1]
+        for tp, sp in ((1, False), (2, False), (4, False), (2, True), (4, True)):
+            last = run(tp, sp, args, workdir)[-1]
+            rows.append((tp, sp, last))
+    base = rows[0][2]
     print("| (dp, tp) | peak MiB | vs (4, 1) | " + " | ".join(CATEGORIES) +
           " | activations vs (4, 1) (expected) | tp traffic per step | step s |")
     print("|" + " --- |" * (len(CATEGORIES) + 6))
-    for tp, m in rows:
+    for tp, sp, m in rows:
         cells = " | ".join(mib(m[f"mem_{c}_bytes"]) for c in CATEGORIES)
         act = base["mem_activations_bytes"] / max(1, m["mem_activations_bytes"])
         traffic = mib(m.get("tp_bytes", 0)) + " MiB" if tp > 1 else "-"
-        print(f"| ({RANKS // tp}, {tp}) | {mib(m['peak_bytes'])} | "
-              f"{m['peak_bytes'] / base['peak_bytes']:.0%} | {cells} | "
-              f"{act:.2f}x less ({analytic_ratio(tp):.2f}x) | {traffic} | "
+        print(f"| ({RANKS // tp}, {tp}){' + sequence parallel' if sp else ''} | "
+              f"{mib(m['peak_bytes'])} | {m['peak_bytes'] / base['peak_bytes']:.0%} | {cells} | "
+              f"{act:.2f}x less ({analytic_ratio(tp, sp):.2f}x) | {traffic} | "
               f"{m['step_time_s']:.2f} |")
     print("\nMiB at the peak of the rank with the highest one (its categories sum to it). "
-          "Expected activation ratio: 16 / (12 / tp + 4) per block (the module docstring).")
+          "Expected activation ratio: 16 / (12 / tp + 4) for the blocks (the module docstring); "
+          "the root's activations are not split.")
 
 
 if __name__ == "__main__":

@@ -150,7 +150,8 @@ int64_t auto_loss_chunk(int64_t vocab) {
 }
 
 torch::Tensor head_loss(const torch::Tensor& normed, const torch::Tensor& tied, Linear& head,
-                        const LossSpec& spec, const fsdp::tp::VocabSplit* split) {
+                        const LossSpec& spec, const fsdp::tp::VocabSplit* split,
+                        bool sequence_gathered) {
   auto h = normed.reshape({-1, normed.size(-1)});
   const auto targets = spec.targets.reshape({-1});
   const auto weights = spec.weights.defined() ? spec.weights.reshape({-1}) : torch::Tensor();
@@ -158,7 +159,7 @@ torch::Tensor head_loss(const torch::Tensor& normed, const torch::Tensor& tied, 
       tied.defined() || (!head->has_lora() && !head->bias.defined() && !head->is_nf4());
   if (plain) {
     const auto& matrix = tied.defined() ? tied : head->weight;
-    if (split)  // every rank's hidden states are whole: their gradients' parts add up
+    if (split && !sequence_gathered)  // whole hidden states: their gradients' parts add up
       h = fsdp::tp::copy_to_group(h, split->group);
     return chunked_linear_cross_entropy(
         h, matrix, targets, weights, spec.denominator,

@@ -60,8 +60,11 @@ struct LossSpec {
 /// tied matrix `tied` (V, C) when defined, else `head`. Chunked when the head is a plain matrix;
 /// a head with LoRA adapters, NF4 storage or a bias gives its whole logits, then the loss (the
 /// same value). `split`: the vocabulary's split over a tensor-parallel group (the tied table's
-/// or the head's vocab_split()), or nullptr.
+/// or the head's vocab_split()), or nullptr. `sequence_gathered` (sequence parallelism):
+/// `normed` was gathered from the ranks' positions by tp::gather_from_group, whose backward
+/// already sums the parts of its gradient that each rank's words give.
 torch::Tensor head_loss(const torch::Tensor& normed, const torch::Tensor& tied, Linear& head,
-                        const LossSpec& spec, const fsdp::tp::VocabSplit* split = nullptr);
+                        const LossSpec& spec, const fsdp::tp::VocabSplit* split = nullptr,
+                        bool sequence_gathered = false);
 
 }  // namespace fsdp_models

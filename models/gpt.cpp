@@ -1,6 +1,8 @@
 // GPT-2 style model; see gpt.h.
 #include "gpt.h"
 
+#include <fsdp/tensor_parallel/tp_ops.h>
+
 #include <fsdp/fully_shard.h>
 
 #include "parallelize.h"
@@ -105,6 +107,13 @@ BlockImpl::BlockImpl(const GPTConfig& cfg, const ModelInit& init) {
 }
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
+  if (sequence_group) {  // x: this rank's positions; attention and the MLP see them all
+    const auto whole = [&](const torch::Tensor& y) {
+      return fsdp::tp::gather_from_group(y, 1, sequence_group);
+    };
+    auto h = x + attn(whole(ln_1(x)));
+    return h + mlp(whole(ln_2(h)));
+  }
   auto h = x + attn(ln_1(x));
   return h + mlp(ln_2(h));
 }
@@ -135,11 +144,15 @@ torch::Tensor GPTImpl::embed(const torch::Tensor& idx) {
   TORCH_CHECK(t <= cfg_.block_size, "sequence of ", t, " tokens exceeds block_size ",
               cfg_.block_size);
   auto pos = torch::arange(t, idx.options().dtype(torch::kLong));
+  if (sequence_group_)  // this rank's positions: the words' rows reduce-scattered, its slice of wpe
+    return wte(idx) + fsdp::tp::split_to_group(wpe(pos), 0, sequence_group_).unsqueeze(0);
   return wte(idx) + wpe(pos);  // (B, T, C)
 }
 
 torch::Tensor GPTImpl::head(const torch::Tensor& x) {
   auto h = ln_f(x);
+  if (sequence_group_)
+    h = fsdp::tp::gather_from_group(h, 1, sequence_group_);
   // Tied head: the embedding matrix, used inside the same (root) unit as the embedding.
   return cfg_.tie_embeddings ? wte->attend(h) : lm_head(h);
 }
@@ -152,12 +165,40 @@ torch::Tensor GPTImpl::trunk(const torch::Tensor& idx) {
 }
 
 torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
-  return head(trunk(idx));
+  const int64_t t = idx.size(1);
+  const int64_t n = sequence_group_ ? sequence_group_->size() : 1;
+  const int64_t pad = (n - t % n) % n;
+  if (pad == 0)
+    return head(trunk(idx));
+  // Sequence parallelism splits T evenly: pad on the right, which no earlier position attends to.
+  auto padded = torch::cat({idx, torch::zeros({idx.size(0), pad}, idx.options())}, 1);
+  return head(trunk(padded)).narrow(1, 0, t);
 }
 
 torch::Tensor GPTImpl::loss(const torch::Tensor& x, const LossSpec& spec) {
-  return head_loss(ln_f(x), cfg_.tie_embeddings ? wte->weight : torch::Tensor(), lm_head, spec,
-                   cfg_.tie_embeddings ? wte->vocab_split() : lm_head->vocab_split());
+  auto h = ln_f(x);
+  if (sequence_group_)
+    h = fsdp::tp::gather_from_group(h, 1, sequence_group_);
+  return head_loss(h, cfg_.tie_embeddings ? wte->weight : torch::Tensor(), lm_head, spec,
+                   cfg_.tie_embeddings ? wte->vocab_split() : lm_head->vocab_split(),
+                   /*sequence_gathered=*/sequence_group_ != nullptr);
+}
+
+void GPTImpl::use_sequence_parallel(std::shared_ptr<fsdp::ProcessGroup> group) {
+  TORCH_CHECK(group && wte->vocab_split(),
+              "use_sequence_parallel: split the model first (tensor_parallelize_gpt)");
+  for (const auto& m : modules())
+    if (auto* linear = dynamic_cast<LinearImpl*>(m.get()); linear && linear->is_tensor_parallel())
+      linear->use_sequence_parallel();
+  for (auto& block : blocks) {
+    block->ln_1->sum_grads_over(group);
+    block->ln_2->sum_grads_over(group);
+    block->sequence_group = group;
+  }
+  wte->use_sequence_parallel();
+  // ln_f computes on this rank's positions; the head on the gathered sequence.
+  ln_f->sum_grads_over(group);
+  sequence_group_ = std::move(group);
 }
 
 torch::Tensor GPTImpl::forward(const torch::Tensor& idx, const LossSpec& spec) {

@@ -69,6 +69,9 @@ class BlockImpl : public torch::nn::Module {
   LayerNorm ln_1{nullptr}, ln_2{nullptr};
   CausalSelfAttention attn{nullptr};
   MLP mlp{nullptr};
+  /// Sequence parallelism (GPTImpl::use_sequence_parallel): x is this rank's positions; the
+  /// norms' outputs are gathered over this group before attention and the MLP.
+  std::shared_ptr<fsdp::ProcessGroup> sequence_group;
 };
 TORCH_MODULE(Block);
 
@@ -93,6 +96,13 @@ class GPTImpl : public torch::nn::Module {
 
   const GPTConfig& config() const { return cfg_; }
   int64_t num_params() const { return cfg_.num_params(); }
+  /// Sequence parallelism (Korthikanti et al. 2022) on a model split by tensor_parallelize_gpt
+  /// over `group`: between the blocks' parallel regions the residual stream holds each rank's
+  /// 1/tp of the positions (the norms, residual adds and embeddings compute on those alone),
+  /// gathered before each column-parallel layer and reduce-scattered after each row-parallel
+  /// one. T must divide by the group's size for training; forward(idx) pads a shorter
+  /// sequence on the right (a causal model's earlier logits do not see it).
+  void use_sequence_parallel(std::shared_ptr<fsdp::ProcessGroup> group);
   /// Re-initialises every parameter: the values depend only on `seed` and the names.
   void init_weights(uint64_t seed);
 
@@ -103,6 +113,7 @@ class GPTImpl : public torch::nn::Module {
 
  private:
   GPTConfig cfg_;
+  std::shared_ptr<fsdp::ProcessGroup> sequence_group_;  // use_sequence_parallel
 };
 TORCH_MODULE(GPT);
 

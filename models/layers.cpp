@@ -266,18 +266,30 @@ torch::Tensor LinearImpl::split_forward(const torch::Tensor& x) {
     return lora_dropout_ > 0 ? torch::dropout(x, lora_dropout_, is_training()) : x;
   };
   if (tp_ == TpSplit::kColumn) {
-    auto y = torch::nn::functional::linear(fsdp::tp::copy_to_group(x, tp_group_), w, b);
+    auto y = torch::nn::functional::linear(
+        sequence_parallel_ ? x : fsdp::tp::copy_to_group(x, tp_group_), w, b);
     if (lora_A) {
       auto h = fsdp::tp::copy_to_group(lora_A->forward(lora_in()), tp_group_);
       y = y + lora_B->forward(h) * lora_scaling();
     }
     return vocab_ ? fsdp::tp::gather_last_dim(y, vocab_->shard.sizes, tp_group_) : y;
   }
+  if (sequence_parallel_) {  // this rank's positions of the sum, and of the bias's gradient
+    auto y = fsdp::tp::reduce_scatter_to_group(torch::nn::functional::linear(x, w), 1, tp_group_);
+    return b.defined() ? y + fsdp::tp::copy_to_group(b, tp_group_) : y;
+  }
   auto y = fsdp::tp::reduce_from_group(torch::nn::functional::linear(x, w), tp_group_);
   if (lora_A)
     y = y + lora_B->forward(fsdp::tp::reduce_from_group(lora_A->forward(lora_in()), tp_group_)) *
                 lora_scaling();
   return b.defined() ? y + b : y;
+}
+
+void LinearImpl::use_sequence_parallel() {
+  TORCH_CHECK(tp_ != TpSplit::kNone,
+              "use_sequence_parallel: this Linear is not split for tensor parallelism");
+  TORCH_CHECK(!lora_A, "use_sequence_parallel: not with LoRA adapters yet");
+  sequence_parallel_ = true;
 }
 
 void LinearImpl::require_plain(const char* what) const {
@@ -422,15 +434,22 @@ EmbeddingImpl::EmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim, cons
 
 torch::Tensor EmbeddingImpl::forward(const torch::Tensor& idx) {
   if (vocab_)
-    return fsdp::tp::vocab_parallel_embedding(weight, idx, vocab_->shard, vocab_->group);
+    return fsdp::tp::vocab_parallel_embedding(weight, idx, vocab_->shard, vocab_->group,
+                                              sequence_parallel_ ? 1 : -1);
   return torch::embedding(weight, idx);
 }
 
 torch::Tensor EmbeddingImpl::attend(const torch::Tensor& h) {
   if (!vocab_)
     return torch::nn::functional::linear(h, weight);
-  auto mine = torch::nn::functional::linear(fsdp::tp::copy_to_group(h, vocab_->group), weight);
+  auto mine = torch::nn::functional::linear(
+      sequence_parallel_ ? h : fsdp::tp::copy_to_group(h, vocab_->group), weight);
   return fsdp::tp::gather_last_dim(mine, vocab_->shard.sizes, vocab_->group);
+}
+
+void EmbeddingImpl::use_sequence_parallel() {
+  TORCH_CHECK(vocab_, "use_sequence_parallel: this table is not split by words");
+  sequence_parallel_ = true;
 }
 
 void EmbeddingImpl::split_vocabulary(std::shared_ptr<fsdp::ProcessGroup> group) {
@@ -453,6 +472,9 @@ LayerNormImpl::LayerNormImpl(int64_t dim, const ModelInit& init, double eps)
 }
 
 torch::Tensor LayerNormImpl::forward(const torch::Tensor& x) {
+  if (grad_group_)
+    return torch::layer_norm(x, {dim_}, fsdp::tp::copy_to_group(weight, grad_group_),
+                             fsdp::tp::copy_to_group(bias, grad_group_), eps_);
   return torch::layer_norm(x, {dim_}, weight, bias, eps_);
 }
 
@@ -465,7 +487,7 @@ torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
               ", expected ", dim_);
   // As Meta's reference: normalise in float32 (bf16 squares lose too much), scale in x's dtype;
   // keeping only x and one scale per row for backward (lean_ops.h).
-  return rms_norm(x, weight, eps_);
+  return rms_norm(x, grad_group_ ? fsdp::tp::copy_to_group(weight, grad_group_) : weight, eps_);
 }
 
 }  // namespace fsdp_models

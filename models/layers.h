@@ -201,6 +201,12 @@ class LinearImpl : public DeferredModule {
   const fsdp::tp::VocabSplit* vocab_split() const { return vocab_ ? &*vocab_ : nullptr; }
   void split_input_features(int64_t first, int64_t size, std::shared_ptr<fsdp::ProcessGroup> group);
   bool is_tensor_parallel() const { return tp_ != TpSplit::kNone; }
+  /// Sequence parallelism, on a split layer without adapters: column-parallel, the input is the
+  /// whole sequence gathered by the caller (tp::gather_from_group, whose backward sums this
+  /// rank's part of the gradient with the others'), so no copy_to_group; row-parallel, the
+  /// partial sums are reduce-scattered along dim 1 (the sequence) instead of all-reduced, and
+  /// the bias, added to this rank's positions only, gets its gradient summed over the group.
+  void use_sequence_parallel();
   /// The parameters that hold a different part on each rank of the group: the weight, the
   /// bias of a column-parallel layer (a row-parallel one keeps it whole), and the adapter split
   /// with the weight (lora_B on a column-parallel layer, lora_A on a row-parallel one). Empty
@@ -223,6 +229,7 @@ class LinearImpl : public DeferredModule {
 
   int64_t in_features_, out_features_;
   TpSplit tp_ = TpSplit::kNone;
+  bool sequence_parallel_ = false;
   std::shared_ptr<fsdp::ProcessGroup> tp_group_;
   std::optional<fsdp::tp::VocabSplit> vocab_;  // a vocabulary-parallel head: gathers its output
   int64_t lora_rank_ = 0;
@@ -245,11 +252,16 @@ class EmbeddingImpl : public DeferredModule {
   void split_vocabulary(std::shared_ptr<fsdp::ProcessGroup> group);
   /// The split, or nullptr when the table is whole.
   const fsdp::tp::VocabSplit* vocab_split() const { return vocab_ ? &*vocab_ : nullptr; }
+  /// Sequence parallelism on a split table: forward reduce-scatters the looked-up rows along dim
+  /// 1 (each rank gets its positions), and attend() takes the whole sequence gathered by the
+  /// caller (no copy_to_group: the gather's backward sums the gradient's parts).
+  void use_sequence_parallel();
 
   torch::Tensor weight;  // (num, dim): this rank's rows when split
 
  private:
   std::optional<fsdp::tp::VocabSplit> vocab_;
+  bool sequence_parallel_ = false;
 };
 TORCH_MODULE(Embedding);
 
@@ -258,6 +270,9 @@ class LayerNormImpl : public DeferredModule {
  public:
   LayerNormImpl(int64_t dim, const ModelInit& init, double eps = 1e-5);
   torch::Tensor forward(const torch::Tensor& x);  // (..., dim) -> (..., dim)
+  /// Sequence parallelism: the input holds this rank's positions only, so the weights'
+  /// gradients are summed over `group` (tp::copy_to_group on them in forward).
+  void sum_grads_over(std::shared_ptr<fsdp::ProcessGroup> group) { grad_group_ = std::move(group); }
 
   torch::Tensor weight;  // (dim)
   torch::Tensor bias;    // (dim)
@@ -265,6 +280,7 @@ class LayerNormImpl : public DeferredModule {
  private:
   int64_t dim_;
   double eps_;
+  std::shared_ptr<fsdp::ProcessGroup> grad_group_;
 };
 TORCH_MODULE(LayerNorm);
 
@@ -274,12 +290,15 @@ class RMSNormImpl : public DeferredModule {
  public:
   RMSNormImpl(int64_t dim, const ModelInit& init, double eps = 1e-5);
   torch::Tensor forward(const torch::Tensor& x);  // (..., dim) -> (..., dim)
+  /// As LayerNormImpl::sum_grads_over.
+  void sum_grads_over(std::shared_ptr<fsdp::ProcessGroup> group) { grad_group_ = std::move(group); }
 
   torch::Tensor weight;  // (dim)
 
  private:
   int64_t dim_;
   double eps_;
+  std::shared_ptr<fsdp::ProcessGroup> grad_group_;
 };
 TORCH_MODULE(RMSNorm);
 

@@ -195,6 +195,13 @@ LlamaBlockImpl::LlamaBlockImpl(const LlamaConfig& cfg, const ModelInit& init) {
 }
 
 torch::Tensor LlamaBlockImpl::forward(const torch::Tensor& x, const RopeTables& rope) {
+  if (sequence_group) {  // x: this rank's positions; attention and the feed-forward see them all
+    const auto whole = [&](const torch::Tensor& y) {
+      return fsdp::tp::gather_from_group(y, 1, sequence_group);
+    };
+    auto h = x + attention(whole(attention_norm(x)), rope);
+    return h + feed_forward(whole(ffn_norm(h)));
+  }
   auto h = x + attention(attention_norm(x), rope);
   return h + feed_forward(ffn_norm(h));
 }
@@ -233,12 +240,14 @@ torch::Tensor LlamaImpl::embed(const torch::Tensor& tokens) {
 
 torch::Tensor LlamaImpl::head(const torch::Tensor& h) {
   auto x = norm(h);
+  if (sequence_group_)
+    x = fsdp::tp::gather_from_group(x, 1, sequence_group_);
   // Tied head: the embedding matrix, inside the same (root) unit as the embedding.
   return cfg_.tie_embeddings ? tok_embeddings->attend(x) : output(x);  // (B, T, V)
 }
 
 torch::Tensor LlamaImpl::trunk(const torch::Tensor& tokens) {
-  const RopeTables tables = rope(tokens.size(1));
+  const RopeTables tables = rope(tokens.size(1));  // the whole sequence's: attention sees it all
   auto h = embed(tokens);
   for (auto& block : blocks)
     h = fsdp::forward(block, h, tables);
@@ -246,13 +255,42 @@ torch::Tensor LlamaImpl::trunk(const torch::Tensor& tokens) {
 }
 
 torch::Tensor LlamaImpl::forward(const torch::Tensor& tokens) {
-  return head(trunk(tokens));
+  const int64_t t = tokens.size(1);
+  const int64_t n = sequence_group_ ? sequence_group_->size() : 1;
+  const int64_t pad = (n - t % n) % n;
+  if (pad == 0)
+    return head(trunk(tokens));
+  // Sequence parallelism splits T evenly: pad on the right, which no earlier position attends to.
+  auto padded = torch::cat({tokens, torch::zeros({tokens.size(0), pad}, tokens.options())}, 1);
+  return head(trunk(padded)).narrow(1, 0, t);
 }
 
 torch::Tensor LlamaImpl::loss(const torch::Tensor& h, const LossSpec& spec) {
-  return head_loss(norm(h), cfg_.tie_embeddings ? tok_embeddings->weight : torch::Tensor(), output,
-                   spec,
-                   cfg_.tie_embeddings ? tok_embeddings->vocab_split() : output->vocab_split());
+  auto x = norm(h);
+  if (sequence_group_)
+    x = fsdp::tp::gather_from_group(x, 1, sequence_group_);
+  return head_loss(x, cfg_.tie_embeddings ? tok_embeddings->weight : torch::Tensor(), output, spec,
+                   cfg_.tie_embeddings ? tok_embeddings->vocab_split() : output->vocab_split(),
+                   /*sequence_gathered=*/sequence_group_ != nullptr);
+}
+
+void LlamaImpl::use_sequence_parallel(std::shared_ptr<fsdp::ProcessGroup> group) {
+  TORCH_CHECK(group && tok_embeddings->vocab_split(),
+              "use_sequence_parallel: split the model first (tensor_parallelize_llama)");
+  TORCH_CHECK(cfg_.n_kv_heads % group->size() == 0, "use_sequence_parallel: ", cfg_.n_kv_heads,
+              " kv heads kept whole over ", group->size(),
+              " ranks: not with sequence parallelism yet");
+  for (const auto& m : modules())
+    if (auto* linear = dynamic_cast<LinearImpl*>(m.get()); linear && linear->is_tensor_parallel())
+      linear->use_sequence_parallel();
+  for (auto& block : blocks) {
+    block->attention_norm->sum_grads_over(group);
+    block->ffn_norm->sum_grads_over(group);
+    block->sequence_group = group;
+  }
+  tok_embeddings->use_sequence_parallel();
+  norm->sum_grads_over(group);  // on this rank's positions; the head on the gathered sequence
+  sequence_group_ = std::move(group);
 }
 
 torch::Tensor LlamaImpl::forward(const torch::Tensor& tokens, const LossSpec& spec) {

@@ -121,6 +121,9 @@ class LlamaBlockImpl : public torch::nn::Module {
   LlamaAttention attention{nullptr};
   LlamaFeedForward feed_forward{nullptr};
   RMSNorm attention_norm{nullptr}, ffn_norm{nullptr};
+  /// Sequence parallelism (LlamaImpl::use_sequence_parallel): x is this rank's positions; the
+  /// norms' outputs are gathered over this group before attention and the feed-forward.
+  std::shared_ptr<fsdp::ProcessGroup> sequence_group;
 };
 TORCH_MODULE(LlamaBlock);
 
@@ -148,6 +151,9 @@ class LlamaImpl : public torch::nn::Module {
   int64_t num_params() const { return cfg_.num_params(); }
   /// Re-initialises every parameter: the values depend only on `seed` and the names.
   void init_weights(uint64_t seed);
+  /// Sequence parallelism on a model split by tensor_parallelize_llama over `group`, as
+  /// GPTImpl::use_sequence_parallel; the kv heads must be split (not kept whole).
+  void use_sequence_parallel(std::shared_ptr<fsdp::ProcessGroup> group);
 
   Embedding tok_embeddings{nullptr};
   torch::nn::ModuleList layers{nullptr};  // "layers.<i>", for the names
@@ -157,6 +163,7 @@ class LlamaImpl : public torch::nn::Module {
 
  private:
   LlamaConfig cfg_;
+  std::shared_ptr<fsdp::ProcessGroup> sequence_group_;  // use_sequence_parallel
   // RoPE tables for the longest sequence seen so far: derived from the config, so neither
   // parameters nor buffers (nothing to broadcast, shard, checkpoint or materialise).
   RopeTables rope_;

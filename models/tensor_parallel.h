@@ -13,6 +13,13 @@
 // are kept whole on every rank: they see the same inputs and get the same gradients on every
 // rank, so they stay equal without communication.
 //
+// With sequence parallelism (model->use_sequence_parallel(tp) after the split), the residual
+// stream between the split layers holds each rank's 1/tp of the positions instead of all of
+// them: the two all-reduces of a block become an all-gather before its column-parallel layers
+// and a reduce-scatter after its row-parallel ones (the same bytes), and the norms, the residual
+// adds and the embeddings compute on 1/tp of the positions (their weights' gradients summed
+// over the group). Not with LoRA adapters or Llama kv heads kept whole yet.
+//
 // Then fully_shard each block over the data-parallel group (fsdp::DeviceMesh2D::dp): FSDP
 // shards each rank's parts as it shards any parameter. Each function returns where this rank's
 // part of every split parameter sits in the whole model (fsdp::TensorParallelLayout, names as
@@ -25,8 +32,7 @@
 // gradient summed over the group), which needs tp divisible by n_kv_heads; Llama's
 // ffn_hidden_dim divides by it. LoRA adapters added before are split with their weights
 // (LinearImpl::split_output_features). A model built on the meta device splits too, and then
-// fills its shards with tensor_parallel_initializer(). Not yet: NF4 storage on split layers,
-// sequence parallelism.
+// fills its shards with tensor_parallel_initializer(). Not yet: NF4 storage on split layers.
 #pragma once
 
 #include <cstdint>

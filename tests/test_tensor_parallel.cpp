@@ -114,6 +114,9 @@ int train_and_compare(
     export_start(exported, *model, cfg.vocab_size, dp * kPerRank, seq);
   std::ostringstream losses;
   split(model, mesh.tp);
+  const bool sequence_parallel = ctx.env("FSDP_SP", "") == "1";
+  if (sequence_parallel)
+    model->use_sequence_parallel(mesh.tp);
   if (dp > 1)
     shard(model, fsdp::FullyShardOptions(mesh.dp));
   auto adamw = [](std::vector<torch::Tensor> p) {
@@ -162,6 +165,18 @@ int train_and_compare(
     WORKER_CHECK(diff <= 1e-5) << "step " << step << (fused ? " (fused)" : " (logits)") << ": loss "
                                << value(mean) << " against one process's " << value(loss_ref);
   }
+  if (sequence_parallel) {
+    // A sequence the group's size does not divide (the logits of generation): padded on the
+    // right, the same logits as one process's (no backward follows: no grad, so the root unit
+    // reshards after it).
+    torch::NoGradGuard no_grad;
+    const auto x = batch_tokens(kSteps, cfg.vocab_size, 1, seq).narrow(1, 0, seq - 1);
+    const torch::Tensor ours = fsdp::forward(model, x);
+    const torch::Tensor theirs = reference->forward(x);
+    WORKER_CHECK(ours.sizes() == theirs.sizes() &&
+                 torch::allclose(ours, theirs, /*rtol=*/1e-4, /*atol=*/1e-5))
+        << "logits of " << seq - 1 << " positions differ by " << value((ours - theirs).abs().max());
+  }
   // The reference split as the model was: each rank's parts, then its FSDP rows of them.
   split(reference, mesh.tp);
   const auto expected = reference->named_parameters();
@@ -179,9 +194,10 @@ int train_and_compare(
   if (!exported.empty() && ctx.rank == 0)
     std::ofstream(exported + "/losses.txt") << losses.str();
   std::printf(
-      "rank %d (dp %d, tp %d): TP OK, largest loss difference %.3g, parameter %.3g, %d of %d "
+      "rank %d (dp %d, tp %d%s): TP OK, largest loss difference %.3g, parameter %.3g, %d of %d "
       "steps clipped\n",
-      ctx.rank, mesh.dp_rank(), mesh.tp_rank(), worst_loss, worst_param, clipped, kSteps);
+      ctx.rank, mesh.dp_rank(), mesh.tp_rank(), sequence_parallel ? ", sequence parallel" : "",
+      worst_loss, worst_param, clipped, kSteps);
   return 0;
 }
 
@@ -395,9 +411,13 @@ TEST(TensorParallel, OperationsEqualOneProcessOnThreeRanks) {
   ASSERT_TRUE(r.ok()) << r.describe();
 }
 
-void run(const char* worker, int world, int tp) {
-  auto r = fsdp::test::run_workers(worker, world,
-                                   fsdp::test::with_env({{"FSDP_TP", std::to_string(tp)}}));
+// `sequence_parallel`: the residual stream split along the sequence between the parallel
+// regions too, the norms and embeddings on each rank's positions.
+void run(const char* worker, int world, int tp, bool sequence_parallel = false) {
+  auto r =
+      fsdp::test::run_workers(worker, world,
+                              fsdp::test::with_env({{"FSDP_TP", std::to_string(tp)},
+                                                    {"FSDP_SP", sequence_parallel ? "1" : "0"}}));
   ASSERT_TRUE(r.ok()) << r.describe();
   std::printf("%s", r.evidence().c_str());
 }
@@ -423,6 +443,16 @@ TEST(TensorParallel, LlamaWithKvHeadsKeptWholeTrainsLikeOneProcess) {
 }
 TEST(TensorParallel, LlamaOnATwoByTwoMeshWithFsdpTrainsLikeOneProcess) {
   run("tp_llama", 4, 2);
+}
+
+TEST(TensorParallel, GptWithSequenceParallelismOnFourRanksTrainsLikeOneProcess) {
+  run("tp_gpt", 4, 4, /*sequence_parallel=*/true);
+}
+TEST(TensorParallel, GptWithSequenceParallelismOnATwoByTwoMeshTrainsLikeOneProcess) {
+  run("tp_gpt", 4, 2, /*sequence_parallel=*/true);
+}
+TEST(TensorParallel, LlamaWithSequenceParallelismOnATwoByTwoMeshTrainsLikeOneProcess) {
+  run("tp_llama", 4, 2, /*sequence_parallel=*/true);
 }
 
 // Against PyTorch's own composition (tests/python/check_tp.py: init_device_mesh, parallelize_module

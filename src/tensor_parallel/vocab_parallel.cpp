@@ -102,14 +102,16 @@ VocabSplit VocabSplit::over(int64_t total, std::shared_ptr<ProcessGroup> group) 
 
 torch::Tensor vocab_parallel_embedding(const torch::Tensor& weight, const torch::Tensor& ids,
                                        const VocabShard& shard,
-                                       const std::shared_ptr<ProcessGroup>& group) {
+                                       const std::shared_ptr<ProcessGroup>& group,
+                                       int64_t scatter_dim) {
   if (weight.dim() != 2 || weight.size(0) != shard.size)
     throw std::invalid_argument("tp::vocab_parallel_embedding: the table must hold this rank's " +
                                 std::to_string(shard.size) + " rows");
   const auto t = local_targets(ids, shard);
   auto rows = at::embedding(weight, t.column);
   rows = rows.masked_fill(t.here.logical_not().unsqueeze(-1), 0.0);
-  return reduce_from_group(rows, group);
+  return scatter_dim >= 0 ? reduce_scatter_to_group(rows, scatter_dim, group)
+                          : reduce_from_group(rows, group);
 }
 
 LogSumExpAndTarget vocab_parallel_lse(const torch::Tensor& logits, const torch::Tensor& targets,

@@ -1623,6 +1623,30 @@ TEST(TrainerRun, TensorParallelTrainsAndResumesLikeDataParallel) {
                  "--training.steps=8 --parallel.tp=2 --checkpoint.resume=" +
                      (plain / "checkpoints" / "step-00000004").string() + common);
   compare(back, 4, "tp 1, then tp 2 from step 4");
+  // hybrid_shard on the dp axis: shards of 1 dp rank, replicated twice.
+  const auto hybrid = work / "tp-hybrid";
+  fs::remove_all(hybrid);
+  checkpoint_run("tp-hybrid", hybrid.string(), 4,
+                 "--training.steps=8 --parallel.tp=2 --fsdp.strategy=hybrid_shard "
+                 "--fsdp.hybrid_shard_size=1" +
+                     common);
+  compare(hybrid, 0, "tp 2, hybrid_shard on dp");
+  // Sequence parallelism: the same losses, and the sample of a prompt the group's size does not
+  // divide is the plain run's.
+  const auto sequence = work / "tp-sequence";
+  fs::remove_all(sequence);
+  checkpoint_run("tp-sequence", sequence.string(), 4,
+                 "--training.steps=8 --parallel.tp=2 --parallel.sequence_parallel=true" + common);
+  compare(sequence, 0, "tp 2, sequence parallel");
+  auto sample = [&](const std::string& args) {
+    auto g = run(train_cmd() + " generate " + args + " " + config + " --checkpoint " +
+                 (plain / "checkpoints" / "step-00000008").string());
+    EXPECT_EQ(g.code, 0) << g.output;
+    const auto at = g.output.find("sample (");
+    return at == std::string::npos ? g.output : g.output.substr(at);
+  };
+  EXPECT_EQ(sample("--nproc 2"),
+            sample("--nproc 4 --parallel.tp=2 --parallel.sequence_parallel=true"));
   std::printf(
       "TP TRAINER OK: 8 steps at tp 2, resumed at tp 1 and from tp 1, largest loss "
       "difference %.3g\n",
@@ -1630,9 +1654,15 @@ TEST(TrainerRun, TensorParallelTrainsAndResumesLikeDataParallel) {
 
   for (const auto& [args, refusal] : std::vector<std::pair<std::string, std::string>>{
            {"--nproc 3 --parallel.tp=2", "'parallel.tp' = 2 must divide the world size (3 ranks)"},
+           {"--nproc 2 --parallel.sequence_parallel=true",
+            "'parallel.sequence_parallel' needs parallel.tp > 1"},
+           {"--nproc 2 --parallel.tp=2 --parallel.sequence_parallel=true --training.seq_len=15",
+            "'parallel.sequence_parallel' needs training.seq_len (15) divisible by parallel.tp "
+            "(2)"},
            {"--nproc 4 --parallel.tp=4", "'parallel.tp' = 4: tensor_parallelize_gpt: n_head 2"},
-           {"--nproc 2 --parallel.tp=2 --fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=1",
-            "'parallel.tp' cannot go with fsdp.strategy = \"hybrid_shard\" yet"},
+           {"--nproc 4 --parallel.tp=2 --fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=3",
+            "'fsdp.hybrid_shard_size' = 3 must divide the data-parallel ranks (world 4 / "
+            "parallel.tp 2 = 2)"},
            {"--nproc 2 --parallel.tp=2 --training.memory_budget=1GiB",
             "'parallel.tp' cannot go with --plan or training.memory_budget yet"},
        }) {

@@ -166,6 +166,7 @@ struct FinetuneConfig {
 /// How the model is split besides FSDP's sharding: tensor parallelism (docs/tensor_parallel.md).
 struct ParallelConfig {
   int64_t tp = 1;  // ranks per tensor-parallel group (consecutive ranks); FSDP shards over the rest
+  bool sequence_parallel = false;  // the residual stream split along the sequence too
 };
 
 struct Config {

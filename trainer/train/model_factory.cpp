@@ -129,9 +129,11 @@ std::string human_bytes(double b) {
 void check_fits(const Config& config, const ModelSize& m, const std::string& what, int world_size,
                 int local_world_size) {
   const auto& f = config.fsdp;
-  double shard_ranks = f.strategy == "no_shard" ? 1 : world_size;
+  // Tensor parallelism splits what the dp axis shards: a rank holds 1/tp of its dp shard.
+  const double tp = static_cast<double>(config.parallel.tp);
+  double shard_ranks = f.strategy == "no_shard" ? tp : world_size;
   if (f.strategy == "hybrid_shard")
-    shard_ranks = static_cast<double>(resolved_hybrid_shard_size(config, local_world_size));
+    shard_ranks = tp * static_cast<double>(resolved_hybrid_shard_size(config, local_world_size));
   shard_ranks = std::max(1.0, shard_ranks);
   double optimizer_states = 0;  // fp32-sized copies of the parameters the optimizer keeps
   if (config.optimizer.offload == "none") {
@@ -249,7 +251,13 @@ TrainModel build_model(const Config& config, int64_t vocab_size, const UnitOptio
     const auto cfg = gpt_config(config, vocab_size);
     build_sharded<fsdp_models::GPT>(
         out, cfg, fsdp_models::gpt_init_scheme(cfg), seed, options, config.fsdp.ac_every, device,
-        tp, &fsdp_models::tensor_parallelize_gpt,
+        tp,
+        [&config](fsdp_models::GPT& model, const std::shared_ptr<fsdp::ProcessGroup>& group) {
+          auto layout = fsdp_models::tensor_parallelize_gpt(model, group);
+          if (config.parallel.sequence_parallel)
+            model->use_sequence_parallel(group);
+          return layout;
+        },
         [](auto& model, const auto& blocks, const auto& root, int64_t every) {
           fsdp_models::parallelize_gpt(model, blocks, root, every);
         });
@@ -260,7 +268,13 @@ TrainModel build_model(const Config& config, int64_t vocab_size, const UnitOptio
     const auto cfg = llama_config(config, vocab_size);
     build_sharded<fsdp_models::Llama>(
         out, cfg, fsdp_models::llama_init_scheme(cfg), seed, options, config.fsdp.ac_every, device,
-        tp, &fsdp_models::tensor_parallelize_llama,
+        tp,
+        [&config](fsdp_models::Llama& model, const std::shared_ptr<fsdp::ProcessGroup>& group) {
+          auto layout = fsdp_models::tensor_parallelize_llama(model, group);
+          if (config.parallel.sequence_parallel)
+            model->use_sequence_parallel(group);
+          return layout;
+        },
         [](auto& model, const auto& blocks, const auto& root, int64_t every) {
           fsdp_models::parallelize_llama(model, blocks, root, every);
         });
@@ -271,7 +285,8 @@ TrainModel build_model(const Config& config, int64_t vocab_size, const UnitOptio
   out.description = fmt::format("{} {}: {} layers, width {}, {:.2f}M parameters", m.arch, m.preset,
                                 out.n_layer, out.n_embd, out.num_params / 1e6);
   if (tp)
-    out.description += fmt::format(", split over {} tensor-parallel ranks", tp->size());
+    out.description += fmt::format(", split over {} tensor-parallel ranks{}", tp->size(),
+                                   config.parallel.sequence_parallel ? " (and its sequence)" : "");
   return out;
 }
 

@@ -232,7 +232,7 @@ void Trainer::describe_run(int world) {
   if (f.strategy == "hybrid_shard") {
     const int hybrid_size = units_->blocks.hybrid_shard_size();
     sharding += fmt::format(" (sharded in groups of {} ranks, replicated {}x)", hybrid_size,
-                            world / hybrid_size);
+                            dp_size() / hybrid_size);
   } else if (f.strategy == "full_shard" && !f.reshard_after_forward) {
     sharding += " (reshard_after_forward off)";
   }

@@ -41,10 +41,13 @@ struct VocabSplit {
 
 /// Rows of the embedding table for `ids` (any shape, int64 in [0, V)), with the table split by
 /// words: each rank looks up the ids it holds (zeros for the others) and the results are
-/// summed over the group (reduce_from_group). (..., C), the same on every rank.
+/// summed over the group (reduce_from_group). (..., C), the same on every rank. With
+/// `scatter_dim` >= 0 (sequence parallelism: the sequence's dimension) the sum is
+/// reduce-scattered along it instead (reduce_scatter_to_group): this rank's piece of the rows.
 torch::Tensor vocab_parallel_embedding(const torch::Tensor& weight, const torch::Tensor& ids,
                                        const VocabShard& shard,
-                                       const std::shared_ptr<ProcessGroup>& group);
+                                       const std::shared_ptr<ProcessGroup>& group,
+                                       int64_t scatter_dim = -1);
 
 /// Per position: logsumexp of the whole vocabulary's logits and the target's logit, from this
 /// rank's columns `logits` (N, shard.size; float32) and the targets (N) in [0, V). Two
