@@ -450,11 +450,12 @@ const std::vector<Option>& options() {
           "many consecutive ranks (inside a host) splits every block, attention by heads and the "
           "MLP by its hidden width, and the embedding and head by words; FSDP shards over the "
           "other axis (world / tp ranks, which also split the batch). 1: none. Pretraining of "
-          "gpt and llama; the heads (and llama's ffn width) must divide by it. Checkpoints store "
-          "whole tensors: one saved at any tp resumes at any other. fsdp.strategy = hybrid_shard "
-          "applies to the dp axis (fsdp.hybrid_shard_size counts its ranks; 0: those on a host). "
-          "Not yet "
-          "with fault tolerance, fine-tuning, --plan or training.memory_budget."),
+          "gpt and llama, and fine-tuning (LoRA adapters split with their layers; full): the "
+          "heads, kv heads or their ranks, and llama's ffn width must divide by it. Checkpoints "
+          "store whole tensors: one saved at any tp resumes at any other. fsdp.strategy = "
+          "hybrid_shard applies to the dp axis (fsdp.hybrid_shard_size counts its ranks; 0: "
+          "those on a host). Not yet with fault tolerance, qlora, --plan or "
+          "training.memory_budget."),
       opt("parallel.sequence_parallel", FIELD(parallel.sequence_parallel),
           "With parallel.tp > 1: sequence parallelism (Korthikanti et al.): between the blocks' "
           "split layers the residual stream, the norms and the embeddings hold each rank's 1/tp "
@@ -932,9 +933,10 @@ void validate_parallel(const Config& c) {
           "parallel.sequence_parallel",
           "needs training.seq_len (" + std::to_string(c.training.seq_len) +
               ") divisible by parallel.tp (" + std::to_string(c.parallel.tp) + ")");
-  require(!c.finetuning, key,
-          "applies to pretraining only so far (fsdp-train finetune loads pretrained files into "
-          "whole layers)");
+  require(!c.finetuning || c.finetune.method != "qlora", key,
+          "cannot go with finetune.method = \"qlora\" yet (NF4 on split layers)");
+  require(!c.finetuning || !c.parallel.sequence_parallel, "parallel.sequence_parallel",
+          "cannot go with fsdp-train finetune yet (LoRA adapters on sequence-parallel layers)");
   require(!c.fsdp.fault_tolerant, key, "cannot go with fsdp.fault_tolerant yet");
   require(!c.logging.plan && c.training.memory_budget.empty(), key,
           "cannot go with --plan or training.memory_budget yet (the planner does not model "

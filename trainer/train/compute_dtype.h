@@ -36,8 +36,9 @@ bool needs_dtype_speeds(const std::string& requested, bool cuda);
 std::string candidate_dtype(const std::string& requested);
 
 /// Resolves `requested`. On CUDA, auto is bf16 (the GPUs FSDP is used on have bf16 tensor
-/// cores; docs/gpu.md's runs set bf16 or fp32 explicitly). On CPU, auto is bf16 when its step matmuls are at
-/// least as fast as fp32's, fp32 otherwise; an explicit bf16/fp16 slower than fp32 gets a warning.
+/// cores; docs/gpu.md's runs set bf16 or fp32 explicitly). On CPU, auto is bf16 when its step
+/// matmuls are at least as fast as fp32's, fp32 otherwise; an explicit bf16/fp16 slower than fp32
+/// gets a warning.
 ComputeDtype choose_compute_dtype(const std::string& requested, bool cuda,
                                   const DtypeSpeeds& speeds);
 

@@ -292,7 +292,8 @@ TrainModel build_model(const Config& config, int64_t vocab_size, const UnitOptio
 
 TrainModel build_finetune_model(const Config& config, const std::string& model_path,
                                 const UnitOptions& options, torch::Device device,
-                                int64_t only_blocks) {
+                                int64_t only_blocks, std::shared_ptr<fsdp::ProcessGroup> tp,
+                                bool read_weights) {
   const auto& f = config.finetune;
   namespace fm = fsdp_models;
   fm::LlamaConfig cfg = pretrained_config(model_path);
@@ -320,18 +321,31 @@ TrainModel build_finetune_model(const Config& config, const std::string& model_p
   int64_t trainable = 0;
   for (const auto& p : model->parameters())
     trainable += p.requires_grad() ? p.numel() : 0;
+  TrainModel out;
+  if (tp) {
+    try {
+      out.tp_layout = fm::tensor_parallelize_llama(model, tp);
+    } catch (const c10::Error& e) {
+      throw ConfigError("'parallel.tp' = " + std::to_string(tp->size()) + ": " +
+                        first_line(e.msg()));
+    }
+    out.tp = tp;
+  }
   fm::to_hollow(*model, torch::TensorOptions().dtype(torch::kFloat32).device(device));
   // Everything but the adapters is read from the file after sharding: zeros until then.
   auto scheme =
       fm::lora_init_scheme([](const std::string&) { return fm::InitRule::constant(0); }, *model);
-  auto init = fm::shard_initializer(*model, scheme, static_cast<uint64_t>(config.training.seed));
+  const auto seed = static_cast<uint64_t>(config.training.seed);
+  auto init = tp ? fm::tensor_parallel_initializer(*model, scheme, seed, out.tp_layout)
+                 : fm::shard_initializer(*model, scheme, seed);
   auto blocks = options.blocks, root = options.root;
   blocks.param_init(init);
   root.param_init(init);
   fm::parallelize_llama(model, blocks, root, config.fsdp.ac_every);
-  if (only_blocks == 0)
+  if (tp)
+    out.tp_params = fm::tensor_parallel_params(*model, tp->size());
+  if (only_blocks == 0 && read_weights)
     load_pretrained(model_path, model);
-  TrainModel out;
   out.module = model.ptr();
   out.forward = [model](const torch::Tensor& idx) mutable { return fsdp::forward(model, idx); };
   out.forward_loss = [model](const torch::Tensor& idx, const fsdp_models::LossSpec& spec) mutable {
@@ -365,6 +379,8 @@ TrainModel build_finetune_model(const Config& config, const std::string& model_p
       fmt::format("{}: llama, {} layers, width {}, {:.1f}M parameters; {} trains {:.2f}M{}",
                   pretrained_name(model_path), cfg.n_layers, cfg.dim, cfg.num_params() / 1e6,
                   f.method, trainable / 1e6, f.method == "qlora" ? ", block weights in NF4" : "");
+  if (tp)
+    out.description += fmt::format(", split over {} tensor-parallel ranks", tp->size());
   return out;
 }
 

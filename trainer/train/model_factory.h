@@ -73,9 +73,14 @@ UnitOptions unit_options(const Config& config, std::shared_ptr<fsdp::ProcessGrou
 /// rows of the file. Adapters start as PEFT's (lora_B zero, so the model starts as the
 /// file's). save_hf writes the adapters merged (lora) or the model (full). ConfigError for a
 /// model that is not a Llama GGUF file or Hugging Face directory, or targets that match no layer.
+/// With `tp` (parallel.tp > 1) the model is split over that group first (LoRA adapters with
+/// their layers); the file's loaders read whole layers, so the caller then loads the weights
+/// itself (`read_weights` false: the base left at zero, the adapters initialised).
 TrainModel build_finetune_model(const Config& config, const std::string& model_path,
                                 const UnitOptions& options, torch::Device device,
-                                int64_t only_blocks = 0);
+                                int64_t only_blocks = 0,
+                                std::shared_ptr<fsdp::ProcessGroup> tp = nullptr,
+                                bool read_weights = true);
 
 /// config.model's shapes (preset and overrides) with `vocab_size` tokens and
 /// config.training.seq_len context. ConfigError for an unknown preset or shapes that do not fit.

@@ -141,7 +141,7 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
     const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
     const int share = std::max(1, cores / std::max(1, env.local_world_size));
     torch::set_num_threads(std::max(static_cast<int>(t.threads), share));
-    model_ = data_->finetune() ? build_finetune_model(config_, model_file, units, device_)
+    model_ = data_->finetune() ? build_finetune(model_file, units)
                                : build_model(config_, data_->prepared().vocab_size, units, device_,
                                              mesh_ ? mesh_->tp : nullptr);
     torch::set_num_threads(static_cast<int>(t.threads));
@@ -1123,23 +1123,56 @@ void Trainer::export_hf(const std::string& dir, bool replace) {
     std::printf("%s\n", text.c_str());
 }
 
-TrainModel Trainer::whole_model(const std::string& staging) {
+namespace {
+
+// Moves `from`'s values into `to` through a sharded checkpoint at `staging` (whole tensors by
+// design, whatever either model's split; removed after): every rank of `world` calls it.
+void move_through_checkpoint(const std::string& staging, TrainModel& from, TrainModel& to,
+                             fsdp::ProcessGroup& world) {
   namespace fs = std::filesystem;
-  if (pg_->rank() == 0)
-    fs::remove_all(staging);  // left by an export that died
-  pg_->barrier();
-  fsdp::save_sharded(staging, *model_.module, nullptr, *pg_, {}, model_.tp_layout);
+  if (world.rank() == 0)
+    fs::remove_all(staging);  // left by a job that died
+  world.barrier();
+  fsdp::save_sharded(staging, *from.module, nullptr, world, {}, from.tp_layout);
+  fsdp::load_sharded(staging, *to.module, nullptr, to.tp_layout);
+  world.barrier();  // every rank has read it
+  if (world.rank() == 0)
+    fs::remove_all(staging);
+}
+
+}  // namespace
+
+TrainModel Trainer::whole_model(const std::string& staging) {
   Config whole = config_;
   whole.parallel.tp = 1;
+  whole.parallel.sequence_parallel = false;
   const int local_world = fsdp::launch_env_from_environment().local_world_size;
-  TrainModel out =
-      build_model(whole, data_->prepared().vocab_size,
-                  unit_options(whole, pg_, compute_dtype_.dtype, local_world), device_);
-  fsdp::load_sharded(staging, *out.module);
-  pg_->barrier();  // every rank has read it
-  if (pg_->rank() == 0)
-    fs::remove_all(staging);
+  const UnitOptions units = unit_options(whole, pg_, compute_dtype_.dtype, local_world);
+  TrainModel out = data_->finetune()
+                       ? build_finetune_model(whole, data_->model_file(), units, device_,
+                                              /*only_blocks=*/0, nullptr, /*read_weights=*/false)
+                       : build_model(whole, data_->prepared().vocab_size, units, device_);
+  move_through_checkpoint(staging, model_, out, *pg_);
   return out;
+}
+
+TrainModel Trainer::build_finetune(const std::string& model_file, const UnitOptions& units) {
+  if (!mesh_)
+    return build_finetune_model(config_, model_file, units, device_);
+  // The pretrained file's loaders read whole layers: the model is read whole (sharded over the
+  // world), then moved into its split self through a sharded checkpoint.
+  const int local_world = fsdp::launch_env_from_environment().local_world_size;
+  Config whole_config = config_;
+  whole_config.parallel.tp = 1;
+  TrainModel split = build_finetune_model(config_, model_file, units, device_, /*only_blocks=*/0,
+                                          mesh_->tp, /*read_weights=*/false);
+  TrainModel whole = build_finetune_model(
+      whole_config, model_file, unit_options(whole_config, pg_, compute_dtype_.dtype, local_world),
+      device_);
+  move_through_checkpoint(
+      (std::filesystem::path(checkpoint_dir(config_)) / ".pretrained-tp-staging").string(), whole,
+      split, *pg_);
+  return split;
 }
 
 void Trainer::write_outputs() {
@@ -1198,7 +1231,10 @@ void Trainer::write_finetune_outputs(const std::vector<std::string>& before,
     if (pg_->rank() == 0)
       move_aside(adapter);
     pg_->barrier();
-    model_.save_adapter(adapter, *pg_);
+    if (model_.tp)  // PEFT's files hold whole adapters: written from the whole model
+      whole_model(adapter + ".tp-staging").save_adapter(adapter, *pg_);
+    else
+      model_.save_adapter(adapter, *pg_);
     if (pg_->rank() == 0) {
       fs::remove_all(aside_path(adapter));
       metrics_->message("LoRA adapter in PEFT's layout: " + adapter);

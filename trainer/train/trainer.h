@@ -131,6 +131,9 @@ class Trainer {
   /// this job's values, which it gets through a sharded checkpoint in `staging` (whole tensors
   /// by design; removed after). What a Hugging Face export of a split model writes from.
   TrainModel whole_model(const std::string& staging);
+  /// The fine-tuned model of `model_file` sharded with `units`; with parallel.tp > 1 split too,
+  /// its weights read whole and moved into it through a sharded checkpoint.
+  TrainModel build_finetune(const std::string& model_file, const UnitOptions& units);
   /// logging.trace_steps: stops recording and writes this rank's trace of `steps`.
   void write_trace(std::pair<int64_t, int64_t> steps);
   /// Resolves precision.param_dtype ("auto", or a warning for a slow explicit one) from
