@@ -56,9 +56,13 @@ def alive(pid):
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    # A zombie is dead for our purpose.
-    with open("/proc/%d/stat" % pid) as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
+    # A zombie is dead for our purpose; one reaped between the kill and the read (the open
+    # succeeds, the read finds no process) is dead too.
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def cases(sock, tmp, script, sleeper, served):
