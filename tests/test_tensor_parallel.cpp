@@ -25,6 +25,7 @@
 #include "harness/command.h"
 #include "harness/multiprocess.h"
 #include "harness/sharding.h"
+#include "harness/tp_configs.h"
 #include "llama.h"
 #include "lora.h"
 #include "tensor_parallel.h"
@@ -59,11 +60,7 @@ GPTConfig gpt_config(int tp) {
 }
 
 LlamaConfig llama_config() {
-  auto cfg = LlamaConfig::preset("llama-test");
-  // Four query heads and two kv heads: split over 2 ranks, kept whole over 4.
-  cfg.dim = 48, cfg.n_heads = 4, cfg.n_kv_heads = 2, cfg.ffn_hidden_dim = 120;
-  cfg.validate();
-  return cfg;
+  return fsdp::test::tp_llama_config();
 }
 
 // The initial weights under the model's own names (init.safetensors) and every step's batch

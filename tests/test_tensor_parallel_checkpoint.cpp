@@ -25,6 +25,7 @@
 #include "harness/files.h"
 #include "harness/multiprocess.h"
 #include "harness/sharding.h"
+#include "harness/tp_configs.h"
 #include "llama.h"
 #include "tensor_parallel.h"
 
@@ -47,10 +48,7 @@ GPTConfig gpt_config() {
   return cfg;
 }
 LlamaConfig llama_config() {
-  auto cfg = LlamaConfig::preset("llama-test");
-  cfg.dim = 48, cfg.n_heads = 4, cfg.n_kv_heads = 2, cfg.ffn_hidden_dim = 120;
-  cfg.validate();
-  return cfg;
+  return fsdp::test::tp_llama_config();
 }
 
 torch::Tensor batch_tokens(int step, int64_t vocab) {
