@@ -10,7 +10,9 @@ sequence parallelism, on gpt2-medium's block
 shape (gpt2-350m: width 1024, 16 heads; fewer blocks, --layers, so that it runs on two cores)
 at a long sequence, one sequence per tp group, fp32, and prints what each rank's peak is made of
 (fsdp::memory categories of the rank with the highest peak, at that peak), each against (4, 1),
-with the tensor-parallel traffic per step and the step time. The CPU model and flags come first.
+with the tensor-parallel traffic per step and the step time; and, each run being started with
+--plan, the planner's prediction of rank 0's peak, activations and tensor-parallel traffic
+against what rank 0 measured (plan.json). The CPU model and flags come first.
 
 What to expect, per block and token (see analytic()): without sequence parallelism (not in the
 models yet) a GPT block keeps 16 values of width C for backward, of which 12 are split by tp (q,
@@ -48,12 +50,14 @@ def run(tp, sequence_parallel, args, workdir):
            f"--training.steps={args.steps}", "--training.warmup_steps=1",
            "--training.eval_every=0", "--training.eval_batches=1", "--generate.tokens=0",
            "--precision.param_dtype=fp32", "--logging.plot=false", "--logging.progress=none",
-           f"--parallel.tp={tp}", f"--logging.run_dir={run_dir}"]
+           f"--parallel.tp={tp}", f"--logging.run_dir={run_dir}", "--plan"]
     if sequence_parallel:
         cmd.append("--parallel.sequence_parallel=true")
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        metrics = [json.loads(line) for line in f]
+    with open(os.path.join(run_dir, "plan.json")) as f:
+        return metrics, json.load(f)
 
 
 def analytic_ratio(tp, sequence_parallel):
@@ -79,13 +83,13 @@ def main():
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
         for tp, sp in ((1, False), (2, False), (4, False), (2, True), (4, True)):
-            last = run(tp, sp, args, workdir)[-1]
-            rows.append((tp, sp, last))
+            metrics, plan = run(tp, sp, args, workdir)
+            rows.append((tp, sp, metrics[-1], plan))
     base = rows[0][2]
     print("| (dp, tp) | peak MiB | vs (4, 1) | " + " | ".join(CATEGORIES) +
           " | activations vs (4, 1) (expected) | tp traffic per step | step s |")
     print("|" + " --- |" * (len(CATEGORIES) + 6))
-    for tp, sp, m in rows:
+    for tp, sp, m, _ in rows:
         cells = " | ".join(mib(m[f"mem_{c}_bytes"]) for c in CATEGORIES)
         act = base["mem_activations_bytes"] / max(1, m["mem_activations_bytes"])
         traffic = mib(m.get("tp_bytes", 0)) + " MiB" if tp > 1 else "-"
@@ -95,7 +99,19 @@ def main():
               f"{m['step_time_s']:.2f} |")
     print("\nMiB at the peak of the rank with the highest one (its categories sum to it). "
           "Expected activation ratio: 16 / (12 / tp + 4) for the blocks (the module docstring); "
-          "the root's activations are not split.")
+          "the root's activations are not split.\n")
+    print("The planner (fsdp-train --plan) against rank 0's measurement:\n")
+    print("| (dp, tp) | peak predicted MiB | measured | error | activations predicted MiB | "
+          "measured | error | tp traffic predicted B/step | measured (tp_bytes) |")
+    print("|" + " --- |" * 9)
+    for tp, sp, m, plan in rows:
+        pr, me = plan["predicted"], plan["measured"]
+        pa, ma = pr["categories"]["activations"], me["categories"]["activations"]
+        traffic = plan.get("traffic", {}).get("tp", {}).get("bytes", 0)
+        print(f"| ({RANKS // tp}, {tp}){' + sequence parallel' if sp else ''} | "
+              f"{mib(pr['peak'])} | {mib(me['peak'])} | {pr['peak'] / me['peak'] - 1:+.1%} | "
+              f"{mib(pa)} | {mib(ma)} | {pa / max(1, ma) - 1:+.1%} | "
+              f"{traffic:,} | {m.get('tp_bytes', 0):,} |")
 
 
 if __name__ == "__main__":

@@ -109,24 +109,33 @@ LlamaConfig narrowed(LlamaConfig cfg, int64_t k, bool vocab) {
   return cfg;
 }
 
-fsdp::plan::PieceFlops piece_flops(const GPTConfig& cfg, int64_t b, int64_t t) {
+fsdp::plan::PieceFlops piece_flops(const GPTConfig& cfg, int64_t b, int64_t t, int64_t tp) {
   const double tokens = static_cast<double>(b * t), d = static_cast<double>(cfg.n_embd);
+  const double ways = static_cast<double>(tp);
   fsdp::plan::PieceFlops f;
-  // q, k, v and the output projection (4 d^2), the MLP (8 d^2); scores and their use of v.
-  f.block = 2 * tokens * 12 * d * d + 4 * tokens * static_cast<double>(t) * d;
-  f.post = 2 * tokens * d * static_cast<double>(cfg.vocab_size);  // the head
+  // q, k, v and the output projection (4 d^2), the MLP (8 d^2); scores and their use of v: all
+  // split by heads or by the MLP's width.
+  f.block = (2 * tokens * 12 * d * d + 4 * tokens * static_cast<double>(t) * d) / ways;
+  // The head: this rank's words (the first ranks of an uneven split hold ceil(V / tp)).
+  const double words = static_cast<double>((cfg.vocab_size + tp - 1) / tp);
+  f.post = 2 * tokens * d * words;
   return f;
 }
 
-fsdp::plan::PieceFlops piece_flops(const LlamaConfig& cfg, int64_t b, int64_t t) {
+fsdp::plan::PieceFlops piece_flops(const LlamaConfig& cfg, int64_t b, int64_t t, int64_t tp) {
   const double tokens = static_cast<double>(b * t), d = static_cast<double>(cfg.dim);
+  const double ways = static_cast<double>(tp);
+  // Key/value heads split with the query heads when they divide by tp; else every rank
+  // computes all of them (tensor_parallel.h).
+  const double kv_ways = cfg.n_kv_heads % tp == 0 ? ways : 1;
   const double kv = static_cast<double>(cfg.n_kv_heads * cfg.head_dim());
   const double ffn = static_cast<double>(cfg.ffn_hidden_dim);
   fsdp::plan::PieceFlops f;
   // wq and wo (d x d each), wk and wv (d x kv each), w1, w2, w3 (d x ffn each); attention.
-  f.block =
-      2 * tokens * (2 * d * d + 2 * d * kv + 3 * d * ffn) + 4 * tokens * static_cast<double>(t) * d;
-  f.post = 2 * tokens * d * static_cast<double>(cfg.vocab_size);
+  f.block = 2 * tokens * ((2 * d * d + 3 * d * ffn) / ways + 2 * d * kv / kv_ways) +
+            4 * tokens * static_cast<double>(t) * d / ways;
+  const double words = static_cast<double>((cfg.vocab_size + tp - 1) / tp);
+  f.post = 2 * tokens * d * words;
   return f;
 }
 

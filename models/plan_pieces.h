@@ -65,7 +65,10 @@ LlamaConfig narrowed(LlamaConfig cfg, int64_t k, bool vocab);
 /// data-sheet time model (fsdp/plan/hardware.h): the matrix products only, 2 per multiply-add,
 /// attention's two products over the whole t x t (causal masking saves nothing in the kernels
 /// we time). Selective checkpointing keeps every product, so it recomputes none of these.
-fsdp::plan::PieceFlops piece_flops(const GPTConfig& cfg, int64_t b, int64_t t);
-fsdp::plan::PieceFlops piece_flops(const LlamaConfig& cfg, int64_t b, int64_t t);
+/// `tp`: one rank's share under tensor parallelism over tp ranks (tensor_parallel.h: its heads,
+/// its part of the MLP's width and of the vocabulary; Llama's kv heads whole where they do not
+/// divide by tp).
+fsdp::plan::PieceFlops piece_flops(const GPTConfig& cfg, int64_t b, int64_t t, int64_t tp = 1);
+fsdp::plan::PieceFlops piece_flops(const LlamaConfig& cfg, int64_t b, int64_t t, int64_t tp = 1);
 
 }  // namespace fsdp_models

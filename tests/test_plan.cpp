@@ -19,6 +19,7 @@
 #include <fsdp/plan/machine_profile.h>
 #include <fsdp/plan/model_states.h>
 #include <fsdp/plan/step_memory.h>
+#include <fsdp/plan/tp_traffic.h>
 #include <fsdp/plan/units.h>
 
 #include "gpt.h"
@@ -26,6 +27,7 @@
 #include "llama.h"
 #include "lora.h"
 #include "plan_pieces.h"
+#include "tensor_parallel.h"
 
 namespace {
 
@@ -546,6 +548,26 @@ int narrowed_against_full(const char* model, const auto& cfg, const auto& pieces
            pe.backward[i].grads);
     }
   };
+  // The tensor-parallel group's counts (none without one): bytes to the byte, calls exactly.
+  auto traffic = [&](const std::string& name, const fsdp::plan::PieceScaling& f,
+                     const fsdp::plan::PieceScaling& e) {
+    const auto ff = fsdp::plan::TrafficScaling::values(f.forward_traffic.at(b, t)),
+               fe = fsdp::plan::TrafficScaling::values(e.forward_traffic.at(b, t)),
+               bf = fsdp::plan::TrafficScaling::values(f.backward_traffic.at(b, t)),
+               be = fsdp::plan::TrafficScaling::values(e.backward_traffic.at(b, t));
+    for (size_t i = 0; i < ff.size(); ++i) {
+      if (ff[i] != fe[i] || bf[i] != be[i]) {
+        ++off;
+        std::printf("%s %s traffic count %zu: full width %lld / %lld, extrapolated %lld / %lld\n",
+                    model, name.c_str(), i, (long long)ff[i], (long long)bf[i], (long long)fe[i],
+                    (long long)be[i]);
+      }
+    }
+  };
+  traffic("pre", full.pre, extrapolated.pre);
+  traffic("post", full.post, extrapolated.post);
+  for (size_t m = 0; m < 3; ++m)
+    traffic("block mode " + std::to_string(m), full.block[m], extrapolated.block[m]);
   piece("pre", full.pre, extrapolated.pre);
   piece("post", full.post, extrapolated.post);
   for (size_t m = 0; m < 3; ++m)
@@ -620,6 +642,118 @@ TEST(PlanActivations, NarrowedCalibrationExtrapolatesToTheFullWidth) {
                                            fused);
   };
   EXPECT_EQ(narrowed_against_full("gpt fp32", cfg, pieces, /*vocab=*/false), 0);
+}
+
+// Tensor parallelism: the calibration, run on a model split over a local group of the
+// tensor-parallel size, counts the collectives each piece issues there, and its fit gives, at a
+// size it never ran, the bytes (exactly) and calls that the pieces issue when run at that size;
+// and narrowed copies extrapolate them to the full width exactly. GPT with sequence parallelism
+// and the fused loss in chunks (tp rank 0 of 2), Llama with its kv heads kept whole and the
+// unfused loss (the last of 4 ranks, which holds the fewest words).
+TEST(PlanActivations, TensorParallelTrafficIsCountedAndScaled) {
+  mem::install_tracking_allocator();
+  const int64_t b = 3, t = 96;
+  auto check = [&](const char* name, const fsdp::plan::CalibrationPieces& pieces,
+                   bool per_chunk_loss) {
+    const auto acts = fsdp::plan::calibrate_activations(pieces, 2, 64);
+    EXPECT_EQ(acts.tp_ways, pieces.group->size());
+    const auto predicted = acts.tp_traffic(b, t);
+    auto input = [&] { return fsdp::plan::calibration_input(pieces, b, t); };
+    auto compare = [&](const std::string& piece, const fsdp::plan::PieceTraffic& p,
+                       const fsdp::plan::PieceBytes& m, bool exact_calls) {
+      const auto pf = fsdp::plan::TrafficScaling::values(p.forward),
+                 mf = fsdp::plan::TrafficScaling::values(m.traffic.forward),
+                 pb = fsdp::plan::TrafficScaling::values(p.backward),
+                 mb = fsdp::plan::TrafficScaling::values(m.traffic.backward);
+      for (size_t i = 0; i < pf.size(); ++i) {
+        const bool bytes = i % 2 == 1;
+        if (!bytes && !exact_calls)
+          continue;
+        EXPECT_EQ(pf[i], mf[i]) << name << " " << piece << " forward count " << i;
+        EXPECT_EQ(pb[i], mb[i]) << name << " " << piece << " backward count " << i;
+      }
+    };
+    auto none = [] { return torch::Tensor(); };
+    compare("pre", predicted.pre,
+            fsdp::plan::measure_piece(
+                none, [&](const torch::Tensor&) { return pieces.pre(b, t); }, pieces.parameters,
+                nullptr, pieces.group.get()),
+            true);
+    for (auto mode : {fsdp::CheckpointMode::kNone, fsdp::CheckpointMode::kFull,
+                      fsdp::CheckpointMode::kSelective}) {
+      const auto measured = fsdp::plan::measure_piece(
+          input,
+          [&](const torch::Tensor& x) {
+            return fsdp::checkpoint(
+                [&](const std::vector<torch::Tensor>& in) {
+                  return std::vector<torch::Tensor>{pieces.block(in[0], t)};
+                },
+                {x}, mode)[0];
+          },
+          pieces.parameters, nullptr, pieces.group.get());
+      compare("block mode " + std::to_string(static_cast<int>(mode)), predicted.block_with(mode),
+              measured, true);
+    }
+    const auto post = fsdp::plan::measure_piece(
+        input, [&](const torch::Tensor& x) { return pieces.loss(pieces.head(x, t), t); },
+        pieces.parameters, nullptr, pieces.group.get());
+    // The loss's all-reduces per chunk of positions: ceil(B·T / chunk) calls, fitted linearly.
+    compare("post", predicted.post, post, !per_chunk_loss);
+    const auto block = predicted.block_with(fsdp::CheckpointMode::kNone);
+    std::printf(
+        "%s at (%lld, %lld): a block issues %lld all-reduces (%lld B), %lld all-gathers (%lld B) "
+        "and %lld reduce-scatters (%lld B) in forward and backward; the whole chain %lld B\n",
+        name, (long long)b, (long long)t,
+        (long long)(block.forward.all_reduce.calls + block.backward.all_reduce.calls),
+        (long long)(block.forward.all_reduce.bytes + block.backward.all_reduce.bytes),
+        (long long)(block.forward.all_gather.calls + block.backward.all_gather.calls),
+        (long long)(block.forward.all_gather.bytes + block.backward.all_gather.bytes),
+        (long long)(block.forward.reduce_scatter.calls + block.backward.reduce_scatter.calls),
+        (long long)(block.forward.reduce_scatter.bytes + block.backward.reduce_scatter.bytes),
+        (long long)(fsdp::plan::buffer_bytes(predicted.pre.forward) +
+                    fsdp::plan::buffer_bytes(predicted.pre.backward) +
+                    fsdp::plan::buffer_bytes(block.forward) +
+                    fsdp::plan::buffer_bytes(block.backward) +
+                    fsdp::plan::buffer_bytes(predicted.post.forward) +
+                    fsdp::plan::buffer_bytes(predicted.post.backward)));
+    EXPECT_GT(fsdp::plan::buffer_bytes(block.forward), 0) << name;
+  };
+
+  auto gpt_cfg = GPTConfig::preset("gpt2-tiny");
+  gpt_cfg.n_layer = 1, gpt_cfg.block_size = 256, gpt_cfg.vocab_size = 509;
+  const auto tp2 = fsdp::local_group(2, 0, "test/tp2");
+  fsdp_models::PlanFusedLoss fused;
+  fused.chunk = 37, fused.positions = b * t;
+  fused.spec = [](int64_t bb, int64_t tt) {
+    fsdp_models::LossSpec spec;
+    spec.targets = torch::randint(509, {bb, tt}, torch::kLong);
+    spec.denominator = static_cast<double>(bb * tt);
+    return spec;
+  };
+  auto gpt_pieces = [&](const GPTConfig& c) {
+    torch::manual_seed(1);
+    GPT model(c);
+    fsdp_models::tensor_parallelize_gpt(model, tp2);
+    model->use_sequence_parallel(tp2);
+    auto pieces = fsdp_models::calibration_pieces(model, torch::kFloat, random_target_loss,
+                                                  std::nullopt, fused);
+    pieces.group = tp2;
+    return pieces;
+  };
+  check("gpt, tp 2, sequence parallel, fused loss", gpt_pieces(gpt_cfg), true);
+  EXPECT_EQ(narrowed_against_full("gpt tp 2 sequence parallel", gpt_cfg, gpt_pieces, false), 0);
+
+  LlamaConfig llama_cfg;
+  llama_cfg.vocab_size = 383, llama_cfg.max_seq_len = 256, llama_cfg.dim = 64;
+  llama_cfg.n_layers = 1, llama_cfg.n_heads = 4, llama_cfg.n_kv_heads = 2;
+  llama_cfg.ffn_hidden_dim = 96;
+  const auto tp4 = fsdp::local_group(4, 3, "test/tp4");
+  torch::manual_seed(2);
+  Llama llama(llama_cfg);
+  fsdp_models::tensor_parallelize_llama(llama, tp4);  // 2 kv heads on 4 ranks: kept whole
+  auto llama_pieces = fsdp_models::calibration_pieces(llama, torch::kFloat, random_target_loss);
+  llama_pieces.group = tp4;
+  check("llama, tp 4 (rank 3), kv heads kept whole, unfused loss", llama_pieces, false);
 }
 
 TEST(PlanUnits, EveryParameterInItsInnermostUnitAndBadPathsNamed) {

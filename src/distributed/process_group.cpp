@@ -549,6 +549,16 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
   return init_process_group(launch_env_from_environment(), options);
 }
 
+std::shared_ptr<ProcessGroup> local_group(int size, int rank, const std::string& name) {
+  TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "local_group: rank ", rank, " of size ", size);
+  std::vector<int> ranks(static_cast<size_t>(size));
+  for (int r = 0; r < size; ++r)
+    ranks[static_cast<size_t>(r)] = r;
+  return std::make_shared<ProcessGroup>(nullptr, std::vector<c10::intrusive_ptr<c10d::Backend>>{},
+                                        rank, size, std::move(ranks),
+                                        ProcessGroupOptions().bench_local_collectives(true), name);
+}
+
 ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store,
                            std::vector<c10::intrusive_ptr<c10d::Backend>> lanes, int rank, int size,
                            std::vector<int> global_ranks, ProcessGroupOptions options,
@@ -619,6 +629,11 @@ void check_ranks(const std::vector<int>& ranks, int size, int me, const char* wh
 void ProcessGroup::require_backend(const char* what) const {
   if (!lanes_.empty())
     return;
+  if (options_.bench_local_collectives() && !store_) {
+    throw std::logic_error(std::string(what) + " on group '" + name_ +
+                           "', a local group (fsdp::local_group): it is connected to no other "
+                           "process, and only its collectives have a local equivalent");
+  }
   throw std::logic_error("[rank " + std::to_string(global_ranks_[static_cast<size_t>(rank_)]) +
                          "] " + what + " on group '" + name_ +
                          "', which has no backend: this process joined a running job "

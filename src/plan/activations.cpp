@@ -2,6 +2,7 @@
 #include <fsdp/plan/activations.h>
 
 #include <fsdp/core/memory.h>
+#include <fsdp/distributed/process_group.h>
 
 #include <ATen/Context.h>
 
@@ -106,6 +107,10 @@ PieceScaling fit(int64_t b, int64_t t, const PieceBytes& m, const PieceBytes& m2
               m2b.backward.size() - 1, " and ", m2t.backward.size() - 1,
               " parameter gradients at three sizes (it must take the same path at every size)");
   s.segments_before_output = m.segments_before_output;
+  s.forward_traffic =
+      TrafficScaling::fit(b, t, m.traffic.forward, m2b.traffic.forward, m2t.traffic.forward);
+  s.backward_traffic =
+      TrafficScaling::fit(b, t, m.traffic.backward, m2b.traffic.backward, m2t.traffic.backward);
   for (size_t i = 0; i < m.backward.size(); ++i) {
     s.backward.emplace_back(Scaling::fit(b, t, static_cast<double>(m.backward[i].activations),
                                          static_cast<double>(m2b.backward[i].activations),
@@ -142,7 +147,21 @@ PieceBytes PieceScaling::at(int64_t b, int64_t t) const {
   p.segments_before_output = segments_before_output;
   for (const auto& [activations, grads] : backward)
     p.backward.push_back({activations.at(b, t), grads});
+  p.traffic = {forward_traffic.at(b, t), backward_traffic.at(b, t)};
   return p;
+}
+
+TensorParallelTraffic ActivationModel::tp_traffic(int64_t b, int64_t t) const {
+  TensorParallelTraffic out;
+  out.ways = tp_ways;
+  auto at = [&](const PieceScaling& s) {
+    return PieceTraffic{s.forward_traffic.at(b, t), s.backward_traffic.at(b, t)};
+  };
+  out.pre = at(pre);
+  out.post = at(post);
+  for (size_t i = 0; i < block.size(); ++i)
+    out.block[i] = at(block[i]);
+  return out;
 }
 
 PieceBytes::Segment PieceBytes::backward_peak() const {
@@ -159,17 +178,22 @@ PieceBytes::Segment PieceBytes::backward_peak() const {
 PieceBytes measure_piece(const std::function<torch::Tensor()>& make_input,
                          const std::function<torch::Tensor(const torch::Tensor&)>& forward,
                          const std::vector<std::pair<std::string, torch::Tensor>>& parameters,
-                         std::vector<std::string>* with_grads) {
+                         std::vector<std::string>* with_grads, ProcessGroup* group) {
   TORCH_CHECK(mem::tracking_installed(),
               "fsdp::plan: measuring activations needs fsdp::memory::install_tracking_allocator()");
   GradientTagging tagging(parameters);
   mem::CategoryScope scope(mem::Category::kActivations);
   PieceBytes out;
   torch::Tensor x = make_input();
+  // The group's counters before and after each half (nothing is counted without a group).
+  auto traffic = [group] { return group ? group->comm_stats() : CommStats{}; };
+  const CommStats before_forward = traffic();
   {
     const int64_t before = activations_now();
     mem::reset_peak();
     torch::Tensor y = forward(x);
+    const CommStats after_forward = traffic();
+    out.traffic.forward = after_forward - before_forward;
     out.saved = activations_now() - before;
     out.forward_peak = activations_peak() - before;
     out.output = static_cast<int64_t>(y.storage().nbytes());
@@ -186,6 +210,7 @@ PieceBytes measure_piece(const std::function<torch::Tensor()>& make_input,
     g_segments.store(&segments);
     y.backward(grad);
     g_segments.store(nullptr);
+    out.traffic.backward = traffic() - after_forward;
     segments.close();
     out.backward = std::move(segments.list);
     out.segments_before_output = segments.before_output;
@@ -216,9 +241,11 @@ ActivationSample measure_activations(const CalibrationPieces& pieces, int64_t b,
   auto hidden = [&] { return calibration_input(pieces, b, t); };
   ActivationSample all;
   all.b = b, all.t = t;
+  all.tp_ways = pieces.group ? pieces.group->size() : 1;
+  ProcessGroup* group = pieces.group.get();
   all.pre = measure_piece([] { return torch::Tensor(); },
                           [&](const torch::Tensor&) { return pieces.pre(b, t); }, pieces.parameters,
-                          &all.pre_parameters);
+                          &all.pre_parameters, group);
   for (auto mode : {CheckpointMode::kNone, CheckpointMode::kFull, CheckpointMode::kSelective}) {
     auto run = [&, mode](const torch::Tensor& x) {
       return fsdp::checkpoint(
@@ -228,7 +255,7 @@ ActivationSample measure_activations(const CalibrationPieces& pieces, int64_t b,
           {x}, mode)[0];
     };
     auto& block = all.block[static_cast<size_t>(mode)];
-    block = measure_piece(hidden, run, pieces.parameters);
+    block = measure_piece(hidden, run, pieces.parameters, nullptr, group);
     // A block's output stays alive only if the next block keeps it for its backward; one that
     // casts it on entry (output_dtype) keeps the cast copy and the output goes. Two blocks in
     // a row tell: the second's increment is what each block adds to a chain.
@@ -255,7 +282,7 @@ ActivationSample measure_activations(const CalibrationPieces& pieces, int64_t b,
         });
         return pieces.loss(out, t);
       },
-      pieces.parameters, &all.post_parameters);
+      pieces.parameters, &all.post_parameters, group);
   return all;
 }
 
@@ -267,6 +294,7 @@ ActivationModel calibrate_activations(const CalibrationPieces& pieces, int64_t b
   model.post = fit(b, t, m.post, m2b.post, m2t.post);
   model.post_parameters = m.post_parameters;
   model.pre_parameters = m.pre_parameters;
+  model.tp_ways = m.tp_ways;
   for (size_t i = 0; i < 3; ++i)
     model.block[i] = fit(b, t, m.block[i], m2b.block[i], m2t.block[i]);
   return model;
@@ -321,6 +349,20 @@ ActivationModel extrapolate_to_full_width(const ActivationSample& widest, int64_
     out.c = parabola(c1, s2.c, s3.c);
     return out;
   };
+  // The collectives' counts alike: the coefficients of T and B·T on the line (a tensor sent per
+  // position is one width wide at most), the constant on the parabola.
+  const double t1 = static_cast<double>(widest.t);
+  auto traffic = [&](const TrafficScaling& s2, const TrafficScaling& s3, const CommStats& sample) {
+    const auto values = TrafficScaling::values(sample);
+    TrafficScaling out;
+    for (size_t i = 0; i < values.size(); ++i) {
+      const auto &l2 = s2.counts[i], &l3 = s3.counts[i];
+      const double p1 = line(l2.p, l3.p, u1), a1 = line(l2.a, l3.a, u1);
+      const double c1 = static_cast<double>(values[i]) - p1 * t1 - a1 * bt;
+      out.counts[i] = {parabola(c1, l2.c, l3.c), line(l2.p, l3.p, 1), line(l2.a, l3.a, 1)};
+    }
+    return out;
+  };
   auto piece = [&](const char* name, const PieceBytes& p1, const PieceScaling& p2,
                    const PieceScaling& p3) {
     TORCH_CHECK(p1.backward.size() == p2.backward.size() &&
@@ -332,6 +374,8 @@ ActivationModel extrapolate_to_full_width(const ActivationSample& widest, int64_
                 p1.backward.size(), ", ", p2.backward.size(), " and ", p3.backward.size(),
                 " backward segments): it cannot be extrapolated to full width");
     PieceScaling out;
+    out.forward_traffic = traffic(p2.forward_traffic, p3.forward_traffic, p1.traffic.forward);
+    out.backward_traffic = traffic(p2.backward_traffic, p3.backward_traffic, p1.traffic.backward);
     out.saved = scaling(p2.saved, p3.saved, p1.saved);
     out.forward_peak = scaling(p2.forward_peak, p3.forward_peak, p1.forward_peak);
     out.output = scaling(p2.output, p3.output, p1.output);
@@ -354,6 +398,7 @@ ActivationModel extrapolate_to_full_width(const ActivationSample& widest, int64_
       "fsdp::plan: calibrations at narrowings ", widest_narrowing, ", ", narrower.narrowing,
       " and ", narrowest.narrowing, " give gradients to different parameters");
   ActivationModel out;
+  out.tp_ways = widest.tp_ways;
   out.pre_parameters = m2.pre_parameters;
   out.post_parameters = m2.post_parameters;
   out.pre = piece("pre", widest.pre, m2.pre, m3.pre);

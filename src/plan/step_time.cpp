@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <exception>
+#include <functional>
 #include <thread>
 
 #include <fsdp/distributed/collectives.h>
@@ -257,6 +258,36 @@ double measure_comm_factor(ProcessGroup& group, const CalibrationPieces& pieces,
   return std::max(0.0, both - compute_s) / alone;
 }
 
+namespace {
+
+// Tensor parallelism's collectives over the step: every micro-batch runs each piece forward and
+// backward, the blocks in their checkpoint modes; each collective costs its time alone.
+void add_tp_traffic(const StepOptions& o, const TensorParallelTraffic& tp, const LinkProfile& link,
+                    const std::function<CheckpointMode(size_t)>& mode, size_t n_blocks,
+                    TimePrediction& out) {
+  if (tp.ways <= 1)
+    return;
+  CommStats per_micro_batch;
+  auto add = [&](const PieceTraffic& piece) {
+    per_micro_batch += piece.forward;
+    per_micro_batch += piece.backward;
+  };
+  add(tp.pre);
+  add(tp.post);
+  for (size_t i = 0; i < n_blocks; ++i)
+    add(tp.block_with(mode(i)));
+  for (int mb = 0; mb < o.micro_batches; ++mb)
+    out.tp_traffic += per_micro_batch;
+  const auto& c = out.tp_traffic;
+  out.tp_bytes = buffer_bytes(c);
+  out.tp_calls = c.all_reduce.calls + c.all_gather.calls + c.reduce_scatter.calls;
+  out.tp_s = link.all_reduce.seconds(c.all_reduce.bytes, c.all_reduce.calls) +
+             link.all_gather.seconds(c.all_gather.bytes, c.all_gather.calls) +
+             link.reduce_scatter.seconds(c.reduce_scatter.bytes, c.reduce_scatter.calls);
+}
+
+}  // namespace
+
 TimePrediction predict_step_time(const std::vector<UnitInfo>& units, const StepOptions& o,
                                  const TimeInputs& in, int rank) {
   TORCH_CHECK(!units.empty() && units.back().path.empty(),
@@ -343,6 +374,7 @@ TimePrediction predict_step_time(const std::vector<UnitInfo>& units, const StepO
       }
     }
   }
+  add_tp_traffic(o, in.tp_traffic, in.tp, mode, n_blocks, out);
   out.optimizer_s = in.optimizer_s;
   // Offload I/O. CPU offload: the parameter shards go to the device for each gather (twice for
   // blocks that reshard after forward; the root's once, counted alike: a small overestimate),
@@ -364,7 +396,7 @@ TimePrediction predict_step_time(const std::vector<UnitInfo>& units, const StepO
                      static_cast<double>(bytes) / in.disk_write_bytes_per_s;
   }
   out.step_s = out.forward_s + out.backward_s + out.all_gather_exposed_s + out.reduce_exposed_s +
-               out.optimizer_s + out.offload_s + out.overhead_s;
+               out.optimizer_s + out.offload_s + out.overhead_s + out.tp_s;
   return out;
 }
 

@@ -801,8 +801,10 @@ void check_plan_run(const PlanCase& c) {
   const auto& last = metrics.back();
   EXPECT_EQ(plan["traffic"]["all_gather"].get<int64_t>(), last.allgather_bytes) << c.name;
   EXPECT_EQ(plan["traffic"]["reduce_scatter"].get<int64_t>(), last.reducescatter_bytes) << c.name;
-  // The global norm's all-reduce (8 bytes, when clipping) is the trainer's, not the model's.
-  const int64_t norm = c.args.find("grad_clip=0") == std::string::npos ? 8 : 0;
+  // The global norm's all-reduce (8 bytes, when clipping) is the trainer's, not the model's;
+  // with tensor parallelism it goes over the world, not the dp group these count.
+  const bool tp = c.args.find("parallel.tp=") != std::string::npos;
+  const int64_t norm = c.args.find("grad_clip=0") == std::string::npos && !tp ? 8 : 0;
   EXPECT_EQ(plan["traffic"]["all_reduce"].get<int64_t>() + norm, last.allreduce_bytes) << c.name;
   // The gradients' own high-water mark (the optimizer inside backward and error feedback's
   // residuals move it most), within 5%. Not for bf16 reductions into fp32 grads (root-fp32):
@@ -813,6 +815,13 @@ void check_plan_run(const PlanCase& c) {
     const double grads = m["category_peaks"]["gradients"].get<double>();
     EXPECT_NEAR(grads, p["category_peaks"]["gradients"].get<double>(), 0.05 * grads)
         << c.name << ": " << plan;
+  }
+  // Tensor parallelism: the tp group's bytes per step as the run counted them (tp_bytes), and
+  // some traffic there at all.
+  if (tp) {
+    ASSERT_TRUE(last.tp_bytes.has_value()) << c.name;
+    EXPECT_GT(plan["traffic"]["tp"]["bytes"].get<int64_t>(), 0) << plan;
+    EXPECT_EQ(plan["traffic"]["tp"]["bytes"].get<int64_t>(), *last.tp_bytes) << c.name;
   }
   std::printf("%s: predicted %lld B, measured %lld B at %s\n", c.name.c_str(),
               (long long)p["peak"].get<int64_t>(), (long long)m["peak"].get<int64_t>(),
@@ -834,6 +843,14 @@ TEST(TrainerRun, PlanPredictsInt8ReductionsWithTheOptimizerInBackward) {
   check_plan_run({"plan-in-backward-int8", "gpt2-tiny", 3,
                   "--fsdp.optimizer_in_backward=true --training.grad_clip=0 "
                   "--training.batch_size=2 --training.seq_len=16 --precision.reduce_format=int8"});
+}
+
+// Tensor parallelism on 4 ranks (a 2 x 2 mesh): the units are one tp rank's parts sharded over
+// the dp axis, the activations those of the split blocks with sequence parallelism, and the
+// tp group's traffic counted on the meta device equals what the run's group counted.
+TEST(TrainerRun, PlanPredictsATensorParallelRunWithSequenceParallelism) {
+  check_plan_run({"plan-tp", "gpt2-tiny", 4,
+                  "--parallel.tp=2 --parallel.sequence_parallel=true --training.batch_size=4"});
 }
 
 // A budget the prediction exceeds: the warning before step 1 names the categories and a
@@ -1665,8 +1682,6 @@ TEST(TrainerRun, TensorParallelTrainsAndResumesLikeDataParallel) {
            {"--nproc 4 --parallel.tp=2 --fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=3",
             "'fsdp.hybrid_shard_size' = 3 must divide the data-parallel ranks (world 4 / "
             "parallel.tp 2 = 2)"},
-           {"--nproc 2 --parallel.tp=2 --training.memory_budget=1GiB",
-            "'parallel.tp' cannot go with --plan or training.memory_budget yet"},
        }) {
     auto bad = run(train_cmd() + " " + config + " " + args + " --training.steps=1");
     EXPECT_NE(bad.code, 0) << args;

@@ -67,7 +67,9 @@ void write_candidates_json(const std::string& path, const std::vector<Candidate>
                    {"reduce_exposed", c.time.reduce_exposed_s},
                    {"optimizer", c.time.optimizer_s},
                    {"offload", c.time.offload_s},
-                   {"overhead", c.time.overhead_s}}},
+                   {"overhead", c.time.overhead_s},
+                   {"tensor_parallel", c.time.tp_s}}},
+                 {"tp_bytes", c.time.tp_bytes},
                  {"tokens_per_s", c.tokens_per_s},
                  {"fits", c.fits}});
   }
@@ -75,9 +77,8 @@ void write_candidates_json(const std::string& path, const std::vector<Candidate>
 }
 
 // The search's answer: the fitting configurations, fastest first, each with its TOML.
-void print_fitting(const PlanRequest& request, const Config& config,
-                   const std::map<std::string, RunPlan>& runs, size_t considered,
-                   const std::vector<const Candidate*>& fitting) {
+void print_fitting(const PlanRequest& request, const Config& config, const RunPlans& runs,
+                   size_t considered, const std::vector<const Candidate*>& fitting) {
   const auto* device = request.device;
   std::printf(
       "fsdp-plan --auto: %s on %d rank(s)%s, global batch %lld x %lld tokens, budget %s "
@@ -92,17 +93,18 @@ void print_fitting(const PlanRequest& request, const Config& config,
                    .c_str()
              : "");
   std::printf("%-3s %12s %10s %12s  %-20s %s\n", "#", "tokens/s", "step s", "peak", "moment",
-              "strategy / AC / dtype / gather / offload / micro-batches");
+              "tp / strategy / AC / dtype / gather / offload / micro-batches");
   for (size_t i = 0; i < fitting.size(); ++i) {
     const auto& c = *fitting[i];
     const auto& k = c.knobs;
-    std::printf("%-3zu %12.0f %10.4f %12s  %-20s %s%s / %s%s / %s / %s / %s / %lld x %lld\n", i + 1,
-                c.tokens_per_s, c.time.step_s, mem::format_bytes(c.peak).c_str(), c.moment.c_str(),
-                k.strategy.c_str(),
+    const int64_t rows = request.global_batch / (request.world / k.tp);
+    std::printf("%-3zu %12.0f %10.4f %12s  %-20s %lld / %s%s / %s%s / %s / %s / %s / %lld x %lld\n",
+                i + 1, c.tokens_per_s, c.time.step_s, mem::format_bytes(c.peak).c_str(),
+                c.moment.c_str(), (long long)k.tp, k.strategy.c_str(),
                 k.reshard_size ? fmt::format("/{}", k.reshard_size).c_str() : "", k.ac.c_str(),
                 k.ac_every > 1 ? fmt::format("/{}", k.ac_every).c_str() : "", k.dtype.c_str(),
                 k.gather.c_str(), k.offload.c_str(), (long long)k.micro_batches,
-                (long long)(config.training.batch_size / k.micro_batches));
+                (long long)(rows / k.micro_batches));
   }
   for (size_t i = 0; i < fitting.size(); ++i) {
     std::printf("\n# %zu: %.0f tokens/s, peak %s per rank (predicted)\n%s", i + 1,
@@ -126,24 +128,39 @@ int plan_auto(PlanRequest request) {
   // The notes wait until there is a result: a search that fails says one line.
   std::vector<std::string> notes;
   auto note = [&notes](const std::string& line) { notes.push_back(line); };
-  config.training.batch_size = global_batch / world;
   config.training.micro_batches = 1;
-  auto space = default_space(world, per_node, config.training.batch_size, device != nullptr,
+  auto space = default_space(world, per_node, global_batch, device != nullptr,
                              config.optimizer.name != "adamw");
   for (const auto& spec : request.space)
     restrict_space(space, spec);
-  // Every dtype's run: its units, activations and (on this machine) its pieces to time.
-  std::map<std::string, RunPlan> runs;
-  for (const auto& dtype : space.values.at("dtype")) {
-    auto c = config;
-    c.precision.param_dtype = dtype;
-    // Timed as the ranks of this machine run: as many at once as will share its cores.
-    const int together =
-        std::max(1, std::min(per_node, static_cast<int>(std::thread::hardware_concurrency())));
-    runs[dtype] = plan_run(c, c.data.vocab_size, model_file, world, per_node, dtype, other,
-                           /*time_compute=*/device == nullptr, nullptr, together, plan_progress);
-    if (device)
-      runs[dtype].options.gloo_staging = runs[dtype].options.gloo_reduce_scatter = false;
+  // Every dtype's and tensor-parallel degree's run: its units, activations and (on this
+  // machine) its pieces to time, at the rows a data-parallel rank takes there.
+  RunPlans runs;
+  for (const auto& tp_value : space.values.at("tp")) {
+    const int tp = std::stoi(tp_value);
+    for (const auto& dtype : space.values.at("dtype")) {
+      auto c = config;
+      c.precision.param_dtype = dtype;
+      c.parallel.tp = tp;
+      c.training.batch_size = global_batch / (world / tp);
+      // Timed as the ranks of this machine run: as many at once as will share its cores.
+      const int together =
+          std::max(1, std::min(per_node, static_cast<int>(std::thread::hardware_concurrency())));
+      try {
+        validate(c);
+        validate_world(c, world, per_node);
+        auto run = plan_run(c, c.data.vocab_size, model_file, world, per_node, dtype, other,
+                            /*time_compute=*/device == nullptr, nullptr, together, plan_progress);
+        if (device)
+          run.options.gloo_staging = run.options.gloo_reduce_scatter = false;
+        runs.emplace(std::make_pair(dtype, int64_t{tp}), std::move(run));
+      } catch (const ConfigError& e) {
+        if (tp == 1)
+          throw;
+        // A degree the model (or the config) does not go with: searched without it.
+        note(fmt::format("parallel.tp = {} left out: {}", tp, e.what()));
+      }
+    }
   }
   TimeInputsFor timing;
   if (device) {
@@ -153,8 +170,8 @@ int plan_auto(PlanRequest request) {
                                          "/proc/self/exe", request.recalibrate, note);
     timing = machine_time(profile, per_node, optimizer_seconds_per_byte(config));
   }
-  const auto all = search_configs(config, runs, space, world, per_node, budget, margin, timing,
-                                  device != nullptr);
+  const auto all = search_configs(runs, space, world, per_node, global_batch, budget, margin,
+                                  timing, device != nullptr);
   if (!json_path.empty())
     write_candidates_json(json_path, all);
   std::vector<const Candidate*> fitting;

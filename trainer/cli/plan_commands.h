@@ -34,7 +34,8 @@ struct PlanRequest {
   bool recalibrate = false;
 };
 
-/// A line of the calibration's progress (plan_run's `progress`), on stderr: "fsdp-plan: LINE".
+/// A line of the calibration's progress (plan_run's `progress`), on stderr: "fsdp-plan: LINE" (a
+/// "note: ..." line once, however often it comes).
 void plan_progress(const std::string& line);
 
 /// Prints each rank's predicted peak by category (and with a device, the step time it allows);

@@ -126,10 +126,6 @@ fsdp_trainer::PlanRequest make_request(const PlanCommandLine& cl) {
   namespace plan = fsdp::plan;
   auto config = load_config(cl.config_path, cl.overrides, cl.finetune);
   validate_world(config, cl.world, cl.per_node);
-  if (config.parallel.tp > 1)
-    throw ConfigError("'parallel.tp' = " + std::to_string(config.parallel.tp) +
-                      ": the planner does not model tensor parallelism yet (its memory and "
-                      "traffic are those of parallel.tp = 1 and do not apply)");
   const plan::DeviceProfile* device = nullptr;
   if (!cl.hardware.empty()) {
     try {

@@ -8,6 +8,7 @@
 
 #include <cstdio>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -40,18 +41,31 @@ std::string compute_dtype(const fsdp_trainer::Config& config) {
 }
 
 std::string describe_time(const plan::TimePrediction& t, double tokens) {
-  return fmt::format(
+  std::string out = fmt::format(
       "step {:.4g} s ({:.0f} tokens/s): forward {:.4g} s, backward {:.4g} s (recompute {:.4g}), "
       "exposed all-gather {:.4g} s, exposed reduce {:.4g} s, optimizer {:.4g} s, offload I/O "
-      "{:.4g} s; per step all-gather {}, reduce-scatter {}, all-reduce {}",
+      "{:.4g} s",
       t.step_s, tokens / t.step_s, t.forward_s, t.backward_s, t.recompute_s, t.all_gather_exposed_s,
-      t.reduce_exposed_s, t.optimizer_s, t.offload_s, mem::format_bytes(t.all_gather_bytes),
-      mem::format_bytes(t.reduce_scatter_bytes), mem::format_bytes(t.all_reduce_bytes));
+      t.reduce_exposed_s, t.optimizer_s, t.offload_s);
+  if (t.tp_calls > 0)
+    out += fmt::format(", tensor parallelism {:.4g} s", t.tp_s);
+  out +=
+      fmt::format("; per step all-gather {}, reduce-scatter {}, all-reduce {}",
+                  mem::format_bytes(t.all_gather_bytes), mem::format_bytes(t.reduce_scatter_bytes),
+                  mem::format_bytes(t.all_reduce_bytes));
+  if (t.tp_calls > 0)
+    out += fmt::format(" on the data-parallel axis, {} on the tensor-parallel one",
+                       mem::format_bytes(t.tp_bytes));
+  return out;
 }
 
 }  // namespace
 
 void plan_progress(const std::string& line) {
+  // --auto calibrates once per dtype and tensor-parallel degree: a note said once is enough.
+  static std::set<std::string> notes;
+  if (line.rfind("note:", 0) == 0 && !notes.insert(line).second)
+    return;
   std::fprintf(stderr, "fsdp-plan: %s\n", line.c_str());
   std::fflush(stderr);
 }
@@ -86,13 +100,15 @@ void print_rank_rows(const std::vector<fsdp::plan::MemoryPrediction>& prediction
 }
 
 // Each rank's predicted step memory; on a GPU (`on_device`), CPU offload keeps the model states
-// in host memory: the device's side.
+// in host memory: the device's side. With tensor parallelism rank r is data-parallel rank
+// r / tp of the 2-D mesh (fsdp::make_device_mesh), planned as the run's tensor-parallel rank.
 std::vector<fsdp::plan::MemoryPrediction> predict_every_rank(const RunPlan& run, int world,
                                                              bool on_device) {
   std::vector<fsdp::plan::MemoryPrediction> predictions;
+  const int tp = run.activations.tp_ways;
   for (int r = 0; r < world; ++r) {
     predictions.push_back(
-        fsdp::plan::predict_step_memory(run.units, run.options, run.activations, r));
+        fsdp::plan::predict_step_memory(run.units, run.options, run.activations, r / tp));
     if (on_device && run.options.states.cpu_offload)
       predictions.back() = fsdp::plan::device_side(predictions.back());
   }
@@ -169,6 +185,25 @@ int plan_table(const PlanRequest& request) {
       run.options.micro_batches,
       finetune ? " (the longest conversation finetune.max_tokens allows)" : "");
   print_rank_rows(predictions);
+  const int tp = run.activations.tp_ways;
+  if (tp > 1) {
+    // The traffic alone: predict_step_time counts it without any rates.
+    plan::TimeInputs counts;
+    counts.tp_traffic = run.activations.tp_traffic(run.options.batch_rows, run.options.seq_len);
+    const auto traffic = plan::predict_step_time(run.units, run.options, counts, 0);
+    const auto& c = traffic.tp_traffic;
+    std::printf(
+        "tensor parallelism: %d group(s) of %d consecutive ranks (rows above: each rank planned "
+        "as tensor-parallel rank 0, which holds the most words of the vocabulary, the others the "
+        "same or a few fewer), the units sharded over %d data-parallel rank(s); per step each "
+        "rank issues on its group %lld all-reduces of %s, %lld all-gathers of %s, %lld "
+        "reduce-scatters of %s (%s in all)\n",
+        world / tp, tp, run.options.states.world_size, (long long)c.all_reduce.calls,
+        mem::format_bytes(c.all_reduce.bytes).c_str(), (long long)c.all_gather.calls,
+        mem::format_bytes(c.all_gather.bytes).c_str(), (long long)c.reduce_scatter.calls,
+        mem::format_bytes(c.reduce_scatter.bytes).c_str(),
+        mem::format_bytes(traffic.tp_bytes).c_str());
+  }
   if (worst.peak_without_staging != worst.peak) {
     std::printf(
         "Gloo's staging buffers for a gather in flight are counted; without them rank "
@@ -180,7 +215,8 @@ int plan_table(const PlanRequest& request) {
         run.units, run.options,
         device_time(*device, efficiency, per_node, model_piece_flops(config))(run, run.options, {}),
         worst_rank);
-    const double tokens = static_cast<double>(world * t.batch_size * run.options.seq_len);
+    const double tokens =
+        static_cast<double>(run.options.states.world_size * t.batch_size * run.options.seq_len);
     std::printf("time on %s at %.0f%% of its matmul rate: %s\n", device->name.c_str(),
                 100 * efficiency, describe_time(time, tokens).c_str());
   }

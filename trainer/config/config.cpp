@@ -454,8 +454,9 @@ const std::vector<Option>& options() {
           "heads, kv heads or their ranks, and llama's ffn width must divide by it. Checkpoints "
           "store whole tensors: one saved at any tp resumes at any other. fsdp.strategy = "
           "hybrid_shard applies to the dp axis (fsdp.hybrid_shard_size counts its ranks; 0: "
-          "those on a host). Not yet with fault tolerance, qlora, --plan or "
-          "training.memory_budget."),
+          "those on a host). The planner (fsdp-plan, --plan, training.memory_budget) predicts a "
+          "rank's parts and its tensor-parallel traffic (docs/planner.md). Not yet with fault "
+          "tolerance or qlora."),
       opt("parallel.sequence_parallel", FIELD(parallel.sequence_parallel),
           "With parallel.tp > 1: sequence parallelism (Korthikanti et al.): between the blocks' "
           "split layers the residual stream, the norms and the embeddings hold each rank's 1/tp "
@@ -938,9 +939,6 @@ void validate_parallel(const Config& c) {
   require(!c.finetuning || !c.parallel.sequence_parallel, "parallel.sequence_parallel",
           "cannot go with fsdp-train finetune yet (LoRA adapters on sequence-parallel layers)");
   require(!c.fsdp.fault_tolerant, key, "cannot go with fsdp.fault_tolerant yet");
-  require(!c.logging.plan && c.training.memory_budget.empty(), key,
-          "cannot go with --plan or training.memory_budget yet (the planner does not model "
-          "tensor parallelism)");
 }
 
 void validate_fsdp(const Config& c) {

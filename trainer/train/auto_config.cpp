@@ -38,12 +38,15 @@ int shard_ranks(const plan::StateOptions& s) {
                                                         : s.world_size;
 }
 
-// The step options of `knobs` on top of its dtype's run (made from the base config).
-plan::StepOptions options_of(const RunPlan& run, const Knobs& k, int per_node, int64_t batch_size) {
+// The step options of `knobs` on top of its dtype's and tp's run (made from the base config):
+// `dp_per_node` data-parallel ranks per node (hybrid_shard's group), `batch_size` rows per
+// data-parallel rank.
+plan::StepOptions options_of(const RunPlan& run, const Knobs& k, int dp_per_node,
+                             int64_t batch_size) {
   auto o = run.options;
   auto& s = o.states;
   s.strategy = fsdp::from_string<fsdp::ShardingStrategy>(k.strategy);
-  s.hybrid_shard_size = s.strategy == fsdp::ShardingStrategy::kHybridShard ? per_node : 0;
+  s.hybrid_shard_size = s.strategy == fsdp::ShardingStrategy::kHybridShard ? dp_per_node : 0;
   const bool resharding = s.strategy == fsdp::ShardingStrategy::kFullShard ||
                           s.strategy == fsdp::ShardingStrategy::kHybridShard;
   o.reshard_after_forward = resharding ? std::optional<bool>(true) : std::nullopt;
@@ -60,8 +63,9 @@ plan::StepOptions options_of(const RunPlan& run, const Knobs& k, int per_node, i
   return o;
 }
 
-std::vector<std::string> overrides_of(const Knobs& k, int per_node, int64_t batch_size) {
+std::vector<std::string> overrides_of(const Knobs& k, int dp_per_node, int64_t batch_size) {
   std::vector<std::string> out{
+      fmt::format("parallel.tp={}", k.tp),
       "fsdp.strategy=" + k.strategy,
       fmt::format("fsdp.reshard_after_forward_size={}", k.reshard_size),
       "fsdp.activation_checkpointing=" + k.ac,
@@ -74,16 +78,33 @@ std::vector<std::string> overrides_of(const Knobs& k, int per_node, int64_t batc
       fmt::format("training.micro_batches={}", k.micro_batches),
   };
   if (k.strategy == "hybrid_shard")
-    out.push_back(fmt::format("fsdp.hybrid_shard_size={}", per_node));
+    out.push_back(fmt::format("fsdp.hybrid_shard_size={}", dp_per_node));
   return out;
+}
+
+// Whether the knobs go together at `dp` data-parallel ranks of which `dp_per_node` per node,
+// with `rows` per data-parallel rank (default_space lists each dimension's values for any tp).
+bool valid_at(const Knobs& k, int dp, int dp_per_node, int64_t rows) {
+  if (rows < 1 || rows % k.micro_batches != 0)
+    return false;
+  if (k.reshard_size > 0 && (k.reshard_size >= dp || dp % k.reshard_size != 0))
+    return false;
+  if (k.strategy == "hybrid_shard" && (dp_per_node < 2 || dp_per_node >= dp || dp % dp_per_node))
+    return false;
+  // One data-parallel rank: the strategies are all the same run, full_shard's.
+  return dp > 1 || k.strategy == "full_shard";
 }
 
 }  // namespace
 
-SearchSpace default_space(int world, int per_node, int64_t batch_size, bool gpu,
+SearchSpace default_space(int world, int per_node, int64_t global_batch, bool gpu,
                           bool fused_optimizer) {
   SearchSpace space;
   auto& v = space.values;
+  for (int tp : {1, 2, 4}) {
+    if (world % tp == 0 && per_node % tp == 0)
+      v["tp"].push_back(std::to_string(tp));
+  }
   v["strategy"] = {"full_shard"};
   if (world > 1) {
     for (int k = 2; k < world; ++k) {
@@ -103,8 +124,10 @@ SearchSpace default_space(int world, int per_node, int64_t batch_size, bool gpu,
     v["offload"].push_back("cpu");
   else if (fused_optimizer)
     v["offload"].push_back("file");
-  for (int64_t m = 1; m <= batch_size; ++m) {
-    if (batch_size % m == 0)
+  // A data-parallel rank's rows at the largest tp; smaller tps have fewer (valid_at).
+  const int64_t most_rows = global_batch / (world / std::stoi(v["tp"].back()));
+  for (int64_t m = 1; m <= most_rows; ++m) {
+    if (most_rows % m == 0)
       v["micro_batches"].push_back(std::to_string(m));
   }
   return space;
@@ -138,65 +161,71 @@ void restrict_space(SearchSpace& space, const std::string& spec) {
   it->second = kept;
 }
 
-std::vector<Candidate> search_configs(const Config& base,
-                                      const std::map<std::string, RunPlan>& runs,
-                                      const SearchSpace& space, int world, int per_node,
-                                      int64_t budget, double margin, const TimeInputsFor& time,
-                                      bool accelerator) {
+std::vector<Candidate> search_configs(const RunPlans& runs, const SearchSpace& space, int world,
+                                      int per_node, int64_t global_batch, int64_t budget,
+                                      double margin, const TimeInputsFor& time, bool accelerator) {
   const auto& v = space.values;
-  const int64_t batch_size = base.training.batch_size;
   const int64_t seq_len = runs.begin()->second.options.seq_len;
   std::vector<Candidate> out;
-  for (const auto& strategy : v.at("strategy"))
-    for (const auto& ac : v.at("ac"))
-      for (const auto& dtype : v.at("dtype"))
-        for (const auto& gather : v.at("gather"))
-          for (const auto& offload : v.at("offload"))
-            for (const auto& micro : v.at("micro_batches")) {
-              Knobs k;
-              const auto s = split(strategy, '/');
-              k.strategy = s[0];
-              k.reshard_size = s.size() > 1 ? std::stoll(s[1]) : 0;
-              const auto a = split(ac, '/');
-              k.ac = a[0];
-              k.ac_every = a.size() > 1 ? std::stoll(a[1]) : 1;
-              k.dtype = dtype;
-              k.gather = gather;
-              k.offload = offload;
-              k.micro_batches = std::stoll(micro);
-              // A bf16 gather of bf16 compute is the default gather: one point, not two.
-              if (gather == "bf16" && dtype != "fp32")
-                continue;
-              // no_shard gathers nothing: its gather format is no choice.
-              if (k.strategy == "no_shard" && gather != "param_dtype")
-                continue;
-              const auto& run = runs.at(dtype);
-              const auto o = options_of(run, k, per_node, batch_size);
-              Candidate c;
-              c.knobs = k;
-              c.overrides = overrides_of(k, per_node, batch_size);
-              // Ranks differ by the padding of the last shard: the first and the last rank of
-              // the world and of a shard group bound them.
-              const int n = shard_ranks(o.states);
-              for (int r : std::set<int>{0, n - 1, world - 1}) {
-                auto p = plan::predict_step_memory(run.units, o, run.activations, r);
-                if (accelerator && o.states.cpu_offload)
-                  p = plan::device_side(p);
-                if (p.peak > c.peak) {
-                  c.peak = p.peak;
-                  c.worst_rank = r;
-                  c.moment = plan::moment_label(p.moment);
+  for (const auto& tp_value : v.at("tp"))
+    for (const auto& strategy : v.at("strategy"))
+      for (const auto& ac : v.at("ac"))
+        for (const auto& dtype : v.at("dtype"))
+          for (const auto& gather : v.at("gather"))
+            for (const auto& offload : v.at("offload"))
+              for (const auto& micro : v.at("micro_batches")) {
+                Knobs k;
+                k.tp = std::stoll(tp_value);
+                const auto s = split(strategy, '/');
+                k.strategy = s[0];
+                k.reshard_size = s.size() > 1 ? std::stoll(s[1]) : 0;
+                const auto a = split(ac, '/');
+                k.ac = a[0];
+                k.ac_every = a.size() > 1 ? std::stoll(a[1]) : 1;
+                k.dtype = dtype;
+                k.gather = gather;
+                k.offload = offload;
+                k.micro_batches = std::stoll(micro);
+                // A bf16 gather of bf16 compute is the default gather: one point, not two.
+                if (gather == "bf16" && dtype != "fp32")
+                  continue;
+                // no_shard gathers nothing: its gather format is no choice.
+                if (k.strategy == "no_shard" && gather != "param_dtype")
+                  continue;
+                const auto found = runs.find({dtype, k.tp});
+                if (found == runs.end())  // the model does not split over this many ranks
+                  continue;
+                const auto& run = found->second;
+                const int dp = world / static_cast<int>(k.tp);
+                const int dp_per_node = per_node / static_cast<int>(k.tp);
+                const int64_t batch_size = global_batch / dp;
+                if (!valid_at(k, dp, dp_per_node, batch_size))
+                  continue;
+                const auto o = options_of(run, k, dp_per_node, batch_size);
+                Candidate c;
+                c.knobs = k;
+                c.overrides = overrides_of(k, dp_per_node, batch_size);
+                // Ranks differ by the padding of the last shard: the first and the last rank of
+                // the data-parallel axis and of a shard group bound them.
+                const int n = shard_ranks(o.states);
+                for (int r : std::set<int>{0, n - 1, dp - 1}) {
+                  auto p = plan::predict_step_memory(run.units, o, run.activations, r);
+                  if (accelerator && o.states.cpu_offload)
+                    p = plan::device_side(p);
+                  if (p.peak > c.peak) {
+                    c.peak = p.peak;
+                    c.worst_rank = r;
+                    c.moment = plan::moment_label(p.moment);
+                  }
                 }
+                c.time = plan::predict_step_time(run.units, o, time(run, o, k), c.worst_rank);
+                c.tokens_per_s = c.time.step_s > 0
+                                     ? static_cast<double>(global_batch * seq_len) / c.time.step_s
+                                     : 0;
+                c.fits = budget <= 0 ||
+                         static_cast<double>(c.peak) * (1 + margin) <= static_cast<double>(budget);
+                out.push_back(std::move(c));
               }
-              c.time = plan::predict_step_time(run.units, o, time(run, o, k), c.worst_rank);
-              c.tokens_per_s =
-                  c.time.step_s > 0
-                      ? static_cast<double>(world * batch_size * seq_len) / c.time.step_s
-                      : 0;
-              c.fits = budget <= 0 ||
-                       static_cast<double>(c.peak) * (1 + margin) <= static_cast<double>(budget);
-              out.push_back(std::move(c));
-            }
   std::stable_sort(out.begin(), out.end(), [](const Candidate& a, const Candidate& b) {
     return a.tokens_per_s > b.tokens_per_s;
   });
@@ -214,7 +243,7 @@ std::string toml_snippet(const Candidate& c) {
     sections[section].push_back(key + " = " + (bare ? value : "\"" + value + "\""));
   }
   std::string out;
-  for (const char* section : {"training", "fsdp", "precision", "optimizer"}) {
+  for (const char* section : {"training", "parallel", "fsdp", "precision", "optimizer"}) {
     auto it = sections.find(section);
     if (it == sections.end())
       continue;
@@ -267,16 +296,23 @@ TimeInputsFor machine_time(const plan::MachineProfile& profile, int per_node,
          {&in.shard.all_gather, &in.shard.reduce_scatter, &in.shard.all_reduce,
           &in.replicate.all_gather, &in.replicate.reduce_scatter, &in.replicate.all_reduce})
       c->latency_s = 0;
+    // Tensor parallelism's collectives are the layers', not the engine's: latency and all.
+    if (k.tp > 1) {
+      in.tp = link(static_cast<int>(k.tp));
+      in.tp_traffic = run.activations.tp_traffic(o.batch_rows, o.seq_len);
+    }
     // Measured for full_shard, shard_grad_op and no_shard; hybrid_shard's units do what
     // full_shard's do.
     const std::string kind =
         (k.strategy == "hybrid_shard" ? std::string("full_shard") : k.strategy) + "/" + k.dtype;
-    const auto ranks = profile.unit_overhead.find(std::min(world, per_node));
+    // Measured with every rank of the machine running: all of them compute at once here too.
+    const int busy = std::min(world * static_cast<int>(k.tp), per_node);
+    const auto ranks = profile.unit_overhead.find(busy);
     if (ranks == profile.unit_overhead.end() || !ranks->second.count(kind))
       throw ConfigError(fmt::format(
           "the machine profile has no unit overhead for {} ranks: run fsdp-plan --calibrate "
           "--world {}",
-          std::min(world, per_node), std::min(world, per_node)));
+          busy, busy));
     in.overhead = ranks->second.at(kind);
     auto resident = o.states;
     resident.optimizer_in_file = false;
@@ -290,29 +326,37 @@ TimeInputsFor machine_time(const plan::MachineProfile& profile, int per_node,
   };
 }
 
-std::function<plan::PieceFlops(int64_t, int64_t)> model_piece_flops(const Config& config) {
+PieceFlopsOf model_piece_flops(const Config& config) {
   if (config.finetuning)
     throw ConfigError("--hardware predicts pretraining runs (fsdp-train, not finetune)");
   if (config.model.arch == "gpt") {
     const auto cfg = gpt_config(config, config.data.vocab_size);
-    return [cfg](int64_t b, int64_t t) { return fsdp_models::piece_flops(cfg, b, t); };
+    return
+        [cfg](int64_t b, int64_t t, int64_t tp) { return fsdp_models::piece_flops(cfg, b, t, tp); };
   }
   const auto cfg = llama_config(config, config.data.vocab_size);
-  return [cfg](int64_t b, int64_t t) { return fsdp_models::piece_flops(cfg, b, t); };
+  return
+      [cfg](int64_t b, int64_t t, int64_t tp) { return fsdp_models::piece_flops(cfg, b, t, tp); };
 }
 
 TimeInputsFor device_time(const plan::DeviceProfile& device, double efficiency, int per_node,
-                          std::function<plan::PieceFlops(int64_t, int64_t)> flops) {
+                          PieceFlopsOf flops) {
   return [device, efficiency, per_node, flops](const RunPlan& run, const plan::StepOptions& o,
                                                const Knobs&) {
     plan::TimeInputs in;
     const auto dtype = o.states.param_dtype.value_or(torch::kFloat);
-    in.compute =
-        plan::flop_compute_times(flops(o.batch_rows, o.seq_len), device.flops(dtype) * efficiency);
-    const int world = o.states.world_size;
+    const int tp = run.activations.tp_ways;
+    in.compute = plan::flop_compute_times(flops(o.batch_rows, o.seq_len, tp),
+                                          device.flops(dtype) * efficiency);
+    // The units' groups are on the data-parallel axis: per_node / tp of its ranks per node.
+    const int world = o.states.world_size, dp_per_node = per_node / tp;
     const int n = shard_ranks(o.states);
-    in.shard = plan::device_link(device, n, n > per_node);
-    in.replicate = plan::device_link(device, world / n, world > per_node);
+    in.shard = plan::device_link(device, n, n > dp_per_node);
+    in.replicate = plan::device_link(device, world / n, world > dp_per_node);
+    if (tp > 1) {
+      in.tp = plan::device_link(device, tp, /*across_nodes=*/false);
+      in.tp_traffic = run.activations.tp_traffic(o.batch_rows, o.seq_len);
+    }
     in.overlap = true;
     // The optimizer streams the master shard, its gradient and the moments through memory:
     // AdamW reads 4 + 4 + 2m and writes 4 + 2m bytes per element (m: a moment's size), SGD

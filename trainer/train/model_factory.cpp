@@ -70,12 +70,7 @@ void build_sharded(TrainModel& out, const Cfg& cfg, fsdp_models::InitScheme sche
                    Parallelize parallelize) {
   Model model(cfg, fsdp_models::ModelInit().device(torch::kMeta).seed(seed));
   if (tp) {
-    try {
-      out.tp_layout = split(model, tp);
-    } catch (const c10::Error& e) {
-      throw ConfigError("'parallel.tp' = " + std::to_string(tp->size()) + ": " +
-                        first_line(e.msg()));
-    }
+    out.tp_layout = split(model, tp);
     out.tp = tp;
   }
   fsdp_models::to_hollow(*model, torch::TensorOptions().dtype(torch::kFloat32).device(device));
@@ -242,6 +237,34 @@ fsdp_models::LlamaConfig llama_config(const Config& config, int64_t vocab_size) 
   return cfg;
 }
 
+namespace {
+
+template <typename Model, typename Split>
+fsdp::TensorParallelLayout split_model(const Config& config, Model& model,
+                                       const std::shared_ptr<fsdp::ProcessGroup>& tp, Split split) {
+  try {
+    auto layout = split(model, tp);
+    if (config.parallel.sequence_parallel)
+      model->use_sequence_parallel(tp);
+    return layout;
+  } catch (const c10::Error& e) {
+    throw ConfigError("'parallel.tp' = " + std::to_string(tp->size()) + ": " + first_line(e.msg()));
+  }
+}
+
+}  // namespace
+
+fsdp::TensorParallelLayout split_for_tensor_parallel(
+    const Config& config, fsdp_models::GPT& model, const std::shared_ptr<fsdp::ProcessGroup>& tp) {
+  return split_model(config, model, tp, fsdp_models::tensor_parallelize_gpt);
+}
+
+fsdp::TensorParallelLayout split_for_tensor_parallel(
+    const Config& config, fsdp_models::Llama& model,
+    const std::shared_ptr<fsdp::ProcessGroup>& tp) {
+  return split_model(config, model, tp, fsdp_models::tensor_parallelize_llama);
+}
+
 TrainModel build_model(const Config& config, int64_t vocab_size, const UnitOptions& options,
                        torch::Device device, std::shared_ptr<fsdp::ProcessGroup> tp) {
   const auto& m = config.model;
@@ -253,10 +276,7 @@ TrainModel build_model(const Config& config, int64_t vocab_size, const UnitOptio
         out, cfg, fsdp_models::gpt_init_scheme(cfg), seed, options, config.fsdp.ac_every, device,
         tp,
         [&config](fsdp_models::GPT& model, const std::shared_ptr<fsdp::ProcessGroup>& group) {
-          auto layout = fsdp_models::tensor_parallelize_gpt(model, group);
-          if (config.parallel.sequence_parallel)
-            model->use_sequence_parallel(group);
-          return layout;
+          return split_for_tensor_parallel(config, model, group);
         },
         [](auto& model, const auto& blocks, const auto& root, int64_t every) {
           fsdp_models::parallelize_gpt(model, blocks, root, every);
@@ -270,10 +290,7 @@ TrainModel build_model(const Config& config, int64_t vocab_size, const UnitOptio
         out, cfg, fsdp_models::llama_init_scheme(cfg), seed, options, config.fsdp.ac_every, device,
         tp,
         [&config](fsdp_models::Llama& model, const std::shared_ptr<fsdp::ProcessGroup>& group) {
-          auto layout = fsdp_models::tensor_parallelize_llama(model, group);
-          if (config.parallel.sequence_parallel)
-            model->use_sequence_parallel(group);
-          return layout;
+          return split_for_tensor_parallel(config, model, group);
         },
         [](auto& model, const auto& blocks, const auto& root, int64_t every) {
           fsdp_models::parallelize_llama(model, blocks, root, every);
@@ -323,12 +340,7 @@ TrainModel build_finetune_model(const Config& config, const std::string& model_p
     trainable += p.requires_grad() ? p.numel() : 0;
   TrainModel out;
   if (tp) {
-    try {
-      out.tp_layout = fm::tensor_parallelize_llama(model, tp);
-    } catch (const c10::Error& e) {
-      throw ConfigError("'parallel.tp' = " + std::to_string(tp->size()) + ": " +
-                        first_line(e.msg()));
-    }
+    out.tp_layout = split_for_tensor_parallel(config, model, tp);
     out.tp = tp;
   }
   fm::to_hollow(*model, torch::TensorOptions().dtype(torch::kFloat32).device(device));

@@ -95,6 +95,16 @@ fsdp_models::LlamaConfig llama_config(const Config& config, int64_t vocab_size);
 /// n_layer or training.seq_len ends here in a second instead of in the allocator.
 void check_model_fits(const Config& config, int world_size, int local_world_size);
 
+/// The run's tensor-parallel split of `model` over `tp` (parallel.tp > 1): this rank's part of
+/// each layer (models/tensor_parallel.h), and with parallel.sequence_parallel its share of the
+/// sequence between them. ConfigError for shapes that do not divide over the group. The one
+/// rule for the trainer's models and the planner's (which splits over a fsdp::local_group).
+fsdp::TensorParallelLayout split_for_tensor_parallel(const Config& config, fsdp_models::GPT& model,
+                                                     const std::shared_ptr<fsdp::ProcessGroup>& tp);
+fsdp::TensorParallelLayout split_for_tensor_parallel(const Config& config,
+                                                     fsdp_models::Llama& model,
+                                                     const std::shared_ptr<fsdp::ProcessGroup>& tp);
+
 /// The model of config.model with `vocab_size` tokens and config.training.seq_len context,
 /// initialised from config.training.seed (the same values on any number of ranks), sharded with
 /// `options`, its shards on `device`. With `tp` (parallel.tp > 1), first split over that group

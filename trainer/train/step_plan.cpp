@@ -13,6 +13,7 @@
 #include <optional>
 
 #include <fsdp/activation_checkpoint.h>
+#include <fsdp/distributed/process_group.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/quant/nf4.h>
 
@@ -31,9 +32,11 @@ namespace mem = fsdp::memory;
 namespace plan = fsdp::plan;
 
 // The calibration's sizes: (b, t), (2b, t) and (b, 2t) within the model's context, at least 128
-// tokens each (fsdp/plan/activations.h says why).
-std::pair<int64_t, int64_t> calibration_size(int64_t seq_len) {
-  const int64_t t = std::max<int64_t>(1, std::min<int64_t>(64, seq_len / 2));
+// tokens each (fsdp/plan/activations.h says why); t a multiple of `positions_multiple`
+// (sequence parallelism splits the positions evenly over the tensor-parallel group).
+std::pair<int64_t, int64_t> calibration_size(int64_t seq_len, int64_t positions_multiple) {
+  int64_t t = std::max<int64_t>(1, std::min<int64_t>(64, seq_len / 2));
+  t = std::max(positions_multiple, t / positions_multiple * positions_multiple);
   return {std::max<int64_t>(1, (128 + t - 1) / t), t};
 }
 
@@ -122,23 +125,43 @@ bool widths_multiple_of(const fsdp_models::GPTConfig& c, int64_t m) {
   return c.n_embd % m == 0;
 }
 
+// Whether tensor parallelism over `tp` ranks splits `c` (the head counts are kept by narrowing,
+// so only Llama's feed-forward width can stop dividing).
+bool splits_over(const fsdp_models::LlamaConfig& c, int64_t tp) {
+  return c.ffn_hidden_dim % tp == 0;
+}
+bool splits_over(const fsdp_models::GPTConfig&, int64_t) {
+  return true;
+}
+
+// Whether the narrowed copies (by k, 2k, 4k) narrow the vocabulary too: where each copy's
+// words still divide evenly over the tensor-parallel ranks, so that every rank's part is the
+// whole's width over the narrowing (as the extrapolation assumes).
+template <typename ModelConfig>
+bool vocab_narrows(const ModelConfig& one, int64_t k, int64_t tp) {
+  return one.vocab_size % (4 * k * tp) == 0;
+}
+
 // How much calibrate() narrows the one-block model `one` (0: not at all): by k, 2k and 4k, the
 // least k >= 2 (k = 1 would be the full width itself) that brings the widest copy within the
 // limit, as far as the widths allow: each narrowed copy keeps its widths multiples of
 // `width_multiple` (QLoRA's NF4 block), else the model is calibrated at full width.
 template <typename ModelConfig>
-int64_t narrowing_factor(const ModelConfig& one, torch::ScalarType dtype, int64_t width_multiple) {
+int64_t narrowing_factor(const ModelConfig& one, torch::ScalarType dtype, int64_t width_multiple,
+                         int64_t tp) {
   const int64_t limit = calibration_params_limit(dtype), most = fsdp_models::max_narrowing(one);
-  if (one.num_params() <= limit || most < 8)
+  if (one.num_params() <= limit * tp || most < 8)
     return 0;
+  // A tensor-parallel rank's one-block model has about 1/tp of the parameters.
   auto params_at = [&](int64_t k) {
-    return fsdp_models::narrowed(one, k, one.vocab_size % (4 * k) == 0).num_params();
+    return fsdp_models::narrowed(one, k, vocab_narrows(one, k, tp)).num_params() / tp;
   };
   int64_t k = 2;
   while (8 * k <= most && params_at(k) > limit)
     k *= 2;
-  // The narrowest copy's widths divide the others' (by 2 and 4).
-  if (!widths_multiple_of(fsdp_models::narrowed(one, 4 * k, false), width_multiple))
+  // The narrowest copy's widths divide the others' (by 2 and 4), and still split over tp.
+  const auto narrowest = fsdp_models::narrowed(one, 4 * k, false);
+  if (!widths_multiple_of(narrowest, width_multiple) || !splits_over(narrowest, tp))
     return 0;
   return k;
 }
@@ -146,12 +169,16 @@ int64_t narrowing_factor(const ModelConfig& one, torch::ScalarType dtype, int64_
 // `make` builds a one-block model of the run (real tensors) from the run's one-block config
 // `one`, narrowed or not (fsdp_models::narrowed); `out` gets the activations, and with
 // `time_compute` the pieces of `copies` full-width such models and their times (timed together).
+// With `tp` (a local group of the run's tensor-parallel size, playing this rank) `make` splits
+// the model over it, so every measurement is of one tensor-parallel rank's part, and the
+// collectives the pieces issue on it are counted as they run (ActivationModel::tp_traffic).
 template <typename Model, typename ModelConfig>
 void calibrate(const ModelConfig& one, const std::function<Model(const ModelConfig&)>& make,
                const Config& config, torch::ScalarType dtype, int64_t seq_len,
                const std::function<bool(const std::string&)>& is_blocks, bool time_compute,
                int copies, const std::function<void()>& before_timing, const PlanProgress& progress,
-               int64_t width_multiple, RunPlan& out) {
+               int64_t width_multiple, const std::shared_ptr<fsdp::ProcessGroup>& tp,
+               RunPlan& out) {
   // With root_fp32 the blocks hand fp32 to each other and to the root (output_dtype, as
   // trainer.cpp sets it).
   const auto output = config.precision.root_fp32 && dtype != torch::kFloat
@@ -159,10 +186,12 @@ void calibrate(const ModelConfig& one, const std::function<Model(const ModelConf
                           : std::nullopt;
   auto pieces_of = [&](Model model) {
     to_compute_dtypes(*model, dtype, config.precision.root_fp32, is_blocks);
-    return std::make_shared<const plan::CalibrationPieces>(fsdp_models::calibration_pieces(
+    auto pieces = fsdp_models::calibration_pieces(
         model, dtype, trainer_loss(config), output,
         trainer_fused_loss(config, model->config().vocab_size, one.vocab_size,
-                           out.options.batch_rows * seq_len)));
+                           out.options.batch_rows * seq_len));
+    pieces.group = tp;  // its collectives counted as the activations are measured
+    return std::make_shared<const plan::CalibrationPieces>(std::move(pieces));
   };
   // Lines only for big models (their calibration takes seconds even narrowed): a small model's
   // errors stay one line.
@@ -170,11 +199,12 @@ void calibrate(const ModelConfig& one, const std::function<Model(const ModelConf
     if (progress && one.num_params() > (int64_t{16} << 20))
       progress(line);
   };
-  const auto [b, t] = calibration_size(seq_len);
+  const int64_t ways = tp ? tp->size() : 1;
+  const auto [b, t] = calibration_size(seq_len, config.parallel.sequence_parallel ? ways : 1);
   const char* dtype_text = dtype == torch::kFloat      ? "fp32"
                            : dtype == torch::kBFloat16 ? "bf16"
                                                        : "fp16";
-  const int64_t k = narrowing_factor(one, dtype, width_multiple);
+  const int64_t k = narrowing_factor(one, dtype, width_multiple, ways);
   // At full width the calibrated pieces are also the first timed ones (below): built once.
   std::shared_ptr<const plan::CalibrationPieces> full_width;
   if (k == 0) {
@@ -187,7 +217,7 @@ void calibrate(const ModelConfig& one, const std::function<Model(const ModelConf
           "note: one block has {} parameters, calibrated narrowed; on this CPU oneDNN pads {} "
           "to its block sizes, so the activations' extrapolation is approximate",
           one.num_params(), dtype_text));
-    const bool vocab = one.vocab_size % (4 * k) == 0;
+    const bool vocab = vocab_narrows(one, k, ways);
     auto model_at = [&](int64_t by, int step) {
       const auto cfg = fsdp_models::narrowed(one, by, vocab);
       say(
@@ -297,7 +327,17 @@ struct Calibration {
   int timing_copies;
   const std::function<void()>& before_timing;
   const PlanProgress& progress;
+  /// parallel.tp > 1: a local group of that size in which this process plays the planned
+  /// rank's tensor-parallel rank (fsdp::local_group); null otherwise.
+  std::shared_ptr<fsdp::ProcessGroup> tp;
 };
+
+// `model` split as the run splits it over c.tp (nothing without tensor parallelism).
+template <typename Model>
+void split(const Calibration& c, Model& model) {
+  if (c.tp)
+    split_for_tensor_parallel(c.config, model, c.tp);
+}
 
 // fsdp-train finetune's model (the pretrained file's Llama with its adapters or NF4 weights):
 // its units in `out`, calibrated; returns its blocks.
@@ -328,6 +368,7 @@ int64_t plan_finetune(const Calibration& c, const std::string& model_path, int64
     const fsdp_models::ModelInit meta = fsdp_models::ModelInit().device(torch::kMeta);
     fsdp_models::Llama model(cfg, meta);
     shape(model, meta, false);
+    split(c, model);
     out.units = plan::describe_units(*model, fsdp_models::unit_paths(cfg));
   }
   auto one = cfg;
@@ -336,11 +377,12 @@ int64_t plan_finetune(const Calibration& c, const std::string& model_path, int64
       [&](const fsdp_models::LlamaConfig& lc) {
         fsdp_models::Llama model(lc);
         shape(model, fsdp_models::ModelInit(), true);
+        split(c, model);
         return model;
       };
   calibrate(one, make, c.config, c.dtype, o.seq_len, is_llama_blocks, c.time_compute,
             c.timing_copies, c.before_timing, c.progress,
-            ft.method == "qlora" ? fsdp::nf4::kBlock : int64_t{1}, out);
+            ft.method == "qlora" ? fsdp::nf4::kBlock : int64_t{1}, c.tp, out);
   return cfg.n_layers;
 }
 
@@ -355,15 +397,18 @@ int64_t plan_pretrain(const Calibration& c, const ModelConfig& cfg, int64_t Mode
   o.other_bytes = other_bytes + t.batch_size * (t.seq_len + 1) * 8;  // the batch's token ids
   {
     Model model(cfg, fsdp_models::ModelInit().device(torch::kMeta));
+    split(c, model);
     out.units = plan::describe_units(*model, fsdp_models::unit_paths(cfg));
   }
   auto one = cfg;
   one.*layers = 1;
-  const std::function<Model(const ModelConfig&)> make = [](const ModelConfig& mc) {
-    return Model(mc);
+  const std::function<Model(const ModelConfig&)> make = [&c](const ModelConfig& mc) {
+    Model model(mc);
+    split(c, model);
+    return model;
   };
   calibrate(one, make, c.config, c.dtype, o.seq_len, is_blocks, c.time_compute, c.timing_copies,
-            c.before_timing, c.progress, /*width_multiple=*/1, out);
+            c.before_timing, c.progress, /*width_multiple=*/1, c.tp, out);
   return cfg.*layers;
 }
 
@@ -372,11 +417,18 @@ int64_t plan_pretrain(const Calibration& c, const ModelConfig& cfg, int64_t Mode
 RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& model_path,
                  int world_size, int local_world_size, const std::string& compute_dtype,
                  int64_t other_bytes, bool time_compute, const std::function<void()>& before_timing,
-                 int timing_copies, const PlanProgress& progress) {
+                 int timing_copies, const PlanProgress& progress, int tp_rank) {
   RunPlan out;
-  out.options = step_options(config, world_size, local_world_size, compute_dtype);
-  const Calibration c{
-      config, dtype_named(compute_dtype), time_compute, timing_copies, before_timing, progress};
+  // With tensor parallelism the units are sharded over the data-parallel axis.
+  const int tp = static_cast<int>(config.parallel.tp);
+  out.options = step_options(config, world_size / tp, local_world_size, compute_dtype);
+  const Calibration c{config,
+                      dtype_named(compute_dtype),
+                      time_compute,
+                      timing_copies,
+                      before_timing,
+                      progress,
+                      tp > 1 ? fsdp::local_group(tp, tp_rank, "plan/tp") : nullptr};
   int64_t blocks = 0;
   if (config.finetuning) {
     blocks = plan_finetune(c, model_path, other_bytes, out);
@@ -459,9 +511,14 @@ std::string plan_json(const plan::MemoryPrediction& p, const MeasuredPeak& m,
         method, phases(*time), phases(mt), mt.steps);
   }
   if (traffic) {
+    const auto& tp = traffic->tp_traffic;
     times += fmt::format(
-        ",\"traffic\":{{\"all_gather\":{},\"reduce_scatter\":{},\"all_reduce\":{}}}",
-        traffic->all_gather_bytes, traffic->reduce_scatter_bytes, traffic->all_reduce_bytes);
+        ",\"traffic\":{{\"all_gather\":{},\"reduce_scatter\":{},\"all_reduce\":{},"
+        "\"tp\":{{\"bytes\":{},\"all_reduce\":{},\"all_reduce_calls\":{},\"all_gather\":{},"
+        "\"all_gather_calls\":{},\"reduce_scatter\":{},\"reduce_scatter_calls\":{}}}}}",
+        traffic->all_gather_bytes, traffic->reduce_scatter_bytes, traffic->all_reduce_bytes,
+        traffic->tp_bytes, tp.all_reduce.bytes, tp.all_reduce.calls, tp.all_gather.bytes,
+        tp.all_gather.calls, tp.reduce_scatter.bytes, tp.reduce_scatter.calls);
   }
   // The highest predicted total at each moment, by fsdp::memory label.
   std::vector<std::string> labels;

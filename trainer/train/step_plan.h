@@ -50,11 +50,20 @@ struct RunPlan {
 /// all are done (fsdp-plan prints them on stderr). Smaller models say nothing, so that errors
 /// found after the calibration stay one line.
 using PlanProgress = std::function<void(const std::string& line)>;
+///
+/// With tensor parallelism (parallel.tp > 1, `world_size` the whole world) the plan is of one
+/// rank of the 2-D mesh: the model split as the run splits it, over a fsdp::local_group in which
+/// this process plays tensor-parallel rank `tp_rank` (0 has the most words of the vocabulary's
+/// split); the units are that rank's parts, the step options' world the data-parallel axis
+/// (world_size / tp, over which they are sharded), its activations those of the split blocks,
+/// and the tensor-parallel group's collectives counted as the calibration runs them
+/// (ActivationModel::tp_traffic, fsdp/plan/tp_traffic.h). Predict a rank with its data-parallel
+/// rank.
 RunPlan plan_run(const Config& config, int64_t vocab_size, const std::string& model_path,
                  int world_size, int local_world_size, const std::string& compute_dtype,
                  int64_t other_bytes, bool time_compute = false,
                  const std::function<void()>& before_timing = nullptr, int timing_copies = 1,
-                 const PlanProgress& progress = nullptr);
+                 const PlanProgress& progress = nullptr, int tp_rank = 0);
 
 /// Mean seconds per steady step by phase, as fsdp::StepProfiler measures them (forward and
 /// backward without the waits inside them).
@@ -96,7 +105,8 @@ std::string compare_prediction(const fsdp::plan::MemoryPrediction& p, const Meas
 /// With `time` (seconds by phase, predicted) and `measured_time`: a "time" object too,
 /// {"method", "predicted": {phase: s}, "measured": {phase: s, "steps"}}; with `traffic`, a
 /// "traffic" object: the bytes per step the planner predicts each kind of collective moves
-/// ({"all_gather", "reduce_scatter", "all_reduce"}, as CommStats counts them).
+/// ({"all_gather", "reduce_scatter", "all_reduce"}, as CommStats counts them, on the units'
+/// groups; and "tp": {"bytes", and each kind's bytes and calls} on the tensor-parallel group).
 std::string plan_json(const fsdp::plan::MemoryPrediction& p, const MeasuredPeak& m,
                       const std::optional<MeasuredTime>& time = std::nullopt,
                       const MeasuredTime& measured_time = {}, const std::string& method = "",

@@ -269,15 +269,22 @@ fsdp::plan::TimePrediction Trainer::predict_time(const RunPlan& run) {
   fsdp::plan::TimeInputs in;
   in.compute = *run.compute;
   // The links: the engine's own groups (fully_shard's resolve_groups makes the same blocks).
+  // With tensor parallelism the units' groups are on the dp axis, and the tp group's collectives
+  // are timed on the tp group itself.
   const auto& s = run.options.states;
-  const int world = pg_->size();
+  const auto dp = dp_group();
+  const int world = dp->size();
   const int n = s.strategy == fsdp::ShardingStrategy::kNoShard       ? 1
                 : s.strategy == fsdp::ShardingStrategy::kHybridShard ? s.hybrid_shard_size
                                                                      : world;
   if (n > 1)
-    in.shard = fsdp::plan::measure_link(*pg_->block_group(n));
+    in.shard = fsdp::plan::measure_link(*dp->block_group(n));
   if (world / n > 1)
-    in.replicate = fsdp::plan::measure_link(*pg_->strided_group(n));
+    in.replicate = fsdp::plan::measure_link(*dp->strided_group(n));
+  if (mesh_) {
+    in.tp = fsdp::plan::measure_link(*mesh_->tp);
+    in.tp_traffic = run.activations.tp_traffic(run.options.batch_rows, run.options.seq_len);
+  }
   // The optimizer phase as train_step runs it (gradient clipping, its all-reduce, the step),
   // on copies of this rank's trainable shards with zero gradients, timed after the step that
   // creates the state. Above 16M elements, on one flat tensor of 16M, scaled linearly.
@@ -320,8 +327,8 @@ fsdp::plan::TimePrediction Trainer::predict_time(const RunPlan& run) {
   if (n > 1) {
     const auto& c = in.compute.block[0];
     in.comm_factor = fsdp::plan::measure_comm_factor(
-        *pg_->block_group(n), *run.pieces, run.options.batch_rows, run.options.seq_len,
-        fsdp::plan::unit_traffic(run.units.front(), run.options, pg_->rank()), in.shard,
+        *dp->block_group(n), *run.pieces, run.options.batch_rows, run.options.seq_len,
+        fsdp::plan::unit_traffic(run.units.front(), run.options, dp_rank()), in.shard,
         c.forward + c.backward);
   }
   if (pg_->rank() == 0) {
@@ -335,7 +342,7 @@ fsdp::plan::TimePrediction Trainer::predict_time(const RunPlan& run) {
         link(in.shard.all_gather), link(in.shard.reduce_scatter), link(in.replicate.all_reduce), n,
         in.optimizer_s, in.compute.block[0].forward, in.compute.block[0].backward, in.comm_factor));
   }
-  return fsdp::plan::predict_step_time(run.units, run.options, in, pg_->rank());
+  return fsdp::plan::predict_step_time(run.units, run.options, in, dp_rank());
 }
 
 // How --plan predicts the step time (time_by_blocks), as the outputs name it.
@@ -357,9 +364,11 @@ void Trainer::plan_memory(const std::string& model_file) {
   // Timing the pieces (--plan) happens on every rank at once, as the step will.
   const bool timed = config_.logging.plan;
   const FinetuneData* finetune = data_->finetune();
-  auto run = plan_run(config_, finetune ? 0 : data_->prepared().vocab_size, model_file, pg_->size(),
-                      fsdp::launch_env_from_environment().local_world_size, compute_dtype_.dtype,
-                      /*other_bytes=*/0, timed, [this] { pg_->barrier(); });
+  auto run = plan_run(
+      config_, finetune ? 0 : data_->prepared().vocab_size, model_file, pg_->size(),
+      fsdp::launch_env_from_environment().local_world_size, compute_dtype_.dtype,
+      /*other_bytes=*/0, timed, [this] { pg_->barrier(); }, /*timing_copies=*/1,
+      /*progress=*/nullptr, mesh_ ? mesh_->tp_rank() : 0);
   if (finetune)  // batches are padded to their longest conversation
     run.options.seq_len = std::min(run.options.seq_len, finetune->longest_train_input());
   std::optional<fsdp::plan::TimePrediction> time_prediction;
@@ -376,7 +385,7 @@ void Trainer::plan_memory(const std::string& model_file) {
   // leave behind: Gloo keeps buffers for the groups they used), after all of the above.
   run.options.other_bytes += fsdp::memory::current_by_category()[fsdp::memory::Category::kOther];
   auto prediction =
-      fsdp::plan::predict_step_memory(run.units, run.options, run.activations, pg_->rank());
+      fsdp::plan::predict_step_memory(run.units, run.options, run.activations, dp_rank());
   plan_check_.emplace(run, std::move(prediction), std::move(time_prediction), std::move(step_time),
                       kStepTimeMethod);
   const auto& predicted = plan_check_->prediction();
@@ -388,11 +397,15 @@ void Trainer::plan_memory(const std::string& model_file) {
       metrics_->message(fmt::format(
           "predicted step {:.4f} s (the job with 1 and 3 blocks): forward {:.4f}, backward "
           "{:.4f}, all-gather wait {:.4f}, reduce wait {:.4f}, optimizer {:.4f}; timed pieces and "
-          "links say {:.4f} s; per step all-gather {}, reduce-scatter {}, all-reduce {}",
+          "links say {:.4f} s; per step all-gather {}, reduce-scatter {}, all-reduce {}{}",
           p.step, p.forward, p.backward, p.all_gather_wait, p.reduce_wait, p.optimizer, lib.step_s,
           fsdp::memory::format_bytes(lib.all_gather_bytes),
           fsdp::memory::format_bytes(lib.reduce_scatter_bytes),
-          fsdp::memory::format_bytes(lib.all_reduce_bytes)));
+          fsdp::memory::format_bytes(lib.all_reduce_bytes),
+          lib.tp_calls > 0
+              ? fmt::format(", tensor-parallel group {} ({} calls, {:.4f} s)",
+                            fsdp::memory::format_bytes(lib.tp_bytes), lib.tp_calls, lib.tp_s)
+              : std::string()));
     }
   }
   if (!t.memory_budget.empty()) {
@@ -403,7 +416,7 @@ void Trainer::plan_memory(const std::string& model_file) {
     const int64_t who = -metrics_->max(-mine);
     if (highest > budget && pg_->rank() == who) {
       std::fprintf(stderr, "fsdp-train: warning: rank %d: %s\n", pg_->rank(),
-                   budget_warning(run, predicted, budget, pg_->rank()).c_str());
+                   budget_warning(run, predicted, budget, dp_rank()).c_str());
       std::fflush(stderr);
     }
   }
@@ -502,9 +515,11 @@ MeasuredTime Trainer::time_by_blocks(const std::string& model_file) {
   for (size_t k = 0; k < sizes.size(); ++k) {
     Config small = config_;
     small.model.n_layer = sizes[k];
-    TrainModel model = finetune
-                           ? build_finetune_model(config_, model_file, *units_, device_, sizes[k])
-                           : build_model(small, data_->prepared().vocab_size, *units_, device_);
+    const auto tp = mesh_ ? mesh_->tp : nullptr;
+    TrainModel model =
+        finetune ? build_finetune_model(config_, model_file, *units_, device_, sizes[k], tp,
+                                        /*read_weights=*/false)
+                 : build_model(small, data_->prepared().vocab_size, *units_, device_, tp);
     // Steps without loss scaling, and from no previous norm.
     Optimizers optimizers(small, *model.module, pg_);
     fsdp::StepProfiler profiler(model.module);

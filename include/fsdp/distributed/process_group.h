@@ -209,6 +209,15 @@ std::shared_ptr<ProcessGroup> init_process_group(const LaunchEnv& env,
 /// Same, with the environment read by launch_env_from_environment().
 std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& options = {});
 
+/// A group of `size` ranks in which this process plays rank `rank` alone, connected to nobody:
+/// its collectives are local copies (ProcessGroupOptions::bench_local_collectives), counted in
+/// its CommStats with the sizes the real group's would have; barriers, subgroups and
+/// point-to-point are refused. It lets one process build and run what one rank of a group would
+/// (the planner measures a tensor-parallel rank's part of a model with it: its shapes, its
+/// activations, its collectives' calls and bytes); the values it computes are not the group's.
+/// Ranks in `global_ranks()` are 0..size-1.
+std::shared_ptr<ProcessGroup> local_group(int size, int rank, const std::string& name = "local");
+
 /// Creates a backend for a named c10d backend; fsdp::cuda registers "nccl".
 using BackendFactory = std::function<c10::intrusive_ptr<c10d::Backend>(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,

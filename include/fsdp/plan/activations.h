@@ -18,11 +18,17 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include <fsdp/activation_checkpoint.h>
+#include <fsdp/plan/tp_traffic.h>
+
+namespace fsdp {
+class ProcessGroup;
+}
 
 namespace fsdp::plan {
 
@@ -62,6 +68,9 @@ struct PieceBytes {
   int64_t backward_release = 0;
   /// The segment with the highest activations + gradients ({0, 0} if none).
   Segment backward_peak() const;
+  /// What it issued on the pieces' tensor-parallel group (CalibrationPieces::group; zeros
+  /// without one).
+  PieceTraffic traffic;
 };
 
 /// A piece's counts as functions of (B, T) (a segment's gradients are the same at every size).
@@ -69,6 +78,7 @@ struct PieceScaling {
   Scaling saved, forward_peak, output, backward_release;
   std::vector<std::pair<Scaling, int64_t>> backward;
   int64_t segments_before_output = 0;
+  TrafficScaling forward_traffic, backward_traffic;
   PieceBytes at(int64_t b, int64_t t) const;
 };
 
@@ -90,6 +100,10 @@ struct ActivationModel {
   const PieceScaling& block_with(CheckpointMode mode) const {
     return block[static_cast<size_t>(mode)];
   }
+  /// The size of the tensor-parallel group the pieces were split over (1: none).
+  int tp_ways = 1;
+  /// What each piece issues on that group in one micro-batch of b rows of t tokens.
+  TensorParallelTraffic tp_traffic(int64_t b, int64_t t) const;
 };
 
 /// How to run each piece for calibration, on real tensors at the caller's width. Each function
@@ -107,6 +121,10 @@ struct CalibrationPieces {
   /// The model's parameters, named as in the model the planner describes (the root's names
   /// must match): their gradients are counted as gradients (retagged while measuring).
   std::vector<std::pair<std::string, torch::Tensor>> parameters;
+  /// The tensor-parallel group the pieces' split layers communicate on (a fsdp::local_group of
+  /// the run's tensor-parallel size when planning), or null: its collectives are counted per
+  /// piece, forward and backward (PieceBytes::traffic, ActivationModel::tp_traffic).
+  std::shared_ptr<ProcessGroup> group;
 };
 
 /// The input of a block or of the head at (b, t), as the chain gives it: a block's output (in the
@@ -132,6 +150,7 @@ struct ActivationSample {
   PieceBytes pre, post;
   std::array<PieceBytes, 3> block;                           // indexed by CheckpointMode
   std::vector<std::string> pre_parameters, post_parameters;  // as in ActivationModel
+  int tp_ways = 1;                                           // as in ActivationModel
 };
 ActivationSample measure_activations(const CalibrationPieces& pieces, int64_t b, int64_t t);
 
@@ -177,10 +196,12 @@ bool narrowing_is_exact(torch::ScalarType dtype);
 /// output, then backward from a gradient of ones (none if the output needs no gradient, e.g.
 /// frozen embeddings: then it has no backward segments and releases what it saved). Exposed for
 /// tests.
-/// `with_grads` receives the names of the parameters that got a gradient.
+/// `with_grads` receives the names of the parameters that got a gradient; `group`'s collectives
+/// in the forward and the backward are counted (PieceBytes::traffic).
 PieceBytes measure_piece(const std::function<torch::Tensor()>& make_input,
                          const std::function<torch::Tensor(const torch::Tensor&)>& forward,
                          const std::vector<std::pair<std::string, torch::Tensor>>& parameters,
-                         std::vector<std::string>* with_grads = nullptr);
+                         std::vector<std::string>* with_grads = nullptr,
+                         ProcessGroup* group = nullptr);
 
 }  // namespace fsdp::plan

@@ -19,6 +19,7 @@
 #include <fsdp/distributed/process_group.h>
 #include <fsdp/plan/activations.h>
 #include <fsdp/plan/step_memory.h>
+#include <fsdp/plan/tp_traffic.h>
 #include <fsdp/plan/unit_overhead.h>
 #include <fsdp/plan/units.h>
 
@@ -93,6 +94,12 @@ struct TimeInputs {
   /// The shard group's collectives, and the replicate group's (hybrid_shard's all-reduce across
   /// blocks; no_shard's all-reduce over the world).
   LinkProfile shard, replicate;
+  /// Tensor parallelism: what each piece issues on the tensor-parallel group per micro-batch at
+  /// the run's (B, T) (ActivationModel::tp_traffic), and that group's collectives, latency
+  /// included: they are on the critical path (each layer waits for its own), and the engine's
+  /// unit overhead does not cover them.
+  TensorParallelTraffic tp_traffic;
+  LinkProfile tp;
   /// Seconds of one optimizer step on this rank's state (measured on it).
   double optimizer_s = 0;
   /// Each collective's time alone times this is what it adds to the step (measure_comm_factor).
@@ -124,12 +131,20 @@ struct TimePrediction {
   double offload_s = 0;
   /// The engine's fixed costs (TimeInputs::overhead) over the step's units and micro-batches.
   double overhead_s = 0;
+  /// Tensor parallelism's collectives (TimeInputs::tp_traffic), none hidden: the layers wait for
+  /// them inside forward and backward (fsdp::StepProfiler counts them there).
+  double tp_s = 0;
   double step_s = 0;
   /// Per step, as CommStats counts them.
   int64_t all_gather_bytes = 0;
   int64_t reduce_scatter_bytes = 0;
   int64_t all_reduce_bytes = 0;
   int64_t all_gather_calls = 0;
+  /// On the tensor-parallel group, per step: every collective's buffer bytes (buffer_bytes,
+  /// fsdp-train's tp_bytes) and calls, and the whole count by kind.
+  int64_t tp_bytes = 0;
+  int64_t tp_calls = 0;
+  CommStats tp_traffic;
   /// Device <-> host copies and optimizer-state file reads and writes per step.
   int64_t offload_bytes = 0;
 };
