@@ -100,18 +100,29 @@ def main():
     print("\nMiB at the peak of the rank with the highest one (its categories sum to it). "
           "Expected activation ratio: 16 / (12 / tp + 4) for the blocks (the module docstring); "
           "the root's activations are not split.\n")
-    print("The planner (fsdp-train --plan) against rank 0's measurement:\n")
-    print("| (dp, tp) | peak predicted MiB | measured | error | activations predicted MiB | "
-          "measured | error | tp traffic predicted B/step | measured (tp_bytes) |")
-    print("|" + " --- |" * 9)
+    print("The planner (fsdp-train --plan) against rank 0's measurement: the step's peak (and "
+          "without Gloo's staging buffers), the activations' own highest value in the step, "
+          "and the tp group's bytes per step:\n")
+    print("| (dp, tp) | peak predicted MiB (without staging) | measured | error | moment "
+          "predicted / measured | activations' peak predicted MiB | measured | error | "
+          "activations vs (4, 1), predicted / measured | tp traffic predicted B/step | "
+          "measured (tp_bytes) |")
+    print("|" + " --- |" * 11)
+    base_act = rows[0][3]["predicted"]["category_peaks"]["activations"]
+    base_act_measured = rows[0][3]["measured"]["category_peaks"]["activations"]
     for tp, sp, m, plan in rows:
         pr, me = plan["predicted"], plan["measured"]
-        pa, ma = pr["categories"]["activations"], me["categories"]["activations"]
+        pa, ma = pr["category_peaks"]["activations"], me["category_peaks"]["activations"]
         traffic = plan.get("traffic", {}).get("tp", {}).get("bytes", 0)
         print(f"| ({RANKS // tp}, {tp}){' + sequence parallel' if sp else ''} | "
-              f"{mib(pr['peak'])} | {mib(me['peak'])} | {pr['peak'] / me['peak'] - 1:+.1%} | "
+              f"{mib(pr['peak'])} ({mib(pr['peak_without_staging'])}) | {mib(me['peak'])} | "
+              f"{pr['peak'] / me['peak'] - 1:+.1%} | {pr['moment']} / {me['moment']} | "
               f"{mib(pa)} | {mib(ma)} | {pa / max(1, ma) - 1:+.1%} | "
+              f"{base_act / max(1, pa):.2f}x / {base_act_measured / max(1, ma):.2f}x less | "
               f"{traffic:,} | {m.get('tp_bytes', 0):,} |")
+    print("\nWith dp = 1 the world is the tp group, and the trainer's global norm all-reduce "
+          "(8 bytes per step) is counted in tp_bytes too; the planner counts the model's "
+          "collectives.")
 
 
 if __name__ == "__main__":

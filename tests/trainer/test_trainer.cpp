@@ -894,6 +894,17 @@ TEST(FsdpPlan, PrintsEachRanksPeakAndRefusesBadInputInOneLine) {
   EXPECT_NE(over.output.find("over budget: rank 0: the predicted peak per rank"), std::string::npos)
       << over.output;
   EXPECT_NE(over.output.find("exceeds --budget = 12.00 MiB"), std::string::npos) << over.output;
+  // Tensor parallelism on a 2 x 2 mesh: the tp group's bytes per step are those
+  // TrainerRun.PlanPredictsATensorParallelRunWithSequenceParallelism finds equal to a run's
+  // (4,767,744 B for this job).
+  const auto tp = run(plan +
+                      " --world 4 --parallel.tp=2 --parallel.sequence_parallel=true "
+                      "--training.batch_size=4 --training.seq_len=64");
+  ASSERT_EQ(tp.code, 0) << tp.output;
+  EXPECT_NE(tp.output.find("tensor parallelism: 2 group(s) of 2 consecutive ranks"),
+            std::string::npos)
+      << tp.output;
+  EXPECT_NE(tp.output.find("(4.55 MiB in all)"), std::string::npos) << tp.output;
   struct Case {
     std::string args, must_mention;
   };
@@ -903,6 +914,7 @@ TEST(FsdpPlan, PrintsEachRanksPeakAndRefusesBadInputInOneLine) {
       {"--world 3 --fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=2",
        "'fsdp.hybrid_shard_size' = 2 must divide the world size (3 ranks)"},
       {"--world 2 --budget lots", "'--budget' = 'lots' is not a size"},
+      {"--world 4 --parallel.tp=3", "'parallel.tp' = 3 must divide the world size (4 ranks)"},
       {"", "--world is required"},
   };
   for (const auto& c : bad) {
