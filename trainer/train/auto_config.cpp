@@ -305,14 +305,15 @@ TimeInputsFor machine_time(const plan::MachineProfile& profile, int per_node,
     // full_shard's do.
     const std::string kind =
         (k.strategy == "hybrid_shard" ? std::string("full_shard") : k.strategy) + "/" + k.dtype;
-    // Measured with every rank of the machine running: all of them compute at once here too.
-    const int busy = std::min(world * static_cast<int>(k.tp), per_node);
-    const auto ranks = profile.unit_overhead.find(busy);
+    // Measured per size of the units' group (the data-parallel axis): most of it is the
+    // collectives' calls among those ranks.
+    const int unit_ranks = std::min(world, per_node);
+    const auto ranks = profile.unit_overhead.find(unit_ranks);
     if (ranks == profile.unit_overhead.end() || !ranks->second.count(kind))
       throw ConfigError(fmt::format(
           "the machine profile has no unit overhead for {} ranks: run fsdp-plan --calibrate "
           "--world {}",
-          busy, busy));
+          unit_ranks, unit_ranks));
     in.overhead = ranks->second.at(kind);
     auto resident = o.states;
     resident.optimizer_in_file = false;
