@@ -267,7 +267,7 @@ torch::Tensor LinearImpl::split_forward(const torch::Tensor& x) {
   };
   if (tp_ == TpSplit::kColumn) {
     auto y = torch::nn::functional::linear(
-        sequence_parallel_ ? x : fsdp::tp::copy_to_group(x, tp_group_), w, b);
+        sequence_parallel_ || input_copied_ ? x : fsdp::tp::copy_to_group(x, tp_group_), w, b);
     if (lora_A) {
       auto h = fsdp::tp::copy_to_group(lora_A->forward(lora_in()), tp_group_);
       y = y + lora_B->forward(h) * lora_scaling();
@@ -283,6 +283,15 @@ torch::Tensor LinearImpl::split_forward(const torch::Tensor& x) {
     y = y + lora_B->forward(fsdp::tp::reduce_from_group(lora_A->forward(lora_in()), tp_group_)) *
                 lora_scaling();
   return b.defined() ? y + b : y;
+}
+
+void LinearImpl::take_copied_input() {
+  TORCH_CHECK(tp_ == TpSplit::kColumn && !vocab_,
+              "take_copied_input: this Linear is not split column-parallel");
+  // An adapter's path reads the input too, and needs the uncopied one (its lora_A gradient is
+  // summed over the group on its own output).
+  TORCH_CHECK(!lora_A, "take_copied_input: not on a layer with LoRA adapters");
+  input_copied_ = true;
 }
 
 void LinearImpl::use_sequence_parallel() {

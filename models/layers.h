@@ -207,6 +207,12 @@ class LinearImpl : public DeferredModule {
   /// partial sums are reduce-scattered along dim 1 (the sequence) instead of all-reduced, and
   /// the bias, added to this rank's positions only, gets its gradient summed over the group.
   void use_sequence_parallel();
+  /// Column-parallel, on a layer without adapters: the caller passes the input already through
+  /// tp::copy_to_group, one copy for the several column-parallel layers that read the same input
+  /// (Llama's q, k and v; w1 and w3), so that backward all-reduces the input's gradient once,
+  /// summed over them, instead of once per layer (what Megatron's fused QKV layer does). The
+  /// forward then takes x as it is.
+  void take_copied_input();
   /// The parameters that hold a different part on each rank of the group: the weight, the
   /// bias of a column-parallel layer (a row-parallel one keeps it whole), and the adapter split
   /// with the weight (lora_B on a column-parallel layer, lora_A on a row-parallel one). Empty
@@ -230,6 +236,7 @@ class LinearImpl : public DeferredModule {
   int64_t in_features_, out_features_;
   TpSplit tp_ = TpSplit::kNone;
   bool sequence_parallel_ = false;
+  bool input_copied_ = false;  // take_copied_input()
   std::shared_ptr<fsdp::ProcessGroup> tp_group_;
   std::optional<fsdp::tp::VocabSplit> vocab_;  // a vocabulary-parallel head: gathers its output
   int64_t lora_rank_ = 0;

@@ -154,9 +154,14 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const RopeTabl
     return fsdp::tp::copy_to_group(y, kv_group_)
         .narrow(-1, kv_first_ * head_dim_, kv_count_ * head_dim_);
   };
-  auto q = apply_rotary_emb(wq(x).view({b, t, -1, head_dim_}), rope);            // (B, T, H, D)
-  auto k = apply_rotary_emb(kv_heads(wk(x)).view({b, t, -1, head_dim_}), rope);  // (B, T, KV, D)
-  auto v = kv_heads(wv(x)).view({b, t, -1, head_dim_});                          // (B, T, KV, D)
+  // One copy of the input over the group for the split projections (share_input_copy); kv heads
+  // kept whole are plain projections of x.
+  const auto shared = input_group_ ? fsdp::tp::copy_to_group(x, input_group_) : x;
+  const auto& kv_in = kv_group_ ? x : shared;
+  auto q = apply_rotary_emb(wq(shared).view({b, t, -1, head_dim_}), rope);  // (B, T, H, D)
+  auto k =
+      apply_rotary_emb(kv_heads(wk(kv_in)).view({b, t, -1, head_dim_}), rope);  // (B, T, KV, D)
+  auto v = kv_heads(wv(kv_in)).view({b, t, -1, head_dim_});                     // (B, T, KV, D)
   const int64_t n_heads = q.size(2), n_kv_heads = k.size(2);
   // enable_gqa: query head h reads k/v head h / (H / KV), as Meta's repeat_kv, without
   // materialising the repeated keys and values.
@@ -177,6 +182,17 @@ void LlamaAttentionImpl::read_kv_heads(int64_t first, int64_t count,
   kv_first_ = first, kv_count_ = count, kv_group_ = std::move(group);
 }
 
+void LlamaAttentionImpl::share_input_copy(std::shared_ptr<fsdp::ProcessGroup> group) {
+  if (group) {
+    wq->take_copied_input();
+    if (!kv_group_) {
+      wk->take_copied_input();
+      wv->take_copied_input();
+    }
+  }
+  input_group_ = std::move(group);
+}
+
 LlamaFeedForwardImpl::LlamaFeedForwardImpl(const LlamaConfig& cfg, const ModelInit& init) {
   w1 = register_module("w1", Linear(cfg.dim, cfg.ffn_hidden_dim, /*bias=*/false, init));
   w2 = register_module("w2", Linear(cfg.ffn_hidden_dim, cfg.dim, /*bias=*/false, init));
@@ -184,7 +200,16 @@ LlamaFeedForwardImpl::LlamaFeedForwardImpl(const LlamaConfig& cfg, const ModelIn
 }
 
 torch::Tensor LlamaFeedForwardImpl::forward(const torch::Tensor& x) {
-  return w2(swiglu(w1(x), w3(x)));  // (B, T, F) inside; swiglu keeps only its inputs
+  const auto shared = input_group_ ? fsdp::tp::copy_to_group(x, input_group_) : x;
+  return w2(swiglu(w1(shared), w3(shared)));  // (B, T, F) inside; swiglu keeps only its inputs
+}
+
+void LlamaFeedForwardImpl::share_input_copy(std::shared_ptr<fsdp::ProcessGroup> group) {
+  if (group) {
+    w1->take_copied_input();
+    w3->take_copied_input();
+  }
+  input_group_ = std::move(group);
 }
 
 LlamaBlockImpl::LlamaBlockImpl(const LlamaConfig& cfg, const ModelInit& init) {
@@ -284,6 +309,10 @@ void LlamaImpl::use_sequence_parallel(std::shared_ptr<fsdp::ProcessGroup> group)
     if (auto* linear = dynamic_cast<LinearImpl*>(m.get()); linear && linear->is_tensor_parallel())
       linear->use_sequence_parallel();
   for (auto& block : blocks) {
+    // The gather before attention and the feed-forward does the copy's work (its backward sums
+    // the gradient over the group): no copy of their own.
+    block->attention->share_input_copy(nullptr);
+    block->feed_forward->share_input_copy(nullptr);
     block->attention_norm->sum_grads_over(group);
     block->ffn_norm->sum_grads_over(group);
     block->sequence_group = group;

@@ -92,6 +92,12 @@ class LlamaAttentionImpl : public torch::nn::Module {
   /// and wv stay whole, their outputs' gradients are summed over `group`, and this rank's
   /// query heads read kv heads [first, first + count).
   void read_kv_heads(int64_t first, int64_t count, std::shared_ptr<fsdp::ProcessGroup> group);
+  /// Tensor parallelism, after the split (models/tensor_parallel.h): the input goes through one
+  /// tp::copy_to_group over `group` for the column-parallel projections that read it (wq, and wk
+  /// and wv when split; LinearImpl::take_copied_input), so backward all-reduces its gradient
+  /// once instead of once per projection. Null: each projection copies it itself again (as
+  /// sequence parallelism needs: its gather does the copy's work).
+  void share_input_copy(std::shared_ptr<fsdp::ProcessGroup> group);
 
   Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
 
@@ -99,6 +105,7 @@ class LlamaAttentionImpl : public torch::nn::Module {
   int64_t head_dim_;
   int64_t kv_first_ = 0, kv_count_ = 0;  // read_kv_heads (count 0: every kv head computed)
   std::shared_ptr<fsdp::ProcessGroup> kv_group_;
+  std::shared_ptr<fsdp::ProcessGroup> input_group_;  // share_input_copy
 };
 TORCH_MODULE(LlamaAttention);
 
@@ -107,8 +114,13 @@ class LlamaFeedForwardImpl : public torch::nn::Module {
  public:
   LlamaFeedForwardImpl(const LlamaConfig& cfg, const ModelInit& init);
   torch::Tensor forward(const torch::Tensor& x);  // (B, T, dim) -> (B, T, dim)
+  /// As LlamaAttentionImpl::share_input_copy, for w1 and w3.
+  void share_input_copy(std::shared_ptr<fsdp::ProcessGroup> group);
 
   Linear w1{nullptr}, w2{nullptr}, w3{nullptr};
+
+ private:
+  std::shared_ptr<fsdp::ProcessGroup> input_group_;  // share_input_copy
 };
 TORCH_MODULE(LlamaFeedForward);
 

@@ -150,6 +150,13 @@ fsdp::TensorParallelLayout tensor_parallelize_llama(Llama& model,
     split.column(ffn->w1, ff + "w1", 1);
     split.column(ffn->w3, ff + "w3", 1);
     split.row(ffn->w2, ff + "w2");
+    // One all-reduce of the input's gradient for the projections that read it, as Megatron's
+    // fused layers have, where no adapter needs the input uncopied.
+    if (!attention->wq->has_lora() &&
+        (!split_kv || (!attention->wk->has_lora() && !attention->wv->has_lora())))
+      attention->share_input_copy(tp);
+    if (!ffn->w1->has_lora() && !ffn->w3->has_lora())
+      ffn->share_input_copy(tp);
   }
   split.vocabulary(model->tok_embeddings, "tok_embeddings");
   if (!cfg.tie_embeddings)

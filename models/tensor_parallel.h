@@ -6,7 +6,9 @@
 // Per block: attention split by heads (q, k and v column-parallel, keeping this rank's heads;
 // the output projection row-parallel), the MLP split on its hidden dimension (its first
 // Linear(s) column-parallel, the last row-parallel): one all-reduce in forward and one in
-// backward for each of the two. The token embedding and the head are split by words
+// backward for each of the two (Llama's separate q, k, v and w1, w3 share one copy of their
+// input, so one all-reduce of its gradient each, as Megatron's fused layers; not where LoRA
+// adapters sit on them: one each then). The token embedding and the head are split by words
 // (fsdp/tensor_parallel/vocab_parallel.h): forward(tokens) gathers the whole logits, and the
 // loss forward (forward(tokens, LossSpec)) computes the cross-entropy from this rank's words
 // without gathering them. Norms, GPT's position embedding and the row-parallel Linears' biases
