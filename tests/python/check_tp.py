@@ -1,6 +1,7 @@
 """PyTorch's own 2-D composition of a Llama, for tests/test_tensor_parallel.cpp to compare with.
 
-Run under torchrun on CPU (Gloo): a (dp, tp) mesh from init_device_mesh, torchtitan's plan
+Run under torchrun, or with the environment it sets (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT:
+the test starts its ranks so, as forks of its Python server), on CPU (Gloo): a (dp, tp) mesh from init_device_mesh, torchtitan's plan
 (parallelize_module with ColwiseParallel / RowwiseParallel on the tp axis, the embedding and
 the head split by words, the cross-entropy under loss_parallel), then fully_shard on the dp
 axis. It starts from the weights the C++ side wrote (init.safetensors, fsdp-cpp's parameter
