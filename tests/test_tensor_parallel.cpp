@@ -24,7 +24,7 @@
 #include "gpt.h"
 #include "harness/command.h"
 #include "harness/multiprocess.h"
-#include "harness/ports.h"
+#include "harness/python_ranks.h"
 #include "harness/sharding.h"
 #include "harness/tp_configs.h"
 #include "llama.h"
@@ -465,22 +465,18 @@ TEST(TensorParallel, LlamaOnATwoByTwoMeshEqualsPyTorchsTensorParallelWithFsdp2) 
       "tp_llama", 4, fsdp::test::with_env({{"FSDP_TP", "2"}, {"FSDP_EXPORT_DIR", dir.string()}}));
   ASSERT_TRUE(ours.ok()) << ours.describe();
   const auto cfg = llama_config();
-  // PyTorch's 4 ranks as torchrun would start them (its environment variables, rank 0 serving
-  // the store), each a fork of the tests' Python server, which has imported torch already (a
-  // torchrun agent and four new Pythons importing torch cost about 10 s of the test's 22 on 2
-  // cores). The first rank to fail ends the others, as torchrun's agent would.
-  const std::string script =
-      FSDP_PYTHON + std::string(" ") + FSDP_SOURCE_DIR + "/tests/python/check_tp.py " +
-      dir.string() + " --tp 2 --vocab " + std::to_string(cfg.vocab_size) + " --dim " +
-      std::to_string(cfg.dim) + " --layers " + std::to_string(cfg.n_layers) + " --heads " +
-      std::to_string(cfg.n_heads) + " --kv-heads " + std::to_string(cfg.n_kv_heads) + " --ffn " +
-      std::to_string(cfg.ffn_hidden_dim) + " --max-norm " + std::to_string(kMaxNorm);
-  const std::string cmd =
-      "export OMP_NUM_THREADS=1 TMPDIR=" + dir.string() +
-      " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(fsdp::test::reserved_port()) +
-      " WORLD_SIZE=4 LOCAL_WORLD_SIZE=4; for r in 0 1 2 3; do RANK=$r LOCAL_RANK=$r " + script +
-      " & done; for r in 0 1 2 3; do wait -n || { kill $(jobs -p) 2>/dev/null; exit 1; }; done 2>&1";
-  const auto r = fsdp::test::run_command("bash -c '" + cmd + "' 2>&1");
+  // PyTorch's 4 ranks as torchrun would start them, each a fork of the tests' Python server
+  // (harness/python_ranks.h).
+  const std::string cmd = fsdp::test::python_ranks_command(
+      4, FSDP_PYTHON,
+      std::string(FSDP_SOURCE_DIR) + "/tests/python/check_tp.py " + dir.string() +
+          " --tp 2 --vocab " + std::to_string(cfg.vocab_size) + " --dim " +
+          std::to_string(cfg.dim) + " --layers " + std::to_string(cfg.n_layers) + " --heads " +
+          std::to_string(cfg.n_heads) + " --kv-heads " + std::to_string(cfg.n_kv_heads) +
+          " --ffn " + std::to_string(cfg.ffn_hidden_dim) + " --max-norm " +
+          std::to_string(kMaxNorm),
+      "TMPDIR=" + dir.string());
+  const auto r = fsdp::test::run_command(cmd);
   ASSERT_EQ(r.code, 0) << cmd << "\n" << r.output;
   auto read = [](const std::filesystem::path& path) {
     std::vector<double> v;

@@ -30,6 +30,7 @@
 #include "data/pretrained_model.h"
 #include "harness/command.h"
 #include "harness/files.h"
+#include "harness/python_ranks.h"
 #include "observe/metrics.h"
 #include "text/tokenizer.h"
 #include "tokenizer_samples.h"
@@ -942,7 +943,7 @@ TEST(FsdpPlan, AutoMeasuresTheMachineOnceAndReusesIt) {
                              FSDP_PLAN_PATH + " " + config +
                              " --training.seq_len=64 --training.eval_batches=1 --world 2 --auto "
                              "--budget 1GiB --global-batch 8 --space ac=none --space dtype=fp32 "
-                             "--top 1";
+                             "--space tp=1 --top 1";
   const auto first = run(search);
   ASSERT_EQ(first.code, 0) << first.output;
   EXPECT_NE(first.output.find("machine profile saved: " + cache), std::string::npos)
@@ -973,8 +974,14 @@ TEST(FsdpPlan, AutoChoosesAConfigurationThatFits) {
   std::ifstream in(json_path);
   const auto all = nlohmann::json::parse(in);
   // 5 strategies/reshard (full_shard, shard_grad_op, no_shard) x 2 AC x 1 dtype x gathers x
-  // offloads x 4 micro-batch sizes, less the repeats.
+  // offloads x 4 micro-batch sizes, less the repeats; and tp 2 (full_shard over one dp rank).
   ASSERT_GE(all.size(), 40u);
+  for (const char* tp : {"parallel.tp=1", "parallel.tp=2"}) {
+    EXPECT_TRUE(std::any_of(all.begin(), all.end(), [&](const nlohmann::json& c) {
+      const auto& o = c["overrides"];
+      return std::find(o.begin(), o.end(), tp) != o.end() && c["step_s"].get<double>() > 0;
+    })) << tp;
+  }
   const nlohmann::json* chosen = nullptr;
   for (size_t i = 0; i < all.size(); ++i) {
     const auto& c = all[i];
@@ -1313,9 +1320,6 @@ TEST(TrainerRun, TorchrunAndNprocGiveIdenticalLosses) {
 // own samplers, and must give the same loss at every step. A window or an initial value taken
 // differently would show as a difference of order 1e-2, not of rounding.
 TEST(TrainerRun, PyTorchMirrorOfTheBenchmarkTrainsTheSameLosses) {
-  const std::string torchrun = FSDP_TORCHRUN_PATH;
-  // scripts/setup.sh installs torch with its torchrun: its absence is a broken setup, not a skip.
-  ASSERT_TRUE(fs::exists(torchrun)) << "torchrun not found at " << torchrun;
   const auto work = fs::path(FSDP_TEST_WORK_DIR) / "pytorch-mirror";
   fs::remove_all(work);
   fs::create_directories(work);
@@ -1330,10 +1334,12 @@ TEST(TrainerRun, PyTorchMirrorOfTheBenchmarkTrainsTheSameLosses) {
                              "--model.init_from=" + init + " --training.eval_every=0");
   ASSERT_EQ(ours.size(), 6u);
   const auto steps = (work / "steps").string();
-  r = run("OMP_NUM_THREADS=1 TMPDIR=" + work.string() + " " + torchrun +
-          " --standalone --nproc-per-node 2 " + bench + "/torch_gpt.py --mode fsdp2 --hf-dir " +
-          init + " --train-bin " + data_dir() + "/train.bin --out " + steps +
-          " --steps 6 --batch 2 --seq-len 16 --warmup-steps 2");
+  // FSDP2's 2 ranks as torchrun would start them, forks of the tests' Python server.
+  r = run(fsdp::test::python_ranks_command(
+      2, FSDP_PYTHON,
+      bench + "/torch_gpt.py --mode fsdp2 --hf-dir " + init + " --train-bin " + data_dir() +
+          "/train.bin --out " + steps + " --steps 6 --batch 2 --seq-len 16 --warmup-steps 2",
+      "TMPDIR=" + work.string()));
   ASSERT_EQ(r.code, 0) << r.output;
   std::vector<double> theirs;
   std::ifstream in(steps + ".0");
