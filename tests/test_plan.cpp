@@ -697,7 +697,8 @@ TEST(PlanActivations, TensorParallelTrafficIsCountedAndScaled) {
     const auto post = fsdp::plan::measure_piece(
         input, [&](const torch::Tensor& x) { return pieces.loss(pieces.head(x, t), t); },
         pieces.parameters, nullptr, pieces.group.get());
-    // The loss's all-reduces per chunk of positions: ceil(B·T / chunk) calls, fitted linearly.
+    // The loss's all-reduces per chunk of positions, ceil(B·T / chunk) calls, are counted at the
+    // calibration's sizes, not fitted to them: their bytes only.
     compare("post", predicted.post, post, !per_chunk_loss);
     const auto block = predicted.block_with(fsdp::CheckpointMode::kNone);
     std::printf(
@@ -754,6 +755,15 @@ TEST(PlanActivations, TensorParallelTrafficIsCountedAndScaled) {
   auto llama_pieces = fsdp_models::calibration_pieces(llama, torch::kFloat, random_target_loss);
   llama_pieces.group = tp4;
   check("llama, tp 4 (rank 3), kv heads kept whole, unfused loss", llama_pieces, false);
+  // What the layout implies for a Llama block: forward, the row-parallel wo and w2 sum their
+  // parts (2 all-reduces); backward, one all-reduce of the input's gradient for q (whose copy
+  // of the input is shared, LlamaAttentionImpl::share_input_copy) and one for w1 and w3, and
+  // one each for the kept-whole k and v outputs' gradients (4).
+  const auto block = fsdp::plan::calibrate_activations(llama_pieces, 2, 64)
+                         .tp_traffic(b, t)
+                         .block_with(fsdp::CheckpointMode::kNone);
+  EXPECT_EQ(block.forward.all_reduce.calls, 2);
+  EXPECT_EQ(block.backward.all_reduce.calls, 4);
 }
 
 TEST(PlanUnits, EveryParameterInItsInnermostUnitAndBadPathsNamed) {

@@ -979,7 +979,11 @@ TEST(FsdpPlan, AutoChoosesAConfigurationThatFits) {
   for (const char* tp : {"parallel.tp=1", "parallel.tp=2"}) {
     EXPECT_TRUE(std::any_of(all.begin(), all.end(), [&](const nlohmann::json& c) {
       const auto& o = c["overrides"];
-      return std::find(o.begin(), o.end(), tp) != o.end() && c["step_s"].get<double>() > 0;
+      // At tp 2 the tensor-parallel group's traffic is in the step.
+      const bool split = std::string(tp) == "parallel.tp=2";
+      return std::find(o.begin(), o.end(), tp) != o.end() && c["step_s"].get<double>() > 0 &&
+             (c["tp_bytes"].get<int64_t>() > 0) == split &&
+             (c["phases"]["tensor_parallel"].get<double>() > 0) == split;
     })) << tp;
   }
   const nlohmann::json* chosen = nullptr;

@@ -154,13 +154,18 @@ int plan_auto(PlanRequest request) {
         if (device)
           run.options.gloo_staging = run.options.gloo_reduce_scatter = false;
         runs.emplace(std::make_pair(dtype, int64_t{tp}), std::move(run));
-      } catch (const ConfigError& e) {
+      } catch (const std::exception& e) {
         if (tp == 1)
           throw;
         // A degree the model (or the config) does not go with: searched without it.
-        note(fmt::format("parallel.tp = {} left out: {}", tp, e.what()));
+        const std::string why = e.what();
+        note(fmt::format("parallel.tp = {} left out: {}", tp, why.substr(0, why.find('\n'))));
       }
     }
+  }
+  if (runs.empty()) {
+    throw ConfigError("no tensor-parallel degree of the search space goes with this job: " +
+                      (notes.empty() ? std::string("none left") : notes.front()));
   }
   TimeInputsFor timing;
   if (device) {
@@ -172,6 +177,13 @@ int plan_auto(PlanRequest request) {
   }
   const auto all = search_configs(runs, space, world, per_node, global_batch, budget, margin,
                                   timing, device != nullptr);
+  if (all.empty()) {
+    throw ConfigError(fmt::format(
+        "no point of the search space is valid for {} rank(s), {} per node, global batch {} (a "
+        "strategy, reshard size or micro-batch count that the data-parallel ranks do not allow "
+        "at every tp searched: widen --space)",
+        world, per_node, global_batch));
+  }
   if (!json_path.empty())
     write_candidates_json(json_path, all);
   std::vector<const Candidate*> fitting;

@@ -119,8 +119,10 @@ std::vector<fsdp::plan::MemoryPrediction> predict_every_rank(const RunPlan& run,
 void print_budget_verdict(const RunPlan& run, const fsdp::plan::MemoryPrediction& worst,
                           int worst_rank, int64_t budget, const std::string& budget_key) {
   if (worst.peak > budget) {
+    // The planner's rank is the data-parallel one (rank / tp of the 2-D mesh).
     std::printf("over budget: rank %d: %s\n", worst_rank,
-                budget_warning(run, worst, budget, worst_rank, budget_key).c_str());
+                budget_warning(run, worst, budget, worst_rank / run.activations.tp_ways, budget_key)
+                    .c_str());
   } else {
     std::printf("fits: the highest predicted peak, %s (rank %d), is %.0f%% of %s\n",
                 mem::format_bytes(worst.peak).c_str(), worst_rank,
@@ -214,7 +216,7 @@ int plan_table(const PlanRequest& request) {
     const auto time = plan::predict_step_time(
         run.units, run.options,
         device_time(*device, efficiency, per_node, model_piece_flops(config))(run, run.options, {}),
-        worst_rank);
+        worst_rank / run.activations.tp_ways);
     const double tokens =
         static_cast<double>(run.options.states.world_size * t.batch_size * run.options.seq_len);
     std::printf("time on %s at %.0f%% of its matmul rate: %s\n", device->name.c_str(),

@@ -170,10 +170,14 @@ int64_t narrowing_factor(const ModelConfig& one, torch::ScalarType dtype, int64_
 // `one`, narrowed or not (fsdp_models::narrowed); `out` gets the activations, and with
 // `time_compute` the pieces of `copies` full-width such models and their times (timed together).
 // With `tp` (a local group of the run's tensor-parallel size, playing this rank) `make` splits
-// the model over it, so every measurement is of one tensor-parallel rank's part, and the
-// collectives the pieces issue on it are counted as they run (ActivationModel::tp_traffic).
+// the model over the group it is given (that one, or for each further timing copy a group of
+// its own: the copies run on threads of their own, and a group's counters are not shared
+// between threads), so every measurement is of one tensor-parallel rank's part, and the
+// collectives the pieces issue are counted as they run (ActivationModel::tp_traffic).
 template <typename Model, typename ModelConfig>
-void calibrate(const ModelConfig& one, const std::function<Model(const ModelConfig&)>& make,
+void calibrate(const ModelConfig& one,
+               const std::function<Model(const ModelConfig&,
+                                         const std::shared_ptr<fsdp::ProcessGroup>&)>& make,
                const Config& config, torch::ScalarType dtype, int64_t seq_len,
                const std::function<bool(const std::string&)>& is_blocks, bool time_compute,
                int copies, const std::function<void()>& before_timing, const PlanProgress& progress,
@@ -184,13 +188,17 @@ void calibrate(const ModelConfig& one, const std::function<Model(const ModelConf
   const auto output = config.precision.root_fp32 && dtype != torch::kFloat
                           ? std::optional<torch::ScalarType>(torch::kFloat)
                           : std::nullopt;
-  auto pieces_of = [&](Model model) {
+  // A model of `cfg` split over `group` (or `tp`), as the pieces to measure or time.
+  auto pieces_of = [&](const ModelConfig& cfg,
+                       const std::shared_ptr<fsdp::ProcessGroup>& group = nullptr) {
+    const auto& over = group ? group : tp;
+    Model model = make(cfg, over);
     to_compute_dtypes(*model, dtype, config.precision.root_fp32, is_blocks);
     auto pieces = fsdp_models::calibration_pieces(
         model, dtype, trainer_loss(config), output,
         trainer_fused_loss(config, model->config().vocab_size, one.vocab_size,
                            out.options.batch_rows * seq_len));
-    pieces.group = tp;  // its collectives counted as the activations are measured
+    pieces.group = over;  // its collectives counted as the activations are measured
     return std::make_shared<const plan::CalibrationPieces>(std::move(pieces));
   };
   // Lines only for big models (their calibration takes seconds even narrowed): a small model's
@@ -200,7 +208,14 @@ void calibrate(const ModelConfig& one, const std::function<Model(const ModelConf
       progress(line);
   };
   const int64_t ways = tp ? tp->size() : 1;
-  const auto [b, t] = calibration_size(seq_len, config.parallel.sequence_parallel ? ways : 1);
+  const int64_t positions_multiple = config.parallel.sequence_parallel ? ways : 1;
+  if (2 * positions_multiple > seq_len) {
+    throw ConfigError(fmt::format(
+        "the planner calibrates sequence parallelism at two lengths that divide by parallel.tp "
+        "({}) within training.seq_len ({}): it must be at least twice parallel.tp",
+        positions_multiple, seq_len));
+  }
+  const auto [b, t] = calibration_size(seq_len, positions_multiple);
   const char* dtype_text = dtype == torch::kFloat      ? "fp32"
                            : dtype == torch::kBFloat16 ? "bf16"
                                                        : "fp16";
@@ -208,7 +223,7 @@ void calibrate(const ModelConfig& one, const std::function<Model(const ModelConf
   // At full width the calibrated pieces are also the first timed ones (below): built once.
   std::shared_ptr<const plan::CalibrationPieces> full_width;
   if (k == 0) {
-    full_width = pieces_of(make(one));
+    full_width = pieces_of(one);
     out.activations = plan::calibrate_activations(*full_width, b, t);
   } else {
     const auto timer = std::chrono::steady_clock::now();
@@ -224,7 +239,7 @@ void calibrate(const ModelConfig& one, const std::function<Model(const ModelConf
           fmt::format("calibrating activations on one block narrowed {}x ({} of 3: {} "
                       "parameters instead of {}, {})",
                       by, step, cfg.num_params(), one.num_params(), dtype_text));
-      return pieces_of(make(cfg));
+      return pieces_of(cfg);
     };
     // The widest at one size, the two narrower at three (plan::extrapolate_to_full_width).
     const auto widest = plan::measure_activations(*model_at(k, 1), b, t);
@@ -239,10 +254,12 @@ void calibrate(const ModelConfig& one, const std::function<Model(const ModelConf
   }
   if (!time_compute)
     return;
-  out.pieces = full_width ? full_width : pieces_of(make(one));
+  out.pieces = full_width ? full_width : pieces_of(one);
   out.timing_pieces = {out.pieces};
-  for (int i = 1; i < copies; ++i)
-    out.timing_pieces.push_back(pieces_of(make(one)));
+  for (int i = 1; i < copies; ++i) {
+    out.timing_pieces.push_back(
+        pieces_of(one, tp ? fsdp::local_group(tp->size(), tp->rank(), "plan/tp") : nullptr));
+  }
   if (before_timing)
     before_timing();
   out.compute = plan::time_pieces_together(out.timing_pieces, out.options.batch_rows, seq_len);
@@ -332,11 +349,11 @@ struct Calibration {
   std::shared_ptr<fsdp::ProcessGroup> tp;
 };
 
-// `model` split as the run splits it over c.tp (nothing without tensor parallelism).
+// `model` split as the run splits it over `group` (nothing without one).
 template <typename Model>
-void split(const Calibration& c, Model& model) {
-  if (c.tp)
-    split_for_tensor_parallel(c.config, model, c.tp);
+void split(const Config& config, Model& model, const std::shared_ptr<fsdp::ProcessGroup>& group) {
+  if (group)
+    split_for_tensor_parallel(config, model, group);
 }
 
 // fsdp-train finetune's model (the pretrained file's Llama with its adapters or NF4 weights):
@@ -368,16 +385,18 @@ int64_t plan_finetune(const Calibration& c, const std::string& model_path, int64
     const fsdp_models::ModelInit meta = fsdp_models::ModelInit().device(torch::kMeta);
     fsdp_models::Llama model(cfg, meta);
     shape(model, meta, false);
-    split(c, model);
+    split(c.config, model, c.tp);
     out.units = plan::describe_units(*model, fsdp_models::unit_paths(cfg));
   }
   auto one = cfg;
   one.n_layers = 1;
-  const std::function<fsdp_models::Llama(const fsdp_models::LlamaConfig&)> make =
-      [&](const fsdp_models::LlamaConfig& lc) {
+  const std::function<fsdp_models::Llama(const fsdp_models::LlamaConfig&,
+                                         const std::shared_ptr<fsdp::ProcessGroup>&)>
+      make = [&](const fsdp_models::LlamaConfig& lc,
+                 const std::shared_ptr<fsdp::ProcessGroup>& group) {
         fsdp_models::Llama model(lc);
         shape(model, fsdp_models::ModelInit(), true);
-        split(c, model);
+        split(c.config, model, group);
         return model;
       };
   calibrate(one, make, c.config, c.dtype, o.seq_len, is_llama_blocks, c.time_compute,
@@ -397,16 +416,17 @@ int64_t plan_pretrain(const Calibration& c, const ModelConfig& cfg, int64_t Mode
   o.other_bytes = other_bytes + t.batch_size * (t.seq_len + 1) * 8;  // the batch's token ids
   {
     Model model(cfg, fsdp_models::ModelInit().device(torch::kMeta));
-    split(c, model);
+    split(c.config, model, c.tp);
     out.units = plan::describe_units(*model, fsdp_models::unit_paths(cfg));
   }
   auto one = cfg;
   one.*layers = 1;
-  const std::function<Model(const ModelConfig&)> make = [&c](const ModelConfig& mc) {
-    Model model(mc);
-    split(c, model);
-    return model;
-  };
+  const std::function<Model(const ModelConfig&, const std::shared_ptr<fsdp::ProcessGroup>&)> make =
+      [&c](const ModelConfig& mc, const std::shared_ptr<fsdp::ProcessGroup>& group) {
+        Model model(mc);
+        split(c.config, model, group);
+        return model;
+      };
   calibrate(one, make, c.config, c.dtype, o.seq_len, is_blocks, c.time_compute, c.timing_copies,
             c.before_timing, c.progress, /*width_multiple=*/1, c.tp, out);
   return cfg.*layers;
