@@ -26,11 +26,15 @@ inline std::string python_ranks_command(int ranks, const std::string& python,
   std::string ids;
   for (int r = 0; r < ranks; ++r)
     ids += (r ? " " : "") + std::to_string(r);
+  // The ranks' pids are polled: `wait PID` reports a rank that ended before it was called
+  // (`wait -n` does not, and answers 127 once every rank has ended).
   const std::string body =
       "export OMP_NUM_THREADS=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
       std::to_string(reserved_port()) + " WORLD_SIZE=" + n + " LOCAL_WORLD_SIZE=" + n + " " + env +
-      "; for r in " + ids + "; do RANK=$r LOCAL_RANK=$r " + python + " " + script_and_args +
-      " & done; for r in " + ids + "; do wait -n || { kill $(jobs -p) 2>/dev/null; exit 1; }; done";
+      "; pids=; for r in " + ids + "; do RANK=$r LOCAL_RANK=$r " + python + " " + script_and_args +
+      " & pids=\"$pids $!\"; done; while [ -n \"$pids\" ]; do left=; for p in $pids; do"
+      " if kill -0 $p 2>/dev/null; then left=\"$left $p\"; elif ! wait $p; then kill $pids"
+      " 2>/dev/null; exit 1; fi; done; pids=$left; [ -z \"$pids\" ] || sleep 0.1; done";
   return "bash -c '" + body + "'";
 }
 
