@@ -6,15 +6,18 @@ One command (from the repository root, after the build):
 
     ~/.cache/fsdp-cpp/torch-$(cat .torch-version)/bin/python bench/async_checkpoint.py
 
-Three runs of the same job, interleaved ROUNDS times: no checkpoints, checkpoint.every=EVERY
+Five runs of the same job, interleaved ROUNDS times: no checkpoints, checkpoint.every=EVERY
 synchronous, and the same asynchronous. Each run's progress lines (one per step) are stamped as
 they arrive; the interval between step N's line and step N+1's is step N+1 plus whatever ran
 between them, the save of step N included (fsdp-train saves after logging the step). For the
 saving runs the table gives the median interval after a saving step and after the step after it
 (an asynchronous save's writes run during the next steps and compete for the cores and the
-disk), each as a ratio to the median interval of the run without checkpoints. Memory: each
-run's highest resident set (metrics.jsonl's peak_rss_bytes): an asynchronous save holds a copy
-of the rank's shards and optimizer state until its file is written.
+disk), each as a ratio to the median interval of the run without checkpoints, and the first
+also to the median of the saving runs' own other steps (neither saving nor following a save).
+Memory: each run's highest resident set (metrics.jsonl's peak_rss_bytes): an asynchronous save
+holds an image of the rank's file (its shards and optimizer state), kept for the next save.
+Both saving runs again with FSDP_DIRECT_WRITES=0 ("plain"): the shard files through the page
+cache instead of O_DIRECT.
 """
 import argparse
 import json
@@ -33,7 +36,7 @@ TRAIN = os.path.join(ROOT, "build", "trainer", "fsdp-train")
 STEP_LINE = re.compile(r"^step +(\d+)/\d+ \|")
 
 
-def run(work, name, steps, every, extra):
+def run(work, name, steps, every, extra, env):
     run_dir = os.path.join(work, name)
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [TRAIN, "--nproc", "2", os.path.join(ROOT, "configs", "demo.toml"),
@@ -44,7 +47,7 @@ def run(work, name, steps, every, extra):
            f"--checkpoint.every={every}", "--checkpoint.keep=1"] + extra
     stamps = {}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=ROOT)
+                            cwd=ROOT, env={**os.environ, **env})
     output = []
     for line in proc.stdout:
         output.append(line)
@@ -63,18 +66,23 @@ def run(work, name, steps, every, extra):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", default=os.path.join(ROOT, "build", "bench-async-checkpoint"))
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--every", type=int, default=3)
     args = parser.parse_args()
     os.makedirs(args.work, exist_ok=True)
     print(f"machine: {cpu_description()}")
-    kinds = {"none": (0, []), "sync": (args.every, []),
-             "async": (args.every, ["--checkpoint.async=true"])}
+    # "plain": FSDP_DIRECT_WRITES=0, the shard files written through the page cache instead of
+    # with O_DIRECT (include/fsdp/core/sequential_file.h), to measure what the direct path saves.
+    kinds = {"none": (0, [], {}), "sync": (args.every, [], {}),
+             "async": (args.every, ["--checkpoint.async=true"], {}),
+             "sync, plain": (args.every, [], {"FSDP_DIRECT_WRITES": "0"}),
+             "async, plain": (args.every, ["--checkpoint.async=true"], {"FSDP_DIRECT_WRITES": "0"})}
     after_save, after_next, plain, rss = ({k: [] for k in kinds} for _ in range(4))
     for r in range(args.rounds):
-        for kind, (every, extra) in kinds.items():
-            intervals, peak = run(args.work, f"{kind}-{r}", args.steps, every, extra)
+        for kind, (every, extra, env) in kinds.items():
+            intervals, peak = run(args.work, f"{kind.replace(', ', '-')}-{r}", args.steps, every,
+                                  extra, env)
             rss[kind].append(peak)
             for step, seconds in intervals.items():
                 if step < 3:
@@ -89,14 +97,17 @@ def main():
     print(f"fsdp-train --nproc 2, gpt2-124m, batch 1 x 256 tokens, {args.steps} steps, a "
           f"checkpoint every {args.every} (checkpoint.keep=1), {args.rounds} rounds")
     print(f"median step without checkpoints: {base:.3f} s")
-    print(f"{'run':6} {'after a save (s)':>17} {'ratio':>6} {'the step after (s)':>19} "
+    print("ratio: to the median step without checkpoints; own: to the median of the same runs' "
+          "steps that neither save nor follow a save")
+    print(f"{'run':12} {'after a save (s)':>17} {'ratio':>6} {'own':>5} {'the step after (s)':>19} "
           f"{'ratio':>6} {'peak RSS per rank':>18}")
-    for kind in ("sync", "async"):
+    for kind in ("sync", "async", "sync, plain", "async, plain"):
         a = statistics.median(after_save[kind])
         n = statistics.median(after_next[kind]) if after_next[kind] else float("nan")
-        print(f"{kind:6} {a:17.3f} {a / base:6.2f} {n:19.3f} {n / base:6.2f} "
+        own = statistics.median(plain[kind]) if plain[kind] else float("nan")
+        print(f"{kind:12} {a:17.3f} {a / base:6.2f} {a / own:5.2f} {n:19.3f} {n / base:6.2f} "
               f"{max(rss[kind]) / 2**20:15.0f} MiB")
-    print(f"{'none':6} {'':17} {'':6} {'':19} {'':6} {max(rss['none']) / 2**20:15.0f} MiB")
+    print(f"{'none':12} {'':17} {'':6} {'':5} {'':19} {'':6} {max(rss['none']) / 2**20:15.0f} MiB")
 
 
 if __name__ == "__main__":

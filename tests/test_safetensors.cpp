@@ -16,6 +16,7 @@
 
 #include <fsdp/checkpoint/safetensors.h>
 #include <fsdp/core/file.h>
+#include <fsdp/core/sequential_file.h>
 
 namespace {
 
@@ -109,6 +110,94 @@ TEST(Safetensors, RoundTripsDtypesShapesAndPieces) {
   for (int i = 7; i >= 0; --i)
     len = (len << 8) | static_cast<unsigned char>(bytes[i]);
   EXPECT_EQ((8 + len) % 8, 0u);
+  fs::remove_all(dir);
+}
+
+// SequentialFile (the safetensors writer's file): writes in the file's order go through its
+// aligned buffer with O_DIRECT where the filesystem allows it, anything else plainly; either
+// way the file holds exactly the bytes given, its size the furthest one. Pieces of odd sizes
+// around the 4 KiB blocks and the buffer's edge, then a write out of order; in the temporary
+// directory and on tmpfs (which refused O_DIRECT before Linux 6.6: then every write is plain).
+TEST(SequentialFile, HoldsTheBytesGivenInOrderOrNot) {
+  std::mt19937 rng(5);
+  std::string expected;
+  std::vector<std::pair<uint64_t, std::string>> pieces;
+  for (uint64_t size : {8u, 1u, 4095u, 4096u, 4097u, 20000u, 8191u, 3u, 70000u, 123u}) {
+    std::string bytes(size, '\0');
+    for (auto& c : bytes)
+      c = static_cast<char>(rng());
+    pieces.emplace_back(expected.size(), bytes);
+    expected += bytes;
+  }
+  std::vector<fs::path> dirs{temp_dir()};
+  if (fs::is_directory("/dev/shm"))
+    dirs.push_back(fs::path("/dev/shm"));
+  for (const auto& dir : dirs) {
+    for (bool in_order : {true, false}) {
+      const auto path = dir / ("sequential-" + std::to_string(::getpid()) + (in_order ? "a" : "b"));
+      {
+        fsdp::SequentialFile f(path.string(), /*buffer_bytes=*/8192);
+        const bool direct_at_start = f.direct();
+        for (size_t i = 0; i < pieces.size(); ++i) {
+          // Out of order: the third piece last.
+          const size_t k = in_order ? i : (i < 2 ? i : (i + 1) % pieces.size() == 0 ? 2 : i + 1);
+          f.pwrite(pieces[k].second.data(), pieces[k].second.size(), pieces[k].first);
+        }
+        if (in_order)
+          EXPECT_EQ(f.direct(), direct_at_start) << path;
+        else
+          EXPECT_FALSE(f.direct()) << path;
+        f.finish();
+        std::printf("%s, %s: %s\n", dir.c_str(), in_order ? "in order" : "out of order",
+                    direct_at_start ? "O_DIRECT at first" : "plain writes (no O_DIRECT here)");
+      }
+      EXPECT_EQ(fs::file_size(path), expected.size()) << path;
+      EXPECT_TRUE(slurp(path) == expected) << path;
+      fs::remove(path);
+    }
+  }
+}
+
+// Image (an asynchronous checkpoint's snapshot): filled in place and written from its aligned
+// memory, it is the file Writer writes from the same tensors, byte for byte, and reads back.
+// Odd sizes: a bf16 tensor of odd length puts the next float32 tensor's slot at an address that
+// is not a multiple of 4; the data pass several 4 KiB blocks and ends inside one.
+TEST(Safetensors, AnImageIsTheWritersFileByteForByte) {
+  auto dir = temp_dir();
+  const std::vector<st::TensorSpec> specs{{"w", torch::kFloat, {37, 29}},
+                                          {"odd", torch::kBFloat16, {3, 7}},
+                                          {"b", torch::kFloat, {1001}},
+                                          {"step", torch::kLong, {}}};
+  std::vector<torch::Tensor> values{torch::randn({37, 29}),
+                                    torch::randn({3, 7}).to(torch::kBFloat16), torch::randn({1001}),
+                                    torch::tensor(int64_t{12345})};
+  {
+    st::Writer w((dir / "writer.safetensors").string(), specs);
+    for (size_t i = 0; i < specs.size(); ++i)
+      w.write(specs[i].name, values[i]);
+    w.finish();
+  }
+  st::Image image(specs);
+  EXPECT_TRUE(image.holds(specs));
+  auto other = specs;
+  other[1].shape = {7, 3};
+  EXPECT_FALSE(image.holds(other));
+  other.pop_back();
+  EXPECT_FALSE(image.holds(other));
+  for (size_t i = 0; i < specs.size(); ++i)
+    image.slot(specs[i].name).copy_(values[i]);
+  EXPECT_THROW(image.slot("missing"), c10::Error);
+  image.write((dir / "image.safetensors").string());
+  EXPECT_EQ(image.size(), fs::file_size(dir / "writer.safetensors"));
+  EXPECT_TRUE(slurp(dir / "image.safetensors") == slurp(dir / "writer.safetensors"));
+  st::Reader r((dir / "image.safetensors").string());
+  for (size_t i = 0; i < specs.size(); ++i)
+    EXPECT_TRUE(torch::equal(r.read(specs[i].name), values[i])) << specs[i].name;
+  // Written again (as the next checkpoint's snapshot is), it still holds what was put in it.
+  image.slot("b").fill_(2.5);
+  image.write((dir / "again.safetensors").string());
+  EXPECT_TRUE(torch::equal(st::Reader((dir / "again.safetensors").string()).read("b"),
+                           torch::full({1001}, 2.5)));
   fs::remove_all(dir);
 }
 

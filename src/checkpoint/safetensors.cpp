@@ -292,18 +292,57 @@ torch::Tensor Reader::read(const std::string& name) const {
 
 // ---- Writer -----------------------------------------------------------------------------------
 
-Writer::Writer(std::string path, std::vector<TensorSpec> specs,
-               std::map<std::string, std::string> metadata)
-    : path_(std::move(path)) {
+Image::Image(const std::vector<TensorSpec>& specs,
+             const std::map<std::string, std::string>& metadata) {
+  const std::string first = layout_file(specs, metadata, header_);
+  for (size_t i = 0; i < header_.tensors.size(); ++i)
+    index_.emplace(header_.tensors[i].name, i);
+  data_start_ = first.size();
+  size_ = data_start_ + header_.data_bytes;
+  constexpr uint64_t kPage = 4096;  // SequentialFile's O_DIRECT alignment
+  bytes_ = torch::empty({static_cast<int64_t>(size_ + kPage)}, torch::kUInt8);
+  const auto base = reinterpret_cast<uintptr_t>(bytes_.data_ptr<uint8_t>());
+  at_ = reinterpret_cast<unsigned char*>((base + kPage - 1) / kPage * kPage);
+  std::memcpy(at_, first.data(), first.size());
+}
+
+torch::Tensor Image::slot(const std::string& name) {
+  auto it = index_.find(name);
+  TORCH_CHECK(it != index_.end(), "safetensors::Image: no tensor '", name, "'");
+  const auto& t = header_.tensors[it->second];
+  return torch::from_blob(at_ + data_start_ + t.begin, t.shape,
+                          torch::TensorOptions().dtype(t.dtype));
+}
+
+bool Image::holds(const std::vector<TensorSpec>& specs) const {
+  if (!header_.metadata.empty() || specs.size() != header_.tensors.size())
+    return false;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const auto& t = header_.tensors[i];
+    if (specs[i].name != t.name || specs[i].dtype != t.dtype || specs[i].shape != t.shape)
+      return false;
+  }
+  return true;
+}
+
+void Image::write(const std::string& path) const {
+  SequentialFile file(path);
+  file.pwrite(at_, size_, 0);
+  file.finish();
+}
+
+std::string layout_file(const std::vector<TensorSpec>& specs,
+                        const std::map<std::string, std::string>& metadata, Header& out) {
+  out = Header();
   Json header = Json::object();
   if (!metadata.empty())
     header["__metadata__"] = metadata;
+  std::set<std::string> names;
   uint64_t at = 0;
-  for (auto& s : specs) {
+  for (const auto& s : specs) {
     TORCH_CHECK(!s.name.empty() && s.name != "__metadata__", "safetensors: invalid tensor name '",
                 s.name, "'");
-    TORCH_CHECK(index_.emplace(s.name, header_.tensors.size()).second, "safetensors: tensor '",
-                s.name, "' given twice");
+    TORCH_CHECK(names.insert(s.name).second, "safetensors: tensor '", s.name, "' given twice");
     TensorEntry t;
     t.name = s.name;
     t.dtype = s.dtype;
@@ -313,23 +352,31 @@ Writer::Writer(std::string path, std::vector<TensorSpec> specs,
     at = t.end;
     header[t.name] = {
         {"dtype", dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {t.begin, t.end}}};
-    header_.tensors.push_back(std::move(t));
+    out.tensors.push_back(std::move(t));
   }
-  header_.data_bytes = at;
-  header_.metadata = std::move(metadata);
-  written_.assign(header_.tensors.size(), 0);
+  out.data_bytes = at;
+  out.metadata = metadata;
   std::string text = header.dump();
   // Pad with spaces so the data starts 8-byte aligned (readers that map the file can then
   // use the data in place).
   text.append((8 - (8 + text.size()) % 8) % 8, ' ');
-  file_ = File(path_, O_WRONLY | O_CREAT | O_TRUNC, 0644, "create");
-  unsigned char len_bytes[8];
-  uint64_t len = text.size();
+  std::string first(8, '\0');
+  const uint64_t len = text.size();
   for (int i = 0; i < 8; ++i)
-    len_bytes[i] = static_cast<unsigned char>(len >> (8 * i));
-  file_.pwrite_all(len_bytes, 8, 0);
-  file_.pwrite_all(text.data(), text.size(), 8);
-  data_start_ = 8 + text.size();
+    first[static_cast<size_t>(i)] = static_cast<char>(len >> (8 * i));
+  return first + text;
+}
+
+Writer::Writer(std::string path, std::vector<TensorSpec> specs,
+               std::map<std::string, std::string> metadata)
+    : path_(std::move(path)) {
+  const std::string first = layout_file(specs, metadata, header_);
+  for (size_t i = 0; i < header_.tensors.size(); ++i)
+    index_.emplace(header_.tensors[i].name, i);
+  written_.assign(header_.tensors.size(), 0);
+  file_ = std::make_unique<SequentialFile>(path_);
+  file_->pwrite(first.data(), first.size(), 0);
+  data_start_ = first.size();
 }
 
 Writer::~Writer() = default;
@@ -350,7 +397,7 @@ void Writer::write_rows(const std::string& name, int64_t row, const torch::Tenso
   TORCH_CHECK(row >= 0 && row + n <= d0, path_, ": tensor '", name, "': rows [", row, ", ", row + n,
               ") outside its ", d0, " rows");
   const uint64_t bytes = static_cast<uint64_t>(n) * rb;
-  file_.pwrite_all(src.data_ptr(), bytes, data_start_ + t.begin + static_cast<uint64_t>(row) * rb);
+  file_->pwrite(src.data_ptr(), bytes, data_start_ + t.begin + static_cast<uint64_t>(row) * rb);
   written_[it->second] += bytes;
 }
 
@@ -364,8 +411,7 @@ void Writer::finish() {
     TORCH_CHECK(written_[i] == t.end - t.begin, path_, ": tensor '", t.name, "' got ", written_[i],
                 " of its ", t.end - t.begin, " bytes");
   }
-  file_.fsync();
-  file_.close();
+  file_->finish();
 }
 
 }  // namespace fsdp::safetensors

@@ -263,15 +263,12 @@ Json pieces_of(const Entry& e, const std::string& file) {
           {"pieces", pieces}};
 }
 
-// Rank 0's index.json from every rank's pieces (an all-gather of each rank's JSON, collective),
-// or "" on the other ranks.
-std::string gather_index(ProcessGroup& group, const Json& pieces, const SavePlan& plan,
-                         const std::map<std::string, std::string>& metadata) {
-  const auto all_pieces = all_gather_bytes(group, pieces.dump(), "save_sharded index");
-  if (group.rank() != 0)
-    return "";
+// index.json from every rank's pieces (rank r's JSON text at r).
+std::string build_index(const std::vector<std::string>& all_pieces, const SavePlan& plan,
+                        const std::map<std::string, std::string>& metadata) {
+  const int world = static_cast<int>(all_pieces.size());
   Json tensors = Json::object();
-  for (int r = 0; r < group.size(); ++r) {
+  for (int r = 0; r < world; ++r) {
     auto theirs = Json::parse(all_pieces[static_cast<size_t>(r)]);
     for (auto& [key, entry] : theirs.items()) {
       auto& t = tensors[key];
@@ -287,12 +284,19 @@ std::string gather_index(ProcessGroup& group, const Json& pieces, const SavePlan
   }
   Json index = {{"format", detail::kIndexFormat},
                 {"version", detail::kIndexVersion},
-                {"world_size", group.size()},
+                {"world_size", world},
                 {"metadata", metadata},
                 {"optimizer", {{"kind", plan.kind}, {"steps", plan.steps}}},
                 {"tensors", tensors}};
   index[detail::kIndexChecksumKey] = detail::index_checksum(index.dump());
   return index.dump(1);
+}
+
+// Rank 0: the index from every rank's pieces, gathered with a collective (the other ranks get "").
+std::string gather_index(ProcessGroup& group, const Json& pieces, const SavePlan& plan,
+                         const std::map<std::string, std::string>& metadata) {
+  const auto all_pieces = all_gather_bytes(group, pieces.dump(), "save_sharded index");
+  return group.rank() == 0 ? build_index(all_pieces, plan, metadata) : "";
 }
 
 // Rank 0, once every rank's file is durable: the index last, then the directory renamed into
@@ -333,7 +337,9 @@ void save_sharded(const std::string& dir, torch::nn::Module& model,
 
 struct AsyncCheckpointer::Save {
   SavePlan plan;
-  std::string index;  // rank 0's
+  std::unique_ptr<safetensors::Image> image;  // the snapshot: the rank's file, in memory
+  std::map<std::string, std::string> metadata;
+  std::function<void()> after_commit;  // rank 0's
   std::unique_ptr<StoreLatch> written;
   std::chrono::milliseconds timeout{0};
   int rank = 0;
@@ -356,25 +362,38 @@ AsyncCheckpointer::~AsyncCheckpointer() {
 void AsyncCheckpointer::start(const std::string& dir, torch::nn::Module& model,
                               torch::optim::Optimizer* optimizer,
                               const std::map<std::string, std::string>& metadata,
-                              const TensorParallelLayout& tp) {
+                              const TensorParallelLayout& tp, std::function<void()> after_commit) {
   wait();  // at most one save in flight
   torch::NoGradGuard no_grad;
   const auto begin = std::chrono::steady_clock::now();
   auto save = std::make_unique<Save>();
   save->plan = plan_save(dir, model, optimizer, *group_, tp);
+  save->metadata = metadata;
   save->rank = group_->rank();
   save->timeout = group_->timeout();
-  // The snapshot: a copy of every row this rank writes (on the host, where the file is written
-  // from), its checksums, and the index, all before training changes them.
-  Json pieces = Json::object();
+  save->after_commit = std::move(after_commit);
+  // The snapshot, all the training thread does: every row this rank writes copied, before
+  // training changes them, into the image of its file on the host (the writer then puts the
+  // image on disk without copying it again). Their checksums and the index are the writer's:
+  // each rank's writer leaves its pieces in the store as it counts itself written, and rank 0's
+  // builds the index from them (a collective would have to run here, on the training thread).
+  if (!save->plan.entries.empty()) {
+    const auto specs = specs_of(save->plan.entries);
+    if (spare_ && spare_->holds(specs))
+      save->image = std::move(spare_);
+    else
+      spare_.reset(), save->image = std::make_unique<safetensors::Image>(specs);
+  }
   for (auto& e : save->plan.entries) {
     torch::Tensor rows = e.data.defined() ? e.data : e.fetch();
-    e.data = rows.to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
+    torch::Tensor slot = save->image->slot(e.key);
+    TORCH_CHECK(rows.numel() == slot.numel(), "fsdp::AsyncCheckpointer: '", e.key, "' has ",
+                rows.numel(), " elements, its place in the file ", slot.numel());
+    slot.copy_(rows.reshape(slot.sizes()));
+    e.data = slot;
     e.fetch = nullptr;
     save->result.bytes += static_cast<int64_t>(e.data.nbytes());
-    pieces[e.key] = pieces_of(e, save->plan.file);
   }
-  save->index = gather_index(*group_, pieces, save->plan, metadata);
   // Named by the save's number too: a directory saved again in the same job (after a failed
   // attempt) must not find the earlier attempt's count.
   save->written = std::make_unique<StoreLatch>(
@@ -388,23 +407,25 @@ void AsyncCheckpointer::start(const std::string& dir, torch::nn::Module& model,
     // cores all compute it still gets a little, so it finishes within the group's timeout).
     setpriority(PRIO_PROCESS, static_cast<id_t>(gettid()), 19);
     try {
-      if (!s->plan.entries.empty()) {
-        safetensors::Writer w((s->plan.tmp / s->plan.file).string(), specs_of(s->plan.entries));
-        for (auto& e : s->plan.entries)
-          w.write_rows(e.key, 0, e.data);
-        w.finish();
-        s->plan.entries.clear();  // the snapshot goes as soon as it is on disk
+      Json pieces = Json::object();
+      if (s->image) {
+        s->image->write((s->plan.tmp / s->plan.file).string());
+        for (const auto& e : s->plan.entries)
+          pieces[e.key] = pieces_of(e, s->plan.file);
+        s->plan.entries.clear();  // the image stays, for the next save (wait())
       }
       if (detail::save_sharded_hook)
         detail::save_sharded_hook(s->rank, "files_written");
-      s->written->arrive();
+      s->written->arrive(pieces.dump());
       if (s->rank == 0) {
         if (!s->written->wait(s->timeout))
           throw std::runtime_error("fsdp::AsyncCheckpointer: " + s->plan.final_dir.string() +
                                    ": not every rank wrote its file within the group's timeout; "
                                    "the checkpoint was not committed (the previous one stays "
                                    "the latest)");
-        commit(s->plan, s->index);
+        commit(s->plan, build_index(s->written->take_notes(), s->plan, s->metadata));
+        if (s->after_commit)
+          s->after_commit();
       }
     } catch (...) {
       s->error = std::current_exception();
@@ -420,6 +441,7 @@ std::optional<AsyncSaveResult> AsyncCheckpointer::wait() {
     return std::nullopt;
   auto save = std::move(in_flight_);
   save->writer.join();
+  spare_ = std::move(save->image);
   if (save->error)
     std::rethrow_exception(save->error);
   return save->result;

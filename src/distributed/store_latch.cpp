@@ -2,7 +2,9 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <cstdint>
 #include <thread>
+#include <vector>
 
 #include <fsdp/distributed/process_group.h>
 
@@ -11,7 +13,7 @@
 namespace fsdp {
 
 StoreLatch::StoreLatch(ProcessGroup& group, const std::string& name)
-    : key_("fsdp/latch/" + group.name() + "/" + name), size_(group.size()) {
+    : key_("fsdp/latch/" + group.name() + "/" + name), rank_(group.rank()), size_(group.size()) {
   const auto& store = detail::GroupAccess::store(group);
   // A connection of its own: the latch's calls never wait behind the main thread's (the store
   // serialises calls on one connection), nor they behind the latch's.
@@ -24,8 +26,22 @@ StoreLatch::StoreLatch(ProcessGroup& group, const std::string& name)
 
 StoreLatch::~StoreLatch() = default;
 
-void StoreLatch::arrive() {
+void StoreLatch::arrive(const std::string& note) {
+  // The note first: a rank that sees the count complete finds every note there.
+  store_->set(key_ + "/note/" + std::to_string(rank_),
+              std::vector<uint8_t>(note.begin(), note.end()));
   store_->add(key_, 1);
+}
+
+std::vector<std::string> StoreLatch::take_notes() {
+  std::vector<std::string> notes;
+  for (int r = 0; r < size_; ++r) {
+    const std::string key = key_ + "/note/" + std::to_string(r);
+    const auto bytes = store_->get(key);
+    notes.emplace_back(bytes.begin(), bytes.end());
+    store_->deleteKey(key);
+  }
+  return notes;
 }
 
 int64_t StoreLatch::arrived() {

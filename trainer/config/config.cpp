@@ -577,10 +577,11 @@ const std::vector<Option>& options() {
           "replaced (a fresh start, or a resume from an earlier step) and are removed."),
       opt("checkpoint.async", FIELD(checkpoint.async),
           "Write each checkpoint while training goes on: the step that saves copies this rank's "
-          "shards and optimizer state to host memory (once more their size) and computes their "
-          "checksums; a background thread writes and syncs the files, and rank 0 commits the "
-          "index once every rank's file is durable. A crash before the commit leaves the "
-          "previous checkpoint the latest. At most one save is in flight."),
+          "shards and optimizer state into an image of its file in host memory (once more "
+          "their size, kept from the first save on for the next); a background thread writes "
+          "and syncs the file and computes its checksums, and rank 0 commits the index once "
+          "every rank's file is durable. A crash before the commit leaves the previous "
+          "checkpoint the latest. At most one save is in flight."),
       opt("checkpoint.resume", FIELD(checkpoint.resume),
           "Resume from 'latest' (the newest complete checkpoint in checkpoint.dir), 'auto' (the "
           "latest if there is one, else start afresh: for jobs a launcher restarts) or a "

@@ -966,8 +966,10 @@ void Trainer::save_checkpoint(int64_t step) {
       meta["rng." + std::to_string(r)] = rngs[static_cast<size_t>(r)];
   }
   if (async_saves_) {  // checkpoint.async: finished by the next save or the end of training
-    async_saves_->start(dir.string(), *model_.module, &optimizers_->optimizer(), meta,
-                        model_.tp_layout);
+    async_removed_.clear();
+    async_saves_->start(
+        dir.string(), *model_.module, &optimizers_->optimizer(), meta, model_.tp_layout,
+        [this, dir, keep = config_.checkpoint.keep] { async_removed_ = after_save(dir, keep); });
     async_step_ = step;
     return;
   }
@@ -976,7 +978,8 @@ void Trainer::save_checkpoint(int64_t step) {
                      model_.tp_layout);
   const double save_seconds = seconds_since(save_start);
   if (rank == 0) {
-    after_save(dir);
+    for (const auto& line : after_save(dir, config_.checkpoint.keep))
+      metrics_->message(line);
     const uint64_t bytes = directory_bytes(dir);
     metrics_->message(fmt::format("step {}: checkpoint {} ({:.1f} MB in {:.2f} s, {:.0f} MB/s)",
                                   step, dir.string(), bytes / 1e6, save_seconds,
@@ -991,15 +994,17 @@ void Trainer::finish_async_save() {
   if (!done || pg_->rank() != 0)
     return;
   const std::filesystem::path dir = done->dir;
-  after_save(dir);
+  for (const auto& line : async_removed_)
+    metrics_->message(line);
   metrics_->message(fmt::format(
       "step {}: checkpoint {} ({:.1f} MB, training stalled {:.2f} s; written and committed in "
       "the background in {:.2f} s)",
       async_step_, dir.string(), directory_bytes(dir) / 1e6, done->stall_seconds, done->seconds));
 }
 
-void Trainer::after_save(const std::filesystem::path& dir) {
+std::vector<std::string> Trainer::after_save(const std::filesystem::path& dir, int64_t keep_n) {
   namespace fs = std::filesystem;
+  std::vector<std::string> removed;
   fs::remove_all(aside_path(dir));
   // Checkpoints of later steps belong to a run this one replaced (a fresh start in the same
   // directory, or a resume from an earlier checkpoint): removed, so that "latest" is this run's
@@ -1008,14 +1013,15 @@ void Trainer::after_save(const std::filesystem::path& dir) {
   for (auto& p : complete_checkpoints(dir.parent_path())) {
     if (p.filename().string() > dir.filename().string()) {
       fs::remove_all(p);
-      metrics_->message("removed " + p.string() + ", a checkpoint of the run this one replaced");
+      removed.push_back("removed " + p.string() + ", a checkpoint of the run this one replaced");
     } else {
       done.push_back(std::move(p));
     }
   }
-  const auto keep = static_cast<size_t>(config_.checkpoint.keep);
+  const auto keep = static_cast<size_t>(keep_n);
   for (size_t i = 0; i + keep < done.size(); ++i)
     fs::remove_all(done[i]);
+  return removed;
 }
 
 std::optional<std::filesystem::path> Trainer::resume_dir() const {

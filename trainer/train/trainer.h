@@ -150,13 +150,15 @@ class Trainer {
   /// Saves a sharded checkpoint of the state after `step` (every rank calls it) and removes
   /// the oldest complete ones beyond checkpoint.keep.
   void save_checkpoint(int64_t step);
-  /// checkpoint.async: waits for the save in flight, if any (rank 0: until committed), and
-  /// tidies after it as after a synchronous save.
+  /// checkpoint.async: waits for the save in flight, if any (rank 0: until committed; its
+  /// writer thread has already tidied after it as after a synchronous save) and reports it.
   void finish_async_save();
   /// Rank 0, once the checkpoint `dir` is complete: removes what it replaced (the same step's
-  /// from an abandoned run, later steps' of a replaced run) and the oldest beyond
-  /// checkpoint.keep.
-  void after_save(const std::filesystem::path& dir);
+  /// from an abandoned run, later steps' of a replaced run) and the oldest beyond `keep`, and
+  /// returns a line for each replaced run's checkpoint removed. Files only (an asynchronous
+  /// save's writer thread runs it: removing a 1 GB checkpoint took 0.13 s, which the training
+  /// thread would add to the saving step).
+  static std::vector<std::string> after_save(const std::filesystem::path& dir, int64_t keep);
   /// Restores checkpoint.resume (model, AdamW, sampler, loss scale, random state); returns
   /// the step it was saved after.
   int64_t resume_from_checkpoint();
@@ -193,9 +195,10 @@ class Trainer {
   std::unique_ptr<fsdp::AsyncCheckpointer> async_saves_;  // checkpoint.async
   std::unique_ptr<KernelProfile> kernel_profile_;         // logging.trace_steps on CUDA
   int64_t async_step_ = 0;                                // the step of the save in flight
-  int64_t start_step_ = 0;                                // the step a resumed run continues after
-  std::optional<PlanCheck> plan_check_;                   // plan_memory(): predicted, then measured
-  std::optional<UnitOptions> units_;                      // how the job's units are sharded
+  std::vector<std::string> async_removed_;  // after_save's lines, by the writer thread
+  int64_t start_step_ = 0;                  // the step a resumed run continues after
+  std::optional<PlanCheck> plan_check_;     // plan_memory(): predicted, then measured
+  std::optional<UnitOptions> units_;        // how the job's units are sharded
 };
 
 }  // namespace fsdp_trainer

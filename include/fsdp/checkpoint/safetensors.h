@@ -19,12 +19,14 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include <fsdp/core/file.h>
+#include <fsdp/core/sequential_file.h>
 
 namespace fsdp::safetensors {
 
@@ -99,11 +101,50 @@ struct TensorSpec {
   std::vector<int64_t> shape;
 };
 
+/// The file's first bytes for `specs` in their order (the 8-byte length, then the JSON header
+/// padded with spaces so the data starts 8-byte aligned), and in `header` their layout: what
+/// Writer and Image both write. Throws for an empty, reserved or repeated name.
+std::string layout_file(const std::vector<TensorSpec>& specs,
+                        const std::map<std::string, std::string>& metadata, Header& header);
+
+/// A whole file built in memory, laid out as Writer lays it out: the caller copies each tensor
+/// into its slot(), and write() puts the file on disk in one front-to-back pass, O_DIRECT
+/// straight from the image's page-aligned memory where the filesystem allows it (no copy into
+/// a write buffer, none into the page cache). An asynchronous checkpoint's snapshot is one
+/// (its copy of the rows is the file's image, so its background writer costs the training
+/// cores almost nothing). The memory is one tensor of bytes: fsdp::memory counts it, and the
+/// caching allocator hands it back to the next image of the same size.
+class Image {
+ public:
+  Image(const std::vector<TensorSpec>& specs,
+        const std::map<std::string, std::string>& metadata = {});
+
+  const Header& header() const { return header_; }
+  /// The tensor's place in the image, as a tensor of its dtype and shape (valid while the image
+  /// lives; not necessarily aligned to its dtype, as in the file).
+  torch::Tensor slot(const std::string& name);
+  /// The file's size in bytes.
+  uint64_t size() const { return size_; }
+  /// Whether the image is laid out for `specs` (and no metadata): it can be filled again.
+  bool holds(const std::vector<TensorSpec>& specs) const;
+  /// Creates (or truncates) `path`, writes the image and fsyncs it. Throws on an I/O error.
+  void write(const std::string& path) const;
+
+ private:
+  Header header_;
+  std::map<std::string, size_t> index_;
+  torch::Tensor bytes_;          // the allocation (one page more, for the alignment)
+  unsigned char* at_ = nullptr;  // the image's first byte, page-aligned
+  uint64_t data_start_ = 0;
+  uint64_t size_ = 0;
+};
+
 /// Writes one file whose tensors are known in advance and whose data arrives in pieces (a
 /// tensor's rows as each unit is gathered, in any order): the header is written first, each
-/// piece with pwrite at its offset. finish() checks that each tensor received as many bytes
-/// as it holds, then fsyncs. A writer destroyed before finish() leaves an incomplete file: write
-/// into a temporary name and rename after finish() (the checkpoint code does).
+/// piece with pwrite at its offset (a SequentialFile: while the pieces come in the file's order,
+/// as a checkpoint's do, they bypass the page cache). finish() checks that each tensor received
+/// as many bytes as it holds, then fsyncs. A writer destroyed before finish() leaves an incomplete
+/// file: write into a temporary name and rename after finish() (the checkpoint code does).
 class Writer {
  public:
   Writer(std::string path, std::vector<TensorSpec> specs,
@@ -122,7 +163,7 @@ class Writer {
 
  private:
   std::string path_;
-  File file_;
+  std::unique_ptr<SequentialFile> file_;
   uint64_t data_start_ = 0;
   Header header_;
   std::map<std::string, size_t> index_;

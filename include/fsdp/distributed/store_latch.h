@@ -2,13 +2,14 @@
 // thread of a rank may arrive or wait, with no collective. A background thread cannot take part
 // in collectives (every rank must issue them in one order, and the main thread is issuing the
 // step's); the asynchronous checkpoint's writers use a latch to learn that every rank's file is
-// durable before rank 0 commits the index.
+// durable before rank 0 commits the index, and pass rank 0 their part of the index through it.
 #pragma once
 
 #include <c10/util/intrusive_ptr.h>
 
 #include <chrono>
 #include <string>
+#include <vector>
 
 namespace c10d {
 class Store;
@@ -28,16 +29,21 @@ class StoreLatch {
   StoreLatch(const StoreLatch&) = delete;
   StoreLatch& operator=(const StoreLatch&) = delete;
 
-  /// This rank has arrived (call once).
-  void arrive();
+  /// This rank has arrived (call once), leaving `note` (any bytes; small: the store holds it)
+  /// for the rank that collects them with take_notes().
+  void arrive(const std::string& note = {});
   /// Waits until every rank of the group has arrived; false if `timeout` passed first.
   bool wait(std::chrono::milliseconds timeout);
   /// How many have arrived so far.
   int64_t arrived();
+  /// What each rank left when it arrived, by rank, removed from the store (call once, after wait()
+  /// returned true).
+  std::vector<std::string> take_notes();
 
  private:
   c10::intrusive_ptr<c10d::Store> store_;
   std::string key_;
+  int rank_;
   int size_;
 };
 
