@@ -10,6 +10,7 @@
 #include <sys/stat.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -198,6 +199,43 @@ TEST(Safetensors, AnImageIsTheWritersFileByteForByte) {
   image.write((dir / "again.safetensors").string());
   EXPECT_TRUE(torch::equal(st::Reader((dir / "again.safetensors").string()).read("b"),
                            torch::full({1001}, 2.5)));
+  fs::remove_all(dir);
+}
+
+// A file system that takes the O_DIRECT open but refuses the writes (EINVAL): CTest runs this
+// test alone with tests/harness/refuse_direct_writes.cpp preloaded (FSDP_TEST_DIRECT_REFUSED
+// set), and the suite's own run leaves it out. The bytes still arrive, plainly: through the
+// buffer, straight from aligned memory (an Image), and once out of order.
+TEST(DirectWritesRefused, SequentialFileAndImageWritePlainly) {
+  if (!std::getenv("FSDP_TEST_DIRECT_REFUSED"))
+    GTEST_SKIP() << "run by CTest with the refusing pwrite preloaded";
+  auto dir = temp_dir();
+  std::mt19937 rng(7);
+  std::string expected(3 * 8192 + 123, '\0');
+  for (auto& c : expected)
+    c = static_cast<char>(rng());
+  for (bool in_order : {true, false}) {
+    const auto path = dir / (in_order ? "a" : "b");
+    fsdp::SequentialFile f(path.string(), /*buffer_bytes=*/8192);
+    ASSERT_TRUE(f.direct()) << "the open is not refused, only the writes";
+    const size_t half = expected.size() / 2;
+    if (in_order) {
+      f.pwrite(expected.data(), half, 0);
+      f.pwrite(expected.data() + half, expected.size() - half, half);
+    } else {
+      f.pwrite(expected.data() + half, expected.size() - half, half);
+      f.pwrite(expected.data(), half, 0);
+    }
+    EXPECT_FALSE(f.direct());
+    f.finish();
+    EXPECT_TRUE(slurp(path) == expected) << path;
+  }
+  const std::vector<st::TensorSpec> specs{{"w", torch::kFloat, {300, 7}}};
+  const auto w = torch::randn({300, 7});
+  st::Image image(specs);
+  image.slot("w").copy_(w);
+  image.write((dir / "image.safetensors").string());
+  EXPECT_TRUE(torch::equal(st::Reader((dir / "image.safetensors").string()).read("w"), w));
   fs::remove_all(dir);
 }
 

@@ -387,8 +387,10 @@ void AsyncCheckpointer::start(const std::string& dir, torch::nn::Module& model,
   for (auto& e : save->plan.entries) {
     torch::Tensor rows = e.data.defined() ? e.data : e.fetch();
     torch::Tensor slot = save->image->slot(e.key);
-    TORCH_CHECK(rows.numel() == slot.numel(), "fsdp::AsyncCheckpointer: '", e.key, "' has ",
-                rows.numel(), " elements, its place in the file ", slot.numel());
+    TORCH_CHECK(rows.numel() == slot.numel() && rows.scalar_type() == slot.scalar_type(),
+                "fsdp::AsyncCheckpointer: '", e.key, "' is ", rows.numel(), " x ",
+                c10::toString(rows.scalar_type()), ", its place in the file ", slot.numel(), " x ",
+                c10::toString(slot.scalar_type()));
     slot.copy_(rows.reshape(slot.sizes()));
     e.data = slot;
     e.fetch = nullptr;

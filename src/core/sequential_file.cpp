@@ -58,17 +58,13 @@ void SequentialFile::pwrite(const void* src, uint64_t len, uint64_t offset) {
   end_ = std::max(end_, offset + len);
   if (direct_.is_open() && offset != buffer_at_ + buffered_)
     leave_direct();
-  if (!direct_.is_open()) {
-    file_.pwrite_all(src, len, offset);
-    return;
-  }
   const auto* in = static_cast<const unsigned char*>(src);
-  while (len > 0) {
+  while (len > 0 && direct_.is_open()) {
     // Page-aligned memory at the (aligned) front with nothing buffered: its whole blocks go
     // straight to the file, with no copy (safetensors::Image's case).
     if (buffered_ == 0 && reinterpret_cast<uintptr_t>(in) % kAlign == 0 && len >= kAlign) {
       const uint64_t whole = len / kAlign * kAlign;
-      direct_.pwrite_all(in, whole, buffer_at_);
+      write_blocks(in, whole, buffer_at_);
       buffer_at_ += whole, in += whole, len -= whole;
       continue;
     }
@@ -80,6 +76,32 @@ void SequentialFile::pwrite(const void* src, uint64_t len, uint64_t offset) {
     if (buffered_ == capacity_)
       flush(/*pad=*/false);
   }
+  if (!direct_.is_open()) {  // plain from the start, left, or refused on the way
+    drop_buffer();
+    if (len > 0)
+      file_.pwrite_all(in, len,
+                       offset + static_cast<uint64_t>(in - static_cast<const unsigned char*>(src)));
+  }
+}
+
+// O_DIRECT where it is still on; where the file system refuses a direct write (EINVAL: it wants
+// a larger alignment than ours, or none of it), this write and every later one are plain.
+void SequentialFile::write_blocks(const unsigned char* p, uint64_t n, uint64_t at) {
+  while (n > 0 && direct_.is_open()) {
+    const ssize_t put = ::pwrite(direct_.fd(), p, n, static_cast<off_t>(at));
+    if (put < 0 && errno == EINTR)
+      continue;
+    if (put < 0 && errno == EINVAL) {
+      direct_.close();
+      break;
+    }
+    if (put <= 0)
+      throw std::runtime_error(file_.path() +
+                               ": write failed: " + errno_text(put < 0 ? errno : ENOSPC));
+    p += put, at += static_cast<uint64_t>(put), n -= static_cast<uint64_t>(put);
+  }
+  if (n > 0)
+    file_.pwrite_all(p, n, at);
 }
 
 // Writes the buffer's whole blocks at buffer_at_ (always block-aligned), and with `pad` its last
@@ -95,30 +117,37 @@ void SequentialFile::flush(bool pad) {
   }
   if (whole == 0)
     return;
-  direct_.pwrite_all(buffer_.get(), whole, buffer_at_);
+  write_blocks(buffer_.get(), whole, buffer_at_);
   const uint64_t rest = buffered_ > whole ? buffered_ - whole : 0;
   std::memmove(buffer_.get(), buffer_.get() + whole, rest);
   buffer_at_ += whole;
   buffered_ = rest;
 }
 
-void SequentialFile::leave_direct() {
-  flush(/*pad=*/false);
+// What the buffer holds, written plainly, and the buffer freed.
+void SequentialFile::drop_buffer() {
   if (buffered_ > 0)
-    file_.pwrite_all(buffer_.get(), buffered_, buffer_at_);  // the partial block, plainly
+    file_.pwrite_all(buffer_.get(), buffered_, buffer_at_);
   buffer_at_ += buffered_;
   buffered_ = 0;
-  direct_.close();
   buffer_.reset();
+}
+
+void SequentialFile::leave_direct() {
+  flush(/*pad=*/false);
+  direct_.close();
+  drop_buffer();  // the partial block
 }
 
 void SequentialFile::finish() {
   if (direct_.is_open()) {
     flush(/*pad=*/true);
     direct_.close();
-    if (::ftruncate(file_.fd(), static_cast<off_t>(end_)) != 0)
-      throw std::runtime_error(file_.path() + ": cannot set the size: " + errno_text(errno));
   }
+  drop_buffer();
+  // The size is the furthest byte given: a padded last block is cut off.
+  if (::ftruncate(file_.fd(), static_cast<off_t>(end_)) != 0)
+    throw std::runtime_error(file_.path() + ": cannot set the size: " + errno_text(errno));
   file_.fsync();
   file_.close();
 }

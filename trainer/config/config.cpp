@@ -591,7 +591,7 @@ const std::vector<Option>& options() {
           "At the end of training, write the model as a Hugging Face directory (config.json, "
           "model.safetensors in checkpoint.export_dtype) that transformers' from_pretrained loads; "
           "rank 0 "
-          "writes, holding its shards plus two 16 MiB I/O buffers (and, for GPT-2's transposed "
+          "writes, holding its shards plus three 16 MiB I/O buffers (and, for GPT-2's transposed "
           "layout, one weight matrix)."),
       opt("checkpoint.export_dir", FIELD(checkpoint.export_dir),
           "Where checkpoint.export_hf writes; empty: <logging.run_dir>/hf. An earlier export "

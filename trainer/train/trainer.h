@@ -191,14 +191,16 @@ class Trainer {
   TrainModel model_;
   std::unique_ptr<fsdp::StepProfiler> profiler_;
   std::unique_ptr<Optimizers> optimizers_;
-  std::unique_ptr<ReplicaMembership> membership_;         // fsdp.fault_tolerant
+  std::unique_ptr<ReplicaMembership> membership_;  // fsdp.fault_tolerant
+  // after_save's lines, written by rank 0's writer thread: declared before async_saves_, whose
+  // destructor waits for that thread, so that it outlives the thread.
+  std::vector<std::string> async_removed_;
   std::unique_ptr<fsdp::AsyncCheckpointer> async_saves_;  // checkpoint.async
   std::unique_ptr<KernelProfile> kernel_profile_;         // logging.trace_steps on CUDA
   int64_t async_step_ = 0;                                // the step of the save in flight
-  std::vector<std::string> async_removed_;  // after_save's lines, by the writer thread
-  int64_t start_step_ = 0;                  // the step a resumed run continues after
-  std::optional<PlanCheck> plan_check_;     // plan_memory(): predicted, then measured
-  std::optional<UnitOptions> units_;        // how the job's units are sharded
+  int64_t start_step_ = 0;                                // the step a resumed run continues after
+  std::optional<PlanCheck> plan_check_;                   // plan_memory(): predicted, then measured
+  std::optional<UnitOptions> units_;                      // how the job's units are sharded
 };
 
 }  // namespace fsdp_trainer

@@ -20,8 +20,9 @@ namespace fsdp {
 
 class SequentialFile {
  public:
-  /// Creates (or truncates) `path`. Where the filesystem refuses O_DIRECT (tmpfs before Linux
-  /// 6.6), or with FSDP_DIRECT_WRITES=0 in the environment, every write is a plain one. The
+  /// Creates (or truncates) `path`. Where the filesystem refuses O_DIRECT (at open: tmpfs before
+  /// Linux 6.6; or at the first write, EINVAL), or with FSDP_DIRECT_WRITES=0 in the
+  /// environment, every write (from then on) is a plain one. The
   /// buffer (`buffer_bytes`, 16 MiB by default) is host memory outside fsdp::memory's tensor
   /// accounting, allocated on the first write that needs it. Throws std::runtime_error naming
   /// the file.
@@ -46,7 +47,9 @@ class SequentialFile {
   bool direct() const { return direct_.is_open(); }
 
  private:
+  void write_blocks(const unsigned char* p, uint64_t n, uint64_t at);
   void flush(bool pad);
+  void drop_buffer();
   void leave_direct();
 
   File file_;    // the plain descriptor (size, fsync, out-of-order writes)
