@@ -111,7 +111,7 @@ def main():
         vs = {"raw_write": f"{mbps / dd_median:.2f}x dd (2 streams)",
               "save_sharded": f"{mbps / raw_mbps:.2f}x raw write, {mbps / dd_median:.2f}x dd "
                               f"(2 streams)",
-              "save_hf": f"{mbps / dd1_median:.2f}x dd (1 stream)"}.get(op, "(page cache)")
+              "save_hf": f"{mbps / dd1_median:.2f}x dd (1 stream)"}.get(op, "(read)")
         state = " / ".join(f"{b / MIB:.0f}" for b in first["state_bytes"])
         if op == "raw_write":  # a baseline: its own buffer is not checkpoint memory
             print(f"| {op} | {first['bytes'] / MB:.0f} MB | {statistics.median(seconds):.2f} "
@@ -121,7 +121,8 @@ def main():
               f"({min(seconds):.2f}-{max(seconds):.2f}) | {mbps:.0f} | {vs} | {state} MiB | "
               f"{' / '.join(f'{e / MIB:.1f}' for e in extra)} MiB | {bound / MIB:.1f} MiB ({ok}) |")
     print()
-    print("Loads read what was just written, from the page cache: their MB/s is not the disk's.")
+    print("Loads read what was just written: the files are written with O_DIRECT (not left in the "
+          "page cache), so from the disk unless FSDP_DIRECT_WRITES=0.")
 
 
 if __name__ == "__main__":
