@@ -295,11 +295,9 @@ torch::Tensor Reader::read(const std::string& name) const {
 Image::Image(const std::vector<TensorSpec>& specs,
              const std::map<std::string, std::string>& metadata) {
   const std::string first = layout_file(specs, metadata, header_);
-  for (size_t i = 0; i < header_.tensors.size(); ++i)
-    index_.emplace(header_.tensors[i].name, i);
   data_start_ = first.size();
   size_ = data_start_ + header_.data_bytes;
-  constexpr uint64_t kPage = 4096;  // SequentialFile's O_DIRECT alignment
+  constexpr uint64_t kPage = SequentialFile::kAlign;  // written from here without a copy
   bytes_ = torch::empty({static_cast<int64_t>(size_ + kPage)}, torch::kUInt8);
   const auto base = reinterpret_cast<uintptr_t>(bytes_.data_ptr<uint8_t>());
   at_ = reinterpret_cast<unsigned char*>((base + kPage - 1) / kPage * kPage);
@@ -307,11 +305,10 @@ Image::Image(const std::vector<TensorSpec>& specs,
 }
 
 torch::Tensor Image::slot(const std::string& name) {
-  auto it = index_.find(name);
-  TORCH_CHECK(it != index_.end(), "safetensors::Image: no tensor '", name, "'");
-  const auto& t = header_.tensors[it->second];
-  return torch::from_blob(at_ + data_start_ + t.begin, t.shape,
-                          torch::TensorOptions().dtype(t.dtype));
+  const TensorEntry* t = header_.find(name);
+  TORCH_CHECK(t, "safetensors::Image: no tensor '", name, "'");
+  return torch::from_blob(at_ + data_start_ + t->begin, t->shape,
+                          torch::TensorOptions().dtype(t->dtype));
 }
 
 bool Image::holds(const std::vector<TensorSpec>& specs) const {

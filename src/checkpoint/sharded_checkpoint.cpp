@@ -379,10 +379,9 @@ void AsyncCheckpointer::start(const std::string& dir, torch::nn::Module& model,
   // builds the index from them (a collective would have to run here, on the training thread).
   if (!save->plan.entries.empty()) {
     const auto specs = specs_of(save->plan.entries);
-    if (spare_ && spare_->holds(specs))
-      save->image = std::move(spare_);
-    else
-      spare_.reset(), save->image = std::make_unique<safetensors::Image>(specs);
+    if (!spare_ || !spare_->holds(specs))
+      spare_.reset();  // freed before the new one is made
+    save->image = spare_ ? std::move(spare_) : std::make_unique<safetensors::Image>(specs);
   }
   for (auto& e : save->plan.entries) {
     torch::Tensor rows = e.data.defined() ? e.data : e.fetch();

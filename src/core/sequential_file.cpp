@@ -16,9 +16,7 @@
 namespace fsdp {
 namespace {
 
-// Memory, offsets and lengths of O_DIRECT writes: a multiple of every block size in use (512 B
-// and 4 KiB devices).
-constexpr uint64_t kAlign = 4096;
+constexpr uint64_t kAlign = SequentialFile::kAlign;
 
 unsigned char* aligned_buffer(uint64_t bytes) {
   void* p = std::aligned_alloc(kAlign, bytes);

@@ -132,7 +132,6 @@ class Image {
 
  private:
   Header header_;
-  std::map<std::string, size_t> index_;
   torch::Tensor bytes_;          // the allocation (one page more, for the alignment)
   unsigned char* at_ = nullptr;  // the image's first byte, page-aligned
   uint64_t data_start_ = 0;

@@ -20,6 +20,10 @@ namespace fsdp {
 
 class SequentialFile {
  public:
+  /// The alignment of O_DIRECT writes' memory, offsets and lengths: a multiple of every block
+  /// size in use (512 B and 4 KiB devices). Memory aligned to it is written without a copy.
+  static constexpr uint64_t kAlign = 4096;
+
   /// Creates (or truncates) `path`. Where the filesystem refuses O_DIRECT (at open: tmpfs before
   /// Linux 6.6; or at the first write, EINVAL), or with FSDP_DIRECT_WRITES=0 in the
   /// environment, every write (from then on) is a plain one. The
