@@ -19,9 +19,11 @@
 #include <sstream>
 #include <thread>
 
+#include <fsdp/checkpoint/sharded_checkpoint.h>
 #include <fsdp/distributed/replica_quorum.h>
 #include <fsdp/fsdp.h>
 
+#include "checkpoint/sharded_checkpoint_hooks.h"
 #include "gpt.h"
 #include "harness/multiprocess.h"
 
@@ -52,12 +54,15 @@ constexpr int kStateLost = 69;  // the worker's exit when rejoin throws ReplicaS
 // Trains a small GPT for FSDP_STEPS steps on FSDP_K ranks per replica (hybrid_shard), each
 // replica on batches of its own, through ReplicaQuorum's protocol (at most FSDP_MAX_LIVE
 // replicas at once, the others spares); FSDP_KILL_RANK dies
-// (SIGKILL) at FSDP_KILL_STEP, FSDP_KILL_WHERE = forward | backward | commit; FSDP_SCHEDULE
+// (SIGKILL) at FSDP_KILL_STEP, FSDP_KILL_WHERE = forward | backward | commit | save (its file
+// of the step's checkpoint written, before the index); FSDP_SCHEDULE
 // changes the membership without a fault. With FSDP_HEAL=1 a rank whose replica left asks to
 // rejoin; with FSDP_RESTART=1 it exits (3) instead, and the launcher starts its replica again
 // (FSDP_REPLICA_INCARNATION), which joins the running job; FSDP_STEP_SLEEP_MS pauses after each
-// step while a replica is out (so that it is back before the end). Writes each rank's shards to
-// FSDP_OUT/rank<r>.pt and the schedule it went through.
+// step while a replica is out (so that it is back before the end). With FSDP_SAVE_EVERY=n the
+// live replicas save a sharded checkpoint to FSDP_OUT/ckpt/step-<s> after every n-th step, as
+// fsdp-train does (a save that fails is reported and the next attempt reforms). Writes each
+// rank's shards to FSDP_OUT/rank<r>.pt and the schedule it went through.
 FSDP_WORKER(ft_replicas) {
   const auto env = fsdp::launch_env_from_environment();
   auto pg = fsdp::init_process_group(
@@ -116,6 +121,14 @@ FSDP_WORKER(ft_replicas) {
     }
     std::raise(SIGKILL);
   };
+  const int64_t save_every = ctx.env_int("FSDP_SAVE_EVERY", 0);
+  int64_t step = 0;
+  if (victim && kill_where == "save") {
+    fsdp::detail::save_sharded_hook = [&](int, const std::string& stage) {
+      if (step == kill_step && stage == "files_written")
+        die();
+    };
+  }
   const bool heal = ctx.env("FSDP_HEAL", "0") == "1";
   const bool restart = ctx.env("FSDP_RESTART", "0") == "1";
   const auto pause = std::chrono::milliseconds(ctx.env_int("FSDP_STEP_SLEEP_MS", 0));
@@ -174,7 +187,6 @@ FSDP_WORKER(ft_replicas) {
   // A left rank's exit: 3 when the launcher is to start its replica again; kStateLost when no
   // replica holds the state (the launcher starts nothing again).
   const auto left_code = [&] { return state_lost ? kStateLost : restart ? 3 : 0; };
-  int64_t step = 0;
   if (env.incarnation > 0) {  // a restarted replica: in through the same door as a healed one
     std::printf("[rank %d] RESTARTED (incarnation %d)\n", rank, env.incarnation);
     if ((step = leave(-1, "")) < 0)
@@ -184,7 +196,7 @@ FSDP_WORKER(ft_replicas) {
     if ((step = leave(-1, "")) < 0)
       return left_code();
   }
-  bool broken = false;  // an admission failed: the groups are not usable until a reform
+  bool broken = false;  // an admission or a save failed: the groups are not usable until a reform
   while (step < steps) {
     if (auto it = schedule.find(step); it != schedule.end() && step != rejoined_at) {
       const auto before = quorum.live();
@@ -252,6 +264,17 @@ FSDP_WORKER(ft_replicas) {
     opt.step();
     std::printf("[rank %d] step %lld loss %.9f live %zu at %.6f\n", rank, (long long)step,
                 loss_value, quorum.live().size(), now_s());
+    if (save_every > 0 && step % save_every == 0) {
+      try {
+        fsdp::save_sharded(out + "/ckpt/step-" + std::to_string(step), *model, &opt,
+                           *quorum.live_group());
+      } catch (const std::exception& e) {
+        std::string what = e.what();
+        std::printf("[rank %d] SAVE FAILED at step %lld: %s\n", rank, (long long)step,
+                    what.substr(0, what.find('\n')).c_str());
+        broken = true;  // its collectives failed: the groups are not usable until a reform
+      }
+    }
     if (!quorum.admitted().empty()) {  // replicas asked to come back: they train from step + 1
       try {
         quorum.admit(step + 1);
@@ -538,6 +561,60 @@ void kill_restart_and_heal(int k, int victim) {
 // here; in the chaos run that found it, replicas were restarted over and over, 95 s each). They
 // learn it from the store at once and exit kStateLost, and the launcher starts nothing again
 // although it could restart each replica twice more.
+// Checkpoints saved by the live replicas (fsdp::save_sharded over the quorum's live group, the
+// first replica's ranks the first holders), every 2 steps of 5. Rank 0, the writer of every
+// row, is killed in the save of step 2, its file written and the index not: the other replicas'
+// save fails within the group's timeout instead of hanging, step 2's checkpoint is never
+// committed, step 0's stays complete, and the next step's attempt reforms without replica 0.
+// The survivors end equal, bit for bit, to a run told to drop replica 0 at step 3, and their
+// step 4 checkpoint (written by rank 1 now) holds the same bytes as that run's and loads into
+// an unsharded model as the survivors' final parameters.
+TEST(FaultTolerance, TheWriterKilledInACheckpointLeavesThePreviousOneAndTheRestSaveOn) {
+  namespace fs = std::filesystem;
+  auto fault = run_ft(3,
+                      {{"FSDP_KILL_RANK", "0"},
+                       {"FSDP_KILL_STEP", "2"},
+                       {"FSDP_KILL_WHERE", "save"},
+                       {"FSDP_SAVE_EVERY", "2"},
+                       {"FSDP_TIMEOUT_S", "3"}},
+                      "save-fault");
+  auto reference =
+      run_ft(3, {{"FSDP_SCHEDULE", "3:1,2"}, {"FSDP_SAVE_EVERY", "2"}}, "save-reference");
+  EXPECT_EQ(fault.result.exit_codes[0], 128 + SIGKILL) << fault.result.describe();
+  for (int r : {1, 2}) {
+    const auto& out = fault.result.outputs[static_cast<size_t>(r)];
+    EXPECT_EQ(fault.result.exit_codes[static_cast<size_t>(r)], 0) << fault.result.describe();
+    EXPECT_NE(out.find("SAVE FAILED at step 2"), std::string::npos) << out;
+    EXPECT_NE(out.find("FT OK schedule 0:012 3:12"), std::string::npos) << out;
+    const auto a = shards_of(fault, r), b = shards_of(reference, r);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i)
+      EXPECT_TRUE(torch::equal(a[i], b[i])) << "rank " << r << ", parameter " << i;
+  }
+  EXPECT_TRUE(reference.result.ok()) << reference.result.describe();
+  const fs::path ckpt = fs::path(fault.dir) / "ckpt";
+  EXPECT_TRUE(fs::exists(ckpt / "step-0" / "index.json"));
+  EXPECT_FALSE(fs::exists(ckpt / "step-2"));
+  EXPECT_FALSE(fs::exists(ckpt / "step-2.tmp" / "index.json"));
+  const auto bytes = [](const fs::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const auto file = fs::path("step-4") / "rank-00000.safetensors";
+  ASSERT_TRUE(fs::exists(ckpt / file));
+  EXPECT_TRUE(bytes(ckpt / file) == bytes(fs::path(reference.dir) / "ckpt" / file));
+  torch::manual_seed(7);  // other values than the saved ones, until loaded
+  GPT whole(GPTConfig::preset("gpt2-test"));
+  fsdp::load_sharded((ckpt / "step-4").string(), *whole);
+  const auto final_shards = shards_of(fault, 1);  // 1 rank per replica: the whole parameters
+  const auto params = whole->parameters();
+  ASSERT_EQ(params.size(), final_shards.size());
+  for (size_t i = 0; i < params.size(); ++i)
+    EXPECT_TRUE(torch::equal(params[i], final_shards[i])) << "parameter " << i;
+  fs::remove_all(fault.dir);
+  fs::remove_all(reference.dir);
+}
+
 TEST(FaultTolerance, EveryReplicaLostEndsTheJobAtOnceInsteadOfWaiting) {
   fsdp::LocalLaunchOptions::ReplicaRestarts restarts;
   restarts.max_restarts = 3;

@@ -437,6 +437,16 @@ void AsyncCheckpointer::start(const std::string& dir, torch::nn::Module& model,
   in_flight_ = std::move(save);
 }
 
+void AsyncCheckpointer::set_group(std::shared_ptr<ProcessGroup> group) {
+  TORCH_CHECK(group, "fsdp::AsyncCheckpointer::set_group: no group");
+  if (group == group_)
+    return;
+  group_ = std::move(group);
+  // The latches' names count saves per group: every member of the new one starts from 0 (a
+  // rank that joined it later has made fewer saves than the others).
+  saves_started_ = 0;
+}
+
 std::optional<AsyncSaveResult> AsyncCheckpointer::wait() {
   if (!in_flight_)
     return std::nullopt;

@@ -203,8 +203,8 @@ TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
        "set"},
       {"",
        "--fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=1 --fsdp.fault_tolerant=true "
-       "--checkpoint.every=5",
-       "'fsdp.fault_tolerant' writes and reads no checkpoints"},
+       "--checkpoint.export_hf=true",
+       "'fsdp.fault_tolerant' cannot go with checkpoint.export_hf yet"},
       {"",
        "--fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=1 --fsdp.fault_tolerant=true "
        "--fsdp.membership_schedule=5:0,2;3:0",
@@ -2625,4 +2625,68 @@ TEST(FaultTolerantTraining, AKilledReplicaRejoinsAndTheLossesEqualTheScheduleRun
     EXPECT_EQ(reference_changes[n]["live"], changes[n]["live"]) << n;
     EXPECT_EQ(reference_changes[n]["cause"], n == 0 ? "start" : "schedule") << n;
   }
+}
+
+// fsdp.fault_tolerant with checkpoints: 3 replicas of 1 rank, replica 0 (rank 0, the writer)
+// out from step 10 to step 30 by the membership schedule, an asynchronous checkpoint every 20
+// steps. The one of step 20 is saved by the live replicas alone (rank 1 writes it and names
+// ranks 1 and 2 in it). Resumed from it in the same run directory (synchronous saves, the rest
+// of the schedule), the job logs the same losses as the first run at every step after it, its
+// checkpoints of steps 40 and 60 hold the same bytes, and membership.jsonl keeps the changes
+// before step 21 and no line of the abandoned steps after it.
+TEST(FaultTolerantTraining, TheLiveReplicasCheckpointsResumeExactly) {
+  const std::string args =
+      " --training.steps=60 --training.seq_len=64 --training.eval_every=0 --generate.tokens=0 "
+      "--logging.plot=false --checkpoint.every=20 --checkpoint.keep=5 ";
+  FtJob ft("ft-ckpt", "membership_schedule = \"10:1,2;30:0,1,2\"\n", 3,
+           args + "--checkpoint.async=true");
+  ASSERT_EQ(ft.job->wait(180), 0) << ft.job->output();
+  const fs::path ckpts = ft.run_dir / "checkpoints";
+  const auto step_dir = [](int step) {
+    char name[32];
+    std::snprintf(name, sizeof name, "step-%08d", step);
+    return std::string(name);
+  };
+  const auto live_ranks = [&](int step) {
+    const auto index = nlohmann::json::parse(
+        file_bytes(ckpts / step_dir(step) / "index.json"));
+    return index["metadata"].value("live_ranks", std::string("(none)"));
+  };
+  EXPECT_EQ(live_ranks(20), "1,2");
+  EXPECT_EQ(live_ranks(40), "0,1,2");
+  const auto first_metrics = fsdp_trainer::read_metrics(ft.metrics().string());
+  const std::string first_membership = file_bytes(ft.run_dir / "membership.jsonl");
+  std::map<int, std::string> first_files;  // the checkpoints the resumed run replaces
+  for (const int step : {40, 60})
+    first_files[step] =
+        file_bytes(ckpts / step_dir(step) / "rank-00000.safetensors");
+  ASSERT_FALSE(first_files[60].empty());
+
+  const auto resumed =
+      run(train_cmd() + " " + ft.config + " --nproc 3" + args +
+          "--checkpoint.resume=" + (ckpts / step_dir(20)).string() +
+          " --fsdp.membership_schedule=21:1,2\\;30:0,1,2");
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("saved on 3 rank(s)"), std::string::npos) << resumed.output;
+  const auto metrics = fsdp_trainer::read_metrics(ft.metrics().string());
+  ASSERT_EQ(metrics.size(), first_metrics.size());
+  for (size_t i = 0; i < metrics.size(); ++i) {
+    EXPECT_EQ(metrics[i].step, first_metrics[i].step);
+    EXPECT_EQ(metrics[i].loss, first_metrics[i].loss) << "step " << metrics[i].step;
+  }
+  for (const auto& [step, bytes] : first_files) {
+    EXPECT_TRUE(file_bytes(ckpts / step_dir(step) / "rank-00000.safetensors") ==
+                bytes)
+        << "step " << step;
+  }
+  EXPECT_EQ(live_ranks(40), "0,1,2");
+  // Start, out, back; then the resumed run's: resumed with all three, out again, back.
+  const auto changes = FtJob::read_membership(ft.run_dir);
+  std::vector<std::pair<int64_t, std::string>> seen;
+  for (const auto& c : changes)
+    seen.emplace_back(c["step"].get<int64_t>(), c["cause"].get<std::string>());
+  const std::vector<std::pair<int64_t, std::string>> expected{
+      {1, "start"}, {10, "schedule"}, {21, "resumed"}, {21, "schedule"}, {30, "schedule"}};
+  EXPECT_EQ(seen, expected) << file_bytes(ft.run_dir / "membership.jsonl") << "\nfirst run's:\n"
+                            << first_membership;
 }

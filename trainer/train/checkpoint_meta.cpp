@@ -3,6 +3,7 @@
 
 #include <charconv>
 #include <cmath>
+#include <set>
 #include <system_error>
 #include <utility>
 
@@ -63,15 +64,37 @@ std::optional<std::string> CheckpointMeta::rng_state(int rank) const {
 }
 
 void CheckpointMeta::check_random_states(int64_t world) const {
+  // The saving ranks: "live_ranks" where a fault-tolerant job saved, else the whole world.
+  std::set<int64_t> saved;
+  if (has("live_ranks")) {
+    const std::string& list = text("live_ranks");
+    const char* p = list.data();
+    const char* const end = p + list.size();
+    while (p < end) {
+      int64_t r = -1;
+      const auto [next, ec] = std::from_chars(p, end, r);
+      if (ec != std::errc() || r < 0 || r >= world || (!saved.empty() && r <= *saved.rbegin()) ||
+          (next != end && (*next != ',' || next + 1 == end)))
+        throw bad("live_ranks", "is not a list of ascending ranks below world_size (" +
+                                    std::to_string(world) + "): '" + list + "'");
+      saved.insert(r);
+      p = next == end ? end : next + 1;
+    }
+    if (saved.empty())
+      throw bad("live_ranks", "is empty");
+  } else {
+    for (int64_t r = 0; r < world; ++r)
+      saved.insert(r);
+  }
   for (const auto& [key, value] : meta_) {
     if (!key.starts_with("rng."))
       continue;
     int64_t r = -1;
     const auto [end, ec] = std::from_chars(key.data() + 4, key.data() + key.size(), r);
-    if (ec != std::errc() || end != key.data() + key.size() || r < 0 || r >= world)
-      throw bad(key, "names no rank of the " + std::to_string(world) + " that saved it");
+    if (ec != std::errc() || end != key.data() + key.size() || !saved.count(r))
+      throw bad(key, "names no rank of the " + std::to_string(saved.size()) + " that saved it");
   }
-  for (int64_t r = 0; r < world; ++r) {
+  for (const int64_t r : saved) {
     if (!meta_.count("rng." + std::to_string(r)))
       throw bad("rng." + std::to_string(r),
                 "is missing (world_size is " + std::to_string(world) + ")");

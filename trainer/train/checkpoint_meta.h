@@ -29,7 +29,9 @@ class CheckpointMeta {
   bool has(const std::string& key) const { return meta_.count(key) > 0; }
 
   /// Checks that every rank of the `world` that saved left its random state ("rng.<rank>"),
-  /// and that no "rng.*" key names another rank.
+  /// and that no "rng.*" key names another rank. A fault-tolerant job's checkpoint names the
+  /// ranks that saved it ("live_ranks": "0,2,3", ascending, of the world): those and only
+  /// those.
   void check_random_states(int64_t world) const;
 
   /// An error about `key`, naming the index: "<index>: metadata '<key>' <what>".

@@ -5,7 +5,9 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cinttypes>
 #include <cstdio>
+#include <fstream>
 #include <filesystem>
 #include <stdexcept>
 
@@ -37,8 +39,24 @@ ReplicaMembership::ReplicaMembership(const Config& config,
   joining_ = quorum_->left();  // restarted, or a spare
   if (!config_.fsdp.membership_schedule.empty())
     schedule_ = parse_membership_schedule(config_.fsdp.membership_schedule);
-  if (!joining_)
-    record(1, "start");
+}
+
+void ReplicaMembership::start(int64_t first_step) {
+  if (first_step > 1 && writer()) {
+    // Resumed from a checkpoint: the changes before it stay (the membership that produced the
+    // state resumed from), those of the abandoned steps after it go.
+    const auto path = std::filesystem::path(config_.logging.run_dir) / "membership.jsonl";
+    std::ifstream in(path);
+    std::string kept;
+    for (std::string line; std::getline(in, line);) {
+      int64_t step = 0;
+      if (std::sscanf(line.c_str(), "{\"step\": %" SCNd64, &step) == 1 && step < first_step)
+        kept += line + "\n";
+    }
+    std::filesystem::create_directories(config_.logging.run_dir);
+    fsdp::write_file_atomic(path.string(), kept);
+  }
+  record(first_step, first_step > 1 ? "resumed" : "start");
 }
 
 int ReplicaMembership::rank() const {
@@ -63,7 +81,7 @@ void ReplicaMembership::record(int64_t step, const char* cause) {
   std::string line =
       fmt::format("{{\"step\": {}, \"live\": [{}], \"epoch\": {}, \"cause\": \"{}\"}}\n", step,
                   fmt::join(quorum_->live(), ", "), quorum_->epoch(), cause);
-  if (std::string(cause) == "start") {
+  if (std::string(cause) == "start") {  // a new run's first line
     std::filesystem::create_directories(config_.logging.run_dir);
     fsdp::write_file_atomic(path.string(), line);
   } else {

@@ -60,6 +60,10 @@ class ReplicaMembership {
   /// Whether this rank writes the run's outputs: the lowest rank training now.
   bool writer() const;
 
+  /// A replica training from the start: records the membership at `first_step` (1, or the
+  /// step after the checkpoint resumed from, where membership.jsonl keeps the changes before
+  /// it) in membership.jsonl.
+  void start(int64_t first_step);
   /// A restarted replica or a spare: asks to come in and waits for the step boundary that
   /// admits it (its state copied from a replica that stayed); returns the step it trains next,
   /// or fsdp::ReplicaQuorum::kFinished when training ended first (a spare never needed).
@@ -79,6 +83,9 @@ class ReplicaMembership {
   /// After step `step` is committed and applied: admits the replicas that asked to come back
   /// (they train from step + 1).
   void after_step(int64_t step);
+  /// Something between steps failed on this rank's groups (a checkpoint's collectives): its
+  /// next attempt fails without running, and the live replicas reform.
+  void groups_failed() { broken_ = true; }
   /// Set by before_step when the schedule added this replica back after it had been dropped:
   /// the step it trains from (the steps in between are the others'), else -1.
   int64_t resume_step() const { return resume_step_; }
@@ -99,7 +106,7 @@ class ReplicaMembership {
   Hooks hooks_;
   std::unique_ptr<fsdp::ReplicaQuorum> quorum_;
   std::map<int64_t, std::vector<int>> schedule_;
-  bool broken_ = false;  // an admission failed: the next step's attempt fails, and reforms
+  bool broken_ = false;  // an admission or a save failed: the next attempt fails, and reforms
   int64_t resume_step_ = -1;
 };
 

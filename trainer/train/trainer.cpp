@@ -7,6 +7,7 @@
 #include <torch/cuda.h>
 
 #include <fmt/core.h>
+#include <fmt/ranges.h>
 
 #include <numeric>
 
@@ -157,7 +158,8 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
 
   if (purpose_ != Purpose::kTrain)
     return;
-  if (!config_.checkpoint.resume.empty())
+  // A replica joining a fault-tolerant job copies its state from a live one, not from disk.
+  if (!config_.checkpoint.resume.empty() && !(membership_ && membership_->joining()))
     start_step_ = resume_from_checkpoint();
   if (start_step_ == 0 && !config_.model.init_from.empty()) {
     const auto from = load_weights(config_.model.init_from);
@@ -940,7 +942,10 @@ void Trainer::save_checkpoint(int64_t step) {
   namespace fs = std::filesystem;
   finish_async_save();  // at most one in flight
   const fs::path dir = fs::path(checkpoint_dir(config_)) / step_dir_name(step);
-  const int rank = pg_->rank();
+  // The ranks training now save: every rank, or with fault tolerance the live replicas' (the
+  // first of them writes the files, as the first holder of every row: fsdp::param_shards).
+  const auto& group = membership_ ? metrics_pg_ : pg_;
+  const int rank = group->rank();
   // Every rank's random state, gathered, so that rank 0 writes them all.
   torch::Tensor rng;
   {
@@ -948,11 +953,11 @@ void Trainer::save_checkpoint(int64_t step) {
     std::lock_guard<std::mutex> lock(gen.mutex());
     rng = gen.get_state();
   }
-  const auto rngs = fsdp::all_gather_bytes(*metrics_pg_, to_hex(rng), "random states");
+  const auto rngs = fsdp::all_gather_bytes(*group, to_hex(rng), "random states");
   // A checkpoint of this step from an abandoned run (resumed from an earlier one).
   if (rank == 0)
     move_aside(dir);
-  pg_->barrier();
+  group->barrier();
   const auto sampler = data_->state();
   std::map<std::string, std::string> meta = {{"step", std::to_string(step)},
                                              {"world_size", std::to_string(pg_->size())},
@@ -961,20 +966,25 @@ void Trainer::save_checkpoint(int64_t step) {
                                              {"sampler.seed", std::to_string(sampler.seed)},
                                              {"config", to_toml(config_)}};
   optimizers_->save_meta(meta);
+  const auto& ranks = group->global_ranks();
+  if (membership_)
+    meta["live_ranks"] = fmt::format("{}", fmt::join(ranks, ","));
   if (rank == 0) {
-    for (int r = 0; r < pg_->size(); ++r)
-      meta["rng." + std::to_string(r)] = rngs[static_cast<size_t>(r)];
+    for (size_t i = 0; i < ranks.size(); ++i)
+      meta["rng." + std::to_string(ranks[i])] = rngs[i];
   }
   if (async_saves_) {  // checkpoint.async: finished by the next save or the end of training
     async_removed_.clear();
+    async_saves_->set_group(group);
     async_saves_->start(
         dir.string(), *model_.module, &optimizers_->optimizer(), meta, model_.tp_layout,
         [this, dir, keep = config_.checkpoint.keep] { async_removed_ = after_save(dir, keep); });
     async_step_ = step;
+    async_reports_ = rank == 0;  // its writer commits
     return;
   }
   const auto save_start = Clock::now();
-  fsdp::save_sharded(dir.string(), *model_.module, &optimizers_->optimizer(), *pg_, meta,
+  fsdp::save_sharded(dir.string(), *model_.module, &optimizers_->optimizer(), *group, meta,
                      model_.tp_layout);
   const double save_seconds = seconds_since(save_start);
   if (rank == 0) {
@@ -990,8 +1000,21 @@ void Trainer::save_checkpoint(int64_t step) {
 void Trainer::finish_async_save() {
   if (!async_saves_)
     return;
-  const auto done = async_saves_->wait();
-  if (!done || pg_->rank() != 0)
+  std::optional<fsdp::AsyncSaveResult> done;
+  try {
+    done = async_saves_->wait();
+  } catch (const std::exception& e) {
+    if (!membership_)
+      throw;
+    // A rank of the save's group died before it wrote its file (its rank 0 waited for it a
+    // timeout), or a write failed: no collective ran on this thread, so the groups are sound.
+    std::fprintf(stderr,
+                 "fsdp-train: [rank %d] the checkpoint of step %lld was not completed (the "
+                 "previous one stays the latest): %s\n",
+                 pg_->rank(), static_cast<long long>(async_step_), first_line(e).c_str());
+    return;
+  }
+  if (!done || !async_reports_)
     return;
   const std::filesystem::path dir = done->dir;
   for (const auto& line : async_removed_)

@@ -147,11 +147,17 @@ class Trainer {
   /// adapter and the merged export, as configured.
   void write_finetune_outputs(const std::vector<std::string>& before,
                               const std::vector<std::string>& after);
-  /// Saves a sharded checkpoint of the state after `step` (every rank calls it) and removes
-  /// the oldest complete ones beyond checkpoint.keep.
+  /// Saves a sharded checkpoint of the state after `step` (every rank calls it; with fault
+  /// tolerance, every live rank) and removes the oldest complete ones beyond checkpoint.keep.
   void save_checkpoint(int64_t step);
-  /// checkpoint.async: waits for the save in flight, if any (rank 0: until committed; its
+  /// fsdp.fault_tolerant: save_checkpoint, and a save that fails (a rank died in it, or a
+  /// write failed) leaves the previous checkpoint the latest and training going: this rank's
+  /// groups are then suspect, so its next step's attempt fails and the live replicas reform.
+  void save_checkpoint_fault_tolerant(int64_t step);
+  /// checkpoint.async: waits for the save in flight, if any (its rank 0: until committed; its
   /// writer thread has already tidied after it as after a synchronous save) and reports it.
+  /// With fault tolerance a failed save is reported, not thrown (the previous checkpoint stays
+  /// the latest).
   void finish_async_save();
   /// Rank 0, once the checkpoint `dir` is complete: removes what it replaced (the same step's
   /// from an abandoned run, later steps' of a replaced run) and the oldest beyond `keep`, and
@@ -198,6 +204,7 @@ class Trainer {
   std::unique_ptr<fsdp::AsyncCheckpointer> async_saves_;  // checkpoint.async
   std::unique_ptr<KernelProfile> kernel_profile_;         // logging.trace_steps on CUDA
   int64_t async_step_ = 0;                                // the step of the save in flight
+  bool async_reports_ = false;  // the save in flight's rank 0 (its writer commits), which reports it
   int64_t start_step_ = 0;                                // the step a resumed run continues after
   std::optional<PlanCheck> plan_check_;                   // plan_memory(): predicted, then measured
   std::optional<UnitOptions> units_;                      // how the job's units are sharded

@@ -121,6 +121,20 @@ void Trainer::sync_replica_state(bool joining) {
   o.previous_grad_norm() = v.toDouble();
 }
 
+void Trainer::save_checkpoint_fault_tolerant(int64_t step) {
+  try {
+    save_checkpoint(step);
+  } catch (const std::exception& e) {
+    // Every live rank was in the save's collectives: one that failed (a peer died, or a peer's
+    // write failed and it left them) fails them all, so all of them get here and reform.
+    std::fprintf(stderr,
+                 "fsdp-train: [rank %d] the checkpoint of step %lld failed (the previous one "
+                 "stays the latest): %s\n",
+                 pg_->rank(), static_cast<long long>(step), first_line(e).c_str());
+    membership_->groups_failed();
+  }
+}
+
 StepMetrics Trainer::fault_tolerant_step(int64_t step) {
   const auto& t = config_.training;
   StepMetrics m;
@@ -172,6 +186,7 @@ StepMetrics Trainer::fault_tolerant_step(int64_t step) {
 
 void Trainer::train_fault_tolerant() {
   const auto& t = config_.training;
+  const int64_t every = config_.checkpoint.every;
   int64_t first = start_step_ + 1;
   std::optional<double> initial_eval;
   const bool joined = membership_->joining();  // restarted, or a spare
@@ -183,6 +198,7 @@ void Trainer::train_fault_tolerant() {
       return;
     }
   } else {
+    membership_->start(first);
     initial_eval = evaluate();
     metrics_->message(fmt::format("step {}: held-out loss {:.4f}", start_step_, *initial_eval));
   }
@@ -224,8 +240,12 @@ void Trainer::train_fault_tolerant() {
     }
     if (!std::isfinite(m.loss))
       throw std::runtime_error(fmt::format("loss is {} at step {}", m.loss, step));
+    // By the replicas that committed the step, before a joining one is admitted.
+    if (every > 0 && (step % every == 0 || step == t.steps))
+      save_checkpoint_fault_tolerant(step);
     membership_->after_step(step);
   }
+  finish_async_save();
   membership_->finish();  // spares never needed stop waiting
   if (!speaks())
     return;

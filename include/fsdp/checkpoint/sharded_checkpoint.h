@@ -94,6 +94,10 @@ class AsyncCheckpointer {
   /// rank 0 a rank that did not write its file within the group's timeout).
   std::optional<AsyncSaveResult> wait();
   bool in_flight() const { return in_flight_ != nullptr; }
+  /// The group the next start() saves over (the ranks training now, when a fault-tolerant job's
+  /// membership changed). Every rank of `group` sets it at the same point between saves; a save
+  /// in flight finishes on its own group.
+  void set_group(std::shared_ptr<ProcessGroup> group);
 
  private:
   struct Save;
