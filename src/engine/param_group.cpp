@@ -43,13 +43,15 @@ struct PostBackward : public torch::autograd::Function<PostBackward> {
   }
 };
 
-// Runs `fn`, appending what it throws to `errors` (rollback paths must go on).
+// Runs `fn`, appending what it throws to `errors` (rollback paths must go on): its first line,
+// without the stack trace a c10::Error carries (a warning is no place for 30 frames).
 template <typename F>
 void collect_errors(std::vector<std::string>& errors, F&& fn) {
   try {
     fn();
   } catch (const std::exception& e) {
-    errors.emplace_back(e.what());
+    const std::string what = e.what();
+    errors.push_back(what.substr(0, what.find('\n')));
   }
 }
 

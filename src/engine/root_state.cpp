@@ -249,7 +249,8 @@ void RootState::abort_backward_pass(uint64_t pass) noexcept {
       unit->abort_backward_pass(pass, errors);
     reducing_.clear();
   } catch (const std::exception& e) {
-    errors.emplace_back(e.what());
+    const std::string what = e.what();
+    errors.push_back(what.substr(0, what.find('\n')));  // without a c10::Error's stack trace
   }
   open_pass_ = 0;
   if (!errors.empty()) {
