@@ -4,8 +4,10 @@ scripts/hosts.sh, with the time to a clear error, the messages, and the processe
     sudo python3 bench/multi_host_faults.py [--timeout-s 10] [--only link-cut,stall,lossy]
 
   link-cut  host 1's link goes down mid-training (ip link set down): every rank on both sides
-            must exit non-zero within fsdp.timeout_s (plus the diagnosis: at most 5 s), its
-            error naming the ranks and host it lost.
+            must fail within fsdp.timeout_s (plus the diagnosis: at most 5 s), its error naming
+            the ranks and host it lost; host 1's ranks, cut off from the store, end their torchrun
+            agent (which would wait on the store for ever) before they exit; every process of
+            the job, the agents included, must be gone within fsdp.timeout_s + 30 s.
   stall     one rank of host 1 is stopped (SIGSTOP): the others must name it (rank and host),
             not only say that a collective timed out; fr-analyze on the dumps names it too.
   lossy     2% of every packet dropped, 20 ms added to every packet between the hosts (hosts.sh
@@ -97,7 +99,8 @@ def error_lines(logs):
     for h in (0, 1):
         with open(os.path.join(logs, f"host{h}.log"), errors="replace") as f:
             for line in f:
-                if "fsdp-train:" in line and ("failed" in line or "timed out" in line):
+                if "fsdp-train:" in line and ("failed" in line or "timed out" in line
+                                              or "torchrun agent" in line):
                     lines.append((h, line.strip()))
     return lines
 
@@ -111,31 +114,54 @@ def training_job(run, logs, args):
     return p, hosts_env(logs)
 
 
+def agent_pids(ns):
+    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+    pids = []
+    for p in out.split():
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                if b"torchrun" in f.read():
+                    pids.append(int(p))
+        except OSError:
+            pass
+    return pids
+
+
 def link_cut(args):
     run, logs = "/tmp/fault-cut", "/tmp/fault-cut-logs"
     p, env = training_job(run, logs, args)
     t0 = time.time()
     subprocess.run(["ip", "link", "set", env["LINK1"], "down"], check=True)
-    # The ranks' exit is the bound; the agents (torchrun's) linger up to their store timeout.
-    ranks_gone = None
-    while time.time() - t0 < args.timeout_s * 3 + 60:
-        if not rank_pids(env["HOST0"]) and not rank_pids(env["HOST1"]):
-            ranks_gone = time.time() - t0
-            break
+    # When each host's ranks and torchrun agent were gone (seconds after the cut).
+    gone = {}
+    probes = {"host 0's ranks": lambda: rank_pids(env["HOST0"]),
+              "host 1's ranks": lambda: rank_pids(env["HOST1"]),
+              "host 0's agent": lambda: agent_pids(env["HOST0"]),
+              "host 1's agent": lambda: agent_pids(env["HOST1"])}
+    while time.time() - t0 < args.timeout_s + 90 and len(gone) < len(probes):
+        for what, probe in probes.items():
+            if what not in gone and not probe():
+                gone[what] = time.time() - t0
         time.sleep(0.1)
-    agents = end_job(p)
-    took = time.time() - t0
+    agents = end_job(p, grace_s=5)
     errors = error_lines(logs)
     ranks_failed = {m.group(1) for _, l in errors for m in [re.search(r"\[rank (\d)\]", l)] if m}
     named = all(re.search(r"rank \d \(host host\d", l) or "store did not answer" in l
-                for _, l in errors)
-    ok = (p.returncode != 0 and ranks_gone is not None and ranks_gone <= args.timeout_s + 5 + 3
+                or "agent" in l for _, l in errors)
+    all_gone = max(gone.values()) if len(gone) == len(probes) else None
+    told = sum("torchrun agent" in l and "is told to end" in l for _, l in errors)
+    # Host 1's ranks, cut off, end their agent before they exit: SIGTERM, and SIGKILL after
+    # 5 s if it has not ended (fsdp::end_torchrun_agent).
+    ok = (p.returncode != 0 and gone.get("host 0's ranks", 1e9) <= args.timeout_s + 5 + 3
+          and gone.get("host 1's ranks", 1e9) <= args.timeout_s + 5 + 3 + 5
+          and all_gone is not None and all_gone <= args.timeout_s + 30 and told >= 1
           and len(ranks_failed) == 4 and named)
-    gone = f"{ranks_gone:.1f} s" if ranks_gone is not None else "NEVER"
-    return ok, f"link cut: every rank exited {gone} after the cut (fsdp.timeout_s = " \
-               f"{args.timeout_s}; bound: timeout + 5 s diagnosis + 3 s); torchrun's agents " \
-               f"{agents} ({took:.1f} s); ranks with an error: " \
-               f"{sorted(ranks_failed)}", errors
+    when = ", ".join(f"{what} {t:.1f} s" for what, t in sorted(gone.items(), key=lambda x: x[1]))
+    return ok, f"link cut: gone after the cut: {when or 'nothing'} (fsdp.timeout_s = " \
+               f"{args.timeout_s}; bounds: host 0's ranks within timeout + 5 s diagnosis + 3 s, " \
+               f"host 1's 5 s later (they end their agent first), every process within " \
+               f"timeout + 30 s); {told} rank(s) told their torchrun agent to end; the agents " \
+               f"{agents}; ranks with an error: {sorted(ranks_failed)}", errors
 
 
 def stall(args):

@@ -18,9 +18,10 @@
 #                        devices that replace the veth pair; needs /dev/net/tun and python3)
 #   --nnodes SPEC        torchrun's --nnodes (N, or MIN:MAX for an elastic job)
 #   --max-restarts K     torchrun's --max-restarts (0)
-#   --store-timeout S    how long torchrun's agents wait on the rendezvous store (its c10d
-#                        read_timeout; 30): bounds how long an agent cut off from host 0 lingers
-#                        after its ranks have failed
+#   --store-timeout S    how long torchrun's agents wait on each call to the rendezvous store
+#                        (its c10d read_timeout; 10). An agent cut off from host 0 retries its
+#                        reads without end; its ranks tell it to end once they fail cut off,
+#                        and it does within about twice this
 #   --last-call S        elastic jobs: once --nnodes' minimum has joined a rendezvous, how long
 #                        it waits for more hosts before starting without them (torchrun's
 #                        last_call_timeout; 30)
@@ -51,7 +52,7 @@ DELAY=
 NNODES=
 MAX_RESTARTS=0
 LAUNCHER=torchrun
-STORE_TIMEOUT=30
+STORE_TIMEOUT=10
 LAST_CALL=30
 LOGS=
 PY="${FSDP_CACHE:-$HOME/.cache/fsdp-cpp}/torch-$(tr -d '[:space:]' < "$ROOT/.torch-version")/bin/python"

@@ -15,6 +15,7 @@
 #include "distributed/group_access.h"
 
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -728,3 +729,61 @@ TEST(Harness, WorkerChecksNameRankFileLineAndValues) {
 }
 
 }  // namespace
+
+namespace {
+
+// A stand-in for a torchrun agent: a forked child that ignores SIGTERM or not, with a second
+// worker that runs for `sibling_ms` (another rank still writing its error), and a worker (the
+// "rank") that ends it with fsdp::end_torchrun_agent. Returns how the agent ended and how long
+// it took.
+std::pair<int, double> end_agent(bool ignores_sigterm, std::chrono::milliseconds grace,
+                                 int sibling_ms = 0) {
+  const auto start = std::chrono::steady_clock::now();
+  const pid_t agent = ::fork();
+  if (agent == 0) {
+    if (ignores_sigterm)
+      ::signal(SIGTERM, SIG_IGN);  // as an agent whose handler waits behind a store call
+    const pid_t me = ::getpid();
+    if (sibling_ms > 0 && ::fork() == 0) {
+      ::usleep(static_cast<useconds_t>(sibling_ms) * 1000);
+      ::_exit(0);
+    }
+    if (::fork() == 0) {
+      fsdp::end_torchrun_agent(static_cast<int>(me), grace);
+      ::_exit(0);
+    }
+    // Reaps the sibling when it ends (so that it is gone, not a zombie), until a signal ends it.
+    while (true) {
+      if (::wait(nullptr) < 0 && errno == ECHILD)
+        ::pause();
+    }
+  }
+  int status = 0;
+  ::waitpid(agent, &status, 0);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return {WIFSIGNALED(status) ? WTERMSIG(status) : -WEXITSTATUS(status), seconds};
+}
+
+}  // namespace
+
+// A rank cut off from the store ends its torchrun agent, which would otherwise wait on the
+// store for ever, once the host's other ranks are done: SIGTERM, and SIGKILL if the agent has
+// not ended within the grace.
+TEST(TorchrunAgent, EndedBySigtermOrAfterTheGraceBySigkill) {
+  const auto [term, term_s] = end_agent(false, std::chrono::seconds(5));
+  EXPECT_EQ(term, SIGTERM);
+  EXPECT_LT(term_s, 2.0);
+  const auto [kill, kill_s] = end_agent(true, std::chrono::milliseconds(400));
+  EXPECT_EQ(kill, SIGKILL);
+  EXPECT_GE(kill_s, 0.4);
+  EXPECT_LT(kill_s, 3.0);
+  // Another rank of the host is still at work for 0.6 s: the agent is ended after it is done.
+  const auto [after, after_s] = end_agent(false, std::chrono::seconds(5), 600);
+  EXPECT_EQ(after, SIGTERM);
+  EXPECT_GE(after_s, 0.6);
+  EXPECT_LT(after_s, 3.0);
+  // Not cut off (no collective failed with the store out of reach): there is none to end.
+  EXPECT_FALSE(fsdp::store_out_of_reach());
+  EXPECT_EQ(fsdp::cut_off_torchrun_agent(), 0);
+}

@@ -2,6 +2,8 @@
 // deadline, and how a failed collective's peers are judged.
 #include "peer_progress.h"
 
+#include <fsdp/distributed/process_group.h>
+
 #include "host_name.h"
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -12,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <condition_variable>
 #include <cstdio>
@@ -256,6 +259,14 @@ void set_current_peer_progress(std::shared_ptr<PeerProgress> p) {
   current = std::move(p);
 }
 
+namespace {
+std::atomic<bool> store_lost{false};
+}  // namespace
+
+void mark_store_out_of_reach() {
+  store_lost = true;
+}
+
 std::string diagnose_peers(const std::vector<int>& ranks, int my_rank, const RecordTicket& ticket,
                            const std::string& description, std::chrono::milliseconds deadline) {
   auto progress = current_peer_progress();
@@ -272,6 +283,7 @@ std::string diagnose_peers(const std::vector<int>& ranks, int my_rank, const Rec
   bool store_down = false;
   if (!reports) {
     store_down = true;
+    mark_store_out_of_reach();
     reports = progress->stale(peers, ticket.group, ticket.seq, description);
   }
   FlightRecorder::global().set_peer_reports(*reports);
@@ -337,3 +349,11 @@ std::string diagnose_peers(const std::vector<int>& ranks, int my_rank, const Rec
 }
 
 }  // namespace fsdp::detail
+
+namespace fsdp {
+
+bool store_out_of_reach() {
+  return detail::store_lost;
+}
+
+}  // namespace fsdp

@@ -28,6 +28,9 @@ class Store;
 
 namespace fsdp::detail {
 
+/// A failure's diagnosis found the store out of reach (fsdp::store_out_of_reach()).
+void mark_store_out_of_reach();
+
 class PeerProgress {
  public:
   /// Starts reporting this rank's progress every `interval` under "fsdp/progress/<rank>".

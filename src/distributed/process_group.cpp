@@ -16,6 +16,7 @@
 #include <netdb.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -28,6 +29,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <numeric>
@@ -749,6 +753,78 @@ std::shared_ptr<ProcessGroup> ProcessGroup::strided_group(int block_size) {
 
 void ProcessGroup::barrier() {
   fsdp::barrier(*this)->wait();
+}
+
+int cut_off_torchrun_agent() {
+  if (!store_out_of_reach() || std::getenv("TORCHELASTIC_RUN_ID") == nullptr)
+    return 0;
+  const pid_t parent = ::getppid();
+  if (parent <= 1)
+    return 0;
+  std::ifstream in("/proc/" + std::to_string(parent) + "/cmdline", std::ios::binary);
+  const std::string cmdline((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  // torchrun's script, or `python -m torch.distributed.run`: an agent, not a shell or SLURM.
+  if (cmdline.find("torchrun") == std::string::npos &&
+      cmdline.find("torch.distributed.run") == std::string::npos)
+    return 0;
+  return static_cast<int>(parent);
+}
+
+namespace {
+
+constexpr char kCutOffName[] = "fsdp-cut-off";
+
+// The other children of `parent` that are neither gone nor named kCutOffName.
+int busy_siblings(pid_t parent) {
+  int busy = 0;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc", ec)) {
+    const std::string name = entry.path().filename().string();
+    pid_t pid = 0;
+    const auto [end, err] = std::from_chars(name.data(), name.data() + name.size(), pid);
+    if (err != std::errc() || end != name.data() + name.size() || pid == ::getpid())
+      continue;
+    std::ifstream stat(entry.path() / "stat");
+    std::string line;
+    if (!std::getline(stat, line))
+      continue;
+    // "pid (comm) state ppid ...": comm may hold spaces and parentheses; the last ')' ends it.
+    const auto close = line.rfind(')');
+    const auto open = line.find('(');
+    if (close == std::string::npos || open == std::string::npos)
+      continue;
+    std::istringstream rest(line.substr(close + 1));
+    char state = 0;
+    pid_t ppid = 0;
+    rest >> state >> ppid;
+    if (ppid != parent || state == 'Z')
+      continue;
+    if (line.substr(open + 1, close - open - 1) != kCutOffName)
+      ++busy;
+  }
+  return busy;
+}
+
+}  // namespace
+
+void end_torchrun_agent(int pid, std::chrono::milliseconds grace,
+                        std::chrono::milliseconds siblings_grace) {
+  const auto agent = static_cast<pid_t>(pid);
+  if (agent <= 1 || ::getppid() != agent)
+    return;
+  ::prctl(PR_SET_NAME, kCutOffName);
+  const auto waiting = [agent](std::chrono::milliseconds limit, auto&& done) {
+    const auto until = std::chrono::steady_clock::now() + limit;
+    while (::getppid() == agent && !done() && std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  };
+  waiting(siblings_grace, [agent] { return busy_siblings(agent) == 0; });
+  if (::getppid() != agent || ::kill(agent, SIGTERM) != 0)
+    return;
+  // Its SIGTERM handler stops this process too, normally well within the grace.
+  waiting(grace, [] { return false; });
+  if (::getppid() == agent)
+    ::kill(agent, SIGKILL);
 }
 
 }  // namespace fsdp

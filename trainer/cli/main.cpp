@@ -318,6 +318,16 @@ int report_failures(const std::function<int()>& work) {
     // A failed step: what this rank's collectives were doing (a no-op before the trainer set
     // the flight recorder's directory).
     fsdp::FlightRecorder::global().dump("failed: " + first_line(e.what()));
+    // Cut off from the store, a torchrun agent would wait on it for ever: told to end, it
+    // stops this host's other ranks and exits too.
+    if (const int agent = fsdp::cut_off_torchrun_agent()) {
+      std::fprintf(stderr,
+                   "%sfsdp-train: this host is cut off from the job's store: its torchrun agent "
+                   "(pid %d) is told to end instead of waiting on the store for ever\n",
+                   rank_prefix().c_str(), agent);
+      std::fflush(stderr);
+      fsdp::end_torchrun_agent(agent);
+    }
     return 1;
   }
 }

@@ -218,6 +218,29 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
 /// Ranks in `global_ranks()` are 0..size-1.
 std::shared_ptr<ProcessGroup> local_group(int size, int rank, const std::string& name = "local");
 
+/// Whether a collective of this process failed with the job's store out of reach (the failure's
+/// diagnosis could not read the peers' reports: this host is cut off from the rendezvous host).
+/// A launcher agent waiting on that store cannot learn that the job is over (see
+/// end_torchrun_agent_if_cut_off).
+bool store_out_of_reach();
+
+/// Under torchrun, once store_out_of_reach(): the pid of this rank's torchrun agent (its
+/// parent), which would otherwise wait on the unreachable store for ever (torch 2.15's agent
+/// retries its rendezvous reads after a link cut and notices its failed workers only between
+/// them); 0 where there is none to end (not cut off, not under torchrun, or the parent is not
+/// torchrun).
+int cut_off_torchrun_agent();
+
+/// Ends torchrun agent `pid` (from cut_off_torchrun_agent; call it from the main thread, once
+/// this rank has said why it fails). First it waits, at most `siblings_grace`, until each of the
+/// agent's other workers (this host's other ranks) has exited or is here too (its process named
+/// "fsdp-cut-off"): the agent stops its workers when it ends, and a rank still writing its own
+/// error would lose it. Then SIGTERM, after which the agent stops its workers, this rank
+/// included, and exits; if it has not within `grace` (its handler runs only between its store
+/// calls, and a call may retry without end), SIGKILL.
+void end_torchrun_agent(int pid, std::chrono::milliseconds grace = std::chrono::seconds(5),
+                        std::chrono::milliseconds siblings_grace = std::chrono::seconds(10));
+
 /// Creates a backend for a named c10d backend; fsdp::cuda registers "nccl".
 using BackendFactory = std::function<c10::intrusive_ptr<c10d::Backend>(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
