@@ -94,6 +94,10 @@ FSDP_WORKER(ft_replicas) {
 
   // FSDP_KILL_RANK=-2: every rank is a victim (no replica keeps the state).
   const bool victim = (rank == kill_rank || kill_rank == -2) && env.incarnation == 0;
+  // FSDP_KILL_IN_SYNC=n: the victim, restarted for the n-th time, dies as its state copy starts
+  // (the live ranks are in the copy's broadcast).
+  const bool dies_in_sync =
+      rank == kill_rank && env.incarnation > 0 && env.incarnation == ctx.env_int("FSDP_KILL_IN_SYNC", 0);
   // The victim writes when it dies (wall clock, one machine), the survivors when their next
   // step completes: the test reports the difference.
   const auto now_s = [] {
@@ -140,6 +144,8 @@ FSDP_WORKER(ft_replicas) {
   // After a change that admitted replicas: this index's shards and optimizer state, from a
   // replica that stayed.
   auto sync = [&] {
+    if (dies_in_sync)
+      std::raise(SIGKILL);
     std::vector<torch::Tensor> shards;
     for (const auto& p : model->parameters())
       shards.push_back(p.detach());
@@ -552,6 +558,65 @@ void kill_restart_and_heal(int k, int victim) {
     }
     expect_healed_shards(fault, reference, r, r % k);
   }
+  std::filesystem::remove_all(fault.dir);
+  std::filesystem::remove_all(reference.dir);
+}
+
+// A joining replica whose state copy fails: replica 1 of 3 (1 rank each) is killed in backward
+// at step 2 and restarted; once admitted, it dies again as its state copy starts. The live
+// replicas' copy fails, they drop it at the next step (as after any fault) and go on; the
+// launcher starts it a second time, and it joins. Every rank ends equal, bit for bit, to a run
+// told to drop replica 1 at step 2 and take it back at the step it finally came back.
+TEST(FaultTolerance, AReplicaDyingInItsStateCopyIsDroppedAndJoinsWhenRestartedAgain) {
+  fsdp::LocalLaunchOptions::ReplicaRestarts restarts;
+  restarts.ranks_per_replica = 1;
+  restarts.max_restarts = 2;
+  restarts.grace = std::chrono::seconds(20);
+  auto fault = run_ft(3,
+                      {{"FSDP_KILL_RANK", "1"},
+                       {"FSDP_KILL_STEP", "2"},
+                       {"FSDP_KILL_WHERE", "backward"},
+                       {"FSDP_KILL_IN_SYNC", "1"},
+                       {"FSDP_TIMEOUT_S", "3"},
+                       {"FSDP_RESTART", "1"},
+                       {"FSDP_STEPS", "80"},
+                       {"FSDP_STEP_SLEEP_MS", "150"}},
+                      "sync-fault", restarts);
+  ASSERT_FALSE(fault.result.timed_out) << fault.result.describe();
+  ASSERT_EQ(fault.result.restarts, (std::vector<int>{0, 2, 0})) << fault.result.describe();
+  for (int r = 0; r < 3; ++r)
+    EXPECT_EQ(fault.result.exit_codes[static_cast<size_t>(r)], 0) << fault.result.describe();
+  // Rank 0's changes: the start, the fault, the admission whose copy failed, the drop at the
+  // next step, and the admission that held.
+  const auto& out0 = fault.result.outputs[0];
+  EXPECT_NE(out0.find("admission after step"), std::string::npos) << out0;
+  const auto at = out0.find("FT OK schedule ");
+  ASSERT_NE(at, std::string::npos) << out0;
+  std::istringstream changes(out0.substr(at + 15, out0.find('\n', at) - at - 15));
+  std::vector<std::string> seen;
+  for (std::string c; changes >> c;)
+    seen.push_back(c);
+  ASSERT_EQ(seen.size(), 5u) << out0;
+  EXPECT_EQ(seen[0], "0:012");
+  EXPECT_EQ(seen[1], "2:02");
+  const auto step_of = [](const std::string& c) { return std::stoll(c.substr(0, c.find(':'))); };
+  EXPECT_EQ(seen[2].substr(seen[2].find(':')), ":012");  // admitted; its copy failed
+  EXPECT_EQ(seen[3], std::to_string(step_of(seen[2])) + ":02");  // dropped at that step
+  EXPECT_EQ(seen[4].substr(seen[4].find(':')), ":012");
+  EXPECT_GT(step_of(seen[4]), step_of(seen[3]));
+  const std::string back = std::to_string(step_of(seen[4]));
+  EXPECT_NE(fault.result.outputs[1].find("RESTARTED (incarnation 2)"), std::string::npos)
+      << fault.result.outputs[1];
+  auto reference = run_ft(3,
+                          {{"FSDP_SCHEDULE", "2:0,2;" + back + ":0,1,2"},
+                           {"FSDP_HEAL", "1"},
+                           {"FSDP_STEPS", "80"}},
+                          "sync-reference");
+  ASSERT_TRUE(reference.result.ok()) << reference.result.describe();
+  for (int r = 0; r < 3; ++r)
+    expect_healed_shards(fault, reference, r, 0);
+  std::printf("replica 1 dropped at step 2, its copy failed at step %lld, back at step %s\n",
+              static_cast<long long>(step_of(seen[3])), back.c_str());
   std::filesystem::remove_all(fault.dir);
   std::filesystem::remove_all(reference.dir);
 }

@@ -107,7 +107,15 @@ int64_t ReplicaMembership::rejoin(bool ask, std::chrono::milliseconds timeout) {
   }
   changed(step, ask ? "rejoined" : "schedule");
   const auto start = Clock::now();
-  hooks_.sync_state(/*joining=*/true);
+  try {
+    hooks_.sync_state(/*joining=*/true);
+  } catch (const std::exception& e) {
+    // The sender died, or the copy's checksums differ: this rank's state is not the replicas'.
+    // The live ones drop it at their next step, as after any fault; restarted, it asks again
+    // (FaultTolerance.AReplicaDyingInItsStateCopyIsDroppedAndJoinsWhenRestartedAgain).
+    throw LeftTheJob(fmt::format("replica {}'s state copy at step {} failed: {}",
+                                 quorum_->replica(), step, first_line(e)));
+  }
   std::printf(
       "fsdp-train: [rank %d] replica %d back at step %lld, its state copied from a "
       "replica that stayed in %.3f s\n",
