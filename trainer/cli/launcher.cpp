@@ -61,8 +61,12 @@ int launch_local(int nproc, const std::vector<std::string>& args, int threads_pe
   o.threads_per_rank = threads_per_rank;
   o.rank_main = std::move(rank_main);
   // Rank 0 speaks to the user directly; the others write to a log shown only if they fail.
+  // With fault tolerance every rank speaks: the one that writes the run's lines is the lowest
+  // live rank, and while replica 0 is out it is another (each line is written whole, and the
+  // others write only what concerns them: a failed step, a return).
   o.log_path = [&](int r) {
-    return r == 0 ? std::string() : (logs / ("rank" + std::to_string(r) + ".log")).string();
+    return r == 0 || restarts ? std::string()
+                              : (logs / ("rank" + std::to_string(r) + ".log")).string();
   };
   // The others notice a dead peer on their next collective; give them a moment to say so,
   // then stop them.

@@ -1017,9 +1017,19 @@ void Trainer::finish_async_save() {
   if (!done || !async_reports_)
     return;
   const std::filesystem::path dir = done->dir;
+  // Its rank 0 may no longer write the run's lines (fault tolerance: a lower replica came back
+  // since): it says them itself.
+  const auto say = [this](const std::string& line) {
+    if (metrics_->has_outputs()) {
+      metrics_->message(line);
+    } else {
+      std::printf("%s\n", line.c_str());
+      std::fflush(stdout);
+    }
+  };
   for (const auto& line : async_removed_)
-    metrics_->message(line);
-  metrics_->message(fmt::format(
+    say(line);
+  say(fmt::format(
       "step {}: checkpoint {} ({:.1f} MB, training stalled {:.2f} s; written and committed in "
       "the background in {:.2f} s)",
       async_step_, dir.string(), directory_bytes(dir) / 1e6, done->stall_seconds, done->seconds));
