@@ -203,8 +203,8 @@ TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
        "set"},
       {"",
        "--fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=1 --fsdp.fault_tolerant=true "
-       "--checkpoint.export_hf=true",
-       "'fsdp.fault_tolerant' cannot go with checkpoint.export_hf yet"},
+       "--logging.tensorboard=true",
+       "'fsdp.fault_tolerant' cannot go with logging.tensorboard"},
       {"",
        "--fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=1 --fsdp.fault_tolerant=true "
        "--fsdp.membership_schedule=5:0,2;3:0",
@@ -2689,4 +2689,25 @@ TEST(FaultTolerantTraining, TheLiveReplicasCheckpointsResumeExactly) {
       {1, "start"}, {10, "schedule"}, {21, "resumed"}, {21, "schedule"}, {30, "schedule"}};
   EXPECT_EQ(seen, expected) << file_bytes(ft.run_dir / "membership.jsonl") << "\nfirst run's:\n"
                             << first_membership;
+}
+
+// checkpoint.export_hf in a fault-tolerant job: written at the end by the live replicas, here
+// replicas 1 and 2 (replica 0 dropped by the schedule at step 5), rank 1 writing the file. Its
+// model.safetensors holds the same bytes as `fsdp-train export` of the job's last checkpoint on
+// one process.
+TEST(FaultTolerantTraining, TheLiveReplicasExportTheModel) {
+  FtJob ft("ft-export", "", 3,
+           " --training.steps=10 --training.seq_len=64 --training.eval_every=0 "
+           "--generate.tokens=0 --logging.plot=false --checkpoint.every=10 "
+           "--checkpoint.export_hf=true --fsdp.membership_schedule=5:1,2");
+  ASSERT_EQ(ft.job->wait(120), 0) << ft.job->output();
+  const fs::path hf = ft.run_dir / "hf", out = ft.run_dir / "hf-from-checkpoint";
+  ASSERT_TRUE(fs::exists(hf / "model.safetensors")) << ft.job->output();
+  const auto exported = run(train_cmd() + " export " + ft.config +
+                            " --training.seq_len=64 --fsdp.fault_tolerant=false "
+                            "--checkpoint latest --out " +
+                            out.string());
+  ASSERT_EQ(exported.code, 0) << exported.output;
+  EXPECT_TRUE(file_bytes(out / "model.safetensors") == file_bytes(hf / "model.safetensors"));
+  EXPECT_TRUE(file_bytes(out / "config.json") == file_bytes(hf / "config.json"));
 }

@@ -409,9 +409,9 @@ const std::vector<Option>& options() {
           "step), finish the step among themselves and train on, and the replica's ranks exit. "
           "Restarted (--nproc restarts them), they join at a step boundary with the state of a "
           "replica that stayed. membership.jsonl in the run directory lists every change. Gloo "
-          "(CPU) pretraining. Checkpoints (sync or async) are saved by the live replicas (a save a "
-          "fault interrupts is dropped and the previous one stays the latest); no exports, "
-          "TensorBoard or memory plan."),
+          "(CPU) pretraining. Checkpoints (sync or async) and checkpoint.export_hf are written by the "
+          "live replicas (a save a fault interrupts is dropped and the previous one stays the "
+          "latest); no TensorBoard or memory plan."),
       opt("fsdp.membership_schedule", FIELD(fsdp.membership_schedule),
           "With fsdp.fault_tolerant, without faults: the replicas that train from a step on, "
           "as \"step:r,r,...;step:...\" (e.g. \"5:0,2;12:0,1,2\": replica 1 out from step 5, "
@@ -880,7 +880,7 @@ void validate_training(const Config& c) {
 
 // [fsdp] and [checkpoint]'s export size.
 // fsdp.fault_tolerant and what it cannot go with yet: what reads or writes through the world
-// group (exports, the memory plan, fine-tuning's outputs) fails once a rank is gone,
+// group (the memory plan, fine-tuning's outputs) fails once a rank is gone,
 // and what a restarted replica cannot agree on with the others (a compute dtype measured on all
 // ranks, a loss scale) is refused.
 void validate_fault_tolerance(const Config& c) {
@@ -907,8 +907,6 @@ void validate_fault_tolerance(const Config& c) {
           "which a restarted replica cannot repeat)");
   require(!uses_loss_scaling(c), key, "cannot go with loss scaling (fp16) yet");
   require(!c.finetuning, key, "applies to pretraining only so far");
-  require(!c.checkpoint.export_hf, key,
-          "cannot go with checkpoint.export_hf yet (the export gathers over every rank)");
   require(c.model.init_from.empty(), key, "cannot start from model.init_from yet");
   require(!c.logging.tensorboard && !c.logging.plan && c.training.memory_budget.empty(), key,
           "cannot go with logging.tensorboard, --plan or training.memory_budget yet");

@@ -1149,9 +1149,12 @@ std::string Trainer::load_weights(const std::string& path) {
 
 void Trainer::export_hf(const std::string& dir, bool replace) {
   namespace fs = std::filesystem;
-  if (replace && pg_->rank() == 0)
+  // The ranks training now: every rank, or with fault tolerance the live replicas' (the first
+  // of them holds the rows the file gets).
+  fsdp::ProcessGroup& group = membership_ ? *metrics_pg_ : *pg_;
+  if (replace && group.rank() == 0)
     move_aside(dir);
-  pg_->barrier();
+  group.barrier();
   const auto start = Clock::now();
   fsdp_models::ExportOptions options;
   options.dtype = dtype_named(config_.checkpoint.export_dtype);
@@ -1160,9 +1163,9 @@ void Trainer::export_hf(const std::string& dir, bool replace) {
   if (model_.tp)
     whole_model(dir + ".tp-staging").save_hf(dir, *pg_, options);
   else
-    model_.save_hf(dir, *pg_, options);
+    model_.save_hf(dir, group, options);
   const double seconds = seconds_since(start);
-  if (pg_->rank() != 0)
+  if (group.rank() != 0)
     return;
   fs::remove_all(aside_path(dir));
   uintmax_t bytes = 0;  // every weights file, sharded or not

@@ -246,6 +246,9 @@ void Trainer::train_fault_tolerant() {
     membership_->after_step(step);
   }
   finish_async_save();
+  // By the live replicas; a fault in it fails it (the checkpoints stay) and the job with it.
+  if (config_.checkpoint.export_hf)
+    export_hf(export_dir(config_), /*replace=*/true);
   membership_->finish();  // spares never needed stop waiting
   if (!speaks())
     return;
