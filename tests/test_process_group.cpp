@@ -11,6 +11,7 @@
 
 #include <fsdp/distributed/collectives.h>
 #include <fsdp/distributed/process_group.h>
+#include <fsdp/distributed/store_latch.h>
 
 #include "distributed/group_access.h"
 
@@ -786,4 +787,27 @@ TEST(TorchrunAgent, EndedBySigtermOrAfterTheGraceBySigkill) {
   // Not cut off (no collective failed with the store out of reach): there is none to end.
   EXPECT_FALSE(fsdp::store_out_of_reach());
   EXPECT_EQ(fsdp::cut_off_torchrun_agent(), 0);
+}
+
+// A latch given up on (an asynchronous save whose ranks did not all write in time) leaves
+// neither its count nor its notes in the store for the rest of the job.
+TEST(StoreLatch, CountsNotesAndDiscardLeavesNothingInTheStore) {
+  auto pg = fsdp::init_process_group(fsdp::LaunchEnv{}, fsdp::ProcessGroupOptions().timeout(10s));
+  const auto& store = fsdp::detail::GroupAccess::store(*pg);
+  const std::string key = "fsdp/latch/" + pg->name() + "/save";
+  {
+    fsdp::StoreLatch latch(*pg, "save");
+    EXPECT_EQ(latch.arrived(), 0);
+    latch.arrive("pieces of rank 0");
+    ASSERT_TRUE(latch.wait(1s));
+    EXPECT_TRUE(store->check({key + "/note/0"}));
+    latch.discard();
+  }
+  EXPECT_FALSE(store->check({key + "/note/0"}));
+  EXPECT_FALSE(store->check({key}));
+  fsdp::StoreLatch again(*pg, "save");
+  EXPECT_EQ(again.arrived(), 0);
+  again.arrive("again");
+  ASSERT_TRUE(again.wait(1s));
+  EXPECT_EQ(again.take_notes(), std::vector<std::string>{"again"});
 }

@@ -419,11 +419,13 @@ void AsyncCheckpointer::start(const std::string& dir, torch::nn::Module& model,
         detail::save_sharded_hook(s->rank, "files_written");
       s->written->arrive(pieces.dump());
       if (s->rank == 0) {
-        if (!s->written->wait(s->timeout))
+        if (!s->written->wait(s->timeout)) {
+          s->written->discard();
           throw std::runtime_error("fsdp::AsyncCheckpointer: " + s->plan.final_dir.string() +
                                    ": not every rank wrote its file within the group's timeout; "
                                    "the checkpoint was not committed (the previous one stays "
                                    "the latest)");
+        }
         commit(s->plan, build_index(s->written->take_notes(), s->plan, s->metadata));
         if (s->after_commit)
           s->after_commit();

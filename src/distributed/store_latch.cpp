@@ -44,6 +44,12 @@ std::vector<std::string> StoreLatch::take_notes() {
   return notes;
 }
 
+void StoreLatch::discard() {
+  for (int r = 0; r < size_; ++r)
+    store_->deleteKey(key_ + "/note/" + std::to_string(r));
+  store_->deleteKey(key_);
+}
+
 int64_t StoreLatch::arrived() {
   return store_->add(key_, 0);
 }

@@ -39,6 +39,9 @@ class StoreLatch {
   /// What each rank left when it arrived, by rank, removed from the store (call once, after wait()
   /// returned true).
   std::vector<std::string> take_notes();
+  /// Gives up on the latch (wait() returned false): removes the count and the notes left so
+  /// far from the store, which would otherwise hold them for the rest of the job.
+  void discard();
 
  private:
   c10::intrusive_ptr<c10d::Store> store_;
