@@ -2710,4 +2710,29 @@ TEST(FaultTolerantTraining, TheLiveReplicasExportTheModel) {
   ASSERT_EQ(exported.code, 0) << exported.output;
   EXPECT_TRUE(file_bytes(out / "model.safetensors") == file_bytes(hf / "model.safetensors"));
   EXPECT_TRUE(file_bytes(out / "config.json") == file_bytes(hf / "config.json"));
+
+  // model.init_from in a fault-tolerant job: every replica starts from the checkpoint's
+  // parameters (lr 1e-30: a step moves no fp32 parameter by an ulp, so its checkpoint holds
+  // them bit for bit).
+  const fs::path from = ft.run_dir / "checkpoints" / "step-00000010";
+  const fs::path again = fs::path(FSDP_TEST_WORK_DIR) / "ft-init-from";
+  fs::remove_all(again);
+  const auto started = run(train_cmd() + " " + ft.config + " --nproc 3 --training.steps=1 " +
+                           "--training.seq_len=64 --training.eval_every=0 --generate.tokens=0 " +
+                           "--logging.plot=false --training.lr=1e-30 --training.min_lr=0 "
+                           "--training.warmup_steps=0 " +
+                           "--checkpoint.every=1 --model.init_from=" + from.string() +
+                           " --logging.run_dir=" + again.string());
+  ASSERT_EQ(started.code, 0) << started.output;
+  const fsdp::safetensors::Reader saved((from / "rank-00000.safetensors").string());
+  const fsdp::safetensors::Reader after(
+      (again / "checkpoints" / "step-00000001" / "rank-00000.safetensors").string());
+  int compared = 0;
+  for (const auto& t : saved.header().tensors) {
+    if (t.name.rfind("model/", 0) != 0)
+      continue;
+    EXPECT_TRUE(torch::equal(saved.read(t.name), after.read(t.name))) << t.name;
+    ++compared;
+  }
+  EXPECT_GT(compared, 4);
 }

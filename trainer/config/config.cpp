@@ -907,7 +907,6 @@ void validate_fault_tolerance(const Config& c) {
           "which a restarted replica cannot repeat)");
   require(!uses_loss_scaling(c), key, "cannot go with loss scaling (fp16) yet");
   require(!c.finetuning, key, "applies to pretraining only so far");
-  require(c.model.init_from.empty(), key, "cannot start from model.init_from yet");
   require(!c.logging.tensorboard && !c.logging.plan && c.training.memory_budget.empty(), key,
           "cannot go with logging.tensorboard, --plan or training.memory_budget yet");
   require(!f.optimizer_in_backward, key, "cannot go with fsdp.optimizer_in_backward yet");

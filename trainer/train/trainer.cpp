@@ -161,7 +161,8 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
   // A replica joining a fault-tolerant job copies its state from a live one, not from disk.
   if (!config_.checkpoint.resume.empty() && !(membership_ && membership_->joining()))
     start_step_ = resume_from_checkpoint();
-  if (start_step_ == 0 && !config_.model.init_from.empty()) {
+  if (start_step_ == 0 && !config_.model.init_from.empty() &&
+      !(membership_ && membership_->joining())) {
     const auto from = load_weights(config_.model.init_from);
     if (rank == 0)
       std::printf("fsdp-train: parameters from %s\n", from.c_str());
