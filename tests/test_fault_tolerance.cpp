@@ -579,7 +579,7 @@ TEST(FaultTolerance, AReplicaDyingInItsStateCopyIsDroppedAndJoinsWhenRestartedAg
                        {"FSDP_KILL_IN_SYNC", "1"},
                        {"FSDP_TIMEOUT_S", "3"},
                        {"FSDP_RESTART", "1"},
-                       {"FSDP_STEPS", "80"},
+                       {"FSDP_STEPS", "120"},
                        {"FSDP_STEP_SLEEP_MS", "150"}},
                       "sync-fault", restarts);
   ASSERT_FALSE(fault.result.timed_out) << fault.result.describe();
@@ -610,7 +610,7 @@ TEST(FaultTolerance, AReplicaDyingInItsStateCopyIsDroppedAndJoinsWhenRestartedAg
   auto reference = run_ft(3,
                           {{"FSDP_SCHEDULE", "2:0,2;" + back + ":0,1,2"},
                            {"FSDP_HEAL", "1"},
-                           {"FSDP_STEPS", "80"}},
+                           {"FSDP_STEPS", "120"}},
                           "sync-reference");
   ASSERT_TRUE(reference.result.ok()) << reference.result.describe();
   for (int r = 0; r < 3; ++r)
@@ -621,11 +621,6 @@ TEST(FaultTolerance, AReplicaDyingInItsStateCopyIsDroppedAndJoinsWhenRestartedAg
   std::filesystem::remove_all(reference.dir);
 }
 
-// Both replicas of 1 rank are killed in backward at step 2 and restarted: no process holds the
-// state any more, so the restarted ranks must not wait for an admission nobody can give (60 s
-// here; in the chaos run that found it, replicas were restarted over and over, 95 s each). They
-// learn it from the store at once and exit kStateLost, and the launcher starts nothing again
-// although it could restart each replica twice more.
 // Checkpoints saved by the live replicas (fsdp::save_sharded over the quorum's live group, the
 // first replica's ranks the first holders), every 2 steps of 5. Rank 0, the writer of every
 // row, is killed in the save of step 2, its file written and the index not: the other replicas'
@@ -680,6 +675,11 @@ TEST(FaultTolerance, TheWriterKilledInACheckpointLeavesThePreviousOneAndTheRestS
   fs::remove_all(reference.dir);
 }
 
+// Both replicas of 1 rank are killed in backward at step 2 and restarted: no process holds the
+// state any more, so the restarted ranks must not wait for an admission nobody can give (60 s
+// here; in the chaos run that found it, replicas were restarted over and over, 95 s each). They
+// learn it from the store at once and exit kStateLost, and the launcher starts nothing again
+// although it could restart each replica twice more.
 TEST(FaultTolerance, EveryReplicaLostEndsTheJobAtOnceInsteadOfWaiting) {
   fsdp::LocalLaunchOptions::ReplicaRestarts restarts;
   restarts.max_restarts = 3;

@@ -742,6 +742,7 @@ std::pair<int, double> end_agent(bool ignores_sigterm, std::chrono::milliseconds
   const auto start = std::chrono::steady_clock::now();
   const pid_t agent = ::fork();
   if (agent == 0) {
+    ::alarm(20);  // never left behind, whatever end_torchrun_agent does
     if (ignores_sigterm)
       ::signal(SIGTERM, SIG_IGN);  // as an agent whose handler waits behind a store call
     const pid_t me = ::getpid();

@@ -420,7 +420,11 @@ void AsyncCheckpointer::start(const std::string& dir, torch::nn::Module& model,
       s->written->arrive(pieces.dump());
       if (s->rank == 0) {
         if (!s->written->wait(s->timeout)) {
-          s->written->discard();
+          try {
+            s->written->discard();
+          } catch (const std::exception&) {
+            // The store out of reach too: the error below is the one to report.
+          }
           throw std::runtime_error("fsdp::AsyncCheckpointer: " + s->plan.final_dir.string() +
                                    ": not every rank wrote its file within the group's timeout; "
                                    "the checkpoint was not committed (the previous one stays "

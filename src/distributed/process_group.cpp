@@ -763,9 +763,29 @@ int cut_off_torchrun_agent() {
     return 0;
   std::ifstream in("/proc/" + std::to_string(parent) + "/cmdline", std::ios::binary);
   const std::string cmdline((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  // torchrun's script, or `python -m torch.distributed.run`: an agent, not a shell or SLURM.
-  if (cmdline.find("torchrun") == std::string::npos &&
-      cmdline.find("torch.distributed.run") == std::string::npos)
+  // torchrun's script (argv[1] after the interpreter, or argv[0]), or `python -m
+  // torch.distributed.run`: an agent, not a shell, a wrapper script or SLURM.
+  std::vector<std::string> argv;
+  for (size_t at = 0; at < cmdline.size() && argv.size() < 3;) {
+    const size_t end = cmdline.find('\0', at);
+    argv.push_back(cmdline.substr(at, end == std::string::npos ? std::string::npos : end - at));
+    at = end == std::string::npos ? cmdline.size() : end + 1;
+  }
+  const auto base = [](const std::string& path) { return path.substr(path.rfind('/') + 1); };
+  const bool agent =
+      (!argv.empty() && base(argv[0]) == "torchrun") ||
+      (argv.size() >= 2 && base(argv[1]) == "torchrun") ||
+      (argv.size() >= 3 && argv[1] == "-m" && argv[2] == "torch.distributed.run");
+  if (!agent)
+    return 0;
+  // A store that answers again (the link came back): the agent can go on, and restart the
+  // workers if it may.
+  const char* addr = std::getenv("MASTER_ADDR");
+  const char* port = std::getenv("MASTER_PORT");
+  std::string error;
+  if (addr != nullptr && port != nullptr &&
+      wait_until_reachable(addr, std::atoi(port),
+                           std::chrono::steady_clock::now() + std::chrono::seconds(2), error))
     return 0;
   return static_cast<int>(parent);
 }

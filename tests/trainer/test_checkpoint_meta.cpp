@@ -81,6 +81,10 @@ TEST(CheckpointMeta, AFaultTolerantJobsCheckpointHasTheStatesOfItsLiveRanks) {
   }
   EXPECT_EQ(error_of([&] { with("", {}).check_random_states(3); }),
             "/ckpt/step-30/index.json: metadata 'live_ranks' is empty");
+  // A hand-edited world_size of 10^12: refused at once, not after counting to it.
+  const CheckpointMeta huge({{"rng.0", "a"}}, "/ckpt/step-30/index.json");
+  EXPECT_EQ(error_of([&] { huge.check_random_states(1000000000000); }),
+            "/ckpt/step-30/index.json: metadata 'rng.1' is missing (world_size is 1000000000000)");
 }
 
 }  // namespace

@@ -82,22 +82,35 @@ void CheckpointMeta::check_random_states(int64_t world) const {
     }
     if (saved.empty())
       throw bad("live_ranks", "is empty");
-  } else {
-    for (int64_t r = 0; r < world; ++r)
-      saved.insert(r);
   }
+  const bool listed = !saved.empty();  // else every rank below world saved
+  const int64_t savers = listed ? static_cast<int64_t>(saved.size()) : world;
+  std::set<int64_t> present;
   for (const auto& [key, value] : meta_) {
     if (!key.starts_with("rng."))
       continue;
     int64_t r = -1;
     const auto [end, ec] = std::from_chars(key.data() + 4, key.data() + key.size(), r);
-    if (ec != std::errc() || end != key.data() + key.size() || !saved.count(r))
-      throw bad(key, "names no rank of the " + std::to_string(saved.size()) + " that saved it");
+    if (ec != std::errc() || end != key.data() + key.size() || r < 0 || r >= world ||
+        (listed && !saved.count(r)))
+      throw bad(key, "names no rank of the " + std::to_string(savers) + " that saved it");
+    present.insert(r);
   }
-  for (const int64_t r : saved) {
-    if (!meta_.count("rng." + std::to_string(r)))
-      throw bad("rng." + std::to_string(r),
-                "is missing (world_size is " + std::to_string(world) + ")");
+  // The first saving rank without its state; found among the present ones and one more, so
+  // that a huge world_size costs nothing.
+  const auto missing = [&](int64_t r) {
+    return bad("rng." + std::to_string(r),
+               "is missing (world_size is " + std::to_string(world) + ")");
+  };
+  if (listed) {
+    for (const int64_t r : saved)
+      if (!present.count(r))
+        throw missing(r);
+  } else if (static_cast<int64_t>(present.size()) < world) {
+    int64_t r = 0;
+    while (present.count(r))
+      ++r;
+    throw missing(r);
   }
 }
 

@@ -112,7 +112,8 @@ int64_t ReplicaMembership::rejoin(bool ask, std::chrono::milliseconds timeout) {
   } catch (const std::exception& e) {
     // The sender died, or the copy's checksums differ: this rank's state is not the replicas'.
     // The live ones drop it at their next step, as after any fault; restarted, it asks again
-    // (FaultTolerance.AReplicaDyingInItsStateCopyIsDroppedAndJoinsWhenRestartedAgain).
+    // (the protocol's test, with a joiner that dies in the copy:
+    // FaultTolerance.AReplicaDyingInItsStateCopyIsDroppedAndJoinsWhenRestartedAgain).
     throw LeftTheJob(fmt::format("replica {}'s state copy at step {} failed: {}",
                                  quorum_->replica(), step, first_line(e)));
   }
@@ -160,6 +161,8 @@ void ReplicaMembership::before_step(int64_t step) {
     return;
   }
   // Dropped by the schedule: back at its next entry that names this replica, if any.
+  if (hooks_.dropped)
+    hooks_.dropped();
   const int me = quorum_->replica();
   for (auto later = std::next(it); later != schedule_.end(); ++later) {
     if (std::count(later->second.begin(), later->second.end(), me) == 0)

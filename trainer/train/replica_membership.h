@@ -45,6 +45,9 @@ class ReplicaMembership {
     /// After a change that admitted replicas: every live rank passes its state to
     /// quorum().sync_state; the joining ranks (`joining`) then take what they received.
     std::function<void(bool joining)> sync_state;
+    /// This rank's replica was dropped by the schedule and waits to be added back: what it
+    /// wrote as the lowest live rank is another's to write now.
+    std::function<void()> dropped;
   };
 
   /// Collective over `world` at the job's start; a restarted replica's ranks (`incarnation` >

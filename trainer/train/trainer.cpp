@@ -104,7 +104,11 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
     membership_ = std::make_unique<ReplicaMembership>(
         config_, pg_, env.incarnation,
         ReplicaMembership::Hooks{[this](int64_t step) { on_membership_change(step); },
-                                 [this](bool joining) { sync_replica_state(joining); }});
+                                 [this](bool joining) { sync_replica_state(joining); },
+                                 [this] {
+                                   if (metrics_->has_outputs())
+                                     metrics_->close_outputs();
+                                 }});
     metrics_pg_ = membership_->quorum().live_group();
   } else {
     // The trainer's own reductions (losses, memory figures, the dtype choice, the random
@@ -851,11 +855,12 @@ void Trainer::train() {
   }
 }
 
-namespace {
-
 std::string step_dir_name(int64_t step) {
   return fmt::format("step-{:08d}", step);
 }
+
+namespace {
+
 
 // Complete checkpoints (their index written last) under `root`, oldest first.
 std::vector<std::filesystem::path> complete_checkpoints(const std::filesystem::path& root) {
@@ -1121,8 +1126,12 @@ int64_t Trainer::resume_from_checkpoint() {
     }
   }
   if (pg_->rank() == 0) {
-    std::printf("resumed from %s (step %lld, saved on %s rank(s))\n", dir.c_str(),
-                static_cast<long long>(step), meta.text("world_size").c_str());
+    const std::string by = meta.has("live_ranks")  // a fault-tolerant job's live replicas
+                               ? "by ranks " + meta.text("live_ranks") + " of " +
+                                     meta.text("world_size")
+                               : "on " + meta.text("world_size") + " rank(s)";
+    std::printf("resumed from %s (step %lld, saved %s)\n", dir.c_str(),
+                static_cast<long long>(step), by.c_str());
   }
   return step;
 }

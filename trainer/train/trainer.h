@@ -41,6 +41,9 @@ namespace fsdp_trainer {
 /// sample.txt...); the other commands only read a saved model and never touch it.
 enum class Purpose { kTrain, kUseSaved };
 
+/// A checkpoint's directory name under checkpoint.dir: "step-00000042".
+std::string step_dir_name(int64_t step);
+
 class Trainer {
  public:
   /// Joins the job, prepares the data (rank 0; the others wait), builds and shards the model

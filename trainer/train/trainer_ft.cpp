@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <map>
 #include <sstream>
 
@@ -126,11 +127,15 @@ void Trainer::save_checkpoint_fault_tolerant(int64_t step) {
     save_checkpoint(step);
   } catch (const std::exception& e) {
     // Every live rank was in the save's collectives: one that failed (a peer died, or a peer's
-    // write failed and it left them) fails them all, so all of them get here and reform.
-    std::fprintf(stderr,
-                 "fsdp-train: [rank %d] the checkpoint of step %lld failed (the previous one "
-                 "stays the latest): %s\n",
-                 pg_->rank(), static_cast<long long>(step), first_line(e).c_str());
+    // write failed and it left them) fails them all, so all of them get here and reform. A
+    // fault after the commit (in the last barrier) leaves the checkpoint complete.
+    const bool complete = std::filesystem::exists(std::filesystem::path(checkpoint_dir(config_)) /
+                                                  step_dir_name(step) / "index.json");
+    std::fprintf(stderr, "fsdp-train: [rank %d] the checkpoint of step %lld %s: %s\n",
+                 pg_->rank(), static_cast<long long>(step),
+                 complete ? "was written, but a rank failed at its end"
+                          : "failed (the previous one stays the latest)",
+                 first_line(e).c_str());
     membership_->groups_failed();
   }
 }
@@ -243,7 +248,8 @@ void Trainer::train_fault_tolerant() {
     // By the replicas that committed the step, before a joining one is admitted.
     if (every > 0 && (step % every == 0 || step == t.steps))
       save_checkpoint_fault_tolerant(step);
-    membership_->after_step(step);
+    if (step < t.steps)  // none is admitted after the last: finish() tells them it is over
+      membership_->after_step(step);
   }
   finish_async_save();
   // By the live replicas; a fault in it fails it (the checkpoints stay) and the job with it.

@@ -228,7 +228,7 @@ bool store_out_of_reach();
 /// parent), which would otherwise wait on the unreachable store for ever (torch 2.15's agent
 /// retries its rendezvous reads after a link cut and notices its failed workers only between
 /// them); 0 where there is none to end (not cut off, not under torchrun, or the parent is not
-/// torchrun).
+/// torchrun, or the store at MASTER_ADDR:MASTER_PORT accepts a connection again within 2 s).
 int cut_off_torchrun_agent();
 
 /// Ends torchrun agent `pid` (from cut_off_torchrun_agent; call it from the main thread, once
