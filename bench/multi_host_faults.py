@@ -150,16 +150,16 @@ def link_cut(args):
                 or "agent" in l for _, l in errors)
     all_gone = max(gone.values()) if len(gone) == len(probes) else None
     told = sum("torchrun agent" in l and "is told to end" in l for _, l in errors)
-    # Host 1's ranks, cut off, end their agent before they exit: SIGTERM, and SIGKILL after
-    # 5 s if it has not ended (fsdp::end_torchrun_agent).
+    # Host 1's ranks, cut off, end their agent before they exit: 2 s to see that the store is
+    # still out of reach, SIGTERM, and SIGKILL after 5 s if it has not ended.
     ok = (p.returncode != 0 and gone.get("host 0's ranks", 1e9) <= args.timeout_s + 5 + 3
-          and gone.get("host 1's ranks", 1e9) <= args.timeout_s + 5 + 3 + 5
+          and gone.get("host 1's ranks", 1e9) <= args.timeout_s + 5 + 3 + 2 + 5
           and all_gone is not None and all_gone <= args.timeout_s + 30 and told >= 1
           and len(ranks_failed) == 4 and named)
     when = ", ".join(f"{what} {t:.1f} s" for what, t in sorted(gone.items(), key=lambda x: x[1]))
     return ok, f"link cut: gone after the cut: {when or 'nothing'} (fsdp.timeout_s = " \
                f"{args.timeout_s}; bounds: host 0's ranks within timeout + 5 s diagnosis + 3 s, " \
-               f"host 1's 5 s later (they end their agent first), every process within " \
+               f"host 1's 7 s later (they end their agent first), every process within " \
                f"timeout + 30 s); {told} rank(s) told their torchrun agent to end; the agents " \
                f"{agents}; ranks with an error: {sorted(ranks_failed)}", errors
 
