@@ -96,8 +96,8 @@ FSDP_WORKER(ft_replicas) {
   const bool victim = (rank == kill_rank || kill_rank == -2) && env.incarnation == 0;
   // FSDP_KILL_IN_SYNC=n: the victim, restarted for the n-th time, dies as its state copy starts
   // (the live ranks are in the copy's broadcast).
-  const bool dies_in_sync =
-      rank == kill_rank && env.incarnation > 0 && env.incarnation == ctx.env_int("FSDP_KILL_IN_SYNC", 0);
+  const bool dies_in_sync = rank == kill_rank && env.incarnation > 0 &&
+                            env.incarnation == ctx.env_int("FSDP_KILL_IN_SYNC", 0);
   // The victim writes when it dies (wall clock, one machine), the survivors when their next
   // step completes: the test reports the difference.
   const auto now_s = [] {
@@ -600,18 +600,16 @@ TEST(FaultTolerance, AReplicaDyingInItsStateCopyIsDroppedAndJoinsWhenRestartedAg
   EXPECT_EQ(seen[0], "0:012");
   EXPECT_EQ(seen[1], "2:02");
   const auto step_of = [](const std::string& c) { return std::stoll(c.substr(0, c.find(':'))); };
-  EXPECT_EQ(seen[2].substr(seen[2].find(':')), ":012");  // admitted; its copy failed
+  EXPECT_EQ(seen[2].substr(seen[2].find(':')), ":012");          // admitted; its copy failed
   EXPECT_EQ(seen[3], std::to_string(step_of(seen[2])) + ":02");  // dropped at that step
   EXPECT_EQ(seen[4].substr(seen[4].find(':')), ":012");
   EXPECT_GT(step_of(seen[4]), step_of(seen[3]));
   const std::string back = std::to_string(step_of(seen[4]));
   EXPECT_NE(fault.result.outputs[1].find("RESTARTED (incarnation 2)"), std::string::npos)
       << fault.result.outputs[1];
-  auto reference = run_ft(3,
-                          {{"FSDP_SCHEDULE", "2:0,2;" + back + ":0,1,2"},
-                           {"FSDP_HEAL", "1"},
-                           {"FSDP_STEPS", "120"}},
-                          "sync-reference");
+  auto reference = run_ft(
+      3, {{"FSDP_SCHEDULE", "2:0,2;" + back + ":0,1,2"}, {"FSDP_HEAL", "1"}, {"FSDP_STEPS", "120"}},
+      "sync-reference");
   ASSERT_TRUE(reference.result.ok()) << reference.result.describe();
   for (int r = 0; r < 3; ++r)
     expect_healed_shards(fault, reference, r, 0);

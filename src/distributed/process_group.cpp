@@ -772,10 +772,9 @@ int cut_off_torchrun_agent() {
     at = end == std::string::npos ? cmdline.size() : end + 1;
   }
   const auto base = [](const std::string& path) { return path.substr(path.rfind('/') + 1); };
-  const bool agent =
-      (!argv.empty() && base(argv[0]) == "torchrun") ||
-      (argv.size() >= 2 && base(argv[1]) == "torchrun") ||
-      (argv.size() >= 3 && argv[1] == "-m" && argv[2] == "torch.distributed.run");
+  const bool agent = (!argv.empty() && base(argv[0]) == "torchrun") ||
+                     (argv.size() >= 2 && base(argv[1]) == "torchrun") ||
+                     (argv.size() >= 3 && argv[1] == "-m" && argv[2] == "torch.distributed.run");
   if (!agent)
     return 0;
   // A store that answers again (the link came back): the agent can go on, and restart the

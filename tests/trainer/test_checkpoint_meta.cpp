@@ -66,14 +66,18 @@ TEST(CheckpointMeta, AFaultTolerantJobsCheckpointHasTheStatesOfItsLiveRanks) {
   };
   EXPECT_NO_THROW(with("0,2", {{"rng.0", "a"}, {"rng.2", "c"}}).check_random_states(3));
   EXPECT_NO_THROW(with("1", {{"rng.1", "b"}}).check_random_states(3));
-  EXPECT_EQ(error_of([&] { with("0,2", {{"rng.0", "a"}}).check_random_states(3); }),
+  EXPECT_EQ(error_of([&] {
+              with("0,2", {{"rng.0", "a"}}).check_random_states(3);
+            }),
             "/ckpt/step-30/index.json: metadata 'rng.2' is missing (world_size is 3)");
   EXPECT_EQ(error_of([&] {
               with("0,2", {{"rng.0", "a"}, {"rng.1", "b"}, {"rng.2", "c"}}).check_random_states(3);
             }),
             "/ckpt/step-30/index.json: metadata 'rng.1' names no rank of the 2 that saved it");
   for (const std::string bad : {"2,0", "0,0", "0,3", "-1", "0,,2", "0,2,", "x", "0;2"}) {
-    EXPECT_EQ(error_of([&] { with(bad, {{"rng.0", "a"}}).check_random_states(3); }),
+    EXPECT_EQ(error_of([&] {
+                with(bad, {{"rng.0", "a"}}).check_random_states(3);
+              }),
               "/ckpt/step-30/index.json: metadata 'live_ranks' is not a list of ascending ranks "
               "below world_size (3): '" +
                   bad + "'")

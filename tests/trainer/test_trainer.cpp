@@ -2648,8 +2648,7 @@ TEST(FaultTolerantTraining, TheLiveReplicasCheckpointsResumeExactly) {
     return std::string(name);
   };
   const auto live_ranks = [&](int step) {
-    const auto index = nlohmann::json::parse(
-        file_bytes(ckpts / step_dir(step) / "index.json"));
+    const auto index = nlohmann::json::parse(file_bytes(ckpts / step_dir(step) / "index.json"));
     return index["metadata"].value("live_ranks", std::string("(none)"));
   };
   EXPECT_EQ(live_ranks(20), "1,2");
@@ -2658,14 +2657,12 @@ TEST(FaultTolerantTraining, TheLiveReplicasCheckpointsResumeExactly) {
   const std::string first_membership = file_bytes(ft.run_dir / "membership.jsonl");
   std::map<int, std::string> first_files;  // the checkpoints the resumed run replaces
   for (const int step : {40, 60})
-    first_files[step] =
-        file_bytes(ckpts / step_dir(step) / "rank-00000.safetensors");
+    first_files[step] = file_bytes(ckpts / step_dir(step) / "rank-00000.safetensors");
   ASSERT_FALSE(first_files[60].empty());
 
-  const auto resumed =
-      run(train_cmd() + " " + ft.config + " --nproc 3" + args +
-          "--checkpoint.resume=" + (ckpts / step_dir(20)).string() +
-          " --fsdp.membership_schedule=21:1,2\\;30:0,1,2");
+  const auto resumed = run(train_cmd() + " " + ft.config + " --nproc 3" + args +
+                           "--checkpoint.resume=" + (ckpts / step_dir(20)).string() +
+                           " --fsdp.membership_schedule=21:1,2\\;30:0,1,2");
   ASSERT_EQ(resumed.code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("saved by ranks 1,2 of 3"), std::string::npos) << resumed.output;
   const auto metrics = fsdp_trainer::read_metrics(ft.metrics().string());
@@ -2675,8 +2672,7 @@ TEST(FaultTolerantTraining, TheLiveReplicasCheckpointsResumeExactly) {
     EXPECT_EQ(metrics[i].loss, first_metrics[i].loss) << "step " << metrics[i].step;
   }
   for (const auto& [step, bytes] : first_files) {
-    EXPECT_TRUE(file_bytes(ckpts / step_dir(step) / "rank-00000.safetensors") ==
-                bytes)
+    EXPECT_TRUE(file_bytes(ckpts / step_dir(step) / "rank-00000.safetensors") == bytes)
         << "step " << step;
   }
   EXPECT_EQ(live_ranks(40), "0,1,2");

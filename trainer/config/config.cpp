@@ -409,7 +409,8 @@ const std::vector<Option>& options() {
           "step), finish the step among themselves and train on, and the replica's ranks exit. "
           "Restarted (--nproc restarts them), they join at a step boundary with the state of a "
           "replica that stayed. membership.jsonl in the run directory lists every change. Gloo "
-          "(CPU) pretraining. Checkpoints (sync or async) and checkpoint.export_hf are written by the "
+          "(CPU) pretraining. Checkpoints (sync or async) and checkpoint.export_hf are written by "
+          "the "
           "live replicas (a save a fault interrupts is dropped and the previous one stays the "
           "latest); no TensorBoard or memory plan."),
       opt("fsdp.membership_schedule", FIELD(fsdp.membership_schedule),

@@ -7,8 +7,8 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
-#include <fstream>
 #include <filesystem>
+#include <fstream>
 #include <stdexcept>
 
 #include <fsdp/core/durable_file.h>

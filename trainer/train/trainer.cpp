@@ -861,7 +861,6 @@ std::string step_dir_name(int64_t step) {
 
 namespace {
 
-
 // Complete checkpoints (their index written last) under `root`, oldest first.
 std::vector<std::filesystem::path> complete_checkpoints(const std::filesystem::path& root) {
   std::vector<std::filesystem::path> out;
@@ -1126,10 +1125,10 @@ int64_t Trainer::resume_from_checkpoint() {
     }
   }
   if (pg_->rank() == 0) {
-    const std::string by = meta.has("live_ranks")  // a fault-tolerant job's live replicas
-                               ? "by ranks " + meta.text("live_ranks") + " of " +
-                                     meta.text("world_size")
-                               : "on " + meta.text("world_size") + " rank(s)";
+    const std::string by =
+        meta.has("live_ranks")  // a fault-tolerant job's live replicas
+            ? "by ranks " + meta.text("live_ranks") + " of " + meta.text("world_size")
+            : "on " + meta.text("world_size") + " rank(s)";
     std::printf("resumed from %s (step %lld, saved %s)\n", dir.c_str(),
                 static_cast<long long>(step), by.c_str());
   }

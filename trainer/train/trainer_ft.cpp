@@ -131,8 +131,8 @@ void Trainer::save_checkpoint_fault_tolerant(int64_t step) {
     // fault after the commit (in the last barrier) leaves the checkpoint complete.
     const bool complete = std::filesystem::exists(std::filesystem::path(checkpoint_dir(config_)) /
                                                   step_dir_name(step) / "index.json");
-    std::fprintf(stderr, "fsdp-train: [rank %d] the checkpoint of step %lld %s: %s\n",
-                 pg_->rank(), static_cast<long long>(step),
+    std::fprintf(stderr, "fsdp-train: [rank %d] the checkpoint of step %lld %s: %s\n", pg_->rank(),
+                 static_cast<long long>(step),
                  complete ? "was written, but a rank failed at its end"
                           : "failed (the previous one stays the latest)",
                  first_line(e).c_str());
