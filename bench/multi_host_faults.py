@@ -68,18 +68,26 @@ def hosts_env(logs):
     return env
 
 
-def rank_pids(ns):
+def pids_in(ns, wanted):
+    """The pids in namespace `ns` whose argv (a list of bytes) `wanted` accepts."""
     out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
     pids = []
     for p in out.split():
         try:
             with open(f"/proc/{p}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-            if os.path.basename(argv[0].decode()) == "fsdp-train":
-                pids.append(int(p))
+                if wanted(f.read().split(b"\0")):
+                    pids.append(int(p))
         except OSError:
             pass
     return sorted(pids)
+
+
+def rank_pids(ns):
+    return pids_in(ns, lambda argv: os.path.basename(argv[0].decode()) == "fsdp-train")
+
+
+def agent_pids(ns):
+    return pids_in(ns, lambda argv: any(b"torchrun" in a for a in argv))
 
 
 def end_job(p, grace_s=30):
@@ -112,19 +120,6 @@ def training_job(run, logs, args):
     wait_for_training(run)
     time.sleep(2)
     return p, hosts_env(logs)
-
-
-def agent_pids(ns):
-    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
-    pids = []
-    for p in out.split():
-        try:
-            with open(f"/proc/{p}/cmdline", "rb") as f:
-                if b"torchrun" in f.read():
-                    pids.append(int(p))
-        except OSError:
-            pass
-    return pids
 
 
 def link_cut(args):
