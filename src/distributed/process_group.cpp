@@ -43,6 +43,7 @@
 
 #include "collective_check.h"
 #include "env_switch.h"
+#include "gloo_loop_policy.h"
 #include "group_access.h"
 #include "peer_progress.h"
 
@@ -169,6 +170,8 @@ std::string first_line(const std::exception& e) {
 // ---- Backends ---------------------------------------------------------------------------------
 
 std::shared_ptr<::gloo::transport::Device> gloo_device(const std::string& hostname) {
+  // The device starts Gloo's event-loop thread, which inherits this policy (see the header).
+  const detail::BatchPolicyForNewThreads batch_loop;
   if (!hostname.empty())
     return c10d::ProcessGroupGloo::createDeviceForHostname(hostname);
   // Same override as PyTorch, for machines whose host name resolves to the wrong interface.
