@@ -19,6 +19,9 @@ Variants (full_shard, the demo's strategy, unless named):
   (FSDP_PEER_PROGRESS=0), the collective accounting (FSDP_COMM_STATS=0).
 - all four off.
 - no_shard, default and all four off.
+- Gloo's event loops under the default scheduling policy (FSDP_GLOO_LOOP_BATCH=0), full_shard
+  and no_shard: fsdp-cpp runs them under SCHED_BATCH (src/distributed/gloo_loop_policy.h), and
+  this is what that is worth.
 - the bound: two `--nproc 1` runs of the same per-rank batch at the same time (no communication
   at all: what the two cores compute with their shared caches and memory bandwidth).
 
@@ -98,7 +101,11 @@ def finish(run_dir, proc):
 
 def children(pid):
     out = []
-    for f in os.listdir(f"/proc/{pid}/task"):
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:  # the process has ended
+        return out
+    for f in tasks:
         try:
             with open(f"/proc/{pid}/task/{f}/children") as c:
                 out += [int(x) for x in c.read().split()]

@@ -15,6 +15,7 @@
 
 #include "distributed/group_access.h"
 
+#include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -387,6 +388,40 @@ TEST(ProcessGroup, ThreeRanksRankZeroHostsTheStore) {
   opts.env = {{"TORCHELASTIC_USE_AGENT_STORE", "False"},
               {"MASTER_PORT", std::to_string(fsdp::test::reserved_port())}};
   EXPECT_WORKERS_OK(fsdp::test::run_workers("pg_collectives", 3, opts));
+}
+
+// Gloo's event-loop threads (one per device: a group's lanes and subgroups each have theirs) run
+// under SCHED_BATCH unless FSDP_GLOO_LOOP_BATCH=0 (src/distributed/gloo_loop_policy.h); the rank's
+// own threads keep the policy they had.
+FSDP_WORKER(pg_loop_policy) {
+  auto pg = fsdp::init_process_group();
+  auto sub = pg->new_group({0, 1});
+  auto t = torch::ones({2});
+  fsdp::all_reduce(*sub, t, fsdp::ReduceOp::kSum)->wait();
+  const int want = ctx.env("FSDP_GLOO_LOOP_BATCH", "1") == "1" ? SCHED_BATCH : SCHED_OTHER;
+  int loops = 0;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::string name;
+    std::getline(std::ifstream(task.path() / "comm"), name);
+    const pid_t tid = static_cast<pid_t>(std::stol(task.path().filename().string()));
+    const int policy = ::sched_getscheduler(tid);
+    if (name == "gloo_tcp_loop") {
+      ++loops;
+      WORKER_CHECK(policy == want) << "loop thread " << tid << " policy " << policy;
+    } else if (tid == ::getpid()) {
+      WORKER_CHECK(policy == SCHED_OTHER) << "main thread policy " << policy;
+    }
+  }
+  // World and subgroup, two lanes each.
+  WORKER_CHECK(loops >= 4) << loops << " Gloo loops";
+  std::printf("[rank %d] LOOP POLICY OK: %d loops, policy %d\n", pg->rank(), loops, want);
+  return 0;
+}
+
+TEST(ProcessGroup, GloosEventLoopsRunUnderSchedBatch) {
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("pg_loop_policy", 2));
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("pg_loop_policy", 2,
+                                            fsdp::test::with_env({{"FSDP_GLOO_LOOP_BATCH", "0"}})));
 }
 
 FSDP_WORKER(pg_join) {

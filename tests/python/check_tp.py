@@ -124,6 +124,11 @@ def main():
     p.add_argument("--max-norm", type=float, default=0.5)
     a = p.parse_args()
     torch.set_num_threads(1)
+    # Gloo's event-loop threads spin while a sending thread holds their connection's lock, and
+    # preempt it when woken; fsdp-cpp creates them under SCHED_BATCH
+    # (src/distributed/gloo_loop_policy.h), and so does this reference (threads inherit the
+    # policy): its 4 ranks on 2 cores take seconds less, with the same arithmetic.
+    os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world // a.tp, a.tp), mesh_dim_names=("dp", "tp"))

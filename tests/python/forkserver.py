@@ -33,8 +33,9 @@ import sys
 import time
 
 # What the scripts import (FSDP_FORKSERVER_PRELOAD, comma-separated, overrides it).
-PRELOAD = ["numpy", "torch", "safetensors.torch", "tokenizers", "transformers", "gguf",
-           "peft", "tensorboard.backend.event_processing.event_accumulator"]
+PRELOAD = ["numpy", "torch", "torch.distributed.run", "safetensors.torch", "tokenizers",
+           "transformers", "gguf", "peft",
+           "tensorboard.backend.event_processing.event_accumulator"]
 IDLE_LIMIT_S = 3600
 STARTUP_WAIT_S = 120
 MAX_REQUEST_BYTES = 1 << 20

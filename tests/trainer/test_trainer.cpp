@@ -1302,9 +1302,9 @@ TEST(TrainerRun, EveryCollectiveOfAJobPassesTheSequenceCheck) {
 }
 
 TEST(TrainerRun, TorchrunAndNprocGiveIdenticalLosses) {
-  const std::string torchrun = FSDP_TORCHRUN_PATH;
   // scripts/setup.sh installs torch with its torchrun: its absence is a broken setup, not a skip.
-  ASSERT_TRUE(fs::exists(torchrun)) << "torchrun not found at " << torchrun;
+  ASSERT_TRUE(fs::exists(FSDP_TORCHRUN_PATH)) << "torchrun not found at " << FSDP_TORCHRUN_PATH;
+  const std::string torchrun = FSDP_TORCHRUN;
   auto ours = train_and_read("launch-nproc", train_cmd() + " --nproc 2");
   auto theirs = train_and_read("launch-torchrun",
                                "OMP_NUM_THREADS=1 " + torchrun +
@@ -1936,7 +1936,7 @@ int torchrun_with_a_killed_rank(const std::string& name, const fs::path& run_dir
   const auto config =
       write_config(name, tiny_config(run_dir.string(), "gpt", "gpt2-tiny") +
                              "[checkpoint]\nevery = 5\nkeep = 3\nresume = \"auto\"\n");
-  BackgroundJob job(tag + " OMP_NUM_THREADS=1 " + std::string(FSDP_TORCHRUN_PATH) +
+  BackgroundJob job(tag + " OMP_NUM_THREADS=1 " + std::string(FSDP_TORCHRUN) +
                         " --standalone --no-python --max-restarts=" + std::to_string(max_restarts) +
                         " --nproc-per-node " + std::to_string(nproc) + " " + train_cmd() + " " +
                         config + kRestartArgs,
@@ -2435,7 +2435,7 @@ TEST(TrainerRun, AJobKilledOnFourRanksResumesOnThree) {
   std::string output;
   EXPECT_NE(torchrun_with_a_killed_rank("restart-4to3", dir, 4, 0, 2, &output), 0) << output;
   const auto config = (fs::path(FSDP_TEST_WORK_DIR) / "restart-4to3.toml").string();
-  auto r = run("OMP_NUM_THREADS=1 " + std::string(FSDP_TORCHRUN_PATH) +
+  auto r = run("OMP_NUM_THREADS=1 " + std::string(FSDP_TORCHRUN) +
                " --standalone --no-python --nproc-per-node 3 " + train_cmd() + " " + config +
                kRestartArgs);
   ASSERT_EQ(r.code, 0) << r.output;
