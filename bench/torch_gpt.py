@@ -370,6 +370,10 @@ def main():
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--ac", action="store_true")
+    p.add_argument("--gloo-loop-batch", action="store_true",
+                   help="create Gloo's event-loop threads under SCHED_BATCH, as fsdp-cpp does "
+                        "(docs/design.md, \"Gloo's event loop runs under SCHED_BATCH\"); off: "
+                        "PyTorch as it is")
     p.add_argument("--init", choices=("hf", "random"), default="hf")
     p.add_argument("--arch", choices=("gpt", "llama"), default="gpt")
     p.add_argument("--vocab", type=int, default=2048)
@@ -413,7 +417,13 @@ def main():
         if cuda:
             dist.init_process_group("nccl", device_id=device)
         else:
+            # Threads inherit the policy of their creator: Gloo's event loops (and, unlike in
+            # fsdp-cpp, c10d's worker threads) are made in init_process_group.
+            if a.gloo_loop_batch:
+                os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
             dist.init_process_group("gloo")
+            if a.gloo_loop_batch:
+                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
     elif world != 1:
         sys.exit("--mode single runs one process")
 
