@@ -2627,6 +2627,37 @@ TEST(FaultTolerantTraining, AKilledReplicaRejoinsAndTheLossesEqualTheScheduleRun
   }
 }
 
+// A replica that fsdp.membership_schedule drops and takes back later dies while it waits (no
+// restarts): at the step that takes it back, the others cannot make the new groups with it.
+// That step fails and they reform without it, as after an admission that fails, and train to the
+// end; membership.jsonl says so (the scheduled change at step 30 never happened; a fault there).
+TEST(FaultTolerantTraining, AReplicaTheScheduleTakesBackThatDiedWhileWaitingIsDroppedAgain) {
+  FtJob ft("ft-sched-dead", "membership_schedule = \"10:0,2;30:0,1,2\"\nmax_restarts = 0\n", 3,
+           " --training.steps=40 --training.seq_len=64 --training.eval_every=0 "
+           "--generate.tokens=0 --logging.plot=false");
+  ft.wait_for_steps(15);  // replica 1 left at step 10 and waits for step 30
+  const pid_t victim = ft.rank_pid(1);
+  ASSERT_GT(victim, 0) << ft.job->output();
+  ::kill(victim, SIGKILL);
+  ASSERT_EQ(ft.job->wait(180), 0) << ft.job->output();
+  const std::string output = ft.job->output();
+  EXPECT_NE(output.find("the change of fsdp.membership_schedule at step 30 failed"),
+            std::string::npos)
+      << output;
+  const auto changes = ft.membership();
+  ASSERT_EQ(changes.size(), 3u) << file_bytes(ft.run_dir / "membership.jsonl");
+  EXPECT_EQ(changes[0]["cause"], "start");
+  EXPECT_EQ(changes[1]["cause"], "schedule");
+  EXPECT_EQ(changes[1]["step"], 10);
+  EXPECT_EQ(changes[1]["live"], nlohmann::json::array({0, 2}));
+  EXPECT_EQ(changes[2]["cause"], "fault");
+  EXPECT_EQ(changes[2]["step"], 30);
+  EXPECT_EQ(changes[2]["live"], nlohmann::json::array({0, 2}));
+  const auto metrics = fsdp_trainer::read_metrics(ft.metrics().string());
+  ASSERT_EQ(metrics.size(), 40u);
+  EXPECT_TRUE(std::isfinite(metrics.back().loss));
+}
+
 // fsdp.fault_tolerant with checkpoints: 3 replicas of 1 rank, replica 0 (rank 0, the writer)
 // out from step 10 to step 30 by the membership schedule, an asynchronous checkpoint every 20
 // steps. The one of step 20 is saved by the live replicas alone (rank 1 writes it and names

@@ -150,16 +150,32 @@ void ReplicaMembership::before_step(int64_t step) {
   if (it == schedule_.end())
     return;
   const auto before = quorum_->live();
-  if (quorum_->set_membership(it->second, step)) {
-    changed(step, "schedule");
-    // A replica joins (the same change may drop another): the state goes to it.
-    const auto& live = quorum_->live();
-    if (std::any_of(live.begin(), live.end(), [&](int r) {
-          return std::find(before.begin(), before.end(), r) == before.end();
-        }))
-      hooks_.sync_state(/*joining=*/false);
+  bool stays = false;
+  try {
+    stays = quorum_->set_membership(it->second, step);
+    if (stays) {
+      changed(step, "schedule");
+      // A replica joins (the same change may drop another): the state goes to it.
+      const auto& live = quorum_->live();
+      if (std::any_of(live.begin(), live.end(), [&](int r) {
+            return std::find(before.begin(), before.end(), r) == before.end();
+          }))
+        hooks_.sync_state(/*joining=*/false);
+    }
+  } catch (const std::exception& e) {
+    // A replica the schedule takes back died while it was waiting, or in its state copy: the
+    // new groups could not be made (set_membership changes nothing but the epoch then), or the
+    // copy failed. As after an admission that fails (after_step), the step fails and the live
+    // replicas reform without it. This rank stays: a dropped one makes no group.
+    std::fprintf(stderr,
+                 "fsdp-train: [rank %d] the change of fsdp.membership_schedule at step %lld "
+                 "failed: %s\n",
+                 rank(), static_cast<long long>(step), first_line(e).c_str());
+    broken_ = true;
     return;
   }
+  if (stays)
+    return;
   // Dropped by the schedule: back at its next entry that names this replica, if any.
   if (hooks_.dropped)
     hooks_.dropped();
