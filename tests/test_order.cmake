@@ -30,6 +30,5 @@ set(_fsdp_waiting_tests
     ProcessGroup.SilentPeerMakesTheCollectiveTimeOut
     ShardedCheckpoint.AsyncSaveKilledMidWriteLeavesThePreviousOne
     Harness.KillsHungRanksAtTheTimeoutAndLeavesNoProcess
-    TorchrunAgent.EndedBySigtermOrAfterTheGraceBySigkill
-    TensorBoardWriter.AResumedRunsFileReplacesTheStepsItLogsAgain)
+    TorchrunAgent.EndedBySigtermOrAfterTheGraceBySigkill)
 set_tests_properties(${_fsdp_waiting_tests} PROPERTIES RESOURCE_LOCK waiting)

@@ -7,6 +7,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -20,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "harness/command.h"
@@ -257,26 +259,52 @@ TEST(TensorBoardWriter, TheReaderRefusesACorruptedByteOrACutFile) {
 }
 
 // A resumed run writes a new file whose SessionLog START makes TensorBoard drop the steps the
-// earlier file holds from that step on, so each step is charted once, from the newer run.
+// earlier file holds from that step on, so each step is charted once, from the newer run. The
+// new file sorts after the ones it continues (TensorBoard reads them in name order) even when it
+// starts within the same second (a fault-tolerant job's next writer, in this process here) or
+// after a file named by a clock ahead of this one (another host's).
 TEST(TensorBoardWriter, AResumedRunsFileReplacesTheStepsItLogsAgain) {
+  namespace fs = std::filesystem;
   fsdp::test::TempDir tmp("tensorboard-resume");
   three_steps(tmp.path());
-  // The next file's name is the next second's (a resumed run starts seconds later anyway).
-  std::this_thread::sleep_for(std::chrono::milliseconds(1100));
-  {
-    TensorBoardWriter w(tmp.path(), 2);
-    for (int64_t step = 2; step <= 4; ++step)
-      w.write_scalars(step, {{"train/loss", 100.0 + static_cast<double>(step)}});
-  }
+  auto continue_at = [&](int64_t first, int64_t last, double base) {
+    TensorBoardWriter w(tmp.path(), first);
+    for (int64_t step = first; step <= last; ++step)
+      w.write_scalars(step, {{"train/loss", base + static_cast<double>(step)}});
+  };
+  auto names = [&] {
+    std::vector<std::string> v;
+    for (const auto& entry : fs::directory_iterator(tmp.path()))
+      v.push_back(entry.path().filename().string());
+    std::sort(v.begin(), v.end());
+    return v;
+  };
+  continue_at(2, 4, 100.0);
+  // The second file as if another host, its clock 100 s ahead, had written it.
+  auto v = names();
+  ASSERT_EQ(v.size(), 2u);
+  const std::string second = v[1];
+  const auto dot = second.find('.', std::strlen("events.out.tfevents."));
+  const long long t = std::stoll(second.substr(std::strlen("events.out.tfevents."), dot));
+  const std::string ahead =
+      fmt::format("events.out.tfevents.{:010d}{}", t + 100, second.substr(dot));
+  fs::rename(fs::path(tmp.path()) / second, fs::path(tmp.path()) / ahead);
+  continue_at(3, 5, 200.0);
+  v = names();
+  ASSERT_EQ(v.size(), 3u);
+  EXPECT_EQ(v[1], ahead);
+  EXPECT_TRUE(v[2].starts_with(fmt::format("events.out.tfevents.{:010d}.", t + 101))) << v[2];
   const Json out = read_back(tmp.path());
-  ASSERT_EQ(out["files"].size(), 2u);
+  ASSERT_EQ(out["files"].size(), 3u);
   const Json& loss = out["scalars"]["train/loss"];
-  ASSERT_EQ(loss.size(), 4u) << loss.dump();
+  ASSERT_EQ(loss.size(), 5u) << loss.dump();
   EXPECT_EQ(loss[0][0], 1);
   EXPECT_EQ(number(loss[0][1]), f32(synthetic(1).loss));
-  for (int64_t step = 2; step <= 4; ++step) {
+  EXPECT_EQ(loss[1][0], 2);
+  EXPECT_EQ(number(loss[1][1]), 102.0);
+  for (int64_t step = 3; step <= 5; ++step) {
     EXPECT_EQ(loss[step - 1][0], step);
-    EXPECT_EQ(number(loss[step - 1][1]), 100.0 + static_cast<double>(step));
+    EXPECT_EQ(number(loss[step - 1][1]), 200.0 + static_cast<double>(step));
   }
 }
 
@@ -293,32 +321,36 @@ TEST(TensorBoardWriter, ErrorsAreOneLineNamingThePath) {
     EXPECT_TRUE(what.starts_with(blocker + "/tensorboard: cannot create directory")) << what;
     EXPECT_EQ(what.find('\n'), std::string::npos) << what;
   }
-  // The file of this second exists already (and of the next few, so that a second boundary
-  // during the test changes nothing): refused, never overwritten.
+  // Event files named by this second and the next few exist already (another writer's, say
+  // with its clock ahead): never overwritten, and the new file is named after the latest of
+  // them, so that TensorBoard reads it last.
   char host[256] = {};
   ASSERT_EQ(::gethostname(host, sizeof(host) - 1), 0);
   const auto now = static_cast<long long>(std::time(nullptr));
+  std::set<std::string> kept;
   for (long long t = now; t < now + 5; ++t) {
     char name[400];
     std::snprintf(name, sizeof(name), "events.out.tfevents.%010lld.%s.%d", t, host,
                   static_cast<int>(::getpid()));
     std::ofstream(fs::path(tmp.path()) / name) << "keep";
+    kept.insert(name);
   }
-  try {
-    TensorBoardWriter w(tmp.path(), 1);
-    FAIL() << "no error";
-  } catch (const std::runtime_error& e) {
-    const std::string what = e.what();
-    EXPECT_TRUE(what.starts_with(tmp.path() + "/events.out.tfevents.")) << what;
-    EXPECT_NE(what.find("File exists"), std::string::npos) << what;
-    EXPECT_EQ(what.find('\n'), std::string::npos) << what;
-  }
+  { TensorBoardWriter w(tmp.path(), 1); }
+  int created = 0;
   for (const auto& entry : fs::directory_iterator(tmp.path())) {
-    if (entry.is_regular_file() && entry.path().filename() != "file") {
-      EXPECT_EQ(fsdp::test::file_bytes(entry.path()), "keep")
-          << entry.path() << " (and no temporary left)";
+    const std::string name = entry.path().filename().string();
+    if (!entry.is_regular_file() || name == "file")
+      continue;
+    if (kept.count(name)) {
+      EXPECT_EQ(fsdp::test::file_bytes(entry.path()), "keep") << name;
+    } else {
+      ++created;
+      char expected[64];
+      std::snprintf(expected, sizeof(expected), "events.out.tfevents.%010lld.", now + 5);
+      EXPECT_TRUE(name.starts_with(expected)) << name << " (and no temporary left)";
     }
   }
+  EXPECT_EQ(created, 1);
 }
 
 }  // namespace

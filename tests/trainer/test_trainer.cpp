@@ -203,8 +203,8 @@ TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
        "set"},
       {"",
        "--fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=1 --fsdp.fault_tolerant=true "
-       "--logging.tensorboard=true",
-       "'fsdp.fault_tolerant' cannot go with logging.tensorboard"},
+       "--training.memory_budget=1GiB",
+       "'fsdp.fault_tolerant' cannot go with --plan or training.memory_budget"},
       {"",
        "--fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=1 --fsdp.fault_tolerant=true "
        "--fsdp.membership_schedule=5:0,2;3:0",
@@ -2656,6 +2656,34 @@ TEST(FaultTolerantTraining, AReplicaTheScheduleTakesBackThatDiedWhileWaitingIsDr
   const auto metrics = fsdp_trainer::read_metrics(ft.metrics().string());
   ASSERT_EQ(metrics.size(), 40u);
   EXPECT_TRUE(std::isfinite(metrics.back().loss));
+}
+
+// fsdp.fault_tolerant with logging.tensorboard: replica 0 (rank 0, the writer) out from step 10
+// to step 30 by the schedule, so rank 1 writes steps 10-29 and rank 0 again from 30. Each new
+// writer starts an event file named after the ones it continues (TensorBoard reads them in name
+// order; their SessionLog START hides what an earlier file logged from there on, as for a resumed
+// run), even within the same second: TensorBoard's own reader shows every step once, with
+// metrics.jsonl's loss.
+TEST(FaultTolerantTraining, TensorBoardShowsEveryStepOnceAcrossWriters) {
+  FtJob ft("ft-tensorboard", "membership_schedule = \"10:1,2;30:0,1,2\"\n", 3,
+           " --training.steps=40 --training.seq_len=64 --training.eval_every=0 "
+           "--generate.tokens=0 --logging.plot=false --logging.tensorboard=true");
+  ASSERT_EQ(ft.job->wait(180), 0) << ft.job->output();
+  const auto metrics = fsdp_trainer::read_metrics(ft.metrics().string());
+  ASSERT_EQ(metrics.size(), 40u);
+  const auto tb =
+      run(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR + "/tests/python/check_tensorboard.py " +
+          (ft.run_dir / "tensorboard").string());
+  ASSERT_EQ(tb.code, 0) << tb.output;
+  const auto seen = nlohmann::json::parse(tb.output);
+  EXPECT_EQ(seen["files"].size(), 3u) << tb.output;  // rank 0, rank 1 from 10, rank 0 from 30
+  const auto loss = seen["scalars"]["train/loss"];
+  ASSERT_EQ(loss.size(), metrics.size()) << tb.output;
+  for (size_t i = 0; i < metrics.size(); ++i) {
+    EXPECT_EQ(loss[i][0], metrics[i].step);
+    EXPECT_EQ(loss[i][1].get<double>(), static_cast<double>(static_cast<float>(metrics[i].loss)))
+        << "step " << metrics[i].step;
+  }
 }
 
 // fsdp.fault_tolerant with checkpoints: 3 replicas of 1 rank, replica 0 (rank 0, the writer)

@@ -410,9 +410,9 @@ const std::vector<Option>& options() {
           "Restarted (--nproc restarts them), they join at a step boundary with the state of a "
           "replica that stayed. membership.jsonl in the run directory lists every change. Gloo "
           "(CPU) pretraining. Checkpoints (sync or async) and checkpoint.export_hf are written by "
-          "the "
-          "live replicas (a save a fault interrupts is dropped and the previous one stays the "
-          "latest); no TensorBoard or memory plan."),
+          "the live replicas (a save a fault interrupts is dropped and the previous one stays "
+          "the latest); with logging.tensorboard, each new writer starts an event file after the "
+          "ones it continues. No memory plan."),
       opt("fsdp.membership_schedule", FIELD(fsdp.membership_schedule),
           "With fsdp.fault_tolerant, without faults: the replicas that train from a step on, "
           "as \"step:r,r,...;step:...\" (e.g. \"5:0,2;12:0,1,2\": replica 1 out from step 5, "
@@ -908,8 +908,8 @@ void validate_fault_tolerance(const Config& c) {
           "which a restarted replica cannot repeat)");
   require(!uses_loss_scaling(c), key, "cannot go with loss scaling (fp16) yet");
   require(!c.finetuning, key, "applies to pretraining only so far");
-  require(!c.logging.tensorboard && !c.logging.plan && c.training.memory_budget.empty(), key,
-          "cannot go with logging.tensorboard, --plan or training.memory_budget yet");
+  require(!c.logging.plan && c.training.memory_budget.empty(), key,
+          "cannot go with --plan or training.memory_budget yet");
   require(!f.optimizer_in_backward, key, "cannot go with fsdp.optimizer_in_backward yet");
   require(f.reshard_after_forward_size == 0, key,
           "cannot go with fsdp.reshard_after_forward_size yet (its block groups are not made "

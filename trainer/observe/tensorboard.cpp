@@ -13,14 +13,17 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <bit>
 #include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <stdexcept>
+#include <string_view>
 
 #include <fmt/format.h>
 #include <fsdp/core/durable_file.h>
@@ -146,6 +149,27 @@ std::string host_name() {
 
 constexpr const char* kEventFilePrefix = "events.out.tfevents.";
 
+// The time in the new file's name: now, or one second after the latest event file already in
+// `dir` if that is later. TensorBoard reads a run's files in name order and a file's SessionLog
+// START hides the steps from there on that the files before it logged, so a file that continues
+// a run (a resumed run, or a fault-tolerant job's new writer, possibly on another host with its
+// own clock, possibly within the same second) must sort after the files it continues.
+long long next_file_time(const std::string& dir) {
+  long long latest = 0;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (!name.starts_with(kEventFilePrefix))
+      continue;
+    const std::string_view digits = std::string_view(name).substr(std::strlen(kEventFilePrefix));
+    long long t = 0;
+    const auto [end, err] = std::from_chars(digits.data(), digits.data() + digits.size(), t);
+    if (err == std::errc() && end != digits.data())
+      latest = std::max(latest, t);
+  }
+  return std::max(static_cast<long long>(std::time(nullptr)), latest + 1);
+}
+
 }  // namespace
 
 std::string tfrecord(std::string_view data) {
@@ -169,12 +193,11 @@ TensorBoardWriter::TensorBoardWriter(const std::string& dir, int64_t first_step)
   if (ec)
     throw std::runtime_error(fmt::format("{}: cannot create directory: {}", dir, ec.message()));
   // The same pattern as TensorFlow's writer ("%010lld"): zero-padded, so that TensorBoard,
-  // which reads a run's files in name order, reads them in time order; the pid makes a restart
-  // within the same second a new name, not an error.
-  const std::string path = (fs::path(dir) / fmt::format("{}{:010d}.{}.{}", kEventFilePrefix,
-                                                        static_cast<long long>(std::time(nullptr)),
-                                                        host_name(), ::getpid()))
-                               .string();
+  // which reads a run's files in name order, reads them in time order (next_file_time).
+  const std::string path =
+      (fs::path(dir) / fmt::format("{}{:010d}.{}.{}", kEventFilePrefix, next_file_time(dir),
+                                   host_name(), ::getpid()))
+          .string();
   // The temporary name must not contain "tfevents": TensorBoard reads every such file in the
   // directory, and would read this one half-written.
   static std::atomic<int> counter{0};
