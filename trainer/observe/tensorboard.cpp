@@ -154,6 +154,8 @@ constexpr const char* kEventFilePrefix = "events.out.tfevents.";
 // START hides the steps from there on that the files before it logged, so a file that continues
 // a run (a resumed run, or a fault-tolerant job's new writer, possibly on another host with its
 // own clock, possibly within the same second) must sort after the files it continues.
+constexpr long long kLatestFileTime = 9'999'999'999LL;
+
 long long next_file_time(const std::string& dir) {
   long long latest = 0;
   std::error_code ec;
@@ -164,7 +166,8 @@ long long next_file_time(const std::string& dir) {
     const std::string_view digits = std::string_view(name).substr(std::strlen(kEventFilePrefix));
     long long t = 0;
     const auto [end, err] = std::from_chars(digits.data(), digits.data() + digits.size(), t);
-    if (err == std::errc() && end != digits.data())
+    // Ten digits at most (as the names are written), so that the next one keeps ten as well.
+    if (err == std::errc() && end != digits.data() && t < kLatestFileTime)
       latest = std::max(latest, t);
   }
   return std::max(static_cast<long long>(std::time(nullptr)), latest + 1);
