@@ -61,6 +61,7 @@ THEIRS = ["fsdp2", "ddp"]
 # compute). The losses are then within int8's tolerance of FSDP2's, not fp32 rounding.
 BEST = {"full_shard_int8": ["--precision.gather_format=int8", "--precision.reduce_format=int8"]}
 BEST_IN = {"link"}
+TORCH_GLOO_LOOP_BATCH = False  # --torch-gloo-loop-batch
 
 
 def methods(world, setting=None):
@@ -94,6 +95,8 @@ def command(method, setting, world, hf_dir, out, steps):
                   "--out", os.path.join(out, "steps"), "--steps", str(steps),
                   "--batch", str(batch), "--seq-len", str(seq), "--lr", str(lr),
                   "--min-lr", str(lr / 10)]
+        if TORCH_GLOO_LOOP_BATCH and mode != "single":
+            script.append("--gloo-loop-batch")
         # One process per rank: torchrun starts them, or emulated_link.sh (below), one per host.
         launcher = [TORCHRUN, "--standalone", f"--nproc-per-node={world}"]
         args = ([PY] if link or world == 1 else launcher) + script
@@ -256,9 +259,15 @@ def main():
     p.add_argument("--settings", default=",".join(s[0] for s in SETTINGS))
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks.md"))
     p.add_argument("--keep", help="keep every run's output in this directory")
+    p.add_argument("--torch-gloo-loop-batch", action="store_true",
+                   help="PyTorch's ranks make Gloo's event loops under SCHED_BATCH, as fsdp-cpp "
+                        "does (bench/torch_gpt.py --gloo-loop-batch): the comparison on equal "
+                        "terms; without it, PyTorch as it is")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: rewrite the report from the runs kept in --keep")
     a = p.parse_args()
+    global TORCH_GLOO_LOOP_BATCH
+    TORCH_GLOO_LOOP_BATCH = a.torch_gloo_loop_batch
     if a.report_only and not a.keep:
         sys.exit("vs_pytorch: --report-only needs --keep DIR")
     if a.steps < 20 or a.warmup >= a.steps:
@@ -338,8 +347,12 @@ def report(a, settings, results):
     put(f"- torch {torch.__version__} (fsdp-cpp links the same wheel's LibTorch); Gloo on "
         "loopback, one intra-op thread per rank, fp32, AdamW (fsdp-cpp: FusedAdamW; PyTorch: "
         "torch.optim.AdamW(fused=True)), gradient clipping at 1.0, warm-up 20 steps.")
+    put("- Gloo's event loops: fsdp-cpp's under SCHED_BATCH (docs/design.md); PyTorch's "
+        + ("under SCHED_BATCH too (--torch-gloo-loop-batch)." if a.torch_gloo_loop_batch
+           else "under the default policy, as PyTorch makes them."))
+    flag = " --torch-gloo-loop-batch" if a.torch_gloo_loop_batch else ""
     put(f"- Command: `~/.cache/fsdp-cpp/torch-$(cat .torch-version)/bin/python "
-        f"bench/vs_pytorch.py --rounds {a.rounds} --steps {a.steps} --warmup {a.warmup}`")
+        f"bench/vs_pytorch.py --rounds {a.rounds} --steps {a.steps} --warmup {a.warmup}{flag}`")
     put(f"- {a.rounds} interleaved rounds; each run trains {a.steps} steps from the same "
         "weights on the same batches. tokens/s: the global batch over the median step time "
         f"after {a.warmup} warm-up steps (a step lasts as long as the slowest rank's); the "
