@@ -16,8 +16,8 @@ namespace fsdp::detail {
 
 /// While alive, the calling thread runs under SCHED_BATCH, so that the threads it creates (Gloo's
 /// event loop, created with its device) inherit that policy; the thread's own policy is restored
-/// on destruction. Does nothing unless the thread runs under SCHED_OTHER (a real-time thread keeps
-/// its policy) or when FSDP_GLOO_LOOP_BATCH=0.
+/// on destruction. Does nothing when the thread runs under another policy than SCHED_OTHER (a
+/// real-time thread keeps its own) or when FSDP_GLOO_LOOP_BATCH=0.
 class BatchPolicyForNewThreads {
  public:
   BatchPolicyForNewThreads();

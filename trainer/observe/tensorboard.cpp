@@ -161,7 +161,7 @@ long long next_file_time(const std::string& dir) {
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
-    if (!name.starts_with(kEventFilePrefix))
+    if (!is_tensorboard_event_file(name))
       continue;
     const std::string_view digits = std::string_view(name).substr(std::strlen(kEventFilePrefix));
     long long t = 0;

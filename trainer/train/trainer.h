@@ -207,9 +207,9 @@ class Trainer {
   std::unique_ptr<fsdp::AsyncCheckpointer> async_saves_;  // checkpoint.async
   std::unique_ptr<KernelProfile> kernel_profile_;         // logging.trace_steps on CUDA
   int64_t async_step_ = 0;                                // the step of the save in flight
-  bool async_reports_ =
-      false;                // the save in flight's rank 0 (its writer commits), which reports it
-  int64_t start_step_ = 0;  // the step a resumed run continues after
+  // This rank is the save in flight's rank 0 (its writer commits), which reports it.
+  bool async_reports_ = false;
+  int64_t start_step_ = 0;               // the step a resumed run continues after
   std::optional<PlanCheck> plan_check_;  // plan_memory(): predicted, then measured
   std::optional<UnitOptions> units_;     // how the job's units are sharded
 };

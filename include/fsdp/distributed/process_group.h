@@ -221,7 +221,7 @@ std::shared_ptr<ProcessGroup> local_group(int size, int rank, const std::string&
 /// Whether a collective of this process failed with the job's store out of reach (the failure's
 /// diagnosis could not read the peers' reports: this host is cut off from the rendezvous host).
 /// A launcher agent waiting on that store cannot learn that the job is over (see
-/// end_torchrun_agent_if_cut_off).
+/// cut_off_torchrun_agent).
 bool store_out_of_reach();
 
 /// Under torchrun, once store_out_of_reach(): the pid of this rank's torchrun agent (its
