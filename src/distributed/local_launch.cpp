@@ -254,6 +254,8 @@ class ReplicaRestarter {
                    first_rank_ + r, code);
     }
     auto& q = replicas_[static_cast<size_t>(r / k_)];
+    if (code == o_.replica_restarts->refused_input_exit_code)
+      q.refused_input = true;
     if (q.state != State::kRunning)
       return;
     q.state = State::kEnding;
@@ -287,11 +289,13 @@ class ReplicaRestarter {
         if (running)
           continue;
         const int used = result_.restarts[i];
-        if (finished_ || used >= o_.replica_restarts->max_restarts) {
+        if (finished_ || q.refused_input || used >= o_.replica_restarts->max_restarts) {
           q.state = State::kGone;
           std::fprintf(stderr, "fsdp launch: replica %d not restarted (%s)\n",
                        (first_rank_ + first) / k_,
-                       finished_ ? "the job is ending" : "no restarts left");
+                       finished_         ? "the job is ending"
+                       : q.refused_input ? "a rank refused its input, and would again"
+                                         : "no restarts left");
           continue;
         }
         q.state = State::kRestartAt;
@@ -324,6 +328,7 @@ class ReplicaRestarter {
   struct Replica {
     State state = State::kRunning;
     Clock::time_point kill_at, restart_at;
+    bool refused_input = false;  // a rank exited with refused_input_exit_code
   };
   const LocalLaunchOptions& o_;
   int k_;

@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -2453,23 +2454,32 @@ namespace {
 // `fsdp_extra` in [fsdp]) running in the background, its processes tagged so that a test can
 // find and kill a rank.
 struct FtJob {
-  std::string name, tag, config, args;
+  std::string name, tag, config, args, command;
   int nproc = 0;
   fs::path run_dir;
   std::unique_ptr<BackgroundJob> job;
 
-  FtJob(std::string job_name, const std::string& fsdp_extra, int ranks, std::string train_args)
-      : name(std::move(job_name)), args(std::move(train_args)), nproc(ranks) {
+  // `base(run_dir)`: the config's sections but [fsdp] (tiny_config's by default), run as
+  // `fsdp-train <command>`.
+  FtJob(std::string job_name, const std::string& fsdp_extra, int ranks, std::string train_args,
+        const std::function<std::string(const std::string&)>& base = nullptr,
+        std::string subcommand = "")
+      : name(std::move(job_name)),
+        args(std::move(train_args)),
+        command(std::move(subcommand)),
+        nproc(ranks) {
     run_dir = fs::path(FSDP_TEST_WORK_DIR) / name;
     fs::remove_all(run_dir);
     tag = "FSDP_TEST_TAG=" + name + "-" + std::to_string(::getpid());
-    config = write_config(name, tiny_config(run_dir.string()) +
+    config = write_config(name, (base ? base(run_dir.string()) : tiny_config(run_dir.string())) +
                                     "[fsdp]\nstrategy = \"hybrid_shard\"\nhybrid_shard_size = 1\n"
                                     "fault_tolerant = true\ntimeout_s = 3\n" +
                                     fsdp_extra);
     job = std::make_unique<BackgroundJob>(
-        tag + " " + train_cmd() + " " + config + " --nproc " + std::to_string(nproc) + args,
-        (fs::path(FSDP_TEST_WORK_DIR) / (name + ".log")).string());
+        tag + " " + launch(), (fs::path(FSDP_TEST_WORK_DIR) / (name + ".log")).string());
+  }
+  std::string launch() const {
+    return train_cmd() + " " + command + " " + config + " --nproc " + std::to_string(nproc) + args;
   }
   fs::path metrics() const { return run_dir / "metrics.jsonl"; }
   // Until `steps` steps are logged (at most 120 s): a fault then falls mid-run.
@@ -2503,8 +2513,7 @@ struct FtJob {
         escaped.push_back('\\');
       escaped.push_back(c);
     }
-    const auto reference = run(train_cmd() + " " + config + " --nproc " + std::to_string(nproc) +
-                               args + " --logging.run_dir=" + reference_dir.string() +
+    const auto reference = run(launch() + " --logging.run_dir=" + reference_dir.string() +
                                " --fsdp.membership_schedule=" + escaped);
     EXPECT_EQ(reference.code, 0) << reference.output;
     const auto a = fsdp_trainer::read_metrics(metrics().string());
@@ -2790,4 +2799,82 @@ TEST(FaultTolerantTraining, TheLiveReplicasExportTheModel) {
     ++compared;
   }
   EXPECT_GT(compared, 4);
+}
+
+// Fine-tuning in a fault-tolerant job: LoRA (with dropout) on a 2-block Llama of our own,
+// exported with Mistral's chat template, 3 replicas of 1 rank. Rank 0, the writer, is SIGKILLed
+// mid-run, restarted, and joins with a live replica's state: the adapters and their optimizer
+// state, the data position, and the answers given before training. A run told the membership
+// schedule logs the same losses bit for bit, and writes the same PEFT adapter and answers.txt
+// (its "before" answers, which the restarted writer never computed) byte for byte. First, a job
+// whose ranks refuse their input is not restarted.
+TEST(FaultTolerantTraining, FinetunesThroughAKilledWriterAndEqualsTheScheduleRun) {
+  const auto work = fs::path(FSDP_TEST_WORK_DIR);
+  const auto pre = work / "ft-chat-pretrain", model = work / "ft-chat-model";
+  fs::remove_all(pre);
+  fs::remove_all(model);
+  const auto config =
+      write_config("ft-chat-pretrain", tiny_config(pre.string(), "llama", "llama-tiny"));
+  const auto trained = run(train_cmd() + " " + config +
+                           " --training.steps=1 --training.eval_every=0 --generate.tokens=0 "
+                           "--checkpoint.export_hf=true --logging.plot=false");
+  ASSERT_EQ(trained.code, 0) << trained.output;
+  fs::copy(pre / "hf", model);
+  auto tokenizer_config = nlohmann::json::parse(file_bytes(model / "tokenizer_config.json"));
+  tokenizer_config["chat_template"] = fsdp::test::mistral_template(" + ' ' ");
+  std::ofstream(model / "tokenizer_config.json") << tokenizer_config.dump(2);
+  const auto data = fs::path(FSDP_SOURCE_DIR) / "data" / "instruct";
+  const auto train = without_system((data / "kjv_train.jsonl").string(), "ft-chat-train.jsonl");
+  const auto eval = without_system(small_eval_file(4), "ft-chat-eval.jsonl");
+  const auto base = [&](const std::string& run_dir) {
+    return "[finetune]\nmodel = \"" + model.string() +
+           "\"\nmethod = \"lora\"\ntargets = \"wq|wv|w2\"\nlora_rank = 4\nlora_dropout = 0.1\n"
+           "train_file = \"" +
+           train + "\"\neval_file = \"" + eval +
+           "\"\nsamples = 2\nanswer_tokens = 4\n[training]\nsteps = 30\nbatch_size = 1\n"
+           "lr = 1e-3\neval_every = 15\n[precision]\nparam_dtype = \"fp32\"\n[logging]\n"
+           "run_dir = \"" +
+           run_dir + "\"\nprogress = \"lines\"\nlog_every = 1\nplot = false\n";
+  };
+  {
+    // What a rank refuses (a conversation longer than finetune.max_tokens, found as the data is
+    // read) it would refuse again: no replica is started again, and the job ends with exit 2.
+    FtJob refused("ft-finetune-refused", "", 3, " --finetune.max_tokens=16", base, "finetune");
+    EXPECT_EQ(refused.job->wait(60), 2) << refused.job->output();
+    const auto output = refused.job->output();
+    EXPECT_NE(output.find("restarts of replicas 0..2: 0, 0, 0"), std::string::npos) << output;
+    EXPECT_NE(output.find("not restarted (a rank refused its input, and would again)"),
+              std::string::npos)
+        << output;
+  }
+  FtJob ft("ft-finetune", "", 3, "", base, "finetune");
+  ft.wait_for_steps(10);
+  const pid_t victim = ft.rank_pid(0);
+  ASSERT_GT(victim, 0) << ft.job->output();
+  ::kill(victim, SIGKILL);
+  ASSERT_EQ(ft.job->wait(180), 0) << ft.job->output();
+  const std::string output = ft.job->output();
+  EXPECT_NE(output.find("restarts of replicas 0..2: 1, 0, 0"), std::string::npos) << output;
+  const auto changes = ft.membership();
+  ASSERT_EQ(changes.size(), 3u) << file_bytes(ft.run_dir / "membership.jsonl");
+  EXPECT_EQ(changes[1]["live"], nlohmann::json::array({1, 2}));
+  EXPECT_EQ(changes[2]["cause"], "rejoined");  // as the writer, back, records it
+  EXPECT_EQ(changes[2]["live"], nlohmann::json::array({0, 1, 2}));
+  const int64_t dropped = changes[1]["step"], back = changes[2]["step"];
+  const auto [evals, reference_dir] = ft.expect_schedule_run_equal(
+      std::to_string(dropped) + ":1,2;" + std::to_string(back) + ":0,1,2", 30);
+  EXPECT_EQ(evals, 2);
+  for (const char* f :
+       {"adapter/adapter_model.safetensors", "adapter/adapter_config.json", "answers.txt"}) {
+    ASSERT_TRUE(fs::exists(ft.run_dir / f)) << f << "\n" << output;
+    EXPECT_TRUE(file_bytes(ft.run_dir / f) == file_bytes(reference_dir / f)) << f;
+  }
+  const auto answers = file_bytes(ft.run_dir / "answers.txt");
+  size_t questions = 0;
+  for (size_t at = answers.find("\n   before: "); at != std::string::npos;
+       at = answers.find("\n   before: ", at + 1))
+    ++questions;
+  EXPECT_EQ(questions, 2u) << answers;
+  std::printf("replica 0 (the writer) dropped at step %lld, back at step %lld\n",
+              static_cast<long long>(dropped), static_cast<long long>(back));
 }

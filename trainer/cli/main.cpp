@@ -390,6 +390,7 @@ int launch_ranks(const fsdp_trainer::Config& config, const CommandLine& cl, int 
     restarts->max_restarts = f.membership_schedule.empty() ? static_cast<int>(f.max_restarts) : 0;
     restarts->delay = std::chrono::milliseconds(std::llround(f.restart_delay_s * 1000));
     restarts->job_over_exit_code = fsdp_trainer::kStateLostExitCode;
+    restarts->refused_input_exit_code = 2;  // a ConfigError (report_failures)
     // A rank of a replica that lost one leaves once its collective fails and the others have
     // decided: within the timeout and the vote's.
     restarts->grace =

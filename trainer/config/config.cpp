@@ -409,7 +409,9 @@ const std::vector<Option>& options() {
           "step), finish the step among themselves and train on, and the replica's ranks exit. "
           "Restarted (--nproc restarts them), they join at a step boundary with the state of a "
           "replica that stayed. membership.jsonl in the run directory lists every change. Gloo "
-          "(CPU) pretraining. Checkpoints (sync or async) and checkpoint.export_hf are written by "
+          "(CPU); pretraining and fine-tuning (a joining replica copies what trains, the frozen "
+          "weights are the model file's). A rank that refuses its input (exit 2) is not "
+          "restarted. Checkpoints (sync or async) and checkpoint.export_hf are written by "
           "the live replicas (a save a fault interrupts is dropped and the previous one stays "
           "the latest); with logging.tensorboard, each new writer starts an event file after the "
           "ones it continues. No memory plan."),
@@ -881,7 +883,7 @@ void validate_training(const Config& c) {
 
 // [fsdp] and [checkpoint]'s export size.
 // fsdp.fault_tolerant and what it cannot go with yet: what reads or writes through the world
-// group (the memory plan, fine-tuning's outputs) fails once a rank is gone,
+// group (the memory plan) fails once a rank is gone,
 // and what a restarted replica cannot agree on with the others (a compute dtype measured on all
 // ranks, a loss scale) is refused.
 void validate_fault_tolerance(const Config& c) {
@@ -907,7 +909,6 @@ void validate_fault_tolerance(const Config& c) {
           "needs precision.param_dtype set (\"auto\" is measured on every rank at the start, "
           "which a restarted replica cannot repeat)");
   require(!uses_loss_scaling(c), key, "cannot go with loss scaling (fp16) yet");
-  require(!c.finetuning, key, "applies to pretraining only so far");
   require(!c.logging.plan && c.training.memory_budget.empty(), key,
           "cannot go with --plan or training.memory_budget yet");
   require(!f.optimizer_in_backward, key, "cannot go with fsdp.optimizer_in_backward yet");

@@ -1292,23 +1292,24 @@ void Trainer::write_finetune_outputs(const std::vector<std::string>& before,
   namespace fs = std::filesystem;
   const fs::path dir(config_.logging.run_dir);
   const auto& f = config_.finetune;
+  fsdp::ProcessGroup& group = membership_ ? *metrics_pg_ : *pg_;
   if (model_.save_adapter && f.save_adapter) {
     const auto adapter = (dir / "adapter").string();
-    if (pg_->rank() == 0)
+    if (group.rank() == 0)
       move_aside(adapter);
-    pg_->barrier();
+    group.barrier();
     if (model_.tp)  // PEFT's files hold whole adapters: written from the whole model
       whole_model(adapter + ".tp-staging").save_adapter(adapter, *pg_);
     else
-      model_.save_adapter(adapter, *pg_);
-    if (pg_->rank() == 0) {
+      model_.save_adapter(adapter, group);
+    if (group.rank() == 0) {
       fs::remove_all(aside_path(adapter));
       metrics_->message("LoRA adapter in PEFT's layout: " + adapter);
     }
   }
   if (f.export_merged)
     export_hf((dir / "merged").string(), /*replace=*/true);
-  if (pg_->rank() != 0 || before.empty())
+  if (group.rank() != 0 || before.empty())
     return;
   const auto& finetune = *data_->finetune();
   const auto questions = finetune.questions(f.samples);

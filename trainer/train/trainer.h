@@ -147,7 +147,8 @@ class Trainer {
   /// rank runs the forwards).
   std::vector<std::string> answer_questions();
   /// finetune: answers.txt (questions, reference answers, answers before and after), the PEFT
-  /// adapter and the merged export, as configured.
+  /// adapter and the merged export, as configured; written by every rank training now (with
+  /// fault tolerance, the live replicas').
   void write_finetune_outputs(const std::vector<std::string>& before,
                               const std::vector<std::string>& after);
   /// Saves a sharded checkpoint of the state after `step` (every rank calls it; with fault
@@ -212,6 +213,9 @@ class Trainer {
   int64_t start_step_ = 0;               // the step a resumed run continues after
   std::optional<PlanCheck> plan_check_;  // plan_memory(): predicted, then measured
   std::optional<UnitOptions> units_;     // how the job's units are sharded
+  // finetune with fsdp.fault_tolerant: the answers before training, which a joining replica
+  // receives with its state (the writer at the end may be one that joined).
+  std::vector<std::string> answers_before_;
 };
 
 }  // namespace fsdp_trainer

@@ -2,6 +2,7 @@
 // (vote, reform, admit, the schedule) is ReplicaMembership's; here is what a change means for
 // the training state: the units' cross-replica group, the figures' group and writer, and the
 // state a joining replica copies (shards, optimizer state, data position, previous norm).
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
@@ -12,6 +13,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <map>
+#include <mutex>
 #include <sstream>
 
 #include <fsdp/core/trace.h>
@@ -24,6 +26,21 @@ namespace fsdp_trainer {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Each attempt of a step draws its random numbers (LoRA's dropout) from a seed of the step and
+// the rank alone: a replica that comes back (a new process, or one the schedule kept waiting)
+// and an attempt run again draw what the reference run of the schedule draws.
+void seed_attempt(int64_t seed, int rank, int64_t step) {
+  uint64_t z = static_cast<uint64_t>(seed) ^ (static_cast<uint64_t>(rank) << 40) ^
+               static_cast<uint64_t>(step) * 0x9E3779B97F4A7C15ull;
+  // SplitMix64's finaliser: nearby (rank, step) pairs get unrelated seeds.
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_current_seed(z);
+}
 
 }  // namespace
 
@@ -52,9 +69,11 @@ void Trainer::on_membership_change(int64_t step) {
 
 void Trainer::sync_replica_state(bool joining) {
   torch::NoGradGuard no_grad;
+  // What training changes: the frozen weights of fine-tuning are the model file's everywhere.
   std::vector<torch::Tensor> shards;
   for (const auto& p : model_.module->parameters())
-    shards.push_back(p.detach());
+    if (p.requires_grad())
+      shards.push_back(p.detach());
   auto& o = *optimizers_;
   // A fused optimizer's state goes as tensors (its moments, a joining rank's zeros until
   // received, and every parameter's step count); torch's optimizers' in their archive.
@@ -92,6 +111,7 @@ void Trainer::sync_replica_state(bool joining) {
   out.write("sampler.position", c10::IValue(sampler.position));
   out.write("sampler.seed", c10::IValue(static_cast<int64_t>(sampler.seed)));
   out.write("previous_grad_norm", c10::IValue(o.previous_grad_norm()));
+  out.write("answers_before", c10::IValue(c10::List<std::string>(answers_before_)));
   std::ostringstream os;
   out.save_to(os);
   std::string blob = os.str();
@@ -120,6 +140,10 @@ void Trainer::sync_replica_state(bool joining) {
   data_->load_state(state);
   in.read("previous_grad_norm", v);
   o.previous_grad_norm() = v.toDouble();
+  in.read("answers_before", v);
+  answers_before_.clear();
+  for (const auto& answer : v.toListRef())
+    answers_before_.push_back(answer.toStringRef());
 }
 
 void Trainer::save_checkpoint_fault_tolerant(int64_t step) {
@@ -156,6 +180,7 @@ StepMetrics Trainer::fault_tolerant_step(int64_t step) {
   // it, as in the schedule's reference run.
   membership_->commit(step, [&] {
     try {
+      seed_attempt(t.seed, pg_->rank(), step);
       parts.optimizer.zero_grad();
       loss_sum = backward_passes(parts, batch, nullptr);
       loss_mean = metrics_->mean(loss_sum);
@@ -176,9 +201,13 @@ StepMetrics Trainer::fault_tolerant_step(int64_t step) {
   }
   end_step(step, batch, m);
   fsdp::trace::Span span("metrics", "metrics");
-  m.tokens = data_->tokens_in(batch) * metrics_pg_->size();
+  std::optional<double> local_tokens;
+  if (data_->finetune())  // batches padded to their own longest conversation: counted
+    local_tokens = static_cast<double>(data_->tokens_in(batch));
+  else
+    m.tokens = data_->tokens_in(batch) * metrics_pg_->size();
   try {
-    metrics_->reduce(m, loss_sum, std::nullopt);
+    metrics_->reduce(m, loss_sum, local_tokens);
   } catch (const std::exception& e) {
     // A replica failed since the commit: the next step drops it; this line lacks the other
     // ranks' memory and time figures.
@@ -204,6 +233,8 @@ void Trainer::train_fault_tolerant() {
     }
   } else {
     membership_->start(first);
+    if (data_->finetune())
+      answers_before_ = answer_questions();
     initial_eval = evaluate();
     metrics_->message(fmt::format("step {}: held-out loss {:.4f}", start_step_, *initial_eval));
   }
@@ -255,6 +286,8 @@ void Trainer::train_fault_tolerant() {
   // By the live replicas; a fault in it fails it (the checkpoints stay) and the job with it.
   if (config_.checkpoint.export_hf)
     export_hf(export_dir(config_), /*replace=*/true);
+  if (data_->finetune())
+    write_finetune_outputs(answers_before_, answer_questions());
   membership_->finish();  // spares never needed stop waiting
   if (!speaks())
     return;
