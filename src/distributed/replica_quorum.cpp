@@ -539,6 +539,15 @@ void ReplicaQuorum::record_membership(const std::vector<int>& live, int64_t step
   }
 }
 
+void ReplicaQuorum::publish(const std::string& name, const std::string& value) {
+  store_->set("published/" + name, bytes_of(value));
+}
+
+std::string ReplicaQuorum::published(const std::string& name) const {
+  const auto bytes = store_->get("published/" + name);
+  return std::string(bytes.begin(), bytes.end());
+}
+
 void ReplicaQuorum::finish() {
   TORCH_CHECK(!left_, "fsdp::ReplicaQuorum::finish: this rank's replica is not live");
   store_->set("finished", bytes_of("1"));

@@ -2801,13 +2801,13 @@ TEST(FaultTolerantTraining, TheLiveReplicasExportTheModel) {
   EXPECT_GT(compared, 4);
 }
 
-// Fine-tuning in a fault-tolerant job: LoRA (with dropout) on a 2-block Llama of our own,
-// exported with Mistral's chat template, 3 replicas of 1 rank. Rank 0, the writer, is SIGKILLed
-// mid-run, restarted, and joins with a live replica's state: the adapters and their optimizer
-// state, the data position, and the answers given before training. A run told the membership
-// schedule logs the same losses bit for bit, and writes the same PEFT adapter and answers.txt
-// (its "before" answers, which the restarted writer never computed) byte for byte. First, a job
-// whose ranks refuse their input is not restarted.
+// Fine-tuning in a fault-tolerant job: LoRA (with dropout) on a 6-block Llama of our own,
+// exported with Mistral's chat template, 3 replicas of 1 rank, precision.param_dtype = "auto". Rank
+// 0, the writer, is SIGKILLed mid-run, restarted, and joins with a live replica's state: the
+// adapters and their optimizer state, the data position, and the answers given before training. A
+// run told the membership schedule logs the same losses bit for bit, and writes the same PEFT
+// adapter and answers.txt (its "before" answers, which the restarted writer never computed) byte
+// for byte. First, a job whose ranks refuse their input is not restarted.
 TEST(FaultTolerantTraining, FinetunesThroughAKilledWriterAndEqualsTheScheduleRun) {
   const auto work = fs::path(FSDP_TEST_WORK_DIR);
   const auto pre = work / "ft-chat-pretrain", model = work / "ft-chat-model";
@@ -2832,7 +2832,7 @@ TEST(FaultTolerantTraining, FinetunesThroughAKilledWriterAndEqualsTheScheduleRun
            "train_file = \"" +
            train + "\"\neval_file = \"" + eval +
            "\"\nsamples = 2\nanswer_tokens = 4\n[training]\nsteps = 30\nbatch_size = 1\n"
-           "lr = 1e-3\neval_every = 15\n[precision]\nparam_dtype = \"fp32\"\n[logging]\n"
+           "lr = 1e-3\neval_every = 15\n[precision]\nparam_dtype = \"auto\"\n[logging]\n"
            "run_dir = \"" +
            run_dir + "\"\nprogress = \"lines\"\nlog_every = 1\nplot = false\n";
   };
@@ -2855,6 +2855,10 @@ TEST(FaultTolerantTraining, FinetunesThroughAKilledWriterAndEqualsTheScheduleRun
   ASSERT_EQ(ft.job->wait(180), 0) << ft.job->output();
   const std::string output = ft.job->output();
   EXPECT_NE(output.find("restarts of replicas 0..2: 1, 0, 0"), std::string::npos) << output;
+  // precision.param_dtype = "auto", measured on every rank at the start: the restarted rank
+  // takes that choice instead of measuring alone.
+  EXPECT_NE(output.find("[rank 0] compute dtype "), std::string::npos) << output;
+  EXPECT_NE(output.find(", as the job chose at its start"), std::string::npos) << output;
   const auto changes = ft.membership();
   ASSERT_EQ(changes.size(), 3u) << file_bytes(ft.run_dir / "membership.jsonl");
   EXPECT_EQ(changes[1]["live"], nlohmann::json::array({1, 2}));

@@ -432,21 +432,40 @@ void Trainer::plan_memory(const std::string& model_file) {
 ComputeDtype Trainer::resolve_compute_dtype() {
   const auto& requested = config_.precision.param_dtype;
   const bool cuda = device_.is_cuda();
+  // Fault tolerance: a restarted replica takes the choice the job made at its start.
+  if (membership_ && membership_->restarted()) {
+    const auto dtype = membership_->quorum().published("compute_dtype");
+    ComputeDtype choice = choose_compute_dtype(dtype, cuda, DtypeSpeeds{});
+    if (requested == "auto") {
+      std::printf("fsdp-train: [rank %d] compute dtype %s, as the job chose at its start\n",
+                  pg_->rank(), choice.dtype.c_str());
+    }
+    return choice;
+  }
+  // The highest over every rank (with fault tolerance, every rank at the start: a spare too,
+  // which the live group leaves out).
+  auto job_max = [&](int64_t v) {
+    if (!membership_)
+      return metrics_->max(v);
+    auto t = torch::tensor({v}, torch::kLong);
+    fsdp::all_reduce(*pg_, t, fsdp::ReduceOp::kMax, "max of a metric")->wait();
+    return t.item<int64_t>();
+  };
   DtypeSpeeds speeds;
-  // Fault tolerance: the dtype is given (config.cpp), and the warning's measurement on every
-  // rank is left out (a restarted replica could not take part).
-  if (!membership_ && needs_dtype_speeds(requested, cuda)) {
+  if (needs_dtype_speeds(requested, cuda)) {
     // A transformer layer's size, whatever the model: the ratio between the dtypes is what
     // decides, and this shape costs ~1 s where bf16 crawls and milliseconds elsewhere.
     const MatmulShape shape{256, 512, 1024};
     speeds.shape = fmt::format("{}x{}x{}", shape.m, shape.k, shape.n);
     pg_->barrier();
     speeds.fp32 = static_cast<double>(
-        metrics_->max(std::llround(measure_matmul_speed(torch::kFloat, shape).step())));
-    speeds.low = static_cast<double>(metrics_->max(
+        job_max(std::llround(measure_matmul_speed(torch::kFloat, shape).step())));
+    speeds.low = static_cast<double>(job_max(
         std::llround(measure_matmul_speed(dtype_named(candidate_dtype(requested)), shape).step())));
   }
   ComputeDtype choice = choose_compute_dtype(requested, cuda, speeds);
+  if (membership_)
+    membership_->quorum().publish("compute_dtype", choice.dtype);
   if (pg_->rank() == 0) {
     if (requested == "auto")  // an explicit dtype shows in the "precision:" line already
       std::printf("fsdp-train: %s\n", choice.reason.c_str());

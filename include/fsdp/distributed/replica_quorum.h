@@ -168,6 +168,13 @@ class ReplicaQuorum {
   /// restarted replicas not admitted yet) return kFinished at once instead of -1 at their
   /// timeout.
   void finish();
+
+  /// What the job fixed at its start and a restarted replica cannot measure again with the
+  /// others (the compute dtype chosen from every rank's matmul speeds): the first incarnation
+  /// publishes it under `name` (any of its ranks; the same value from each), and a restarted
+  /// rank reads it (waiting at most the store's timeout for it).
+  void publish(const std::string& name, const std::string& value);
+  std::string published(const std::string& name) const;
   /// Whether no live replica holds the state: the last recorded membership kept none, or every
   /// replica in it has a rank whose process was restarted and not admitted since. Fills `why`.
   bool state_lost(std::string* why = nullptr) const;
