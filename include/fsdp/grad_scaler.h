@@ -64,6 +64,10 @@ class ShardedGradScaler {
   /// steps in a row. Must follow every step().
   void update();
 
+  /// The group's successor (fault tolerance makes a replica's group anew after a change of
+  /// membership); between steps only.
+  void set_group(std::shared_ptr<ProcessGroup> group);
+
   double get_scale() const { return scale_; }
   bool is_enabled() const { return options_.enabled(); }
   /// Whether this step's unscale_ found inf/NaN on some rank (reset by update()).

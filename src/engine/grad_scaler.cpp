@@ -27,6 +27,12 @@ ShardedGradScaler::ShardedGradScaler(std::shared_ptr<ProcessGroup> group, GradSc
               options_.growth_interval());
 }
 
+void ShardedGradScaler::set_group(std::shared_ptr<ProcessGroup> group) {
+  TORCH_CHECK(group, "ShardedGradScaler::set_group: no process group");
+  TORCH_CHECK(!unscaled_ && !stepped_, "ShardedGradScaler::set_group: in the middle of a step");
+  group_ = std::move(group);
+}
+
 torch::Tensor ShardedGradScaler::scale(const torch::Tensor& loss) const {
   if (!options_.enabled())
     return loss;

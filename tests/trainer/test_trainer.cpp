@@ -2595,11 +2595,14 @@ TEST(FaultTolerantTraining, ASpareTakesAKilledReplicasPlaceAndTheLossesEqualTheS
 // train on, the launcher starts rank 1 again, and it joins at a step boundary with the state of
 // a replica that stayed; nothing restarts but rank 1, and no checkpoint exists. The run's
 // membership.jsonl gives the schedule; a run told that schedule, without a fault, logs the same
-// loss at every step and the same held-out losses, bit for bit.
+// loss at every step and the same held-out losses, bit for bit. With dynamic loss scaling
+// (fp32, where a power of two scales exactly; growing every 5 clean steps): the joining replica
+// takes the others' loss scale too.
 TEST(FaultTolerantTraining, AKilledReplicaRejoinsAndTheLossesEqualTheScheduleRun) {
   FtJob ft("ft-kill", "", 3,
            " --training.steps=150 --training.seq_len=64 --training.eval_every=50 "
-           "--generate.tokens=0 --logging.plot=false");
+           "--generate.tokens=0 --logging.plot=false --precision.loss_scaling=dynamic "
+           "--precision.growth_interval=5");
   ft.wait_for_steps(30);  // rank 1 dies within a step or two of step 30, far from the end
   const pid_t victim = ft.rank_pid(1);
   ASSERT_GT(victim, 0) << ft.job->output();
@@ -2626,6 +2629,12 @@ TEST(FaultTolerantTraining, AKilledReplicaRejoinsAndTheLossesEqualTheScheduleRun
   const auto [evals, reference_dir] = ft.expect_schedule_run_equal(
       std::to_string(dropped) + ":0,2;" + std::to_string(back) + ":0,1,2", 150);
   EXPECT_EQ(evals, 3);
+  // The scale moved from its start before the replica came back: a joiner that kept its own
+  // would have scaled its gradients differently from the others'.
+  const auto steps = fsdp_trainer::read_metrics(ft.metrics().string());
+  ASSERT_GE(steps.size(), static_cast<size_t>(back));
+  ASSERT_TRUE(steps[static_cast<size_t>(back - 1)].loss_scale.has_value());
+  EXPECT_NE(*steps[static_cast<size_t>(back - 1)].loss_scale, 65536.0);
   // The reference went through the same changes, told by the schedule.
   const auto reference_changes = FtJob::read_membership(reference_dir);
   ASSERT_EQ(reference_changes.size(), changes.size());

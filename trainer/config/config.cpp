@@ -882,9 +882,9 @@ void validate_training(const Config& c) {
 }
 
 // [fsdp] and [checkpoint]'s export size.
-// fsdp.fault_tolerant and what it cannot go with yet: what reads or writes through the world
-// group (the memory plan) fails once a rank is gone,
-// and what a restarted replica cannot agree on with the others (a loss scale) is refused.
+// fsdp.fault_tolerant and what it cannot go with yet (refused): the memory plan, which reads
+// and writes through the world group, fails once a rank is gone; optimizer_in_backward steps
+// before the step is committed; reshard_after_forward_size's block groups are not made anew.
 void validate_fault_tolerance(const Config& c) {
   const auto& f = c.fsdp;
   require(f.max_restarts >= 0 && f.max_restarts <= 1000000, "fsdp.max_restarts",
@@ -904,7 +904,6 @@ void validate_fault_tolerance(const Config& c) {
           "needs fsdp.strategy = \"hybrid_shard\" with fsdp.hybrid_shard_size set: its blocks "
           "are the replicas that fail and come back");
   require(c.training.device == "cpu", key, "runs on Gloo (training.device = \"cpu\") so far");
-  require(!uses_loss_scaling(c), key, "cannot go with loss scaling (fp16) yet");
   require(!c.logging.plan && c.training.memory_budget.empty(), key,
           "cannot go with --plan or training.memory_budget yet");
   require(!f.optimizer_in_backward, key, "cannot go with fsdp.optimizer_in_backward yet");

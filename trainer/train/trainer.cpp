@@ -154,7 +154,8 @@ Trainer::Trainer(Config config, DeviceMemory device_memory, Purpose purpose)
   units_ = units;
   profiler_ = std::make_unique<fsdp::StepProfiler>(model_.module);
 
-  // Its group is the loss scaler's, which fault tolerance does not take.
+  // Its group is the loss scaler's (with fault tolerance the replica's, which each change of
+  // membership makes anew: on_membership_change).
   optimizers_ = std::make_unique<Optimizers>(
       config_, *model_.module, membership_ ? membership_->quorum().replica_group() : pg_);
   if (config_.checkpoint.async)

@@ -1,7 +1,8 @@
 // fsdp.fault_tolerant: the Trainer's loop when replicas drop out and come back. The protocol
 // (vote, reform, admit, the schedule) is ReplicaMembership's; here is what a change means for
 // the training state: the units' cross-replica group, the figures' group and writer, and the
-// state a joining replica copies (shards, optimizer state, data position, previous norm).
+// state a joining replica copies (shards, optimizer state, data position, previous norm, loss
+// scale).
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
@@ -56,6 +57,8 @@ void Trainer::on_membership_change(int64_t step) {
   auto& quorum = membership_->quorum();
   fsdp::set_replicate_group(*model_.module, quorum.replicate_group());
   fsdp::set_shard_group(*model_.module, quorum.replica_group());
+  if (auto* scaler = optimizers_->scaler())  // its inf check is over the replica's shards
+    scaler->set_group(quorum.replica_group());
   metrics_pg_ = quorum.live_group();
   metrics_->set_group(metrics_pg_);
   // The lowest live rank writes: a new writer continues metrics.jsonl after the last step
@@ -111,6 +114,11 @@ void Trainer::sync_replica_state(bool joining) {
   out.write("sampler.position", c10::IValue(sampler.position));
   out.write("sampler.seed", c10::IValue(static_cast<int64_t>(sampler.seed)));
   out.write("previous_grad_norm", c10::IValue(o.previous_grad_norm()));
+  // The loss scale: every replica's gradients are scaled alike before they are averaged.
+  const auto scaler = o.scaler() ? o.scaler()->state() : fsdp::ShardedGradScaler::State{};
+  out.write("scaler.scale", c10::IValue(scaler.scale));
+  out.write("scaler.growth_tracker", c10::IValue(scaler.growth_tracker));
+  out.write("scaler.skipped_steps", c10::IValue(scaler.skipped_steps));
   out.write("answers_before", c10::IValue(c10::List<std::string>(answers_before_)));
   std::ostringstream os;
   out.save_to(os);
@@ -140,6 +148,16 @@ void Trainer::sync_replica_state(bool joining) {
   data_->load_state(state);
   in.read("previous_grad_norm", v);
   o.previous_grad_norm() = v.toDouble();
+  if (o.scaler()) {
+    fsdp::ShardedGradScaler::State received;
+    in.read("scaler.scale", v);
+    received.scale = v.toDouble();
+    in.read("scaler.growth_tracker", v);
+    received.growth_tracker = v.toInt();
+    in.read("scaler.skipped_steps", v);
+    received.skipped_steps = v.toInt();
+    o.scaler()->load_state(received);
+  }
   in.read("answers_before", v);
   answers_before_.clear();
   for (const auto& answer : v.toListRef())
