@@ -414,7 +414,8 @@ const std::vector<Option>& options() {
           "restarted. Checkpoints (sync or async) and checkpoint.export_hf are written by "
           "the live replicas (a save a fault interrupts is dropped and the previous one stays "
           "the latest); with logging.tensorboard, each new writer starts an event file after the "
-          "ones it continues. No memory plan."),
+          "ones it continues. --plan and training.memory_budget: made by the ranks that start the job "
+          "(a restarted replica goes without)."),
       opt("fsdp.membership_schedule", FIELD(fsdp.membership_schedule),
           "With fsdp.fault_tolerant, without faults: the replicas that train from a step on, "
           "as \"step:r,r,...;step:...\" (e.g. \"5:0,2;12:0,1,2\": replica 1 out from step 5, "
@@ -882,8 +883,7 @@ void validate_training(const Config& c) {
 }
 
 // [fsdp] and [checkpoint]'s export size.
-// fsdp.fault_tolerant and what it cannot go with yet (refused): the memory plan, which reads
-// and writes through the world group, fails once a rank is gone; optimizer_in_backward steps
+// fsdp.fault_tolerant and what it cannot go with yet (refused): optimizer_in_backward steps
 // before the step is committed; reshard_after_forward_size's block groups are not made anew.
 void validate_fault_tolerance(const Config& c) {
   const auto& f = c.fsdp;
@@ -904,8 +904,6 @@ void validate_fault_tolerance(const Config& c) {
           "needs fsdp.strategy = \"hybrid_shard\" with fsdp.hybrid_shard_size set: its blocks "
           "are the replicas that fail and come back");
   require(c.training.device == "cpu", key, "runs on Gloo (training.device = \"cpu\") so far");
-  require(!c.logging.plan && c.training.memory_budget.empty(), key,
-          "cannot go with --plan or training.memory_budget yet");
   require(!f.optimizer_in_backward, key, "cannot go with fsdp.optimizer_in_backward yet");
   require(f.reshard_after_forward_size == 0, key,
           "cannot go with fsdp.reshard_after_forward_size yet (its block groups are not made "

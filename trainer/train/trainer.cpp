@@ -369,6 +369,15 @@ void Trainer::plan_memory(const std::string& model_file) {
     }
     return;
   }
+  // The plan is made as the job starts, every rank timing its pieces at once: a restarted
+  // replica of a fault-tolerant job has no world group to time with, and goes without.
+  if (membership_ && membership_->restarted()) {
+    std::printf(
+        "fsdp-train: [rank %d] no memory plan in a restarted replica (made at the "
+        "job's start)\n",
+        pg_->rank());
+    return;
+  }
   // Timing the pieces (--plan) happens on every rank at once, as the step will.
   const bool timed = config_.logging.plan;
   const FinetuneData* finetune = data_->finetune();
@@ -418,16 +427,27 @@ void Trainer::plan_memory(const std::string& model_file) {
   }
   if (!t.memory_budget.empty()) {
     const int64_t budget = parse_bytes(t.memory_budget, "training.memory_budget");
-    const int64_t highest = metrics_->max(predicted.peak);
+    const int64_t highest = start_max(predicted.peak);
     // Every rank takes part in the reduction; the rank with the highest peak explains it.
     const int64_t mine = highest == predicted.peak ? pg_->rank() : pg_->size();
-    const int64_t who = -metrics_->max(-mine);
+    const int64_t who = -start_max(-mine);
     if (highest > budget && pg_->rank() == who) {
       std::fprintf(stderr, "fsdp-train: warning: rank %d: %s\n", pg_->rank(),
                    budget_warning(run, predicted, budget, dp_rank()).c_str());
       std::fflush(stderr);
     }
   }
+}
+
+int64_t Trainer::start_max(int64_t v) {
+  if (!membership_)
+    return metrics_->max(v);
+  // With fault tolerance, every rank at the start (a spare too, which the live group leaves
+  // out); a restarted replica has no world group to take part in.
+  TORCH_CHECK(!membership_->restarted(), "start_max: in a restarted replica");
+  auto t = torch::tensor({v}, torch::kLong);
+  fsdp::all_reduce(*pg_, t, fsdp::ReduceOp::kMax, "max of a metric")->wait();
+  return t.item<int64_t>();
 }
 
 ComputeDtype Trainer::resolve_compute_dtype() {
@@ -443,15 +463,7 @@ ComputeDtype Trainer::resolve_compute_dtype() {
     }
     return choice;
   }
-  // The highest over every rank (with fault tolerance, every rank at the start: a spare too,
-  // which the live group leaves out).
-  auto job_max = [&](int64_t v) {
-    if (!membership_)
-      return metrics_->max(v);
-    auto t = torch::tensor({v}, torch::kLong);
-    fsdp::all_reduce(*pg_, t, fsdp::ReduceOp::kMax, "max of a metric")->wait();
-    return t.item<int64_t>();
-  };
+  auto job_max = [this](int64_t v) { return start_max(v); };
   DtypeSpeeds speeds;
   if (needs_dtype_speeds(requested, cuda)) {
     // A transformer layer's size, whatever the model: the ratio between the dtypes is what
@@ -851,14 +863,7 @@ void Trainer::train() {
       save_checkpoint(step);
   }
   finish_async_save();
-  if (plan_check_ && config_.logging.plan && pg_->rank() == 0 &&
-      plan_check_->measured().steps > 0) {
-    std::string json;
-    for (const auto& line : plan_check_->compare(&json))
-      metrics_->message(line);
-    fsdp::write_file_atomic((std::filesystem::path(config_.logging.run_dir) / "plan.json").string(),
-                            json);
-  }
+  report_plan();
   if (config_.checkpoint.export_hf)
     export_hf(export_dir(config_), /*replace=*/true);
   if (data_->finetune())
@@ -873,6 +878,23 @@ void Trainer::train() {
     std::printf("held-out loss: %.4f -> %.4f\n", initial_eval, *last_eval_loss);
     write_outputs();
   }
+}
+
+void Trainer::report_plan() {
+  if (!config_.logging.plan || !speaks())
+    return;
+  if (!plan_check_) {  // a restarted replica's rank writes (fault tolerance)
+    metrics_->message("no comparison with the memory plan: the rank writing (" +
+                      std::to_string(pg_->rank()) + ") was restarted since the job began");
+    return;
+  }
+  if (plan_check_->measured().steps == 0)
+    return;
+  std::string json;
+  for (const auto& line : plan_check_->compare(&json))
+    metrics_->message(line);
+  fsdp::write_file_atomic((std::filesystem::path(config_.logging.run_dir) / "plan.json").string(),
+                          json);
 }
 
 std::string step_dir_name(int64_t step) {

@@ -142,6 +142,10 @@ class Trainer {
   /// Resolves precision.param_dtype ("auto", or a warning for a slow explicit one) from
   /// matmul speeds every rank measures at once, the highest taken: every rank decides alike.
   ComputeDtype resolve_compute_dtype();
+  /// The highest `v` over the ranks that start the job (collective over them).
+  int64_t start_max(int64_t v);
+  /// --plan: the writer compares the plan with what its rank measured (plan.json).
+  void report_plan();
   void write_outputs();
   /// finetune: rank 0's greedy answers to the first finetune.samples held-out questions (every
   /// rank runs the forwards).

@@ -301,6 +301,7 @@ void Trainer::train_fault_tolerant() {
       membership_->after_step(step);
   }
   finish_async_save();
+  report_plan();
   // By the live replicas; a fault in it fails it (the checkpoints stay) and the job with it.
   if (config_.checkpoint.export_hf)
     export_hf(export_dir(config_), /*replace=*/true);
