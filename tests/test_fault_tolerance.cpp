@@ -343,6 +343,62 @@ FSDP_WORKER(ft_bad_options) {
   return 0;
 }
 
+// fsdp::set_shard_group on units resharded over blocks of 2 ranks after forward
+// (reshard_after_forward_size = 2, full_shard over 4 ranks). Model A's units get a new group over
+// the same ranks after step 2, model B's keep theirs (each model its own groups): after 4 steps
+// their parameters are equal bit for bit, and A's backward gathered from the blocks of the new
+// group after the change (its old blocks counted only steps 0 and 1).
+FSDP_WORKER(ft_shard_group_renewed_with_post_forward_blocks) {
+  auto pg =
+      fsdp::init_process_group(fsdp::launch_env_from_environment(), fsdp::ProcessGroupOptions());
+  const auto cfg = GPTConfig::preset("gpt2-test");
+  auto make = [&](const std::shared_ptr<fsdp::ProcessGroup>& group) {
+    torch::manual_seed(5);
+    GPT model(cfg);
+    fsdp_models::parallelize_gpt(model,
+                                 fsdp::FullyShardOptions(group).reshard_after_forward_size(2));
+    return model;
+  };
+  const auto group_a = pg->new_group({0, 1, 2, 3}), group_b = pg->new_group({0, 1, 2, 3});
+  const auto renewed = pg->new_group({0, 1, 2, 3});
+  GPT a = make(group_a), b = make(group_b);
+  torch::optim::AdamW opt_a(a->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::optim::AdamW opt_b(b->parameters(), torch::optim::AdamWOptions(1e-2));
+  int64_t old_blocks_at_change = -1;
+  for (int64_t step = 0; step < 4; ++step) {
+    if (step == 2) {
+      old_blocks_at_change = group_a->block_group(2)->comm_stats().all_gather.calls;
+      fsdp::set_shard_group(*a, renewed);
+    }
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 * step + pg->rank());
+    auto tokens = torch::randint(cfg.vocab_size, {2, cfg.block_size + 1}, gen, torch::kLong);
+    auto x = tokens.narrow(1, 0, cfg.block_size), y = tokens.narrow(1, 1, cfg.block_size);
+    for (auto [model, opt] : {std::pair{&a, &opt_a}, std::pair{&b, &opt_b}}) {
+      opt->zero_grad();
+      fsdp_models::lm_loss(fsdp::forward(*model, x), y).backward();
+      opt->step();
+    }
+  }
+  const auto pa = a->parameters(), pb = b->parameters();
+  WORKER_CHECK(pa.size() == pb.size() && !pa.empty());
+  for (size_t i = 0; i < pa.size(); ++i)
+    WORKER_CHECK(torch::equal(pa[i], pb[i])) << "parameter " << i;
+  // Block gathers (cached block_group: no new groups made here): B's over 4 steps, A's old
+  // blocks' over the 2 before the change and its new blocks' over the 2 after.
+  const auto b_blocks = group_b->block_group(2)->comm_stats().all_gather.calls;
+  const auto old_blocks = group_a->block_group(2)->comm_stats().all_gather.calls;
+  const auto new_blocks = renewed->block_group(2)->comm_stats().all_gather.calls;
+  WORKER_CHECK(b_blocks > 0 && b_blocks % 2 == 0) << b_blocks;
+  WORKER_CHECK(old_blocks == old_blocks_at_change && 2 * old_blocks == b_blocks)
+      << old_blocks << " (" << old_blocks_at_change << " at the change) of " << b_blocks;
+  WORKER_CHECK(2 * new_blocks == b_blocks) << new_blocks << " of " << b_blocks;
+  return 0;
+}
+
+TEST(FaultTolerance, NewShardGroupsRemakeThePostForwardBlocks) {
+  EXPECT_WORKERS_OK(fsdp::test::run_workers("ft_shard_group_renewed_with_post_forward_blocks", 4));
+}
+
 TEST(FaultTolerance, OptionsThatCannotWorkAreRefused) {
   EXPECT_WORKERS_OK(fsdp::test::run_workers("ft_bad_options", 3));
 }

@@ -238,9 +238,10 @@ void set_replicate_group(torch::nn::Module& module, std::shared_ptr<ProcessGroup
 /// Fault tolerance: the shard group of every unit under `module` becomes `group`, a new group
 /// over the same ranks in the same order (each member at the same place: the shards do not
 /// move). A Gloo group whose collective timed out has closed its connections for good, so a
-/// replica that goes on after a fault gets fresh ones. Between steps only; a unit with a
-/// post-forward block (reshard_after_forward_size) is refused, and a unit sharded over one rank
-/// accepts only a group of one.
+/// replica that goes on after a fault gets fresh ones. A unit's post-forward blocks
+/// (reshard_after_forward_size) are made anew from `group` (collective over it: every member
+/// calls this for the same units in the same order). Between steps only; a unit sharded over one
+/// rank accepts only a group of one.
 void set_shard_group(torch::nn::Module& module, std::shared_ptr<ProcessGroup> group);
 
 /// Called with a unit's trainable parameters once their .grad holds the backward pass's

@@ -254,15 +254,16 @@ void ParamGroup::set_shard_group(std::shared_ptr<ProcessGroup> group) {
            std::to_string(group->size()) + " ranks");
     return;
   }
-  if (groups_.post_forward)
-    fail(
-        "set_shard_group: a unit resharded over blocks after forward (reshard_after_forward_size) "
-        "keeps its groups");
   if (group->global_ranks() != groups_.shard->global_ranks())
     fail("set_shard_group: the new group must hold the same ranks in the same order (" +
          std::to_string(groups_.shard->size()) + " ranks from global rank " +
          std::to_string(groups_.shard->global_ranks().front()) + "), got " +
          std::to_string(group->size()) + " from " + std::to_string(group->global_ranks().front()));
+  // The post-forward blocks (reshard_after_forward_size) are the new group's: made once per
+  // group by every member (block_group is collective the first time, cached after), and the
+  // units call this in the same order on every rank.
+  if (groups_.post_forward)
+    groups_.post_forward = group->block_group(groups_.post_forward->size());
   groups_.shard = std::move(group);
 }
 

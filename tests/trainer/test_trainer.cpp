@@ -205,8 +205,9 @@ TEST(TrainerConfig, BadInputIsOneLineAndExitCode2) {
        "set"},
       {"",
        "--fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=1 --fsdp.fault_tolerant=true "
-       "--fsdp.reshard_after_forward_size=2 --nproc 4",
-       "'fsdp.fault_tolerant' cannot go with fsdp.reshard_after_forward_size"},
+       "--fsdp.optimizer_in_backward=true --optimizer.name=adamw_fused --training.grad_clip=0",
+       "'fsdp.fault_tolerant' cannot go with fsdp.optimizer_in_backward (the units step inside "
+       "backward"},
       {"",
        "--fsdp.strategy=hybrid_shard --fsdp.hybrid_shard_size=1 --fsdp.fault_tolerant=true "
        "--fsdp.membership_schedule=5:0,2;3:0",

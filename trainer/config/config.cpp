@@ -414,7 +414,8 @@ const std::vector<Option>& options() {
           "restarted. Checkpoints (sync or async) and checkpoint.export_hf are written by "
           "the live replicas (a save a fault interrupts is dropped and the previous one stays "
           "the latest); with logging.tensorboard, each new writer starts an event file after the "
-          "ones it continues. --plan and training.memory_budget: made by the ranks that start the job "
+          "ones it continues. --plan and training.memory_budget: made by the ranks that start the "
+          "job "
           "(a restarted replica goes without)."),
       opt("fsdp.membership_schedule", FIELD(fsdp.membership_schedule),
           "With fsdp.fault_tolerant, without faults: the replicas that train from a step on, "
@@ -883,8 +884,8 @@ void validate_training(const Config& c) {
 }
 
 // [fsdp] and [checkpoint]'s export size.
-// fsdp.fault_tolerant and what it cannot go with yet (refused): optimizer_in_backward steps
-// before the step is committed; reshard_after_forward_size's block groups are not made anew.
+// fsdp.fault_tolerant and what it cannot go with (refused): optimizer_in_backward steps before
+// the step is committed, so a failed attempt could not be undone.
 void validate_fault_tolerance(const Config& c) {
   const auto& f = c.fsdp;
   require(f.max_restarts >= 0 && f.max_restarts <= 1000000, "fsdp.max_restarts",
@@ -904,10 +905,9 @@ void validate_fault_tolerance(const Config& c) {
           "needs fsdp.strategy = \"hybrid_shard\" with fsdp.hybrid_shard_size set: its blocks "
           "are the replicas that fail and come back");
   require(c.training.device == "cpu", key, "runs on Gloo (training.device = \"cpu\") so far");
-  require(!f.optimizer_in_backward, key, "cannot go with fsdp.optimizer_in_backward yet");
-  require(f.reshard_after_forward_size == 0, key,
-          "cannot go with fsdp.reshard_after_forward_size yet (its block groups are not made "
-          "anew after a fault)");
+  require(!f.optimizer_in_backward, key,
+          "cannot go with fsdp.optimizer_in_backward (the units step inside backward, before the "
+          "live replicas commit the step, and a failed attempt could not be undone)");
   if (!f.membership_schedule.empty()) {
     try {
       parse_membership_schedule(f.membership_schedule);
