@@ -255,7 +255,7 @@ class ReplicaRestarter {
     }
     auto& q = replicas_[static_cast<size_t>(r / k_)];
     if (code == o_.replica_restarts->refused_input_exit_code)
-      q.refused_input = true;
+      q.refused_input = true;  // this run of the replica
     if (q.state != State::kRunning)
       return;
     q.state = State::kEnding;
@@ -289,13 +289,18 @@ class ReplicaRestarter {
         if (running)
           continue;
         const int used = result_.restarts[i];
-        if (finished_ || q.refused_input || used >= o_.replica_restarts->max_restarts) {
+        // A refusal can be a passing read error (EIO on a network file system): the replica
+        // is started once more, and not after two runs in a row that refused.
+        q.refusals_in_a_row = q.refused_input ? q.refusals_in_a_row + 1 : 0;
+        q.refused_input = false;
+        const bool refuses = q.refusals_in_a_row >= 2;
+        if (finished_ || refuses || used >= o_.replica_restarts->max_restarts) {
           q.state = State::kGone;
           std::fprintf(stderr, "fsdp launch: replica %d not restarted (%s)\n",
                        (first_rank_ + first) / k_,
-                       finished_         ? "the job is ending"
-                       : q.refused_input ? "a rank refused its input, and would again"
-                                         : "no restarts left");
+                       finished_ ? "the job is ending"
+                       : refuses ? "its ranks refused their input twice in a row"
+                                 : "no restarts left");
           continue;
         }
         q.state = State::kRestartAt;
@@ -328,7 +333,8 @@ class ReplicaRestarter {
   struct Replica {
     State state = State::kRunning;
     Clock::time_point kill_at, restart_at;
-    bool refused_input = false;  // a rank exited with refused_input_exit_code
+    bool refused_input = false;  // a rank of this run exited with refused_input_exit_code
+    int refusals_in_a_row = 0;   // runs of the replica that refused, the last ones
   };
   const LocalLaunchOptions& o_;
   int k_;

@@ -472,7 +472,8 @@ int64_t ReplicaQuorum::rejoin(std::chrono::milliseconds timeout, bool ask) {
   return step;
 }
 
-void ReplicaQuorum::sync_state(const std::vector<torch::Tensor>& tensors, std::string* blob) {
+void ReplicaQuorum::sync_state(const std::vector<torch::Tensor>& tensors, std::string* blob,
+                               const std::vector<torch::Tensor>& held) {
   TORCH_CHECK(!left_ && replicate_group_ && !stayed_.empty(),
               "fsdp::ReplicaQuorum::sync_state: no change admitted replicas");
   torch::NoGradGuard no_grad;
@@ -498,6 +499,8 @@ void ReplicaQuorum::sync_state(const std::vector<torch::Tensor>& tensors, std::s
   }
   for (const auto& t : tensors)
     broadcast(group, t, root, "sync_state")->wait();
+  const size_t copied = all.size();
+  all.insert(all.end(), held.begin(), held.end());
   // Every member's checksum of every tensor, compared through their max and min.
   auto sums = torch::empty({static_cast<int64_t>(all.size())}, torch::kLong);
   auto* sum = sums.data_ptr<int64_t>();
@@ -507,11 +510,15 @@ void ReplicaQuorum::sync_state(const std::vector<torch::Tensor>& tensors, std::s
   all_reduce(group, high, ReduceOp::kMax, "sync_state: checksums")->wait();
   all_reduce(group, low, ReduceOp::kMin, "sync_state: checksums")->wait();
   for (size_t i = 0; i < all.size(); ++i) {
-    TORCH_CHECK(
-        high.data_ptr<int64_t>()[i] == low.data_ptr<int64_t>()[i],
-        "fsdp::ReplicaQuorum::sync_state: ",
-        blob && i + 1 == all.size() ? std::string("the blob") : "tensor " + std::to_string(i),
-        " differs between the replicas after the copy (checksums differ)");
+    if (high.data_ptr<int64_t>()[i] == low.data_ptr<int64_t>()[i])
+      continue;
+    std::string what = "tensor " + std::to_string(i);
+    if (i >= copied)
+      what = "held tensor " + std::to_string(i - copied) + " (not copied: each replica's own)";
+    else if (blob && i + 1 == copied)
+      what = "the blob";
+    TORCH_CHECK(false, "fsdp::ReplicaQuorum::sync_state: ", what,
+                " differs between the replicas after the copy (checksums differ)");
   }
 }
 

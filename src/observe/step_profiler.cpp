@@ -58,7 +58,16 @@ StepProfiler::Scope::~Scope() {
 void StepProfiler::begin_step() {
   current_ = StepBreakdown{};
   at_start_ = snapshot();
+  banked_ = CommStats{};
   start_ = std::chrono::steady_clock::now();
+}
+
+void StepProfiler::groups_changing() {
+  banked_ += snapshot() - at_start_;
+}
+
+void StepProfiler::groups_changed() {
+  at_start_ = snapshot();
 }
 
 StepProfiler::Scope StepProfiler::forward() {
@@ -75,6 +84,7 @@ StepBreakdown StepProfiler::end_step() {
   StepBreakdown b = current_;
   b.step_s = seconds_since(start_);
   b.comm = snapshot() - at_start_;
+  b.comm += banked_;
   b.other_s = std::max(0.0, b.step_s - b.forward_s - b.backward_s - b.all_gather_wait_s -
                                 b.reduce_wait_s - b.optimizer_s);
   return b;

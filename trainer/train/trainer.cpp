@@ -883,9 +883,11 @@ void Trainer::train() {
 void Trainer::report_plan() {
   if (!config_.logging.plan || !speaks())
     return;
-  if (!plan_check_) {  // a restarted replica's rank writes (fault tolerance)
-    metrics_->message("no comparison with the memory plan: the rank writing (" +
-                      std::to_string(pg_->rank()) + ") was restarted since the job began");
+  if (!plan_check_) {  // none made (CUDA, no tracking allocator), or not by this rank
+    if (membership_ && membership_->restarted()) {
+      metrics_->message("no comparison with the memory plan: the rank writing (" +
+                        std::to_string(pg_->rank()) + ") was restarted since the job began");
+    }
     return;
   }
   if (plan_check_->measured().steps == 0)

@@ -141,6 +141,8 @@ class Trainer {
   void write_trace(std::pair<int64_t, int64_t> steps);
   /// Resolves precision.param_dtype ("auto", or a warning for a slow explicit one) from
   /// matmul speeds every rank measures at once, the highest taken: every rank decides alike.
+  /// With fault tolerance the ranks that start the job decide and publish the choice, which a
+  /// restarted replica reads.
   ComputeDtype resolve_compute_dtype();
   /// The highest `v` over the ranks that start the job (collective over them).
   int64_t start_max(int64_t v);

@@ -55,8 +55,11 @@ fsdp::ProcessGroup& Trainer::norm_group() {
 
 void Trainer::on_membership_change(int64_t step) {
   auto& quorum = membership_->quorum();
+  // Counted until now on the old groups, from now on on the new ones (which start at zero).
+  profiler_->groups_changing();
   fsdp::set_replicate_group(*model_.module, quorum.replicate_group());
   fsdp::set_shard_group(*model_.module, quorum.replica_group());
+  profiler_->groups_changed();
   if (auto* scaler = optimizers_->scaler())  // its inf check is over the replica's shards
     scaler->set_group(quorum.replica_group());
   metrics_pg_ = quorum.live_group();
@@ -72,11 +75,12 @@ void Trainer::on_membership_change(int64_t step) {
 
 void Trainer::sync_replica_state(bool joining) {
   torch::NoGradGuard no_grad;
-  // What training changes: the frozen weights of fine-tuning are the model file's everywhere.
-  std::vector<torch::Tensor> shards;
+  // What training changes is copied; the frozen weights of fine-tuning are read from the model
+  // file by every replica, and only compared (a file changed since the job began would leave
+  // a joining replica training on another base).
+  std::vector<torch::Tensor> shards, frozen;
   for (const auto& p : model_.module->parameters())
-    if (p.requires_grad())
-      shards.push_back(p.detach());
+    (p.requires_grad() ? shards : frozen).push_back(p.detach());
   auto& o = *optimizers_;
   // A fused optimizer's state goes as tensors (its moments, a joining rank's zeros until
   // received, and every parameter's step count); torch's optimizers' in their archive.
@@ -123,7 +127,7 @@ void Trainer::sync_replica_state(bool joining) {
   std::ostringstream os;
   out.save_to(os);
   std::string blob = os.str();
-  membership_->quorum().sync_state(shards, &blob);
+  membership_->quorum().sync_state(shards, &blob, frozen);
   if (!joining)  // its own state, checked equal to the sender's
     return;
   std::istringstream is(blob);
@@ -220,10 +224,11 @@ StepMetrics Trainer::fault_tolerant_step(int64_t step) {
   end_step(step, batch, m);
   fsdp::trace::Span span("metrics", "metrics");
   std::optional<double> local_tokens;
-  if (data_->finetune())  // batches padded to their own longest conversation: counted
+  // An estimate if the reduction below fails; fine-tuning's batches are padded to their own
+  // longest conversation, so its count is the reduction's.
+  m.tokens = data_->tokens_in(batch) * metrics_pg_->size();
+  if (data_->finetune())
     local_tokens = static_cast<double>(data_->tokens_in(batch));
-  else
-    m.tokens = data_->tokens_in(batch) * metrics_pg_->size();
   try {
     metrics_->reduce(m, loss_sum, local_tokens);
   } catch (const std::exception& e) {
@@ -300,6 +305,9 @@ void Trainer::train_fault_tolerant() {
     if (step < t.steps)  // none is admitted after the last: finish() tells them it is over
       membership_->after_step(step);
   }
+  // Before the outputs, which take long enough for a replica waiting to join to give up: spares
+  // never needed and restarted replicas not admitted stop waiting.
+  membership_->finish();
   finish_async_save();
   report_plan();
   // By the live replicas; a fault in it fails it (the checkpoints stay) and the job with it.
@@ -307,7 +315,6 @@ void Trainer::train_fault_tolerant() {
     export_hf(export_dir(config_), /*replace=*/true);
   if (data_->finetune())
     write_finetune_outputs(answers_before_, answer_questions());
-  membership_->finish();  // spares never needed stop waiting
   if (!speaks())
     return;
   metrics_->finish();

@@ -82,8 +82,9 @@ struct LocalLaunchOptions {
     /// state, ReplicaStateLost): no replica is started again, and the job ends as its ranks do.
     /// -1: none.
     int job_over_exit_code = -1;
-    /// A rank that exits with this code refused its input (a config or a file): started again
-    /// it would refuse it again, so its replica is not. -1: none.
+    /// A rank that exits with this code refused its input (a config or a file): its replica is
+    /// started once more (the refusal may have been a passing read error), and not after two
+    /// runs in a row that refused. -1: none.
     int refused_input_exit_code = -1;
   };
   std::optional<ReplicaRestarts> replica_restarts;

@@ -183,8 +183,11 @@ class ReplicaQuorum {
   /// `blob` (may be null) of the rank at this index in the first replica that stayed go to every
   /// member of replicate_group() (a broadcast, in place; the admitted ranks' are overwritten);
   /// then each member's checksum of them is compared over the group, and a difference throws
-  /// naming the tensor. Members pass tensors of the same shapes in the same order.
-  void sync_state(const std::vector<torch::Tensor>& tensors, std::string* blob);
+  /// naming the tensor. `held`: what every member holds already and is not copied (the frozen
+  /// weights a fine-tuning job reads from its model file), compared the same way. Members pass
+  /// tensors of the same shapes in the same order.
+  void sync_state(const std::vector<torch::Tensor>& tensors, std::string* blob,
+                  const std::vector<torch::Tensor>& held = {});
 
  private:
   // commit()'s vote under the keys `base`.

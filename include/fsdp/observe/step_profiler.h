@@ -74,6 +74,11 @@ class StepProfiler {
   };
 
   void begin_step();
+  /// Fault tolerance replaces the units' groups between attempts at a step: called around the
+  /// change (no scope open), the step's collectives are those of the old groups until it and
+  /// of the new ones after (a new group counts from zero).
+  void groups_changing();
+  void groups_changed();
   [[nodiscard]] Scope forward();
   [[nodiscard]] Scope backward();
   [[nodiscard]] Scope optimizer();
@@ -84,7 +89,8 @@ class StepProfiler {
 
   std::shared_ptr<torch::nn::Module> model_;
   std::chrono::steady_clock::time_point start_;
-  CommStats at_start_;
+  CommStats at_start_;  // the groups' counts when the step began, or when they last changed
+  CommStats banked_;    // the step's collectives on groups replaced since it began
   StepBreakdown current_;
 };
 
