@@ -149,6 +149,10 @@ FSDP_WORKER(ft_replicas) {
     std::vector<torch::Tensor> shards;
     for (const auto& p : model->parameters())
       shards.push_back(p.detach());
+    // FSDP_JOINER_EXTRA=1: a restarted replica holds one tensor more than the others (as one
+    // started with another configuration would).
+    if (env.incarnation > 0 && ctx.env("FSDP_JOINER_EXTRA", "0") == "1")
+      shards.push_back(torch::zeros({3}));
     std::ostringstream os;
     torch::serialize::OutputArchive saved;
     opt.save(saved);
@@ -830,6 +834,39 @@ TEST(FaultTolerance, ASpareNeverNeededEndsWithTheJob) {
 
 TEST(FaultTolerance, AReplicaOfTwoRanksRestartedAfterAKillRejoinsAndEqualsTheScheduleRun) {
   kill_restart_and_heal(/*k=*/2, /*victim=*/2);
+}
+
+// A restarted replica whose state does not match the others' in layout (one tensor more): the
+// copy fails on every member before any tensor moves, naming why; the joiner fails, and the live
+// replicas drop it and train on to the end.
+TEST(FaultTolerance, AJoinerWhoseTensorsDifferInLayoutIsRefusedBeforeAnyCopy) {
+  fsdp::LocalLaunchOptions::ReplicaRestarts restarts;
+  restarts.max_restarts = 1;
+  restarts.grace = std::chrono::seconds(20);
+  auto fault = run_ft(3,
+                      {{"FSDP_KILL_RANK", "1"},
+                       {"FSDP_KILL_STEP", "2"},
+                       {"FSDP_KILL_WHERE", "backward"},
+                       {"FSDP_TIMEOUT_S", "3"},
+                       {"FSDP_RESTART", "1"},
+                       {"FSDP_JOINER_EXTRA", "1"},
+                       {"FSDP_STEPS", "20"},
+                       {"FSDP_STEP_SLEEP_MS", "150"}},
+                      "layout", restarts);
+  ASSERT_FALSE(fault.result.timed_out) << fault.result.describe();
+  EXPECT_EQ(fault.result.restarts, (std::vector<int>{0, 1, 0})) << fault.result.describe();
+  for (int r : {0, 2}) {
+    const auto& out = fault.result.outputs[static_cast<size_t>(r)];
+    EXPECT_EQ(fault.result.exit_codes[static_cast<size_t>(r)], 0) << fault.result.describe();
+    EXPECT_NE(out.find("the replicas' tensors differ in number, dtypes or shapes"),
+              std::string::npos)
+        << out;
+    EXPECT_NE(out.find("FT OK"), std::string::npos) << out;
+  }
+  EXPECT_NE(fault.result.exit_codes[1], 0) << fault.result.describe();
+  EXPECT_NE(fault.result.outputs[1].find("differ in number, dtypes or shapes"), std::string::npos)
+      << fault.result.outputs[1];
+  std::filesystem::remove_all(fault.dir);
 }
 
 TEST(FaultTolerance, AStalledReplicaRejoinsFromAPeerAndEqualsTheScheduleRun) {

@@ -487,6 +487,30 @@ void ReplicaQuorum::sync_state(const std::vector<torch::Tensor>& tensors, std::s
     TORCH_CHECK(tensors[i].is_contiguous() && tensors[i].device().is_cpu(),
                 "fsdp::ReplicaQuorum::sync_state: tensor ", i, " is not a contiguous CPU tensor");
   }
+  {
+    // The members' tensors must agree in number, dtypes and shapes, or the broadcasts below
+    // would pair unlike buffers (a replica started with another config): compared first, as a
+    // hash of them all, through the group's max and min.
+    std::vector<int64_t> layout{static_cast<int64_t>(tensors.size()),
+                                static_cast<int64_t>(held.size()), blob ? 1 : 0};
+    for (const auto* list : {&tensors, &held}) {
+      for (const auto& t : *list) {
+        layout.push_back(static_cast<int64_t>(t.scalar_type()));
+        layout.push_back(t.dim());
+        layout.insert(layout.end(), t.sizes().begin(), t.sizes().end());
+      }
+    }
+    const auto signature = checksum(
+        torch::from_blob(layout.data(), {static_cast<int64_t>(layout.size())}, torch::kLong));
+    auto high = torch::tensor({signature}, torch::kLong), low = high.clone();
+    all_reduce(group, high, ReduceOp::kMax, "sync_state: layout")->wait();
+    all_reduce(group, low, ReduceOp::kMin, "sync_state: layout")->wait();
+    TORCH_CHECK(high.item<int64_t>() == low.item<int64_t>(),
+                "fsdp::ReplicaQuorum::sync_state: the replicas' tensors differ in number, dtypes "
+                "or shapes (",
+                tensors.size(), " to copy and ", held.size(),
+                " held here): a replica started with another configuration?");
+  }
   std::vector<torch::Tensor> all = tensors;
   if (blob) {
     auto size = torch::tensor({static_cast<int64_t>(blob->size())}, torch::kLong);
