@@ -72,6 +72,19 @@ int64_t checksum(const torch::Tensor& t) {
   return out;
 }
 
+// For each of `values`, whether every member of `group` holds the same (their max and min
+// agree): one all-reduce each way, in the order every member calls it.
+std::vector<bool> agreed(ProcessGroup& group, const std::vector<int64_t>& values,
+                         const std::string& what) {
+  auto high = torch::tensor(values, torch::kLong), low = high.clone();
+  all_reduce(group, high, ReduceOp::kMax, what)->wait();
+  all_reduce(group, low, ReduceOp::kMin, what)->wait();
+  std::vector<bool> out(values.size());
+  for (size_t i = 0; i < values.size(); ++i)
+    out[i] = high.data_ptr<int64_t>()[i] == low.data_ptr<int64_t>()[i];
+  return out;
+}
+
 // Short sleeps first (a vote usually completes within a millisecond of the last rank's), then
 // longer ones, so that a wait of seconds costs the store a few hundred requests, not millions.
 class Backoff {
@@ -490,7 +503,7 @@ void ReplicaQuorum::sync_state(const std::vector<torch::Tensor>& tensors, std::s
   {
     // The members' tensors must agree in number, dtypes and shapes, or the broadcasts below
     // would pair unlike buffers (a replica started with another config): compared first, as a
-    // hash of them all, through the group's max and min.
+    // hash of them all.
     std::vector<int64_t> layout{static_cast<int64_t>(tensors.size()),
                                 static_cast<int64_t>(held.size()), blob ? 1 : 0};
     for (const auto* list : {&tensors, &held}) {
@@ -502,10 +515,7 @@ void ReplicaQuorum::sync_state(const std::vector<torch::Tensor>& tensors, std::s
     }
     const auto signature = checksum(
         torch::from_blob(layout.data(), {static_cast<int64_t>(layout.size())}, torch::kLong));
-    auto high = torch::tensor({signature}, torch::kLong), low = high.clone();
-    all_reduce(group, high, ReduceOp::kMax, "sync_state: layout")->wait();
-    all_reduce(group, low, ReduceOp::kMin, "sync_state: layout")->wait();
-    TORCH_CHECK(high.item<int64_t>() == low.item<int64_t>(),
+    TORCH_CHECK(agreed(group, {signature}, "sync_state: layout").front(),
                 "fsdp::ReplicaQuorum::sync_state: the replicas' tensors differ in number, dtypes "
                 "or shapes (",
                 tensors.size(), " to copy and ", held.size(),
@@ -525,16 +535,13 @@ void ReplicaQuorum::sync_state(const std::vector<torch::Tensor>& tensors, std::s
     broadcast(group, t, root, "sync_state")->wait();
   const size_t copied = all.size();
   all.insert(all.end(), held.begin(), held.end());
-  // Every member's checksum of every tensor, compared through their max and min.
-  auto sums = torch::empty({static_cast<int64_t>(all.size())}, torch::kLong);
-  auto* sum = sums.data_ptr<int64_t>();
+  // Every member's checksum of every tensor, compared with the others'.
+  std::vector<int64_t> sums(all.size());
   for (size_t i = 0; i < all.size(); ++i)
-    sum[i] = checksum(all[i]);
-  auto high = sums.clone(), low = sums.clone();
-  all_reduce(group, high, ReduceOp::kMax, "sync_state: checksums")->wait();
-  all_reduce(group, low, ReduceOp::kMin, "sync_state: checksums")->wait();
+    sums[i] = checksum(all[i]);
+  const auto same = agreed(group, sums, "sync_state: checksums");
   for (size_t i = 0; i < all.size(); ++i) {
-    if (high.data_ptr<int64_t>()[i] == low.data_ptr<int64_t>()[i])
+    if (same[i])
       continue;
     std::string what = "tensor " + std::to_string(i);
     if (i >= copied)

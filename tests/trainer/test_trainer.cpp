@@ -2495,6 +2495,12 @@ struct FtJob {
   pid_t rank_pid(int rank) const {
     return find_process_with_env({tag, "RANK=" + std::to_string(rank)});
   }
+  // Once `steps` steps are logged, SIGKILLs rank `rank`; false if its process was not found.
+  bool kill_rank_after(int steps, int rank) const {
+    wait_for_steps(steps);
+    const pid_t victim = rank_pid(rank);
+    return victim > 0 && ::kill(victim, SIGKILL) == 0;
+  }
   // membership.jsonl: one object per change.
   std::vector<nlohmann::json> membership() const { return read_membership(run_dir); }
   static std::vector<nlohmann::json> read_membership(const fs::path& dir) {
@@ -2575,10 +2581,7 @@ TEST(FaultTolerantTraining, ASpareTakesAKilledReplicasPlaceAndTheLossesEqualTheS
   FtJob ft("ft-spare", "spare_replicas = 1\nmax_restarts = 0\n", 3,
            " --training.steps=120 --training.seq_len=64 --training.eval_every=60 "
            "--generate.tokens=0 --logging.plot=false");
-  ft.wait_for_steps(20);
-  const pid_t victim = ft.rank_pid(1);
-  ASSERT_GT(victim, 0) << ft.job->output();
-  ::kill(victim, SIGKILL);
+  ASSERT_TRUE(ft.kill_rank_after(20, 1)) << ft.job->output();
   ASSERT_EQ(ft.job->wait(180), 0) << ft.job->output();
   const auto changes = ft.membership();
   ASSERT_EQ(changes.size(), 3u) << file_bytes(ft.run_dir / "membership.jsonl");
@@ -2610,10 +2613,8 @@ TEST(FaultTolerantTraining, AKilledReplicaRejoinsAndTheLossesEqualTheScheduleRun
            " --training.steps=150 --training.seq_len=64 --training.eval_every=50 "
            "--generate.tokens=0 --logging.plot=false --precision.loss_scaling=dynamic "
            "--precision.growth_interval=5");
-  ft.wait_for_steps(30);  // rank 1 dies within a step or two of step 30, far from the end
-  const pid_t victim = ft.rank_pid(1);
-  ASSERT_GT(victim, 0) << ft.job->output();
-  ::kill(victim, SIGKILL);
+  // Rank 1 dies within a step or two of step 30, far from the end.
+  ASSERT_TRUE(ft.kill_rank_after(30, 1)) << ft.job->output();
   ASSERT_EQ(ft.job->wait(180), 0) << ft.job->output();
   const std::string output = ft.job->output();
   EXPECT_NE(output.find("restarts of replicas 0..2: 0, 1, 0"), std::string::npos) << output;
@@ -2660,10 +2661,8 @@ TEST(FaultTolerantTraining, AReplicaTheScheduleTakesBackThatDiedWhileWaitingIsDr
   FtJob ft("ft-sched-dead", "membership_schedule = \"10:0,2;30:0,1,2\"\nmax_restarts = 0\n", 3,
            " --training.steps=40 --training.seq_len=64 --training.eval_every=0 "
            "--generate.tokens=0 --logging.plot=false");
-  ft.wait_for_steps(15);  // replica 1 left at step 10 and waits for step 30
-  const pid_t victim = ft.rank_pid(1);
-  ASSERT_GT(victim, 0) << ft.job->output();
-  ::kill(victim, SIGKILL);
+  // Replica 1 left at step 10 and waits for step 30.
+  ASSERT_TRUE(ft.kill_rank_after(15, 1)) << ft.job->output();
   ASSERT_EQ(ft.job->wait(180), 0) << ft.job->output();
   const std::string output = ft.job->output();
   EXPECT_NE(output.find("the change of fsdp.membership_schedule at step 30 failed"),
@@ -2901,10 +2900,8 @@ TEST(FaultTolerantTraining, FinetunesThroughAKilledWriterAndEqualsTheScheduleRun
   // the job; the restarted writer goes without.
   FtJob ft("ft-finetune", "", 3, " --training.memory_budget=1GiB --precision.param_dtype=fp32",
            base, "finetune");
-  ft.wait_for_steps(5);  // 19 steps left for the restarted rank to come back in
-  const pid_t victim = ft.rank_pid(0);
-  ASSERT_GT(victim, 0) << ft.job->output();
-  ::kill(victim, SIGKILL);
+  // 19 steps left for the restarted rank to come back in.
+  ASSERT_TRUE(ft.kill_rank_after(5, 0)) << ft.job->output();
   ASSERT_EQ(ft.job->wait(180), 0) << ft.job->output();
   const std::string output = ft.job->output();
   EXPECT_NE(output.find("restarts of replicas 0..2: 1, 0, 0"), std::string::npos) << output;
@@ -2945,10 +2942,7 @@ TEST(FaultTolerantTraining, AJoinerWhoseModelFileChangedIsRefusedAndTheRestTrain
   inputs.steps = 60;
   const auto base = [&](const std::string& run_dir) { return inputs.base(run_dir); };
   FtJob ft("ft-changed-file", "max_restarts = 1\nrestart_delay_s = 0.5\n", 2, "", base, "finetune");
-  ft.wait_for_steps(3);
-  const pid_t victim = ft.rank_pid(1);
-  ASSERT_GT(victim, 0) << ft.job->output();
-  ::kill(victim, SIGKILL);
+  ASSERT_TRUE(ft.kill_rank_after(3, 1)) << ft.job->output();
   {
     // The last 4 bytes of the file: the last element of a frozen weight.
     const auto weights = inputs.model / "model.safetensors";

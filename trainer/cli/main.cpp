@@ -288,6 +288,10 @@ std::optional<int> parse_command_line(int argc, char** argv, CommandLine& cl) {
   return std::nullopt;
 }
 
+// A rank or the launcher refused its input (a ConfigError): a fault-tolerant job's launcher
+// does not restart a replica that does so twice in a row.
+constexpr int kRefusedInputExitCode = 2;
+
 // Runs the launcher's or a rank's work; what a failure prints and the exit code it gives are
 // the same in both, and whether the rank was started anew or forked from the launcher.
 int report_failures(const std::function<int()>& work) {
@@ -295,7 +299,7 @@ int report_failures(const std::function<int()>& work) {
     return work();
   } catch (const fsdp_trainer::ConfigError& e) {
     std::fprintf(stderr, "%sfsdp-train: config error: %s\n", rank_prefix().c_str(), e.what());
-    return 2;
+    return kRefusedInputExitCode;
   } catch (const fsdp_trainer::LeftTheJob& e) {
     // fsdp.fault_tolerant: the others train on; a launcher with restarts starts it again.
     std::fprintf(stderr, "%sfsdp-train: %s; this rank leaves the job\n", rank_prefix().c_str(),
@@ -390,7 +394,7 @@ int launch_ranks(const fsdp_trainer::Config& config, const CommandLine& cl, int 
     restarts->max_restarts = f.membership_schedule.empty() ? static_cast<int>(f.max_restarts) : 0;
     restarts->delay = std::chrono::milliseconds(std::llround(f.restart_delay_s * 1000));
     restarts->job_over_exit_code = fsdp_trainer::kStateLostExitCode;
-    restarts->refused_input_exit_code = 2;  // a ConfigError (report_failures)
+    restarts->refused_input_exit_code = kRefusedInputExitCode;
     // A rank of a replica that lost one leaves once its collective fails and the others have
     // decided: within the timeout and the vote's.
     restarts->grace =

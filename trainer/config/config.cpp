@@ -410,13 +410,13 @@ const std::vector<Option>& options() {
           "Restarted (--nproc restarts them), they join at a step boundary with the state of a "
           "replica that stayed. membership.jsonl in the run directory lists every change. Gloo "
           "(CPU); pretraining and fine-tuning (a joining replica copies what trains, the frozen "
-          "weights are the model file's). A rank that refuses its input (exit 2) is not "
-          "restarted. Checkpoints (sync or async) and checkpoint.export_hf are written by "
-          "the live replicas (a save a fault interrupts is dropped and the previous one stays "
-          "the latest); with logging.tensorboard, each new writer starts an event file after the "
-          "ones it continues. --plan and training.memory_budget: made by the ranks that start the "
-          "job "
-          "(a restarted replica goes without)."),
+          "weights are the model file's). A replica whose ranks refuse their input (exit 2) "
+          "twice in a row is not restarted again. Checkpoints (sync or async) and "
+          "checkpoint.export_hf are written by the live replicas (a save a fault interrupts is "
+          "dropped and the previous one stays the latest); with logging.tensorboard, each new "
+          "writer starts an event file after the ones it continues. --plan and "
+          "training.memory_budget: made by the ranks that start the job (a restarted replica goes "
+          "without)."),
       opt("fsdp.membership_schedule", FIELD(fsdp.membership_schedule),
           "With fsdp.fault_tolerant, without faults: the replicas that train from a step on, "
           "as \"step:r,r,...;step:...\" (e.g. \"5:0,2;12:0,1,2\": replica 1 out from step 5, "

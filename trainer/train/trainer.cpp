@@ -463,7 +463,6 @@ ComputeDtype Trainer::resolve_compute_dtype() {
     }
     return choice;
   }
-  auto job_max = [this](int64_t v) { return start_max(v); };
   DtypeSpeeds speeds;
   if (needs_dtype_speeds(requested, cuda)) {
     // A transformer layer's size, whatever the model: the ratio between the dtypes is what
@@ -472,8 +471,8 @@ ComputeDtype Trainer::resolve_compute_dtype() {
     speeds.shape = fmt::format("{}x{}x{}", shape.m, shape.k, shape.n);
     pg_->barrier();
     speeds.fp32 = static_cast<double>(
-        job_max(std::llround(measure_matmul_speed(torch::kFloat, shape).step())));
-    speeds.low = static_cast<double>(job_max(
+        start_max(std::llround(measure_matmul_speed(torch::kFloat, shape).step())));
+    speeds.low = static_cast<double>(start_max(
         std::llround(measure_matmul_speed(dtype_named(candidate_dtype(requested)), shape).step())));
   }
   ComputeDtype choice = choose_compute_dtype(requested, cuda, speeds);
@@ -991,9 +990,9 @@ void Trainer::save_checkpoint(int64_t step) {
   namespace fs = std::filesystem;
   finish_async_save();  // at most one in flight
   const fs::path dir = fs::path(checkpoint_dir(config_)) / step_dir_name(step);
-  // The ranks training now save: every rank, or with fault tolerance the live replicas' (the
-  // first of them writes the files, as the first holder of every row: fsdp::param_shards).
-  const auto& group = membership_ ? metrics_pg_ : pg_;
+  // The ranks training now save (the first of them writes the files, as the first holder of
+  // every row: fsdp::param_shards).
+  const auto& group = training_group();
   const int rank = group->rank();
   // Every rank's random state, gathered, so that rank 0 writes them all.
   torch::Tensor rng;
@@ -1202,9 +1201,8 @@ std::string Trainer::load_weights(const std::string& path) {
 
 void Trainer::export_hf(const std::string& dir, bool replace) {
   namespace fs = std::filesystem;
-  // The ranks training now: every rank, or with fault tolerance the live replicas' (the first
-  // of them holds the rows the file gets).
-  fsdp::ProcessGroup& group = membership_ ? *metrics_pg_ : *pg_;
+  // The ranks training now (the first of them holds the rows the file gets).
+  fsdp::ProcessGroup& group = *training_group();
   if (replace && group.rank() == 0)
     move_aside(dir);
   group.barrier();
@@ -1336,7 +1334,7 @@ void Trainer::write_finetune_outputs(const std::vector<std::string>& before,
   namespace fs = std::filesystem;
   const fs::path dir(config_.logging.run_dir);
   const auto& f = config_.finetune;
-  fsdp::ProcessGroup& group = membership_ ? *metrics_pg_ : *pg_;
+  fsdp::ProcessGroup& group = *training_group();
   if (model_.save_adapter && f.save_adapter) {
     const auto adapter = (dir / "adapter").string();
     if (group.rank() == 0)

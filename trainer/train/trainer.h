@@ -121,6 +121,11 @@ class Trainer {
   /// Whether this rank prints and writes the run's outputs: rank 0, or with fault tolerance the
   /// lowest rank training now.
   bool speaks() const;
+  /// The ranks training now: every rank, or with fault tolerance the live replicas' (the first
+  /// of them holds the first copy of every row, and writes the files).
+  const std::shared_ptr<fsdp::ProcessGroup>& training_group() const {
+    return membership_ ? metrics_pg_ : pg_;
+  }
   /// The group the gradient norm is summed over: the world, or with fault tolerance this
   /// replica's ranks (its gradients are the average over the live replicas already, and the
   /// norm then needs no rank of another replica).
