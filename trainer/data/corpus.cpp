@@ -197,6 +197,24 @@ std::string load_fortunes() {
 
 // ---- Public -----------------------------------------------------------------------------------
 
+std::string corpus_fingerprint(const std::string& spec) {
+  if (spec != "kjv")
+    return {};
+  const std::string bible = find_in_path("bible");
+  if (bible.empty())
+    return {};
+  std::string print;
+  for (const std::string& path : {bible, std::string(kBibleDataDir) + "/bible.data",
+                                  std::string(kBibleDataDir) + "/bible.data.conc"}) {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0)
+      return {};
+    print += path + ' ' + std::to_string(st.st_size) + ' ' + std::to_string(st.st_mtim.tv_sec) +
+             '.' + std::to_string(st.st_mtim.tv_nsec) + ' ' + std::to_string(st.st_ino) + ';';
+  }
+  return print;
+}
+
 size_t first_invalid_utf8(std::string_view s) {
   const auto* p = reinterpret_cast<const unsigned char*>(s.data());
   const size_t n = s.size();

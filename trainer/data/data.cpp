@@ -245,6 +245,7 @@ struct CorpusScan {
   uint64_t checksum = 0;  // XXH64 of the documents' bytes, a 0x1E byte between documents
   int64_t bytes = 0;      // of the documents' text
   int64_t documents = 0;
+  std::string fingerprint;  // corpus_fingerprint, taken before the read ("" for most corpora)
   // The tokenizer's training text: all of it (documents joined at line ends) when the files
   // hold at most kTokenizerTrainingBytes, else lines drawn with the seed at the rate that
   // leaves about that much.
@@ -671,7 +672,8 @@ json prepared_meta(const PrepareOptions& options, const CorpusScan& scan, const 
        {{"bytes", scan.bytes},
         {"xxh64", hex64(scan.checksum)},
         {"documents", scan.documents},
-        {"files", d.files}}},
+        {"files", d.files},
+        {"fingerprint", scan.fingerprint}}},
       {"tokenizer",
        {{"file", kTokenizerFile},
         {"type", "sentencepiece-bpe-byte-fallback"},
@@ -736,6 +738,19 @@ PreparedData prepare_data(const PrepareOptions& options) {
   // A directory prepared elsewhere and copied here (a GPU machine without Debian's bible-kjv,
   // say) is used as it is when its corpus cannot be read on this machine: it still passes every
   // check of its own files; only the comparison with the corpus's bytes is impossible.
+  // A built-in corpus printed by a program (the KJV) is known by its files' fingerprint: the same
+  // as when the directory was prepared, the directory is reused without printing it again.
+  const std::string fingerprint = corpus_fingerprint(options.corpus);
+  if (!fingerprint.empty()) {
+    try {
+      json meta;
+      PreparedData d = verify_prepared(options, &meta);
+      if (meta.value("/corpus/fingerprint"_json_pointer, std::string()) == fingerprint)
+        return d;
+    } catch (const std::exception&) {
+      // Missing, stale or damaged: the checksum decides below.
+    }
+  }
   std::optional<CorpusSource> readable;
   try {
     readable.emplace(options.corpus);
@@ -754,13 +769,22 @@ PreparedData prepare_data(const PrepareOptions& options) {
     return d;
   }
   const CorpusSource& source = *readable;
-  const CorpusScan scan = scan_corpus(source, options.seed);
+  CorpusScan scan = scan_corpus(source, options.seed);
+  scan.fingerprint = fingerprint;
   try {
     json meta;
     PreparedData d = verify_prepared(options, &meta);
     if (meta.value("/corpus/xxh64"_json_pointer, std::string()) == hex64(scan.checksum) &&
-        meta.value("/corpus/bytes"_json_pointer, int64_t{-1}) == scan.bytes)
+        meta.value("/corpus/bytes"_json_pointer, int64_t{-1}) == scan.bytes) {
+      if (meta.value("/corpus/fingerprint"_json_pointer, std::string()) != fingerprint) {
+        // The same bytes from files that changed (a reinstalled package) or a directory from
+        // before fingerprints: recorded, so that the next start skips the read.
+        meta["corpus"]["fingerprint"] = fingerprint;
+        meta[kMetaChecksumKey] = meta_checksum(meta);
+        write_file_atomic(join(options.out_dir, kMetaFile), meta.dump(2) + "\n");
+      }
       return d;
+    }
   } catch (const std::exception&) {
     // Missing, stale or damaged: prepare again below.
   }

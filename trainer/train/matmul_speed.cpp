@@ -34,7 +34,7 @@ double best_seconds(const std::function<void()>& call, c10::Device device) {
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
     best = std::min(best, s);
     spent += s;
-    if ((reps >= 2 && spent >= 0.05) || spent >= 0.5)
+    if ((reps >= 2 && spent >= 0.02) || spent >= 0.5)
       break;
   }
   return std::max(best, 1e-9);
