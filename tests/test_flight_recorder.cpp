@@ -115,7 +115,8 @@ TEST(FlightRecorder, AnalysisRefusesWhatIsNotADump) {
 // Three ranks train a 2-block GPT (units h0, h1 and the root); in the second step rank 1
 // misbehaves as FSDP_TEST_FAULT says:
 //  desync: it gathers block 1 on its own first (a unit called on one rank only);
-//  stall:  it sleeps through the step (a hung rank), then dumps on demand;
+//  stall:  it sleeps through the step (a hung rank) until the others have dumped, then dumps
+//          on demand;
 //  die:    it is SIGKILLed.
 // The other ranks must fail within the timeout with an error that names rank 1.
 FSDP_WORKER(flight_fault) {
@@ -140,7 +141,13 @@ FSDP_WORKER(flight_fault) {
     if (fault == "die") {
       ::kill(::getpid(), SIGKILL);
     } else if (fault == "stall") {
-      std::this_thread::sleep_for(std::chrono::seconds(6));
+      // Hung until the others have failed and dumped (their diagnosis, from the peers'
+      // progress reports, comes before their dumps), at most 6 s.
+      const std::string dir = ctx.env("FSDP_FLIGHT_RECORDER_DIR");
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(6);
+      while (std::chrono::steady_clock::now() < until &&
+             !(fs::exists(dir + "/rank0.json") && fs::exists(dir + "/rank2.json")))
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
       fsdp::FlightRecorder::global().dump("stalled rank, dumped on demand");
       return 0;
     }
