@@ -115,14 +115,17 @@ FSDP_WORKER(ft_replicas) {
       // it (FSDP_OUT/dropped), or FSDP_STALL_S later; only async-signal-safe calls after fork
       // in a process with threads. Woken as soon as it was dropped, not after a fixed stall
       // long enough for the slowest machine.
-      const long stall_ms = 1000 * ctx.env_int("FSDP_STALL_S", 5);
+      const auto stall_s = static_cast<time_t>(ctx.env_int("FSDP_STALL_S", 5));
       const std::string dropped = out + "/dropped";
       const pid_t parent = ::getpid();
       if (::fork() == 0) {
+        timespec start{}, now{};
+        ::clock_gettime(CLOCK_MONOTONIC, &start);
         const timespec tick{0, 10'000'000};
-        for (long waited = 0; waited < stall_ms && ::access(dropped.c_str(), F_OK) != 0;
-             waited += 10)
+        do {
           ::nanosleep(&tick, nullptr);
+          ::clock_gettime(CLOCK_MONOTONIC, &now);
+        } while (now.tv_sec - start.tv_sec < stall_s && ::access(dropped.c_str(), F_OK) != 0);
         ::kill(parent, SIGCONT);
         ::_exit(0);
       }
@@ -281,8 +284,11 @@ FSDP_WORKER(ft_replicas) {
     std::printf("[rank %d] step %lld loss %.9f live %zu at %.6f\n", rank, (long long)step,
                 loss_value, quorum.live().size(), now_s());
     // A stalled victim is woken once its replica is out (see die()).
-    if (kill_where == "stall" && quorum.live().size() < static_cast<size_t>(pg->size() / k))
-      std::ofstream(out + "/dropped") << step;
+    if (kill_where == "stall" && kill_rank >= 0) {
+      const auto& live = quorum.live();
+      if (std::find(live.begin(), live.end(), kill_rank / k) == live.end())
+        std::ofstream(out + "/dropped") << step;
+    }
     if (save_every > 0 && step % save_every == 0) {
       try {
         fsdp::save_sharded(out + "/ckpt/step-" + std::to_string(step), *model, &opt,
@@ -516,10 +522,10 @@ void kill_and_compare(int k, int victim, const std::string& where) {
 }
 
 // Replica 1's rank `victim` (of `k` per replica) stops at step 2 until the others have dropped
-// its replica (about 4 s; at most 7 s); woken, its ranks ask to rejoin and are admitted at the next step boundary,
-// copying their shards and optimizer state from the same index of a replica that stayed. Every
-// rank then ends equal, bit for bit, to a run given the same schedule (drop at 2, back at the
-// step the fault run admitted it), and each index's shards equal across the replicas.
+// its replica (about 4 s; at most 7 s); woken, its ranks ask to rejoin and are admitted at the next
+// step boundary, copying their shards and optimizer state from the same index of a replica that
+// stayed. Every rank then ends equal, bit for bit, to a run given the same schedule (drop at 2,
+// back at the step the fault run admitted it), and each index's shards equal across the replicas.
 void stall_and_heal(int k, int victim) {
   const int world = 3 * k;
   const std::string kk = std::to_string(k);

@@ -25,7 +25,10 @@ struct CommandResult {
 };
 
 // FSDP_TEST_COMMAND_LOG=FILE: each command a test runs appends a line to FILE (the test, the
-// command's wall seconds and its processes' CPU seconds, the command): where a test's time goes.
+// command's wall seconds, the CPU seconds of the children this process reaped meanwhile, the
+// command): where a test's time goes. The CPU figure is the command's own when it runs alone;
+// a command started beside the test's work also counts what the test reaped in between, and a
+// script run through the Python server (tests/python/forkserver.py) counts only its client.
 class CommandTimer {
  public:
   explicit CommandTimer(std::string command)
@@ -45,8 +48,8 @@ class CommandTimer {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
     const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
     std::ofstream(log, std::ios::app)
-        << (test ? std::string(test->test_suite_name()) + "." + test->name() : "?") << '\t'
-        << wall << '\t' << cpu << '\t' << command_.substr(0, 300) << '\n';
+        << (test ? std::string(test->test_suite_name()) + "." + test->name() : "?") << '\t' << wall
+        << '\t' << cpu << '\t' << command_.substr(0, 300) << '\n';
   }
 
  private:
@@ -77,7 +80,8 @@ inline CommandResult run_command(const std::string& command) {
 // input end, and a waiting reference exits.
 class StartedCommand {
  public:
-  explicit StartedCommand(const std::string& command) : timer_(std::make_unique<CommandTimer>(command)) {
+  explicit StartedCommand(const std::string& command)
+      : timer_(std::make_unique<CommandTimer>(command)) {
     char path[] = "/tmp/fsdp-test-command-XXXXXX";
     const int fd = ::mkstemp(path);
     if (fd < 0)

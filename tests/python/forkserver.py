@@ -34,7 +34,7 @@ import time
 
 # What the scripts import (FSDP_FORKSERVER_PRELOAD, comma-separated, overrides it).
 # The distributed modules of the PyTorch references (FSDP2, DTensor and its tensor parallelism:
-# check_tp.py, torch_gpt.py) cost each of their ranks 1.2 s of CPU to import after torch.
+# check_tp.py, bench/torch_gpt.py) cost each of their ranks 1.2 s of CPU to import after torch.
 PRELOAD = ["numpy", "torch", "torch.distributed.run", "torch.distributed.device_mesh",
            "torch.distributed.fsdp", "torch.distributed.tensor.parallel", "safetensors.torch",
            "tokenizers", "transformers", "gguf", "peft",

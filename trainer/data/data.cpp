@@ -778,10 +778,16 @@ PreparedData prepare_data(const PrepareOptions& options) {
         meta.value("/corpus/bytes"_json_pointer, int64_t{-1}) == scan.bytes) {
       if (meta.value("/corpus/fingerprint"_json_pointer, std::string()) != fingerprint) {
         // The same bytes from files that changed (a reinstalled package) or a directory from
-        // before fingerprints: recorded, so that the next start skips the read.
+        // before fingerprints: recorded, so that the next start skips the read. Best effort:
+        // a directory this user cannot write (or a full disk) is still used as it is.
         meta["corpus"]["fingerprint"] = fingerprint;
         meta[kMetaChecksumKey] = meta_checksum(meta);
-        write_file_atomic(join(options.out_dir, kMetaFile), meta.dump(2) + "\n");
+        try {
+          write_file_atomic(join(options.out_dir, kMetaFile), meta.dump(2) + "\n");
+        } catch (const std::exception& e) {
+          std::printf("fsdp-train: %s: the corpus's fingerprint not recorded (%s)\n",
+                      options.out_dir.c_str(), e.what());
+        }
       }
       return d;
     }

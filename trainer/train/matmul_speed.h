@@ -37,8 +37,9 @@ struct MatmulSpeed {
 /// Times each form at `shape` in `dtype`: one warm-up call, then the best of at least 3 calls
 /// (up to 20, stopping after 0.02 s of calls, or after the first call past 0.5 s, so that a
 /// dtype that crawls costs about a second, not a minute, and a fast one well under a tenth of
-/// a second per form: every fsdp-train start measures its MFU peak this way). Constant inputs: the global RNG does
-/// not move, so measuring never changes a training run. On CUDA each call is synchronised.
+/// a second per form: every fsdp-train start measures its MFU peak this way). Constant inputs: the
+/// global RNG does not move, so measuring never changes a training run. On CUDA each call is
+/// synchronised.
 MatmulSpeed measure_matmul_speed(c10::ScalarType dtype, const MatmulShape& shape,
                                  c10::Device device = c10::kCPU);
 
