@@ -22,6 +22,8 @@ Variants (full_shard, the demo's strategy, unless named):
 - Gloo's event loops under the default scheduling policy (FSDP_GLOO_LOOP_BATCH=0), full_shard
   and no_shard: fsdp-cpp runs them under SCHED_BATCH (src/distributed/gloo_loop_policy.h), and
   this is what that is worth.
+- training.bind_cores = true (each rank pinned to its own core; off by default), full_shard and
+  no_shard.
 - the bound: two `--nproc 1` runs of the same per-rank batch at the same time (no communication
   at all: what the two cores compute with their shared caches and memory bandwidth).
 
@@ -62,6 +64,9 @@ VARIANTS = {
     # (src/distributed/gloo_loop_policy.h): not an overhead, the remedy for one of Gloo's.
     "gloo loop batch off": ("full_shard", [], {"FSDP_GLOO_LOOP_BATCH": "0"}),
     "no_shard, gloo loop batch off": ("no_shard", [], {"FSDP_GLOO_LOOP_BATCH": "0"}),
+    # training.bind_cores (off by default): each rank pinned to its own core.
+    "cores bound": ("full_shard", ["--training.bind_cores=true"], {}),
+    "no_shard, cores bound": ("no_shard", ["--training.bind_cores=true"], {}),
 }
 MECHANISMS = [
     ("flight recorder", "flight recorder off"),
@@ -292,8 +297,9 @@ def main():
     lines.append("| noise floor: 1 - default / default again | " +
                  summary([1 - x for x in ratios("default", "default again")]) + " |")
     lines += ["", "| strategy | tokens/s / bound (two concurrent 1-rank runs) |", "| --- | --- |"]
-    for name in ["default", "all four off", "gloo loop batch off", "no_shard",
-                 "no_shard, all four off", "no_shard, gloo loop batch off"]:
+    for name in ["default", "all four off", "gloo loop batch off", "cores bound", "no_shard",
+                 "no_shard, all four off", "no_shard, gloo loop batch off",
+                 "no_shard, cores bound"]:
         label = name if name.startswith("no_shard") else f"full_shard, {name}"
         lines.append(f"| {label} | " + summary(ratios(name, "bound")) + " |")
     lines += ["", "Where the two cores' time goes in the timed steps (steps 11..N-5) of one more run "

@@ -10,7 +10,9 @@
 #include <cstdlib>
 #include <string>
 #include <thread>
+#include <vector>
 
+#include "cli/core_binding.h"
 #include "cli/launcher.h"
 #include "harness/files.h"
 
@@ -75,3 +77,25 @@ TEST(Launcher, ASucceedingJobSaysNothingOfItsRanks) {
 }
 
 }  // namespace
+
+// training.bind_cores: the CPUs split in order among the local ranks, every CPU given once,
+// nothing when there are more ranks than CPUs.
+TEST(CoreBinding, EachLocalRankGetsItsOwnShareInOrder) {
+  using fsdp_trainer::core_share;
+  const std::vector<int> two{0, 1}, eight{0, 1, 2, 3, 8, 9, 10, 11};
+  EXPECT_EQ(core_share(two, 0, 2), std::vector<int>{0});
+  EXPECT_EQ(core_share(two, 1, 2), std::vector<int>{1});
+  EXPECT_EQ(core_share(two, 0, 1), two);
+  EXPECT_TRUE(core_share(two, 0, 3).empty());
+  EXPECT_TRUE(core_share(two, 2, 2).empty());
+  EXPECT_EQ(core_share(eight, 1, 2), (std::vector<int>{8, 9, 10, 11}));
+  std::vector<int> all;  // 8 CPUs among 3 ranks: 2, 3 and 3 of them, each once
+  for (int r = 0; r < 3; ++r) {
+    const auto share = core_share(eight, r, 3);
+    EXPECT_GE(share.size(), 2u);
+    all.insert(all.end(), share.begin(), share.end());
+  }
+  EXPECT_EQ(all, eight);
+  EXPECT_EQ(fsdp_trainer::cpu_list(eight), "0-3,8-11");
+  EXPECT_EQ(fsdp_trainer::cpu_list({0, 2, 3}), "0,2-3");
+}

@@ -3,6 +3,7 @@
 // docs/trainer.md that matches the code.
 #include <gtest/gtest.h>
 
+#include <sched.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -25,6 +26,7 @@
 
 #include <fsdp/checkpoint/safetensors.h>
 
+#include "cli/core_binding.h"
 #include "cli/preflight.h"
 #include "config/config.h"
 #include "data/corpus.h"
@@ -431,6 +433,40 @@ void expect_sane(const std::vector<fsdp_trainer::StepMetrics>& m) {
   }
   // Warm-up: the learning rate rises over the first two steps.
   EXPECT_LT(m[0].lr, m[1].lr);
+}
+
+// training.bind_cores: rank 0 runs on its share of the CPUs this process may use (the first
+// half of them on 2 local ranks), and with more local ranks than CPUs nothing is pinned.
+TEST(TrainerRun, BindCoresGivesEachLocalRankItsOwnCpus) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  ASSERT_EQ(::sched_getaffinity(0, sizeof allowed, &allowed), 0);
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &allowed))
+      cpus.push_back(c);
+  }
+  ASSERT_GE(cpus.size(), 2u) << "the test needs 2 CPUs";
+  const auto run_dir = (fs::path(FSDP_TEST_WORK_DIR) / "run-bind").string();
+  const auto config = write_config("bind", tiny_config(run_dir));
+  const std::string quick =
+      " --training.steps=1 --training.eval_every=0 --generate.tokens=0 --training.bind_cores=true";
+  auto r = run(train_cmd() + " --nproc 2 " + config + quick);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("training.bind_cores: rank 0 on CPUs " +
+                          fsdp_trainer::cpu_list(fsdp_trainer::core_share(cpus, 0, 2)) +
+                          " (of " + fsdp_trainer::cpu_list(cpus) + ", 2 local ranks)"),
+            std::string::npos)
+      << r.output;
+  if (cpus.size() <= 4) {  // more ranks than CPUs (a cheap run only on a small machine)
+    const auto n = std::to_string(cpus.size() + 1);
+    r = run(train_cmd() + " --nproc " + n + " " + config + quick);
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("rank 0 not bound: " + n + " local ranks on " +
+                            std::to_string(cpus.size()) + " CPUs"),
+              std::string::npos)
+        << r.output;
+  }
 }
 
 TEST(TrainerRun, NprocTwoWritesEveryMetric) {

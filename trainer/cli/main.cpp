@@ -58,6 +58,7 @@
 
 #include "config/config.h"
 #include "data/data.h"
+#include "core_binding.h"
 #include "launcher.h"
 #include "preflight.h"
 #include "train/model_factory.h"
@@ -415,6 +416,12 @@ int run_rank(const fsdp_trainer::Config& config, const CommandLine& cl) {
     if (env.rank != 0)
       return 2;
     throw;
+  }
+  if (config.training.bind_cores) {
+    // Before the process group and LibTorch's thread pools start their threads: they inherit it.
+    const std::string bound = fsdp_trainer::bind_to_cores(env.local_rank, env.local_world_size);
+    if (env.rank == 0)
+      std::printf("fsdp-train: training.bind_cores: rank 0 %s\n", bound.c_str());
   }
   // Declared before the trainer, so it runs after the trainer is gone, on every way out: the
   // model's units (and through them its NCCL groups) otherwise live in fsdp's registry until

@@ -322,6 +322,11 @@ const std::vector<Option>& options() {
           "resident memory stays flat over a long run and steps make no malloc calls for "
           "tensors (docs/design.md, \"Resident memory\"). It holds at most 25% + 16 MiB above "
           "the largest live tensor total."),
+      opt("training.bind_cores", FIELD(training.bind_cores),
+          "Pin each local rank, and its threads, to its own share of the CPUs the job may run "
+          "on (split evenly in order; not when there are more local ranks than CPUs), as "
+          "DeepSpeed's --bind_cores_to_rank does. For a job that has the machine to itself: "
+          "two jobs pinned alike would share the same cores."),
       opt("training.memory_budget", FIELD(training.memory_budget),
           "Memory each rank may use (e.g. \"16GiB\"; empty: no budget). Before step 1 the "
           "planner (fsdp::plan) predicts the run's per-rank peak; above the budget, fsdp-train "

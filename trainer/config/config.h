@@ -57,6 +57,7 @@ struct TrainingConfig {
   int64_t threads = 1;
   int64_t loss_chunk = 0;  // 0: automatic chunk, -1: the whole logits, then cross_entropy
   bool cpu_cache = true;
+  bool bind_cores = false;     // each local rank on its own share of the cores (core_binding.h)
   std::string memory_budget;   // "" : none; "16GiB" (parse_bytes)
   std::string device = "cpu";  // cpu, cuda
 };
