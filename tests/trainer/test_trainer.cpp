@@ -454,8 +454,8 @@ TEST(TrainerRun, BindCoresGivesEachLocalRankItsOwnCpus) {
   auto r = run(train_cmd() + " --nproc 2 " + config + quick);
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("training.bind_cores: rank 0 on CPUs " +
-                          fsdp_trainer::cpu_list(fsdp_trainer::core_share(cpus, 0, 2)) +
-                          " (of " + fsdp_trainer::cpu_list(cpus) + ", 2 local ranks)"),
+                          fsdp_trainer::cpu_list(fsdp_trainer::core_share(cpus, 0, 2)) + " (of " +
+                          fsdp_trainer::cpu_list(cpus) + ", 2 local ranks)"),
             std::string::npos)
       << r.output;
   if (cpus.size() <= 4) {  // more ranks than CPUs (a cheap run only on a small machine)

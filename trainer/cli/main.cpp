@@ -57,8 +57,8 @@
 #include <fsdp/fully_shard.h>
 
 #include "config/config.h"
-#include "data/data.h"
 #include "core_binding.h"
+#include "data/data.h"
 #include "launcher.h"
 #include "preflight.h"
 #include "train/model_factory.h"
