@@ -3,8 +3,13 @@
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -78,24 +83,80 @@ TEST(Launcher, ASucceedingJobSaysNothingOfItsRanks) {
 
 }  // namespace
 
-// training.bind_cores: the CPUs split in order among the local ranks, every CPU given once,
-// nothing when there are more ranks than CPUs.
-TEST(CoreBinding, EachLocalRankGetsItsOwnShareInOrder) {
+// training.bind_cores: whole cores split in order, the same number to each local rank (the
+// remainder unused), every hardware thread of a core to the same rank, nothing when there are
+// more ranks than cores.
+TEST(CoreBinding, EachLocalRankGetsItsOwnWholeCoresInOrder) {
   using fsdp_trainer::core_share;
-  const std::vector<int> two{0, 1}, eight{0, 1, 2, 3, 8, 9, 10, 11};
+  const std::vector<std::vector<int>> two{{0}, {1}}, three{{0}, {1}, {2}};
   EXPECT_EQ(core_share(two, 0, 2), std::vector<int>{0});
   EXPECT_EQ(core_share(two, 1, 2), std::vector<int>{1});
-  EXPECT_EQ(core_share(two, 0, 1), two);
+  EXPECT_EQ(core_share(two, 0, 1), (std::vector<int>{0, 1}));
   EXPECT_TRUE(core_share(two, 0, 3).empty());
   EXPECT_TRUE(core_share(two, 2, 2).empty());
-  EXPECT_EQ(core_share(eight, 1, 2), (std::vector<int>{8, 9, 10, 11}));
-  std::vector<int> all;  // 8 CPUs among 3 ranks: 2, 3 and 3 of them, each once
-  for (int r = 0; r < 3; ++r) {
-    const auto share = core_share(eight, r, 3);
-    EXPECT_GE(share.size(), 2u);
-    all.insert(all.end(), share.begin(), share.end());
-  }
-  EXPECT_EQ(all, eight);
-  EXPECT_EQ(fsdp_trainer::cpu_list(eight), "0-3,8-11");
+  EXPECT_EQ(core_share(three, 1, 2), std::vector<int>{1});  // core 2 left over
+  // 4 cores of 2 hardware threads numbered as Linux does (c and c + 4): rank 0 gets both threads
+  // of cores 0 and 1, never a sibling of rank 1's.
+  const std::vector<std::vector<int>> smt{{0, 4}, {1, 5}, {2, 6}, {3, 7}};
+  EXPECT_EQ(core_share(smt, 0, 2), (std::vector<int>{0, 1, 4, 5}));
+  EXPECT_EQ(core_share(smt, 1, 2), (std::vector<int>{2, 3, 6, 7}));
+  EXPECT_EQ(fsdp_trainer::cpu_list({0, 1, 2, 3, 8, 9, 10, 11}), "0-3,8-11");
   EXPECT_EQ(fsdp_trainer::cpu_list({0, 2, 3}), "0,2-3");
+  // This machine's cores hold each CPU once.
+  std::vector<int> cpus;
+  for (int c = 0; c < 4; ++c)
+    cpus.push_back(c);
+  std::vector<int> seen;
+  for (const auto& core : fsdp_trainer::physical_cores(cpus))
+    seen.insert(seen.end(), core.begin(), core.end());
+  std::sort(seen.begin(), seen.end());
+  EXPECT_EQ(seen, cpus);
+}
+
+// bind_to_cores sets the mask of a thread that existed before it and of one started after it
+// (in a child process, so that this one keeps its CPUs).
+TEST(CoreBinding, EveryThreadBeforeAndAfterTakesTheShare) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  ASSERT_EQ(::sched_getaffinity(0, sizeof allowed, &allowed), 0);
+  if (CPU_COUNT(&allowed) < 2)
+    GTEST_SKIP() << "one CPU: nothing to split";
+  const pid_t child = ::fork();
+  if (child == 0) {
+    std::atomic<bool> stop{false};
+    std::atomic<pid_t> early_tid{0};
+    std::thread early([&] {
+      early_tid = static_cast<pid_t>(::syscall(SYS_gettid));
+      while (!stop)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    });
+    while (early_tid == 0)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    std::vector<int> share;
+    const std::string said = fsdp_trainer::bind_to_cores(1, 2, &share);
+    cpu_set_t want;
+    CPU_ZERO(&want);
+    for (int c : share)
+      CPU_SET(c, &want);
+    cpu_set_t early_mask, late_mask;
+    CPU_ZERO(&early_mask);
+    CPU_ZERO(&late_mask);
+    const bool early_ok = ::sched_getaffinity(early_tid, sizeof early_mask, &early_mask) == 0 &&
+                          CPU_EQUAL(&early_mask, &want);
+    bool late_ok = false;
+    std::thread late([&] {
+      late_ok =
+          ::sched_getaffinity(0, sizeof late_mask, &late_mask) == 0 && CPU_EQUAL(&late_mask, &want);
+    });
+    late.join();
+    stop = true;
+    early.join();
+    const bool said_ok =
+        said.rfind("on CPUs ", 0) == 0 && !share.empty() && CPU_COUNT(&want) < CPU_COUNT(&allowed);
+    ::_exit(said_ok && early_ok && late_ok ? 0 : 1 + said_ok + 2 * early_ok + 4 * late_ok);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "1 + said ok + 2 x earlier thread ok + 4 x later one ok";
 }

@@ -3,20 +3,78 @@
 // thread; threads started later inherit it.
 #include "core_binding.h"
 
+#include <dirent.h>
 #include <sched.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdlib>
-#include <filesystem>
+#include <fstream>
+#include <map>
 #include <string>
+#include <utility>
 
 namespace fsdp_trainer {
+namespace {
 
-std::vector<int> core_share(const std::vector<int>& cpus, int local_rank, int local_world) {
-  const int n = static_cast<int>(cpus.size());
+// A topology file's integer, or -1.
+int read_topology(int cpu, const char* name) {
+  std::ifstream in("/sys/devices/system/cpu/cpu" + std::to_string(cpu) + "/topology/" + name);
+  int v = -1;
+  return in >> v ? v : -1;
+}
+
+// This process's threads, from /proc/self/task (no exceptions: a listing that fails is empty).
+std::vector<pid_t> threads() {
+  std::vector<pid_t> tids;
+  DIR* dir = ::opendir("/proc/self/task");
+  if (!dir)
+    return tids;
+  while (const dirent* e = ::readdir(dir)) {
+    const pid_t tid = static_cast<pid_t>(std::atoi(e->d_name));
+    if (tid > 0)
+      tids.push_back(tid);
+  }
+  ::closedir(dir);
+  return tids;
+}
+
+}  // namespace
+
+std::vector<std::vector<int>> physical_cores(const std::vector<int>& cpus) {
+  // (package, core id) -> its CPUs; a CPU whose topology is unreadable is a core of its own.
+  std::map<std::pair<int, int>, std::vector<int>> by_core;
+  std::vector<std::vector<int>> cores;
+  for (int c : cpus) {
+    const int package = read_topology(c, "physical_package_id");
+    const int core = read_topology(c, "core_id");
+    if (package < 0 || core < 0)
+      cores.push_back({c});
+    else
+      by_core[{package, core}].push_back(c);
+  }
+  for (auto& [key, list] : by_core)
+    cores.push_back(std::move(list));
+  std::stable_sort(cores.begin(), cores.end(), [](const auto& a, const auto& b) {
+    const int pa = read_topology(a.front(), "physical_package_id");
+    const int pb = read_topology(b.front(), "physical_package_id");
+    return pa != pb ? pa < pb : a.front() < b.front();
+  });
+  return cores;
+}
+
+std::vector<int> core_share(const std::vector<std::vector<int>>& cores, int local_rank,
+                            int local_world) {
+  const int n = static_cast<int>(cores.size());
   if (local_world < 1 || local_rank < 0 || local_rank >= local_world || local_world > n)
     return {};
-  const int begin = local_rank * n / local_world, end = (local_rank + 1) * n / local_world;
-  return {cpus.begin() + begin, cpus.begin() + end};
+  const int each = n / local_world;
+  std::vector<int> share;
+  for (int k = local_rank * each; k < (local_rank + 1) * each; ++k)
+    share.insert(share.end(), cores[static_cast<size_t>(k)].begin(),
+                 cores[static_cast<size_t>(k)].end());
+  std::sort(share.begin(), share.end());
+  return share;
 }
 
 std::string cpu_list(const std::vector<int>& cpus) {
@@ -35,7 +93,9 @@ std::string cpu_list(const std::vector<int>& cpus) {
   return out;
 }
 
-std::string bind_to_cores(int local_rank, int local_world) {
+std::string bind_to_cores(int local_rank, int local_world, std::vector<int>* cpus_out) {
+  if (cpus_out)
+    cpus_out->clear();
   cpu_set_t allowed;
   CPU_ZERO(&allowed);
   if (::sched_getaffinity(0, sizeof allowed, &allowed) != 0)
@@ -45,25 +105,38 @@ std::string bind_to_cores(int local_rank, int local_world) {
     if (CPU_ISSET(c, &allowed))
       cpus.push_back(c);
   }
-  const auto share = core_share(cpus, local_rank, local_world);
+  const auto cores = physical_cores(cpus);
+  const auto share = core_share(cores, local_rank, local_world);
+  const std::string ranks =
+      std::to_string(local_world) + (local_world == 1 ? " local rank" : " local ranks");
   if (share.empty())
-    return "not bound: " + std::to_string(local_world) + " local ranks on " +
-           std::to_string(cpus.size()) + " CPUs";
+    return "not bound: " + ranks + " on " + std::to_string(cores.size()) + " cores";
   cpu_set_t mine;
   CPU_ZERO(&mine);
   for (int c : share)
     CPU_SET(c, &mine);
-  std::error_code ec;
-  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task", ec)) {
-    const pid_t tid = static_cast<pid_t>(std::atoi(task.path().filename().c_str()));
-    if (tid > 0)
-      ::sched_setaffinity(tid, sizeof mine, &mine);  // a thread that just ended: nothing to do
-  }
-  // This thread's at least, whatever the listing said: the threads to come inherit it.
-  if (ec || ::sched_setaffinity(0, sizeof mine, &mine) != 0)
+  // This thread first (the threads it starts inherit it), then every other one; repeated until
+  // a pass finds every thread set, so that one started during a pass is not missed.
+  if (::sched_setaffinity(0, sizeof mine, &mine) != 0)
     return "not bound: the CPUs could not be set";
-  return "on CPUs " + cpu_list(share) + " (of " + cpu_list(cpus) + ", " +
-         std::to_string(local_world) + " local ranks)";
+  for (int pass = 0; pass < 8; ++pass) {
+    bool all_set = true;
+    for (const pid_t tid : threads()) {
+      cpu_set_t now;
+      CPU_ZERO(&now);
+      if (::sched_getaffinity(tid, sizeof now, &now) == 0 && CPU_EQUAL(&now, &mine))
+        continue;
+      all_set = false;
+      if (::sched_setaffinity(tid, sizeof mine, &mine) != 0 && errno != ESRCH)  // ESRCH: ended
+        return "bound only in part: thread " + std::to_string(tid) + "'s CPUs could not be set";
+    }
+    if (all_set) {
+      if (cpus_out)
+        *cpus_out = share;
+      return "on CPUs " + cpu_list(share) + " (of " + cpu_list(cpus) + ": " + ranks + ")";
+    }
+  }
+  return "bound only in part: new threads kept appearing";
 }
 
 }  // namespace fsdp_trainer

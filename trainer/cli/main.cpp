@@ -419,9 +419,17 @@ int run_rank(const fsdp_trainer::Config& config, const CommandLine& cl) {
   }
   if (config.training.bind_cores) {
     // Before the process group and LibTorch's thread pools start their threads: they inherit it.
-    const std::string bound = fsdp_trainer::bind_to_cores(env.local_rank, env.local_world_size);
+    std::vector<int> share;
+    const std::string bound =
+        fsdp_trainer::bind_to_cores(env.local_rank, env.local_world_size, &share);
     if (env.rank == 0)
       std::printf("fsdp-train: training.bind_cores: rank 0 %s\n", bound.c_str());
+    if (env.rank == 0 && !share.empty() &&
+        config.training.threads > static_cast<int64_t>(share.size()))
+      std::printf(
+          "fsdp-train: warning: training.threads = %lld on %zu CPUs per rank: its "
+          "threads share them\n",
+          static_cast<long long>(config.training.threads), share.size());
   }
   // Declared before the trainer, so it runs after the trainer is gone, on every way out: the
   // model's units (and through them its NCCL groups) otherwise live in fsdp's registry until

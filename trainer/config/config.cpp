@@ -323,10 +323,12 @@ const std::vector<Option>& options() {
           "tensors (docs/design.md, \"Resident memory\"). It holds at most 25% + 16 MiB above "
           "the largest live tensor total."),
       opt("training.bind_cores", FIELD(training.bind_cores),
-          "Pin each local rank, and its threads, to its own share of the CPUs the job may run "
-          "on (split evenly in order; not when there are more local ranks than CPUs), as "
-          "DeepSpeed's --bind_cores_to_rank does. For a job that has the machine to itself: "
-          "two jobs pinned alike would share the same cores."),
+          "Pin each local rank, and its threads, to its own whole physical cores (every "
+          "hardware thread of them) among the CPUs the process may run on: the same number of "
+          "cores for each rank, in order, as DeepSpeed's --bind_cores_to_rank; nothing when "
+          "there are more local ranks than cores. For a job that has the machine to itself "
+          "(two jobs pinned alike would share the same cores) and whose launcher does not bind "
+          "ranks already (srun's task binding)."),
       opt("training.memory_budget", FIELD(training.memory_budget),
           "Memory each rank may use (e.g. \"16GiB\"; empty: no budget). Before step 1 the "
           "planner (fsdp::plan) predicts the run's per-rank peak; above the budget, fsdp-train "
