@@ -3,7 +3,6 @@
 // docs/trainer.md that matches the code.
 #include <gtest/gtest.h>
 
-#include <sched.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -439,14 +438,7 @@ void expect_sane(const std::vector<fsdp_trainer::StepMetrics>& m) {
 // half of them on 2 local ranks), and with more local ranks than cores nothing is pinned. (That
 // every thread takes the mask: CoreBinding.EveryThreadBeforeAndAfterTakesTheShare.)
 TEST(TrainerRun, BindCoresGivesEachLocalRankItsOwnCpus) {
-  cpu_set_t allowed;
-  CPU_ZERO(&allowed);
-  ASSERT_EQ(::sched_getaffinity(0, sizeof allowed, &allowed), 0);
-  std::vector<int> cpus;
-  for (int c = 0; c < CPU_SETSIZE; ++c) {
-    if (CPU_ISSET(c, &allowed))
-      cpus.push_back(c);
-  }
+  const std::vector<int> cpus = fsdp_trainer::allowed_cpus();
   ASSERT_GE(cpus.size(), 2u) << "the test needs 2 CPUs";
   const auto run_dir = (fs::path(FSDP_TEST_WORK_DIR) / "run-bind").string();
   const auto config = write_config("bind", tiny_config(run_dir));

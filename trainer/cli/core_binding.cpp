@@ -41,26 +41,41 @@ std::vector<pid_t> threads() {
 
 }  // namespace
 
+std::vector<int> allowed_cpus() {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  std::vector<int> cpus;
+  if (::sched_getaffinity(0, sizeof allowed, &allowed) != 0)
+    return cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &allowed))
+      cpus.push_back(c);
+  }
+  return cpus;
+}
+
 std::vector<std::vector<int>> physical_cores(const std::vector<int>& cpus) {
-  // (package, core id) -> its CPUs; a CPU whose topology is unreadable is a core of its own.
+  // (package, core id) -> its CPUs; a CPU whose topology is unreadable is a core of its own,
+  // in package -1 (first).
   std::map<std::pair<int, int>, std::vector<int>> by_core;
-  std::vector<std::vector<int>> cores;
+  std::vector<std::pair<int, std::vector<int>>> cores;  // (package, CPUs)
   for (int c : cpus) {
     const int package = read_topology(c, "physical_package_id");
     const int core = read_topology(c, "core_id");
     if (package < 0 || core < 0)
-      cores.push_back({c});
+      cores.push_back({-1, {c}});
     else
       by_core[{package, core}].push_back(c);
   }
   for (auto& [key, list] : by_core)
-    cores.push_back(std::move(list));
-  std::stable_sort(cores.begin(), cores.end(), [](const auto& a, const auto& b) {
-    const int pa = read_topology(a.front(), "physical_package_id");
-    const int pb = read_topology(b.front(), "physical_package_id");
-    return pa != pb ? pa < pb : a.front() < b.front();
+    cores.emplace_back(key.first, std::move(list));
+  std::sort(cores.begin(), cores.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first < b.first : a.second.front() < b.second.front();
   });
-  return cores;
+  std::vector<std::vector<int>> out;
+  for (auto& [package, list] : cores)
+    out.push_back(std::move(list));
+  return out;
 }
 
 std::vector<int> core_share(const std::vector<std::vector<int>>& cores, int local_rank,
@@ -96,15 +111,9 @@ std::string cpu_list(const std::vector<int>& cpus) {
 std::string bind_to_cores(int local_rank, int local_world, std::vector<int>* cpus_out) {
   if (cpus_out)
     cpus_out->clear();
-  cpu_set_t allowed;
-  CPU_ZERO(&allowed);
-  if (::sched_getaffinity(0, sizeof allowed, &allowed) != 0)
+  const std::vector<int> cpus = allowed_cpus();
+  if (cpus.empty())
     return "not bound: this process's CPUs cannot be read";
-  std::vector<int> cpus;
-  for (int c = 0; c < CPU_SETSIZE; ++c) {
-    if (CPU_ISSET(c, &allowed))
-      cpus.push_back(c);
-  }
   const auto cores = physical_cores(cpus);
   const auto share = core_share(cores, local_rank, local_world);
   const std::string ranks =

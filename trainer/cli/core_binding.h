@@ -10,6 +10,9 @@
 
 namespace fsdp_trainer {
 
+/// The CPUs this process may run on (its affinity mask), in order; empty if it cannot be read.
+std::vector<int> allowed_cpus();
+
 /// The physical cores among `cpus` (the CPUs a process may run on), each as the list of its
 /// hardware threads in `cpus`, ordered by package and then by first CPU; each CPU its own core
 /// where /sys/devices/system/cpu/cpuN/topology cannot be read.

@@ -733,47 +733,43 @@ PreparedData prepare_data(const PrepareOptions& options) {
   DirLock lock(options.out_dir);
   remove_leftovers(options.out_dir);
 
+  // The directory as it stands, checked against its own files (nothing, if missing, stale or
+  // damaged: then it is prepared anew below).
+  std::optional<std::pair<PreparedData, json>> prepared;
+  try {
+    json meta;
+    PreparedData d = verify_prepared(options, &meta);
+    prepared.emplace(std::move(d), std::move(meta));
+  } catch (const std::exception&) {
+  }
+  // A built-in corpus printed by a program (the KJV) is known by its files' fingerprint: the same
+  // as when the directory was prepared, the directory is reused without printing it again.
+  const std::string fingerprint = corpus_fingerprint(options.corpus);
+  if (prepared && !fingerprint.empty() &&
+      prepared->second.value("/corpus/fingerprint"_json_pointer, std::string()) == fingerprint)
+    return prepared->first;
   // Pass 1 reads the corpus once for its checksum (reuse needs the same bytes: a file may have
   // changed under the same path), its document count and the tokenizer's training sample.
   // A directory prepared elsewhere and copied here (a GPU machine without Debian's bible-kjv,
   // say) is used as it is when its corpus cannot be read on this machine: it still passes every
   // check of its own files; only the comparison with the corpus's bytes is impossible.
-  // A built-in corpus printed by a program (the KJV) is known by its files' fingerprint: the same
-  // as when the directory was prepared, the directory is reused without printing it again.
-  const std::string fingerprint = corpus_fingerprint(options.corpus);
-  if (!fingerprint.empty()) {
-    try {
-      json meta;
-      PreparedData d = verify_prepared(options, &meta);
-      if (meta.value("/corpus/fingerprint"_json_pointer, std::string()) == fingerprint)
-        return d;
-    } catch (const std::exception&) {
-      // Missing, stale or damaged: the checksum decides below.
-    }
-  }
   std::optional<CorpusSource> readable;
   try {
     readable.emplace(options.corpus);
   } catch (const std::exception& unreadable) {
-    const auto error = std::current_exception();
-    PreparedData d;
-    try {
-      d = verify_prepared(options, nullptr);
-    } catch (const std::exception&) {
-      std::rethrow_exception(error);  // nothing prepared either: the corpus's own error
-    }
+    if (!prepared)
+      throw;  // nothing prepared either: the corpus's own error
     std::printf(
         "fsdp-train: %s: using the prepared data as it is (its corpus cannot be read "
         "here: %s)\n",
         options.out_dir.c_str(), unreadable.what());
-    return d;
+    return prepared->first;
   }
   const CorpusSource& source = *readable;
   CorpusScan scan = scan_corpus(source, options.seed);
   scan.fingerprint = fingerprint;
-  try {
-    json meta;
-    PreparedData d = verify_prepared(options, &meta);
+  if (prepared) {
+    auto& [d, meta] = *prepared;
     if (meta.value("/corpus/xxh64"_json_pointer, std::string()) == hex64(scan.checksum) &&
         meta.value("/corpus/bytes"_json_pointer, int64_t{-1}) == scan.bytes) {
       if (meta.value("/corpus/fingerprint"_json_pointer, std::string()) != fingerprint) {
@@ -791,8 +787,6 @@ PreparedData prepare_data(const PrepareOptions& options) {
       }
       return d;
     }
-  } catch (const std::exception&) {
-    // Missing, stale or damaged: prepare again below.
   }
   return prepare_anew(options, source, scan);
 }
