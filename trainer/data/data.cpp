@@ -742,11 +742,19 @@ PreparedData prepare_data(const PrepareOptions& options) {
     prepared.emplace(std::move(d), std::move(meta));
   } catch (const std::exception&) {
   }
+  // A field of meta.json, or `fallback` where absent or of another type (then nothing matches).
+  const auto field_or = [&](const char* pointer, auto fallback) {
+    try {
+      return prepared->second.value(json::json_pointer(pointer), fallback);
+    } catch (const std::exception&) {
+      return fallback;
+    }
+  };
   // A built-in corpus printed by a program (the KJV) is known by its files' fingerprint: the same
   // as when the directory was prepared, the directory is reused without printing it again.
   const std::string fingerprint = corpus_fingerprint(options.corpus);
   if (prepared && !fingerprint.empty() &&
-      prepared->second.value("/corpus/fingerprint"_json_pointer, std::string()) == fingerprint)
+      field_or("/corpus/fingerprint", std::string()) == fingerprint)
     return prepared->first;
   // Pass 1 reads the corpus once for its checksum (reuse needs the same bytes: a file may have
   // changed under the same path), its document count and the tokenizer's training sample.
@@ -770,9 +778,9 @@ PreparedData prepare_data(const PrepareOptions& options) {
   scan.fingerprint = fingerprint;
   if (prepared) {
     auto& [d, meta] = *prepared;
-    if (meta.value("/corpus/xxh64"_json_pointer, std::string()) == hex64(scan.checksum) &&
-        meta.value("/corpus/bytes"_json_pointer, int64_t{-1}) == scan.bytes) {
-      if (meta.value("/corpus/fingerprint"_json_pointer, std::string()) != fingerprint) {
+    if (field_or("/corpus/xxh64", std::string()) == hex64(scan.checksum) &&
+        field_or("/corpus/bytes", int64_t{-1}) == scan.bytes) {
+      if (field_or("/corpus/fingerprint", std::string()) != fingerprint) {
         // The same bytes from files that changed (a reinstalled package) or a directory from
         // before fingerprints: recorded, so that the next start skips the read. Best effort:
         // a directory this user cannot write (or a full disk) is still used as it is.
