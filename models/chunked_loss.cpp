@@ -137,10 +137,23 @@ torch::Tensor chunked_linear_cross_entropy(const torch::Tensor& hidden, const to
   auto w = weights.defined() ? weights.to(torch::kFloat)
                              : torch::ones({hidden.size(0)}, hidden.options().dtype(torch::kFloat));
   w = w.masked_fill(ignored, 0.0) / denominator;
-  const auto y = targets.masked_fill(ignored, 0);
+  auto y = targets.masked_fill(ignored, 0);
+  // A position of weight 0 (an ignored target, a prompt token when only answers count) adds
+  // nothing to the loss and gets no gradient, so its logits are not computed: fine-tuning on
+  // answers only pays the head for the answer tokens (SmolLM2's 49,152-word head was most of a
+  // 2-block LoRA step over whole conversations). index_select's backward gives the other
+  // positions their zero gradient. Every rank of a tensor-parallel group holds the same targets
+  // and weights, so all keep the same positions and run the same chunks' all-reduces.
+  auto h = hidden;
+  if (const auto kept = w.ne(0); kept.sum().item<int64_t>() < hidden.size(0)) {
+    const auto at = kept.nonzero().squeeze(1);
+    h = hidden.index_select(0, at);
+    y = y.index_select(0, at);
+    w = w.index_select(0, at);
+  }
   const bool grad = torch::GradMode::is_enabled();
   return ChunkedLinearCrossEntropy::apply(
-      hidden, weight, y, w, chunk, grad && hidden.requires_grad(), grad && weight.requires_grad(),
+      h, weight, y, w, chunk, grad && hidden.requires_grad(), grad && weight.requires_grad(),
       split ? std::optional<fsdp::tp::VocabSplit>(*split) : std::nullopt);
 }
 

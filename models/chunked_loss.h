@@ -22,7 +22,8 @@ namespace fsdp_models {
 /// tokens it is the fine-tuning loss. The logits are computed in hidden's dtype (as the head's
 /// Linear would) and taken to float32 for the softmax; gradients flow to hidden and weight
 /// (whichever requires them), the weight's accumulated over the chunks in float32. `chunk`
-/// positions at a time (>= 1). With `split` (tensor parallelism), weight holds this rank's words
+/// positions at a time (>= 1); positions of weight 0 are left out before chunking (no logits,
+/// a zero gradient). With `split` (tensor parallelism), weight holds this rank's words
 /// of a vocabulary of split->shard.total, targets are in [0, total), and each chunk's softmax
 /// is taken over every rank's logits through two all-reduces of its positions
 /// (fsdp::tp::vocab_parallel_lse), never gathering them; hidden's gradient is then this rank's

@@ -165,14 +165,21 @@ torch::Tensor GPTImpl::trunk(const torch::Tensor& idx) {
 }
 
 torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
-  const int64_t t = idx.size(1);
-  const int64_t n = sequence_group_ ? sequence_group_->size() : 1;
-  const int64_t pad = (n - t % n) % n;
-  if (pad == 0)
-    return head(trunk(idx));
-  // Sequence parallelism splits T evenly: pad on the right, which no earlier position attends to.
-  auto padded = torch::cat({idx, torch::zeros({idx.size(0), pad}, idx.options())}, 1);
-  return head(trunk(padded)).narrow(1, 0, t);
+  return logits(idx, 0, idx.size(1));
+}
+
+torch::Tensor GPTImpl::forward(const torch::Tensor& idx, const LastLogits& last) {
+  TORCH_CHECK(last.positions >= 1 && last.positions <= idx.size(1), "GPT: the last ",
+              last.positions, " positions' logits asked of ", idx.size(1));
+  return logits(idx, idx.size(1) - last.positions, last.positions);
+}
+
+torch::Tensor GPTImpl::logits(const torch::Tensor& idx, int64_t from, int64_t count) {
+  auto h = ln_f(trunk(pad_to_group(idx, sequence_group_)));
+  if (sequence_group_)
+    h = fsdp::tp::gather_from_group(h, 1, sequence_group_);
+  h = h.narrow(1, from, count);
+  return cfg_.tie_embeddings ? wte->attend(h) : lm_head(h);
 }
 
 torch::Tensor GPTImpl::loss(const torch::Tensor& x, const LossSpec& spec) {

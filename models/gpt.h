@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "chunked_loss.h"
+#include "last_logits.h"
 #include "layers.h"
 
 namespace fsdp_models {
@@ -85,6 +86,8 @@ class GPTImpl : public torch::nn::Module {
   /// The loss instead of the logits, the head and its cross-entropy over chunks of positions
   /// (chunked_loss.h): the (B, T, V) logits are never alive at once.
   torch::Tensor forward(const torch::Tensor& idx, const LossSpec& spec);
+  /// The logits of the last `last.positions` positions only (B, k, vocab): sampling's forward.
+  torch::Tensor forward(const torch::Tensor& idx, const LastLogits& last);
   /// forward() in its three parts, for code that runs them apart (the planner's calibration):
   /// embed(idx) -> each block -> head(x) is forward(idx).
   torch::Tensor embed(const torch::Tensor& idx);  // (B, T) -> (B, T, C)
@@ -112,6 +115,10 @@ class GPTImpl : public torch::nn::Module {
   Linear lm_head{nullptr};  // only when embeddings are not tied
 
  private:
+  // The logits of positions [from, from + count) of idx's, padded on the right for sequence
+  // parallelism; the head's matmul only for them.
+  torch::Tensor logits(const torch::Tensor& idx, int64_t from, int64_t count);
+
   GPTConfig cfg_;
   std::shared_ptr<fsdp::ProcessGroup> sequence_group_;  // use_sequence_parallel
 };

@@ -280,14 +280,21 @@ torch::Tensor LlamaImpl::trunk(const torch::Tensor& tokens) {
 }
 
 torch::Tensor LlamaImpl::forward(const torch::Tensor& tokens) {
-  const int64_t t = tokens.size(1);
-  const int64_t n = sequence_group_ ? sequence_group_->size() : 1;
-  const int64_t pad = (n - t % n) % n;
-  if (pad == 0)
-    return head(trunk(tokens));
-  // Sequence parallelism splits T evenly: pad on the right, which no earlier position attends to.
-  auto padded = torch::cat({tokens, torch::zeros({tokens.size(0), pad}, tokens.options())}, 1);
-  return head(trunk(padded)).narrow(1, 0, t);
+  return logits(tokens, 0, tokens.size(1));
+}
+
+torch::Tensor LlamaImpl::forward(const torch::Tensor& tokens, const LastLogits& last) {
+  TORCH_CHECK(last.positions >= 1 && last.positions <= tokens.size(1), "Llama: the last ",
+              last.positions, " positions' logits asked of ", tokens.size(1));
+  return logits(tokens, tokens.size(1) - last.positions, last.positions);
+}
+
+torch::Tensor LlamaImpl::logits(const torch::Tensor& tokens, int64_t from, int64_t count) {
+  auto x = norm(trunk(pad_to_group(tokens, sequence_group_)));
+  if (sequence_group_)
+    x = fsdp::tp::gather_from_group(x, 1, sequence_group_);
+  x = x.narrow(1, from, count);
+  return cfg_.tie_embeddings ? tok_embeddings->attend(x) : output(x);
 }
 
 torch::Tensor LlamaImpl::loss(const torch::Tensor& h, const LossSpec& spec) {

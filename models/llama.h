@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "chunked_loss.h"
+#include "last_logits.h"
 #include "layers.h"
 
 namespace fsdp_models {
@@ -149,6 +150,8 @@ class LlamaImpl : public torch::nn::Module {
   /// The loss instead of the logits, the head and its cross-entropy over chunks of positions
   /// (chunked_loss.h): the (B, T, V) logits are never alive at once.
   torch::Tensor forward(const torch::Tensor& tokens, const LossSpec& spec);
+  /// The logits of the last `last.positions` positions only (B, k, vocab): sampling's forward.
+  torch::Tensor forward(const torch::Tensor& tokens, const LastLogits& last);
   /// forward() in its three parts, for code that runs them apart (the planner's calibration):
   /// embed(tokens) -> each block with rope(T) -> head(h) is forward(tokens).
   torch::Tensor embed(const torch::Tensor& tokens);  // (B, T) -> (B, T, dim)
@@ -174,6 +177,10 @@ class LlamaImpl : public torch::nn::Module {
   Linear output{nullptr};  // only when embeddings are not tied
 
  private:
+  // The logits of positions [from, from + count) of tokens', padded on the right for sequence
+  // parallelism; the head's matmul only for them.
+  torch::Tensor logits(const torch::Tensor& tokens, int64_t from, int64_t count);
+
   LlamaConfig cfg_;
   std::shared_ptr<fsdp::ProcessGroup> sequence_group_;  // use_sequence_parallel
   // RoPE tables for the longest sequence seen so far: derived from the config, so neither

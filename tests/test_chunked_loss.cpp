@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <limits>
 #include <stdexcept>
 
 #include <fsdp/core/memory.h>
@@ -69,6 +70,42 @@ TEST(ChunkedLoss, EqualsTheUnfusedLossAndGradientsInFp32) {
     EXPECT_TRUE(torch::allclose(mean.grad_h, mean_ref.grad_h, 1e-5, 1e-6)) << "chunk " << chunk;
     EXPECT_TRUE(torch::allclose(mean.grad_w, mean_ref.grad_w, 1e-5, 1e-6)) << "chunk " << chunk;
   }
+}
+
+// Positions of weight 0 (a mask's zeros, ignored targets) are left out before the head: their
+// logits are never computed. A NaN in such a position's hidden state, which would make its
+// logits and, through NaN * 0, the weighted sum NaN, leaves the loss and the other positions'
+// gradients as without it, and that position's gradient zero.
+TEST(ChunkedLoss, PositionsOfWeightZeroAreNeverComputed) {
+  torch::manual_seed(5);
+  const int64_t n = 23, c = 8, v = 40;
+  const auto h = torch::randn({n, c});
+  const auto w = torch::randn({v, c}) * 0.5;
+  auto targets = torch::randint(0, v, {n}, torch::kLong);
+  auto mask = torch::ones({n});
+  mask.index_put_({torch::arange(0, n, 3)}, 0.0);  // positions 0, 3, ..., 21
+  targets[4] = -100;                               // and an ignored target
+  const auto ref_mask = mask.masked_fill(targets.eq(-100), 0.0);
+  const double denom = ref_mask.sum().item<double>();
+  const auto ref = unfused(h, w, targets.masked_fill(targets.eq(-100), 0), ref_mask, denom);
+  auto poisoned = h.clone();
+  poisoned[3].fill_(std::numeric_limits<float>::quiet_NaN());
+  poisoned[4].fill_(std::numeric_limits<float>::infinity());
+  for (int64_t chunk : {1, 4, 64}) {
+    const auto got = fused(poisoned, w, targets, mask, denom, chunk);
+    EXPECT_TRUE(torch::allclose(got.loss, ref.loss, 1e-5, 1e-6))
+        << "chunk " << chunk << ": " << got.loss.item<double>() << " vs "
+        << ref.loss.item<double>();
+    EXPECT_TRUE(torch::allclose(got.grad_h, ref.grad_h, 1e-5, 1e-6)) << "chunk " << chunk;
+    EXPECT_TRUE(got.grad_h[3].eq(0).all().item<bool>()) << "chunk " << chunk;
+    EXPECT_TRUE(got.grad_h[4].eq(0).all().item<bool>()) << "chunk " << chunk;
+    EXPECT_TRUE(torch::allclose(got.grad_w, ref.grad_w, 1e-5, 1e-6)) << "chunk " << chunk;
+  }
+  // Every weight zero: a zero loss and zero gradients.
+  const auto none = fused(h, w, targets, torch::zeros({n}), 1.0, 8);
+  EXPECT_EQ(none.loss.item<double>(), 0.0);
+  EXPECT_TRUE(none.grad_h.eq(0).all().item<bool>());
+  EXPECT_TRUE(none.grad_w.eq(0).all().item<bool>());
 }
 
 // bf16 hidden states and head: the logits of a chunk are the same bf16 matmul the Linear does,

@@ -373,6 +373,32 @@ TEST(Models, CausalGptAndLlama) {
                 lcfg.max_seq_len, "llama");
 }
 
+// forward(idx, LastLogits{k}) computes the head for the last k positions only: the same logits
+// as the whole forward's last k (fp32, to the matmul's rounding), and k outside [1, T] refused.
+template <typename M>
+void expect_last_logits(M& model, int64_t vocab, const std::string& what) {
+  torch::NoGradGuard no_grad;
+  const auto x = torch::randint(0, vocab, {2, 11}, torch::kLong);
+  const auto all = model->forward(x);
+  for (int64_t k : {1, 4, 11}) {
+    const auto last = model->forward(x, fsdp_models::LastLogits{k});
+    ASSERT_EQ(last.sizes(), all.narrow(1, 11 - k, k).sizes()) << what << " k " << k;
+    EXPECT_TRUE(torch::allclose(last, all.narrow(1, 11 - k, k), 1e-5, 1e-6))
+        << what << " k " << k << ": " << (last - all.narrow(1, 11 - k, k)).abs().max();
+  }
+  EXPECT_THROW(model->forward(x, fsdp_models::LastLogits{0}), c10::Error) << what;
+  EXPECT_THROW(model->forward(x, fsdp_models::LastLogits{12}), c10::Error) << what;
+}
+
+TEST(Models, LastLogitsAreTheWholeForwardsLastPositions) {
+  const auto gcfg = GPTConfig::preset("gpt2-test");
+  GPT gpt(gcfg, ModelInit().seed(3));
+  expect_last_logits(gpt, gcfg.vocab_size, "gpt");
+  const auto lcfg = LlamaConfig::preset("llama-test");
+  Llama llama(lcfg, ModelInit().seed(3));
+  expect_last_logits(llama, lcfg.vocab_size, "llama");
+}
+
 TEST(Models, GroupedQueryAttentionMatchesRepeatedKeysAndValues) {
   for (int64_t kv : {4, 2, 1}) {
     LlamaConfig cfg = LlamaConfig::preset("llama-test");

@@ -174,6 +174,12 @@ int train_and_compare(
     WORKER_CHECK(ours.sizes() == theirs.sizes() &&
                  torch::allclose(ours, theirs, /*rtol=*/1e-4, /*atol=*/1e-5))
         << "logits of " << seq - 1 << " positions differ by " << value((ours - theirs).abs().max());
+    // Sampling's forward: the head for the last positions only, after the same padding and
+    // gather (fsdp_models::LastLogits).
+    const torch::Tensor last = fsdp::forward(model, x, fsdp_models::LastLogits{3});
+    WORKER_CHECK(last.sizes() == theirs.narrow(1, seq - 4, 3).sizes() &&
+                 torch::allclose(last, theirs.narrow(1, seq - 4, 3), /*rtol=*/1e-4, /*atol=*/1e-5))
+        << "the last 3 positions' logits differ";
   }
   // The reference split as the model was: each rank's parts, then its FSDP rows of them.
   split(reference, mesh.tp);

@@ -2621,7 +2621,7 @@ TEST(FaultTolerantTraining, EveryReplicaKilledEndsTheJobAtOnceWithTheReason) {
 // losses, bit for bit.
 TEST(FaultTolerantTraining, ASpareTakesAKilledReplicasPlaceAndTheLossesEqualTheScheduleRun) {
   FtJob ft("ft-spare", "spare_replicas = 1\nmax_restarts = 0\n", 3,
-           " --training.steps=120 --training.seq_len=64 --training.eval_every=60 "
+           " --training.steps=60 --training.seq_len=64 --training.eval_every=30 "
            "--generate.tokens=0 --logging.plot=false");
   ASSERT_TRUE(ft.kill_rank_after(20, 1)) << ft.job->output();
   ASSERT_EQ(ft.job->wait(180), 0) << ft.job->output();
@@ -2636,7 +2636,7 @@ TEST(FaultTolerantTraining, ASpareTakesAKilledReplicasPlaceAndTheLossesEqualTheS
   EXPECT_GT(dropped, 20);
   EXPECT_EQ(back, dropped + 1);  // the spare was waiting: the next step admits it
   const auto [evals, reference_dir] = ft.expect_schedule_run_equal(
-      std::to_string(dropped) + ":0;" + std::to_string(back) + ":0,2", 120);
+      std::to_string(dropped) + ":0;" + std::to_string(back) + ":0,2", 60);
   EXPECT_EQ(evals, 2);
   std::printf("replica 1 dropped at step %lld, the spare (replica 2) in from step %lld\n",
               static_cast<long long>(dropped), static_cast<long long>(back));
@@ -2652,11 +2652,12 @@ TEST(FaultTolerantTraining, ASpareTakesAKilledReplicasPlaceAndTheLossesEqualTheS
 // takes the others' loss scale too.
 TEST(FaultTolerantTraining, AKilledReplicaRejoinsAndTheLossesEqualTheScheduleRun) {
   FtJob ft("ft-kill", "", 3,
-           " --training.steps=150 --training.seq_len=64 --training.eval_every=50 "
+           " --training.steps=60 --training.seq_len=64 --training.eval_every=20 "
            "--generate.tokens=0 --logging.plot=false --precision.loss_scaling=dynamic "
            "--precision.growth_interval=5");
-  // Rank 1 dies within a step or two of step 30, far from the end.
-  ASSERT_TRUE(ft.kill_rank_after(30, 1)) << ft.job->output();
+  // Rank 1 dies within a step or two of step 20, far from the end (it is back within a few
+  // steps: 1 on a 2-core EPYC).
+  ASSERT_TRUE(ft.kill_rank_after(20, 1)) << ft.job->output();
   ASSERT_EQ(ft.job->wait(180), 0) << ft.job->output();
   const std::string output = ft.job->output();
   EXPECT_NE(output.find("restarts of replicas 0..2: 0, 1, 0"), std::string::npos) << output;
@@ -2670,14 +2671,14 @@ TEST(FaultTolerantTraining, AKilledReplicaRejoinsAndTheLossesEqualTheScheduleRun
   EXPECT_EQ(changes[2]["cause"], "admitted");
   EXPECT_EQ(changes[2]["live"], nlohmann::json::array({0, 1, 2}));
   const int64_t dropped = changes[1]["step"], back = changes[2]["step"];
-  EXPECT_GT(dropped, 30);
+  EXPECT_GT(dropped, 20);
   EXPECT_GT(back, dropped);
-  EXPECT_LT(back, 150);
+  EXPECT_LT(back, 60);
   std::printf("replica 1 dropped at step %lld, back at step %lld\n",
               static_cast<long long>(dropped), static_cast<long long>(back));
 
   const auto [evals, reference_dir] = ft.expect_schedule_run_equal(
-      std::to_string(dropped) + ":0,2;" + std::to_string(back) + ":0,1,2", 150);
+      std::to_string(dropped) + ":0,2;" + std::to_string(back) + ":0,1,2", 60);
   EXPECT_EQ(evals, 3);
   // The scale moved from its start before the replica came back: a joiner that kept its own
   // would have scaled its gradients differently from the others'.

@@ -85,6 +85,9 @@ void build_sharded(TrainModel& out, const Cfg& cfg, fsdp_models::InitScheme sche
     out.tp_params = fsdp_models::tensor_parallel_params(*model, tp->size());
   out.module = model.ptr();
   out.forward = [model](const torch::Tensor& idx) mutable { return fsdp::forward(model, idx); };
+  out.next_logits = [model](const torch::Tensor& idx) mutable {
+    return fsdp::forward(model, idx, fsdp_models::LastLogits{1}).select(1, 0);
+  };
   out.forward_loss = [model](const torch::Tensor& idx, const fsdp_models::LossSpec& spec) mutable {
     return fsdp::forward(model, idx, spec);
   };
@@ -360,6 +363,9 @@ TrainModel build_finetune_model(const Config& config, const std::string& model_p
     load_pretrained(model_path, model);
   out.module = model.ptr();
   out.forward = [model](const torch::Tensor& idx) mutable { return fsdp::forward(model, idx); };
+  out.next_logits = [model](const torch::Tensor& idx) mutable {
+    return fsdp::forward(model, idx, fsdp_models::LastLogits{1}).select(1, 0);
+  };
   out.forward_loss = [model](const torch::Tensor& idx, const fsdp_models::LossSpec& spec) mutable {
     return fsdp::forward(model, idx, std::cref(spec));  // targets and weights: not cast
   };

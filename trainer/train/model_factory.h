@@ -22,6 +22,9 @@ struct TrainModel {
   std::shared_ptr<torch::nn::Module> module;
   /// idx (B, T) -> logits (B, T, vocab), through fsdp::forward.
   std::function<torch::Tensor(const torch::Tensor&)> forward;
+  /// idx (B, T) -> the logits (B, vocab) of the last position only (fsdp_models::LastLogits):
+  /// what sampling and greedy answers read, without the head's matmul over the whole prompt.
+  std::function<torch::Tensor(const torch::Tensor&)> next_logits;
   /// idx (B, T) -> the loss of `spec` (fsdp_models::LossSpec: the head and cross-entropy over
   /// chunks of positions), through fsdp::forward.
   std::function<torch::Tensor(const torch::Tensor&, const fsdp_models::LossSpec&)> forward_loss;

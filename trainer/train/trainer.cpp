@@ -1317,7 +1317,7 @@ std::vector<std::string> Trainer::answer_questions() {
       const int64_t n = std::min<int64_t>(config_.finetune.max_tokens, ids.size());
       auto input = torch::tensor(std::vector<int64_t>(ids.end() - n, ids.end())).unsqueeze(0);
       const int64_t next =
-          model_.forward(input.to(device_)).select(1, n - 1).squeeze(0).argmax().item<int64_t>();
+          model_.next_logits(input.to(device_)).squeeze(0).argmax().item<int64_t>();
       if (next == finetune.end_of_turn_id() || next == tok.eos_id())
         break;
       ids.push_back(next);
@@ -1391,8 +1391,7 @@ std::string Trainer::generate() {
     const int64_t n = std::min<int64_t>(ctx, static_cast<int64_t>(ids.size()));
     auto input =
         torch::tensor(std::vector<int64_t>(ids.end() - n, ids.end()), torch::kLong).unsqueeze(0);
-    auto logits =
-        model_.forward(input.to(device_)).select(1, n - 1).squeeze(0).cpu() / g.temperature;
+    auto logits = model_.next_logits(input.to(device_)).squeeze(0).cpu() / g.temperature;
     if (g.top_k > 0 && g.top_k < logits.size(0)) {
       auto kth = std::get<0>(logits.topk(g.top_k)).min();
       logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
