@@ -280,7 +280,7 @@ TEST(LocalCollectives, TrainerRunWithTheOption) {
   const fs::path run_dir = work / "run";
   fs::remove_all(work);
   fs::create_directories(work);
-  const auto cmd = std::string(FSDP_TRAIN_PATH) +
+  const auto cmd = std::string(FSDP_TRAIN_CMD) +
                    " --nproc 2 --model.preset=gpt2-test --data.corpus=fortunes --data.dir=" +
                    (work / "data").string() +
                    " --data.vocab_size=512 --training.steps=5 --training.batch_size=2 "

@@ -26,9 +26,12 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
+
+extern char** environ;
 
 namespace fsdp::test {
 namespace {
@@ -114,12 +117,78 @@ bool same_file(const struct stat& a, const struct stat& b) {
          a.st_mtim.tv_nsec == b.st_mtim.tv_nsec;
 }
 
-// Whether argv[0] names this binary as it was when the zygote started.
-bool is_this_binary(const nlohmann::json& argv, const struct stat& self) {
+// Whether argv[0] names the file `file` as it was when the zygote started.
+bool names_file(const nlohmann::json& argv, const struct stat& file) {
   if (!argv.is_array() || argv.empty() || !argv[0].is_string())
     return false;
   struct stat st {};
-  return ::stat(argv[0].get<std::string>().c_str(), &st) == 0 && same_file(st, self);
+  return ::stat(argv[0].get<std::string>().c_str(), &st) == 0 && same_file(st, file);
+}
+
+struct OtherProgram {
+  std::string path;
+  int (*run)(int, char**);
+  struct stat file {};
+};
+
+std::vector<OtherProgram>& other_programs() {
+  static std::vector<OtherProgram> programs;
+  return programs;
+}
+
+// Variables a process reads as it starts (the dynamic loader, glibc's malloc and tunables,
+// libgomp's constructor) or at its first use of a kernel or primitive, which a copy that ran
+// nothing would still do with its own environment (ATen's CPU capability, oneDNN's ISA limit):
+// the zygote refuses another program's request whose values of these differ from its own,
+// rather than rely on which are read when.
+constexpr const char* kStartupOnlyPrefixes[] = {"LD_",   "GLIBC_", "MALLOC_", "OMP_",
+                                                "GOMP_", "KMP_",   "ATEN_",   "ONEDNN_",
+                                                "DNNL_", "TORCH_", "PYTORCH_"};
+
+bool startup_only(const std::string& name) {
+  for (const char* prefix : kStartupOnlyPrefixes) {
+    if (name.rfind(prefix, 0) == 0)
+      return true;
+  }
+  return false;
+}
+
+std::map<std::string, std::string> startup_environment(const nlohmann::json& env) {
+  std::map<std::string, std::string> out;
+  if (!env.is_object())
+    return out;
+  for (auto it = env.begin(); it != env.end(); ++it) {
+    if (startup_only(it.key()) && it->is_string())
+      out[it.key()] = it->get<std::string>();
+  }
+  return out;
+}
+
+std::map<std::string, std::string> own_startup_environment() {
+  std::map<std::string, std::string> out;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry = *e;
+    const size_t eq = entry.find('=');
+    if (eq != std::string::npos && startup_only(entry.substr(0, eq)))
+      out[entry.substr(0, eq)] = entry.substr(eq + 1);
+  }
+  return out;
+}
+
+// What runs a request in the copy: this binary's main() body, another program's, or nothing
+// (refused).
+int (*program_for(const nlohmann::json& body, const struct stat& self,
+                  const std::map<std::string, std::string>& own_env,
+                  int (*run)(int, char**)))(int, char**) {
+  const auto argv = body.value("argv", nlohmann::json());
+  if (names_file(argv, self))
+    return run;
+  for (const auto& other : other_programs()) {
+    if (names_file(argv, other.file))
+      return startup_environment(body.value("env", nlohmann::json())) == own_env ? other.run
+                                                                                 : nullptr;
+  }
+  return nullptr;
 }
 
 // In the run's process: becomes what the client would have started, and runs main's body.
@@ -227,12 +296,21 @@ int listen_on(const std::string& path) {
 
 }  // namespace
 
+void serve_also(const std::string& path, int (*run)(int, char**)) {
+  other_programs().push_back({path, run});
+}
+
 int serve_as_zygote(const std::string& socket_path, pid_t owner, int (*run)(int, char**)) {
   const std::string marker = socket_path + ".starting";
   std::ofstream(marker) << ::getpid();
   struct stat self {};
   std::error_code ec;
   const auto self_path = std::filesystem::read_symlink("/proc/self/exe", ec);
+  for (auto& other : other_programs()) {
+    if (::stat(other.path.c_str(), &other.file) != 0)
+      other.file = {};  // matches no request (st_ino 0): that program runs as a process
+  }
+  const auto own_env = own_startup_environment();
   if (!fsdp::single_threaded() || ec || ::stat(self_path.c_str(), &self) != 0) {
     std::fprintf(stderr, "zygote: not single-threaded after static initialisation; not serving\n");
     ::unlink(marker.c_str());
@@ -270,8 +348,10 @@ int serve_as_zygote(const std::string& socket_path, pid_t owner, int (*run)(int,
       ::close(conn);
       break;
     }
-    if (!is_this_binary(request->body.value("argv", nlohmann::json()), self)) {
-      // Another binary, or this one rebuilt: the client runs it itself.
+    const auto program = program_for(request->body, self, own_env, run);
+    if (program == nullptr) {
+      // Another binary, one rebuilt, or another program's request in another environment: the
+      // client runs it itself.
       reply(conn, "refused");
       close_all(request->fds);
       ::close(conn);
@@ -283,7 +363,7 @@ int serve_as_zygote(const std::string& socket_path, pid_t owner, int (*run)(int,
     const pid_t manager = ::fork();
     if (manager == 0) {
       ::close(listener);
-      manage_run(*request, conn, run);
+      manage_run(*request, conn, program);
     }
     close_all(request->fds);
     ::close(conn);

@@ -27,4 +27,14 @@ namespace fsdp::test {
 /// copy: a run ends with exit()).
 int serve_as_zygote(const std::string& socket_path, pid_t owner, int (*run)(int, char**));
 
+/// Another program the zygote serves: a request whose argv[0] names `path` (the file as it was
+/// when the zygote started) runs `run` (that program's main() body, linked into this binary) in
+/// the copy. fsdp_trainer_tests serves fsdp-train this way (fsdp_trainer::train_main): the
+/// trainer tests start it about 170 times, each start 0.2 s of LibTorch's static initialisers.
+/// A request whose environment differs from the zygote's in a variable read only when a process
+/// starts (the dynamic loader's, glibc's, OpenMP's, ATen's CPU dispatch, oneDNN's ISA limit:
+/// kStartupOnlyPrefixes in zygote.cpp) is refused: the copy would run as the zygote started.
+/// Call before serve_as_zygote (a static initialiser of the binary).
+void serve_also(const std::string& path, int (*run)(int, char**));
+
 }  // namespace fsdp::test

@@ -3,8 +3,15 @@ of its own (arguments, working directory, environment, stdin, stdout and stderr 
 client exits with its status; a killed client takes the script and its children with it; without
 a server the client runs the script itself, with the same results. With a test binary's path
 (tests/harness/zygote.h): the same of a run through the binary's zygote, and a zygote whose
-binary changed refuses (the client runs the binary itself) and ends. Exits non-zero on a mismatch.
+binary changed refuses (the client runs the binary itself) and ends. With fsdp_trainer_tests' and
+fsdp-train's paths: that zygote serves fsdp-train (tests/trainer/serve_fsdp_train.cpp) with
+fsdp-train's own output and exit code, in a copy (the client's CPU is not fsdp-train's start),
+and leaves to fsdp-train a request whose environment differs in a variable read at start.
+Exits non-zero on a mismatch.
+
+    check_forkserver.py [FSDP_TESTS [FSDP_TRAINER_TESTS FSDP_TRAIN]]
 """
+import resource
 import os
 import shutil
 import signal
@@ -135,6 +142,50 @@ def check_zygote(binary, tmp):
     print("a test binary's zygote: OK")
 
 
+def child_cpu(cmd, env):
+    """The command's result and the CPU seconds of the process it started (and its children)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def check_served_program(trainer_tests, fsdp_train, tmp):
+    """fsdp_trainer_tests' zygote serves fsdp-train as fsdp-train runs."""
+    copy = os.path.join(tmp, "trainer-tests")
+    shutil.copy2(trainer_tests, copy)
+    sock = os.path.join(tmp, "t.sock")
+    through = [sys.executable, "-S", SERVER, sock, fsdp_train]
+    bad = os.path.join(tmp, "bad.toml")
+    with open(bad, "w") as f:
+        f.write("[training]\nsteps = -1\n")
+    subprocess.run([sys.executable, SERVER, "start", sock, copy], check=True, timeout=30)
+    wait_while(lambda: not os.path.exists(sock), 30)
+    env = dict(os.environ)
+    for args in (["--version"], [bad]):
+        direct, direct_cpu = child_cpu([fsdp_train] + args, env)
+        served, served_cpu = child_cpu(through + args, env)
+        check(served.returncode == direct.returncode and served.stdout == direct.stdout and
+              served.stderr == direct.stderr,
+              "fsdp-train %s: through the zygote %r, directly %r" % (args, served, direct))
+        # Served, the client's process is a Python that starts in milliseconds; directly, a
+        # new fsdp-train pays LibTorch's static initialisers.
+        check(served_cpu < 0.5 * direct_cpu,
+              "fsdp-train %s served: %.3f s of CPU against %.3f s directly" %
+              (args, served_cpu, direct_cpu))
+    check(direct.returncode == 2 and "steps" in direct.stderr, "a bad config: %r" % direct)
+    # A variable read at start that differs: run by fsdp-train itself, with the same result.
+    other = dict(env, OMP_NUM_THREADS=str(int(env.get("OMP_NUM_THREADS", "1")) + 1))
+    direct, direct_cpu = child_cpu([fsdp_train, "--version"], other)
+    refused, refused_cpu = child_cpu(through + ["--version"], other)
+    check(refused.returncode == 0 and refused.stdout == direct.stdout, "refused: %r" % refused)
+    check(refused_cpu >= 0.5 * direct_cpu,
+          "OMP_NUM_THREADS differs, yet served: %.3f s of CPU against %.3f s directly" %
+          (refused_cpu, direct_cpu))
+    subprocess.run([sys.executable, SERVER, "stop", sock], check=True, timeout=30)
+    print("fsdp-train through the trainer tests' zygote: OK")
+
+
 def main():
     with tempfile.TemporaryDirectory() as tmp:
         tmp = os.path.realpath(tmp)
@@ -158,6 +209,8 @@ def main():
         print("through the server: OK")
         if len(sys.argv) > 1:
             check_zygote(sys.argv[1], tmp)
+        if len(sys.argv) > 3:
+            check_served_program(sys.argv[2], sys.argv[3], tmp)
 
 
 if __name__ == "__main__":

@@ -52,8 +52,10 @@ CommandResult run(const std::string& command) {
   return fsdp::test::run_command(command);
 }
 
+// fsdp-train, through the client of this binary's zygote (serve_fsdp_train.cpp), which runs
+// it as a new process when no zygote serves it (the binary run by hand).
 std::string train_cmd() {
-  return FSDP_TRAIN_PATH;
+  return FSDP_TRAIN_CMD;
 }
 
 // One data directory for every run of this file: prepared once, reused (prepare is idempotent).

@@ -47,6 +47,21 @@ std::vector<std::string> print_rank_output(int rank, int code, const std::string
 
 }  // namespace
 
+namespace {
+std::string& executable_override() {
+  static std::string path = "/proc/self/exe";
+  return path;
+}
+}  // namespace
+
+const std::string& trainer_executable() {
+  return executable_override();
+}
+
+void set_trainer_executable(std::string path) {
+  executable_override() = std::move(path);
+}
+
 int launch_local(int nproc, const std::vector<std::string>& args, int threads_per_rank,
                  std::function<int()> rank_main,
                  std::optional<fsdp::LocalLaunchOptions::ReplicaRestarts> restarts,
@@ -55,6 +70,7 @@ int launch_local(int nproc, const std::vector<std::string>& args, int threads_pe
       std::filesystem::temp_directory_path() / ("fsdp-train-" + std::to_string(::getpid()));
   std::filesystem::create_directories(logs);
   fsdp::LocalLaunchOptions o;
+  o.executable = trainer_executable();
   o.argv = {"fsdp-train"};
   o.argv.insert(o.argv.end(), args.begin(), args.end());
   o.nproc = nproc;
