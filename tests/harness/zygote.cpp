@@ -11,6 +11,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -237,6 +238,30 @@ int decode(int status) {
   return 255;
 }
 
+// FSDP_TEST_CPU_LOG=FILE in the zygote's environment (CTest's): each run served appends its
+// CPU seconds (its own and those of the processes it waited for: a test's forked ranks), its
+// wall seconds and its arguments, tab-separated. What a test's time is spent on, beside
+// FSDP_TEST_COMMAND_LOG's commands (docs/design.md, "Where a test's time goes").
+void log_run(const Request& r, const rusage& usage, std::chrono::steady_clock::time_point started) {
+  const char* path = std::getenv("FSDP_TEST_CPU_LOG");
+  if (path == nullptr || *path == '\0')
+    return;
+  auto seconds = [](const timeval& t) { return static_cast<double>(t.tv_sec) + t.tv_usec / 1e6; };
+  std::string line =
+      std::to_string(seconds(usage.ru_utime) + seconds(usage.ru_stime)) + "\t" +
+      std::to_string(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+  for (const auto& a : r.body.at("argv"))
+    line += "\t" + (a.is_string() ? a.get<std::string>() : std::string());
+  line += "\n";
+  // One write of the whole line (O_APPEND): the runs' managers append at once.
+  const int fd = ::open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd < 0)
+    return;
+  [[maybe_unused]] const ssize_t n = ::write(fd, line.data(), line.size());
+  ::close(fd);
+}
+
 // Between the zygote and a run: starts the run, reports its status to the client, and kills
 // it (its whole process group) if the client goes away first.
 [[noreturn]] void manage_run(const Request& r, int conn, int (*run)(int, char**)) {
@@ -252,11 +277,13 @@ int decode(int status) {
   close_all(r.fds);
   const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, child, 0));
   int status = 0;
+  rusage usage{};
+  const auto started = std::chrono::steady_clock::now();
   while (true) {
     pollfd fds[2] = {{conn, POLLIN, 0}, {pidfd, POLLIN, 0}};
     // Without pidfds (Linux before 5.3), the child is polled every 20 ms.
     ::poll(fds, pidfd >= 0 ? 2 : 1, pidfd >= 0 ? -1 : 20);
-    if (::waitpid(child, &status, WNOHANG) == child)
+    if (::wait4(child, &status, WNOHANG, &usage) == child)
       break;
     if (fds[0].revents != 0) {
       char byte = 0;
@@ -270,6 +297,7 @@ int decode(int status) {
     }
   }
   reply(conn, std::to_string(decode(status)));
+  log_run(r, usage, started);
   std::_Exit(0);
 }
 

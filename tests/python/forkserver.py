@@ -88,6 +88,24 @@ def client(sock_path, argv):
     sys.exit(int(reply) if reply.strip().lstrip(b"-").isdigit() else 1)
 
 
+def log_cpu(argv, started):
+    """FSDP_TEST_CPU_LOG=FILE: a script's CPU seconds (its own and its waited-for children's),
+    wall seconds and arguments, appended tab-separated as tests/harness/zygote.cpp logs a run."""
+    path = os.environ.get("FSDP_TEST_CPU_LOG")
+    if not path:
+        return
+    import resource
+    cpu = sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                               resource.getrusage(resource.RUSAGE_CHILDREN)))
+    line = "%f\t%f\t%s\n" % (cpu, time.monotonic() - started, "\t".join([sys.executable] + argv))
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.write(fd, line.encode())  # one write: the runs append at once
+        os.close(fd)
+    except OSError:
+        pass
+
+
 def run_script(conn, fds, request):
     """In the forked copy: becomes the client's Python process for one script."""
     os.setpgid(0, 0)
@@ -112,6 +130,7 @@ def run_script(conn, fds, request):
             os.killpg(os.getpgrp(), signal.SIGKILL)
         os._exit(0)
     code = 0
+    started = time.monotonic()
     try:
         import runpy
         runpy.run_path(argv[0], run_name="__main__")
@@ -125,6 +144,7 @@ def run_script(conn, fds, request):
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
+    log_cpu(argv, started)
     os.kill(watcher, signal.SIGKILL)
     conn.sendall(str(code).encode())
     conn.close()

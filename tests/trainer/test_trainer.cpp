@@ -2882,7 +2882,7 @@ namespace {
 struct TinyChatFinetune {
   fs::path model;
   std::string train, eval;
-  int steps = 24;
+  int steps = 16;
 
   explicit TinyChatFinetune(const std::string& name) {
     const auto work = fs::path(FSDP_TEST_WORK_DIR);
@@ -2910,7 +2910,8 @@ struct TinyChatFinetune {
            "train_file = \"" +
            train + "\"\neval_file = \"" + eval +
            "\"\nsamples = 2\nanswer_tokens = 4\n[training]\nsteps = " + std::to_string(steps) +
-           "\nbatch_size = 1\nlr = 1e-3\neval_every = 12\n[precision]\nparam_dtype = \"auto\"\n"
+           "\nbatch_size = 1\nlr = 1e-3\neval_every = " + std::to_string(steps / 2) +
+           "\n[precision]\nparam_dtype = \"auto\"\n"
            "[logging]\nrun_dir = \"" +
            run_dir + "\"\nprogress = \"lines\"\nlog_every = 1\nplot = false\n";
   }
@@ -2945,7 +2946,8 @@ TEST(FaultTolerantTraining, FinetunesThroughAKilledWriterAndEqualsTheScheduleRun
   // the job; the restarted writer goes without.
   FtJob ft("ft-finetune", "", 3, " --training.memory_budget=1GiB --precision.param_dtype=fp32",
            base, "finetune");
-  // 19 steps left for the restarted rank to come back in.
+  // 11 steps left for the restarted rank to come back in (it was back within 2 on a 2-core
+  // EPYC).
   ASSERT_TRUE(ft.kill_rank_after(5, 0)) << ft.job->output();
   ASSERT_EQ(ft.job->wait(180), 0) << ft.job->output();
   const std::string output = ft.job->output();
@@ -2959,7 +2961,7 @@ TEST(FaultTolerantTraining, FinetunesThroughAKilledWriterAndEqualsTheScheduleRun
   EXPECT_EQ(changes[2]["live"], nlohmann::json::array({0, 1, 2}));
   const int64_t dropped = changes[1]["step"], back = changes[2]["step"];
   const auto [evals, reference_dir] = ft.expect_schedule_run_equal(
-      std::to_string(dropped) + ":1,2;" + std::to_string(back) + ":0,1,2", 24,
+      std::to_string(dropped) + ":1,2;" + std::to_string(back) + ":0,1,2", 16,
       " --precision.param_dtype=fp32");
   EXPECT_EQ(evals, 2);
   for (const char* f :
