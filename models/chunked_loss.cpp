@@ -31,24 +31,31 @@ torch::Tensor chunk_logits(const torch::Tensor& h, const torch::Tensor& weight) 
 // computes the loss alone.
 class ChunkedLinearCrossEntropy : public torch::autograd::Function<ChunkedLinearCrossEntropy> {
  public:
-  // `w` is the per-position weight already divided by the denominator, zero where ignored, and
-  // `y` the targets with ignored ones replaced by 0 (any valid row: their weight is 0).
-  // `split`: the vocabulary split over a tensor-parallel group (`weight` holds this rank's
-  // words), or none.
+  // `kept`: the rows of `hidden` that count, in order (with `every_row`, all of them: `kept` is
+  // then empty and unused; autograd's inputs must be defined tensors); `w` is their weight
+  // already divided by the denominator, zero where ignored, and `y` their targets with ignored
+  // ones replaced by 0 (any valid row: their weight is 0). `split`: the vocabulary split over a
+  // tensor-parallel group (`weight` holds this rank's words), or none.
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden,
-                               const torch::Tensor& weight, const torch::Tensor& y,
-                               const torch::Tensor& w, int64_t chunk, bool want_h, bool want_w,
+                               const torch::Tensor& weight, const torch::Tensor& kept,
+                               bool every_row, const torch::Tensor& y, const torch::Tensor& w,
+                               int64_t chunk, bool want_h, bool want_w,
                                std::optional<fsdp::tp::VocabSplit> split) {
-    const int64_t n = hidden.size(0);
+    // The kept rows, gathered once (a K x C copy that lives through forward only); the other
+    // rows' gradient is zero, so hidden's gradient is the N x C it always was.
+    const bool select = !every_row;
+    const auto rows = select ? hidden.index_select(0, kept) : hidden;
+    const int64_t n = rows.size(0);
     auto total = torch::zeros({}, hidden.options().dtype(torch::kFloat));
     torch::Tensor grad_h, grad_w;
     if (want_h)
-      grad_h = torch::empty_like(hidden, at::MemoryFormat::Contiguous);
+      grad_h = select ? torch::zeros_like(hidden, at::MemoryFormat::Contiguous)
+                      : torch::empty_like(hidden, at::MemoryFormat::Contiguous);
     if (want_w)
       grad_w = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat));
     for (int64_t s = 0; s < n; s += chunk) {
       const int64_t len = std::min(chunk, n - s);
-      const auto h = hidden.narrow(0, s, len);
+      const auto h = rows.narrow(0, s, len);
       const auto yc = y.narrow(0, s, len).unsqueeze(1);
       const auto wc = w.narrow(0, s, len);
       auto logits = chunk_logits(h, weight);
@@ -73,8 +80,13 @@ class ChunkedLinearCrossEntropy : public torch::autograd::Function<ChunkedLinear
       auto& d = logits.sub_(lse.unsqueeze(1)).exp_();
       d.scatter_add_(1, column, one);
       d.mul_(wc.unsqueeze(1));
-      if (want_h)
-        grad_h.narrow(0, s, len).copy_(at::matmul(d.to(hidden.scalar_type()), weight));
+      if (want_h) {
+        const auto g = at::matmul(d.to(hidden.scalar_type()), weight);
+        if (select)
+          grad_h.index_copy_(0, kept.narrow(0, s, len), g);
+        else
+          grad_h.narrow(0, s, len).copy_(g);
+      }
       if (want_w)
         grad_w.addmm_(d.t(), h.to(torch::kFloat));
     }
@@ -94,6 +106,8 @@ class ChunkedLinearCrossEntropy : public torch::autograd::Function<ChunkedLinear
       gw = (grad_w * g).to(ctx->saved_data["weight_dtype"].toScalarType());
     return {gh,
             gw,
+            torch::Tensor(),
+            torch::Tensor(),
             torch::Tensor(),
             torch::Tensor(),
             torch::Tensor(),
@@ -139,21 +153,21 @@ torch::Tensor chunked_linear_cross_entropy(const torch::Tensor& hidden, const to
   w = w.masked_fill(ignored, 0.0) / denominator;
   auto y = targets.masked_fill(ignored, 0);
   // A position of weight 0 (an ignored target, a prompt token when only answers count) adds
-  // nothing to the loss and gets no gradient, so its logits are not computed: fine-tuning on
-  // answers only pays the head for the answer tokens (SmolLM2's 49,152-word head was most of a
-  // 2-block LoRA step over whole conversations). index_select's backward gives the other
-  // positions their zero gradient. Every rank of a tensor-parallel group holds the same targets
-  // and weights, so all keep the same positions and run the same chunks' all-reduces.
-  auto h = hidden;
-  if (const auto kept = w.ne(0); kept.sum().item<int64_t>() < hidden.size(0)) {
-    const auto at = kept.nonzero().squeeze(1);
-    h = hidden.index_select(0, at);
-    y = y.index_select(0, at);
-    w = w.index_select(0, at);
+  // nothing to the loss and gets a zero gradient, so its logits are not computed: fine-tuning
+  // on answers only pays the head for the answer tokens (SmolLM2's 49,152-word head was most
+  // of a 2-block LoRA step over whole conversations). Every rank of a tensor-parallel group
+  // holds the same targets and weights, so all keep the same positions and run the same
+  // chunks' all-reduces.
+  const torch::Tensor kept = w.ne(0).nonzero().squeeze(1);
+  const bool every_row = kept.size(0) == hidden.size(0);  // then no copy
+  if (!every_row) {
+    y = y.index_select(0, kept);
+    w = w.index_select(0, kept);
   }
   const bool grad = torch::GradMode::is_enabled();
   return ChunkedLinearCrossEntropy::apply(
-      h, weight, y, w, chunk, grad && hidden.requires_grad(), grad && weight.requires_grad(),
+      hidden, weight, kept, every_row, y, w, chunk, grad && hidden.requires_grad(),
+      grad && weight.requires_grad(),
       split ? std::optional<fsdp::tp::VocabSplit>(*split) : std::nullopt);
 }
 

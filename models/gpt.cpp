@@ -179,7 +179,7 @@ torch::Tensor GPTImpl::logits(const torch::Tensor& idx, int64_t from, int64_t co
   if (sequence_group_)
     h = fsdp::tp::gather_from_group(h, 1, sequence_group_);
   h = h.narrow(1, from, count);
-  return cfg_.tie_embeddings ? wte->attend(h) : lm_head(h);
+  return cfg_.tie_embeddings ? wte->attend(h) : lm_head(h);  // as head()
 }
 
 torch::Tensor GPTImpl::loss(const torch::Tensor& x, const LossSpec& spec) {

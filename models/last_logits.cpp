@@ -8,8 +8,8 @@
 
 namespace fsdp_models {
 
-torch::Tensor pad_to_group(const torch::Tensor& idx,
-                           const std::shared_ptr<fsdp::ProcessGroup>& sequence_group) {
+at::Tensor pad_to_group(const at::Tensor& idx,
+                        const std::shared_ptr<fsdp::ProcessGroup>& sequence_group) {
   const int64_t n = sequence_group ? sequence_group->size() : 1;
   const int64_t pad = (n - idx.size(1) % n) % n;
   if (pad == 0)

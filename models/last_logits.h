@@ -1,6 +1,7 @@
-// What sampling the next token needs from a model's forward: the logits of the last positions
-// only. The head's matmul over every position of a prompt is most of a small model's forward
-// (SmolLM2's 49,152-word head against 2 blocks), and a sampler reads one row of it.
+// The models' logits forwards (GPT and Llama alike): which positions' logits a forward computes,
+// and the padding both apply under sequence parallelism. Sampling the next token needs the last
+// position's logits only: the head's matmul over every position of a prompt is most of a small
+// model's forward (SmolLM2's 49,152-word head against 2 blocks), and a sampler reads one row.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -27,7 +28,7 @@ struct LastLogits {
 /// idx (B, T) padded with zeros on the right to a multiple of the sequence-parallel group's
 /// size (null: as it is). Sequence parallelism splits T evenly, and no earlier position of a
 /// causal model attends to the padding: forwards then keep the first T positions' logits.
-torch::Tensor pad_to_group(const torch::Tensor& idx,
-                           const std::shared_ptr<fsdp::ProcessGroup>& sequence_group);
+at::Tensor pad_to_group(const at::Tensor& idx,
+                        const std::shared_ptr<fsdp::ProcessGroup>& sequence_group);
 
 }  // namespace fsdp_models

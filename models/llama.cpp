@@ -294,7 +294,7 @@ torch::Tensor LlamaImpl::logits(const torch::Tensor& tokens, int64_t from, int64
   if (sequence_group_)
     x = fsdp::tp::gather_from_group(x, 1, sequence_group_);
   x = x.narrow(1, from, count);
-  return cfg_.tie_embeddings ? tok_embeddings->attend(x) : output(x);
+  return cfg_.tie_embeddings ? tok_embeddings->attend(x) : output(x);  // as head()
 }
 
 torch::Tensor LlamaImpl::loss(const torch::Tensor& h, const LossSpec& spec) {

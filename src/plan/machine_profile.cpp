@@ -242,6 +242,7 @@ DiskRates measure_disk(const std::string& dir, int64_t bytes) {
   const std::string path =
       (std::filesystem::path(dir) / ("fsdp-plan-disk-" + std::to_string(getpid()))).string();
   constexpr int64_t kChunk = int64_t{8} << 20;
+  bytes = (bytes + kChunk - 1) / kChunk * kChunk;  // whole chunks: the rates divide what moved
   std::vector<char> buffer(static_cast<size_t>(kChunk), 1);
   DiskRates out;
   const int fd = ::open(path.c_str(), O_CREAT | O_TRUNC | O_RDWR | O_CLOEXEC, 0600);

@@ -32,8 +32,6 @@
 #include <string>
 #include <vector>
 
-extern char** environ;
-
 namespace fsdp::test {
 namespace {
 
@@ -138,13 +136,13 @@ std::vector<OtherProgram>& other_programs() {
 }
 
 // Variables a process reads as it starts (the dynamic loader, glibc's malloc and tunables,
-// libgomp's constructor) or at its first use of a kernel or primitive, which a copy that ran
-// nothing would still do with its own environment (ATen's CPU capability, oneDNN's ISA limit):
-// the zygote refuses another program's request whose values of these differ from its own,
+// libgomp's and OpenBLAS's constructors) or at its first use of a kernel or primitive, which a copy
+// that ran nothing would still do with its own environment (ATen's CPU capability, oneDNN's ISA
+// limit): the zygote refuses another program's request whose values of these differ from its own,
 // rather than rely on which are read when.
-constexpr const char* kStartupOnlyPrefixes[] = {"LD_",   "GLIBC_", "MALLOC_", "OMP_",
-                                                "GOMP_", "KMP_",   "ATEN_",   "ONEDNN_",
-                                                "DNNL_", "TORCH_", "PYTORCH_"};
+constexpr const char* kStartupOnlyPrefixes[] = {
+    "LD_",   "GLIBC_", "MALLOC_", "OMP_",    "GOMP_", "KMP_",   "OPENBLAS_",
+    "GOTO_", "MKL_",   "ATEN_",   "ONEDNN_", "DNNL_", "TORCH_", "PYTORCH_"};
 
 bool startup_only(const std::string& name) {
   for (const char* prefix : kStartupOnlyPrefixes) {
@@ -296,8 +294,8 @@ void log_run(const Request& r, const rusage& usage, std::chrono::steady_clock::t
       }
     }
   }
+  log_run(r, usage, started);  // before the reply: its client's exit means the line is there
   reply(conn, std::to_string(decode(status)));
-  log_run(r, usage, started);
   std::_Exit(0);
 }
 

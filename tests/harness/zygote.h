@@ -11,8 +11,9 @@
 // static initialisers: the zygote has run nothing else and has no thread but its own.
 //
 // A run's exit status goes back to its client; a client that dies (CTest's time-out) takes its
-// run, and anything the run started, with it. A zygote refuses a request for another binary or
-// for its own file rebuilt since it started (the client then runs the binary itself) and ends
+// run, and anything the run started, with it. A zygote refuses a request for another binary
+// (unless it serves that program too: serve_also) or for its own file rebuilt since it started
+// (the client then runs the binary itself) and ends
 // when the process that started it (CTest) is gone, when its socket is removed, or when stopped.
 #pragma once
 

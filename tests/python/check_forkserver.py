@@ -11,8 +11,8 @@ Exits non-zero on a mismatch.
 
     check_forkserver.py [FSDP_TESTS [FSDP_TRAINER_TESTS FSDP_TRAIN]]
 """
-import resource
 import os
+import resource
 import shutil
 import signal
 import subprocess

@@ -13,7 +13,8 @@ is the Python server, and the client of both servers; tests/harness/zygote.h is 
     forkserver.py start SOCKET [BINARY]  start a server in the background (CTest's fixture):
                                          this Python, or BINARY serving itself
     forkserver.py stop SOCKET            stop it
-    forkserver.py SOCKET PROGRAM ...     run PROGRAM (a .py script, or the binary) with its
+    forkserver.py SOCKET PROGRAM ...     run PROGRAM (a .py script, the binary, or a program
+                                         the binary also serves: zygote.h's serve_also) with its
                                          arguments: through the server when one answers on
                                          SOCKET and accepts, else as a new process (the same
                                          result, slower)
@@ -81,7 +82,9 @@ def client(sock_path, argv):
         if not chunk:
             break
         reply += chunk
-    if reply == b"refused":  # not the server's program (or its binary was rebuilt)
+    # Not the server's program, its binary rebuilt, or (serve_also) a request whose environment
+    # differs from the server's in a variable read at start.
+    if reply == b"refused":
         conn.close()
         run_directly(argv)
     # No status: the copy died before reporting one (killed, or the server stopped).

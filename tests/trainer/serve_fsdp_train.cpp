@@ -4,7 +4,10 @@
 // loaded test binary running fsdp-train's main body (fsdp_trainer::train_main, the same
 // library fsdp-train links) instead of a new process paying LibTorch's static initialisers.
 // Ranks that must be new processes (a fault-tolerant job's, restarted ones) are started from
-// fsdp-train's file, as fsdp-train starts them.
+// fsdp-train's file, as fsdp-train starts them. A served run's /proc/PID/environ shows the
+// zygote's start-up environment, not the run's (the kernel shows a process's environment as it
+// was at exec): tests that find a process by its environment (find_process_with_env) find
+// those new processes, and torchrun's workers, which are their clients.
 #include "cli/launcher.h"
 #include "cli/train_main.h"
 #include "harness/zygote.h"

@@ -467,8 +467,10 @@ TEST(TrainerRun, BindCoresGivesEachLocalRankItsOwnCpus) {
   }
 }
 
+// fsdp-train's own file, not through the zygote (train_cmd()): its link, its start-up and the
+// ranks it forks, as a user runs it.
 TEST(TrainerRun, NprocTwoWritesEveryMetric) {
-  std::string cmd = train_cmd();
+  std::string cmd = FSDP_TRAIN_PATH;
   cmd += " --nproc 2";  // by append: GCC 12 misreports train_cmd() + "..." here (-Warray-bounds)
   auto m = train_and_read("gpt-nproc2", cmd, "--logging.plot=true");
   expect_sane(m);

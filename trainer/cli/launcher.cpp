@@ -31,7 +31,8 @@ std::vector<std::string> print_rank_output(int rank, int code, const std::string
   while (start < tail.size()) {
     const size_t end = tail.find('\n', start);
     auto line = tail.substr(start, end == std::string::npos ? std::string::npos : end - start);
-    // fsdp-train's own errors name their rank already (main.cpp's rank_prefix): once is enough.
+    // fsdp-train's own errors name their rank already (train_main.cpp's rank_prefix): once is
+    // enough.
     const std::string prefix = "[rank " + std::to_string(rank) + "] ";
     if (line.rfind(prefix, 0) == 0)
       line.erase(0, prefix.size());
@@ -45,21 +46,20 @@ std::vector<std::string> print_rank_output(int rank, int code, const std::string
   return lines;
 }
 
-}  // namespace
-
-namespace {
-std::string& executable_override() {
+// trainer_executable()'s value: this process's own file unless set.
+std::string& executable_path() {
   static std::string path = "/proc/self/exe";
   return path;
 }
+
 }  // namespace
 
 const std::string& trainer_executable() {
-  return executable_override();
+  return executable_path();
 }
 
 void set_trainer_executable(std::string path) {
-  executable_override() = std::move(path);
+  executable_path() = std::move(path);
 }
 
 int launch_local(int nproc, const std::vector<std::string>& args, int threads_per_rank,

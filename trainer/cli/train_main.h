@@ -5,7 +5,8 @@
 
 namespace fsdp_trainer {
 
-/// What fsdp-train's main() does and returns.
+/// fsdp-train's main(): returns its exit code, or ends the process itself with it once a
+/// command has run (quick_exit after flushing: LibTorch's static destructors are skipped).
 int train_main(int argc, char** argv);
 
 }  // namespace fsdp_trainer

@@ -58,7 +58,8 @@ const std::vector<std::string>& overhead_kinds() {
 
 // FSDP_PLAN_CALIBRATION_STEPS: the timed steps of each unit-overhead measurement (21 unless
 // set, 3..21), the repeats of each link timing (7, at most the steps) and the disk timing's
-// file (256 MiB x steps / 21): fewer make a quicker, noisier profile. The tests that exercise
+// file (32 x steps / 21 chunks of 8 MiB: 256 MiB at 21, 32 MiB at 3): fewer make a quicker,
+// noisier profile. The tests that exercise
 // the calibration use 3 (it is most of their time).
 namespace {
 int calibration_steps() {
@@ -128,7 +129,7 @@ plan::MachineProfile calibrate_machine(int max_ranks, const std::string& executa
   at::set_num_threads(threads_before);
   p.memcpy_bytes_per_s = plan::measure_memcpy();
   log(fmt::format("memcpy: {:.2f} GB/s", p.memcpy_bytes_per_s / 1e9));
-  p.disk = plan::measure_disk(disk_dir, (int64_t{256} << 20) / 21 * calibration_steps());
+  p.disk = plan::measure_disk(disk_dir, (int64_t{32} * calibration_steps() / 21) << 23);
   p.disk_dir = disk_dir;
   log(fmt::format("disk in {}: write {:.2f} GB/s, read {:.2f} GB/s", disk_dir,
                   p.disk.write_bytes_per_s / 1e9, p.disk.read_bytes_per_s / 1e9));

@@ -95,8 +95,9 @@ std::optional<fsdp_models::PlanFusedLoss> trainer_fused_loss(const Config& confi
     fsdp_models::LossSpec spec;
     spec.targets = torch::randint(vocab, {b, t}, torch::TensorOptions().dtype(torch::kLong));
     if (finetune) {
-      // Every position an answer: the most the head computes (the fused loss leaves out the
-      // positions of weight 0, so a batch of conversations peaks at or below this).
+      // Every position an answer: the most the head computes. The fused loss leaves out the
+      // positions of weight 0, so a batch of conversations holds a chunk of fewer positions'
+      // logits, and a K x C copy of its K answer positions' hidden states through forward.
       spec.weights = torch::ones({b, t});
       spec.denominator = static_cast<double>(b * t);
     } else {
