@@ -169,16 +169,12 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
 }
 
 torch::Tensor GPTImpl::forward(const torch::Tensor& idx, const LastLogits& last) {
-  TORCH_CHECK(last.positions >= 1 && last.positions <= idx.size(1), "GPT: the last ",
-              last.positions, " positions' logits asked of ", idx.size(1));
-  return logits(idx, idx.size(1) - last.positions, last.positions);
+  return logits(idx, last.first_of(idx.size(1), "GPT"), last.positions);
 }
 
 torch::Tensor GPTImpl::logits(const torch::Tensor& idx, int64_t from, int64_t count) {
-  auto h = ln_f(trunk(pad_to_group(idx, sequence_group_)));
-  if (sequence_group_)
-    h = fsdp::tp::gather_from_group(h, 1, sequence_group_);
-  h = h.narrow(1, from, count);
+  const auto h =
+      positions_of(ln_f(trunk(pad_to_group(idx, sequence_group_))), sequence_group_, from, count);
   return cfg_.tie_embeddings ? wte->attend(h) : lm_head(h);  // as head()
 }
 

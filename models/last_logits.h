@@ -1,5 +1,5 @@
 // The models' logits forwards (GPT and Llama alike): which positions' logits a forward computes,
-// and the padding both apply under sequence parallelism. Sampling the next token needs the last
+// and the padding and gather both apply under sequence parallelism. Sampling the next token needs the last
 // position's logits only: the head's matmul over every position of a prompt is most of a small
 // model's forward (SmolLM2's 49,152-word head against 2 blocks), and a sampler reads one row.
 #pragma once
@@ -21,6 +21,10 @@ namespace fsdp_models {
 struct LastLogits {
   int64_t positions = 1;
 
+  /// The first of the last `positions` of t: t - positions, once 1 <= positions <= t is
+  /// checked (a c10::Error naming `model` otherwise).
+  int64_t first_of(int64_t t, const char* model) const;
+
   template <typename F>
   void visit_tensors(F&&) {}
 };
@@ -30,5 +34,12 @@ struct LastLogits {
 /// causal model attends to the padding: forwards then keep the first T positions' logits.
 at::Tensor pad_to_group(const at::Tensor& idx,
                         const std::shared_ptr<fsdp::ProcessGroup>& sequence_group);
+
+/// Positions [from, from + count) of the normed hidden states (B, T', C) a logits forward
+/// projects: this rank's T' positions gathered over the sequence-parallel group first (null:
+/// all of them already), then narrowed, so that the head's matmul runs on those alone.
+at::Tensor positions_of(const at::Tensor& normed,
+                        const std::shared_ptr<fsdp::ProcessGroup>& sequence_group, int64_t from,
+                        int64_t count);
 
 }  // namespace fsdp_models

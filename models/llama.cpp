@@ -284,16 +284,12 @@ torch::Tensor LlamaImpl::forward(const torch::Tensor& tokens) {
 }
 
 torch::Tensor LlamaImpl::forward(const torch::Tensor& tokens, const LastLogits& last) {
-  TORCH_CHECK(last.positions >= 1 && last.positions <= tokens.size(1), "Llama: the last ",
-              last.positions, " positions' logits asked of ", tokens.size(1));
-  return logits(tokens, tokens.size(1) - last.positions, last.positions);
+  return logits(tokens, last.first_of(tokens.size(1), "Llama"), last.positions);
 }
 
 torch::Tensor LlamaImpl::logits(const torch::Tensor& tokens, int64_t from, int64_t count) {
-  auto x = norm(trunk(pad_to_group(tokens, sequence_group_)));
-  if (sequence_group_)
-    x = fsdp::tp::gather_from_group(x, 1, sequence_group_);
-  x = x.narrow(1, from, count);
+  const auto x = positions_of(norm(trunk(pad_to_group(tokens, sequence_group_))), sequence_group_,
+                              from, count);
   return cfg_.tie_embeddings ? tok_embeddings->attend(x) : output(x);  // as head()
 }
 
