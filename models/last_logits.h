@@ -1,7 +1,7 @@
 // The models' logits forwards (GPT and Llama alike): which positions' logits a forward computes,
-// and the padding and gather both apply under sequence parallelism. Sampling the next token needs the last
-// position's logits only: the head's matmul over every position of a prompt is most of a small
-// model's forward (SmolLM2's 49,152-word head against 2 blocks), and a sampler reads one row.
+// and the padding and gather both apply under sequence parallelism. Sampling the next token needs
+// the last position's logits only: the head's matmul over every position of a prompt is most of a
+// small model's forward (SmolLM2's 49,152-word head against 2 blocks), and a sampler reads one row.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -72,8 +72,9 @@ std::optional<MachineProfile> load_machine_profile(const std::string& path, cons
 /// Bytes per second of a large memcpy (the best of a few), with the current threads.
 double measure_memcpy(int64_t bytes = int64_t{256} << 20);
 
-/// Writes `bytes` (rounded up to whole writes) in 8 MiB writes to a new file in `dir` and fsyncs it, drops it from the page
-/// cache, reads it back, and removes it. Throws naming the directory if it cannot.
+/// Writes `bytes` (rounded up to whole writes) in 8 MiB writes to a new file in `dir` and fsyncs
+/// it, drops it from the page cache, reads it back, and removes it. Throws naming the directory if
+/// it cannot.
 DiskRates measure_disk(const std::string& dir, int64_t bytes = int64_t{256} << 20);
 
 }  // namespace fsdp::plan
