@@ -61,8 +61,14 @@ constexpr int kStateLost = 69;  // the worker's exit when rejoin throws ReplicaS
 // (FSDP_REPLICA_INCARNATION), which joins the running job; FSDP_STEP_SLEEP_MS pauses after each
 // step while a replica is out (so that it is back before the end). With FSDP_SAVE_EVERY=n the
 // live replicas save a sharded checkpoint to FSDP_OUT/ckpt/step-<s> after every n-th step, as
-// fsdp-train does (a save that fails is reported and the next attempt reforms). Writes each
-// rank's shards to FSDP_OUT/rank<r>.pt and the schedule it went through.
+// fsdp-train does (a save that fails is reported and the next attempt reforms). With
+// FSDP_STEPS_AFTER_BACK=n a job that took every replica back after step 0 ends n steps after that
+// change (FSDP_STEPS still the most): the healing tests prove the joined replica trains in step
+// with the others, which a few steps show as well as a hundred. Every rank decides alike, from the
+// quorum's last change, which all of them (a restarted one included) went through; with
+// FSDP_END_AT_CHANGES=c too, the job ends n steps after its c-th change (the start counted)
+// instead, whatever it is (a joiner refused and dropped). Writes each rank's shards to
+// FSDP_OUT/rank<r>.pt and the schedule it went through.
 FSDP_WORKER(ft_replicas) {
   const auto env = fsdp::launch_env_from_environment();
   auto pg = fsdp::init_process_group(
@@ -71,6 +77,8 @@ FSDP_WORKER(ft_replicas) {
   const int rank = pg->rank();
   const int k = static_cast<int>(ctx.env_int("FSDP_K", 1));
   const int64_t steps = ctx.env_int("FSDP_STEPS", 5);
+  const int64_t steps_after_back = ctx.env_int("FSDP_STEPS_AFTER_BACK", 0);
+  const auto end_at_changes = static_cast<size_t>(ctx.env_int("FSDP_END_AT_CHANGES", 0));
   const int kill_rank = static_cast<int>(ctx.env_int("FSDP_KILL_RANK", -1));
   const int64_t kill_step = ctx.env_int("FSDP_KILL_STEP", -1);
   const std::string kill_where = ctx.env("FSDP_KILL_WHERE", "backward");
@@ -216,7 +224,18 @@ FSDP_WORKER(ft_replicas) {
       return left_code();
   }
   bool broken = false;  // an admission or a save failed: the groups are not usable until a reform
-  while (step < steps) {
+  // The step this run ends at: FSDP_STEPS, or FSDP_STEPS_AFTER_BACK after every replica is back.
+  const auto end_step = [&] {
+    const auto& changes = quorum.schedule();
+    if (steps_after_back == 0 || changes.empty())
+      return steps;
+    const auto& last = changes.back();
+    const bool end = end_at_changes > 0
+                         ? changes.size() == end_at_changes
+                         : last.step > 0 && last.live.size() == static_cast<size_t>(pg->size() / k);
+    return end ? std::min(steps, last.step + steps_after_back) : steps;
+  };
+  while (step < end_step()) {
     if (auto it = schedule.find(step); it != schedule.end() && step != rejoined_at) {
       const auto before = quorum.live();
       if (!quorum.set_membership(it->second, step)) {
@@ -538,6 +557,7 @@ void stall_and_heal(int k, int victim) {
                        {"FSDP_TIMEOUT_S", "3"},
                        {"FSDP_HEAL", "1"},
                        {"FSDP_STEPS", "40"},
+                       {"FSDP_STEPS_AFTER_BACK", "3"},
                        {"FSDP_STEP_SLEEP_MS", "150"}},
                       "heal");
   ASSERT_TRUE(fault.result.ok()) << fault.result.describe();
@@ -559,7 +579,8 @@ void stall_and_heal(int k, int victim) {
                           {{"FSDP_K", kk},
                            {"FSDP_SCHEDULE", "2:0,2;" + back + ":0,1,2"},
                            {"FSDP_HEAL", "1"},
-                           {"FSDP_STEPS", "40"}},
+                           {"FSDP_STEPS", "40"},
+                           {"FSDP_STEPS_AFTER_BACK", "3"}},
                           "heal-reference");
   ASSERT_TRUE(reference.result.ok()) << reference.result.describe();
   for (int r = 0; r < world; ++r) {
@@ -594,6 +615,7 @@ void kill_restart_and_heal(int k, int victim) {
                        {"FSDP_TIMEOUT_S", "3"},
                        {"FSDP_RESTART", "1"},
                        {"FSDP_STEPS", "60"},
+                       {"FSDP_STEPS_AFTER_BACK", "3"},
                        {"FSDP_STEP_SLEEP_MS", "150"}},
                       "restart", restarts);
   ASSERT_FALSE(fault.result.timed_out) << fault.result.describe();
@@ -621,7 +643,8 @@ void kill_restart_and_heal(int k, int victim) {
                           {{"FSDP_K", kk},
                            {"FSDP_SCHEDULE", "2:0,2;" + back + ":0,1,2"},
                            {"FSDP_HEAL", "1"},
-                           {"FSDP_STEPS", "60"}},
+                           {"FSDP_STEPS", "60"},
+                           {"FSDP_STEPS_AFTER_BACK", "3"}},
                           "restart-reference");
   ASSERT_TRUE(reference.result.ok()) << reference.result.describe();
   for (int r = 0; r < world; ++r) {
@@ -655,6 +678,7 @@ TEST(FaultTolerance, AReplicaDyingInItsStateCopyIsDroppedAndJoinsWhenRestartedAg
                        {"FSDP_TIMEOUT_S", "3"},
                        {"FSDP_RESTART", "1"},
                        {"FSDP_STEPS", "120"},
+                       {"FSDP_STEPS_AFTER_BACK", "3"},
                        {"FSDP_STEP_SLEEP_MS", "150"}},
                       "sync-fault", restarts);
   ASSERT_FALSE(fault.result.timed_out) << fault.result.describe();
@@ -682,9 +706,12 @@ TEST(FaultTolerance, AReplicaDyingInItsStateCopyIsDroppedAndJoinsWhenRestartedAg
   const std::string back = std::to_string(step_of(seen[4]));
   EXPECT_NE(fault.result.outputs[1].find("RESTARTED (incarnation 2)"), std::string::npos)
       << fault.result.outputs[1];
-  auto reference = run_ft(
-      3, {{"FSDP_SCHEDULE", "2:0,2;" + back + ":0,1,2"}, {"FSDP_HEAL", "1"}, {"FSDP_STEPS", "120"}},
-      "sync-reference");
+  auto reference = run_ft(3,
+                          {{"FSDP_SCHEDULE", "2:0,2;" + back + ":0,1,2"},
+                           {"FSDP_HEAL", "1"},
+                           {"FSDP_STEPS", "120"},
+                           {"FSDP_STEPS_AFTER_BACK", "3"}},
+                          "sync-reference");
   ASSERT_TRUE(reference.result.ok()) << reference.result.describe();
   for (int r = 0; r < 3; ++r)
     expect_healed_shards(fault, reference, r, 0);
@@ -866,6 +893,8 @@ TEST(FaultTolerance, AJoinerWhoseTensorsDifferInLayoutIsRefusedBeforeAnyCopy) {
                        {"FSDP_RESTART", "1"},
                        {"FSDP_JOINER_EXTRA", "1"},
                        {"FSDP_STEPS", "20"},
+                       {"FSDP_STEPS_AFTER_BACK", "3"},  // after the 4th change: the joiner dropped
+                       {"FSDP_END_AT_CHANGES", "4"},
                        {"FSDP_STEP_SLEEP_MS", "150"}},
                       "layout", restarts);
   ASSERT_FALSE(fault.result.timed_out) << fault.result.describe();
@@ -876,7 +905,16 @@ TEST(FaultTolerance, AJoinerWhoseTensorsDifferInLayoutIsRefusedBeforeAnyCopy) {
     EXPECT_NE(out.find("the replicas' tensors differ in number, dtypes or shapes"),
               std::string::npos)
         << out;
-    EXPECT_NE(out.find("FT OK"), std::string::npos) << out;
+    // Admitted at some step J, dropped at that same step once the copy failed; the job then
+    // ends 3 steps later (FSDP_END_AT_CHANGES).
+    const auto at = out.find("FT OK schedule 0:012 2:02 ");
+    ASSERT_NE(at, std::string::npos) << out;
+    std::istringstream changes(out.substr(at + 26, out.find('\n', at) - at - 26));
+    std::string admitted, dropped, more;
+    changes >> admitted >> dropped;
+    EXPECT_EQ(admitted.substr(admitted.find(':')), ":012") << out;
+    EXPECT_EQ(dropped, admitted.substr(0, admitted.find(':')) + ":02") << out;
+    EXPECT_FALSE(changes >> more) << out;
   }
   EXPECT_NE(fault.result.exit_codes[1], 0) << fault.result.describe();
   EXPECT_NE(fault.result.outputs[1].find("differ in number, dtypes or shapes"), std::string::npos)
