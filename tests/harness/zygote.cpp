@@ -1,7 +1,8 @@
-// See zygote.h. The wire format is tests/python/forkserver.py's: the client sends an 8-byte
-// little-endian length, then that many bytes of JSON ({"argv", "cwd", "env"}, or {"stop": true}),
-// with its stdin, stdout and stderr attached (SCM_RIGHTS) to the first bytes; the reply is the
-// run's exit status in decimal, or "refused".
+// See zygote.h. The wire format is tests/python/forkserver.py's: the client
+// (tests/harness/forkserver_client.cpp) sends an 8-byte little-endian length, then that many
+// bytes of JSON ({"argv", "cwd", "env"}, or {"stop": true}), with its stdin, stdout and stderr
+// attached (SCM_RIGHTS) to the first bytes; the reply is the run's exit status in decimal, or
+// "refused".
 #include "harness/zygote.h"
 
 #include <nlohmann/json.hpp>

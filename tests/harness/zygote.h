@@ -6,7 +6,8 @@
 // was about a quarter of the suite's CPU. Under CTest, each binary instead runs once as a
 // zygote: loaded and initialised, never having run a test, it forks a copy of itself for each
 // run, which becomes that run's process (the client's arguments, working directory,
-// environment, stdin, stdout and stderr; tests/python/forkserver.py is the client CTest runs)
+// environment, stdin, stdout and stderr; tests/harness/forkserver_client.cpp is the client CTest
+// runs)
 // and runs main() as a new process would. A copy is what a new process would be after its
 // static initialisers: the zygote has run nothing else and has no thread but its own.
 //

@@ -1,6 +1,6 @@
-"""tests/python/forkserver.py: a script run through the server sees what it would see in a Python
-of its own (arguments, working directory, environment, stdin, stdout and stderr apart) and its
-client exits with its status; a killed client takes the script and its children with it; without
+"""tests/python/forkserver.py and its client (tests/harness/forkserver_client.cpp): a script run
+through the server sees what it would see in a Python of its own (arguments, working directory,
+environment, stdin, stdout and stderr apart) and its client exits with its status; a killed client takes the script and its children with it; without
 a server the client runs the script itself, with the same results. With a test binary's path
 (tests/harness/zygote.h): the same of a run through the binary's zygote, and a zygote whose
 binary changed refuses (the client runs the binary itself) and ends. With fsdp_trainer_tests' and
@@ -9,7 +9,7 @@ fsdp-train's own output and exit code, in a copy (the client's CPU is not fsdp-t
 and leaves to fsdp-train a request whose environment differs in a variable read at start.
 Exits non-zero on a mismatch.
 
-    check_forkserver.py [FSDP_TESTS [FSDP_TRAINER_TESTS FSDP_TRAIN]]
+    check_forkserver.py CLIENT [FSDP_TESTS [FSDP_TRAINER_TESTS FSDP_TRAIN]]
 """
 import os
 import resource
@@ -22,6 +22,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SERVER = os.path.join(HERE, "forkserver.py")
+CLIENT = None  # the client's path (the first argument)
 
 SCRIPT = r'''
 import os, sys
@@ -46,10 +47,10 @@ def check(cond, what):
         sys.exit("FAILED: " + what)
 
 
-def client(sock, script, *args, stdin="", cwd=None):
-    env = dict(os.environ, FORKSERVER_CHECK="seen")
-    return subprocess.run([sys.executable, "-S", SERVER, sock, script, *args], input=stdin,
-                          capture_output=True, text=True, cwd=cwd, env=env, timeout=60)
+def client(sock, script, *args, stdin="", cwd=None, env=None):
+    env = env or dict(os.environ, FORKSERVER_CHECK="seen")
+    return subprocess.run([CLIENT, sock, script, *args], input=stdin, capture_output=True,
+                          text=True, cwd=cwd, env=env, timeout=60)
 
 
 def wait_while(condition, seconds=10):
@@ -82,12 +83,16 @@ def cases(sock, tmp, script, sleeper, served):
         check(r.stderr == "stdin=line in\n", "stderr: %r" % r.stderr)
     r = client(sock, script, "raise", stdin="x\n", cwd=tmp)
     check(r.returncode == 1 and "RuntimeError: raised on purpose" in r.stderr, "raise: %s" % r)
+    # An environment JSON cannot carry (a value not UTF-8): the client runs the script itself.
+    odd = dict(os.environb, FORKSERVER_CHECK=b"seen", FSDP_ODD=b"\xff")
+    r = client(sock, script, "4", "x", stdin="y\n", cwd=tmp, env=odd)
+    check(r.returncode == 4 and r.stdout.startswith("argv=['4', 'x'] cwd=%s env=seen served=None" %
+                                                     tmp), "not UTF-8: %r" % r)
     if not served:
         return  # a Python of its own: a killed one leaves its children, as any Python does
     # A client killed (a test's time-out) takes its script and the script's children with it.
     env = dict(os.environ)
-    p = subprocess.Popen([sys.executable, "-S", SERVER, sock, sleeper], stdout=subprocess.PIPE,
-                         text=True, env=env)
+    p = subprocess.Popen([CLIENT, sock, sleeper], stdout=subprocess.PIPE, text=True, env=env)
     grandchild = int(p.stdout.readline())
     check(alive(grandchild), "the script's child runs")
     p.kill()
@@ -101,7 +106,7 @@ def check_zygote(binary, tmp):
     copy = os.path.join(tmp, "test-binary")
     shutil.copy2(binary, copy)
     sock = os.path.join(tmp, "z.sock")
-    through = [sys.executable, "-S", SERVER, sock, copy]
+    through = [CLIENT, sock, copy]
 
     def both(args, env=None):
         env = dict(os.environ, **(env or {}))
@@ -155,7 +160,7 @@ def check_served_program(trainer_tests, fsdp_train, tmp):
     copy = os.path.join(tmp, "trainer-tests")
     shutil.copy2(trainer_tests, copy)
     sock = os.path.join(tmp, "t.sock")
-    through = [sys.executable, "-S", SERVER, sock, fsdp_train]
+    through = [CLIENT, sock, fsdp_train]
     bad = os.path.join(tmp, "bad.toml")
     with open(bad, "w") as f:
         f.write("[training]\nsteps = -1\n")
@@ -168,8 +173,8 @@ def check_served_program(trainer_tests, fsdp_train, tmp):
         check(served.returncode == direct.returncode and served.stdout == direct.stdout and
               served.stderr == direct.stderr,
               "fsdp-train %s: through the zygote %r, directly %r" % (args, served, direct))
-        # Served, the client's process is a Python that starts in milliseconds; directly, a
-        # new fsdp-train pays LibTorch's static initialisers.
+        # Served, the client's process starts in a millisecond; directly, a new fsdp-train pays
+        # LibTorch's static initialisers.
         check(served_cpu < 0.5 * direct_cpu,
               "fsdp-train %s served: %.3f s of CPU against %.3f s directly" %
               (args, served_cpu, direct_cpu))
@@ -187,6 +192,10 @@ def check_served_program(trainer_tests, fsdp_train, tmp):
 
 
 def main():
+    global CLIENT
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    CLIENT = sys.argv.pop(1)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = os.path.realpath(tmp)
         script = os.path.join(tmp, "script.py")

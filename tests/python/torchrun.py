@@ -1,4 +1,4 @@
-"""torchrun, for the tests: `FSDP_TORCHRUN` runs this through tests/python/forkserver.py.
+"""torchrun, for the tests: `FSDP_TORCHRUN` runs this through tests/python/forkserver.py's server.
 
 The venv's torchrun script imports torch anew on each start (2-3 s of CPU on our 2-core
 machines); a fork of the server that has imported it starts in milliseconds. It is the same
