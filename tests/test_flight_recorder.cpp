@@ -179,7 +179,9 @@ fsdp::FlightAnalysis run_fault(const std::string& fault) {
   fsdp::test::RunOptions opts;
   opts.env = {{"FSDP_TEST_FAULT", fault}, {"FSDP_FLIGHT_RECORDER_DIR", dir}};
   opts.timeout = std::chrono::seconds(60);
-  opts.fork_ranks = false;  // the group's timeout is 2.5 s (RunOptions::fork_ranks)
+  // Executed anew: a fork would inherit the recorder's ring (process-global) as the earlier
+  // tests of this process left it, and the analysis would read their collectives too.
+  opts.fork_ranks = false;
   auto result = fsdp::test::run_workers("flight_fault", 3, opts);
   EXPECT_FALSE(result.timed_out) << result.describe();
   for (int r : {0, 2}) {

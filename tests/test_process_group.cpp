@@ -441,7 +441,6 @@ void expect_no_hang(const std::vector<int>& absent,
   opts.env = std::move(env);
   opts.env.emplace_back("FSDP_TEST_PG_TIMEOUT_MS", std::to_string(kTimeoutMs));
   opts.timeout = 60s;
-  opts.fork_ranks = false;  // 3 s timeouts (RunOptions::fork_ranks)
   auto result = fsdp::test::run_workers("pg_join", 3, opts);
   EXPECT_FALSE(result.timed_out) << result.describe();
   EXPECT_LT(result.seconds, 20.0) << result.describe();
@@ -531,7 +530,6 @@ FSDP_WORKER(pg_lost_peer) {
 TEST(ProcessGroup, DeadPeerMakesTheCollectiveFail) {
   fsdp::test::RunOptions opts;
   opts.env = {{"FSDP_TEST_PEER", "die"}, {"FSDP_TEST_PG_TIMEOUT_MS", "3000"}};
-  opts.fork_ranks = false;
   auto result = fsdp::test::run_workers("pg_lost_peer", 3, opts);
   EXPECT_FALSE(result.timed_out) << result.describe();
   EXPECT_EQ(result.exit_codes[0], 0) << result.describe();
@@ -545,7 +543,6 @@ TEST(ProcessGroup, DeadPeerMakesTheCollectiveFail) {
 TEST(ProcessGroup, PeerThatExitedMakesTheCollectiveFail) {
   fsdp::test::RunOptions opts;
   opts.env = {{"FSDP_TEST_PEER", "exit"}, {"FSDP_TEST_PG_TIMEOUT_MS", "3000"}};
-  opts.fork_ranks = false;
   auto result = fsdp::test::run_workers("pg_lost_peer", 3, opts);
   EXPECT_WORKERS_OK(result);
   EXPECT_LT(result.seconds, 20.0);
@@ -555,7 +552,6 @@ TEST(ProcessGroup, PeerThatExitedMakesTheCollectiveFail) {
 TEST(ProcessGroup, SilentPeerMakesTheCollectiveTimeOut) {
   fsdp::test::RunOptions opts;
   opts.env = {{"FSDP_TEST_PEER", "silent"}, {"FSDP_TEST_PG_TIMEOUT_MS", "2000"}};
-  opts.fork_ranks = false;
   auto result = fsdp::test::run_workers("pg_lost_peer", 3, opts);
   EXPECT_WORKERS_OK(result);
   EXPECT_LT(result.seconds, 20.0);

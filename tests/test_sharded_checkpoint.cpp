@@ -375,10 +375,9 @@ FSDP_WORKER(ckpt_killed) {
 fsdp::test::RunResult killed_mid_save(const fs::path& previous, const fs::path& next, bool async) {
   EXPECT_WORKERS_OK(fsdp::test::run_workers("ckpt_damage", 3,
                                             fsdp::test::with_env({{"DIR", previous.string()}})));
-  // Its group times out after 3 s: ranks executed anew (RunOptions::fork_ranks).
-  auto r = fsdp::test::run_workers("ckpt_killed", 3,
-                                   fsdp::test::executed(fsdp::test::with_env(
-                                       {{"DIR", next.string()}, {"ASYNC", async ? "1" : "0"}})));
+  auto r = fsdp::test::run_workers(
+      "ckpt_killed", 3,
+      fsdp::test::with_env({{"DIR", next.string()}, {"ASYNC", async ? "1" : "0"}}));
   EXPECT_FALSE(r.timed_out) << r.describe();
   EXPECT_EQ(r.exit_codes[1], 128 + SIGKILL) << r.describe();
   EXPECT_LT(r.seconds, 30.0);

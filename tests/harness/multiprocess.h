@@ -61,9 +61,11 @@ struct RunOptions {
   /// Fork the ranks from this process where it has no other thread, as fsdp-train --nproc does
   /// (fsdp/distributed/local_launch.h), instead of executing the binary anew (0.25 s of CPU per
   /// rank saved: LibTorch is not loaded again). The tests of failures whose process groups time
-  /// out after 2-3 s execute their ranks instead (`executed()`): forked, a rank's second
-  /// connection to the store (its progress reporter's) now and then took longer than that
-  /// under the full suite's load (2 of 8 runs of the suite; not reproduced alone).
+  /// out after 2-3 s used to execute their ranks: forked, a rank's connection to the store now
+  /// and then took longer than that under the full suite's load (2 of 8 suites). Each connection
+  /// then asked DNS for the store's name, and an unanswered query cost 1-2 s; the ranks no longer
+  /// ask (trainer/cli/loopback_names.cpp), and forked they passed every stress run since
+  /// (docs/design.md, "Where a test's time goes").
   bool fork_ranks = true;
   /// A fault-tolerant job's launching: a failed rank ends only its replica, which is started
   /// again (LocalLaunchOptions::replica_restarts; restarted ranks are always executed anew, and
