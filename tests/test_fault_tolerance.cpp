@@ -458,10 +458,9 @@ Run run_ft(int world, const std::vector<std::pair<std::string, std::string>>& en
   auto opts = fsdp::test::with_env(env);
   opts.env.emplace_back("FSDP_OUT", r.dir);
   opts.timeout = std::chrono::seconds(90);
-  if (restarts) {
-    opts.replica_restarts = restarts;
-    opts.fork_ranks = false;  // all ranks alike: restarted ones are always executed anew
-  }
+  // The first ranks forked; restarted ones are always executed anew (the launcher has threads
+  // by then).
+  opts.replica_restarts = restarts;
   r.result = fsdp::test::run_workers("ft_replicas", world, opts);
   return r;
 }
