@@ -35,18 +35,18 @@ struct MatmulSpeed {
 };
 
 /// Times each form at `shape` in `dtype`: one warm-up call, then the best of at least 3 calls
-/// (up to 20, stopping after 0.02 s of calls, or after the first call past 0.5 s, so that a
-/// dtype that crawls costs about a second, not a minute, and a fast one well under a tenth of
-/// a second per form: every fsdp-train start measures its MFU peak this way). Constant inputs: the
-/// global RNG does not move, so measuring never changes a training run. On CUDA each call is
-/// synchronised.
+/// (up to 20, stopping after `min_seconds` of calls, or after the first call past 0.5 s, so
+/// that a dtype that crawls costs about a second, not a minute, and a fast one well under a
+/// tenth of a second per form). Constant inputs: the global RNG does not move, so measuring
+/// never changes a training run. On CUDA each call is synchronised.
 MatmulSpeed measure_matmul_speed(c10::ScalarType dtype, const MatmulShape& shape,
-                                 c10::Device device = c10::kCPU);
+                                 c10::Device device = c10::kCPU, double min_seconds = 0.02);
 
 /// Peak matmul FLOP/s of this process (its intra-op threads, or its GPU) in `dtype`: the highest
 /// of every form at each of `shapes` (the model's Linear shapes) and a square 512 at::mm, the
-/// best of their calls. So MFU divides by something this machine did with the run's own dtype
-/// and shapes. Measured once per (dtype, shapes, device, threads) and cached.
+/// best of their calls (at least 3 each, over 0.005 s: every rank of every fsdp-train start
+/// measures it). So MFU divides by something this machine did with the run's own dtype and
+/// shapes. Measured once per (dtype, shapes, device, threads) and cached.
 double peak_matmul_flops(c10::ScalarType dtype, const std::vector<MatmulShape>& shapes,
                          c10::Device device = c10::kCPU);
 
