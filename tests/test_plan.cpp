@@ -360,6 +360,10 @@ FSDP_WORKER(plan_step_memory) {
   };
   // The largest category: the prediction's at its peak, or at the moment the run peaked (where
   // a gather's staging already freed moved the peak to another moment, its mix is that one's).
+  // A category within 25% of the measured largest counts as a tie: how many unsharded gradients
+  // are still alive at a moment of backward depends on when Gloo completes a reduce-scatter (at
+  // one sequence of 8 tokens, 1.86-2.72 MB of gradients beside 2.31 MB of optimizer state,
+  // measured under a loaded suite).
   const int largest = largest_of(measured.at_peak);
   int64_t highest_there = -1;
   int largest_there = -1;
@@ -367,7 +371,10 @@ FSDP_WORKER(plan_step_memory) {
     if (fsdp::plan::moment_label(m) == label && bytes.total() > highest_there)
       highest_there = bytes.total(), largest_there = largest_of(bytes);
   }
-  WORKER_CHECK(static_cast<int>(p.largest_category()) == largest || largest_there == largest)
+  const auto ties = [&](int c) {
+    return c >= 0 && 4 * measured.at_peak.bytes[c] >= 3 * measured.at_peak.bytes[largest];
+  };
+  WORKER_CHECK(ties(static_cast<int>(p.largest_category())) || ties(largest_there))
       << "largest category at the peak: predicted " << mem::to_string(p.largest_category())
       << " (at '" << label << "': "
       << (largest_there < 0 ? "none" : mem::to_string(static_cast<mem::Category>(largest_there)))
