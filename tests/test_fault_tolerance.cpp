@@ -494,7 +494,7 @@ void kill_and_compare(int k, int victim, const std::string& where) {
                        {"FSDP_KILL_RANK", std::to_string(victim)},
                        {"FSDP_KILL_STEP", "2"},
                        {"FSDP_KILL_WHERE", where},
-                       {"FSDP_TIMEOUT_S", "3"},
+                       {"FSDP_TIMEOUT_S", "2"},
                        {"FSDP_STALL_S", "7"}},
                       "fault");
   std::string live, live_digits;  // "0,2" and "02"
@@ -540,7 +540,7 @@ void kill_and_compare(int k, int victim, const std::string& where) {
 }
 
 // Replica 1's rank `victim` (of `k` per replica) stops at step 2 until the others have dropped
-// its replica (about 4 s; at most 7 s); woken, its ranks ask to rejoin and are admitted at the next
+// its replica (about 3 s; at most 7 s); woken, its ranks ask to rejoin and are admitted at the next
 // step boundary, copying their shards and optimizer state from the same index of a replica that
 // stayed. Every rank then ends equal, bit for bit, to a run given the same schedule (drop at 2,
 // back at the step the fault run admitted it), and each index's shards equal across the replicas.
@@ -553,7 +553,7 @@ void stall_and_heal(int k, int victim) {
                        {"FSDP_KILL_STEP", "2"},
                        {"FSDP_KILL_WHERE", "stall"},
                        {"FSDP_STALL_S", "7"},
-                       {"FSDP_TIMEOUT_S", "3"},
+                       {"FSDP_TIMEOUT_S", "2"},
                        {"FSDP_HEAL", "1"},
                        {"FSDP_STEPS", "40"},
                        {"FSDP_STEPS_AFTER_BACK", "3"},
@@ -945,7 +945,7 @@ TEST(FaultTolerance, ARankKilledBeforeItsVoteFailsTheStepForAll) {
 }
 
 // Stopped (SIGSTOP) in backward: the others drop its replica once their collective with it has
-// timed out (3 s) and its progress reports have stayed unchanged for 0.9 s more; woken once they
+// timed out (2 s) and its progress reports have stayed unchanged for 0.9 s more; woken once they
 // have completed the step without it (at most 7 s), it finds the step decided and leaves.
 TEST(FaultTolerance, AStalledRankIsDroppedAndLeavesWhenItWakes) {
   kill_and_compare(/*k=*/1, /*victim=*/0, "stall");
