@@ -6,16 +6,15 @@
 // was about a quarter of the suite's CPU. Under CTest, each binary instead runs once as a
 // zygote: loaded and initialised, never having run a test, it forks a copy of itself for each
 // run, which becomes that run's process (the client's arguments, working directory,
-// environment, stdin, stdout and stderr; tests/harness/forkserver_client.cpp is the client CTest
-// runs)
-// and runs main() as a new process would. A copy is what a new process would be after its
-// static initialisers: the zygote has run nothing else and has no thread but its own.
+// environment, stdin, stdout and stderr; tests/harness/forkserver_client.cpp is the client
+// CTest runs) and runs main() as a new process would. A copy is what a new process would be
+// after its static initialisers: the zygote has run nothing else and has no thread but its own.
 //
 // A run's exit status goes back to its client; a client that dies (CTest's time-out) takes its
 // run, and anything the run started, with it. A zygote refuses a request for another binary
 // (unless it serves that program too: serve_also) or for its own file rebuilt since it started
-// (the client then runs the binary itself) and ends
-// when the process that started it (CTest) is gone, when its socket is removed, or when stopped.
+// (the client then runs the binary itself) and ends when the process that started it (CTest) is
+// gone, when its socket is removed, or when stopped.
 #pragma once
 
 #include <sys/types.h>

@@ -8,8 +8,9 @@ loaded LibTorch and ran its static initialisers (0.25 s). A server does that onc
 copy of itself per run (as Python's multiprocessing "forkserver" and Android's zygote do): the
 copy becomes the run, with the client's arguments, working directory, environment, stdin, stdout
 and stderr (passed as file descriptors), and the client exits with the run's status. This file
-is the Python server; tests/harness/zygote.h is a test binary's; tests/harness/forkserver_client.cpp
-is the client of both (it starts in a millisecond, where a Python client took 20 ms of CPU).
+is the Python server; tests/harness/zygote.h is a test binary's; the client of both is
+tests/harness/forkserver_client.cpp (it starts in a millisecond, where a Python client took 20 ms
+of CPU).
 
     forkserver.py start SOCKET [BINARY]  start a server in the background (CTest's fixture):
                                          this Python, or BINARY serving itself

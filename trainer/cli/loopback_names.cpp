@@ -17,8 +17,6 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
-#include <cstring>
-
 namespace {
 
 bool is_loopback(const sockaddr* sa, socklen_t len) {

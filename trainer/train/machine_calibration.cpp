@@ -59,8 +59,7 @@ const std::vector<std::string>& overhead_kinds() {
 // FSDP_PLAN_CALIBRATION_STEPS: the timed steps of each unit-overhead measurement (21 unless
 // set, 3..21), the repeats of each link timing (7, at most the steps) and the disk timing's
 // file (32 x steps / 21 chunks of 8 MiB: 256 MiB at 21, 32 MiB at 3): fewer make a quicker,
-// noisier profile. The tests that exercise
-// the calibration use 3 (it is most of their time).
+// noisier profile. The tests that exercise the calibration use 3 (it is most of their time).
 namespace {
 int calibration_steps() {
   const char* v = std::getenv("FSDP_PLAN_CALIBRATION_STEPS");
