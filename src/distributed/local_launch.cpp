@@ -267,7 +267,8 @@ class ReplicaRestarter {
   }
 
   // Kills what outstayed its grace and starts what is due: incarnation(replica) numbers the
-  // start (-1: not now, the store is out of reach), start(local rank, incarnation) starts a rank.
+  // start (-1: not now, the store is out of reach), start(local rank, incarnation) starts a rank
+  // and returns its pid.
   template <typename Incarnation, typename Start>
   void poll(Children& children, Incarnation&& incarnation_of, Start&& start) {
     const auto now = Clock::now();
@@ -318,10 +319,11 @@ class ReplicaRestarter {
           continue;
         }
         ++result_.restarts[i];
-        std::fprintf(stderr, "fsdp launch: replica %d restarted (incarnation %d)\n", global,
-                     incarnation);
+        std::string pids;
         for (int r = first; r < first + k_; ++r)
-          start(r, incarnation);
+          pids += (r > first ? ", " : "") + std::to_string(start(r, incarnation));
+        std::fprintf(stderr, "fsdp launch: replica %d restarted (incarnation %d, pid%s %s)\n",
+                     global, incarnation, k_ > 1 ? "s" : "", pids.c_str());
         q.state = State::kRunning;
       }
     }
@@ -471,6 +473,19 @@ LocalLaunchResult launch_local_ranks(const LocalLaunchOptions& o) {
     children.add(pid);
     result.pids[static_cast<size_t>(r)] = pid;
   }
+  if (restarting) {
+    // A fault-tolerant job's ranks come and go: which process is which rank, for an operator
+    // (and the tests) who stops or kills one. Forked ranks' environments in /proc are the
+    // launcher's (the kernel shows a process's environment as it was at exec), without RANK.
+    std::string pids;
+    for (int r = 0; r < o.nproc; ++r)
+      pids += (r > 0 ? ", " : "") + std::to_string(result.pids[static_cast<size_t>(r)]);
+    if (o.nproc == 1)
+      std::fprintf(stderr, "fsdp launch: rank %d started (pid %s)\n", first_rank, pids.c_str());
+    else
+      std::fprintf(stderr, "fsdp launch: ranks %d-%d started (pids %s)\n", first_rank,
+                   first_rank + o.nproc - 1, pids.c_str());
+  }
   if (!store) {
     store = c10::make_intrusive<c10d::TCPStore>(store_addr, store_opts);
     for (size_t q = 0; restarting && q < first_incarnation.size(); ++q)
@@ -515,6 +530,7 @@ LocalLaunchResult launch_local_ranks(const LocalLaunchOptions& o) {
         children.add(pid);
         result.pids[static_cast<size_t>(r)] = pid;
         result.exit_codes[static_cast<size_t>(r)] = LocalLaunchResult::kNotLaunched;
+        return pid;
       });
     }
     if (children.running().empty() && !restarter.pending())

@@ -4,7 +4,7 @@ environment, stdin, stdout and stderr apart) and its client exits with its statu
 a server the client runs the script itself, with the same results. With a test binary's path
 (tests/harness/zygote.h): the same of a run through the binary's zygote, and a zygote whose
 binary changed refuses (the client runs the binary itself) and ends. With fsdp_trainer_tests' and
-fsdp-train's paths: that zygote serves fsdp-train (tests/trainer/serve_fsdp_train.cpp) with
+fsdp-train's paths: that zygote serves fsdp-train (tests/trainer/serve_programs.cpp) with
 fsdp-train's own output and exit code, in a copy (the client's CPU is not fsdp-train's start),
 and leaves to fsdp-train a request whose environment differs in a variable read at start.
 Exits non-zero on a mismatch.

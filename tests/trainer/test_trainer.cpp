@@ -16,6 +16,7 @@
 #include <fstream>
 #include <functional>
 #include <optional>
+#include <regex>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -52,10 +53,15 @@ CommandResult run(const std::string& command) {
   return fsdp::test::run_command(command);
 }
 
-// fsdp-train, through the client of this binary's zygote (serve_fsdp_train.cpp), which runs
+// fsdp-train, through the client of this binary's zygote (serve_programs.cpp), which runs
 // it as a new process when no zygote serves it (the binary run by hand).
 std::string train_cmd() {
   return FSDP_TRAIN_CMD;
+}
+
+// fsdp-plan, served the same way.
+std::string plan_cmd() {
+  return FSDP_PLAN_CMD;
 }
 
 // One data directory for every run of this file: prepared once, reused (prepare is idempotent).
@@ -921,7 +927,7 @@ TEST(TrainerRun, PlanBudgetWarningNamesAChangeThatFits) {
 TEST(FsdpPlan, PrintsEachRanksPeakAndRefusesBadInputInOneLine) {
   const auto run_dir = (fs::path(FSDP_TEST_WORK_DIR) / "run-fsdp-plan").string();
   const auto config = write_config("fsdp-plan", tiny_config(run_dir, "gpt", "gpt2-tiny"));
-  const std::string plan = std::string(FSDP_PLAN_PATH) + " " + config;
+  const std::string plan = plan_cmd() + " " + config;
   const auto r = run(plan +
                      " --world 3 --training.batch_size=8 --training.seq_len=64 "
                      "--budget 1GiB");
@@ -984,7 +990,7 @@ TEST(FsdpPlan, AutoMeasuresTheMachineOnceAndReusesIt) {
   const auto cache = plan_cache();
   fs::remove_all(cache);
   const std::string search = "FSDP_PLAN_CALIBRATION_STEPS=3 FSDP_CACHE_DIR=" + cache + " " +
-                             FSDP_PLAN_PATH + " " + config +
+                             plan_cmd() + " " + config +
                              " --training.seq_len=64 --training.eval_batches=1 --world 2 --auto "
                              "--budget 1GiB --global-batch 8 --space ac=none --space dtype=fp32 "
                              "--space tp=1 --top 1";
@@ -1005,7 +1011,7 @@ TEST(FsdpPlan, AutoChoosesAConfigurationThatFits) {
   fs::remove_all(run_dir);
   const auto config = write_config("fsdp-plan-auto", tiny_config(run_dir, "gpt", "gpt2-tiny"));
   const auto cache = plan_cache();
-  const std::string plan = "FSDP_CACHE_DIR=" + cache + " " + FSDP_PLAN_PATH + " " + config +
+  const std::string plan = "FSDP_CACHE_DIR=" + cache + " " + plan_cmd() + " " + config +
                            " --training.seq_len=64 --training.eval_batches=1";
   const auto json_path = (fs::path(FSDP_TEST_WORK_DIR) / "plan-auto.json").string();
   const std::string budget = "14MiB";
@@ -1066,7 +1072,7 @@ TEST(FsdpPlan, HardwareAndAutoRefuseBadInputInOneLine) {
   const auto run_dir = (fs::path(FSDP_TEST_WORK_DIR) / "run-fsdp-plan-bad").string();
   const auto config = write_config("fsdp-plan-bad", tiny_config(run_dir, "gpt", "gpt2-tiny"));
   const auto cache = (fs::path(FSDP_TEST_WORK_DIR) / "plan-cache-unused").string();
-  const std::string plan = "FSDP_CACHE_DIR=" + cache + " " + FSDP_PLAN_PATH + " " + config +
+  const std::string plan = "FSDP_CACHE_DIR=" + cache + " " + plan_cmd() + " " + config +
                            " --training.seq_len=64 --training.eval_batches=1";
   // A data sheet: the table and the time the hardware allows.
   const auto gpu = run(plan + " --world 8 --hardware a100-80gb");
@@ -1958,6 +1964,32 @@ pid_t find_process_with_env(const std::vector<std::string>& vars) {
   return 0;
 }
 
+// The pid a fault-tolerant job's launcher (1-rank replicas) last named for `rank` in `output`
+// ("fsdp launch: ranks 0-2 started (pids 11, 12, 13)", "fsdp launch: rank 0 started (pid 11)",
+// "fsdp launch: replica 1 restarted (incarnation 1, pid 14)"), or 0.
+pid_t pid_named_by_launcher(const std::string& output, int rank) {
+  static const std::regex started(
+      R"(fsdp launch: ranks? (\d+)(?:-\d+)? started \(pids? ([\d, ]+)\))");
+  static const std::regex restarted(
+      R"(fsdp launch: replica (\d+) restarted \(incarnation \d+, pid (\d+)\))");
+  pid_t pid = 0;
+  std::istringstream lines(output);
+  for (std::string line; std::getline(lines, line);) {
+    std::smatch m;
+    if (std::regex_search(line, m, restarted) && std::stoi(m[1]) == rank) {
+      pid = static_cast<pid_t>(std::stol(m[2]));
+    } else if (std::regex_search(line, m, started)) {
+      std::istringstream pids(m[2].str());
+      int r = std::stoi(m[1]);
+      for (std::string p; std::getline(pids, p, ','); ++r) {
+        if (r == rank)
+          pid = static_cast<pid_t>(std::stol(p));
+      }
+    }
+  }
+  return pid;
+}
+
 // Waits for `path` to exist; false after `seconds`.
 bool wait_for(const fs::path& path, double seconds) {
   const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
@@ -2500,10 +2532,10 @@ TEST(TrainerRun, AJobKilledOnFourRanksResumesOnThree) {
 namespace {
 
 // A fault-tolerant fsdp-train job of 1-rank replicas (hybrid_shard, timeout_s = 3, and
-// `fsdp_extra` in [fsdp]) running in the background, its processes tagged so that a test can
-// find and kill a rank.
+// `fsdp_extra` in [fsdp]) running in the background; its launcher names each rank's process, so
+// that a test can stop or kill one.
 struct FtJob {
-  std::string name, tag, config, args, command;
+  std::string name, config, args, command;
   int nproc = 0;
   fs::path run_dir;
   std::unique_ptr<BackgroundJob> job;
@@ -2519,13 +2551,12 @@ struct FtJob {
         nproc(ranks) {
     run_dir = fs::path(FSDP_TEST_WORK_DIR) / name;
     fs::remove_all(run_dir);
-    tag = "FSDP_TEST_TAG=" + name + "-" + std::to_string(::getpid());
     config = write_config(name, (base ? base(run_dir.string()) : tiny_config(run_dir.string())) +
                                     "[fsdp]\nstrategy = \"hybrid_shard\"\nhybrid_shard_size = 1\n"
                                     "fault_tolerant = true\ntimeout_s = 3\n" +
                                     fsdp_extra);
     job = std::make_unique<BackgroundJob>(
-        tag + " " + launch(), (fs::path(FSDP_TEST_WORK_DIR) / (name + ".log")).string());
+        launch(), (fs::path(FSDP_TEST_WORK_DIR) / (name + ".log")).string());
   }
   std::string launch() const { return launch(args); }
   std::string launch(const std::string& with_args) const {
@@ -2539,9 +2570,9 @@ struct FtJob {
     while (line_count(file_bytes(metrics())) < steps && std::chrono::steady_clock::now() < until)
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
-  pid_t rank_pid(int rank) const {
-    return find_process_with_env({tag, "RANK=" + std::to_string(rank)});
-  }
+  // The process of rank `rank` now: the last the launcher named for it (its ranks are forks of
+  // the launcher, whose environment in /proc holds no RANK), or 0.
+  pid_t rank_pid(int rank) const { return pid_named_by_launcher(job->output(), rank); }
   // Once `steps` steps are logged, SIGKILLs rank `rank`; false if its process was not found.
   bool kill_rank_after(int steps, int rank) const {
     wait_for_steps(steps);

@@ -32,6 +32,7 @@
 #include "config/config.h"
 #include "data/finetune_data.h"
 #include "plan_commands.h"
+#include "plan_main.h"
 #include "train/machine_calibration.h"
 
 namespace {
@@ -184,9 +185,25 @@ fsdp_trainer::PlanRequest make_request(const PlanCommandLine& cl) {
   return r;
 }
 
+// plan_executable()'s value: this process's own file unless set.
+std::string& executable_path() {
+  static std::string path = "/proc/self/exe";
+  return path;
+}
+
 }  // namespace
 
-int main(int argc, char** argv) {
+namespace fsdp_trainer {
+
+const std::string& plan_executable() {
+  return executable_path();
+}
+
+void set_plan_executable(std::string path) {
+  executable_path() = std::move(path);
+}
+
+int plan_main(int argc, char** argv) {
   // A rank of --calibrate's Gloo measurement.
   if (argc == 3 && std::string(argv[1]) == "--calibration-rank")
     return fsdp_trainer::run_calibration_rank(argv[2]);
@@ -197,8 +214,8 @@ int main(int argc, char** argv) {
   auto log = [](const std::string& line) { std::printf("%s\n", line.c_str()); };
   try {
     if (cl.calibrate && !cl.automatic) {
-      fsdp_trainer::machine_profile(cl.cache_dir, std::min(cl.world, cl.per_node), "/proc/self/exe",
-                                    true, log);
+      fsdp_trainer::machine_profile(cl.cache_dir, std::min(cl.world, cl.per_node),
+                                    plan_executable(), true, log);
       return 0;
     }
     const auto request = make_request(cl);
@@ -211,3 +228,5 @@ int main(int argc, char** argv) {
     return 1;
   }
 }
+
+}  // namespace fsdp_trainer

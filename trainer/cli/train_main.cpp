@@ -381,13 +381,11 @@ int launch_ranks(const fsdp_trainer::Config& config, const CommandLine& cl, int 
 #ifndef FSDP_TRAIN_CUDA
   // A rank forked from this launcher (fsdp/distributed/local_launch.h) trains the config parsed
   // here, and ends as main() does. The CUDA trainer's ranks are always new processes (CUDA
-  // does not survive a fork), and so are a fault-tolerant job's: its restarted ranks are, and
-  // the first ones alike carry their RANK in their environment (ps, /proc).
-  if (!config.fsdp.fault_tolerant) {
-    rank_main = [&config, &cl]() -> int {
-      end_process(report_failures([&] { return run_rank(config, cl); }));
-    };
-  }
+  // does not survive a fork), and so are a fault-tolerant job's restarted ones (the launcher's
+  // store runs threads by then); the launcher names every rank's pid of such a job.
+  rank_main = [&config, &cl]() -> int {
+    end_process(report_failures([&] { return run_rank(config, cl); }));
+  };
 #endif
   // fsdp.fault_tolerant: a failed rank ends only its replica, which starts again (not in a
   // schedule's reference run, whose membership is the schedule's alone).

@@ -72,7 +72,9 @@ struct LocalLaunchOptions {
   /// FSDP_REPLICA_INCARNATION=n for its n-th start (counted in the store, so that a node's
   /// launcher started again, a lost host back, starts its ranks as joining too), and join the
   /// running job. At most `max_restarts` per replica by this launcher; the other replicas run on
-  /// throughout, and the job ends when every rank has ended. Replicas lie within a node.
+  /// throughout, and the job ends when every rank has ended. Replicas lie within a node. The
+  /// launcher names each rank's process on stderr as it starts it ("fsdp launch: ranks 0-3
+  /// started (pids ...)", "... replica 1 restarted (incarnation 1, pid ...)").
   struct ReplicaRestarts {
     int ranks_per_replica = 1;
     int max_restarts = 3;
