@@ -3,6 +3,7 @@
 //
 // run_workers() starts ranks with FSDP_TEST_WORKER=<name> (harness/multiprocess.h); such a
 // process runs that worker and exits with its code instead of running the tests.
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -24,6 +25,12 @@ int run(int argc, char** argv) {
     // its Gloo threads against LibTorch's teardown and could crash after having passed.
     std::_Exit(code);
   }
+  // The tests' own computations (a reference, a file to load) run on one intra-op thread, as
+  // each rank does: two tests run at once on two cores, and a test process without OpenMP's
+  // threads has none but its own, so that run_workers() forks its ranks instead of executing
+  // the binary anew (harness/multiprocess.h: 0.3 s of CPU per rank; the Hugging Face tests
+  // executed about 40 a suite).
+  at::set_num_threads(1);
   ::testing::InitGoogleTest(&argc, argv);
   const int code = RUN_ALL_TESTS();
   std::fflush(stdout);
