@@ -27,8 +27,8 @@ struct Nodes {
   int master_port = 0;
 };
 
-/// The file ranks are started from when they are new processes (restarted ranks, a
-/// fault-tolerant job's, the CUDA trainer beside it): "/proc/self/exe", this process's own,
+/// The file ranks are started from when they are new processes (a fault-tolerant job's
+/// restarted ranks, the CUDA trainer beside it): "/proc/self/exe", this process's own,
 /// unless set. A process that runs fsdp-train's main without being fsdp-train (the tests'
 /// zygote, tests/harness/zygote.h) sets fsdp-train's path first.
 const std::string& trainer_executable();
