@@ -12,18 +12,19 @@
 // (find_process_with_env).
 #include "cli/launcher.h"
 #include "cli/plan_main.h"
+#include "cli/program_file.h"
 #include "cli/train_main.h"
 #include "harness/zygote.h"
 
 namespace {
 
 int run_fsdp_train(int argc, char** argv) {
-  fsdp_trainer::set_trainer_executable(FSDP_TRAIN_PATH);
+  fsdp_trainer::set_program_file(FSDP_TRAIN_PATH);
   return fsdp_trainer::train_main(argc, argv);
 }
 
 int run_fsdp_plan(int argc, char** argv) {
-  fsdp_trainer::set_plan_executable(FSDP_PLAN_PATH);
+  fsdp_trainer::set_program_file(FSDP_PLAN_PATH);
   return fsdp_trainer::plan_main(argc, argv);
 }
 

@@ -3,6 +3,8 @@
 // own is how their output reaches the user.
 #include "launcher.h"
 
+#include "program_file.h"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -46,21 +48,7 @@ std::vector<std::string> print_rank_output(int rank, int code, const std::string
   return lines;
 }
 
-// trainer_executable()'s value: this process's own file unless set.
-std::string& executable_path() {
-  static std::string path = "/proc/self/exe";
-  return path;
-}
-
 }  // namespace
-
-const std::string& trainer_executable() {
-  return executable_path();
-}
-
-void set_trainer_executable(std::string path) {
-  executable_path() = std::move(path);
-}
 
 int launch_local(int nproc, const std::vector<std::string>& args, int threads_per_rank,
                  std::function<int()> rank_main,
@@ -70,7 +58,7 @@ int launch_local(int nproc, const std::vector<std::string>& args, int threads_pe
       std::filesystem::temp_directory_path() / ("fsdp-train-" + std::to_string(::getpid()));
   std::filesystem::create_directories(logs);
   fsdp::LocalLaunchOptions o;
-  o.executable = trainer_executable();
+  o.executable = program_file();
   o.argv = {"fsdp-train"};
   o.argv.insert(o.argv.end(), args.begin(), args.end());
   o.nproc = nproc;

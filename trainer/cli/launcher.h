@@ -27,13 +27,6 @@ struct Nodes {
   int master_port = 0;
 };
 
-/// The file ranks are started from when they are new processes (a fault-tolerant job's
-/// restarted ranks, the CUDA trainer beside it): "/proc/self/exe", this process's own,
-/// unless set. A process that runs fsdp-train's main without being fsdp-train (the tests'
-/// zygote, tests/harness/zygote.h) sets fsdp-train's path first.
-const std::string& trainer_executable();
-void set_trainer_executable(std::string path);
-
 /// With `restarts` (fsdp.fault_tolerant), a failed rank ends only its replica, which is started
 /// again (fsdp::LocalLaunchOptions::replica_restarts); the job's code is then 0 when a rank
 /// finished training, and each replica's restarts are said at the end.

@@ -1,7 +1,7 @@
 // fsdp-plan --auto: every point of the search space predicted, the fastest that fit printed
 // with a TOML snippet each (train/auto_config.h). See plan_commands.h.
 #include "plan_commands.h"
-#include "plan_main.h"
+#include "program_file.h"
 
 #include <fmt/core.h>
 #include <fmt/format.h>
@@ -173,7 +173,7 @@ int plan_auto(PlanRequest request) {
     timing = device_time(*device, efficiency, per_node, model_piece_flops(config));
   } else {
     const auto profile = machine_profile(request.cache_dir, std::min(world, per_node),
-                                         plan_executable(), request.recalibrate, note);
+                                         program_file(), request.recalibrate, note);
     timing = machine_time(profile, per_node, optimizer_seconds_per_byte(config));
   }
   const auto all = search_configs(runs, space, world, per_node, global_batch, budget, margin,

@@ -33,6 +33,7 @@
 #include "data/finetune_data.h"
 #include "plan_commands.h"
 #include "plan_main.h"
+#include "program_file.h"
 #include "train/machine_calibration.h"
 
 namespace {
@@ -185,23 +186,9 @@ fsdp_trainer::PlanRequest make_request(const PlanCommandLine& cl) {
   return r;
 }
 
-// plan_executable()'s value: this process's own file unless set.
-std::string& executable_path() {
-  static std::string path = "/proc/self/exe";
-  return path;
-}
-
 }  // namespace
 
 namespace fsdp_trainer {
-
-const std::string& plan_executable() {
-  return executable_path();
-}
-
-void set_plan_executable(std::string path) {
-  executable_path() = std::move(path);
-}
 
 int plan_main(int argc, char** argv) {
   // A rank of --calibrate's Gloo measurement.
@@ -214,8 +201,8 @@ int plan_main(int argc, char** argv) {
   auto log = [](const std::string& line) { std::printf("%s\n", line.c_str()); };
   try {
     if (cl.calibrate && !cl.automatic) {
-      fsdp_trainer::machine_profile(cl.cache_dir, std::min(cl.world, cl.per_node),
-                                    plan_executable(), true, log);
+      fsdp_trainer::machine_profile(cl.cache_dir, std::min(cl.world, cl.per_node), program_file(),
+                                    true, log);
       return 0;
     }
     const auto request = make_request(cl);

@@ -62,6 +62,7 @@
 #include "data/data.h"
 #include "launcher.h"
 #include "preflight.h"
+#include "program_file.h"
 #include "train/model_factory.h"
 #include "train/replica_membership.h"
 #include "train/trainer.h"
@@ -112,7 +113,7 @@ fsdp_trainer::DeviceMemory prepare_cuda(int local_rank, int local_world_size) {
 // is none.
 std::filesystem::path cuda_trainer_path() {
   std::error_code ec;
-  std::filesystem::path self = fsdp_trainer::trainer_executable();
+  std::filesystem::path self = fsdp_trainer::program_file();
   if (self == "/proc/self/exe")
     self = std::filesystem::read_symlink(self, ec);
   return ec ? std::filesystem::path() : self.parent_path() / "fsdp-train-cuda";
